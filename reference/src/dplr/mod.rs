@@ -1,0 +1,355 @@
+//! DPLR (diagonal-plus-low-rank generalized delta rule, RWKV-7 style), SPEC §4:
+//! `S_t = (Diag(exp gk_t) + b_t a_tᵀ) S_{t−1} + k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
+//! FLA's naive calls `a` "alpha" and `b` "beta"; `a_tᵀ S_{t−1}` uses the
+//! undecayed previous state.
+//!
+//! Shared pieces as for KDA: tensors, validation, the pair driver; the
+//! engines (`naive`, `chunk`) see one head of one sequence.
+
+pub mod naive;
+
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2};
+
+use crate::error::{Error, Result};
+use crate::scalar::Scalar;
+use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
+use crate::varlen::{self, par_pairs, Segment};
+
+/// DPLR inputs in FLA's layout (`chunk_dplr_delta_rule`).
+#[derive(Clone, Debug)]
+pub struct DplrInputs<T> {
+    /// `[B, T, H, K]`
+    pub q: ArrayD<T>,
+    /// `[B, T, H, K]`
+    pub k: ArrayD<T>,
+    /// `[B, T, H, V]`
+    pub v: ArrayD<T>,
+    /// `[B, T, H, K]` (FLA "alpha")
+    pub a: ArrayD<T>,
+    /// `[B, T, H, K]` (FLA "beta")
+    pub b: ArrayD<T>,
+    /// `[B, T, H, K]` log-space decay
+    pub gk: ArrayD<T>,
+    /// `[N, H, K, V]`
+    pub initial_state: Option<ArrayD<T>>,
+    /// `[N + 1]`, varlen mode (B = 1)
+    pub cu_seqlens: Option<Vec<i64>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct DplrOptions {
+    /// Defaults to `K^-0.5`.
+    pub scale: Option<f64>,
+    pub output_final_state: bool,
+}
+
+/// `o [B, T, H, V]`, `final_state [N, H, K, V]` when asked for.
+#[derive(Clone, Debug)]
+pub struct DplrOutputs<T> {
+    pub o: ArrayD<T>,
+    pub final_state: Option<ArrayD<T>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct DplrGrads<T> {
+    pub dq: ArrayD<T>,
+    pub dk: ArrayD<T>,
+    pub dv: ArrayD<T>,
+    pub da: ArrayD<T>,
+    pub db: ArrayD<T>,
+    pub dgk: ArrayD<T>,
+    pub dh0: Option<ArrayD<T>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DplrDims {
+    pub b: usize,
+    pub t: usize,
+    pub h: usize,
+    pub k: usize,
+    pub v: usize,
+    pub n: usize,
+}
+
+/// One head of one sequence (or CP piece); `q` already times `scale`.
+#[derive(Clone, Debug)]
+pub struct DplrHead<T> {
+    /// `[L, K]`
+    pub q: Array2<T>,
+    pub k: Array2<T>,
+    pub a: Array2<T>,
+    pub b: Array2<T>,
+    pub gk: Array2<T>,
+    /// `[L, V]`
+    pub v: Array2<T>,
+}
+
+impl<T: Scalar> DplrHead<T> {
+    pub fn len(&self) -> usize {
+        self.q.nrows()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn k_dim(&self) -> usize {
+        self.q.ncols()
+    }
+    pub fn v_dim(&self) -> usize {
+        self.v.ncols()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct DplrHeadGrads<T> {
+    pub dq: Array2<T>,
+    pub dk: Array2<T>,
+    pub dv: Array2<T>,
+    pub da: Array2<T>,
+    pub db: Array2<T>,
+    pub dgk: Array2<T>,
+    /// `[K, V]`
+    pub dh0: Array2<T>,
+}
+
+/// A way of computing one DPLR head.
+pub trait DplrEngine<T: Scalar>: Sync {
+    /// Returns `(o [L, V], S_L [K, V])` from `S_0 = h0`.
+    fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>);
+
+    /// Gradients of `Σ o·d_o + Σ S_L·dht`.
+    fn backward(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> DplrHeadGrads<T>;
+
+    /// `M [K, K]` with `S_L = M S_0 + S_L|_{S_0 = 0}`: the recurrence run with
+    /// `v = 0` from `S_0 = I`.
+    fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
+        let kd = x.k_dim();
+        let probe = DplrHead {
+            v: Array2::zeros((x.len(), kd)),
+            ..x.clone()
+        };
+        self.forward(&probe, Array2::eye(kd).view()).1
+    }
+}
+
+pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
+    let qs = expect_rank("q", "B,T,H,K", &x.q)?;
+    let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
+    if h == 0 || k == 0 {
+        return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
+    }
+    for (name, a) in [("k", &x.k), ("a", &x.a), ("b", &x.b), ("gk", &x.gk)] {
+        expect_shape(name, "[B,T,H,K]", qs, a.shape())?;
+    }
+    let vs = expect_rank("v", "B,T,H,V", &x.v)?;
+    if vs[3] == 0 {
+        return Err(Error::shape("v", "[B,T,H,V] with V ≥ 1", vs));
+    }
+    expect_shape("v", "[B,T,H,V]", &[b, t, h, vs[3]], vs)?;
+    let v = vs[3];
+    let segments = varlen::sequences(b, t, x.cu_seqlens.as_deref())?;
+    let n = segments.len();
+    if let Some(h0) = &x.initial_state {
+        expect_shape("initial_state", "[N,H,K,V]", &[n, h, k, v], h0.shape())?;
+        check_finite("initial_state", h0)?;
+    }
+    if let Some(sc) = opt.scale {
+        check_finite_option("scale", sc)?;
+    }
+    for (name, a) in [
+        ("q", &x.q),
+        ("k", &x.k),
+        ("v", &x.v),
+        ("a", &x.a),
+        ("b", &x.b),
+        ("gk", &x.gk),
+    ] {
+        check_finite(name, a)?;
+    }
+    Ok(DplrDims { b, t, h, k, v, n })
+}
+
+/// Validated inputs with `q` scaled, ready to cut into heads.
+#[derive(Clone, Debug)]
+pub struct Prepared<T> {
+    pub dims: DplrDims,
+    pub scale: f64,
+    pub segments: Vec<Segment>,
+    pub q: Array4<T>,
+    pub k: Array4<T>,
+    pub v: Array4<T>,
+    pub a: Array4<T>,
+    pub b: Array4<T>,
+    pub gk: Array4<T>,
+    pub h0: Option<Array4<T>>,
+}
+
+impl<T: Scalar> Prepared<T> {
+    pub fn new(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<Self> {
+        let dims = validate(x, opt)?;
+        let scale = opt.scale.unwrap_or(1.0 / (dims.k as f64).sqrt());
+        Ok(Prepared {
+            dims,
+            scale,
+            segments: varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?,
+            q: tensor::to4(&x.q).mapv(|e| e * T::c(scale)),
+            k: tensor::to4(&x.k),
+            v: tensor::to4(&x.v),
+            a: tensor::to4(&x.a),
+            b: tensor::to4(&x.b),
+            gk: tensor::to4(&x.gk),
+            h0: x.initial_state.as_ref().map(tensor::to4),
+        })
+    }
+
+    pub fn head(&self, seg: &Segment, h: usize) -> DplrHead<T> {
+        DplrHead {
+            q: tensor::gather(&self.q, seg, h),
+            k: tensor::gather(&self.k, seg, h),
+            a: tensor::gather(&self.a, seg, h),
+            b: tensor::gather(&self.b, seg, h),
+            gk: tensor::gather(&self.gk, seg, h),
+            v: tensor::gather(&self.v, seg, h),
+        }
+    }
+
+    pub fn initial_state(&self, seq: usize, h: usize) -> Array2<T> {
+        match &self.h0 {
+            Some(h0) => h0.slice(s![seq, h, .., ..]).to_owned(),
+            None => Array2::zeros((self.dims.k, self.dims.v)),
+        }
+    }
+}
+
+pub fn forward<T: Scalar, E: DplrEngine<T>>(
+    engine: &E,
+    x: &DplrInputs<T>,
+    opt: &DplrOptions,
+) -> Result<DplrOutputs<T>> {
+    let p = Prepared::new(x, opt)?;
+    let d = p.dims;
+    let results = par_pairs(p.segments.len(), d.h, |si, h| {
+        let seg = &p.segments[si];
+        engine.forward(&p.head(seg, h), p.initial_state(seg.seq, h).view())
+    });
+    let mut o = Array4::zeros((d.b, d.t, d.h, d.v));
+    let mut ht = Array4::zeros((d.n, d.h, d.k, d.v));
+    for (i, (oh, sh)) in results.iter().enumerate() {
+        let (seg, h) = (&p.segments[i / d.h], i % d.h);
+        tensor::scatter(&mut o, seg, h, oh.view());
+        ht.slice_mut(s![seg.seq, h, .., ..]).assign(sh);
+    }
+    Ok(DplrOutputs {
+        o: o.into_dyn(),
+        final_state: opt.output_final_state.then(|| ht.into_dyn()),
+    })
+}
+
+pub fn validate_upstream<T: Scalar>(
+    d: &DplrDims,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+) -> Result<()> {
+    expect_shape("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o.shape())?;
+    check_finite("do", d_o)?;
+    if let Some(dht) = dht {
+        expect_shape("dht", "[N,H,K,V]", &[d.n, d.h, d.k, d.v], dht.shape())?;
+        check_finite("dht", dht)?;
+    }
+    Ok(())
+}
+
+pub fn backward<T: Scalar, E: DplrEngine<T>>(
+    engine: &E,
+    x: &DplrInputs<T>,
+    opt: &DplrOptions,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+) -> Result<DplrGrads<T>> {
+    let p = Prepared::new(x, opt)?;
+    let d = p.dims;
+    validate_upstream(&d, d_o, dht)?;
+    let d_o = tensor::to4(d_o);
+    let dht = dht.map(tensor::to4);
+    let results = par_pairs(p.segments.len(), d.h, |si, h| {
+        let seg = &p.segments[si];
+        let dht_h = match &dht {
+            Some(a) => a.slice(s![seg.seq, h, .., ..]).to_owned(),
+            None => Array2::zeros((d.k, d.v)),
+        };
+        engine.backward(
+            &p.head(seg, h),
+            p.initial_state(seg.seq, h).view(),
+            tensor::gather(&d_o, seg, h).view(),
+            dht_h.view(),
+        )
+    });
+    let mut pg = PreparedGrads::zeros(&d);
+    for (i, r) in results.iter().enumerate() {
+        pg.scatter(&p.segments[i / d.h], i % d.h, r);
+    }
+    Ok(pg.finish(x, &p))
+}
+
+/// Gradients gathered per head before the `scale` chain on `dq`.
+#[derive(Clone, Debug)]
+pub struct PreparedGrads<T> {
+    pub dq: Array4<T>,
+    pub dk: Array4<T>,
+    pub dv: Array4<T>,
+    pub da: Array4<T>,
+    pub db: Array4<T>,
+    pub dgk: Array4<T>,
+    pub dh0: Array4<T>,
+}
+
+impl<T: Scalar> PreparedGrads<T> {
+    pub fn zeros(d: &DplrDims) -> Self {
+        let kshape = (d.b, d.t, d.h, d.k);
+        PreparedGrads {
+            dq: Array4::zeros(kshape),
+            dk: Array4::zeros(kshape),
+            dv: Array4::zeros((d.b, d.t, d.h, d.v)),
+            da: Array4::zeros(kshape),
+            db: Array4::zeros(kshape),
+            dgk: Array4::zeros(kshape),
+            dh0: Array4::zeros((d.n, d.h, d.k, d.v)),
+        }
+    }
+
+    pub fn scatter(&mut self, seg: &Segment, h: usize, r: &DplrHeadGrads<T>) {
+        self.scatter_tokens(seg, h, r);
+        self.dh0.slice_mut(s![seg.seq, h, .., ..]).assign(&r.dh0);
+    }
+
+    pub fn scatter_tokens(&mut self, seg: &Segment, h: usize, r: &DplrHeadGrads<T>) {
+        for (dst, src) in [
+            (&mut self.dq, &r.dq),
+            (&mut self.dk, &r.dk),
+            (&mut self.dv, &r.dv),
+            (&mut self.da, &r.da),
+            (&mut self.db, &r.db),
+            (&mut self.dgk, &r.dgk),
+        ] {
+            tensor::scatter(dst, seg, h, src.view());
+        }
+    }
+
+    /// Applies `scale` to `dq` and returns FLA-shaped gradients.
+    pub fn finish(self, x: &DplrInputs<T>, p: &Prepared<T>) -> DplrGrads<T> {
+        DplrGrads {
+            dq: self.dq.mapv(|e| e * T::c(p.scale)).into_dyn(),
+            dk: self.dk.into_dyn(),
+            dv: self.dv.into_dyn(),
+            da: self.da.into_dyn(),
+            db: self.db.into_dyn(),
+            dgk: self.dgk.into_dyn(),
+            dh0: x.initial_state.as_ref().map(|_| self.dh0.into_dyn()),
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! Element-wise pre-processing FLA fuses into its kernels, with their
+//! derivatives: l2 normalisation of q/k, the KDA gates and the beta sigmoid.
+//! Every formula of SPEC §3 "Options" lives here once.
+
+use ndarray::{Array4, Axis, Zip};
+
+use crate::scalar::Scalar;
+
+/// FLA's l2norm epsilon: `x / sqrt(Σx² + 1e-6)`.
+pub const L2NORM_EPS: f64 = 1e-6;
+
+pub fn sigmoid<T: Scalar>(x: T) -> T {
+    // Split by sign so neither branch overflows.
+    if x >= T::zero() {
+        T::one() / (T::one() + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (T::one() + e)
+    }
+}
+
+/// `log(1 + e^x)` without overflow (exact; FLA's thresholded softplus differs
+/// from it by < 2e-9 only for x > 20).
+pub fn softplus<T: Scalar>(x: T) -> T {
+    if x > T::zero() {
+        x + (-x).exp().ln_1p()
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// Normalises the last axis of `[B, T, H, D]`: `y = x / sqrt(Σx² + eps)`.
+pub fn l2norm_fwd<T: Scalar>(x: &Array4<T>) -> Array4<T> {
+    let mut y = x.clone();
+    for mut row in y.lanes_mut(Axis(3)) {
+        let r = rstd(row.iter().copied());
+        row.mapv_inplace(|v| v * r);
+    }
+    y
+}
+
+/// Gradient through `l2norm_fwd`: `dx = r (dy − y (y·dy))`, given the raw `x`.
+pub fn l2norm_bwd<T: Scalar>(x: &Array4<T>, dy: &Array4<T>) -> Array4<T> {
+    let mut dx = dy.clone();
+    Zip::from(dx.lanes_mut(Axis(3)))
+        .and(x.lanes(Axis(3)))
+        .for_each(|mut d, xr| {
+            let r = rstd(xr.iter().copied());
+            let ydy: T = xr.iter().zip(d.iter()).map(|(&a, &b)| a * r * b).sum();
+            Zip::from(&mut d)
+                .and(&xr)
+                .for_each(|dv, &xv| *dv = r * (*dv - xv * r * ydy));
+        });
+    dx
+}
+
+fn rstd<T: Scalar>(x: impl Iterator<Item = T>) -> T {
+    let ss: T = x.map(|v| v * v).sum();
+    T::one() / (ss + T::c(L2NORM_EPS)).sqrt()
+}
+
+/// How the log-space decay `g` is obtained from the `g` tensor passed in
+/// (FLA `use_gate_in_kernel`, `lower_bound`).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum Gate {
+    /// `g` is already the log-space decay (`use_gate_in_kernel=False`).
+    #[default]
+    None,
+    /// `g = −exp(A_log) · softplus(g + dt_bias)`; `A_log` required.
+    Kda,
+    /// `g = lower_bound · sigmoid(exp(A_log) · (g + dt_bias))` (FLA `safe_gate`);
+    /// without `A_log`: `lower_bound · sigmoid(g + dt_bias)`.
+    LowerBound { lower_bound: f64 },
+}
+
+impl Gate {
+    /// The case-file name (`"none"`, `"kda"`, `"lowerbound"`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Gate::None => "none",
+            Gate::Kda => "kda",
+            Gate::LowerBound { .. } => "lowerbound",
+        }
+    }
+}
+
+/// One element of the gate: `x = g_raw + dt_bias`, `a_log` the head's `A_log`.
+/// Returns the decay and the partial derivatives `(∂g/∂x, ∂g/∂A_log)`.
+pub fn gate_eval<T: Scalar>(gate: Gate, x: T, a_log: Option<T>) -> (T, T, T) {
+    match gate {
+        Gate::None => (x, T::one(), T::zero()),
+        Gate::Kda => {
+            let a = a_log.expect("validated: kda gate needs A_log").exp();
+            let g = -a * softplus(x);
+            (g, -a * sigmoid(x), g)
+        }
+        Gate::LowerBound { lower_bound } => {
+            let lb = T::c(lower_bound);
+            let (z, dz_dx) = match a_log {
+                Some(al) => (al.exp() * x, al.exp()),
+                None => (x, T::one()),
+            };
+            let s = sigmoid(z);
+            let dg_dz = lb * s * (T::one() - s);
+            let dg_da = if a_log.is_some() {
+                dg_dz * z
+            } else {
+                T::zero()
+            };
+            (lb * s, dg_dz * dz_dx, dg_da)
+        }
+    }
+}
+
+/// `β = scale · sigmoid(b)` with scale 2 under `allow_neg_eigval`; returns `(β, ∂β/∂b)`.
+pub fn beta_sigmoid<T: Scalar>(b: T, allow_neg_eigval: bool) -> (T, T) {
+    let c = if allow_neg_eigval {
+        T::c(2.0)
+    } else {
+        T::one()
+    };
+    let s = sigmoid(b);
+    (c * s, c * s * (T::one() - s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sigmoid_and_softplus_are_stable_at_extremes() {
+        assert_eq!(sigmoid(800.0f64), 1.0);
+        assert_eq!(sigmoid(-800.0f64), 0.0);
+        assert!((softplus(800.0f64) - 800.0).abs() < 1e-12);
+        assert!(softplus(-800.0f64) >= 0.0);
+        assert!((softplus(0.0f64) - 2f64.ln()).abs() < 1e-15);
+    }
+
+    #[test]
+    fn gate_derivatives_match_central_differences() {
+        let h = 1e-6;
+        for gate in [Gate::Kda, Gate::LowerBound { lower_bound: -5.0 }] {
+            for a in [Some(0.3f64), None] {
+                if gate == Gate::Kda && a.is_none() {
+                    continue;
+                }
+                let x = 0.7;
+                let (_, dx, da) = gate_eval(gate, x, a);
+                let fd_x = (gate_eval(gate, x + h, a).0 - gate_eval(gate, x - h, a).0) / (2.0 * h);
+                assert!((dx - fd_x).abs() < 1e-8, "{gate:?} {a:?}: {dx} vs {fd_x}");
+                if let Some(al) = a {
+                    let fd_a = (gate_eval(gate, x, Some(al + h)).0
+                        - gate_eval(gate, x, Some(al - h)).0)
+                        / (2.0 * h);
+                    assert!((da - fd_a).abs() < 1e-8, "{gate:?}: {da} vs {fd_a}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,597 @@
+//! KDA (Kimi Delta Attention), SPEC §3:
+//! `S_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) S_{t−1} + β_t k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
+//!
+//! This module owns what every form shares: the public tensors and options,
+//! validation, the pre-processing FLA fuses into its kernels (l2norm, scale,
+//! gate, beta sigmoid) and its backward, and the driver that runs an
+//! [`KdaEngine`] over every (sequence, value head) pair. The engines
+//! (`naive`, `chunk`) only see one head of one sequence.
+
+pub mod naive;
+
+use ndarray::{s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, Axis, Ix3, IxDyn};
+
+use crate::error::{Error, Result};
+use crate::gates::{self, Gate};
+use crate::scalar::Scalar;
+use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
+use crate::varlen::{self, par_pairs, Segment};
+
+/// KDA inputs in FLA's layout (see SPEC §2).
+#[derive(Clone, Debug)]
+pub struct KdaInputs<T> {
+    /// `[B, T, H, K]`
+    pub q: ArrayD<T>,
+    /// `[B, T, H, K]`
+    pub k: ArrayD<T>,
+    /// `[B, T, HV, V]`, HV a multiple of H (GVA)
+    pub v: ArrayD<T>,
+    /// `[B, T, HV, K]` log-space decay (or the raw gate input with a gate
+    /// option); `[B, T, HV]` for one scalar gate per head (GDN).
+    pub g: ArrayD<T>,
+    /// `[B, T, HV]` (a logit with `use_beta_sigmoid_in_kernel`)
+    pub beta: ArrayD<T>,
+    /// `[HV]`, used by the in-kernel gates
+    pub a_log: Option<ArrayD<T>>,
+    /// `[HV * K]`, used by the in-kernel gates
+    pub dt_bias: Option<ArrayD<T>>,
+    /// `[N, HV, K, V]`
+    pub initial_state: Option<ArrayD<T>>,
+    /// `[N + 1]`, varlen mode (B = 1)
+    pub cu_seqlens: Option<Vec<i64>>,
+}
+
+/// FLA `chunk_kda` options (names as in FLA).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct KdaOptions {
+    /// Defaults to `K^-0.5`.
+    pub scale: Option<f64>,
+    pub output_final_state: bool,
+    pub use_qk_l2norm_in_kernel: bool,
+    /// `use_gate_in_kernel` and `lower_bound` together.
+    pub gate: Gate,
+    pub use_beta_sigmoid_in_kernel: bool,
+    pub allow_neg_eigval: bool,
+}
+
+/// `o [B, T, HV, V]`, `final_state [N, HV, K, V]` when asked for.
+#[derive(Clone, Debug)]
+pub struct KdaOutputs<T> {
+    pub o: ArrayD<T>,
+    pub final_state: Option<ArrayD<T>>,
+}
+
+/// Gradients, each shaped like its input; `None` where the input was absent.
+#[derive(Clone, Debug)]
+pub struct KdaGrads<T> {
+    pub dq: ArrayD<T>,
+    pub dk: ArrayD<T>,
+    pub dv: ArrayD<T>,
+    pub dg: ArrayD<T>,
+    pub dbeta: ArrayD<T>,
+    pub da_log: Option<ArrayD<T>>,
+    pub ddt_bias: Option<ArrayD<T>>,
+    pub dh0: Option<ArrayD<T>>,
+}
+
+/// Sizes of a validated KDA problem.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KdaDims {
+    pub b: usize,
+    pub t: usize,
+    pub h: usize,
+    pub hv: usize,
+    pub k: usize,
+    pub v: usize,
+    /// Number of sequences.
+    pub n: usize,
+    /// `g` is `[B, T, HV]` (one scalar gate per head, GDN).
+    pub scalar_gate: bool,
+}
+
+impl KdaDims {
+    /// Value heads per q/k head.
+    pub fn groups(&self) -> usize {
+        self.hv / self.h
+    }
+}
+
+/// One head of one sequence (or CP piece), after pre-processing: the only
+/// thing an engine sees.
+#[derive(Clone, Debug)]
+pub struct KdaHead<T> {
+    /// `[L, K]`, l2-normalised if asked, times `scale`.
+    pub q: Array2<T>,
+    /// `[L, K]`, l2-normalised if asked.
+    pub k: Array2<T>,
+    /// `[L, V]`
+    pub v: Array2<T>,
+    /// `[L, K]` log-space decay per token.
+    pub g: Array2<T>,
+    /// `[L]`
+    pub beta: Array1<T>,
+}
+
+impl<T: Scalar> KdaHead<T> {
+    pub fn len(&self) -> usize {
+        self.q.nrows()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn k_dim(&self) -> usize {
+        self.q.ncols()
+    }
+    pub fn v_dim(&self) -> usize {
+        self.v.ncols()
+    }
+}
+
+/// Gradients of one head with respect to [`KdaHead`]'s tensors and `h0`.
+#[derive(Clone, Debug)]
+pub struct KdaHeadGrads<T> {
+    pub dq: Array2<T>,
+    pub dk: Array2<T>,
+    pub dv: Array2<T>,
+    pub dg: Array2<T>,
+    pub dbeta: Array1<T>,
+    /// `[K, V]`
+    pub dh0: Array2<T>,
+}
+
+/// A way of computing one head: the naive recurrence or the chunked form.
+pub trait KdaEngine<T: Scalar>: Sync {
+    /// Returns `(o [L, V], S_L [K, V])` from `S_0 = h0 [K, V]`.
+    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>);
+
+    /// Gradients of `Σ o·d_o + Σ S_L·dht` (`d_o [L, V]`, `dht [K, V]`).
+    fn backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> KdaHeadGrads<T>;
+
+    /// The transition `M [K, K]` with `S_L = M S_0 + S_L|_{S_0 = 0}`.
+    ///
+    /// Default: the state recurrence is linear in `(S, v)`, so running it with
+    /// `v = 0` from `S_0 = I` (K columns in place of V) yields `M`.
+    fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
+        let kd = x.k_dim();
+        let probe = KdaHead {
+            v: Array2::zeros((x.len(), kd)),
+            ..x.clone()
+        };
+        self.forward(&probe, Array2::eye(kd).view()).1
+    }
+}
+
+/// Validates inputs and options; returns the problem sizes.
+pub fn validate<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaDims> {
+    let qs = expect_rank("q", "B,T,H,K", &x.q)?;
+    let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
+    if h == 0 || k == 0 {
+        return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
+    }
+    expect_shape("k", "[B,T,H,K]", qs, x.k.shape())?;
+    let vs = expect_rank("v", "B,T,HV,V", &x.v)?;
+    let (hv, v) = (vs[2], vs[3]);
+    expect_shape(
+        "v",
+        "[B,T,HV,V] (B, T as q)",
+        &[b, t, hv, v],
+        &[vs[0], vs[1], hv, v],
+    )?;
+    if hv == 0 || hv % h != 0 || v == 0 {
+        return Err(Error::shape(
+            "v",
+            format!("[B,T,HV,V] with HV a positive multiple of H = {h} (GVA) and V ≥ 1"),
+            vs,
+        ));
+    }
+    let scalar_gate = x.g.ndim() == 3;
+    if scalar_gate {
+        expect_shape(
+            "g",
+            "[B,T,HV] (scalar gate per head)",
+            &[b, t, hv],
+            x.g.shape(),
+        )?;
+    } else {
+        expect_shape(
+            "g",
+            "[B,T,HV,K] (or [B,T,HV] for a scalar gate)",
+            &[b, t, hv, k],
+            x.g.shape(),
+        )?;
+    }
+    expect_shape("beta", "[B,T,HV]", &[b, t, hv], x.beta.shape())?;
+
+    let segments = varlen::sequences(b, t, x.cu_seqlens.as_deref())?;
+    let n = segments.len();
+    if let Some(h0) = &x.initial_state {
+        expect_shape("initial_state", "[N,HV,K,V]", &[n, hv, k, v], h0.shape())?;
+    }
+    validate_gate(x, opt, hv, k, scalar_gate)?;
+    if let Some(sc) = opt.scale {
+        check_finite_option("scale", sc)?;
+    }
+    if opt.allow_neg_eigval && !opt.use_beta_sigmoid_in_kernel {
+        return Err(Error::option(
+            "allow_neg_eigval",
+            "only takes effect with use_beta_sigmoid_in_kernel (β = 2·sigmoid(beta))",
+        ));
+    }
+    for (name, t) in [
+        ("q", &x.q),
+        ("k", &x.k),
+        ("v", &x.v),
+        ("g", &x.g),
+        ("beta", &x.beta),
+    ] {
+        check_finite(name, t)?;
+    }
+    for (name, t) in [
+        ("A_log", &x.a_log),
+        ("dt_bias", &x.dt_bias),
+        ("initial_state", &x.initial_state),
+    ] {
+        if let Some(t) = t {
+            check_finite(name, t)?;
+        }
+    }
+    Ok(KdaDims {
+        b,
+        t,
+        h,
+        hv,
+        k,
+        v,
+        n,
+        scalar_gate,
+    })
+}
+
+fn validate_gate<T: Scalar>(
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    hv: usize,
+    k: usize,
+    scalar_gate: bool,
+) -> Result<()> {
+    match opt.gate {
+        Gate::None => {
+            if x.a_log.is_some() || x.dt_bias.is_some() {
+                return Err(Error::option(
+                    "gate",
+                    "A_log/dt_bias were given but no in-kernel gate is selected (gate = none)",
+                ));
+            }
+            return Ok(());
+        }
+        Gate::Kda if x.a_log.is_none() => {
+            return Err(Error::missing(
+                "A_log",
+                "the kda gate −exp(A_log)·softplus(g + dt_bias) needs A_log [HV]",
+            ));
+        }
+        Gate::LowerBound { lower_bound } => {
+            check_finite_option("lower_bound", lower_bound)?;
+            if lower_bound >= 0.0 {
+                return Err(Error::option(
+                    "lower_bound",
+                    format!("must be negative (log-space decay), got {lower_bound}"),
+                ));
+            }
+        }
+        Gate::Kda => {}
+    }
+    if scalar_gate {
+        return Err(Error::option(
+            "gate",
+            "in-kernel gates need a per-dimension g [B,T,HV,K]",
+        ));
+    }
+    if let Some(a) = &x.a_log {
+        expect_shape("A_log", "[HV]", &[hv], a.shape())?;
+    }
+    if let Some(d) = &x.dt_bias {
+        expect_shape("dt_bias", "[HV*K]", &[hv * k], d.shape())?;
+    }
+    Ok(())
+}
+
+/// Validated inputs after FLA's fused pre-processing, ready to cut into heads.
+#[derive(Clone, Debug)]
+pub struct Prepared<T> {
+    pub dims: KdaDims,
+    pub scale: f64,
+    /// Sequences of the batch (whole sequences; CP cuts them further).
+    pub segments: Vec<Segment>,
+    /// `[B, T, H, K]`, l2-normalised if asked, times `scale`.
+    pub q: Array4<T>,
+    /// `[B, T, H, K]`, l2-normalised if asked.
+    pub k: Array4<T>,
+    /// `[B, T, HV, V]`
+    pub v: Array4<T>,
+    /// `[B, T, HV, K]` log-space decay.
+    pub g: Array4<T>,
+    /// `[B, T, HV]`
+    pub beta: Array3<T>,
+    /// `[N, HV, K, V]`
+    pub h0: Option<Array4<T>>,
+}
+
+impl<T: Scalar> Prepared<T> {
+    /// Validates `x` and applies l2norm, scale, gate and beta sigmoid.
+    pub fn new(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
+        let dims = validate(x, opt)?;
+        let scale = opt.scale.unwrap_or(1.0 / (dims.k as f64).sqrt());
+        let segments = varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?;
+        let (q, k) = (tensor::to4(&x.q), tensor::to4(&x.k));
+        let (q, k) = if opt.use_qk_l2norm_in_kernel {
+            (gates::l2norm_fwd(&q), gates::l2norm_fwd(&k))
+        } else {
+            (q, k)
+        };
+        let q = q.mapv(|e| e * T::c(scale));
+        let g = Array4::from_shape_fn((dims.b, dims.t, dims.hv, dims.k), |(b, t, h, d)| {
+            gate_at(x, opt, &dims, [b, t, h, d]).0
+        });
+        let beta = x
+            .beta
+            .view()
+            .into_dimensionality::<Ix3>()
+            .expect("validated")
+            .mapv(|b| {
+                if opt.use_beta_sigmoid_in_kernel {
+                    gates::beta_sigmoid(b, opt.allow_neg_eigval).0
+                } else {
+                    b
+                }
+            });
+        Ok(Prepared {
+            dims,
+            scale,
+            segments,
+            q,
+            k,
+            v: tensor::to4(&x.v),
+            g,
+            beta,
+            h0: x.initial_state.as_ref().map(tensor::to4),
+        })
+    }
+
+    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA).
+    pub fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
+        let hq = hv / self.dims.groups();
+        KdaHead {
+            q: tensor::gather(&self.q, seg, hq),
+            k: tensor::gather(&self.k, seg, hq),
+            v: tensor::gather(&self.v, seg, hv),
+            g: tensor::gather(&self.g, seg, hv),
+            beta: self
+                .beta
+                .slice(s![seg.batch, seg.start..seg.end, hv])
+                .to_owned(),
+        }
+    }
+
+    /// The initial state of sequence `seq`, head `hv` (zeros when none given).
+    pub fn initial_state(&self, seq: usize, hv: usize) -> Array2<T> {
+        match &self.h0 {
+            Some(h0) => h0.slice(s![seq, hv, .., ..]).to_owned(),
+            None => Array2::zeros((self.dims.k, self.dims.v)),
+        }
+    }
+}
+
+/// `(g, ∂g/∂x, ∂g/∂A_log)` at one element of the decay `[B, T, HV, K]`.
+fn gate_at<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions, d: &KdaDims, i: [usize; 4]) -> (T, T, T) {
+    let [b, t, h, kk] = i;
+    let raw = if d.scalar_gate {
+        x.g[[b, t, h]]
+    } else {
+        x.g[[b, t, h, kk]]
+    };
+    let bias = x
+        .dt_bias
+        .as_ref()
+        .map_or(T::zero(), |db| db[[h * d.k + kk]]);
+    let a_log = x.a_log.as_ref().map(|a| a[[h]]);
+    gates::gate_eval(opt.gate, raw + bias, a_log)
+}
+
+/// Runs `engine` forward over every (sequence, value head) pair.
+pub fn forward<T: Scalar, E: KdaEngine<T>>(
+    engine: &E,
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+) -> Result<KdaOutputs<T>> {
+    let p = Prepared::new(x, opt)?;
+    let d = p.dims;
+    let results = par_pairs(p.segments.len(), d.hv, |si, hv| {
+        let seg = &p.segments[si];
+        engine.forward(&p.head(seg, hv), p.initial_state(seg.seq, hv).view())
+    });
+    let mut o = Array4::zeros((d.b, d.t, d.hv, d.v));
+    let mut ht = Array4::zeros((d.n, d.hv, d.k, d.v));
+    for (i, (oh, sh)) in results.iter().enumerate() {
+        let (seg, hv) = (&p.segments[i / d.hv], i % d.hv);
+        tensor::scatter(&mut o, seg, hv, oh.view());
+        ht.slice_mut(s![seg.seq, hv, .., ..]).assign(sh);
+    }
+    Ok(KdaOutputs {
+        o: o.into_dyn(),
+        final_state: opt.output_final_state.then(|| ht.into_dyn()),
+    })
+}
+
+/// Validates the upstream gradients `do [B,T,HV,V]` and `dht [N,HV,K,V]`.
+pub fn validate_upstream<T: Scalar>(
+    d: &KdaDims,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+) -> Result<()> {
+    expect_shape("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o.shape())?;
+    check_finite("do", d_o)?;
+    if let Some(dht) = dht {
+        expect_shape("dht", "[N,HV,K,V]", &[d.n, d.hv, d.k, d.v], dht.shape())?;
+        check_finite("dht", dht)?;
+    }
+    Ok(())
+}
+
+/// Runs `engine` backward over every pair and chains through the pre-processing.
+/// `dht` is the gradient of the final state (zero when `None`).
+pub fn backward<T: Scalar, E: KdaEngine<T>>(
+    engine: &E,
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+) -> Result<KdaGrads<T>> {
+    let p = Prepared::new(x, opt)?;
+    let d = p.dims;
+    validate_upstream(&d, d_o, dht)?;
+    let d_o = tensor::to4(d_o);
+    let dht = dht.map(tensor::to4);
+    let results = par_pairs(p.segments.len(), d.hv, |si, hv| {
+        let seg = &p.segments[si];
+        let dht_h = match &dht {
+            Some(a) => a.slice(s![seg.seq, hv, .., ..]).to_owned(),
+            None => Array2::zeros((d.k, d.v)),
+        };
+        engine.backward(
+            &p.head(seg, hv),
+            p.initial_state(seg.seq, hv).view(),
+            tensor::gather(&d_o, seg, hv).view(),
+            dht_h.view(),
+        )
+    });
+    let mut pg = PreparedGrads::zeros(&d);
+    for (i, r) in results.iter().enumerate() {
+        pg.scatter(&p.segments[i / d.hv], i % d.hv, r);
+    }
+    Ok(pg.chain(x, opt, &p))
+}
+
+/// Gradients with respect to [`Prepared`]'s tensors, per value head.
+#[derive(Clone, Debug)]
+pub struct PreparedGrads<T> {
+    /// `[B, T, HV, K]` (summed over each GVA group by `chain`)
+    pub dq: Array4<T>,
+    /// `[B, T, HV, K]`
+    pub dk: Array4<T>,
+    /// `[B, T, HV, V]`
+    pub dv: Array4<T>,
+    /// `[B, T, HV, K]`
+    pub dg: Array4<T>,
+    /// `[B, T, HV]`
+    pub dbeta: Array3<T>,
+    /// `[N, HV, K, V]`
+    pub dh0: Array4<T>,
+}
+
+impl<T: Scalar> PreparedGrads<T> {
+    pub fn zeros(d: &KdaDims) -> Self {
+        PreparedGrads {
+            dq: Array4::zeros((d.b, d.t, d.hv, d.k)),
+            dk: Array4::zeros((d.b, d.t, d.hv, d.k)),
+            dv: Array4::zeros((d.b, d.t, d.hv, d.v)),
+            dg: Array4::zeros((d.b, d.t, d.hv, d.k)),
+            dbeta: Array3::zeros((d.b, d.t, d.hv)),
+            dh0: Array4::zeros((d.n, d.hv, d.k, d.v)),
+        }
+    }
+
+    /// Stores one head's per-token gradients; `dh0` goes to `seg.seq`.
+    pub fn scatter(&mut self, seg: &Segment, hv: usize, r: &KdaHeadGrads<T>) {
+        self.scatter_tokens(seg, hv, r);
+        self.dh0.slice_mut(s![seg.seq, hv, .., ..]).assign(&r.dh0);
+    }
+
+    /// Stores one head's per-token gradients only (CP pieces whose `dh0`
+    /// belongs to the previous rank).
+    pub fn scatter_tokens(&mut self, seg: &Segment, hv: usize, r: &KdaHeadGrads<T>) {
+        tensor::scatter(&mut self.dq, seg, hv, r.dq.view());
+        tensor::scatter(&mut self.dk, seg, hv, r.dk.view());
+        tensor::scatter(&mut self.dv, seg, hv, r.dv.view());
+        tensor::scatter(&mut self.dg, seg, hv, r.dg.view());
+        self.dbeta
+            .slice_mut(s![seg.batch, seg.start..seg.end, hv])
+            .assign(&r.dbeta);
+    }
+
+    /// Chain rule through GVA, scale, l2norm, gate and beta sigmoid.
+    pub fn chain(self, x: &KdaInputs<T>, opt: &KdaOptions, p: &Prepared<T>) -> KdaGrads<T> {
+        let d = p.dims;
+        let group_sum = |a: &Array4<T>, factor: T| {
+            Array4::from_shape_fn((d.b, d.t, d.h, d.k), |(b, t, h, kk)| {
+                let mut acc = T::zero();
+                for j in h * d.groups()..(h + 1) * d.groups() {
+                    acc += a[[b, t, j, kk]];
+                }
+                acc * factor
+            })
+        };
+        let mut dq = group_sum(&self.dq, T::c(p.scale));
+        let mut dk = group_sum(&self.dk, T::one());
+        if opt.use_qk_l2norm_in_kernel {
+            dq = gates::l2norm_bwd(&tensor::to4(&x.q), &dq);
+            dk = gates::l2norm_bwd(&tensor::to4(&x.k), &dk);
+        }
+        let (dg, da_log, ddt_bias) = gate_backward(x, opt, &d, &self.dg);
+        let dbeta = if opt.use_beta_sigmoid_in_kernel {
+            let raw = x
+                .beta
+                .view()
+                .into_dimensionality::<Ix3>()
+                .expect("validated");
+            ndarray::Zip::from(&self.dbeta)
+                .and(&raw)
+                .map_collect(|&db, &b| db * gates::beta_sigmoid(b, opt.allow_neg_eigval).1)
+        } else {
+            self.dbeta
+        };
+        KdaGrads {
+            dq: dq.into_dyn(),
+            dk: dk.into_dyn(),
+            dv: self.dv.into_dyn(),
+            dg,
+            dbeta: dbeta.into_dyn(),
+            da_log,
+            ddt_bias,
+            dh0: x.initial_state.as_ref().map(|_| self.dh0.into_dyn()),
+        }
+    }
+}
+
+/// Returns `(dg shaped like x.g, dA_log, ddt_bias)` from the decay gradient.
+fn gate_backward<T: Scalar>(
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    d: &KdaDims,
+    dgate: &Array4<T>,
+) -> (ArrayD<T>, Option<ArrayD<T>>, Option<ArrayD<T>>) {
+    if d.scalar_gate {
+        return (dgate.sum_axis(Axis(3)).into_dyn(), None, None);
+    }
+    let mut dg = Array4::zeros(dgate.raw_dim());
+    let mut da = Array1::<T>::zeros(d.hv);
+    let mut dbias = Array1::<T>::zeros(d.hv * d.k);
+    for ((b, t, h, kk), &gd) in dgate.indexed_iter() {
+        let (_, dx, dal) = gate_at(x, opt, d, [b, t, h, kk]);
+        dg[[b, t, h, kk]] = gd * dx;
+        da[h] += gd * dal;
+        dbias[h * d.k + kk] += gd * dx;
+    }
+    let shape_of = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| IxDyn(a.shape()));
+    (
+        dg.into_dyn(),
+        shape_of(&x.a_log).map(|s| da.into_shape_with_order(s).expect("A_log is [HV]")),
+        shape_of(&x.dt_bias).map(|s| dbias.into_shape_with_order(s).expect("dt_bias is [HV*K]")),
+    )
+}

@@ -1,0 +1,22 @@
+//! deltaref: the float64 oracle for delta-rule linear attention (KDA, DPLR,
+//! token-shift) in FLA's conventions. See `SPEC.md` §2–§6 for the maths.
+//!
+//! Layout: one module per operator, each with a `mod.rs` holding the shared
+//! tensors/options/validation/driver and one file per form (`naive`, `chunk`).
+//! Shared pieces: [`gates`] (l2norm, gates, beta sigmoid), [`varlen`]
+//! (sequences and the parallel pair runner), [`tensor`] (checks, gather/scatter).
+
+pub mod dplr;
+pub mod error;
+pub mod gates;
+pub mod inputs;
+pub mod kda;
+pub mod rng;
+pub mod scalar;
+pub mod tensor;
+pub mod token_shift;
+pub mod varlen;
+
+pub use error::{Error, Result};
+pub use gates::Gate;
+pub use scalar::Scalar;

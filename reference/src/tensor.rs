@@ -1,0 +1,74 @@
+//! Shape and value checks shared by every operator, and the gather/scatter
+//! between FLA's time-major `[B, T, heads, D]` tensors and the per-head
+//! `[L, D]` blocks the engines work on.
+
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, Dimension, Ix4};
+
+use crate::error::{Error, Result};
+use crate::scalar::Scalar;
+use crate::varlen::Segment;
+
+/// Checks `got == expected`; `dims` names the axes (e.g. `"[B,T,H,K]"`).
+pub fn expect_shape(tensor: &str, dims: &str, expected: &[usize], got: &[usize]) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::shape(tensor, format!("{dims} = {expected:?}"), got))
+    }
+}
+
+/// Checks the rank only, returning the shape.
+pub fn expect_rank<'a, T>(tensor: &str, dims: &str, x: &'a ArrayD<T>) -> Result<&'a [usize]> {
+    let rank = dims.split(',').count();
+    if x.ndim() == rank {
+        Ok(x.shape())
+    } else {
+        Err(Error::shape(
+            tensor,
+            format!("{dims} ({rank} dimensions)"),
+            x.shape(),
+        ))
+    }
+}
+
+/// Rejects NaN and ±Inf, naming the first offending index.
+pub fn check_finite<T: Scalar>(tensor: &str, x: &ArrayD<T>) -> Result<()> {
+    match x.indexed_iter().find(|(_, v)| !v.is_finite()) {
+        None => Ok(()),
+        Some((idx, v)) => Err(Error::NonFinite {
+            tensor: tensor.to_string(),
+            index: idx.as_array_view().to_vec(),
+            value: v.f64(),
+        }),
+    }
+}
+
+/// Checks a scalar option is finite.
+pub fn check_finite_option(option: &str, x: f64) -> Result<()> {
+    if x.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::option(option, format!("must be finite, got {x}")))
+    }
+}
+
+/// A validated 4-D tensor view as `Array4` (caller checked the rank).
+pub fn to4<T: Scalar>(x: &ArrayD<T>) -> Array4<T> {
+    x.view()
+        .into_dimensionality::<Ix4>()
+        .expect("rank checked by validation")
+        .to_owned()
+}
+
+/// Rows `seg.start..seg.end` of head `h` of batch row `seg.batch`: `[L, D]`.
+pub fn gather<T: Scalar>(x: &Array4<T>, seg: &Segment, h: usize) -> Array2<T> {
+    x.slice(s![seg.batch, seg.start..seg.end, h, ..])
+        .as_standard_layout()
+        .into_owned()
+}
+
+/// Writes an `[L, D]` block back at the place `gather` took it from.
+pub fn scatter<T: Scalar>(dst: &mut Array4<T>, seg: &Segment, h: usize, src: ArrayView2<T>) {
+    dst.slice_mut(s![seg.batch, seg.start..seg.end, h, ..])
+        .assign(&src);
+}

@@ -1,0 +1,67 @@
+//! Helpers shared by the cross-crate tests: finite differences and losses.
+
+use deltaref::dplr::{self, DplrInputs, DplrOptions};
+use deltaref::kda::{self, KdaInputs, KdaOptions};
+use deltaref::token_shift::{self, TokenShiftInputs};
+use deltaref_verify::metrics::norm_ratio;
+use ndarray::ArrayD;
+
+/// Central-difference gradient of `f` at `x` (every element).
+pub fn fd_grad(x: &ArrayD<f64>, h: f64, f: impl Fn(&ArrayD<f64>) -> f64) -> ArrayD<f64> {
+    let mut g = ArrayD::zeros(x.raw_dim());
+    let mut xp = x.clone();
+    for (i, gi) in g.iter_mut().enumerate() {
+        let orig = x.as_slice().expect("standard layout")[i];
+        xp.as_slice_mut().expect("standard layout")[i] = orig + h;
+        let fp = f(&xp);
+        xp.as_slice_mut().expect("standard layout")[i] = orig - h;
+        let fm = f(&xp);
+        xp.as_slice_mut().expect("standard layout")[i] = orig;
+        *gi = (fp - fm) / (2.0 * h);
+    }
+    g
+}
+
+/// norm_ratio between two tensors of the same shape.
+pub fn ratio(reference: &ArrayD<f64>, x: &ArrayD<f64>) -> f64 {
+    assert_eq!(reference.shape(), x.shape());
+    norm_ratio(
+        &reference.iter().copied().collect::<Vec<_>>(),
+        &x.iter().copied().collect::<Vec<_>>(),
+    )
+}
+
+fn dot(a: &ArrayD<f64>, b: &ArrayD<f64>) -> f64 {
+    a.iter().zip(b.iter()).map(|(x, y)| x * y).sum()
+}
+
+/// `Σ o·do + Σ final_state·dht` for KDA (naive).
+pub fn kda_loss(x: &KdaInputs<f64>, opt: &KdaOptions, d_o: &ArrayD<f64>, dht: &ArrayD<f64>) -> f64 {
+    let opt = KdaOptions {
+        output_final_state: true,
+        ..*opt
+    };
+    let out = kda::naive::forward(x, &opt).expect("valid inputs");
+    dot(&out.o, d_o) + dot(out.final_state.as_ref().expect("asked for"), dht)
+}
+
+/// `Σ o·do + Σ final_state·dht` for DPLR (naive).
+pub fn dplr_loss(
+    x: &DplrInputs<f64>,
+    opt: &DplrOptions,
+    d_o: &ArrayD<f64>,
+    dht: &ArrayD<f64>,
+) -> f64 {
+    let opt = DplrOptions {
+        output_final_state: true,
+        ..*opt
+    };
+    let out = dplr::naive::forward(x, &opt).expect("valid inputs");
+    dot(&out.o, d_o) + dot(out.final_state.as_ref().expect("asked for"), dht)
+}
+
+/// `Σ y·dy + Σ final_cache·dfinal_cache` for token-shift.
+pub fn token_shift_loss(x: &TokenShiftInputs<f64>, dy: &ArrayD<f64>, dfc: &ArrayD<f64>) -> f64 {
+    let out = token_shift::forward(x).expect("valid inputs");
+    dot(&out.y, dy) + dot(&out.final_cache, dfc)
+}
