@@ -72,3 +72,13 @@ pub fn scatter<T: Scalar>(dst: &mut Array4<T>, seg: &Segment, h: usize, src: Arr
     dst.slice_mut(s![seg.batch, seg.start..seg.end, h, ..])
         .assign(&src);
 }
+
+/// Converts between scalars (through `f64`: exact widening, rounded narrowing).
+pub fn cast<T: Scalar, U: Scalar>(x: &ArrayD<T>) -> ArrayD<U> {
+    x.mapv(|v| U::c(v.f64()))
+}
+
+/// `cast` over an optional tensor.
+pub fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>> {
+    x.as_ref().map(cast)
+}

@@ -20,6 +20,17 @@ pub struct TokenShiftInputs<T> {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+impl<T: Scalar> TokenShiftInputs<T> {
+    /// The same inputs in another scalar.
+    pub fn cast<U: Scalar>(&self) -> TokenShiftInputs<U> {
+        TokenShiftInputs {
+            x: crate::tensor::cast(&self.x),
+            cache: crate::tensor::cast_opt(&self.cache),
+            cu_seqlens: self.cu_seqlens.clone(),
+        }
+    }
+}
+
 /// `y [B, T, D]`, `final_cache [N, D]`.
 #[derive(Clone, Debug)]
 pub struct TokenShiftOutputs<T> {

@@ -65,3 +65,19 @@ pub fn token_shift_loss(x: &TokenShiftInputs<f64>, dy: &ArrayD<f64>, dfc: &Array
     let out = token_shift::forward(x).expect("valid inputs");
     dot(&out.y, dy) + dot(&out.final_cache, dfc)
 }
+
+/// Checks one analytic gradient against central differences of `loss` with
+/// respect to `x`; returns the norm_ratio (asserting ≤ `tol`).
+pub fn check_grad(
+    what: &str,
+    analytic: Option<&ArrayD<f64>>,
+    x: &ArrayD<f64>,
+    tol: f64,
+    loss: impl Fn(&ArrayD<f64>) -> f64,
+) -> f64 {
+    let analytic = analytic.unwrap_or_else(|| panic!("{what}: gradient missing"));
+    let fd = fd_grad(x, 1e-5, loss);
+    let r = ratio(&fd, analytic);
+    assert!(r <= tol, "{what}: analytic vs finite differences norm_ratio {r:e} > {tol:e}");
+    r
+}

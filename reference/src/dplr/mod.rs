@@ -36,6 +36,22 @@ pub struct DplrInputs<T> {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+impl<T: Scalar> DplrInputs<T> {
+    /// The same inputs in another scalar.
+    pub fn cast<U: Scalar>(&self) -> DplrInputs<U> {
+        DplrInputs {
+            q: tensor::cast(&self.q),
+            k: tensor::cast(&self.k),
+            v: tensor::cast(&self.v),
+            a: tensor::cast(&self.a),
+            b: tensor::cast(&self.b),
+            gk: tensor::cast(&self.gk),
+            initial_state: tensor::cast_opt(&self.initial_state),
+            cu_seqlens: self.cu_seqlens.clone(),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct DplrOptions {
     /// Defaults to `K^-0.5`.

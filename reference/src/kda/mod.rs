@@ -41,6 +41,23 @@ pub struct KdaInputs<T> {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+impl<T: Scalar> KdaInputs<T> {
+    /// The same inputs in another scalar (e.g. f64 → f32 to study f32 rounding).
+    pub fn cast<U: Scalar>(&self) -> KdaInputs<U> {
+        KdaInputs {
+            q: tensor::cast(&self.q),
+            k: tensor::cast(&self.k),
+            v: tensor::cast(&self.v),
+            g: tensor::cast(&self.g),
+            beta: tensor::cast(&self.beta),
+            a_log: tensor::cast_opt(&self.a_log),
+            dt_bias: tensor::cast_opt(&self.dt_bias),
+            initial_state: tensor::cast_opt(&self.initial_state),
+            cu_seqlens: self.cu_seqlens.clone(),
+        }
+    }
+}
+
 /// FLA `chunk_kda` options (names as in FLA).
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct KdaOptions {
