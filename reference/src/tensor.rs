@@ -2,7 +2,7 @@
 //! between FLA's time-major `[B, T, heads, D]` tensors and the per-head
 //! `[L, D]` blocks the engines work on.
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, Dimension, Ix4};
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, Ix4};
 
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
@@ -33,13 +33,24 @@ pub fn expect_rank<'a, T>(tensor: &str, dims: &str, x: &'a ArrayD<T>) -> Result<
 
 /// Rejects NaN and ±Inf, naming the first offending index.
 pub fn check_finite<T: Scalar>(tensor: &str, x: &ArrayD<T>) -> Result<()> {
-    match x.indexed_iter().find(|(_, v)| !v.is_finite()) {
+    // Scan the flat data first (fast); build the index only on failure.
+    let x = x.as_standard_layout();
+    let flat = x.as_slice().expect("standard layout");
+    match flat.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some((idx, v)) => Err(Error::NonFinite {
-            tensor: tensor.to_string(),
-            index: idx.as_array_view().to_vec(),
-            value: v.f64(),
-        }),
+        Some(pos) => {
+            let mut index = vec![0; x.ndim()];
+            let mut rest = pos;
+            for (ix, &n) in index.iter_mut().zip(x.shape()).rev() {
+                *ix = rest % n;
+                rest /= n;
+            }
+            Err(Error::NonFinite {
+                tensor: tensor.to_string(),
+                index,
+                value: flat[pos].f64(),
+            })
+        }
     }
 }
 

@@ -78,6 +78,9 @@ pub fn check_grad(
     let analytic = analytic.unwrap_or_else(|| panic!("{what}: gradient missing"));
     let fd = fd_grad(x, 1e-5, loss);
     let r = ratio(&fd, analytic);
-    assert!(r <= tol, "{what}: analytic vs finite differences norm_ratio {r:e} > {tol:e}");
+    assert!(
+        r <= tol,
+        "{what}: analytic vs finite differences norm_ratio {r:e} > {tol:e}"
+    );
     r
 }

@@ -43,7 +43,11 @@ fn kda_f32_tracks_f64() {
     let o64 = kda::naive::forward(&g.inputs, &opts).expect("valid");
     let o32 = kda::naive::forward(&x32, &opts).expect("valid");
     close("o", &o64.o, &o32.o);
-    close("final_state", o64.final_state.as_ref().unwrap(), o32.final_state.as_ref().unwrap());
+    close(
+        "final_state",
+        o64.final_state.as_ref().unwrap(),
+        o32.final_state.as_ref().unwrap(),
+    );
     let g64 = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
     let g32 = kda::naive::backward(&x32, &opts, &do32, Some(&dht32)).expect("valid");
     close("dq", &g64.dq, &g32.dq);
@@ -51,22 +55,44 @@ fn kda_f32_tracks_f64() {
     close("dv", &g64.dv, &g32.dv);
     close("dg", &g64.dg, &g32.dg);
     close("dbeta", &g64.dbeta, &g32.dbeta);
-    close("dA_log", g64.da_log.as_ref().unwrap(), g32.da_log.as_ref().unwrap());
-    close("ddt_bias", g64.ddt_bias.as_ref().unwrap(), g32.ddt_bias.as_ref().unwrap());
+    close(
+        "dA_log",
+        g64.da_log.as_ref().unwrap(),
+        g32.da_log.as_ref().unwrap(),
+    );
+    close(
+        "ddt_bias",
+        g64.ddt_bias.as_ref().unwrap(),
+        g32.ddt_bias.as_ref().unwrap(),
+    );
     close("dh0", g64.dh0.as_ref().unwrap(), g32.dh0.as_ref().unwrap());
 }
 
 #[test]
 fn dplr_f32_tracks_f64() {
-    let spec = DplrSpec { layout: Layout::batch(2, 256), h: 2, k: 16, v: 16, initial_state: true, seed: 12 };
+    let spec = DplrSpec {
+        layout: Layout::batch(2, 256),
+        h: 2,
+        k: 16,
+        v: 16,
+        initial_state: true,
+        seed: 12,
+    };
     let g = inputs::dplr(&spec);
-    let opts = DplrOptions { output_final_state: true, ..Default::default() };
+    let opts = DplrOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
     let x32 = g.inputs.cast::<f32>();
     let (do32, dht32) = (cast::<f64, f32>(&g.d_o), cast::<f64, f32>(&g.dht));
     let o64 = dplr::naive::forward(&g.inputs, &opts).expect("valid");
     let o32 = dplr::naive::forward(&x32, &opts).expect("valid");
     close("o", &o64.o, &o32.o);
-    close("final_state", o64.final_state.as_ref().unwrap(), o32.final_state.as_ref().unwrap());
+    close(
+        "final_state",
+        o64.final_state.as_ref().unwrap(),
+        o32.final_state.as_ref().unwrap(),
+    );
     let g64 = dplr::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
     let g32 = dplr::naive::backward(&x32, &opts, &do32, Some(&dht32)).expect("valid");
     for (n, a, b) in [
@@ -84,7 +110,12 @@ fn dplr_f32_tracks_f64() {
 
 #[test]
 fn token_shift_f32_tracks_f64() {
-    let g = inputs::token_shift(&TokenShiftSpec { layout: Layout::varlen(&[200, 56]), d: 8, cache: true, seed: 13 });
+    let g = inputs::token_shift(&TokenShiftSpec {
+        layout: Layout::varlen(&[200, 56]),
+        d: 8,
+        cache: true,
+        seed: 13,
+    });
     let x32 = g.inputs.cast::<f32>();
     let y64 = token_shift::forward(&g.inputs).expect("valid");
     let y32 = token_shift::forward(&x32).expect("valid");
@@ -92,5 +123,9 @@ fn token_shift_f32_tracks_f64() {
     let d64 = token_shift::backward(&g.inputs, &g.d_o, Some(&g.dht)).expect("valid");
     let d32 = token_shift::backward(&x32, &cast(&g.d_o), Some(&cast(&g.dht))).expect("valid");
     close("dx", &d64.dx, &d32.dx);
-    close("dcache", d64.dcache.as_ref().unwrap(), d32.dcache.as_ref().unwrap());
+    close(
+        "dcache",
+        d64.dcache.as_ref().unwrap(),
+        d32.dcache.as_ref().unwrap(),
+    );
 }

@@ -65,7 +65,11 @@ fn kda_example() -> Kda1 {
 #[test]
 fn kda_one_and_two_tokens() {
     let c = kda_example();
-    let opt = KdaOptions { scale: Some(c.scale), output_final_state: true, ..Default::default() };
+    let opt = KdaOptions {
+        scale: Some(c.scale),
+        output_final_state: true,
+        ..Default::default()
+    };
     let (s1, o1) = c.step(0, c.s0);
     let (s2, o2) = c.step(1, s1);
     for (steps, os, fin) in [(1, vec![o1], s1), (2, vec![o1, o2], s2)] {
@@ -94,8 +98,12 @@ fn kda_one_token_gradients_by_hand() {
     let want_dbeta = c.scale * d_o * qk * r;
     // dS0_i = e^{g_i} (scale·do) (q_i − β k_i qk)
     let want_dh0 = [0, 1].map(|i| g[i].exp() * c.scale * d_o * (q[i] - b * k[i] * qk));
-    let opt = KdaOptions { scale: Some(c.scale), ..Default::default() };
-    let gr = kda::naive::backward(&c.inputs(1), &opt, &t(&[1, 1, 1, 1], &[d_o]), None).expect("valid");
+    let opt = KdaOptions {
+        scale: Some(c.scale),
+        ..Default::default()
+    };
+    let gr =
+        kda::naive::backward(&c.inputs(1), &opt, &t(&[1, 1, 1, 1], &[d_o]), None).expect("valid");
     assert_relative_eq!(gr.dq[[0, 0, 0, 0]], want_dq[0], epsilon = 1e-14);
     assert_relative_eq!(gr.dq[[0, 0, 0, 1]], want_dq[1], epsilon = 1e-14);
     assert_relative_eq!(gr.dv[[0, 0, 0, 0]], want_dv, epsilon = 1e-14);
@@ -123,7 +131,10 @@ fn dplr_one_and_two_tokens() {
     let (s1, o1) = step(0, s0);
     let (s2, o2) = step(1, s1);
     let flat = |x: &[[f64; 2]; 2], n: usize| x[..n].iter().flatten().copied().collect::<Vec<_>>();
-    let opt = DplrOptions { scale: Some(scale), output_final_state: true };
+    let opt = DplrOptions {
+        scale: Some(scale),
+        output_final_state: true,
+    };
     for (n, os, fin) in [(1, vec![o1], s1), (2, vec![o1, o2], s2)] {
         let x = DplrInputs {
             q: t(&[1, n, 1, 2], &flat(&q, n)),
@@ -154,8 +165,14 @@ fn token_shift_by_hand() {
         cu_seqlens: Some(vec![0, 2, 3]),
     };
     let out = token_shift::forward(&x).expect("valid");
-    assert_eq!(out.y.iter().copied().collect::<Vec<_>>(), vec![0.5 - 1.0, 1.0 - 4.0, 3.0 + 2.0]);
-    assert_eq!(out.final_cache.iter().copied().collect::<Vec<_>>(), vec![4.0, -2.0]);
+    assert_eq!(
+        out.y.iter().copied().collect::<Vec<_>>(),
+        vec![0.5 - 1.0, 1.0 - 4.0, 3.0 + 2.0]
+    );
+    assert_eq!(
+        out.final_cache.iter().copied().collect::<Vec<_>>(),
+        vec![4.0, -2.0]
+    );
     // dx_t = dy_{t+1} − dy_t (+ dfinal_cache at the last token), dcache = dy_0.
     let dy = t(&[1, 3, 1], &[0.1, 0.2, 0.4]);
     let dfc = t(&[2, 1], &[1.0, 2.0]);
@@ -164,7 +181,14 @@ fn token_shift_by_hand() {
     for (got, want) in gr.dx.iter().zip(want_dx) {
         assert_relative_eq!(*got, want, epsilon = 1e-15);
     }
-    assert_eq!(gr.dcache.expect("cache given").iter().copied().collect::<Vec<_>>(), vec![0.1, 0.4]);
+    assert_eq!(
+        gr.dcache
+            .expect("cache given")
+            .iter()
+            .copied()
+            .collect::<Vec<_>>(),
+        vec![0.1, 0.4]
+    );
     // No cache: a length-1 sequence gives y = −x.
     let out = token_shift::forward(&TokenShiftInputs { cache: None, ..x }).expect("valid");
     assert_eq!(out.y[[0, 2, 0]], 2.0);

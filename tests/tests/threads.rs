@@ -7,11 +7,17 @@ use deltaref::kda::{self, KdaOptions};
 use ndarray::ArrayD;
 
 fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool").install(f)
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool")
+        .install(f)
 }
 
 fn bits(xs: &[&ArrayD<f64>]) -> Vec<u64> {
-    xs.iter().flat_map(|a| a.iter().map(|v| v.to_bits())).collect()
+    xs.iter()
+        .flat_map(|a| a.iter().map(|v| v.to_bits()))
+        .collect()
 }
 
 #[test]
@@ -22,22 +28,62 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
         gate: Gate::Kda,
         ..Default::default()
     };
-    let spec = KdaSpec { layout: Layout::varlen(&[40, 0, 1, 70, 33]), h: 2, hv: 4, k: 8, v: 8, opts, initial_state: true, scalar_gate: false, seed: 3 };
+    let spec = KdaSpec {
+        layout: Layout::varlen(&[40, 0, 1, 70, 33]),
+        h: 2,
+        hv: 4,
+        k: 8,
+        v: 8,
+        opts,
+        initial_state: true,
+        scalar_gate: false,
+        seed: 3,
+    };
     let g = inputs::kda(&spec);
     let run_kda = || {
         let o = kda::naive::forward(&g.inputs, &opts).expect("valid");
         let gr = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
         let fs = o.final_state.expect("asked");
-        bits(&[&o.o, &fs, &gr.dq, &gr.dk, &gr.dv, &gr.dg, &gr.dbeta, gr.da_log.as_ref().unwrap(), gr.ddt_bias.as_ref().unwrap(), gr.dh0.as_ref().unwrap()])
+        bits(&[
+            &o.o,
+            &fs,
+            &gr.dq,
+            &gr.dk,
+            &gr.dv,
+            &gr.dg,
+            &gr.dbeta,
+            gr.da_log.as_ref().unwrap(),
+            gr.ddt_bias.as_ref().unwrap(),
+            gr.dh0.as_ref().unwrap(),
+        ])
     };
     assert_eq!(in_pool(1, run_kda), in_pool(4, run_kda));
 
-    let d = inputs::dplr(&DplrSpec { layout: Layout::varlen(&[50, 3, 77]), h: 3, k: 8, v: 8, initial_state: true, seed: 4 });
-    let dopts = DplrOptions { output_final_state: true, ..Default::default() };
+    let d = inputs::dplr(&DplrSpec {
+        layout: Layout::varlen(&[50, 3, 77]),
+        h: 3,
+        k: 8,
+        v: 8,
+        initial_state: true,
+        seed: 4,
+    });
+    let dopts = DplrOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
     let run_dplr = || {
         let o = dplr::naive::forward(&d.inputs, &dopts).expect("valid");
         let gr = dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
-        bits(&[&o.o, o.final_state.as_ref().unwrap(), &gr.dq, &gr.dk, &gr.dv, &gr.da, &gr.db, &gr.dgk])
+        bits(&[
+            &o.o,
+            o.final_state.as_ref().unwrap(),
+            &gr.dq,
+            &gr.dk,
+            &gr.dv,
+            &gr.da,
+            &gr.db,
+            &gr.dgk,
+        ])
     };
     assert_eq!(in_pool(1, run_dplr), in_pool(4, run_dplr));
 }

@@ -353,9 +353,7 @@ impl<T: Scalar> Prepared<T> {
             (q, k)
         };
         let q = q.mapv(|e| e * T::c(scale));
-        let g = Array4::from_shape_fn((dims.b, dims.t, dims.hv, dims.k), |(b, t, h, d)| {
-            gate_at(x, opt, &dims, [b, t, h, d]).0
-        });
+        let g = gate_terms(x, opt, &dims).0;
         let beta = x
             .beta
             .view()
@@ -405,20 +403,38 @@ impl<T: Scalar> Prepared<T> {
     }
 }
 
-/// `(g, ∂g/∂x, ∂g/∂A_log)` at one element of the decay `[B, T, HV, K]`.
-fn gate_at<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions, d: &KdaDims, i: [usize; 4]) -> (T, T, T) {
-    let [b, t, h, kk] = i;
+/// The decay `g [B, T, HV, K]` and its partial derivatives `∂g/∂x`,
+/// `∂g/∂A_log` (x = raw g + dt_bias), element by element.
+fn gate_terms<T: Scalar>(
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    d: &KdaDims,
+) -> (Array4<T>, Array4<T>, Array4<T>) {
+    let shape = (d.b, d.t, d.hv, d.k);
     let raw = if d.scalar_gate {
-        x.g[[b, t, h]]
+        let g3 = x.g.view().into_dimensionality::<Ix3>().expect("validated");
+        g3.insert_axis(Axis(3))
+            .broadcast(shape)
+            .expect("broadcast over K")
+            .to_owned()
     } else {
-        x.g[[b, t, h, kk]]
+        tensor::to4(&x.g)
     };
-    let bias = x
-        .dt_bias
-        .as_ref()
-        .map_or(T::zero(), |db| db[[h * d.k + kk]]);
-    let a_log = x.a_log.as_ref().map(|a| a[[h]]);
-    gates::gate_eval(opt.gate, raw + bias, a_log)
+    if opt.gate == Gate::None {
+        return (raw, Array4::ones(shape), Array4::zeros(shape));
+    }
+    let flat = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| a.iter().copied().collect::<Vec<T>>());
+    let (a_log, dt_bias) = (flat(&x.a_log), flat(&x.dt_bias));
+    let (mut g, mut dx, mut da) = (raw, Array4::zeros(shape), Array4::zeros(shape));
+    ndarray::Zip::indexed(&mut g)
+        .and(&mut dx)
+        .and(&mut da)
+        .for_each(|(_, _, h, kk), g, dx, da| {
+            let bias = dt_bias.as_ref().map_or(T::zero(), |b| b[h * d.k + kk]);
+            let (v, dv, dav) = gates::gate_eval(opt.gate, *g + bias, a_log.as_ref().map(|a| a[h]));
+            (*g, *dx, *da) = (v, dv, dav);
+        });
+    (g, dx, da)
 }
 
 /// Runs `engine` forward over every (sequence, value head) pair.
@@ -596,14 +612,14 @@ fn gate_backward<T: Scalar>(
     if d.scalar_gate {
         return (dgate.sum_axis(Axis(3)).into_dyn(), None, None);
     }
-    let mut dg = Array4::zeros(dgate.raw_dim());
+    let (_, dg_dx, dg_da) = gate_terms(x, opt, d);
+    let dg = dgate * &dg_dx;
     let mut da = Array1::<T>::zeros(d.hv);
     let mut dbias = Array1::<T>::zeros(d.hv * d.k);
+    // Serial accumulation in index order keeps the sums thread-count independent.
     for ((b, t, h, kk), &gd) in dgate.indexed_iter() {
-        let (_, dx, dal) = gate_at(x, opt, d, [b, t, h, kk]);
-        dg[[b, t, h, kk]] = gd * dx;
-        da[h] += gd * dal;
-        dbias[h * d.k + kk] += gd * dx;
+        da[h] += gd * dg_da[[b, t, h, kk]];
+        dbias[h * d.k + kk] += dg[[b, t, h, kk]];
     }
     let shape_of = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| IxDyn(a.shape()));
     (

@@ -2,9 +2,10 @@
 //!
 //! Backward is the hand-derived reverse-time recurrence. States are kept only
 //! at checkpoints every `⌈√L⌉` tokens and recomputed per block, so memory is
-//! `O(√L · K · V)` rather than `O(L · K · V)`.
+//! `O(√L · K · V)` rather than `O(L · K · V)`. Each token costs two fused
+//! passes over the `[K, V]` state forward and two backward.
 
-use ndarray::{Array1, Array2, ArrayView2};
+use ndarray::{Array1, Array2, ArrayD, ArrayView2};
 
 use super::{KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
 use crate::error::Result;
@@ -23,97 +24,43 @@ pub fn forward<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaOutpu
 pub fn backward<T: Scalar>(
     x: &KdaInputs<T>,
     opt: &KdaOptions,
-    d_o: &ndarray::ArrayD<T>,
-    dht: Option<&ndarray::ArrayD<T>>,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
 ) -> Result<KdaGrads<T>> {
     super::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// Scratch for one token step: the decayed state and the delta-rule terms.
-struct Step<T> {
-    /// `S' = Diag(exp g) S_{t−1}`, `[K, V]` row-major.
-    sp: Vec<T>,
-    /// `v − S'ᵀ k`, `[V]`.
-    r: Vec<T>,
-    /// `β r`, `[V]`.
-    u: Vec<T>,
-}
-
-impl<T: Scalar> Step<T> {
-    fn new(kd: usize, vd: usize) -> Self {
-        Step {
-            sp: vec![T::zero(); kd * vd],
-            r: vec![T::zero(); vd],
-            u: vec![T::zero(); vd],
+/// One token: `S ← Diag(e^g) S`, `r = v − Sᵀk`, `S ← S + β k rᵀ`, and when
+/// `o` is given `o = Sᵀ q`. `r` receives `v − S'ᵀk` (needed by backward).
+fn step<T: Scalar>(x: &KdaHead<T>, t: usize, s: &mut [T], r: &mut [T], o: Option<&mut [T]>) {
+    let vd = r.len();
+    r.copy_from_slice(x.v.row(t).as_slice().expect("row-major"));
+    for ((row, &ki), &gi) in s.chunks_exact_mut(vd).zip(x.k.row(t)).zip(x.g.row(t)) {
+        let e = gi.exp();
+        for (sj, rj) in row.iter_mut().zip(r.iter_mut()) {
+            *sj *= e;
+            *rj -= ki * *sj;
         }
     }
-
-    /// Computes `S'`, `r`, `u` for token `t` from `s_prev`.
-    fn compute(&mut self, x: &KdaHead<T>, t: usize, s_prev: &[T]) {
-        let vd = x.v_dim();
-        let (k, g, v) = (x.k.row(t), x.g.row(t), x.v.row(t));
-        self.r.iter_mut().zip(v.iter()).for_each(|(r, &vj)| *r = vj);
-        for (i, (&ki, &gi)) in k.iter().zip(g.iter()).enumerate() {
-            let e = gi.exp();
-            let row = &mut self.sp[i * vd..(i + 1) * vd];
-            for (spj, &sj) in row.iter_mut().zip(&s_prev[i * vd..(i + 1) * vd]) {
-                *spj = e * sj;
-            }
-            for (rj, &spj) in self.r.iter_mut().zip(row.iter()) {
-                *rj -= ki * spj;
+    let beta = x.beta[t];
+    match o {
+        Some(o) => {
+            o.iter_mut().for_each(|v| *v = T::zero());
+            for ((row, &ki), &qi) in s.chunks_exact_mut(vd).zip(x.k.row(t)).zip(x.q.row(t)) {
+                let c = ki * beta;
+                for ((sj, &rj), oj) in row.iter_mut().zip(r.iter()).zip(o.iter_mut()) {
+                    *sj += c * rj;
+                    *oj += qi * *sj;
+                }
             }
         }
-        let b = x.beta[t];
-        self.u
-            .iter_mut()
-            .zip(&self.r)
-            .for_each(|(u, &r)| *u = b * r);
-    }
-
-    /// Writes `S_t = S' + k uᵀ` into `s`.
-    fn state(&self, x: &KdaHead<T>, t: usize, s: &mut [T]) {
-        let vd = x.v_dim();
-        for (i, &ki) in x.k.row(t).iter().enumerate() {
-            let (dst, src) = (&mut s[i * vd..(i + 1) * vd], &self.sp[i * vd..(i + 1) * vd]);
-            for ((d, &sp), &u) in dst.iter_mut().zip(src).zip(&self.u) {
-                *d = sp + ki * u;
+        None => {
+            for (row, &ki) in s.chunks_exact_mut(vd).zip(x.k.row(t)) {
+                let c = ki * beta;
+                row.iter_mut()
+                    .zip(r.iter())
+                    .for_each(|(sj, &rj)| *sj += c * rj);
             }
-        }
-    }
-}
-
-/// `o_j = Σ_i q_i S[i, j]`.
-fn read_out<T: Scalar>(q: ndarray::ArrayView1<T>, s: &[T], o: &mut [T]) {
-    let vd = o.len();
-    o.iter_mut().for_each(|x| *x = T::zero());
-    for (i, &qi) in q.iter().enumerate() {
-        for (oj, &sj) in o.iter_mut().zip(&s[i * vd..(i + 1) * vd]) {
-            *oj += qi * sj;
-        }
-    }
-}
-
-/// Runs tokens `from..to` forward, updating `s` in place; writes `o` rows
-/// when given and calls `keep(t, S_{t−1})` before each step.
-fn run<T: Scalar>(
-    x: &KdaHead<T>,
-    s: &mut [T],
-    from: usize,
-    to: usize,
-    mut o: Option<&mut Array2<T>>,
-    mut keep: impl FnMut(usize, &[T]),
-) {
-    let mut step = Step::new(x.k_dim(), x.v_dim());
-    for t in from..to {
-        keep(t, s);
-        step.compute(x, t, s);
-        step.state(x, t, s);
-        if let Some(o) = o.as_deref_mut() {
-            read_out(
-                x.q.row(t),
-                s,
-                o.row_mut(t).as_slice_mut().expect("row-major"),
-            );
         }
     }
 }
@@ -127,8 +74,11 @@ impl<T: Scalar> KdaEngine<T> for Naive {
     fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
         let mut s = h0.as_standard_layout().into_owned();
         let mut o = Array2::zeros((x.len(), x.v_dim()));
+        let mut r = vec![T::zero(); x.v_dim()];
         let sl = s.as_slice_mut().expect("standard layout");
-        run(x, sl, 0, x.len(), Some(&mut o), |_, _| {});
+        for (t, mut orow) in o.rows_mut().into_iter().enumerate() {
+            step(x, t, sl, &mut r, orow.as_slice_mut());
+        }
         (o, s)
     }
 
@@ -140,20 +90,21 @@ impl<T: Scalar> KdaEngine<T> for Naive {
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let bl = block_len(l);
-        // Checkpoints: the state entering each block.
-        let mut checkpoints: Vec<Vec<T>> = Vec::new();
+        let (bl, kv) = (block_len(l), kd * vd);
+        let mut r = vec![T::zero(); vd];
+        // The state entering each block.
+        let mut checkpoints: Vec<T> = Vec::with_capacity(l.div_ceil(bl) * kv);
         let mut s = h0
             .as_standard_layout()
             .into_owned()
             .into_raw_vec_and_offset()
             .0;
-        run(x, &mut s, 0, l, None, |t, st| {
+        for t in 0..l {
             if t % bl == 0 {
-                checkpoints.push(st.to_vec());
+                checkpoints.extend_from_slice(&s);
             }
-        });
-
+            step(x, t, &mut s, &mut r, None);
+        }
         let mut gr = KdaHeadGrads {
             dq: Array2::zeros((l, kd)),
             dk: Array2::zeros((l, kd)),
@@ -167,19 +118,27 @@ impl<T: Scalar> KdaEngine<T> for Naive {
             .into_owned()
             .into_raw_vec_and_offset()
             .0;
-        let mut step = Step::new(kd, vd);
-        let mut s_t = vec![T::zero(); kd * vd];
+        // Per block: the state entering each token and its `r`.
+        let mut prev = vec![T::zero(); bl * kv];
+        let mut rs = vec![T::zero(); bl * vd];
         let mut du = vec![T::zero(); vd];
-        for (blk, start) in checkpoints.iter().zip((0..l).step_by(bl)).rev() {
+        for (b, start) in (0..l).step_by(bl).enumerate().rev() {
             let end = (start + bl).min(l);
-            // States entering each token of the block.
-            let mut prev: Vec<Vec<T>> = Vec::with_capacity(end - start);
-            let mut s = blk.clone();
-            run(x, &mut s, start, end, None, |_, st| prev.push(st.to_vec()));
+            s.copy_from_slice(&checkpoints[b * kv..(b + 1) * kv]);
+            for t in start..end {
+                let i = t - start;
+                prev[i * kv..(i + 1) * kv].copy_from_slice(&s);
+                step(x, t, &mut s, &mut rs[i * vd..(i + 1) * vd], None);
+            }
             for t in (start..end).rev() {
-                step.compute(x, t, &prev[t - start]);
-                step.state(x, t, &mut s_t);
-                backward_step(x, t, &step, &s_t, d_o, &mut ds, &mut du, &mut gr);
+                let i = t - start;
+                let bs = BackStep {
+                    x,
+                    t,
+                    s_prev: &prev[i * kv..(i + 1) * kv],
+                    r: &rs[i * vd..(i + 1) * vd],
+                };
+                bs.run(d_o, &mut ds, &mut du, &mut gr);
             }
         }
         gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
@@ -187,68 +146,67 @@ impl<T: Scalar> KdaEngine<T> for Naive {
     }
 }
 
-/// One reverse step: `ds` holds `∂L/∂S_t` on entry and `∂L/∂S_{t−1}` on exit.
-#[allow(clippy::too_many_arguments)]
-fn backward_step<T: Scalar>(
-    x: &KdaHead<T>,
+/// What one reverse step needs: the token, the state entering it and `r`.
+struct BackStep<'a, T> {
+    x: &'a KdaHead<T>,
     t: usize,
-    step: &Step<T>,
-    s_t: &[T],
-    d_o: ArrayView2<T>,
-    ds: &mut [T],
-    du: &mut [T],
-    gr: &mut KdaHeadGrads<T>,
-) {
-    let vd = x.v_dim();
-    let (q, k, g) = (x.q.row(t), x.k.row(t), x.g.row(t));
-    let dot = d_o.row(t);
-    let beta = x.beta[t];
-    // o = S_tᵀ q: dq = S_t do, dS_t += q doᵀ.
-    for (i, &qi) in q.iter().enumerate() {
-        let (row, dsr) = (&s_t[i * vd..(i + 1) * vd], &mut ds[i * vd..(i + 1) * vd]);
-        let mut acc = T::zero();
-        for ((&sj, dj), &doj) in row.iter().zip(dsr.iter_mut()).zip(dot.iter()) {
-            acc += sj * doj;
-            *dj += qi * doj;
+    s_prev: &'a [T],
+    r: &'a [T],
+}
+
+impl<T: Scalar> BackStep<'_, T> {
+    /// `ds` holds `∂L/∂S_t` on entry and `∂L/∂S_{t−1}` on exit.
+    ///
+    /// With `S' = Diag(e^g) S_{t−1}`, `u = β r`, `S_t = S' + k uᵀ`, `o = S_tᵀ q`:
+    /// pass A gives `dq = S_t do`, `dS_t += q doᵀ`, `du = dS_tᵀ k`, `dk = dS_t u`;
+    /// pass B applies `d(S'ᵀk) = −β du`: `dS' = dS_t + k d(S'ᵀk)ᵀ`,
+    /// `dk += S' d(S'ᵀk)`, `dg = Σ_j dS' ⊙ S'`, `dS_{t−1} = Diag(e^g) dS'`.
+    fn run(&self, d_o: ArrayView2<T>, ds: &mut [T], du: &mut [T], gr: &mut KdaHeadGrads<T>) {
+        let (x, t, vd) = (self.x, self.t, self.r.len());
+        let beta = x.beta[t];
+        let dot = d_o.row(t);
+        let dot = dot.as_slice().expect("row-major");
+        let (q, k, g) = (x.q.row(t), x.k.row(t), x.g.row(t));
+        du.iter_mut().for_each(|v| *v = T::zero());
+        let rows = ds.chunks_exact_mut(vd).zip(self.s_prev.chunks_exact(vd));
+        for (i, ((dsr, spr), ((&qi, &ki), &gi))) in rows.zip(q.iter().zip(&k).zip(&g)).enumerate() {
+            let e = gi.exp();
+            let (mut dq, mut dk) = (T::zero(), T::zero());
+            for (((dj, &sj), &rj), (duj, &doj)) in dsr
+                .iter_mut()
+                .zip(spr)
+                .zip(self.r)
+                .zip(du.iter_mut().zip(dot))
+            {
+                let uj = beta * rj;
+                dq += (e * sj + ki * uj) * doj;
+                *dj += qi * doj;
+                *duj += ki * *dj;
+                dk += *dj * uj;
+            }
+            gr.dq[[t, i]] = dq;
+            gr.dk[[t, i]] = dk;
         }
-        gr.dq[[t, i]] = acc;
-    }
-    // S_t = S' + k uᵀ: du = dS_tᵀ k, dk = dS_t u.
-    du.iter_mut().for_each(|x| *x = T::zero());
-    for (i, &ki) in k.iter().enumerate() {
-        let dsr = &ds[i * vd..(i + 1) * vd];
-        let mut acc = T::zero();
-        for ((duj, &dj), &uj) in du.iter_mut().zip(dsr).zip(&step.u) {
-            *duj += ki * dj;
-            acc += dj * uj;
+        let mut dbeta = T::zero();
+        for (j, (duj, &rj)) in du.iter_mut().zip(self.r).enumerate() {
+            dbeta += *duj * rj;
+            gr.dv[[t, j]] = beta * *duj;
+            *duj = -beta * *duj;
         }
-        gr.dk[[t, i]] = acc;
-    }
-    // u = β (v − S'ᵀk).
-    let mut dbeta = T::zero();
-    for (j, (&duj, &rj)) in du.iter().zip(&step.r).enumerate() {
-        dbeta += duj * rj;
-        gr.dv[[t, j]] = beta * duj;
-    }
-    gr.dbeta[t] = dbeta;
-    // d(S'ᵀk) = −β du: reuse `du` for it.
-    du.iter_mut().for_each(|x| *x = -beta * *x);
-    for (i, (&ki, &gi)) in k.iter().zip(g.iter()).enumerate() {
-        let (spr, dsr) = (
-            &step.sp[i * vd..(i + 1) * vd],
-            &mut ds[i * vd..(i + 1) * vd],
-        );
-        let (mut dk_acc, mut dg_acc) = (T::zero(), T::zero());
-        for ((dj, &spj), &dksj) in dsr.iter_mut().zip(spr).zip(du.iter()) {
-            // dS' = dS_t + k d(S'ᵀk)ᵀ
-            *dj += ki * dksj;
-            dk_acc += spj * dksj;
-            dg_acc += *dj * spj;
+        gr.dbeta[t] = dbeta;
+        let rows = ds.chunks_exact_mut(vd).zip(self.s_prev.chunks_exact(vd));
+        for (i, ((dsr, spr), (&ki, &gi))) in rows.zip(k.iter().zip(&g)).enumerate() {
+            let e = gi.exp();
+            let (mut dk, mut dg) = (T::zero(), T::zero());
+            for ((dj, &sj), &dksj) in dsr.iter_mut().zip(spr).zip(du.iter()) {
+                let spj = e * sj;
+                *dj += ki * dksj;
+                dk += spj * dksj;
+                dg += *dj * spj;
+                *dj *= e;
+            }
+            gr.dk[[t, i]] += dk;
+            gr.dg[[t, i]] = dg;
         }
-        gr.dk[[t, i]] += dk_acc;
-        gr.dg[[t, i]] = dg_acc;
-        // S' = Diag(exp g) S_{t−1}
-        let e = gi.exp();
-        dsr.iter_mut().for_each(|d| *d *= e);
     }
 }
