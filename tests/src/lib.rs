@@ -3,23 +3,13 @@
 use deltaref::dplr::{self, DplrInputs, DplrOptions};
 use deltaref::kda::{self, KdaInputs, KdaOptions};
 use deltaref::token_shift::{self, TokenShiftInputs};
+use deltaref_verify::fd::dot;
 use deltaref_verify::metrics::norm_ratio;
 use ndarray::ArrayD;
 
 /// Central-difference gradient of `f` at `x` (every element).
 pub fn fd_grad(x: &ArrayD<f64>, h: f64, f: impl Fn(&ArrayD<f64>) -> f64) -> ArrayD<f64> {
-    let mut g = ArrayD::zeros(x.raw_dim());
-    let mut xp = x.clone();
-    for (i, gi) in g.iter_mut().enumerate() {
-        let orig = x.as_slice().expect("standard layout")[i];
-        xp.as_slice_mut().expect("standard layout")[i] = orig + h;
-        let fp = f(&xp);
-        xp.as_slice_mut().expect("standard layout")[i] = orig - h;
-        let fm = f(&xp);
-        xp.as_slice_mut().expect("standard layout")[i] = orig;
-        *gi = (fp - fm) / (2.0 * h);
-    }
-    g
+    deltaref_verify::fd::grad(x, h, f)
 }
 
 /// norm_ratio between two tensors of the same shape.
@@ -29,10 +19,6 @@ pub fn ratio(reference: &ArrayD<f64>, x: &ArrayD<f64>) -> f64 {
         &reference.iter().copied().collect::<Vec<_>>(),
         &x.iter().copied().collect::<Vec<_>>(),
     )
-}
-
-fn dot(a: &ArrayD<f64>, b: &ArrayD<f64>) -> f64 {
-    a.iter().zip(b.iter()).map(|(x, y)| x * y).sum()
 }
 
 /// `Σ o·do + Σ final_state·dht` for KDA (naive).

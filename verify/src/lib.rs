@@ -1,1 +1,4 @@
+pub mod fd;
 pub mod metrics;
+pub mod outputs;
+pub mod selfcheck;

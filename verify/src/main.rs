@@ -1,1 +1,42 @@
-fn main() {}
+//! `deltaref`: the command-line front of the oracle (see README).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cli;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "deltaref",
+    version,
+    about = "Reference and verification suite for KDA, DPLR and token-shift"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Check every implementation against every other on built-in cases.
+    Selfcheck(cli::selfcheck::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // Help and version exit 0; usage errors exit 2.
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    match cli.command {
+        Command::Selfcheck(a) => cli::selfcheck::run(a),
+    }
+}

@@ -1,0 +1,107 @@
+//! Everything an implementation produces for one problem — outputs, final
+//! state and gradients — as one map from FLA's tensor names to f64 arrays,
+//! so any two implementations (or precisions) can be compared row by row.
+
+use std::collections::BTreeMap;
+
+use deltaref::dplr::{self, DplrEngine, DplrInputs, DplrOptions};
+use deltaref::kda::{self, KdaEngine, KdaInputs, KdaOptions};
+use deltaref::tensor::cast;
+use deltaref::token_shift::{self, TokenShiftInputs};
+use deltaref::{Result, Scalar};
+use ndarray::ArrayD;
+
+/// Name → tensor (widened to f64), in name order.
+pub type Tensors = BTreeMap<String, ArrayD<f64>>;
+
+fn put<T: Scalar>(m: &mut Tensors, name: &str, x: Option<&ArrayD<T>>) {
+    if let Some(x) = x {
+        m.insert(name.to_string(), cast(x));
+    }
+}
+
+/// KDA `o`, `final_state` and every gradient, computed by `engine` in `T`
+/// from f64 inputs (narrowed to `T` first).
+pub fn kda<T: Scalar, E: KdaEngine<T>>(
+    engine: &E,
+    x: &KdaInputs<f64>,
+    opts: &KdaOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+) -> Result<Tensors> {
+    let xt = x.cast::<T>();
+    let opts = KdaOptions {
+        output_final_state: true,
+        ..*opts
+    };
+    let out = kda::forward(engine, &xt, &opts)?;
+    let dht_t = dht.map(cast::<f64, T>);
+    let gr = kda::backward(engine, &xt, &opts, &cast(d_o), dht_t.as_ref())?;
+    let mut m = Tensors::new();
+    put(&mut m, "o", Some(&out.o));
+    put(&mut m, "final_state", out.final_state.as_ref());
+    for (name, t) in [
+        ("dq", &gr.dq),
+        ("dk", &gr.dk),
+        ("dv", &gr.dv),
+        ("dg", &gr.dg),
+        ("dbeta", &gr.dbeta),
+    ] {
+        put(&mut m, name, Some(t));
+    }
+    put(&mut m, "dA_log", gr.da_log.as_ref());
+    put(&mut m, "ddt_bias", gr.ddt_bias.as_ref());
+    put(&mut m, "dh0", gr.dh0.as_ref());
+    Ok(m)
+}
+
+/// DPLR `o`, `final_state` and every gradient, computed by `engine` in `T`.
+pub fn dplr<T: Scalar, E: DplrEngine<T>>(
+    engine: &E,
+    x: &DplrInputs<f64>,
+    opts: &DplrOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+) -> Result<Tensors> {
+    let xt = x.cast::<T>();
+    let opts = DplrOptions {
+        output_final_state: true,
+        ..*opts
+    };
+    let out = dplr::forward(engine, &xt, &opts)?;
+    let dht_t = dht.map(cast::<f64, T>);
+    let gr = dplr::backward(engine, &xt, &opts, &cast(d_o), dht_t.as_ref())?;
+    let mut m = Tensors::new();
+    put(&mut m, "o", Some(&out.o));
+    put(&mut m, "final_state", out.final_state.as_ref());
+    for (name, t) in [
+        ("dq", &gr.dq),
+        ("dk", &gr.dk),
+        ("dv", &gr.dv),
+        ("da", &gr.da),
+        ("db", &gr.db),
+        ("dgk", &gr.dgk),
+    ] {
+        put(&mut m, name, Some(t));
+    }
+    put(&mut m, "dh0", gr.dh0.as_ref());
+    Ok(m)
+}
+
+/// Token-shift `y`, `final_cache`, `dx`, `dcache`, computed in `T`.
+pub fn token_shift<T: Scalar>(
+    x: &TokenShiftInputs<f64>,
+    dy: &ArrayD<f64>,
+    dfinal_cache: Option<&ArrayD<f64>>,
+) -> Result<Tensors> {
+    let xt = x.cast::<T>();
+    let out = token_shift::forward(&xt)?;
+    let dfc = dfinal_cache.map(cast::<f64, T>);
+    let gr = token_shift::backward(&xt, &cast(dy), dfc.as_ref())?;
+    let mut m = Tensors::new();
+    put(&mut m, "y", Some(&out.y));
+    put(&mut m, "final_cache", Some(&out.final_cache));
+    put(&mut m, "dx", Some(&gr.dx));
+    put(&mut m, "dcache", gr.dcache.as_ref());
+    Ok(m)
+}

@@ -1,0 +1,384 @@
+//! `deltaref selfcheck`: every implementation against every other on built-in
+//! cases, one row per tensor. The analytic gradients are checked against
+//! central finite differences in f64, f32 against f64, and each further form
+//! (chunked, context-parallel, GPU) against the naive f64 oracle.
+
+use std::fmt;
+
+use deltaref::dplr::{DplrInputs, DplrOptions};
+use deltaref::gates::Gate;
+use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
+use deltaref::kda::{KdaInputs, KdaOptions};
+use deltaref::token_shift::TokenShiftInputs;
+use deltaref::{dplr, kda, Result};
+use ndarray::ArrayD;
+use serde::Serialize;
+
+use crate::fd;
+use crate::metrics::{compare, Comparison};
+use crate::outputs::{self, Tensors};
+
+/// Finite differences agree with the analytic gradient to this norm_ratio.
+pub const FD_TOL: f64 = 1e-6;
+/// f32 against f64 on the built-in cases.
+pub const F32_TOL: f64 = 1e-4;
+/// Two exact (f64) forms of the same algorithm.
+pub const EXACT_TOL: f64 = 1e-10;
+
+/// One compared tensor.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub check: String,
+    pub op: String,
+    pub tensor: String,
+    pub shape: Vec<usize>,
+    pub tol: f64,
+    #[serde(flatten)]
+    pub cmp: Comparison,
+}
+
+/// All rows of a self-check.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    pub fn all_pass(&self) -> bool {
+        self.rows.iter().all(|r| r.cmp.pass)
+    }
+
+    /// Adds one row per tensor present in both maps; a tensor of `reference`
+    /// missing from `candidate` is a failing row.
+    pub fn compare_maps(
+        &mut self,
+        check: &str,
+        op: &str,
+        reference: &Tensors,
+        candidate: &Tensors,
+        tol: f64,
+    ) {
+        for (name, r) in reference {
+            let cmp = match candidate.get(name) {
+                Some(c) if c.shape() == r.shape() => compare(&flat(r), &flat(c), tol),
+                _ => Comparison {
+                    norm_ratio: f64::NAN,
+                    max_abs: f64::NAN,
+                    argmax: 0,
+                    pass: false,
+                },
+            };
+            self.push(check, op, name, r.shape(), tol, cmp);
+        }
+    }
+
+    fn push(
+        &mut self,
+        check: &str,
+        op: &str,
+        tensor: &str,
+        shape: &[usize],
+        tol: f64,
+        cmp: Comparison,
+    ) {
+        self.rows.push(Row {
+            check: check.to_string(),
+            op: op.to_string(),
+            tensor: tensor.to_string(),
+            shape: shape.to_vec(),
+            tol,
+            cmp,
+        });
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<34} {:<12} {:<12} {:<18} {:>11} {:>11} {:>8}  result",
+            "check", "op", "tensor", "shape", "norm_ratio", "max_abs", "tol"
+        )?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "{:<34} {:<12} {:<12} {:<18} {:>11.3e} {:>11.3e} {:>8.0e}  {}",
+                r.check,
+                r.op,
+                r.tensor,
+                format!("{:?}", r.shape),
+                r.cmp.norm_ratio,
+                r.cmp.max_abs,
+                r.tol,
+                if r.cmp.pass { "pass" } else { "FAIL" }
+            )?;
+        }
+        let failed = self.rows.iter().filter(|r| !r.cmp.pass).count();
+        write!(f, "{} passed, {} failed", self.rows.len() - failed, failed)
+    }
+}
+
+fn flat(a: &ArrayD<f64>) -> Vec<f64> {
+    a.iter().copied().collect()
+}
+
+/// The built-in KDA case: GVA, varlen with 0- and 1-length sequences, the
+/// lower-bound gate with `A_log`/`dt_bias`, l2norm, beta sigmoid, initial state.
+pub fn kda_case(lengths: &[usize], k: usize, v: usize) -> (KdaSpec, Generated<KdaInputs<f64>>) {
+    let opts = KdaOptions {
+        output_final_state: true,
+        use_qk_l2norm_in_kernel: true,
+        gate: Gate::LowerBound { lower_bound: -5.0 },
+        use_beta_sigmoid_in_kernel: true,
+        ..Default::default()
+    };
+    let spec = KdaSpec {
+        layout: Layout::varlen(lengths),
+        h: 1,
+        hv: 2,
+        k,
+        v,
+        opts,
+        initial_state: true,
+        scalar_gate: false,
+        seed: 2024,
+    };
+    let g = inputs::kda(&spec);
+    (spec, g)
+}
+
+/// The built-in DPLR case (RWKV-7-like inputs, varlen, initial state).
+pub fn dplr_case(lengths: &[usize], k: usize, v: usize) -> (DplrSpec, Generated<DplrInputs<f64>>) {
+    let spec = DplrSpec {
+        layout: Layout::varlen(lengths),
+        h: 2,
+        k,
+        v,
+        initial_state: true,
+        seed: 2025,
+    };
+    let g = inputs::dplr(&spec);
+    (spec, g)
+}
+
+/// The built-in token-shift case (varlen with cache).
+pub fn token_shift_case(lengths: &[usize]) -> Generated<TokenShiftInputs<f64>> {
+    inputs::token_shift(&TokenShiftSpec {
+        layout: Layout::varlen(lengths),
+        d: 6,
+        cache: true,
+        seed: 2026,
+    })
+}
+
+/// Small lengths for finite differences, larger ones for the other checks.
+const FD_LENGTHS: [usize; 4] = [6, 1, 0, 9];
+const LENGTHS: [usize; 4] = [37, 1, 0, 64];
+
+/// Finite-difference rows for one op: `inputs` lists each differentiable
+/// input with its analytic gradient and a loss as a function of it.
+fn fd_rows(
+    report: &mut Report,
+    op: &str,
+    inputs: Vec<(
+        &str,
+        &ArrayD<f64>,
+        Option<&ArrayD<f64>>,
+        Box<dyn Fn(&ArrayD<f64>) -> f64 + '_>,
+    )>,
+) {
+    for (name, x, analytic, loss) in inputs {
+        let numeric = fd::grad(x, 1e-5, loss);
+        let cmp = match analytic {
+            Some(a) => compare(&flat(&numeric), &flat(a), FD_TOL),
+            None => Comparison {
+                norm_ratio: f64::NAN,
+                max_abs: f64::NAN,
+                argmax: 0,
+                pass: false,
+            },
+        };
+        report.push(
+            "naive analytic vs finite-diff",
+            op,
+            name,
+            x.shape(),
+            FD_TOL,
+            cmp,
+        );
+    }
+}
+
+fn kda_fd(report: &mut Report) -> Result<()> {
+    let (spec, g) = kda_case(&FD_LENGTHS, 3, 2);
+    let opts = spec.opts;
+    let gr = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    let loss = |x: &KdaInputs<f64>| -> f64 {
+        let out = kda::naive::forward(x, &opts).expect("inputs validated by the analytic run");
+        fd::dot(&out.o, &g.d_o) + fd::dot(out.final_state.as_ref().expect("asked for"), &g.dht)
+    };
+    let x = &g.inputs;
+    let with = |f: fn(&mut KdaInputs<f64>, ArrayD<f64>)| {
+        let loss = &loss;
+        Box::new(move |t: &ArrayD<f64>| {
+            let mut xx = x.clone();
+            f(&mut xx, t.clone());
+            loss(&xx)
+        }) as Box<dyn Fn(&ArrayD<f64>) -> f64 + '_>
+    };
+    fd_rows(
+        report,
+        "kda",
+        vec![
+            ("dq", &x.q, Some(&gr.dq), with(|x, t| x.q = t)),
+            ("dk", &x.k, Some(&gr.dk), with(|x, t| x.k = t)),
+            ("dv", &x.v, Some(&gr.dv), with(|x, t| x.v = t)),
+            ("dg", &x.g, Some(&gr.dg), with(|x, t| x.g = t)),
+            ("dbeta", &x.beta, Some(&gr.dbeta), with(|x, t| x.beta = t)),
+            (
+                "dA_log",
+                x.a_log.as_ref().expect("gate"),
+                gr.da_log.as_ref(),
+                with(|x, t| x.a_log = Some(t)),
+            ),
+            (
+                "ddt_bias",
+                x.dt_bias.as_ref().expect("gate"),
+                gr.ddt_bias.as_ref(),
+                with(|x, t| x.dt_bias = Some(t)),
+            ),
+            (
+                "dh0",
+                x.initial_state.as_ref().expect("h0"),
+                gr.dh0.as_ref(),
+                with(|x, t| x.initial_state = Some(t)),
+            ),
+        ],
+    );
+    Ok(())
+}
+
+fn dplr_fd(report: &mut Report) -> Result<()> {
+    let (_, g) = dplr_case(&FD_LENGTHS, 3, 2);
+    let opts = DplrOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    let gr = dplr::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    let loss = |x: &DplrInputs<f64>| -> f64 {
+        let out = dplr::naive::forward(x, &opts).expect("inputs validated by the analytic run");
+        fd::dot(&out.o, &g.d_o) + fd::dot(out.final_state.as_ref().expect("asked for"), &g.dht)
+    };
+    let x = &g.inputs;
+    let with = |f: fn(&mut DplrInputs<f64>, ArrayD<f64>)| {
+        let loss = &loss;
+        Box::new(move |t: &ArrayD<f64>| {
+            let mut xx = x.clone();
+            f(&mut xx, t.clone());
+            loss(&xx)
+        }) as Box<dyn Fn(&ArrayD<f64>) -> f64 + '_>
+    };
+    fd_rows(
+        report,
+        "dplr",
+        vec![
+            ("dq", &x.q, Some(&gr.dq), with(|x, t| x.q = t)),
+            ("dk", &x.k, Some(&gr.dk), with(|x, t| x.k = t)),
+            ("dv", &x.v, Some(&gr.dv), with(|x, t| x.v = t)),
+            ("da", &x.a, Some(&gr.da), with(|x, t| x.a = t)),
+            ("db", &x.b, Some(&gr.db), with(|x, t| x.b = t)),
+            ("dgk", &x.gk, Some(&gr.dgk), with(|x, t| x.gk = t)),
+            (
+                "dh0",
+                x.initial_state.as_ref().expect("h0"),
+                gr.dh0.as_ref(),
+                with(|x, t| x.initial_state = Some(t)),
+            ),
+        ],
+    );
+    Ok(())
+}
+
+fn token_shift_fd(report: &mut Report) -> Result<()> {
+    let g = token_shift_case(&FD_LENGTHS);
+    let gr = deltaref::token_shift::backward(&g.inputs, &g.d_o, Some(&g.dht))?;
+    let loss = |x: &TokenShiftInputs<f64>| -> f64 {
+        let out = deltaref::token_shift::forward(x).expect("inputs validated by the analytic run");
+        fd::dot(&out.y, &g.d_o) + fd::dot(&out.final_cache, &g.dht)
+    };
+    let x = &g.inputs;
+    fd_rows(
+        report,
+        "token_shift",
+        vec![
+            (
+                "dx",
+                &x.x,
+                Some(&gr.dx),
+                Box::new(|t: &ArrayD<f64>| {
+                    loss(&TokenShiftInputs {
+                        x: t.clone(),
+                        ..x.clone()
+                    })
+                }),
+            ),
+            (
+                "dcache",
+                x.cache.as_ref().expect("cache"),
+                gr.dcache.as_ref(),
+                Box::new(|t: &ArrayD<f64>| {
+                    loss(&TokenShiftInputs {
+                        cache: Some(t.clone()),
+                        ..x.clone()
+                    })
+                }),
+            ),
+        ],
+    );
+    Ok(())
+}
+
+/// f32 through the same code against f64.
+fn precision_rows(report: &mut Report) -> Result<()> {
+    let check = "naive f32 vs naive f64";
+    let (spec, g) = kda_case(&LENGTHS, 16, 16);
+    let exact = outputs::kda::<f64, _>(
+        &kda::naive::Naive,
+        &g.inputs,
+        &spec.opts,
+        &g.d_o,
+        Some(&g.dht),
+    )?;
+    let single = outputs::kda::<f32, _>(
+        &kda::naive::Naive,
+        &g.inputs,
+        &spec.opts,
+        &g.d_o,
+        Some(&g.dht),
+    )?;
+    report.compare_maps(check, "kda", &exact, &single, F32_TOL);
+
+    let (_, g) = dplr_case(&LENGTHS, 16, 16);
+    let opts = DplrOptions::default();
+    let exact =
+        outputs::dplr::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    let single =
+        outputs::dplr::<f32, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    report.compare_maps(check, "dplr", &exact, &single, F32_TOL);
+
+    let g = token_shift_case(&LENGTHS);
+    let exact = outputs::token_shift::<f64>(&g.inputs, &g.d_o, Some(&g.dht))?;
+    let single = outputs::token_shift::<f32>(&g.inputs, &g.d_o, Some(&g.dht))?;
+    report.compare_maps(check, "token_shift", &exact, &single, F32_TOL);
+    Ok(())
+}
+
+/// Runs every check on the built-in cases.
+pub fn run() -> Result<Report> {
+    let mut report = Report::default();
+    kda_fd(&mut report)?;
+    dplr_fd(&mut report)?;
+    token_shift_fd(&mut report)?;
+    precision_rows(&mut report)?;
+    Ok(report)
+}
