@@ -175,18 +175,15 @@ pub fn token_shift_case(lengths: &[usize]) -> Generated<TokenShiftInputs<f64>> {
 const FD_LENGTHS: [usize; 4] = [6, 1, 0, 9];
 const LENGTHS: [usize; 4] = [37, 1, 0, 64];
 
+/// The loss as a function of one input tensor.
+type Loss<'a> = Box<dyn Fn(&ArrayD<f64>) -> f64 + 'a>;
+
+/// A differentiable input: name, value, analytic gradient, loss.
+type FdInput<'a> = (&'a str, &'a ArrayD<f64>, Option<&'a ArrayD<f64>>, Loss<'a>);
+
 /// Finite-difference rows for one op: `inputs` lists each differentiable
 /// input with its analytic gradient and a loss as a function of it.
-fn fd_rows(
-    report: &mut Report,
-    op: &str,
-    inputs: Vec<(
-        &str,
-        &ArrayD<f64>,
-        Option<&ArrayD<f64>>,
-        Box<dyn Fn(&ArrayD<f64>) -> f64 + '_>,
-    )>,
-) {
+fn fd_rows(report: &mut Report, op: &str, inputs: Vec<FdInput<'_>>) {
     for (name, x, analytic, loss) in inputs {
         let numeric = fd::grad(x, 1e-5, loss);
         let cmp = match analytic {
@@ -224,7 +221,7 @@ fn kda_fd(report: &mut Report) -> Result<()> {
             let mut xx = x.clone();
             f(&mut xx, t.clone());
             loss(&xx)
-        }) as Box<dyn Fn(&ArrayD<f64>) -> f64 + '_>
+        }) as Loss<'_>
     };
     fd_rows(
         report,
@@ -276,7 +273,7 @@ fn dplr_fd(report: &mut Report) -> Result<()> {
             let mut xx = x.clone();
             f(&mut xx, t.clone());
             loss(&xx)
-        }) as Box<dyn Fn(&ArrayD<f64>) -> f64 + '_>
+        }) as Loss<'_>
     };
     fd_rows(
         report,
