@@ -60,6 +60,20 @@ pub fn compare(reference: &[f64], x: &[f64], ratio: f64) -> Comparison {
     }
 }
 
+/// FLA's `assert_close(prefix, ref, tri, ratio)` as a `Result`: the error
+/// message names the tensor and gives both figures.
+pub fn assert_close(name: &str, reference: &[f64], x: &[f64], ratio: f64) -> Result<Comparison, String> {
+    let c = compare(reference, x, ratio);
+    if c.pass {
+        Ok(c)
+    } else {
+        Err(format!(
+            "{name}: norm_ratio {:.3e} ≥ {ratio:.1e} and max_abs {:.3e} > 1e-6 (at flat index {})",
+            c.norm_ratio, c.max_abs, c.argmax
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,6 +94,14 @@ mod tests {
         assert_eq!(c.argmax, 1);
         let c = compare(&[f64::NAN, 2.0], &[1.0, 2.0], 1.0);
         assert!(!c.pass);
+    }
+
+    #[test]
+    fn assert_close_names_the_tensor() {
+        assert!(assert_close("o", &[1.0, 2.0], &[1.0, 2.0], 1e-3).is_ok());
+        let e = assert_close("dq", &[1.0, 2.0], &[1.5, 2.0], 1e-3).unwrap_err();
+        assert!(e.starts_with("dq: norm_ratio"), "{e}");
+        assert!(assert_close("dk", &[1.0], &[f64::NAN], 1.0).is_err());
     }
 
     #[test]
