@@ -1,3 +1,4 @@
+pub mod diagnose;
 pub mod fd;
 pub mod metrics;
 pub mod outputs;

@@ -62,7 +62,12 @@ pub fn compare(reference: &[f64], x: &[f64], ratio: f64) -> Comparison {
 
 /// FLA's `assert_close(prefix, ref, tri, ratio)` as a `Result`: the error
 /// message names the tensor and gives both figures.
-pub fn assert_close(name: &str, reference: &[f64], x: &[f64], ratio: f64) -> Result<Comparison, String> {
+pub fn assert_close(
+    name: &str,
+    reference: &[f64],
+    x: &[f64],
+    ratio: f64,
+) -> Result<Comparison, String> {
     let c = compare(reference, x, ratio);
     if c.pass {
         Ok(c)

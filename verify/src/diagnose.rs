@@ -1,0 +1,473 @@
+//! Error localisation: where along T an error starts. For every per-token
+//! tensor (`[B, T, …]`) the error is broken down per token, per sequence, per
+//! CP rank and per chunk, and the first token whose error leaves the noise
+//! band is named with its sequence, rank and chunk. Errors are measured on
+//! the whole tensor's scale — `rms(diff over the group) / (rms(ref) + 1e-8)` —
+//! so groups are comparable with each other and with the tensor's norm_ratio.
+
+use std::fmt;
+use std::path::Path;
+
+use ndarray::ArrayD;
+use serde::Serialize;
+
+use crate::metrics::{max_abs, norm_ratio};
+use crate::outputs::Tensors;
+
+/// Where tokens sit: sequences (varlen or batch rows), CP ranks, chunks.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TokenMap {
+    /// Batch rows and tokens per row.
+    pub b: usize,
+    pub t: usize,
+    /// Per sequence: `(batch row, start, end)`.
+    pub sequences: Vec<(usize, usize, usize)>,
+    /// Rank boundaries along T, `[0, c_1, …, T]` (`[0, T]` without CP).
+    pub rank_cuts: Vec<usize>,
+    /// Chunks restart at every sequence start.
+    pub chunk_size: usize,
+}
+
+/// A token's place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Location {
+    pub batch: usize,
+    pub token: usize,
+    pub sequence: usize,
+    pub rank: usize,
+    /// Chunk index inside the sequence.
+    pub chunk: usize,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "token {} (batch {}, sequence {}, rank {}, chunk {} of its sequence)",
+            self.token, self.batch, self.sequence, self.rank, self.chunk
+        )
+    }
+}
+
+impl TokenMap {
+    /// `cu_seqlens` (validated elsewhere) or one sequence per batch row;
+    /// `cuts` are the interior rank cut points.
+    pub fn new(
+        b: usize,
+        t: usize,
+        cu_seqlens: Option<&[i64]>,
+        cuts: &[usize],
+        chunk_size: usize,
+    ) -> Self {
+        let sequences = match cu_seqlens {
+            Some(cu) => cu
+                .windows(2)
+                .map(|w| (0, w[0] as usize, w[1] as usize))
+                .collect(),
+            None => (0..b).map(|i| (i, 0, t)).collect(),
+        };
+        let rank_cuts = std::iter::once(0)
+            .chain(cuts.iter().copied())
+            .chain(std::iter::once(t))
+            .collect();
+        TokenMap {
+            b,
+            t,
+            sequences,
+            rank_cuts,
+            chunk_size: chunk_size.max(1),
+        }
+    }
+
+    pub fn locate(&self, batch: usize, token: usize) -> Location {
+        let sequence = self
+            .sequences
+            .iter()
+            .position(|&(bb, s, e)| bb == batch && s <= token && token < e)
+            .unwrap_or(0);
+        let start = self.sequences.get(sequence).map_or(0, |s| s.1);
+        let rank = self
+            .rank_cuts
+            .windows(2)
+            .position(|w| w[0] <= token && token < w[1])
+            .unwrap_or(0);
+        Location {
+            batch,
+            token,
+            sequence,
+            rank,
+            chunk: (token - start) / self.chunk_size,
+        }
+    }
+
+    fn ranks(&self) -> usize {
+        self.rank_cuts.len() - 1
+    }
+}
+
+/// The diagnosis of one tensor.
+#[derive(Clone, Debug, Serialize)]
+pub struct TensorDiagnosis {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub norm_ratio: f64,
+    pub max_abs: f64,
+    /// Per token (`B·T` values, row-major), for `[B, T, …]` tensors.
+    pub per_token: Option<Vec<f64>>,
+    pub per_sequence: Vec<f64>,
+    pub per_rank: Vec<f64>,
+    /// `(sequence, chunk, error)` for every chunk of every sequence.
+    pub per_chunk: Vec<(usize, usize, f64)>,
+    /// First token whose error exceeds the band.
+    pub first_bad: Option<Location>,
+}
+
+/// The diagnosis of a candidate against a reference.
+#[derive(Clone, Debug, Serialize)]
+pub struct Diagnosis {
+    pub band: f64,
+    pub map: TokenMap,
+    pub tensors: Vec<TensorDiagnosis>,
+    /// Earliest first-bad token over all tensors, with the tensor's name.
+    pub first_bad: Option<(String, Location)>,
+}
+
+fn rms(x: impl Iterator<Item = f64>) -> (f64, usize) {
+    let (s, n) = x.fold((0.0, 0usize), |(s, n), v| (s + v * v, n + 1));
+    (if n == 0 { 0.0 } else { (s / n as f64).sqrt() }, n)
+}
+
+/// Is `x` per-token for this map (leading dims `[B, T]`)?
+fn is_per_token(x: &ArrayD<f64>, map: &TokenMap) -> bool {
+    x.ndim() >= 2 && x.shape()[0] == map.b && x.shape()[1] == map.t
+}
+
+fn diagnose_tensor(
+    name: &str,
+    r: &ArrayD<f64>,
+    c: &ArrayD<f64>,
+    map: &TokenMap,
+    band: f64,
+) -> TensorDiagnosis {
+    let (rf, cf): (Vec<f64>, Vec<f64>) = (r.iter().copied().collect(), c.iter().copied().collect());
+    let mut d = TensorDiagnosis {
+        name: name.to_string(),
+        shape: r.shape().to_vec(),
+        norm_ratio: norm_ratio(&rf, &cf),
+        max_abs: max_abs(&rf, &cf).0,
+        per_token: None,
+        per_sequence: vec![],
+        per_rank: vec![],
+        per_chunk: vec![],
+        first_bad: None,
+    };
+    if !is_per_token(r, map) {
+        return d;
+    }
+    let scale = rms(rf.iter().copied()).0 + 1e-8;
+    let width = rf.len() / (map.b * map.t).max(1);
+    // Sum of squared differences per token.
+    let sq: Vec<f64> = rf
+        .chunks(width.max(1))
+        .zip(cf.chunks(width.max(1)))
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum())
+        .collect();
+    let group = |tokens: &mut dyn Iterator<Item = usize>| {
+        let (s, n) = tokens.fold((0.0, 0usize), |(s, n), i| (s + sq[i], n + 1));
+        if n == 0 {
+            0.0
+        } else {
+            (s / (n * width) as f64).sqrt() / scale
+        }
+    };
+    let per_token: Vec<f64> = (0..sq.len())
+        .map(|i| group(&mut std::iter::once(i)))
+        .collect();
+    d.per_sequence = map
+        .sequences
+        .iter()
+        .map(|&(b, s, e)| group(&mut (s..e).map(|t| b * map.t + t)))
+        .collect();
+    d.per_rank = (0..map.ranks())
+        .map(|r| {
+            let (s, e) = (map.rank_cuts[r], map.rank_cuts[r + 1]);
+            group(&mut (0..map.b).flat_map(|b| (s..e).map(move |t| b * map.t + t)))
+        })
+        .collect();
+    for (si, &(b, s, e)) in map.sequences.iter().enumerate() {
+        for (ci, cs) in (s..e).step_by(map.chunk_size).enumerate() {
+            let ce = (cs + map.chunk_size).min(e);
+            d.per_chunk
+                .push((si, ci, group(&mut (cs..ce).map(|t| b * map.t + t))));
+        }
+    }
+    d.first_bad = per_token
+        .iter()
+        .position(|&e| e > band || e.is_nan())
+        .map(|i| map.locate(i / map.t, i % map.t));
+    d.per_token = Some(per_token);
+    d
+}
+
+/// Diagnoses every tensor present in both maps.
+pub fn diagnose(reference: &Tensors, candidate: &Tensors, map: &TokenMap, band: f64) -> Diagnosis {
+    let tensors: Vec<TensorDiagnosis> = reference
+        .iter()
+        .filter_map(|(name, r)| {
+            let c = candidate.get(name).filter(|c| c.shape() == r.shape())?;
+            Some(diagnose_tensor(name, r, c, map, band))
+        })
+        .collect();
+    let first_bad = tensors
+        .iter()
+        .filter_map(|t| t.first_bad.map(|l| (t.name.clone(), l)))
+        .min_by_key(|(_, l)| (l.batch, l.token));
+    Diagnosis {
+        band,
+        map: map.clone(),
+        tensors,
+        first_bad,
+    }
+}
+
+impl fmt::Display for Diagnosis {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "noise band: per-token error > {:.1e} counts as leaving it",
+            self.band
+        )?;
+        writeln!(
+            f,
+            "{:<12} {:<18} {:>11} {:>11}  {:<28} per rank",
+            "tensor", "shape", "norm_ratio", "max_abs", "first token out of band"
+        )?;
+        for t in &self.tensors {
+            let first = t.first_bad.map_or("-".to_string(), |l| {
+                format!(
+                    "t={} seq {} rank {} chunk {}",
+                    l.token, l.sequence, l.rank, l.chunk
+                )
+            });
+            let ranks: Vec<String> = t.per_rank.iter().map(|e| format!("{e:.2e}")).collect();
+            writeln!(
+                f,
+                "{:<12} {:<18} {:>11.3e} {:>11.3e}  {:<28} {}",
+                t.name,
+                format!("{:?}", t.shape),
+                t.norm_ratio,
+                t.max_abs,
+                first,
+                ranks.join(" ")
+            )?;
+        }
+        match &self.first_bad {
+            Some((name, l)) => write!(f, "error starts at {l}, in `{name}`"),
+            None => write!(f, "no per-token tensor leaves the noise band"),
+        }
+    }
+}
+
+/// Draws per-token error against token (log scale) for every per-token
+/// tensor, with rank cuts (black), sequence starts (grey), chunk boundaries
+/// (light grey, when there are few enough to see) and the band (red).
+pub fn plot(d: &Diagnosis, path: &Path) -> Result<(), String> {
+    use plotters::prelude::*;
+    register_font();
+    let err = |e: &dyn std::fmt::Display| format!("plot {}: {e}", path.display());
+    let series: Vec<(&str, &Vec<f64>)> = d
+        .tensors
+        .iter()
+        .filter_map(|t| t.per_token.as_ref().map(|p| (t.name.as_str(), p)))
+        .collect();
+    let n = series.first().map_or(0, |s| s.1.len()).max(1);
+    let floor = 1e-18;
+    let ymax = series
+        .iter()
+        .flat_map(|s| s.1.iter().copied())
+        .chain(std::iter::once(d.band))
+        .filter(|v| v.is_finite())
+        .fold(floor, f64::max)
+        * 10.0;
+    let root = BitMapBackend::new(path, (1400, 700)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("per-token error (rms diff / rms ref)", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..n as f64, (floor..ymax).log_scale())
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("token (batch rows laid end to end)")
+        .y_desc("error")
+        .draw()
+        .map_err(|e| err(&e))?;
+    let vline = |x: usize, style: ShapeStyle| {
+        PathElement::new(vec![(x as f64, floor), (x as f64, ymax)], style)
+    };
+    let m = &d.map;
+    let chunk_starts: Vec<usize> = m
+        .sequences
+        .iter()
+        .flat_map(|&(b, s, e)| (s..e).step_by(m.chunk_size).map(move |t| b * m.t + t))
+        .collect();
+    if chunk_starts.len() <= 400 {
+        let light = RGBColor(225, 225, 225).stroke_width(1);
+        chart
+            .draw_series(chunk_starts.iter().map(|&x| vline(x, light)))
+            .map_err(|e| err(&e))?;
+    }
+    let grey = RGBColor(150, 150, 150).stroke_width(1);
+    chart
+        .draw_series(
+            m.sequences
+                .iter()
+                .map(|&(b, s, _)| vline(b * m.t + s, grey)),
+        )
+        .map_err(|e| err(&e))?;
+    let black = BLACK.stroke_width(2);
+    chart
+        .draw_series(
+            (0..m.b)
+                .flat_map(|b| {
+                    m.rank_cuts[1..m.rank_cuts.len() - 1]
+                        .iter()
+                        .map(move |&c| b * m.t + c)
+                })
+                .map(|x| vline(x, black)),
+        )
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(std::iter::once(PathElement::new(
+            vec![(0.0, d.band), (n as f64, d.band)],
+            RED.stroke_width(1),
+        )))
+        .map_err(|e| err(&e))?
+        .label(format!("band {:.0e}", d.band))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+    for (i, (name, p)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(
+                p.iter().enumerate().map(|(x, &v)| (x as f64, v.max(floor))),
+                color.stroke_width(1),
+            ))
+            .map_err(|e| err(&e))?
+            .label(name.to_string())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
+}
+
+/// plotters draws text with a registered font; DejaVu Sans is built in so
+/// plots need no system fonts.
+fn register_font() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Registration only fails on a malformed font, which the crate's bytes are not.
+        let _ = plotters::style::register_font(
+            "sans-serif",
+            plotters::style::FontStyle::Normal,
+            dejavu::sans::regular(),
+        );
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::IxDyn;
+
+    fn tensors(name: &str, x: ArrayD<f64>) -> Tensors {
+        Tensors::from([(name.to_string(), x)])
+    }
+
+    #[test]
+    fn locates_the_first_token_out_of_band() {
+        // Two sequences [0,10) and [10,24), ranks cut at 12, chunk 4.
+        let map = TokenMap::new(1, 24, Some(&[0, 10, 24]), &[12], 4);
+        let r = ArrayD::from_shape_fn(IxDyn(&[1, 24, 2]), |i| {
+            1.0 + i[1] as f64 * 0.1 + i[2] as f64
+        });
+        let mut c = r.clone();
+        for t in 17..24 {
+            c[[0, t, 0]] += 0.5;
+        }
+        let d = diagnose(&tensors("o", r), &tensors("o", c), &map, 1e-3);
+        let first = d.tensors[0].first_bad.expect("error injected");
+        assert_eq!(
+            first,
+            Location {
+                batch: 0,
+                token: 17,
+                sequence: 1,
+                rank: 1,
+                chunk: 1
+            }
+        );
+        assert_eq!(d.tensors[0].per_rank[0], 0.0);
+        assert!(d.tensors[0].per_rank[1] > 0.0);
+        assert_eq!(d.tensors[0].per_sequence[0], 0.0);
+        // Chunk (seq 1, chunk 0) = tokens 10..14 is clean, (1, 1) = 14..18 is not.
+        let chunk = |s, c| {
+            d.tensors[0]
+                .per_chunk
+                .iter()
+                .find(|x| x.0 == s && x.1 == c)
+                .expect("chunk")
+                .2
+        };
+        assert_eq!(chunk(1, 0), 0.0);
+        assert!(chunk(1, 1) > 0.0);
+        assert_eq!(d.first_bad.as_ref().map(|f| f.0.as_str()), Some("o"));
+    }
+
+    #[test]
+    fn per_token_errors_square_sum_to_the_norm_ratio() {
+        let map = TokenMap::new(2, 5, None, &[], 2);
+        let r = ArrayD::from_shape_fn(IxDyn(&[2, 5, 3]), |i| {
+            (i[0] * 15 + i[1] * 3 + i[2]) as f64 - 7.0
+        });
+        let c = r.mapv(|v| v * 1.01 + 0.003);
+        let d = diagnose(&tensors("dq", r), &tensors("dq", c), &map, 1.0);
+        let t = &d.tensors[0];
+        let mean_sq = t
+            .per_token
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| e * e)
+            .sum::<f64>()
+            / 10.0;
+        assert!(
+            (mean_sq.sqrt() - t.norm_ratio).abs() < 1e-12,
+            "{} vs {}",
+            mean_sq.sqrt(),
+            t.norm_ratio
+        );
+        assert!(t.first_bad.is_none());
+    }
+
+    #[test]
+    fn plot_writes_a_png() {
+        let map = TokenMap::new(1, 64, Some(&[0, 30, 64]), &[32], 16);
+        let r = ArrayD::from_shape_fn(IxDyn(&[1, 64, 2]), |i| 1.0 + i[1] as f64);
+        let c = r.mapv(|v| v + 1e-4);
+        let d = diagnose(&tensors("o", r), &tensors("o", c), &map, 1e-3);
+        let dir = std::env::temp_dir().join(format!("deltaref-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("err.png");
+        plot(&d, &path).expect("plot");
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
