@@ -1,5 +1,9 @@
+pub mod case;
 pub mod diagnose;
 pub mod fd;
+pub mod generate;
+pub mod impls;
 pub mod metrics;
 pub mod outputs;
+pub mod report;
 pub mod selfcheck;

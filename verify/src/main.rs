@@ -21,6 +21,12 @@ struct Cli {
 enum Command {
     /// Check every implementation against every other on built-in cases.
     Selfcheck(cli::selfcheck::Args),
+    /// Write a deterministic case file (inputs, upstream gradients, optionally the truth).
+    Gen(cli::gen::Args),
+    /// Compute a case's outputs and gradients with an implementation.
+    Run(cli::run::Args),
+    /// Compare a candidate (or an implementation) with the expected tensors.
+    Verify(cli::verify::Args),
 }
 
 fn main() -> ExitCode {
@@ -38,5 +44,8 @@ fn main() -> ExitCode {
     };
     match cli.command {
         Command::Selfcheck(a) => cli::selfcheck::run(a),
+        Command::Gen(a) => cli::gen::run(a),
+        Command::Run(a) => cli::run::run(a),
+        Command::Verify(a) => cli::verify::run(a),
     }
 }

@@ -1,0 +1,804 @@
+//! Case files (SPEC §8): one case = one safetensors file holding FLA-named
+//! tensors and a `case` metadata entry (a JSON object with `op` and FLA's
+//! option names). Reading validates everything and never panics; writing is
+//! atomic (temporary file + rename).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use deltaref::dplr::{DplrInputs, DplrOptions};
+use deltaref::gates::Gate;
+use deltaref::kda::{KdaInputs, KdaOptions};
+use deltaref::token_shift::TokenShiftInputs;
+use half::{bf16, f16};
+use ndarray::{ArrayD, IxDyn};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+use crate::outputs::Tensors;
+
+#[derive(Debug, Error)]
+pub enum CaseError {
+    #[error("{path}: cannot read: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a valid safetensors file: {why}")]
+    Format { path: String, why: String },
+    #[error("{path}: metadata: {why}")]
+    Metadata { path: String, why: String },
+    #[error("{path}: tensor `{tensor}`: {why}")]
+    Tensor {
+        path: String,
+        tensor: String,
+        why: String,
+    },
+    #[error("{path}: {source}")]
+    Invalid {
+        path: String,
+        source: deltaref::Error,
+    },
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// The three operators.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Kda,
+    Dplr,
+    TokenShift,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Kda => "kda",
+            Op::Dplr => "dplr",
+            Op::TokenShift => "token_shift",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Op> {
+        match s {
+            "kda" => Some(Op::Kda),
+            "dplr" => Some(Op::Dplr),
+            "token_shift" => Some(Op::TokenShift),
+            _ => None,
+        }
+    }
+
+    /// Input tensor names (FLA's), including the integer `cu_seqlens`.
+    pub fn inputs(self) -> &'static [&'static str] {
+        match self {
+            Op::Kda => &[
+                "q",
+                "k",
+                "v",
+                "g",
+                "beta",
+                "A_log",
+                "dt_bias",
+                "initial_state",
+                "cu_seqlens",
+            ],
+            Op::Dplr => &["q", "k", "v", "a", "b", "gk", "initial_state", "cu_seqlens"],
+            Op::TokenShift => &["x", "cache", "cu_seqlens"],
+        }
+    }
+
+    /// Upstream gradient names.
+    pub fn upstream(self) -> &'static [&'static str] {
+        match self {
+            Op::TokenShift => &["dy", "dfinal_cache"],
+            _ => &["do", "dht"],
+        }
+    }
+
+    /// Output and gradient names (what a candidate provides).
+    pub fn results(self) -> &'static [&'static str] {
+        match self {
+            Op::Kda => &[
+                "o",
+                "final_state",
+                "dq",
+                "dk",
+                "dv",
+                "dg",
+                "dbeta",
+                "dA_log",
+                "ddt_bias",
+                "dh0",
+            ],
+            Op::Dplr => &[
+                "o",
+                "final_state",
+                "dq",
+                "dk",
+                "dv",
+                "da",
+                "db",
+                "dgk",
+                "dh0",
+            ],
+            Op::TokenShift => &["y", "final_cache", "dx", "dcache"],
+        }
+    }
+
+    fn knows(self, name: &str) -> bool {
+        self.inputs().contains(&name)
+            || self.upstream().contains(&name)
+            || self.results().contains(&name)
+    }
+}
+
+/// Storage dtypes a case may use for float tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    F64,
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub fn parse(s: &str) -> Option<Dtype> {
+        match s {
+            "f64" | "float64" => Some(Dtype::F64),
+            "f32" | "float32" => Some(Dtype::F32),
+            "bf16" | "bfloat16" => Some(Dtype::Bf16),
+            "f16" | "float16" => Some(Dtype::F16),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F64 => "f64",
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+
+    /// Rounds an f64 to this dtype (round to nearest even) and back.
+    pub fn round(self, x: f64) -> f64 {
+        match self {
+            Dtype::F64 => x,
+            Dtype::F32 => x as f32 as f64,
+            Dtype::Bf16 => bf16::from_f64(x).to_f64(),
+            Dtype::F16 => f16::from_f64(x).to_f64(),
+        }
+    }
+
+    fn st(self) -> StDtype {
+        match self {
+            Dtype::F64 => StDtype::F64,
+            Dtype::F32 => StDtype::F32,
+            Dtype::Bf16 => StDtype::BF16,
+            Dtype::F16 => StDtype::F16,
+        }
+    }
+
+    fn encode(self, x: &ArrayD<f64>) -> Vec<u8> {
+        let it = x.iter().copied();
+        match self {
+            Dtype::F64 => it.flat_map(f64::to_le_bytes).collect(),
+            Dtype::F32 => it.flat_map(|v| (v as f32).to_le_bytes()).collect(),
+            Dtype::Bf16 => it.flat_map(|v| bf16::from_f64(v).to_le_bytes()).collect(),
+            Dtype::F16 => it.flat_map(|v| f16::from_f64(v).to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// A CP layout stored with a case.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CpLayout {
+    /// FLA's equal split over `world` ranks.
+    World(usize),
+    /// Interior cut points.
+    Cuts(Vec<usize>),
+}
+
+/// The `case` metadata: op and options with FLA's names.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CaseMeta {
+    pub op: Op,
+    pub scale: Option<f64>,
+    pub use_qk_l2norm_in_kernel: bool,
+    pub gate: Gate,
+    pub use_beta_sigmoid_in_kernel: bool,
+    pub allow_neg_eigval: bool,
+    pub chunk_size: Option<usize>,
+    pub cp: Option<CpLayout>,
+    pub seed: Option<u64>,
+    pub dtype: Option<Dtype>,
+}
+
+impl CaseMeta {
+    pub fn new(op: Op) -> Self {
+        CaseMeta {
+            op,
+            scale: None,
+            use_qk_l2norm_in_kernel: false,
+            gate: Gate::None,
+            use_beta_sigmoid_in_kernel: false,
+            allow_neg_eigval: false,
+            chunk_size: None,
+            cp: None,
+            seed: None,
+            dtype: None,
+        }
+    }
+
+    pub fn kda_options(&self) -> KdaOptions {
+        KdaOptions {
+            scale: self.scale,
+            output_final_state: true,
+            use_qk_l2norm_in_kernel: self.use_qk_l2norm_in_kernel,
+            gate: self.gate,
+            use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: self.allow_neg_eigval,
+        }
+    }
+
+    pub fn dplr_options(&self) -> DplrOptions {
+        DplrOptions {
+            scale: self.scale,
+            output_final_state: true,
+        }
+    }
+
+    /// The JSON object stored under `case` (keys that apply to the op only).
+    pub fn to_json(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("op".into(), self.op.name().into());
+        if let Some(s) = self.scale {
+            m.insert("scale".into(), s.into());
+        }
+        if self.op == Op::Kda {
+            m.insert(
+                "use_qk_l2norm_in_kernel".into(),
+                self.use_qk_l2norm_in_kernel.into(),
+            );
+            m.insert("gate".into(), self.gate.name().into());
+            if let Gate::LowerBound { lower_bound } = self.gate {
+                m.insert("lower_bound".into(), lower_bound.into());
+            }
+            m.insert(
+                "use_beta_sigmoid_in_kernel".into(),
+                self.use_beta_sigmoid_in_kernel.into(),
+            );
+            m.insert("allow_neg_eigval".into(), self.allow_neg_eigval.into());
+        }
+        if let Some(c) = self.chunk_size {
+            m.insert("chunk_size".into(), c.into());
+        }
+        match &self.cp {
+            Some(CpLayout::World(w)) => {
+                m.insert("cp".into(), serde_json::json!({ "world": w }));
+            }
+            Some(CpLayout::Cuts(c)) => {
+                m.insert("cp".into(), serde_json::json!({ "cuts": c }));
+            }
+            None => {}
+        }
+        if let Some(s) = self.seed {
+            m.insert("seed".into(), s.into());
+        }
+        if let Some(d) = self.dtype {
+            m.insert("dtype".into(), d.name().into());
+        }
+        Value::Object(m)
+    }
+
+    /// Parses the `case` JSON; every unknown or mistyped key is an error naming it.
+    pub fn from_json(text: &str) -> Result<Self, String> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| format!("`case` is not valid JSON: {e}"))?;
+        let Value::Object(m) = v else {
+            return Err("`case` must be a JSON object".into());
+        };
+        let op_name = m.get("op").ok_or("`case` has no `op` key")?;
+        let op_name = op_name.as_str().ok_or("key `op`: expected a string")?;
+        let op = Op::parse(op_name).ok_or_else(|| {
+            format!("key `op`: unknown op \"{op_name}\" (expected kda, dplr or token_shift)")
+        })?;
+        let mut meta = CaseMeta::new(op);
+        let mut gate_name: Option<String> = None;
+        let mut lower_bound: Option<f64> = None;
+        for (key, val) in &m {
+            let kda_only = |ok: bool| {
+                if ok {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "key `{key}`: only applies to op kda, not {}",
+                        op.name()
+                    ))
+                }
+            };
+            match key.as_str() {
+                "op" => {}
+                "scale" => meta.scale = Some(num(key, val)?),
+                "use_qk_l2norm_in_kernel" => {
+                    kda_only(op == Op::Kda)?;
+                    meta.use_qk_l2norm_in_kernel = boolean(key, val)?;
+                }
+                "gate" => {
+                    kda_only(op == Op::Kda)?;
+                    gate_name = Some(
+                        val.as_str()
+                            .ok_or(format!("key `{key}`: expected a string"))?
+                            .to_string(),
+                    );
+                }
+                "lower_bound" => {
+                    kda_only(op == Op::Kda)?;
+                    lower_bound = Some(num(key, val)?);
+                }
+                "use_beta_sigmoid_in_kernel" => {
+                    kda_only(op == Op::Kda)?;
+                    meta.use_beta_sigmoid_in_kernel = boolean(key, val)?;
+                }
+                "allow_neg_eigval" => {
+                    kda_only(op == Op::Kda)?;
+                    meta.allow_neg_eigval = boolean(key, val)?;
+                }
+                "chunk_size" => meta.chunk_size = Some(uint(key, val)? as usize),
+                "cp" => meta.cp = Some(cp_layout(val)?),
+                "seed" => meta.seed = Some(uint(key, val)?),
+                "dtype" => {
+                    let s = val
+                        .as_str()
+                        .ok_or(format!("key `{key}`: expected a string"))?;
+                    meta.dtype =
+                        Some(Dtype::parse(s).ok_or(format!("key `{key}`: unknown dtype \"{s}\""))?);
+                }
+                other => return Err(format!("unknown key `{other}` in `case`")),
+            }
+        }
+        meta.gate = match (gate_name.as_deref(), lower_bound) {
+            (None | Some("none"), None) => Gate::None,
+            (Some("kda"), None) => Gate::Kda,
+            (Some("lowerbound"), Some(lb)) => Gate::LowerBound { lower_bound: lb },
+            (Some("lowerbound"), None) => {
+                return Err("key `gate`: \"lowerbound\" needs key `lower_bound`".into())
+            }
+            (_, Some(_)) => {
+                return Err("key `lower_bound`: only valid with gate \"lowerbound\"".into())
+            }
+            (Some(g), None) => {
+                return Err(format!(
+                    "key `gate`: unknown gate \"{g}\" (none, kda, lowerbound)"
+                ))
+            }
+        };
+        Ok(meta)
+    }
+}
+
+fn num(key: &str, v: &Value) -> Result<f64, String> {
+    v.as_f64()
+        .ok_or(format!("key `{key}`: expected a number, got {v}"))
+}
+
+fn boolean(key: &str, v: &Value) -> Result<bool, String> {
+    v.as_bool()
+        .ok_or(format!("key `{key}`: expected true or false, got {v}"))
+}
+
+fn uint(key: &str, v: &Value) -> Result<u64, String> {
+    v.as_u64().ok_or(format!(
+        "key `{key}`: expected a non-negative integer, got {v}"
+    ))
+}
+
+fn cp_layout(v: &Value) -> Result<CpLayout, String> {
+    let m = v
+        .as_object()
+        .ok_or("key `cp`: expected an object {\"world\": N} or {\"cuts\": [...]}")?;
+    if let Some(k) = m.keys().find(|k| *k != "world" && *k != "cuts") {
+        return Err(format!("unknown key `cp.{k}`"));
+    }
+    match (m.get("world"), m.get("cuts")) {
+        (Some(w), None) => Ok(CpLayout::World(uint("cp.world", w)? as usize)),
+        (None, Some(Value::Array(c))) => Ok(CpLayout::Cuts(
+            c.iter()
+                .map(|x| uint("cp.cuts", x).map(|u| u as usize))
+                .collect::<Result<_, _>>()?,
+        )),
+        (None, Some(other)) => Err(format!(
+            "key `cp.cuts`: expected an array of integers, got {other}"
+        )),
+        _ => Err("key `cp`: give exactly one of `world` or `cuts`".into()),
+    }
+}
+
+/// One case in memory: metadata, float tensors (widened to f64) and their
+/// stored dtypes, and `cu_seqlens`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    pub meta: CaseMeta,
+    pub tensors: Tensors,
+    pub dtypes: BTreeMap<String, Dtype>,
+    pub cu_seqlens: Option<Vec<i64>>,
+}
+
+/// The inputs of a case as the reference crate's types.
+pub enum Inputs {
+    Kda(KdaInputs<f64>),
+    Dplr(DplrInputs<f64>),
+    TokenShift(TokenShiftInputs<f64>),
+}
+
+impl Case {
+    pub fn new(meta: CaseMeta) -> Self {
+        Case {
+            meta,
+            tensors: Tensors::new(),
+            dtypes: BTreeMap::new(),
+            cu_seqlens: None,
+        }
+    }
+
+    /// Adds a float tensor stored as `dtype` (its values are rounded to it).
+    pub fn insert(&mut self, name: &str, x: ArrayD<f64>, dtype: Dtype) {
+        self.tensors
+            .insert(name.to_string(), x.mapv(|v| dtype.round(v)));
+        self.dtypes.insert(name.to_string(), dtype);
+    }
+
+    fn get(&self, name: &str) -> Option<ArrayD<f64>> {
+        self.tensors.get(name).cloned()
+    }
+
+    fn need(&self, name: &str) -> Result<ArrayD<f64>, deltaref::Error> {
+        self.get(name).ok_or_else(|| {
+            deltaref::Error::missing(
+                name,
+                format!("required input of op {}", self.meta.op.name()),
+            )
+        })
+    }
+
+    /// The inputs, as the reference crate takes them (not yet validated).
+    pub fn inputs(&self) -> Result<Inputs, deltaref::Error> {
+        let cu = self.cu_seqlens.clone();
+        Ok(match self.meta.op {
+            Op::Kda => Inputs::Kda(KdaInputs {
+                q: self.need("q")?,
+                k: self.need("k")?,
+                v: self.need("v")?,
+                g: self.need("g")?,
+                beta: self.need("beta")?,
+                a_log: self.get("A_log"),
+                dt_bias: self.get("dt_bias"),
+                initial_state: self.get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::Dplr => Inputs::Dplr(DplrInputs {
+                q: self.need("q")?,
+                k: self.need("k")?,
+                v: self.need("v")?,
+                a: self.need("a")?,
+                b: self.need("b")?,
+                gk: self.need("gk")?,
+                initial_state: self.get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::TokenShift => Inputs::TokenShift(TokenShiftInputs {
+                x: self.need("x")?,
+                cache: self.get("cache"),
+                cu_seqlens: cu,
+            }),
+        })
+    }
+
+    /// The upstream gradients `(do, dht)` (`(dy, dfinal_cache)`); `do` is required.
+    pub fn upstream(&self) -> Result<(ArrayD<f64>, Option<ArrayD<f64>>), deltaref::Error> {
+        let [d_o, dht] = self.meta.op.upstream() else {
+            unreachable!("two upstream names per op")
+        };
+        Ok((self.need(d_o)?, self.get(dht)))
+    }
+
+    /// The stored outputs and gradients (empty for a fixture without them).
+    pub fn results(&self) -> Tensors {
+        self.tensors
+            .iter()
+            .filter(|(k, _)| self.meta.op.results().contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Checks inputs, upstream gradients and stored results for consistency
+    /// with the reference crate's validation.
+    pub fn validate(&self) -> Result<(), deltaref::Error> {
+        let (d_o, dht) = self.upstream()?;
+        match self.inputs()? {
+            Inputs::Kda(x) => {
+                let d = deltaref::kda::validate(&x, &self.meta.kda_options())?;
+                deltaref::kda::validate_upstream(&d, &d_o, dht.as_ref())?;
+            }
+            Inputs::Dplr(x) => {
+                let d = deltaref::dplr::validate(&x, &self.meta.dplr_options())?;
+                deltaref::dplr::validate_upstream(&d, &d_o, dht.as_ref())?;
+            }
+            Inputs::TokenShift(x) => {
+                let (d, _) = deltaref::token_shift::validate(&x)?;
+                deltaref::tensor::expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], d_o.shape())?;
+                if let Some(h) = &dht {
+                    deltaref::tensor::expect_shape(
+                        "dfinal_cache",
+                        "[N,D]",
+                        &[d.n, d.d],
+                        h.shape(),
+                    )?;
+                }
+            }
+        }
+        for (name, x) in self.results() {
+            if let Some(want) = self.result_shape(&name) {
+                deltaref::tensor::expect_shape(
+                    &name,
+                    "(as its input counterpart)",
+                    &want,
+                    x.shape(),
+                )?;
+            }
+            deltaref::tensor::check_finite(&name, &x)?;
+        }
+        Ok(())
+    }
+
+    /// The shape a result must have: a gradient is shaped like its input,
+    /// `o`/`y` like `do`/`dy`, a final state like `dht` when present.
+    pub fn result_shape(&self, name: &str) -> Option<Vec<usize>> {
+        let like = |n: &str| self.tensors.get(n).map(|t| t.shape().to_vec());
+        match name {
+            "o" => like("do"),
+            "y" => like("dy"),
+            "final_state" => like("dht").or_else(|| like("initial_state")),
+            "final_cache" => like("dfinal_cache").or_else(|| like("cache")),
+            "dh0" => like("initial_state"),
+            "dcache" => like("cache"),
+            "dA_log" => like("A_log"),
+            "ddt_bias" => like("dt_bias"),
+            d => like(d.strip_prefix('d')?),
+        }
+    }
+
+    /// Writes the case atomically: a temporary file next to `path`, then rename.
+    pub fn write(&self, path: &Path) -> Result<(), CaseError> {
+        let io = |e: std::io::Error| CaseError::Io {
+            path: path.display().to_string(),
+            source: e,
+        };
+        let mut bufs: Vec<(String, Vec<u8>, Vec<usize>, StDtype)> = self
+            .tensors
+            .iter()
+            .map(|(n, x)| {
+                let dt = self.dtypes.get(n).copied().unwrap_or(Dtype::F64);
+                (n.clone(), dt.encode(x), x.shape().to_vec(), dt.st())
+            })
+            .collect();
+        if let Some(cu) = &self.cu_seqlens {
+            let bytes = cu.iter().flat_map(|v| v.to_le_bytes()).collect();
+            bufs.push(("cu_seqlens".into(), bytes, vec![cu.len()], StDtype::I64));
+        }
+        let views: Vec<(String, TensorView)> = bufs
+            .iter()
+            .map(|(n, b, s, d)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
+            .collect::<Result<_, safetensors::SafeTensorError>>()
+            .map_err(|e| CaseError::Format {
+                path: path.display().to_string(),
+                why: e.to_string(),
+            })?;
+        let meta = std::collections::HashMap::from([(
+            "case".to_string(),
+            self.meta.to_json().to_string(),
+        )]);
+        let bytes =
+            safetensors::tensor::serialize(views, Some(meta)).map_err(|e| CaseError::Format {
+                path: path.display().to_string(),
+                why: e.to_string(),
+            })?;
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+        let result = (|| {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&bytes)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result.map_err(io)
+    }
+
+    /// Reads and validates a case file.
+    pub fn read(path: &Path) -> Result<Case, CaseError> {
+        let p = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| CaseError::Io {
+            path: p.clone(),
+            source: e,
+        })?;
+        Case::from_bytes(&bytes, &p)
+    }
+
+    /// Parses a case from the bytes of a safetensors file (`what` names it in errors).
+    pub fn from_bytes(bytes: &[u8], what: &str) -> Result<Case, CaseError> {
+        let fmt_err = |why: String| CaseError::Format {
+            path: what.to_string(),
+            why,
+        };
+        reject_duplicate_names(bytes).map_err(fmt_err)?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| fmt_err(describe(&e)))?;
+        let (_, md) = SafeTensors::read_metadata(bytes).map_err(|e| fmt_err(describe(&e)))?;
+        let meta_err = |why: String| CaseError::Metadata {
+            path: what.to_string(),
+            why,
+        };
+        let text = md
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("case"))
+            .ok_or_else(|| {
+                meta_err("no `case` entry in the metadata (expected {\"op\": ...})".into())
+            })?;
+        let meta = CaseMeta::from_json(text).map_err(meta_err)?;
+        let mut case = Case::new(meta);
+        let mut names: Vec<(String, TensorView)> = st.tensors();
+        names.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, view) in names {
+            let terr = |why: String| CaseError::Tensor {
+                path: what.to_string(),
+                tensor: name.clone(),
+                why,
+            };
+            if !case.meta.op.knows(&name) {
+                return Err(terr(format!("not a tensor of op {}", case.meta.op.name())));
+            }
+            if name == "cu_seqlens" {
+                if view.dtype() != StDtype::I64 || view.shape().len() != 1 {
+                    return Err(terr(format!(
+                        "must be a 1-D int64 tensor, got {:?} {:?}",
+                        view.dtype(),
+                        view.shape()
+                    )));
+                }
+                case.cu_seqlens = Some(
+                    view.data()
+                        .chunks_exact(8)
+                        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                        .collect(),
+                );
+                continue;
+            }
+            let (values, dt) = decode(&view).map_err(terr)?;
+            let arr = ArrayD::from_shape_vec(IxDyn(view.shape()), values).map_err(|e| {
+                CaseError::Tensor {
+                    path: what.to_string(),
+                    tensor: name.clone(),
+                    why: e.to_string(),
+                }
+            })?;
+            case.tensors.insert(name.clone(), arr);
+            case.dtypes.insert(name, dt);
+        }
+        case.validate().map_err(|e| CaseError::Invalid {
+            path: what.to_string(),
+            source: e,
+        })?;
+        Ok(case)
+    }
+}
+
+/// Float tensors only; integer dtypes are refused by name.
+fn decode(view: &TensorView) -> Result<(Vec<f64>, Dtype), String> {
+    let d = view.data();
+    Ok(match view.dtype() {
+        StDtype::F64 => (
+            d.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8")))
+                .collect(),
+            Dtype::F64,
+        ),
+        StDtype::F32 => (
+            d.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4")) as f64)
+                .collect(),
+            Dtype::F32,
+        ),
+        StDtype::BF16 => (
+            d.chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            Dtype::Bf16,
+        ),
+        StDtype::F16 => (
+            d.chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            Dtype::F16,
+        ),
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not a float type (expected F64, F32, BF16 or F16)"
+            ))
+        }
+    })
+}
+
+fn describe(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => "file too short for the 8-byte header length (truncated?)".into(),
+        E::InvalidHeaderLength => "header length is larger than the file (truncated?)".into(),
+        E::HeaderTooLarge => "header length is implausibly large".into(),
+        E::InvalidHeaderDeserialization(j) => format!("header is not valid JSON: {j}"),
+        E::MetadataIncompleteBuffer => {
+            "tensor data is shorter than the header says (truncated?)".into()
+        }
+        E::TensorInvalidInfo => "a tensor's dtype and shape do not match its byte length".into(),
+        other => other.to_string(),
+    }
+}
+
+/// JSON objects silently keep the last of duplicate keys; a case must not.
+fn reject_duplicate_names(bytes: &[u8]) -> Result<(), String> {
+    struct Keys(Vec<String>);
+    impl<'de> serde::Deserialize<'de> for Keys {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = Keys;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut m: A,
+                ) -> Result<Keys, A::Error> {
+                    let mut keys = Vec::new();
+                    while let Some((k, _)) = m.next_entry::<String, serde::de::IgnoredAny>()? {
+                        keys.push(k);
+                    }
+                    Ok(Keys(keys))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    // Framing errors are reported by the safetensors parser itself.
+    let Some(n) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8")) as usize)
+    else {
+        return Ok(());
+    };
+    let Some(header) = bytes.get(8..8usize.saturating_add(n)) else {
+        return Ok(());
+    };
+    let Ok(Keys(mut keys)) = serde_json::from_slice::<Keys>(header) else {
+        return Ok(());
+    };
+    keys.sort();
+    match keys.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(format!("duplicate tensor name `{}` in the header", w[0])),
+        None => Ok(()),
+    }
+}

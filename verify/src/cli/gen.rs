@@ -1,0 +1,122 @@
+//! `deltaref gen`: write a deterministic case file.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args as ClapArgs;
+use deltaref::gates::Gate;
+use deltaref_verify::case::{CaseError, Dtype, Op};
+use deltaref_verify::generate::{generate, GenSpec};
+
+use super::{fail, list};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    /// kda, dplr or token_shift
+    #[arg(long)]
+    pub op: String,
+    /// KDA B,T,H,HV,K,V; DPLR B,T,H,K,V; token-shift B,T,D. With --lengths, B = 1 and T = Σ lengths (B,T may be given only if they agree).
+    #[arg(long)]
+    pub shape: Option<String>,
+    /// Varlen sequence lengths, e.g. 37,1,64,128 (packed, B = 1).
+    #[arg(long)]
+    pub lengths: Option<String>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// KDA in-kernel gate: none, kda or lowerbound.
+    #[arg(long, default_value = "none")]
+    pub gate: String,
+    /// Lower bound of the lowerbound gate.
+    #[arg(long, default_value_t = -5.0, allow_negative_numbers = true)]
+    pub lower_bound: f64,
+    /// KDA use_qk_l2norm_in_kernel.
+    #[arg(long)]
+    pub l2norm: bool,
+    /// KDA use_beta_sigmoid_in_kernel.
+    #[arg(long)]
+    pub beta_sigmoid: bool,
+    /// KDA allow_neg_eigval (with --beta-sigmoid).
+    #[arg(long)]
+    pub allow_neg_eigval: bool,
+    /// Store an initial state (token-shift: a cache).
+    #[arg(long)]
+    pub initial_state: bool,
+    /// Attention scale (default K^-0.5).
+    #[arg(long)]
+    pub scale: Option<f64>,
+    /// Storage dtype of the inputs and upstream gradients: f64, f32, bf16, f16.
+    #[arg(long, default_value = "f64")]
+    pub dtype: String,
+    /// Also store the float64 outputs and gradients.
+    #[arg(long)]
+    pub expected: bool,
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+fn spec(a: &Args) -> Result<GenSpec, CaseError> {
+    let usage = |m: String| CaseError::Usage(m);
+    let op = Op::parse(&a.op).ok_or_else(|| {
+        usage(format!(
+            "--op: unknown op `{}` (kda, dplr, token_shift)",
+            a.op
+        ))
+    })?;
+    let gate = match a.gate.as_str() {
+        "none" => Gate::None,
+        "kda" => Gate::Kda,
+        "lowerbound" => Gate::LowerBound {
+            lower_bound: a.lower_bound,
+        },
+        g => {
+            return Err(usage(format!(
+                "--gate: unknown gate `{g}` (none, kda, lowerbound)"
+            )))
+        }
+    };
+    if op != Op::Kda && (gate != Gate::None || a.l2norm || a.beta_sigmoid || a.allow_neg_eigval) {
+        return Err(usage(
+            "--gate, --l2norm, --beta-sigmoid and --allow-neg-eigval only apply to --op kda".into(),
+        ));
+    }
+    Ok(GenSpec {
+        shape: a.shape.as_deref().map(|s| list("--shape", s)).transpose()?,
+        lengths: a
+            .lengths
+            .as_deref()
+            .map(|s| list("--lengths", s))
+            .transpose()?,
+        seed: a.seed,
+        gate,
+        use_qk_l2norm_in_kernel: a.l2norm,
+        use_beta_sigmoid_in_kernel: a.beta_sigmoid,
+        allow_neg_eigval: a.allow_neg_eigval,
+        initial_state: a.initial_state,
+        scale: a.scale,
+        dtype: Dtype::parse(&a.dtype).ok_or_else(|| {
+            usage(format!(
+                "--dtype: unknown dtype `{}` (f64, f32, bf16, f16)",
+                a.dtype
+            ))
+        })?,
+        expected: a.expected,
+        ..GenSpec::new(op)
+    })
+}
+
+pub fn run(a: Args) -> ExitCode {
+    let result = spec(&a)
+        .and_then(|s| generate(&s))
+        .and_then(|c| c.write(&a.out).map(|_| c));
+    match result {
+        Ok(c) => {
+            println!(
+                "wrote {} ({} tensors)",
+                a.out.display(),
+                c.tensors.len() + usize::from(c.cu_seqlens.is_some())
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
+}

@@ -1,0 +1,70 @@
+//! `deltaref run`: compute a case's outputs and gradients with an implementation.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args as ClapArgs;
+use deltaref_verify::case::{Case, CaseError, Dtype};
+
+use super::{fail, ImplArgs};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    #[arg(long)]
+    pub case: PathBuf,
+    #[command(flatten)]
+    pub imp: ImplArgs,
+    /// Write the results as a candidate case file (float64).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn go(a: &Args) -> Result<String, CaseError> {
+    let case = Case::read(&a.case)?;
+    let (imp, compute) = a.imp.resolve()?;
+    let results = imp
+        .compute(&case, compute)
+        .map_err(|e| CaseError::Invalid {
+            path: a.case.display().to_string(),
+            source: e,
+        })?;
+    let mut lines = vec![format!("{} on {}:", imp.name(), a.case.display())];
+    for (n, t) in &results {
+        let rms = (t.iter().map(|v| v * v).sum::<f64>() / t.len().max(1) as f64).sqrt();
+        lines.push(format!(
+            "  {n:<12} {:<20} rms {rms:.6e}",
+            format!("{:?}", t.shape())
+        ));
+    }
+    if let Some(out) = &a.out {
+        let mut cand = Case::new(case.meta.clone());
+        cand.cu_seqlens = case.cu_seqlens.clone();
+        for (n, t) in case
+            .tensors
+            .iter()
+            .filter(|(n, _)| !case.meta.op.results().contains(&n.as_str()))
+        {
+            cand.insert(
+                n,
+                t.clone(),
+                case.dtypes.get(n).copied().unwrap_or(Dtype::F64),
+            );
+        }
+        for (n, t) in results {
+            cand.insert(&n, t, Dtype::F64);
+        }
+        cand.write(out)?;
+        lines.push(format!("wrote {}", out.display()));
+    }
+    Ok(lines.join("\n"))
+}
+
+pub fn run(a: Args) -> ExitCode {
+    match go(&a) {
+        Ok(s) => {
+            println!("{s}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
+}

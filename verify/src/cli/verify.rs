@@ -1,0 +1,112 @@
+//! `deltaref verify`: compare a candidate (or an implementation) with a
+//! case's expected tensors (or the oracle's recomputation).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args as ClapArgs;
+use deltaref_verify::case::{Case, CaseError};
+use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::report::VerifyReport;
+
+use super::{fail, ImplArgs};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    #[arg(long)]
+    pub case: PathBuf,
+    /// A candidate file (any float dtype) holding outputs and gradients.
+    #[arg(long)]
+    pub candidate: Option<PathBuf>,
+    #[command(flatten)]
+    pub imp: ImplArgs,
+    /// A tensor passes when max_abs ≤ 1e-6 or norm_ratio < this (FLA assert_close).
+    #[arg(long, default_value_t = 5e-3)]
+    pub max_ratio: f64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn invalid(path: &std::path::Path) -> impl Fn(deltaref::Error) -> CaseError + '_ {
+    move |e| CaseError::Invalid {
+        path: path.display().to_string(),
+        source: e,
+    }
+}
+
+fn go(a: &Args) -> Result<VerifyReport, CaseError> {
+    let case = Case::read(&a.case)?;
+    let stored = case.results();
+    let (expected, reference, got, candidate) = match &a.candidate {
+        Some(cpath) => {
+            let cand = Case::read(cpath)?;
+            if cand.meta.op != case.meta.op {
+                return Err(CaseError::Usage(format!(
+                    "candidate op `{}` differs from the case's `{}`",
+                    cand.meta.op.name(),
+                    case.meta.op.name()
+                )));
+            }
+            let (expected, reference) = if stored.is_empty() {
+                let oracle = Impl::Naive
+                    .compute(&case, Compute::F64)
+                    .map_err(invalid(&a.case))?;
+                (oracle, "impl:naive (f64 oracle)".to_string())
+            } else {
+                (stored, "case file".to_string())
+            };
+            (
+                expected,
+                reference,
+                cand.results(),
+                cpath.display().to_string(),
+            )
+        }
+        None => {
+            if stored.is_empty() {
+                return Err(CaseError::Usage(format!(
+                    "{} stores no expected outputs: pass --candidate, or generate it with --expected",
+                    a.case.display()
+                )));
+            }
+            let (imp, compute) = a.imp.resolve()?;
+            let got = imp.compute(&case, compute).map_err(invalid(&a.case))?;
+            (
+                stored,
+                "case file".to_string(),
+                got,
+                format!("impl:{}", imp.name()),
+            )
+        }
+    };
+    Ok(VerifyReport::new(
+        &a.case.display().to_string(),
+        &reference,
+        &candidate,
+        &expected,
+        &got,
+        a.max_ratio,
+    ))
+}
+
+pub fn run(a: Args) -> ExitCode {
+    match go(&a) {
+        Ok(report) => {
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).expect("report serialises")
+                );
+            } else {
+                println!("{report}");
+            }
+            if report.pass {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => fail(&e),
+    }
+}

@@ -1,0 +1,202 @@
+//! `deltaref gen`: deterministic cases with FLA-test-like inputs.
+
+use deltaref::gates::Gate;
+use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
+use deltaref::kda::KdaOptions;
+use ndarray::ArrayD;
+
+use crate::case::{Case, CaseError, CaseMeta, Dtype, Op};
+use crate::impls::{Compute, Impl};
+
+/// What to generate (the `gen` flags).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenSpec {
+    pub op: Op,
+    /// KDA `B,T,H,HV,K,V`; DPLR `B,T,H,K,V`; token-shift `B,T,D`.
+    pub shape: Option<Vec<usize>>,
+    /// Varlen sequence lengths: then B = 1 and T = Σ lengths.
+    pub lengths: Option<Vec<usize>>,
+    pub seed: u64,
+    pub gate: Gate,
+    pub use_qk_l2norm_in_kernel: bool,
+    pub use_beta_sigmoid_in_kernel: bool,
+    pub allow_neg_eigval: bool,
+    pub initial_state: bool,
+    pub scale: Option<f64>,
+    pub dtype: Dtype,
+    /// Store the float64 outputs and gradients too.
+    pub expected: bool,
+}
+
+impl GenSpec {
+    pub fn new(op: Op) -> Self {
+        GenSpec {
+            op,
+            shape: None,
+            lengths: None,
+            seed: 0,
+            gate: Gate::None,
+            use_qk_l2norm_in_kernel: false,
+            use_beta_sigmoid_in_kernel: false,
+            allow_neg_eigval: false,
+            initial_state: false,
+            scale: None,
+            dtype: Dtype::F64,
+            expected: false,
+        }
+    }
+
+    /// The shape with defaults filled in and checked against `lengths`.
+    fn dims(&self) -> Result<(Layout, Vec<usize>), CaseError> {
+        let (default, names): (&[usize], &str) = match self.op {
+            Op::Kda => (&[2, 64, 2, 4, 16, 16], "B,T,H,HV,K,V"),
+            Op::Dplr => (&[2, 64, 2, 16, 16], "B,T,H,K,V"),
+            Op::TokenShift => (&[2, 64, 32], "B,T,D"),
+        };
+        let shape = self.shape.clone().unwrap_or_else(|| default.to_vec());
+        if shape.len() != default.len() {
+            return Err(CaseError::Usage(format!(
+                "--shape for {} is {names}, got {} numbers",
+                self.op.name(),
+                shape.len()
+            )));
+        }
+        if shape[2..].contains(&0) {
+            return Err(CaseError::Usage(format!(
+                "--shape {names}: head and feature sizes must be ≥ 1, got {shape:?}"
+            )));
+        }
+        let layout = match &self.lengths {
+            None => Layout::batch(shape[0], shape[1]),
+            Some(l) => {
+                let t: usize = l.iter().sum();
+                if self.shape.is_some() && (shape[0] != 1 || shape[1] != t) {
+                    return Err(CaseError::Usage(format!(
+                        "with --lengths the batch is packed: --shape must have B = 1 and T = Σ lengths = {t}, got B = {}, T = {}",
+                        shape[0], shape[1]
+                    )));
+                }
+                Layout::varlen(l)
+            }
+        };
+        Ok((layout, shape[2..].to_vec()))
+    }
+
+    pub fn meta(&self) -> CaseMeta {
+        let mut m = CaseMeta::new(self.op);
+        m.scale = self.scale;
+        if self.op == Op::Kda {
+            m.use_qk_l2norm_in_kernel = self.use_qk_l2norm_in_kernel;
+            m.gate = self.gate;
+            m.use_beta_sigmoid_in_kernel = self.use_beta_sigmoid_in_kernel;
+            m.allow_neg_eigval = self.allow_neg_eigval;
+        }
+        m.seed = Some(self.seed);
+        m.dtype = Some(self.dtype);
+        m
+    }
+}
+
+fn put_all<I>(
+    case: &mut Case,
+    g: &Generated<I>,
+    named: Vec<(&str, Option<&ArrayD<f64>>)>,
+    upstream: [&str; 2],
+    dtype: Dtype,
+) {
+    for (n, t) in named {
+        if let Some(t) = t {
+            case.insert(n, t.clone(), dtype);
+        }
+    }
+    case.insert(upstream[0], g.d_o.clone(), dtype);
+    case.insert(upstream[1], g.dht.clone(), dtype);
+}
+
+/// Generates a case; with `expected`, the f64 truth is computed from the
+/// stored (possibly rounded) inputs.
+pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
+    let (layout, dims) = spec.dims()?;
+    let mut case = Case::new(spec.meta());
+    case.cu_seqlens = layout.cu_seqlens();
+    let dt = spec.dtype;
+    match spec.op {
+        Op::Kda => {
+            let opts = KdaOptions {
+                scale: spec.scale,
+                output_final_state: true,
+                use_qk_l2norm_in_kernel: spec.use_qk_l2norm_in_kernel,
+                gate: spec.gate,
+                use_beta_sigmoid_in_kernel: spec.use_beta_sigmoid_in_kernel,
+                allow_neg_eigval: spec.allow_neg_eigval,
+            };
+            let s = KdaSpec {
+                layout,
+                h: dims[0],
+                hv: dims[1],
+                k: dims[2],
+                v: dims[3],
+                opts,
+                initial_state: spec.initial_state,
+                scalar_gate: false,
+                seed: spec.seed,
+            };
+            let g = inputs::kda(&s);
+            let x = &g.inputs;
+            let named = vec![
+                ("q", Some(&x.q)),
+                ("k", Some(&x.k)),
+                ("v", Some(&x.v)),
+                ("g", Some(&x.g)),
+                ("beta", Some(&x.beta)),
+                ("A_log", x.a_log.as_ref()),
+                ("dt_bias", x.dt_bias.as_ref()),
+                ("initial_state", x.initial_state.as_ref()),
+            ];
+            put_all(&mut case, &g, named, ["do", "dht"], dt);
+        }
+        Op::Dplr => {
+            let s = DplrSpec {
+                layout,
+                h: dims[0],
+                k: dims[1],
+                v: dims[2],
+                initial_state: spec.initial_state,
+                seed: spec.seed,
+            };
+            let g = inputs::dplr(&s);
+            let x = &g.inputs;
+            let named = vec![
+                ("q", Some(&x.q)),
+                ("k", Some(&x.k)),
+                ("v", Some(&x.v)),
+                ("a", Some(&x.a)),
+                ("b", Some(&x.b)),
+                ("gk", Some(&x.gk)),
+                ("initial_state", x.initial_state.as_ref()),
+            ];
+            put_all(&mut case, &g, named, ["do", "dht"], dt);
+        }
+        Op::TokenShift => {
+            let g = inputs::token_shift(&TokenShiftSpec {
+                layout,
+                d: dims[0],
+                cache: spec.initial_state,
+                seed: spec.seed,
+            });
+            let named = vec![("x", Some(&g.inputs.x)), ("cache", g.inputs.cache.as_ref())];
+            put_all(&mut case, &g, named, ["dy", "dfinal_cache"], dt);
+        }
+    }
+    case.validate()
+        .map_err(|e| CaseError::Usage(e.to_string()))?;
+    if spec.expected {
+        let truth = Impl::Naive
+            .compute(&case, Compute::F64)
+            .map_err(|e| CaseError::Usage(e.to_string()))?;
+        for (n, t) in truth {
+            case.insert(&n, t, Dtype::F64);
+        }
+    }
+    Ok(case)
+}

@@ -1,0 +1,144 @@
+//! The per-tensor comparison report of `deltaref verify` (table and JSON).
+
+use std::fmt;
+
+use ndarray::ArrayD;
+use serde::Serialize;
+
+use crate::metrics::compare;
+use crate::outputs::Tensors;
+
+/// One tensor's comparison; `missing` when the candidate lacks it.
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyRow {
+    pub tensor: String,
+    pub shape: Vec<usize>,
+    pub norm_ratio: Option<f64>,
+    pub max_abs: Option<f64>,
+    /// Multi-dimensional index of the largest difference.
+    pub argmax: Option<Vec<usize>>,
+    pub pass: bool,
+    /// Why the row fails without numbers (missing tensor, shape mismatch).
+    pub problem: Option<String>,
+}
+
+/// The whole comparison.
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyReport {
+    pub case: String,
+    /// What the expected tensors came from: `"case file"` or `"impl:<name>"`.
+    pub reference: String,
+    /// The candidate file or `"impl:<name>"`.
+    pub candidate: String,
+    pub max_ratio: f64,
+    pub pass: bool,
+    pub rows: Vec<VerifyRow>,
+}
+
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for (i, &n) in idx.iter_mut().zip(shape).rev() {
+        *i = flat % n.max(1);
+        flat /= n.max(1);
+    }
+    idx
+}
+
+fn row(name: &str, r: &ArrayD<f64>, c: Option<&ArrayD<f64>>, max_ratio: f64) -> VerifyRow {
+    let base = VerifyRow {
+        tensor: name.to_string(),
+        shape: r.shape().to_vec(),
+        norm_ratio: None,
+        max_abs: None,
+        argmax: None,
+        pass: false,
+        problem: None,
+    };
+    match c {
+        None => VerifyRow {
+            problem: Some("missing from the candidate".into()),
+            ..base
+        },
+        Some(c) if c.shape() != r.shape() => VerifyRow {
+            problem: Some(format!("candidate shape {:?}", c.shape())),
+            ..base
+        },
+        Some(c) => {
+            let (rf, cf): (Vec<f64>, Vec<f64>) =
+                (r.iter().copied().collect(), c.iter().copied().collect());
+            let cmp = compare(&rf, &cf, max_ratio);
+            VerifyRow {
+                norm_ratio: Some(cmp.norm_ratio),
+                max_abs: Some(cmp.max_abs),
+                argmax: Some(unravel(cmp.argmax, r.shape())),
+                pass: cmp.pass,
+                ..base
+            }
+        }
+    }
+}
+
+impl VerifyReport {
+    /// One row per expected tensor.
+    pub fn new(
+        case: &str,
+        reference: &str,
+        candidate: &str,
+        expected: &Tensors,
+        got: &Tensors,
+        max_ratio: f64,
+    ) -> Self {
+        let rows: Vec<VerifyRow> = expected
+            .iter()
+            .map(|(n, r)| row(n, r, got.get(n), max_ratio))
+            .collect();
+        VerifyReport {
+            case: case.to_string(),
+            reference: reference.to_string(),
+            candidate: candidate.to_string(),
+            max_ratio,
+            pass: !rows.is_empty() && rows.iter().all(|r| r.pass),
+            rows,
+        }
+    }
+}
+
+impl fmt::Display for VerifyReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "case {}: {} against {} (max ratio {:.1e})",
+            self.case, self.candidate, self.reference, self.max_ratio
+        )?;
+        writeln!(
+            f,
+            "{:<13} {:<20} {:>11} {:>11}  {:<20} result",
+            "tensor", "shape", "norm_ratio", "max_abs", "argmax"
+        )?;
+        for r in &self.rows {
+            let num = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3e}"));
+            let result = match (&r.problem, r.pass) {
+                (Some(p), _) => format!("FAIL ({p})"),
+                (None, true) => "pass".into(),
+                (None, false) => "FAIL".into(),
+            };
+            writeln!(
+                f,
+                "{:<13} {:<20} {:>11} {:>11}  {:<20} {}",
+                r.tensor,
+                format!("{:?}", r.shape),
+                num(r.norm_ratio),
+                num(r.max_abs),
+                r.argmax.as_ref().map_or("-".into(), |a| format!("{a:?}")),
+                result
+            )?;
+        }
+        let failed = self.rows.iter().filter(|r| !r.pass).count();
+        write!(
+            f,
+            "{} of {} tensors pass",
+            self.rows.len() - failed,
+            self.rows.len()
+        )
+    }
+}
