@@ -1,0 +1,219 @@
+//! The real `deltaref` binary on temporary files: exit codes 0 (pass),
+//! 1 (a comparison failed), 2 (usage or input error); `--json` parses.
+
+use std::path::Path;
+
+use assert_cmd::Command;
+use deltaref_verify::case::{Case, Dtype};
+
+fn deltaref() -> Command {
+    Command::cargo_bin("deltaref").expect("binary built")
+}
+
+fn run_ok(args: &[&str]) -> String {
+    let out = deltaref().args(args).output().expect("runs");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+fn code(args: &[&str]) -> (i32, String, String) {
+    let out = deltaref().args(args).output().expect("runs");
+    (
+        out.status.code().expect("exit code"),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+#[test]
+fn gen_run_verify_round_trip_for_every_op() {
+    let dir = tempfile::tempdir().unwrap();
+    for (op, extra) in [
+        (
+            "kda",
+            vec![
+                "--gate",
+                "lowerbound",
+                "--lower-bound",
+                "-4",
+                "--l2norm",
+                "--beta-sigmoid",
+                "--lengths",
+                "13,0,1,20",
+            ],
+        ),
+        ("kda", vec!["--gate", "kda", "--shape", "2,9,1,2,4,3"]),
+        ("dplr", vec!["--lengths", "5,1,12"]),
+        ("token_shift", vec!["--lengths", "5,0,12"]),
+    ] {
+        let case = dir.path().join(format!("{op}.safetensors"));
+        let mut args = vec![
+            "gen",
+            "--op",
+            op,
+            "--initial-state",
+            "--expected",
+            "--seed",
+            "3",
+            "--out",
+            s(&case),
+        ];
+        args.extend(extra);
+        run_ok(&args);
+        let table = run_ok(&["verify", "--case", s(&case), "--impl", "naive"]);
+        assert!(table.contains("pass") && !table.contains("FAIL"), "{table}");
+        let cand = dir.path().join(format!("{op}-cand.safetensors"));
+        run_ok(&[
+            "run",
+            "--case",
+            s(&case),
+            "--impl",
+            "naive",
+            "--out",
+            s(&cand),
+        ]);
+        let json = run_ok(&[
+            "verify",
+            "--case",
+            s(&case),
+            "--candidate",
+            s(&cand),
+            "--json",
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&json).expect("JSON report");
+        assert_eq!(v["pass"], true);
+        for row in v["rows"].as_array().unwrap() {
+            assert!(row["norm_ratio"].as_f64().unwrap() <= 1e-15, "{row}");
+        }
+    }
+}
+
+#[test]
+fn perturbed_and_low_precision_candidates() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = dir.path().join("c.safetensors");
+    run_ok(&[
+        "gen",
+        "--op",
+        "kda",
+        "--lengths",
+        "20,7",
+        "--gate",
+        "lowerbound",
+        "--initial-state",
+        "--out",
+        s(&case),
+    ]);
+    let cand = dir.path().join("cand.safetensors");
+    run_ok(&["run", "--case", s(&case), "--out", s(&cand)]);
+    // A bf16 candidate (the case has no stored truth: compared with the oracle).
+    let mut c = Case::read(&cand).unwrap();
+    for name in c.meta.op.results() {
+        if let Some(t) = c.tensors.get(*name).cloned() {
+            c.insert(name, t, Dtype::Bf16);
+        }
+    }
+    let bf = dir.path().join("bf16.safetensors");
+    c.write(&bf).unwrap();
+    let (rc, out, err) = code(&["verify", "--case", s(&case), "--candidate", s(&bf)]);
+    assert_eq!(rc, 0, "{out}{err}");
+    // dv scaled by 1.01 fails alone, with norm_ratio ≈ 1e-2.
+    let mut c = Case::read(&cand).unwrap();
+    let dv = c.tensors["dv"].mapv(|v| v * 1.01);
+    c.insert("dv", dv, Dtype::F32);
+    let bad = dir.path().join("bad.safetensors");
+    c.write(&bad).unwrap();
+    let (rc, out, _) = code(&[
+        "verify",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&bad),
+        "--json",
+    ]);
+    assert_eq!(rc, 1, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let failing: Vec<&str> = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["pass"] == false)
+        .map(|r| r["tensor"].as_str().unwrap())
+        .collect();
+    assert_eq!(failing, vec!["dv"]);
+    let nr = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["tensor"] == "dv")
+        .unwrap()["norm_ratio"]
+        .as_f64()
+        .unwrap();
+    assert!((nr - 1e-2).abs() < 2e-4, "{nr}");
+}
+
+#[test]
+fn usage_and_input_errors_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.safetensors");
+    for args in [
+        vec!["verify", "--bogus"],
+        vec!["gen", "--op", "gla", "--out", s(&out)],
+        vec![
+            "gen",
+            "--op",
+            "kda",
+            "--gate",
+            "sometimes",
+            "--out",
+            s(&out),
+        ],
+        vec!["gen", "--op", "kda", "--shape", "1,2,3", "--out", s(&out)],
+        vec![
+            "gen",
+            "--op",
+            "kda",
+            "--shape",
+            "2,10,1,1,4,4",
+            "--lengths",
+            "4,6",
+            "--out",
+            s(&out),
+        ],
+        vec!["gen", "--op", "dplr", "--l2norm", "--out", s(&out)],
+        vec!["verify", "--case", "/nonexistent/case.safetensors"],
+        vec!["run", "--case", "/nonexistent/case.safetensors"],
+        vec!["selfcheck", "--verbose"],
+    ] {
+        let (rc, _, err) = code(&args);
+        assert_eq!(rc, 2, "{args:?}: {err}");
+        assert!(!err.is_empty(), "{args:?} printed no error");
+    }
+    // A fixture without stored truth and without --candidate: nothing to compare.
+    run_ok(&["gen", "--op", "token_shift", "--out", s(&out)]);
+    let (rc, _, err) = code(&["verify", "--case", s(&out)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(err.contains("--expected"), "{err}");
+    let (rc, _, err) = code(&["run", "--case", s(&out), "--impl", "magic"]);
+    assert_eq!(rc, 2);
+    assert!(err.contains("unknown --impl `magic`"), "{err}");
+    // A corrupt file.
+    std::fs::write(&out, b"\x10\x00\x00\x00\x00\x00\x00\x00{}").unwrap();
+    let (rc, _, err) = code(&["verify", "--case", s(&out)]);
+    assert_eq!(rc, 2, "{err}");
+}
+
+#[test]
+fn selfcheck_passes_and_prints_the_table() {
+    let out = run_ok(&["selfcheck"]);
+    assert!(out.contains("naive analytic vs finite-diff"), "{out}");
+    assert!(out.trim_end().ends_with("0 failed"), "{out}");
+}
