@@ -11,6 +11,7 @@ pub mod error;
 pub mod gates;
 pub mod inputs;
 pub mod kda;
+pub mod precision;
 pub mod rng;
 pub mod scalar;
 pub mod tensor;

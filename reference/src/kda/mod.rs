@@ -7,6 +7,7 @@
 //! [`KdaEngine`] over every (sequence, value head) pair. The engines
 //! (`naive`, `chunk`) only see one head of one sequence.
 
+pub mod chunk;
 pub mod naive;
 
 use ndarray::{s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, Axis, Ix3, IxDyn};

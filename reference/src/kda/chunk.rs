@@ -1,0 +1,489 @@
+//! The chunked form (SPEC §3.1), in the structure of FLA's `chunk_kda`:
+//! per chunk of `C` tokens the state-independent "intra" quantities (Γ,
+//! `Akk`, `Aqk`, `w`, `u`, `qg`, `kg`), then one pass over the chunks carrying
+//! the state (`h`, `v_new`, `o`). Backward follows `chunk_kda_bwd`: output
+//! backward, the `dh` recurrence over chunks, WY backward, intra-chunk
+//! backward, gate (reverse cumsum) backward.
+//!
+//! `exp(Γ_r − Γ_c)` is always formed from the difference, so strong decays
+//! never overflow. A [`Policy`] rounds each stored stage for precision
+//! emulation; the default policy is exact.
+
+use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+
+use super::{
+    KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared,
+};
+use crate::error::{Error, Result};
+use crate::precision::{Policy, Stage};
+use crate::scalar::Scalar;
+use crate::varlen::{par_pairs, Segment};
+
+/// The chunked engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Chunk {
+    pub chunk_size: usize,
+    pub policy: Policy,
+}
+
+impl Chunk {
+    /// Chunk sizes of FLA's kernels: 16, 32 or 64.
+    pub fn new(chunk_size: usize) -> Result<Self> {
+        if ![16, 32, 64].contains(&chunk_size) {
+            return Err(Error::option(
+                "chunk_size",
+                format!("must be 16, 32 or 64, got {chunk_size}"),
+            ));
+        }
+        Ok(Chunk {
+            chunk_size,
+            policy: Policy::exact(),
+        })
+    }
+
+    /// The same engine with stages rounded per `policy`.
+    pub fn with_policy(self, policy: Policy) -> Self {
+        Chunk { policy, ..self }
+    }
+}
+
+/// `chunk::forward(x, opt, C)`: the chunked engine over a whole batch.
+pub fn forward<T: Scalar>(
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    chunk_size: usize,
+) -> Result<KdaOutputs<T>> {
+    super::forward(&Chunk::new(chunk_size)?, x, opt)
+}
+
+/// `chunk::backward(x, opt, do, dht, C)`.
+pub fn backward<T: Scalar>(
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    chunk_size: usize,
+) -> Result<KdaGrads<T>> {
+    super::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
+}
+
+/// One chunk's state-independent quantities (rows = the chunk's tokens).
+#[derive(Clone, Debug)]
+pub struct Intra<T> {
+    /// First token of the chunk inside its head.
+    pub start: usize,
+    /// Γ: in-chunk cumulative log-decay, `[c, K]`.
+    pub g_cumsum: Array2<T>,
+    /// `(I + L)^{-1}` (unit lower triangular), `[c, c]`.
+    pub n_inv: Array2<T>,
+    /// `Akk = (I + L)^{-1} Diag(β)`, `[c, c]`.
+    pub akk: Array2<T>,
+    /// `Aqk[r, s] = Σ q_r k_s exp(Γ_r − Γ_s)`, `s ≤ r`, `[c, c]`.
+    pub aqk: Array2<T>,
+    /// `Σ k_r k_s exp(Γ_r − Γ_s)`, `s < r` (L without β), `[c, c]`.
+    pub p: Array2<T>,
+    /// `w = Akk (exp(Γ) ⊙ K)`, `[c, K]`.
+    pub w: Array2<T>,
+    /// `u = Akk V`, `[c, V]`.
+    pub u: Array2<T>,
+    /// `Q ⊙ exp(Γ)`, `[c, K]`.
+    pub qg: Array2<T>,
+    /// `K ⊙ exp(Γ_last − Γ)`, `[c, K]`.
+    pub kg: Array2<T>,
+}
+
+impl<T: Scalar> Intra<T> {
+    pub fn len(&self) -> usize {
+        self.g_cumsum.nrows()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `exp(Γ_last)`, `[K]`.
+    pub fn decay_last(&self) -> Array1<T> {
+        self.g_cumsum.row(self.len() - 1).mapv(|v| v.exp())
+    }
+
+    /// `M_chunk = Diag(exp Γ_last) − kgᵀ w`, `[K, K]`.
+    pub fn transition(&self) -> Array2<T> {
+        let mut m = -self.kg.t().dot(&self.w);
+        for (d, e) in self.decay_last().iter().enumerate() {
+            m[[d, d]] += *e;
+        }
+        m
+    }
+}
+
+/// Forward intermediates of one head.
+#[derive(Clone, Debug)]
+pub struct ChunkForward<T> {
+    pub intra: Vec<Intra<T>>,
+    /// State entering each chunk, `[NT, K, V]`.
+    pub h: Array3<T>,
+    /// `u − w h`, `[L, V]`.
+    pub v_new: Array2<T>,
+    /// `[L, V]`
+    pub o: Array2<T>,
+    /// `[K, V]`
+    pub final_state: Array2<T>,
+}
+
+/// Backward intermediates of one head.
+#[derive(Clone, Debug)]
+pub struct ChunkBackward<T> {
+    /// Gradient of the state at the END of each chunk (FLA's `dh`), `[NT, K, V]`.
+    pub dh: Array3<T>,
+    /// Gradient of `v_new` (FLA's `dv` after the state pass), `[L, V]`.
+    pub dv_new: Array2<T>,
+    /// Per chunk, `[c, c]`.
+    pub daqk: Vec<Array2<T>>,
+    /// Per chunk, gradient of `Akk`, `[c, c]`.
+    pub dakk: Vec<Array2<T>>,
+    pub grads: KdaHeadGrads<T>,
+}
+
+impl Chunk {
+    /// `exp(Γ_r − Γ_s)` for one key dim, formed from differences; with the
+    /// safe-gate policy, through the midpoint of `r`'s 16-token sub-chunk.
+    #[inline]
+    fn pair_decay<T: Scalar>(&self, g: &Array2<T>, r: usize, s: usize, d: usize) -> T {
+        if self.policy.safe_gate_midpoint {
+            let m = ((r / 16) * 16 + 8).min(g.nrows() - 1);
+            self.policy.exp(g[[r, d]] - g[[m, d]]) * self.policy.exp(g[[m, d]] - g[[s, d]])
+        } else {
+            self.policy.exp(g[[r, d]] - g[[s, d]])
+        }
+    }
+
+    /// The intra-chunk stage for tokens `start..start + c` of `x`.
+    pub fn intra<T: Scalar>(&self, x: &KdaHead<T>, start: usize, c: usize) -> Intra<T> {
+        let rows = s![start..start + c, ..];
+        let (q, k, v) = (x.q.slice(rows), x.k.slice(rows), x.v.slice(rows));
+        let beta = x.beta.slice(s![start..start + c]);
+        let mut g_cumsum = x.g.slice(rows).to_owned();
+        g_cumsum.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
+        self.policy.round(Stage::GCumsum, &mut g_cumsum);
+        let kd = x.k_dim();
+        let (mut aqk, mut p) = (Array2::zeros((c, c)), Array2::zeros((c, c)));
+        for r in 0..c {
+            for s in 0..=r {
+                let (mut a, mut b) = (T::zero(), T::zero());
+                for d in 0..kd {
+                    let e = self.pair_decay(&g_cumsum, r, s, d);
+                    a += q[[r, d]] * k[[s, d]] * e;
+                    b += k[[r, d]] * k[[s, d]] * e;
+                }
+                aqk[[r, s]] = a;
+                if s < r {
+                    p[[r, s]] = b;
+                }
+            }
+        }
+        // (I + L)^{-1} by forward substitution, L[r, s] = β_r p[r, s].
+        let mut n_inv = Array2::<T>::eye(c);
+        for r in 1..c {
+            for s in 0..r {
+                let l = beta[r] * p[[r, s]];
+                if l != T::zero() {
+                    let row_s = n_inv.row(s).to_owned();
+                    n_inv.row_mut(r).scaled_add(-l, &row_s);
+                }
+            }
+        }
+        let mut akk = &n_inv * &beta.view().insert_axis(Axis(0));
+        self.policy.round(Stage::Akk, &mut akk);
+        self.policy.round(Stage::Aqk, &mut aqk);
+        let eg = g_cumsum.mapv(|v| self.policy.exp(v));
+        let mut w = akk.dot(&(&eg * &k));
+        let mut u = akk.dot(&v);
+        self.policy.round(Stage::W, &mut w);
+        self.policy.round(Stage::U, &mut u);
+        let last = g_cumsum.row(c - 1).to_owned();
+        let mut qg = &q * &eg;
+        let mut kg =
+            &k * &(g_cumsum.mapv(|v| -v) + &last.insert_axis(Axis(0))).mapv(|v| self.policy.exp(v));
+        self.policy.round(Stage::Gated, &mut qg);
+        self.policy.round(Stage::Gated, &mut kg);
+        Intra {
+            start,
+            g_cumsum,
+            n_inv,
+            akk,
+            aqk,
+            p,
+            w,
+            u,
+            qg,
+            kg,
+        }
+    }
+
+    /// All chunks' intra stages of one head.
+    pub fn intras<T: Scalar>(&self, x: &KdaHead<T>) -> Vec<Intra<T>> {
+        (0..x.len())
+            .step_by(self.chunk_size)
+            .map(|start| self.intra(x, start, self.chunk_size.min(x.len() - start)))
+            .collect()
+    }
+
+    /// The forward pass with every intermediate.
+    pub fn forward_intermediates<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+    ) -> ChunkForward<T> {
+        let intra = self.intras(x);
+        let (kd, vd) = (x.k_dim(), x.v_dim());
+        let mut h = Array3::zeros((intra.len(), kd, vd));
+        let mut v_new = Array2::zeros((x.len(), vd));
+        let mut o = Array2::zeros((x.len(), vd));
+        let mut state = h0.to_owned();
+        for (n, ch) in intra.iter().enumerate() {
+            let mut hn = state.clone();
+            self.policy.round(Stage::H, &mut hn);
+            let rows = s![ch.start..ch.start + ch.len(), ..];
+            let mut vn = &ch.u - &ch.w.dot(&hn);
+            self.policy.round(Stage::VNew, &mut vn);
+            o.slice_mut(rows)
+                .assign(&(ch.qg.dot(&hn) + ch.aqk.dot(&vn)));
+            state = &state * &ch.decay_last().insert_axis(Axis(1)) + ch.kg.t().dot(&vn);
+            v_new.slice_mut(rows).assign(&vn);
+            h.index_axis_mut(Axis(0), n).assign(&hn);
+        }
+        ChunkForward {
+            intra,
+            h,
+            v_new,
+            o,
+            final_state: state,
+        }
+    }
+
+    /// The backward pass with every intermediate.
+    pub fn backward_intermediates<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ChunkBackward<T> {
+        let fwd = self.forward_intermediates(x, h0);
+        let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
+        let mut gr = KdaHeadGrads {
+            dq: Array2::zeros((l, kd)),
+            dk: Array2::zeros((l, kd)),
+            dv: Array2::zeros((l, vd)),
+            dg: Array2::zeros((l, kd)),
+            dbeta: Array1::zeros(l),
+            dh0: Array2::zeros((kd, vd)),
+        };
+        let nt = fwd.intra.len();
+        let mut dh = Array3::zeros((nt, kd, vd));
+        let mut dv_new = Array2::zeros((l, vd));
+        let (mut daqk, mut dakk) = (
+            vec![Array2::zeros((0, 0)); nt],
+            vec![Array2::zeros((0, 0)); nt],
+        );
+        let mut ds = dht.to_owned();
+        for (n, ch) in fwd.intra.iter().enumerate().rev() {
+            let mut ds_used = ds.clone();
+            self.policy.round(Stage::Dh, &mut ds_used);
+            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
+            let out = self.chunk_backward(x, ch, &fwd, n, d_o, &ds_used, &mut gr);
+            // The state gradient entering the chunk: decayed carry plus this chunk's reads.
+            ds = &ds * &ch.decay_last().insert_axis(Axis(1)) + &out.ds_local;
+            dv_new
+                .slice_mut(s![ch.start..ch.start + ch.len(), ..])
+                .assign(&out.dvn);
+            daqk[n] = out.daqk;
+            dakk[n] = out.dakk;
+        }
+        gr.dh0 = ds;
+        ChunkBackward {
+            dh,
+            dv_new,
+            daqk,
+            dakk,
+            grads: gr,
+        }
+    }
+
+    /// Backward through one chunk given `ds = ∂L/∂(state at its end)`; writes
+    /// the chunk's token gradients into `gr`.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_backward<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        ch: &Intra<T>,
+        fwd: &ChunkForward<T>,
+        n: usize,
+        d_o: ArrayView2<T>,
+        ds: &Array2<T>,
+        gr: &mut KdaHeadGrads<T>,
+    ) -> ChunkStep<T> {
+        let c = ch.len();
+        let rows = s![ch.start..ch.start + c, ..];
+        let h = fwd.h.index_axis(Axis(0), n);
+        let vn = fwd.v_new.slice(rows);
+        let dout = d_o.slice(rows);
+        let decay_last = ch.decay_last();
+        // Output: O = qg h + Aqk v_new.
+        let dqg = dout.dot(&h.t());
+        let mut daqk = dout.dot(&vn.t());
+        daqk.indexed_iter_mut().for_each(|((r, s), v)| {
+            if s > r {
+                *v = T::zero()
+            }
+        });
+        // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
+        let mut dvn = ch.aqk.t().dot(&dout) + ch.kg.dot(ds);
+        self.policy.round(Stage::Dv, &mut dvn);
+        let dkg = vn.dot(&ds.t());
+        let mut dgamma_last: Array1<T> = (&h * ds).sum_axis(Axis(1)) * &decay_last;
+        let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
+        let dw = -dvn.dot(&h.t());
+        let du = &dvn;
+        // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
+        let k = x.k.slice(rows);
+        let eg = ch.g_cumsum.mapv(|v| self.policy.exp(v));
+        let kd_ = &eg * &k;
+        let dakk = dw.dot(&kd_.t()) + du.dot(&x.v.slice(rows).t());
+        let dkd = ch.akk.t().dot(&dw);
+        let mut dk = &dkd * &eg;
+        let mut dgamma = &dkd * &kd_;
+        gr.dv.slice_mut(rows).assign(&ch.akk.t().dot(du));
+        let beta = x.beta.slice(s![ch.start..ch.start + c]);
+        let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
+        let dn = &dakk * &beta.insert_axis(Axis(0));
+        let mut dlow = -ch.n_inv.t().dot(&dn).dot(&ch.n_inv.t());
+        dlow.indexed_iter_mut().for_each(|((r, s), v)| {
+            if s >= r {
+                *v = T::zero()
+            }
+        });
+        dbeta += &(&dlow * &ch.p).sum_axis(Axis(1));
+        let dp = &dlow * &beta.insert_axis(Axis(1));
+        // qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ).
+        let q = x.q.slice(rows);
+        let mut dq = &dqg * &eg;
+        dgamma += &(&dqg * &ch.qg);
+        let ekg = (ch.g_cumsum.mapv(|v| -v) + &ch.g_cumsum.row(c - 1).insert_axis(Axis(0)))
+            .mapv(|v| self.policy.exp(v));
+        dk += &(&dkg * &ekg);
+        let dkg_kg = &dkg * &ch.kg;
+        dgamma -= &dkg_kg;
+        dgamma_last += &dkg_kg.sum_axis(Axis(0));
+        self.intra_backward(ch, q, k, &daqk, &dp, &mut dq, &mut dk, &mut dgamma);
+        // Γlast is the last row of Γ; Γ_r = Σ_{i≤r} g_i ⇒ dg = reverse cumsum of dΓ.
+        dgamma.row_mut(c - 1).scaled_add(T::one(), &dgamma_last);
+        for r in (0..c - 1).rev() {
+            let next = dgamma.row(r + 1).to_owned();
+            dgamma.row_mut(r).scaled_add(T::one(), &next);
+        }
+        gr.dq.slice_mut(rows).assign(&dq);
+        gr.dk.slice_mut(rows).assign(&dk);
+        gr.dg.slice_mut(rows).assign(&dgamma);
+        gr.dbeta
+            .slice_mut(s![ch.start..ch.start + c])
+            .assign(&dbeta);
+        ChunkStep {
+            ds_local,
+            dvn,
+            daqk,
+            dakk,
+        }
+    }
+
+    /// Through `Aqk[r,s] = Σ q_r k_s E_rs` and `p[r,s] = Σ k_r k_s E_rs` with
+    /// `E_rs = exp(Γ_r − Γ_s)`: gradients of q, k and Γ.
+    #[allow(clippy::too_many_arguments)]
+    fn intra_backward<T: Scalar>(
+        &self,
+        ch: &Intra<T>,
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+        daqk: &Array2<T>,
+        dp: &Array2<T>,
+        dq: &mut Array2<T>,
+        dk: &mut Array2<T>,
+        dgamma: &mut Array2<T>,
+    ) {
+        let (c, kd) = (ch.len(), k.ncols());
+        for r in 0..c {
+            for s in 0..=r {
+                let (a, p) = (daqk[[r, s]], dp[[r, s]]);
+                if a == T::zero() && p == T::zero() {
+                    continue;
+                }
+                for d in 0..kd {
+                    let e = self.pair_decay(&ch.g_cumsum, r, s, d);
+                    let ks = k[[s, d]];
+                    let coef = a * q[[r, d]] + p * k[[r, d]];
+                    dq[[r, d]] += a * ks * e;
+                    dk[[r, d]] += p * ks * e;
+                    dk[[s, d]] += coef * e;
+                    let t = coef * ks * e;
+                    dgamma[[r, d]] += t;
+                    dgamma[[s, d]] -= t;
+                }
+            }
+        }
+    }
+}
+
+/// What one chunk's backward hands back to the recurrence and the caller.
+struct ChunkStep<T> {
+    /// `qgᵀ dO − wᵀ dv_new`: the chunk's own contribution to `∂L/∂h`.
+    ds_local: Array2<T>,
+    dvn: Array2<T>,
+    daqk: Array2<T>,
+    dakk: Array2<T>,
+}
+
+impl<T: Scalar> KdaEngine<T> for Chunk {
+    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        let f = self.forward_intermediates(x, h0);
+        (f.o, f.final_state)
+    }
+
+    fn backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> KdaHeadGrads<T> {
+        self.backward_intermediates(x, h0, d_o, dht).grads
+    }
+
+    /// `M = Π M_chunk`, later chunks on the left.
+    fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
+        let mut m = Array2::eye(x.k_dim());
+        for ch in self.intras(x) {
+            m = ch.transition().dot(&m);
+            self.policy.round(Stage::MChain, &mut m);
+        }
+        m
+    }
+}
+
+/// Forward intermediates of every (sequence, value head) pair of a batch, in
+/// pair order (sequence-major), for dumping and comparing with a kernel.
+pub fn intermediates<T: Scalar>(
+    engine: &Chunk,
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+) -> Result<Vec<(Segment, usize, ChunkForward<T>)>> {
+    let p = Prepared::new(x, opt)?;
+    let hv = p.dims.hv;
+    Ok(par_pairs(p.segments.len(), hv, |si, h| {
+        let seg = p.segments[si];
+        (
+            seg,
+            h,
+            engine.forward_intermediates(&p.head(&seg, h), p.initial_state(seg.seq, h).view()),
+        )
+    }))
+}

@@ -1,0 +1,200 @@
+//! The chunked KDA form against the naive recurrence: f64 agreement ≤ 1e-10
+//! for outputs, final state and every gradient; `h` equal to the naive state
+//! at every chunk start; the chunk transition equal to the per-token product;
+//! no overflow at the gate's lower bound; f32 within FLA's band.
+
+use deltaref::gates::Gate;
+use deltaref::inputs::{self, KdaSpec, Layout};
+use deltaref::kda::chunk::Chunk;
+use deltaref::kda::naive::Naive;
+use deltaref::kda::{KdaEngine, KdaHead, KdaOptions, Prepared};
+use deltaref_tests::ratio;
+use deltaref_verify::outputs::{self, Tensors};
+use ndarray::{s, Array2, ArrayD, IxDyn};
+
+fn spec(layout: Layout, opts: KdaOptions, seed: u64) -> KdaSpec {
+    KdaSpec {
+        layout,
+        h: 2,
+        hv: 4,
+        k: 8,
+        v: 6,
+        opts,
+        initial_state: true,
+        scalar_gate: false,
+        seed,
+    }
+}
+
+fn all(engine: &impl KdaEngine<f64>, s: &KdaSpec) -> Tensors {
+    let g = inputs::kda(s);
+    outputs::kda::<f64, _>(engine, &g.inputs, &s.opts, &g.d_o, Some(&g.dht)).expect("valid")
+}
+
+fn assert_maps_close(what: &str, reference: &Tensors, got: &Tensors, tol: f64) {
+    assert_eq!(
+        reference.keys().collect::<Vec<_>>(),
+        got.keys().collect::<Vec<_>>()
+    );
+    for (name, r) in reference {
+        let v = ratio(r, &got[name]);
+        assert!(v <= tol, "{what}: {name} norm_ratio {v:e} > {tol:e}");
+        assert!(
+            got[name].iter().all(|x| x.is_finite()),
+            "{what}: {name} not finite"
+        );
+    }
+}
+
+#[test]
+fn chunk_matches_naive_for_every_chunk_size_gate_and_layout() {
+    let gates = [
+        Gate::None,
+        Gate::Kda,
+        Gate::LowerBound { lower_bound: -5.0 },
+    ];
+    for (i, gate) in gates.into_iter().enumerate() {
+        for l2 in [false, true] {
+            let opts = KdaOptions {
+                gate,
+                use_qk_l2norm_in_kernel: l2,
+                use_beta_sigmoid_in_kernel: i == 1,
+                ..Default::default()
+            };
+            for layout in [Layout::varlen(&[37, 0, 1, 70, 16]), Layout::batch(2, 45)] {
+                let s = spec(layout, opts, 10 + i as u64);
+                let reference = all(&Naive, &s);
+                for c in [16, 32, 64] {
+                    let got = all(&Chunk::new(c).unwrap(), &s);
+                    assert_maps_close(&format!("C={c} {opts:?}"), &reference, &got, 1e-10);
+                }
+            }
+        }
+    }
+}
+
+fn head(s: &KdaSpec, seq: usize, hv: usize) -> (KdaHead<f64>, Array2<f64>) {
+    let g = inputs::kda(s);
+    let p = Prepared::new(&g.inputs, &s.opts).unwrap();
+    let seg = p.segments[seq];
+    (p.head(&seg, hv), p.initial_state(seg.seq, hv))
+}
+
+fn prefix(x: &KdaHead<f64>, n: usize) -> KdaHead<f64> {
+    KdaHead {
+        q: x.q.slice(s![..n, ..]).to_owned(),
+        k: x.k.slice(s![..n, ..]).to_owned(),
+        v: x.v.slice(s![..n, ..]).to_owned(),
+        g: x.g.slice(s![..n, ..]).to_owned(),
+        beta: x.beta.slice(s![..n]).to_owned(),
+    }
+}
+
+fn max_diff(a: &Array2<f64>, b: &Array2<f64>) -> f64 {
+    (a - b).iter().fold(0.0, |m, v| m.max(v.abs()))
+}
+
+#[test]
+fn h_is_the_naive_state_at_every_chunk_start() {
+    let s = spec(
+        Layout::varlen(&[150, 9]),
+        KdaOptions {
+            gate: Gate::Kda,
+            ..Default::default()
+        },
+        3,
+    );
+    let (x, h0) = head(&s, 0, 3);
+    for c in [16, 32, 64] {
+        let f = Chunk::new(c).unwrap().forward_intermediates(&x, h0.view());
+        for n in 0..f.h.shape()[0] {
+            let naive = Naive.forward(&prefix(&x, n * c), h0.view()).1;
+            let d = max_diff(&f.h.index_axis(ndarray::Axis(0), n).to_owned(), &naive);
+            assert!(d <= 1e-12, "C={c} chunk {n}: {d:e}");
+        }
+    }
+}
+
+#[test]
+fn chunk_transition_is_the_per_token_product() {
+    let s = spec(
+        Layout::varlen(&[100]),
+        KdaOptions {
+            gate: Gate::LowerBound { lower_bound: -2.0 },
+            ..Default::default()
+        },
+        4,
+    );
+    let (x, _) = head(&s, 0, 1);
+    let per_token = Naive.transition(&x);
+    for c in [16, 32, 64] {
+        let d = max_diff(&Chunk::new(c).unwrap().transition(&x), &per_token);
+        assert!(d <= 1e-12, "C={c}: {d:e}");
+    }
+}
+
+#[test]
+fn gates_at_the_lower_bound_do_not_overflow() {
+    // g = −5 every token: Γ reaches −320 inside a 64-token chunk, so
+    // exp(−Γ_c) alone would overflow f32; differences never do.
+    let opts = KdaOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    let s = spec(Layout::varlen(&[130, 64]), opts, 5);
+    let mut g = inputs::kda(&s);
+    g.inputs.g = ArrayD::from_elem(IxDyn(g.inputs.g.shape()), -5.0);
+    let reference = outputs::kda::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let chunk = Chunk::new(64).unwrap();
+    let got = outputs::kda::<f64, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    assert_maps_close("g = -5", &reference, &got, 1e-10);
+    let single = outputs::kda::<f32, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    for (name, t) in &single {
+        assert!(t.iter().all(|v| v.is_finite()), "f32 {name} has Inf/NaN");
+    }
+    let x32 = g.inputs.cast::<f32>();
+    let p = Prepared::new(&x32, &opts).unwrap();
+    let f = chunk.forward_intermediates(&p.head(&p.segments[0], 0), p.initial_state(0, 0).view());
+    for ch in &f.intra {
+        for a in [&ch.akk, &ch.aqk, &ch.w, &ch.u, &ch.qg, &ch.kg] {
+            assert!(a.iter().all(|v| v.is_finite()));
+        }
+    }
+}
+
+#[test]
+fn f32_chunk_is_within_flas_band_of_f64_naive() {
+    let opts = KdaOptions {
+        gate: Gate::LowerBound { lower_bound: -5.0 },
+        use_qk_l2norm_in_kernel: true,
+        ..Default::default()
+    };
+    let s = KdaSpec {
+        k: 32,
+        v: 32,
+        ..spec(Layout::varlen(&[200, 56]), opts, 6)
+    };
+    let g = inputs::kda(&s);
+    let reference = outputs::kda::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let single = outputs::kda::<f32, _>(
+        &Chunk::new(64).unwrap(),
+        &g.inputs,
+        &opts,
+        &g.d_o,
+        Some(&g.dht),
+    )
+    .unwrap();
+    for (name, r) in &reference {
+        let v = ratio(r, &single[name]);
+        println!("f32 chunk vs f64 naive {name:<12} {v:.3e}");
+        assert!(v <= 5e-3, "{name}: {v:e}");
+    }
+}
+
+#[test]
+fn chunk_size_is_validated() {
+    for c in [0, 8, 48, 128] {
+        let e = Chunk::new(c).expect_err("bad chunk size");
+        assert!(e.to_string().contains("chunk_size"), "{e}");
+    }
+}
