@@ -157,6 +157,12 @@ impl Chunk {
         }
     }
 
+    /// `exp(Γ_last − Γ)`, `[c, K]` (at most 1: no overflow).
+    fn decay_to_last<T: Scalar>(&self, g_cumsum: &Array2<T>) -> Array2<T> {
+        let last = g_cumsum.row(g_cumsum.nrows() - 1);
+        (-g_cumsum + last.insert_axis(Axis(0))).mapv(|v| self.policy.exp(v))
+    }
+
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
     pub fn intra<T: Scalar>(&self, x: &KdaHead<T>, start: usize, c: usize) -> Intra<T> {
         let rows = s![start..start + c, ..];
