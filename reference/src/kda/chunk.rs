@@ -160,7 +160,9 @@ impl Chunk {
     /// `exp(Γ_last − Γ)`, `[c, K]` (at most 1: no overflow).
     fn decay_to_last<T: Scalar>(&self, g_cumsum: &Array2<T>) -> Array2<T> {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
-        (-g_cumsum + last.insert_axis(Axis(0))).mapv(|v| self.policy.exp(v))
+        Array2::from_shape_fn(g_cumsum.raw_dim(), |(r, d)| {
+            self.policy.exp(last[d] - g_cumsum[[r, d]])
+        })
     }
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
