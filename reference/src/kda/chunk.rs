@@ -208,10 +208,8 @@ impl Chunk {
         let mut u = akk.dot(&v);
         self.policy.round(Stage::W, &mut w);
         self.policy.round(Stage::U, &mut u);
-        let last = g_cumsum.row(c - 1).to_owned();
         let mut qg = &q * &eg;
-        let mut kg =
-            &k * &(g_cumsum.mapv(|v| -v) + &last.insert_axis(Axis(0))).mapv(|v| self.policy.exp(v));
+        let mut kg = &k * &self.decay_to_last(&g_cumsum);
         self.policy.round(Stage::Gated, &mut qg);
         self.policy.round(Stage::Gated, &mut kg);
         Intra {
@@ -377,9 +375,7 @@ impl Chunk {
         let q = x.q.slice(rows);
         let mut dq = &dqg * &eg;
         dgamma += &(&dqg * &ch.qg);
-        let ekg = (ch.g_cumsum.mapv(|v| -v) + &ch.g_cumsum.row(c - 1).insert_axis(Axis(0)))
-            .mapv(|v| self.policy.exp(v));
-        dk += &(&dkg * &ekg);
+        dk += &(&dkg * &self.decay_to_last(&ch.g_cumsum));
         let dkg_kg = &dkg * &ch.kg;
         dgamma -= &dkg_kg;
         dgamma_last += &dkg_kg.sum_axis(Axis(0));
