@@ -12,6 +12,8 @@ use crate::outputs::{self, Tensors};
 pub enum Impl {
     /// The naive recurrent oracle.
     Naive,
+    /// The chunked form (KDA; token-shift has no chunked form and runs as naive).
+    Chunk { chunk_size: usize },
 }
 
 /// The scalar an implementation computes in.
@@ -22,12 +24,17 @@ pub enum Compute {
 }
 
 impl Impl {
-    /// Parses `--impl`.
-    pub fn parse(name: &str) -> Result<Impl, CaseError> {
+    /// Parses `--impl` with its `--chunk-size`.
+    pub fn parse(name: &str, chunk_size: usize) -> Result<Impl, CaseError> {
         match name {
             "naive" => Ok(Impl::Naive),
+            "chunk" => {
+                kda::chunk::Chunk::new(chunk_size)
+                    .map_err(|e| CaseError::Usage(format!("--chunk-size: {e}")))?;
+                Ok(Impl::Chunk { chunk_size })
+            }
             other => Err(CaseError::Usage(format!(
-                "unknown --impl `{other}` (available: naive)"
+                "unknown --impl `{other}` (available: naive, chunk)"
             ))),
         }
     }
@@ -35,6 +42,7 @@ impl Impl {
     pub fn name(&self) -> String {
         match self {
             Impl::Naive => "naive".into(),
+            Impl::Chunk { chunk_size } => format!("chunk(C={chunk_size})"),
         }
     }
 
@@ -60,6 +68,17 @@ impl Impl {
                 &d_o,
                 dht,
             ),
+            (Impl::Chunk { chunk_size }, Inputs::Kda(x)) => outputs::kda::<T, _>(
+                &kda::chunk::Chunk::new(*chunk_size)?,
+                &x,
+                &case.meta.kda_options(),
+                &d_o,
+                dht,
+            ),
+            (Impl::Chunk { .. }, Inputs::Dplr(_)) => Err(deltaref::Error::option(
+                "impl",
+                "the chunked DPLR form is not part of this build; use --impl naive for dplr",
+            )),
             (_, Inputs::TokenShift(x)) => outputs::token_shift::<T>(&x, &d_o, dht),
         }
     }

@@ -370,6 +370,30 @@ fn precision_rows(report: &mut Report) -> Result<()> {
     Ok(())
 }
 
+/// The chunked form against the naive recurrence, both in f64.
+fn chunk_rows(report: &mut Report) -> Result<()> {
+    let (spec, g) = kda_case(&LENGTHS, 16, 16);
+    let naive = outputs::kda::<f64, _>(
+        &kda::naive::Naive,
+        &g.inputs,
+        &spec.opts,
+        &g.d_o,
+        Some(&g.dht),
+    )?;
+    for c in [16, 64] {
+        let chunk = kda::chunk::Chunk::new(c)?;
+        let got = outputs::kda::<f64, _>(&chunk, &g.inputs, &spec.opts, &g.d_o, Some(&g.dht))?;
+        report.compare_maps(
+            &format!("chunk C={c} vs naive (f64)"),
+            "kda",
+            &naive,
+            &got,
+            EXACT_TOL,
+        );
+    }
+    Ok(())
+}
+
 /// Runs every check on the built-in cases.
 pub fn run() -> Result<Report> {
     let mut report = Report::default();
@@ -377,5 +401,6 @@ pub fn run() -> Result<Report> {
     dplr_fd(&mut report)?;
     token_shift_fd(&mut report)?;
     precision_rows(&mut report)?;
+    chunk_rows(&mut report)?;
     Ok(report)
 }

@@ -33,9 +33,12 @@ pub fn list(flag: &str, s: &str) -> Result<Vec<usize>, CaseError> {
 /// `--impl` and its parameters.
 #[derive(ClapArgs, Debug)]
 pub struct ImplArgs {
-    /// Implementation: naive.
+    /// Implementation: naive or chunk.
     #[arg(long = "impl", default_value = "naive")]
     pub imp: String,
+    /// Chunk size of --impl chunk: 16, 32 or 64.
+    #[arg(long, default_value_t = 64)]
+    pub chunk_size: usize,
     /// Compute in f64 (the oracle) or f32 (same code, single precision).
     #[arg(long, default_value = "f64")]
     pub compute: String,
@@ -52,6 +55,6 @@ impl ImplArgs {
                 )))
             }
         };
-        Ok((Impl::parse(&self.imp)?, compute))
+        Ok((Impl::parse(&self.imp, self.chunk_size)?, compute))
     }
 }
