@@ -6,6 +6,7 @@
 //! Shared pieces: [`gates`] (l2norm, gates, beta sigmoid), [`varlen`]
 //! (sequences and the parallel pair runner), [`tensor`] (checks, gather/scatter).
 
+pub mod cp;
 pub mod dplr;
 pub mod error;
 pub mod gates;

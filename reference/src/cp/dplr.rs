@@ -1,0 +1,149 @@
+//! DPLR under simulated CP: [`super::Local`] over the pre-processed tensors,
+//! with any [`DplrEngine`] doing the local passes.
+
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2};
+
+use super::plan::PlanSpec;
+use super::{CpOptions, Local, RankDiag};
+use crate::dplr::{
+    validate_upstream, DplrEngine, DplrGrads, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs,
+    Prepared, PreparedGrads,
+};
+use crate::error::Result;
+use crate::scalar::Scalar;
+use crate::tensor;
+use crate::varlen::Segment;
+
+/// One DPLR problem seen piece by piece.
+pub struct DplrLocal<'a, T, E> {
+    pub p: &'a Prepared<T>,
+    pub engine: &'a E,
+    /// `[B, T, H, V]`
+    pub d_o: Option<Array4<T>>,
+    /// `[N, H, K, V]`
+    pub dht: Option<Array4<T>>,
+}
+
+impl<T: Scalar, E: DplrEngine<T>> Local<T> for DplrLocal<'_, T, E> {
+    type Grads = DplrHeadGrads<T>;
+
+    fn heads(&self) -> usize {
+        self.p.dims.h
+    }
+
+    fn state_dims(&self) -> (usize, usize) {
+        (self.p.dims.k, self.p.dims.v)
+    }
+
+    fn initial_state(&self, seq: usize, h: usize) -> Option<Array2<T>> {
+        self.p
+            .h0
+            .as_ref()
+            .map(|a| a.slice(s![seq, h, .., ..]).to_owned())
+    }
+
+    fn dht(&self, seq: usize, h: usize) -> Option<Array2<T>> {
+        self.dht
+            .as_ref()
+            .map(|a| a.slice(s![seq, h, .., ..]).to_owned())
+    }
+
+    fn forward(&self, seg: &Segment, h: usize, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        self.engine.forward(&self.p.head(seg, h), h0)
+    }
+
+    fn backward(
+        &self,
+        seg: &Segment,
+        h: usize,
+        h0: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> (DplrHeadGrads<T>, Array2<T>) {
+        let d_o = self.d_o.as_ref().expect("backward needs do");
+        let g = self.engine.backward(
+            &self.p.head(seg, h),
+            h0,
+            tensor::gather(d_o, seg, h).view(),
+            dht,
+        );
+        let dh0 = g.dh0.clone();
+        (g, dh0)
+    }
+
+    fn transition(&self, seg: &Segment, h: usize) -> Array2<T> {
+        self.engine.transition(&self.p.head(seg, h))
+    }
+}
+
+/// CP forward: the same outputs as `dplr::forward`, computed rank by rank.
+pub fn forward<T: Scalar, E: DplrEngine<T>>(
+    engine: &E,
+    x: &DplrInputs<T>,
+    opt: &DplrOptions,
+    plan: &PlanSpec,
+    cp: &CpOptions,
+) -> Result<(DplrOutputs<T>, Vec<RankDiag<T>>)> {
+    let p = Prepared::new(x, opt)?;
+    let d = p.dims;
+    let plan = plan.build(d.b, d.t, x.cu_seqlens.as_deref())?;
+    let local = DplrLocal {
+        p: &p,
+        engine,
+        d_o: None,
+        dht: None,
+    };
+    let f = super::forward(&local, &plan, cp);
+    let mut o = Array4::zeros((d.b, d.t, d.h, d.v));
+    for (seg, h, oh) in &f.o {
+        tensor::scatter(&mut o, seg, *h, oh.view());
+    }
+    // Sequences without tokens keep their initial state.
+    let mut ht =
+        p.h0.clone()
+            .unwrap_or_else(|| Array4::zeros((d.n, d.h, d.k, d.v)));
+    for (seq, h, st) in &f.final_states {
+        ht.slice_mut(s![*seq, *h, .., ..]).assign(st);
+    }
+    Ok((
+        DplrOutputs {
+            o: o.into_dyn(),
+            final_state: opt.output_final_state.then(|| ht.into_dyn()),
+        },
+        f.diags,
+    ))
+}
+
+/// CP backward: the same gradients as `dplr::backward`, computed rank by rank.
+pub fn backward<T: Scalar, E: DplrEngine<T>>(
+    engine: &E,
+    x: &DplrInputs<T>,
+    opt: &DplrOptions,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    plan: &PlanSpec,
+    cp: &CpOptions,
+) -> Result<(DplrGrads<T>, Vec<RankDiag<T>>)> {
+    let p = Prepared::new(x, opt)?;
+    let d = p.dims;
+    validate_upstream(&d, d_o, dht)?;
+    let plan = plan.build(d.b, d.t, x.cu_seqlens.as_deref())?;
+    let local = DplrLocal {
+        p: &p,
+        engine,
+        d_o: Some(tensor::to4(d_o)),
+        dht: dht.map(tensor::to4),
+    };
+    let b = super::backward(&local, &plan, cp);
+    let mut pg = PreparedGrads::zeros(&d);
+    for (seg, h, g) in &b.grads {
+        pg.scatter_tokens(seg, *h, g);
+    }
+    // A sequence without tokens passes its final-state gradient straight to h0.
+    if let Some(dht) = &local.dht {
+        pg.dh0.assign(dht);
+    }
+    for (seq, h, dh0) in &b.dh0 {
+        pg.dh0.slice_mut(s![*seq, *h, .., ..]).assign(dh0);
+    }
+    Ok((pg.finish(x, &p), b.diags))
+}

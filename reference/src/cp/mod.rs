@@ -1,0 +1,506 @@
+//! Simulated context parallel (KCP, SPEC §6), rank by rank, in exact
+//! arithmetic. One packed batch is cut into rank slices ([`plan`]); each rank
+//! pre-processes its last local sequence into `(S_ext, M)`, the ranks
+//! all-gather, each merges the chain of its first sequence's earlier ranks,
+//! and recomputes. Backward mirrors it with `(dS_ext, Mᵀ)`.
+//!
+//! The driver is generic over [`Local`], one (piece, head) at a time, so the
+//! same code runs KDA and DPLR with any engine (naive, chunked). Beyond FLA,
+//! `initial_state` and `final_state` are allowed: the first rank of a
+//! sequence starts from its initial state.
+
+pub mod dplr;
+pub mod intra;
+pub mod kda;
+pub mod plan;
+pub mod token_shift;
+
+use ndarray::{s, Array2, ArrayView2};
+
+use crate::precision::{Policy, Stage};
+use crate::scalar::Scalar;
+use crate::varlen::{par_pairs, Segment};
+pub use plan::{Plan, RankMeta};
+
+/// What CP needs from an operator, for one piece of a sequence and one head.
+pub trait Local<T: Scalar>: Sync {
+    /// Per-(piece, head) token gradients.
+    type Grads: Send;
+    fn heads(&self) -> usize;
+    /// `(K, V)` of the state.
+    fn state_dims(&self) -> (usize, usize);
+    /// The global initial state of sequence `seq`, if one was given.
+    fn initial_state(&self, seq: usize, h: usize) -> Option<Array2<T>>;
+    /// The global final-state gradient of sequence `seq`, if one was given.
+    fn dht(&self, seq: usize, h: usize) -> Option<Array2<T>>;
+    /// `(o [L, V], S_L [K, V])`.
+    fn forward(&self, seg: &Segment, h: usize, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>);
+    /// `(token gradients, dh0)` given the state gradient `dht` at the piece's end.
+    fn backward(
+        &self,
+        seg: &Segment,
+        h: usize,
+        h0: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> (Self::Grads, Array2<T>);
+    /// `M [K, K]` of the piece.
+    fn transition(&self, seg: &Segment, h: usize) -> Array2<T>;
+}
+
+/// Deliberate faults from FLA's history (SPEC §9, 4–6), to see what they do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// 4: every continuing rank recomputes its backward with a zero initial
+    /// state instead of the merged one.
+    pub drop_merged_state_in_backward: bool,
+    /// 5: the merge covers only the first `n` columns of V (a stale block size).
+    pub merge_v_limit: Option<usize>,
+    /// 6: the pre-process runs on the rank's first local sequence instead of its last.
+    pub preprocess_first_piece: bool,
+}
+
+/// How the simulation stores the cross-rank quantities, and which faults to inject.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CpOptions {
+    /// Rounds `S_ext`, the merged state and the merge's `M·S` products (`M` chain).
+    pub policy: Policy,
+    pub faults: Faults,
+}
+
+/// Per-rank diagnostics, per head where a state is involved.
+#[derive(Clone, Debug)]
+pub struct RankDiag<T> {
+    pub meta: RankMeta,
+    /// `S_ext` of the piece the pre-process ran on (last local sequence), per head.
+    pub s_ext: Vec<Array2<T>>,
+    /// `M` of that piece, per head.
+    pub m: Vec<Array2<T>>,
+    /// Merged initial state of the first local sequence (when it continues), per head.
+    pub merged_h0: Option<Vec<Array2<T>>>,
+    /// The non-CP state at the rank's first token (same engine, no CP).
+    pub reference_h0: Option<Vec<Array2<T>>>,
+    /// `dS_ext` handed to the previous rank (backward, when it continues), per head.
+    pub ds_ext: Option<Vec<Array2<T>>>,
+    /// `M` of the first local sequence, whose transpose carries `dS` back (`dM`).
+    pub m_first: Option<Vec<Array2<T>>>,
+    /// Merged `dht` of the last local sequence (backward, when it is continued).
+    pub merged_dht: Option<Vec<Array2<T>>>,
+    /// The non-CP state gradient at the rank's last token.
+    pub reference_dht: Option<Vec<Array2<T>>>,
+}
+
+fn max_abs_diff<T: Scalar>(a: &[Array2<T>], b: &[Array2<T>]) -> f64 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| {
+            x.iter()
+                .zip(y.iter())
+                .map(|(p, q)| (p.f64() - q.f64()).abs())
+        })
+        .fold(0.0, f64::max)
+}
+
+impl<T: Scalar> RankDiag<T> {
+    /// `max |merged − non-CP|` of the initial state, when the rank continues.
+    pub fn h0_error(&self) -> Option<f64> {
+        Some(max_abs_diff(
+            self.merged_h0.as_ref()?,
+            self.reference_h0.as_ref()?,
+        ))
+    }
+
+    /// `max |merged − non-CP|` of the final-state gradient, when continued.
+    pub fn dht_error(&self) -> Option<f64> {
+        Some(max_abs_diff(
+            self.merged_dht.as_ref()?,
+            self.reference_dht.as_ref()?,
+        ))
+    }
+}
+
+/// Prints the per-rank table.
+pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
+    let norm = |v: &Option<Vec<Array2<T>>>| {
+        v.as_ref().map_or("-".to_string(), |v| {
+            let s: f64 = v
+                .iter()
+                .flat_map(|a| a.iter().map(|x| x.f64() * x.f64()))
+                .sum();
+            format!("{:.4e}", s.sqrt())
+        })
+    };
+    let err = |e: Option<f64>| e.map_or("-".to_string(), |e| format!("{e:.2e}"));
+    let mut out = format!(
+        "{:<5} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
+        "rank",
+        "tokens",
+        "local cu_seqlens",
+        "pre",
+        "post",
+        "|S_ext|",
+        "|M|",
+        "|merged h0|",
+        "vs nonCP",
+        "|dS_ext|",
+        "|merged dht|",
+        "vs nonCP"
+    );
+    for d in diags {
+        let m = &d.meta;
+        let cu = format!("{:?}", m.cu_seqlens);
+        out +=
+            &format!(
+            "{:<5} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
+            m.rank,
+            format!("{}..{}", m.start, m.end),
+            if cu.len() > 22 { format!("{}…", &cu[..21]) } else { cu },
+            m.pre_num_ranks,
+            m.post_num_ranks,
+            norm(&Some(d.s_ext.clone())),
+            norm(&Some(d.m.clone())),
+            norm(&d.merged_h0),
+            err(d.h0_error()),
+            norm(&d.ds_ext),
+            norm(&d.merged_dht),
+            err(d.dht_error()),
+        );
+    }
+    out
+}
+
+/// One piece's place in the plan.
+#[derive(Clone, Copy, Debug)]
+struct PieceRef {
+    rank: usize,
+    seg: Segment,
+    /// First / last piece of its rank.
+    first: bool,
+    last: bool,
+}
+
+fn pieces(plan: &Plan) -> Vec<PieceRef> {
+    plan.ranks
+        .iter()
+        .flat_map(|r| {
+            let n = r.pieces.len();
+            r.pieces.iter().enumerate().map(move |(i, &seg)| PieceRef {
+                rank: r.rank,
+                seg,
+                first: i == 0,
+                last: i + 1 == n,
+            })
+        })
+        .collect()
+}
+
+/// The global start and end of sequence `seq`.
+fn seq_bounds(plan: &Plan, seq: usize) -> (usize, usize) {
+    (
+        plan.cu_seqlens[seq] as usize,
+        plan.cu_seqlens[seq + 1] as usize,
+    )
+}
+
+/// Per-rank pre-process `(S_ext, M)` per head, on the last (or, under fault
+/// 6, the first) local piece with a zero initial state.
+fn preprocess<T: Scalar, L: Local<T>>(
+    local: &L,
+    plan: &Plan,
+    opt: &CpOptions,
+) -> Vec<(Vec<Array2<T>>, Vec<Array2<T>>)> {
+    let (kd, vd) = local.state_dims();
+    let heads = local.heads();
+    let per = par_pairs(plan.world(), heads, |r, h| {
+        let rm = &plan.ranks[r];
+        let seg = if opt.faults.preprocess_first_piece {
+            rm.pieces[0]
+        } else {
+            *rm.pieces.last().expect("non-empty rank")
+        };
+        let mut s_ext = local.forward(&seg, h, Array2::zeros((kd, vd)).view()).1;
+        opt.policy.round(Stage::SExt, &mut s_ext);
+        (s_ext, local.transition(&seg, h))
+    });
+    let mut out: Vec<(Vec<Array2<T>>, Vec<Array2<T>>)> =
+        (0..plan.world()).map(|_| (vec![], vec![])).collect();
+    for (i, (s, m)) in per.into_iter().enumerate() {
+        out[i / heads].0.push(s);
+        out[i / heads].1.push(m);
+    }
+    out
+}
+
+/// The merged initial state of each continuing rank's first piece, per head.
+fn merge_forward<T: Scalar, L: Local<T>>(
+    local: &L,
+    plan: &Plan,
+    pre: &[(Vec<Array2<T>>, Vec<Array2<T>>)],
+    opt: &CpOptions,
+) -> Vec<Option<Vec<Array2<T>>>> {
+    let (kd, vd) = local.state_dims();
+    plan.ranks
+        .iter()
+        .map(|rm| {
+            if !rm.continues() {
+                return None;
+            }
+            let seq = rm.pieces[0].seq;
+            Some(
+                (0..local.heads())
+                    .map(|h| {
+                        let mut s = local
+                            .initial_state(seq, h)
+                            .unwrap_or_else(|| Array2::zeros((kd, vd)));
+                        for (s_ext, m) in &pre[rm.rank - rm.pre_num_ranks..rm.rank] {
+                            let mut ms = m[h].dot(&s);
+                            opt.policy.round(Stage::MChain, &mut ms);
+                            s = ms + &s_ext[h];
+                        }
+                        opt.policy.round(Stage::Merged, &mut s);
+                        if let Some(n) = opt.faults.merge_v_limit {
+                            s.slice_mut(s![.., n.min(vd)..]).fill(T::zero());
+                        }
+                        s
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// The initial state a piece runs from: merged (continuing first piece),
+/// the sequence's own initial state (its first piece), else zeros.
+fn piece_h0<T: Scalar, L: Local<T>>(
+    local: &L,
+    plan: &Plan,
+    p: &PieceRef,
+    h: usize,
+    merged: &[Option<Vec<Array2<T>>>],
+) -> Array2<T> {
+    let (kd, vd) = local.state_dims();
+    if p.first && plan.ranks[p.rank].continues() {
+        return merged[p.rank]
+            .as_ref()
+            .expect("merged for continuing ranks")[h]
+            .clone();
+    }
+    if p.seg.start == seq_bounds(plan, p.seg.seq).0 {
+        if let Some(h0) = local.initial_state(p.seg.seq, h) {
+            return h0;
+        }
+    }
+    Array2::zeros((kd, vd))
+}
+
+/// Result of a CP forward: per (piece, head) outputs in plan order, and the
+/// final state of every sequence that has tokens.
+pub struct CpForward<T> {
+    /// `(piece, head, o [L, V])`.
+    pub o: Vec<(Segment, usize, Array2<T>)>,
+    /// `(seq, head, final state)` from the piece ending each sequence.
+    pub final_states: Vec<(usize, usize, Array2<T>)>,
+    pub diags: Vec<RankDiag<T>>,
+}
+
+/// The non-CP state at token `at` of sequence `seq` (a prefix run).
+fn reference_state<T: Scalar, L: Local<T>>(
+    local: &L,
+    plan: &Plan,
+    seq: usize,
+    at: usize,
+    h: usize,
+) -> Array2<T> {
+    let (kd, vd) = local.state_dims();
+    let (a, _) = seq_bounds(plan, seq);
+    let h0 = local
+        .initial_state(seq, h)
+        .unwrap_or_else(|| Array2::zeros((kd, vd)));
+    local
+        .forward(
+            &Segment {
+                seq,
+                batch: 0,
+                start: a,
+                end: at,
+            },
+            h,
+            h0.view(),
+        )
+        .1
+}
+
+/// CP forward over `plan`.
+pub fn forward<T: Scalar, L: Local<T>>(local: &L, plan: &Plan, opt: &CpOptions) -> CpForward<T> {
+    let pre = preprocess(local, plan, opt);
+    let merged = merge_forward(local, plan, &pre, opt);
+    let ps = pieces(plan);
+    let heads = local.heads();
+    let runs = par_pairs(ps.len(), heads, |i, h| {
+        let p = &ps[i];
+        local.forward(&p.seg, h, piece_h0(local, plan, p, h, &merged).view())
+    });
+    let mut o = Vec::with_capacity(runs.len());
+    let mut final_states = vec![];
+    for (i, (oh, sh)) in runs.into_iter().enumerate() {
+        let (p, h) = (&ps[i / heads], i % heads);
+        if p.seg.end == seq_bounds(plan, p.seg.seq).1 {
+            final_states.push((p.seg.seq, h, sh));
+        }
+        o.push((p.seg, h, oh));
+    }
+    let diags = plan
+        .ranks
+        .iter()
+        .zip(pre)
+        .zip(&merged)
+        .map(|((rm, (s_ext, m)), mh)| RankDiag {
+            meta: rm.clone(),
+            s_ext,
+            m,
+            merged_h0: mh.clone(),
+            reference_h0: rm.continues().then(|| {
+                (0..heads)
+                    .map(|h| reference_state(local, plan, rm.pieces[0].seq, rm.start, h))
+                    .collect()
+            }),
+            ds_ext: None,
+            m_first: None,
+            merged_dht: None,
+            reference_dht: None,
+        })
+        .collect();
+    CpForward {
+        o,
+        final_states,
+        diags,
+    }
+}
+
+/// Result of a CP backward: per (piece, head) token gradients, `dh0` of every
+/// sequence's first piece, and the diagnostics (forward and backward).
+pub struct CpBackward<T, G> {
+    pub grads: Vec<(Segment, usize, G)>,
+    /// `(seq, head, dh0)`.
+    pub dh0: Vec<(usize, usize, Array2<T>)>,
+    pub diags: Vec<RankDiag<T>>,
+}
+
+/// CP backward over `plan` (the loss's upstream gradients live in `local`).
+pub fn backward<T: Scalar, L: Local<T>>(
+    local: &L,
+    plan: &Plan,
+    opt: &CpOptions,
+) -> CpBackward<T, L::Grads> {
+    let (kd, vd) = local.state_dims();
+    let heads = local.heads();
+    let fwd = forward(local, plan, opt);
+    let merged_fwd: Vec<Option<Vec<Array2<T>>>> =
+        fwd.diags.iter().map(|d| d.merged_h0.clone()).collect();
+    let zero = Array2::<T>::zeros((kd, vd));
+    // dS_ext and M of each continuing rank's first piece.
+    let first = par_pairs(plan.world(), heads, |r, h| {
+        let rm = &plan.ranks[r];
+        rm.continues().then(|| {
+            let seg = rm.pieces[0];
+            let mut ds_ext = local.backward(&seg, h, zero.view(), zero.view()).1;
+            opt.policy.round(Stage::SExt, &mut ds_ext);
+            (ds_ext, local.transition(&seg, h))
+        })
+    });
+    let first_of = |r: usize, h: usize| first[r * heads + h].as_ref();
+    // Reverse merge: the dht of each continued rank's last piece.
+    let merged_dht: Vec<Option<Vec<Array2<T>>>> = plan
+        .ranks
+        .iter()
+        .map(|rm| {
+            rm.continued().then(|| {
+                let seq = rm.pieces.last().expect("non-empty").seq;
+                (0..heads)
+                    .map(|h| {
+                        let mut ds = local.dht(seq, h).unwrap_or_else(|| zero.clone());
+                        for j in (rm.rank + 1..=rm.rank + rm.post_num_ranks).rev() {
+                            let (ds_ext, m) = first_of(j, h).expect("continuing rank");
+                            let mut mds = m.t().dot(&ds);
+                            opt.policy.round(Stage::MChain, &mut mds);
+                            ds = mds + ds_ext;
+                        }
+                        opt.policy.round(Stage::Merged, &mut ds);
+                        ds
+                    })
+                    .collect()
+            })
+        })
+        .collect();
+    let ps = pieces(plan);
+    let runs = par_pairs(ps.len(), heads, |i, h| {
+        let p = &ps[i];
+        let rm = &plan.ranks[p.rank];
+        let mut h0 = piece_h0(local, plan, p, h, &merged_fwd);
+        if opt.faults.drop_merged_state_in_backward && p.first && rm.continues() {
+            h0 = zero.clone();
+        }
+        let dht = if p.last && rm.continued() {
+            merged_dht[p.rank].as_ref().expect("merged")[h].clone()
+        } else if p.seg.end == seq_bounds(plan, p.seg.seq).1 {
+            local.dht(p.seg.seq, h).unwrap_or_else(|| zero.clone())
+        } else {
+            zero.clone()
+        };
+        local.backward(&p.seg, h, h0.view(), dht.view())
+    });
+    let mut grads = Vec::with_capacity(runs.len());
+    let mut dh0 = vec![];
+    for (i, (g, d)) in runs.into_iter().enumerate() {
+        let (p, h) = (&ps[i / heads], i % heads);
+        if p.seg.start == seq_bounds(plan, p.seg.seq).0 {
+            dh0.push((p.seg.seq, h, d));
+        }
+        grads.push((p.seg, h, g));
+    }
+    let mut diags = fwd.diags;
+    for (r, d) in diags.iter_mut().enumerate() {
+        let rm = &plan.ranks[r];
+        if rm.continues() {
+            d.ds_ext = Some(
+                (0..heads)
+                    .map(|h| first_of(r, h).expect("continuing").0.clone())
+                    .collect(),
+            );
+            d.m_first = Some(
+                (0..heads)
+                    .map(|h| first_of(r, h).expect("continuing").1.clone())
+                    .collect(),
+            );
+        }
+        d.merged_dht = merged_dht[r].clone();
+        d.reference_dht = rm.continued().then(|| {
+            (0..heads)
+                .map(|h| reference_dht(local, plan, rm, h))
+                .collect()
+        });
+    }
+    CpBackward { grads, dh0, diags }
+}
+
+/// The non-CP gradient of the state at the end of `rm`'s last piece: the
+/// rest of its sequence run backward from the global `dht`.
+fn reference_dht<T: Scalar, L: Local<T>>(
+    local: &L,
+    plan: &Plan,
+    rm: &RankMeta,
+    h: usize,
+) -> Array2<T> {
+    let (kd, vd) = local.state_dims();
+    let seq = rm.pieces.last().expect("non-empty").seq;
+    let (_, b) = seq_bounds(plan, seq);
+    let dht = local.dht(seq, h).unwrap_or_else(|| Array2::zeros((kd, vd)));
+    let rest = Segment {
+        seq,
+        batch: 0,
+        start: rm.end,
+        end: b,
+    };
+    local
+        .backward(&rest, h, Array2::zeros((kd, vd)).view(), dht.view())
+        .1
+}
