@@ -201,13 +201,19 @@ fn seq_bounds(plan: &Plan, seq: usize) -> (usize, usize) {
     )
 }
 
+/// One rank's pre-process result, per head.
+struct PreProcess<T> {
+    s_ext: Vec<Array2<T>>,
+    m: Vec<Array2<T>>,
+}
+
 /// Per-rank pre-process `(S_ext, M)` per head, on the last (or, under fault
 /// 6, the first) local piece with a zero initial state.
 fn preprocess<T: Scalar, L: Local<T>>(
     local: &L,
     plan: &Plan,
     opt: &CpOptions,
-) -> Vec<(Vec<Array2<T>>, Vec<Array2<T>>)> {
+) -> Vec<PreProcess<T>> {
     let (kd, vd) = local.state_dims();
     let heads = local.heads();
     let per = par_pairs(plan.world(), heads, |r, h| {
@@ -221,11 +227,15 @@ fn preprocess<T: Scalar, L: Local<T>>(
         opt.policy.round(Stage::SExt, &mut s_ext);
         (s_ext, local.transition(&seg, h))
     });
-    let mut out: Vec<(Vec<Array2<T>>, Vec<Array2<T>>)> =
-        (0..plan.world()).map(|_| (vec![], vec![])).collect();
+    let mut out: Vec<PreProcess<T>> = (0..plan.world())
+        .map(|_| PreProcess {
+            s_ext: vec![],
+            m: vec![],
+        })
+        .collect();
     for (i, (s, m)) in per.into_iter().enumerate() {
-        out[i / heads].0.push(s);
-        out[i / heads].1.push(m);
+        out[i / heads].s_ext.push(s);
+        out[i / heads].m.push(m);
     }
     out
 }
@@ -234,7 +244,7 @@ fn preprocess<T: Scalar, L: Local<T>>(
 fn merge_forward<T: Scalar, L: Local<T>>(
     local: &L,
     plan: &Plan,
-    pre: &[(Vec<Array2<T>>, Vec<Array2<T>>)],
+    pre: &[PreProcess<T>],
     opt: &CpOptions,
 ) -> Vec<Option<Vec<Array2<T>>>> {
     let (kd, vd) = local.state_dims();
@@ -251,7 +261,7 @@ fn merge_forward<T: Scalar, L: Local<T>>(
                         let mut s = local
                             .initial_state(seq, h)
                             .unwrap_or_else(|| Array2::zeros((kd, vd)));
-                        for (s_ext, m) in &pre[rm.rank - rm.pre_num_ranks..rm.rank] {
+                        for PreProcess { s_ext, m } in &pre[rm.rank - rm.pre_num_ranks..rm.rank] {
                             let mut ms = m[h].dot(&s);
                             opt.policy.round(Stage::MChain, &mut ms);
                             s = ms + &s_ext[h];
@@ -353,7 +363,7 @@ pub fn forward<T: Scalar, L: Local<T>>(local: &L, plan: &Plan, opt: &CpOptions) 
         .iter()
         .zip(pre)
         .zip(&merged)
-        .map(|((rm, (s_ext, m)), mh)| RankDiag {
+        .map(|((rm, PreProcess { s_ext, m }), mh)| RankDiag {
             meta: rm.clone(),
             s_ext,
             m,

@@ -54,7 +54,7 @@ impl Plan {
         if world == 0 {
             return Err(Error::Partition("world size must be at least 1".into()));
         }
-        if t % world != 0 {
+        if !t.is_multiple_of(world) {
             return Err(Error::Partition(format!(
                 "FLA's equal split needs T divisible by the world size: T = {t}, world = {world} (give explicit cuts instead)"
             )));
