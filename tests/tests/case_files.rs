@@ -59,7 +59,7 @@ fn write_read_recompute_round_trip_is_exact() {
         case.write(&path).expect("write");
         let back = Case::read(&path).expect("read");
         assert_eq!(back, case, "{s:?}");
-        let got = Impl::Naive.compute(&back, Compute::F64).expect("compute");
+        let got = Impl::NAIVE.compute(&back, Compute::F64).expect("compute");
         let report = VerifyReport::new("c", "case file", "naive", &back.results(), &got, 5e-3);
         assert!(report.pass, "{report}");
         assert!(
@@ -100,7 +100,7 @@ fn low_precision_inputs_are_stored_rounded_and_truth_uses_them() {
         case.write(&path).unwrap();
         let back = Case::read(&path).unwrap();
         assert!(back.tensors["q"].iter().all(|&v| dt.round(v) == v));
-        let got = Impl::Naive.compute(&back, Compute::F64).unwrap();
+        let got = Impl::NAIVE.compute(&back, Compute::F64).unwrap();
         assert_eq!(
             got["o"], back.tensors["o"],
             "truth must be computed from the stored inputs"
@@ -111,7 +111,7 @@ fn low_precision_inputs_are_stored_rounded_and_truth_uses_them() {
 #[test]
 fn scaled_candidate_fails_on_exactly_that_tensor() {
     let case = generate(&spec(Op::Kda)).unwrap();
-    let mut got = Impl::Naive.compute(&case, Compute::F64).unwrap();
+    let mut got = Impl::NAIVE.compute(&case, Compute::F64).unwrap();
     let dk = got.get_mut("dk").unwrap();
     dk.mapv_inplace(|v| v * 1.01);
     let report = VerifyReport::new("c", "case file", "scaled", &case.results(), &got, 5e-3);
@@ -139,7 +139,7 @@ fn scaled_candidate_fails_on_exactly_that_tensor() {
 #[test]
 fn missing_candidate_tensor_is_a_failure() {
     let case = generate(&spec(Op::Dplr)).unwrap();
-    let mut got = Impl::Naive.compute(&case, Compute::F64).unwrap();
+    let mut got = Impl::NAIVE.compute(&case, Compute::F64).unwrap();
     got.remove("dgk");
     let report = VerifyReport::new("c", "case file", "partial", &case.results(), &got, 5e-3);
     assert!(!report.pass);

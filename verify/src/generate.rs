@@ -191,7 +191,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
     case.validate()
         .map_err(|e| CaseError::Usage(e.to_string()))?;
     if spec.expected {
-        let truth = Impl::Naive
+        let truth = Impl::NAIVE
             .compute(&case, Compute::F64)
             .map_err(|e| CaseError::Usage(e.to_string()))?;
         for (n, t) in truth {

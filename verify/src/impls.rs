@@ -2,18 +2,30 @@
 //! gradients (`--impl`). Every implementation returns the same name → tensor
 //! map, so any two can be compared.
 
+use deltaref::cp::{plan::PlanSpec, CpOptions, RankDiag};
+use deltaref::kda::chunk::Chunk;
+use deltaref::precision::Policy;
 use deltaref::{dplr, kda, Scalar};
 
-use crate::case::{Case, CaseError, Inputs};
+use crate::case::{Case, CaseError, CpLayout, Inputs};
 use crate::outputs::{self, Tensors};
 
-/// An implementation of all three operators.
+/// The local engine: the naive recurrence or the chunked form.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Impl {
-    /// The naive recurrent oracle.
+pub enum Engine {
     Naive,
-    /// The chunked form (KDA; token-shift has no chunked form and runs as naive).
-    Chunk { chunk_size: usize },
+    /// Chunked KDA with this chunk size (DPLR has no chunked form here).
+    Chunk(usize),
+}
+
+/// An implementation of all three operators: an engine, optionally under
+/// simulated CP, optionally with emulated storage precisions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Impl {
+    pub engine: Engine,
+    pub cp: Option<(PlanSpec, CpOptions)>,
+    /// Stage rounding of the chunked engine (the CP rounding lives in `cp`).
+    pub policy: Policy,
 }
 
 /// The scalar an implementation computes in.
@@ -24,62 +36,168 @@ pub enum Compute {
 }
 
 impl Impl {
-    /// Parses `--impl` with its `--chunk-size`.
-    pub fn parse(name: &str, chunk_size: usize) -> Result<Impl, CaseError> {
-        match name {
-            "naive" => Ok(Impl::Naive),
-            "chunk" => {
-                kda::chunk::Chunk::new(chunk_size)
-                    .map_err(|e| CaseError::Usage(format!("--chunk-size: {e}")))?;
-                Ok(Impl::Chunk { chunk_size })
-            }
-            other => Err(CaseError::Usage(format!(
-                "unknown --impl `{other}` (available: naive, chunk)"
-            ))),
-        }
+    pub const NAIVE: Impl = Impl {
+        engine: Engine::Naive,
+        cp: None,
+        policy: Policy {
+            stages: vec![],
+            exp2: false,
+            safe_gate_midpoint: false,
+        },
+    };
+
+    pub fn chunk(chunk_size: usize) -> Result<Impl, CaseError> {
+        Chunk::new(chunk_size).map_err(|e| CaseError::Usage(format!("--chunk-size: {e}")))?;
+        Ok(Impl {
+            engine: Engine::Chunk(chunk_size),
+            ..Impl::NAIVE
+        })
     }
 
     pub fn name(&self) -> String {
-        match self {
-            Impl::Naive => "naive".into(),
-            Impl::Chunk { chunk_size } => format!("chunk(C={chunk_size})"),
+        let engine = match &self.engine {
+            Engine::Naive => "naive".to_string(),
+            Engine::Chunk(c) => format!("chunk(C={c})"),
+        };
+        match &self.cp {
+            None => engine,
+            Some((PlanSpec::World(w), _)) => format!("cp(world={w}, {engine})"),
+            Some((PlanSpec::Cuts(c), _)) => format!("cp(cuts={c:?}, {engine})"),
         }
     }
 
     /// Outputs and gradients of `case`'s inputs and upstream gradients.
     pub fn compute(&self, case: &Case, compute: Compute) -> Result<Tensors, deltaref::Error> {
         match compute {
-            Compute::F64 => self.compute_in::<f64>(case),
-            Compute::F32 => self.compute_in::<f32>(case),
+            Compute::F64 => self.compute_in::<f64>(case).map(|r| r.0),
+            Compute::F32 => self.compute_in::<f32>(case).map(|r| r.0),
         }
     }
 
-    fn compute_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
+    /// Like `compute` in f64, with the per-rank CP diagnostics (empty without CP).
+    pub fn compute_with_diags(
+        &self,
+        case: &Case,
+    ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
+        self.compute_in::<f64>(case)
+    }
+
+    fn compute_in<T: Scalar>(
+        &self,
+        case: &Case,
+    ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error> {
         let (d_o, dht) = case.upstream()?;
         let dht = dht.as_ref();
-        match (self, case.inputs()?) {
-            (Impl::Naive, Inputs::Kda(x)) => {
-                outputs::kda::<T, _>(&kda::naive::Naive, &x, &case.meta.kda_options(), &d_o, dht)
+        let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
+        match (case.inputs()?, &self.cp) {
+            (Inputs::Kda(x), cp) => {
+                let opts = case.meta.kda_options();
+                match (&self.engine, cp) {
+                    (Engine::Naive, None) => Ok((
+                        outputs::kda::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht)?,
+                        vec![],
+                    )),
+                    (Engine::Chunk(c), None) => Ok((
+                        outputs::kda::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht)?,
+                        vec![],
+                    )),
+                    (Engine::Naive, Some((p, o))) => {
+                        outputs::kda_cp::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht, p, o)
+                    }
+                    (Engine::Chunk(c), Some((p, o))) => {
+                        outputs::kda_cp::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht, p, o)
+                    }
+                }
             }
-            (Impl::Naive, Inputs::Dplr(x)) => outputs::dplr::<T, _>(
-                &dplr::naive::Naive,
-                &x,
-                &case.meta.dplr_options(),
-                &d_o,
-                dht,
-            ),
-            (Impl::Chunk { chunk_size }, Inputs::Kda(x)) => outputs::kda::<T, _>(
-                &kda::chunk::Chunk::new(*chunk_size)?,
-                &x,
-                &case.meta.kda_options(),
-                &d_o,
-                dht,
-            ),
-            (Impl::Chunk { .. }, Inputs::Dplr(_)) => Err(deltaref::Error::option(
-                "impl",
-                "the chunked DPLR form is not part of this build; use --impl naive for dplr",
-            )),
-            (_, Inputs::TokenShift(x)) => outputs::token_shift::<T>(&x, &d_o, dht),
+            (Inputs::Dplr(x), cp) => {
+                if let Engine::Chunk(_) = self.engine {
+                    return Err(deltaref::Error::option(
+                        "impl",
+                        "DPLR has no chunked form in this build: use the naive engine (--impl naive, or --cp-engine naive)",
+                    ));
+                }
+                let opts = case.meta.dplr_options();
+                match cp {
+                    None => Ok((
+                        outputs::dplr::<T, _>(&dplr::naive::Naive, &x, &opts, &d_o, dht)?,
+                        vec![],
+                    )),
+                    Some((p, o)) => {
+                        outputs::dplr_cp::<T, _>(&dplr::naive::Naive, &x, &opts, &d_o, dht, p, o)
+                    }
+                }
+            }
+            (Inputs::TokenShift(x), None) => {
+                Ok((outputs::token_shift::<T>(&x, &d_o, dht)?, vec![]))
+            }
+            (Inputs::TokenShift(x), Some((p, _))) => {
+                Ok((outputs::token_shift_cp::<T>(&x, &d_o, dht, p)?, vec![]))
+            }
+        }
+    }
+}
+
+/// What `--impl` and its flags say, before the case is known.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ImplRequest {
+    pub name: String,
+    pub chunk_size: usize,
+    pub world: Option<usize>,
+    pub cuts: Option<Vec<usize>>,
+    /// `naive` or `chunk` (default `chunk`: FLA's kernels are chunked).
+    pub cp_engine: Option<String>,
+    pub cp_options: CpOptions,
+    pub policy: Policy,
+}
+
+impl ImplRequest {
+    /// Resolves against a case (whose metadata may carry a CP layout and chunk size).
+    pub fn resolve(&self, case: &Case) -> Result<Impl, CaseError> {
+        let usage = |m: String| CaseError::Usage(m);
+        let chunk_size = if self.chunk_size == 0 {
+            case.meta.chunk_size.unwrap_or(64)
+        } else {
+            self.chunk_size
+        };
+        let engine_of = |name: &str| match name {
+            "naive" => Ok(Engine::Naive),
+            "chunk" => Impl::chunk(chunk_size).map(|i| i.engine),
+            other => Err(usage(format!("unknown engine `{other}` (naive, chunk)"))),
+        };
+        let cp_given = self.world.is_some() || self.cuts.is_some() || self.cp_engine.is_some();
+        match self.name.as_str() {
+            "naive" | "chunk" if cp_given => {
+                Err(usage("--world/--cuts/--cp-engine need --impl cp".into()))
+            }
+            "naive" | "chunk" => Ok(Impl {
+                engine: engine_of(&self.name)?,
+                cp: None,
+                policy: self.policy.clone(),
+            }),
+            "cp" => {
+                let plan = match (self.world, &self.cuts, &case.meta.cp) {
+                    (Some(_), Some(_), _) => {
+                        return Err(usage("give --world or --cuts, not both".into()))
+                    }
+                    (Some(w), None, _) => PlanSpec::World(w),
+                    (None, Some(c), _) => PlanSpec::Cuts(c.clone()),
+                    (None, None, Some(CpLayout::World(w))) => PlanSpec::World(*w),
+                    (None, None, Some(CpLayout::Cuts(c))) => PlanSpec::Cuts(c.clone()),
+                    (None, None, None) => return Err(usage(
+                        "--impl cp needs --world N or --cuts a,b,c (the case has no `cp` layout)"
+                            .into(),
+                    )),
+                };
+                let engine = engine_of(self.cp_engine.as_deref().unwrap_or("chunk"))?;
+                Ok(Impl {
+                    engine,
+                    cp: Some((plan, self.cp_options.clone())),
+                    policy: self.policy.clone(),
+                })
+            }
+            other => Err(usage(format!(
+                "unknown --impl `{other}` (available: naive, chunk, cp)"
+            ))),
         }
     }
 }

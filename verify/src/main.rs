@@ -27,6 +27,8 @@ enum Command {
     Run(cli::run::Args),
     /// Compare a candidate (or an implementation) with the expected tensors.
     Verify(cli::verify::Args),
+    /// Simulate context parallel on a case: per-rank table and CP vs non-CP.
+    Cp(cli::cp::Args),
 }
 
 fn main() -> ExitCode {
@@ -47,5 +49,6 @@ fn main() -> ExitCode {
         Command::Gen(a) => cli::gen::run(a),
         Command::Run(a) => cli::run::run(a),
         Command::Verify(a) => cli::verify::run(a),
+        Command::Cp(a) => cli::cp::run(a),
     }
 }

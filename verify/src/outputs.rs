@@ -4,10 +4,11 @@
 
 use std::collections::BTreeMap;
 
-use deltaref::dplr::{self, DplrEngine, DplrInputs, DplrOptions};
-use deltaref::kda::{self, KdaEngine, KdaInputs, KdaOptions};
+use deltaref::cp::{self, plan::PlanSpec, CpOptions, RankDiag};
+use deltaref::dplr::{self, DplrEngine, DplrGrads, DplrInputs, DplrOptions, DplrOutputs};
+use deltaref::kda::{self, KdaEngine, KdaGrads, KdaInputs, KdaOptions, KdaOutputs};
 use deltaref::tensor::cast;
-use deltaref::token_shift::{self, TokenShiftInputs};
+use deltaref::token_shift::{self, TokenShiftGrads, TokenShiftInputs, TokenShiftOutputs};
 use deltaref::{Result, Scalar};
 use ndarray::ArrayD;
 
@@ -18,6 +19,55 @@ fn put<T: Scalar>(m: &mut Tensors, name: &str, x: Option<&ArrayD<T>>) {
     if let Some(x) = x {
         m.insert(name.to_string(), cast(x));
     }
+}
+
+/// KDA outputs and gradients under FLA's names.
+pub fn kda_map<T: Scalar>(out: &KdaOutputs<T>, gr: &KdaGrads<T>) -> Tensors {
+    let mut m = Tensors::new();
+    put(&mut m, "o", Some(&out.o));
+    put(&mut m, "final_state", out.final_state.as_ref());
+    for (name, t) in [
+        ("dq", &gr.dq),
+        ("dk", &gr.dk),
+        ("dv", &gr.dv),
+        ("dg", &gr.dg),
+        ("dbeta", &gr.dbeta),
+    ] {
+        put(&mut m, name, Some(t));
+    }
+    put(&mut m, "dA_log", gr.da_log.as_ref());
+    put(&mut m, "ddt_bias", gr.ddt_bias.as_ref());
+    put(&mut m, "dh0", gr.dh0.as_ref());
+    m
+}
+
+/// DPLR outputs and gradients under FLA's names.
+pub fn dplr_map<T: Scalar>(out: &DplrOutputs<T>, gr: &DplrGrads<T>) -> Tensors {
+    let mut m = Tensors::new();
+    put(&mut m, "o", Some(&out.o));
+    put(&mut m, "final_state", out.final_state.as_ref());
+    for (name, t) in [
+        ("dq", &gr.dq),
+        ("dk", &gr.dk),
+        ("dv", &gr.dv),
+        ("da", &gr.da),
+        ("db", &gr.db),
+        ("dgk", &gr.dgk),
+    ] {
+        put(&mut m, name, Some(t));
+    }
+    put(&mut m, "dh0", gr.dh0.as_ref());
+    m
+}
+
+/// Token-shift outputs and gradients under FLA's names.
+pub fn token_shift_map<T: Scalar>(out: &TokenShiftOutputs<T>, gr: &TokenShiftGrads<T>) -> Tensors {
+    let mut m = Tensors::new();
+    put(&mut m, "y", Some(&out.y));
+    put(&mut m, "final_cache", Some(&out.final_cache));
+    put(&mut m, "dx", Some(&gr.dx));
+    put(&mut m, "dcache", gr.dcache.as_ref());
+    m
 }
 
 /// KDA `o`, `final_state` and every gradient, computed by `engine` in `T`
@@ -35,24 +85,14 @@ pub fn kda<T: Scalar, E: KdaEngine<T>>(
         ..*opts
     };
     let out = kda::forward(engine, &xt, &opts)?;
-    let dht_t = dht.map(cast::<f64, T>);
-    let gr = kda::backward(engine, &xt, &opts, &cast(d_o), dht_t.as_ref())?;
-    let mut m = Tensors::new();
-    put(&mut m, "o", Some(&out.o));
-    put(&mut m, "final_state", out.final_state.as_ref());
-    for (name, t) in [
-        ("dq", &gr.dq),
-        ("dk", &gr.dk),
-        ("dv", &gr.dv),
-        ("dg", &gr.dg),
-        ("dbeta", &gr.dbeta),
-    ] {
-        put(&mut m, name, Some(t));
-    }
-    put(&mut m, "dA_log", gr.da_log.as_ref());
-    put(&mut m, "ddt_bias", gr.ddt_bias.as_ref());
-    put(&mut m, "dh0", gr.dh0.as_ref());
-    Ok(m)
+    let gr = kda::backward(
+        engine,
+        &xt,
+        &opts,
+        &cast(d_o),
+        dht.map(cast::<f64, T>).as_ref(),
+    )?;
+    Ok(kda_map(&out, &gr))
 }
 
 /// DPLR `o`, `final_state` and every gradient, computed by `engine` in `T`.
@@ -69,23 +109,14 @@ pub fn dplr<T: Scalar, E: DplrEngine<T>>(
         ..*opts
     };
     let out = dplr::forward(engine, &xt, &opts)?;
-    let dht_t = dht.map(cast::<f64, T>);
-    let gr = dplr::backward(engine, &xt, &opts, &cast(d_o), dht_t.as_ref())?;
-    let mut m = Tensors::new();
-    put(&mut m, "o", Some(&out.o));
-    put(&mut m, "final_state", out.final_state.as_ref());
-    for (name, t) in [
-        ("dq", &gr.dq),
-        ("dk", &gr.dk),
-        ("dv", &gr.dv),
-        ("da", &gr.da),
-        ("db", &gr.db),
-        ("dgk", &gr.dgk),
-    ] {
-        put(&mut m, name, Some(t));
-    }
-    put(&mut m, "dh0", gr.dh0.as_ref());
-    Ok(m)
+    let gr = dplr::backward(
+        engine,
+        &xt,
+        &opts,
+        &cast(d_o),
+        dht.map(cast::<f64, T>).as_ref(),
+    )?;
+    Ok(dplr_map(&out, &gr))
 }
 
 /// Token-shift `y`, `final_cache`, `dx`, `dcache`, computed in `T`.
@@ -96,12 +127,81 @@ pub fn token_shift<T: Scalar>(
 ) -> Result<Tensors> {
     let xt = x.cast::<T>();
     let out = token_shift::forward(&xt)?;
-    let dfc = dfinal_cache.map(cast::<f64, T>);
-    let gr = token_shift::backward(&xt, &cast(dy), dfc.as_ref())?;
-    let mut m = Tensors::new();
-    put(&mut m, "y", Some(&out.y));
-    put(&mut m, "final_cache", Some(&out.final_cache));
-    put(&mut m, "dx", Some(&gr.dx));
-    put(&mut m, "dcache", gr.dcache.as_ref());
-    Ok(m)
+    let gr = token_shift::backward(&xt, &cast(dy), dfinal_cache.map(cast::<f64, T>).as_ref())?;
+    Ok(token_shift_map(&out, &gr))
+}
+
+/// KDA under simulated CP; also returns the per-rank diagnostics (backward's,
+/// which include the forward ones).
+pub fn kda_cp<T: Scalar, E: KdaEngine<T>>(
+    engine: &E,
+    x: &KdaInputs<f64>,
+    opts: &KdaOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+    plan: &PlanSpec,
+    cpo: &CpOptions,
+) -> Result<(Tensors, Vec<RankDiag<T>>)> {
+    let xt = x.cast::<T>();
+    let opts = KdaOptions {
+        output_final_state: true,
+        ..*opts
+    };
+    let (out, _) = cp::kda::forward(engine, &xt, &opts, plan, cpo)?;
+    let (gr, diags) = cp::kda::backward(
+        engine,
+        &xt,
+        &opts,
+        &cast(d_o),
+        dht.map(cast::<f64, T>).as_ref(),
+        plan,
+        cpo,
+    )?;
+    Ok((kda_map(&out, &gr), diags))
+}
+
+/// DPLR under simulated CP, with the per-rank diagnostics.
+pub fn dplr_cp<T: Scalar, E: DplrEngine<T>>(
+    engine: &E,
+    x: &DplrInputs<f64>,
+    opts: &DplrOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+    plan: &PlanSpec,
+    cpo: &CpOptions,
+) -> Result<(Tensors, Vec<RankDiag<T>>)> {
+    let xt = x.cast::<T>();
+    let opts = DplrOptions {
+        output_final_state: true,
+        ..*opts
+    };
+    let (out, _) = cp::dplr::forward(engine, &xt, &opts, plan, cpo)?;
+    let (gr, diags) = cp::dplr::backward(
+        engine,
+        &xt,
+        &opts,
+        &cast(d_o),
+        dht.map(cast::<f64, T>).as_ref(),
+        plan,
+        cpo,
+    )?;
+    Ok((dplr_map(&out, &gr), diags))
+}
+
+/// Token-shift under simulated CP.
+pub fn token_shift_cp<T: Scalar>(
+    x: &TokenShiftInputs<f64>,
+    dy: &ArrayD<f64>,
+    dfinal_cache: Option<&ArrayD<f64>>,
+    plan: &PlanSpec,
+) -> Result<Tensors> {
+    let xt = x.cast::<T>();
+    let out = cp::token_shift::forward(&xt, plan)?;
+    let gr = cp::token_shift::backward(
+        &xt,
+        &cast(dy),
+        dfinal_cache.map(cast::<f64, T>).as_ref(),
+        plan,
+    )?;
+    Ok(token_shift_map(&out, &gr))
 }

@@ -5,6 +5,7 @@
 
 use std::fmt;
 
+use deltaref::cp::{plan::PlanSpec, CpOptions};
 use deltaref::dplr::{DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
@@ -394,6 +395,86 @@ fn chunk_rows(report: &mut Report) -> Result<()> {
     Ok(())
 }
 
+/// Simulated context parallel against the non-CP naive oracle, in f64.
+fn cp_rows(report: &mut Report) -> Result<()> {
+    let cpo = CpOptions::default();
+    let cuts = PlanSpec::Cuts(vec![20, 38, 90]);
+    let (spec, g) = kda_case(&LENGTHS, 16, 16);
+    let naive = outputs::kda::<f64, _>(
+        &kda::naive::Naive,
+        &g.inputs,
+        &spec.opts,
+        &g.d_o,
+        Some(&g.dht),
+    )?;
+    let chunk = kda::chunk::Chunk::new(16)?;
+    let (got, _) = outputs::kda_cp::<f64, _>(
+        &chunk,
+        &g.inputs,
+        &spec.opts,
+        &g.d_o,
+        Some(&g.dht),
+        &PlanSpec::World(2),
+        &cpo,
+    )?;
+    report.compare_maps(
+        "cp world=2 (chunk C=16) vs naive",
+        "kda",
+        &naive,
+        &got,
+        EXACT_TOL,
+    );
+    let (got, _) = outputs::kda_cp::<f64, _>(
+        &kda::naive::Naive,
+        &g.inputs,
+        &spec.opts,
+        &g.d_o,
+        Some(&g.dht),
+        &cuts,
+        &cpo,
+    )?;
+    report.compare_maps(
+        "cp cuts=20,38,90 (naive) vs naive",
+        "kda",
+        &naive,
+        &got,
+        EXACT_TOL,
+    );
+
+    let (_, g) = dplr_case(&LENGTHS, 16, 16);
+    let opts = DplrOptions::default();
+    let naive =
+        outputs::dplr::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    let (got, _) = outputs::dplr_cp::<f64, _>(
+        &dplr::naive::Naive,
+        &g.inputs,
+        &opts,
+        &g.d_o,
+        Some(&g.dht),
+        &cuts,
+        &cpo,
+    )?;
+    report.compare_maps(
+        "cp cuts=20,38,90 (naive) vs naive",
+        "dplr",
+        &naive,
+        &got,
+        EXACT_TOL,
+    );
+
+    let g = token_shift_case(&LENGTHS);
+    let plain = outputs::token_shift::<f64>(&g.inputs, &g.d_o, Some(&g.dht))?;
+    let got = outputs::token_shift_cp::<f64>(&g.inputs, &g.d_o, Some(&g.dht), &cuts)?;
+    report.compare_maps(
+        "cp cuts=20,38,90 vs non-CP",
+        "token_shift",
+        &plain,
+        &got,
+        EXACT_TOL,
+    );
+    Ok(())
+}
+
 /// Runs every check on the built-in cases.
 pub fn run() -> Result<Report> {
     let mut report = Report::default();
@@ -402,5 +483,6 @@ pub fn run() -> Result<Report> {
     token_shift_fd(&mut report)?;
     precision_rows(&mut report)?;
     chunk_rows(&mut report)?;
+    cp_rows(&mut report)?;
     Ok(report)
 }

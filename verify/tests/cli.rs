@@ -217,3 +217,73 @@ fn selfcheck_passes_and_prints_the_table() {
     assert!(out.contains("naive analytic vs finite-diff"), "{out}");
     assert!(out.trim_end().ends_with("0 failed"), "{out}");
 }
+
+#[test]
+fn cp_command_prints_the_rank_table_and_matches_non_cp() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = dir.path().join("c.safetensors");
+    run_ok(&[
+        "gen",
+        "--op",
+        "kda",
+        "--lengths",
+        "400,624",
+        "--shape",
+        "1,1024,1,2,8,8",
+        "--gate",
+        "lowerbound",
+        "--out",
+        s(&case),
+    ]);
+    let out = run_ok(&["cp", "--case", s(&case), "--world", "2"]);
+    assert!(
+        out.contains("0..512") && out.contains("[0, 400, 512]") && out.contains("512..1024"),
+        "{out}"
+    );
+    assert!(
+        out.contains("of 9 tensors pass") && !out.contains("FAIL"),
+        "{out}"
+    );
+    let out = run_ok(&[
+        "cp",
+        "--case",
+        s(&case),
+        "--intra",
+        "--subseq-len",
+        "128",
+        "--cp-engine",
+        "naive",
+    ]);
+    assert!(out.contains("cuts=[128, 256"), "{out}");
+    // A "candidate" without outputs fails on every tensor (all missing).
+    let (rc, out, _) = code(&["verify", "--case", s(&case), "--candidate", s(&case)]);
+    assert_eq!(rc, 1);
+    assert!(out.contains("missing from the candidate"), "{out}");
+    for args in [
+        vec!["cp", "--case", s(&case), "--world", "3"],
+        vec!["cp", "--case", s(&case), "--cuts", "0,10"],
+        vec!["cp", "--case", s(&case), "--cuts", "10,5"],
+        vec!["cp", "--case", s(&case), "--world", "2", "--cuts", "512"],
+        vec![
+            "cp",
+            "--case",
+            s(&case),
+            "--world",
+            "2",
+            "--cp-engine",
+            "turbo",
+        ],
+        vec![
+            "verify",
+            "--case",
+            s(&case),
+            "--impl",
+            "naive",
+            "--world",
+            "2",
+        ],
+    ] {
+        let (rc, _, err) = code(&args);
+        assert_eq!(rc, 2, "{args:?}: {err}");
+    }
+}

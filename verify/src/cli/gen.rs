@@ -110,11 +110,11 @@ pub fn run(a: Args) -> ExitCode {
         .and_then(|c| c.write(&a.out).map(|_| c));
     match result {
         Ok(c) => {
-            println!(
+            super::print(&format!(
                 "wrote {} ({} tensors)",
                 a.out.display(),
                 c.tensors.len() + usize::from(c.cu_seqlens.is_some())
-            );
+            ));
             ExitCode::SUCCESS
         }
         Err(e) => fail(&e),

@@ -1,6 +1,7 @@
 //! One module per subcommand: each exposes `Args` and `run(args) -> ExitCode`.
 //! Exit codes: 0 success/all pass, 1 a comparison failed, 2 usage or input error.
 
+pub mod cp;
 pub mod gen;
 pub mod run;
 pub mod selfcheck;
@@ -9,8 +10,15 @@ pub mod verify;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
-use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::impls::{Compute, Impl, ImplRequest};
+
+/// Prints to stdout; a closed pipe (`deltaref … | head`) is not an error.
+pub fn print(s: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{s}");
+}
 
 /// Prints an error and returns exit code 2.
 pub fn fail(e: &CaseError) -> ExitCode {
@@ -33,19 +41,28 @@ pub fn list(flag: &str, s: &str) -> Result<Vec<usize>, CaseError> {
 /// `--impl` and its parameters.
 #[derive(ClapArgs, Debug)]
 pub struct ImplArgs {
-    /// Implementation: naive or chunk.
+    /// Implementation: naive, chunk or cp (simulated context parallel).
     #[arg(long = "impl", default_value = "naive")]
     pub imp: String,
-    /// Chunk size of --impl chunk: 16, 32 or 64.
-    #[arg(long, default_value_t = 64)]
+    /// Chunk size of the chunked engine: 16, 32 or 64 (default: the case's `chunk_size`, else 64).
+    #[arg(long, default_value_t = 0)]
     pub chunk_size: usize,
+    /// CP: FLA's equal split over N ranks (T must divide).
+    #[arg(long)]
+    pub world: Option<usize>,
+    /// CP: interior cut positions, e.g. 300,512,700.
+    #[arg(long)]
+    pub cuts: Option<String>,
+    /// CP: local engine, naive or chunk (default chunk).
+    #[arg(long)]
+    pub cp_engine: Option<String>,
     /// Compute in f64 (the oracle) or f32 (same code, single precision).
     #[arg(long, default_value = "f64")]
     pub compute: String,
 }
 
 impl ImplArgs {
-    pub fn resolve(&self) -> Result<(Impl, Compute), CaseError> {
+    pub fn request(&self) -> Result<(ImplRequest, Compute), CaseError> {
         let compute = match self.compute.as_str() {
             "f64" => Compute::F64,
             "f32" => Compute::F32,
@@ -55,6 +72,24 @@ impl ImplArgs {
                 )))
             }
         };
-        Ok((Impl::parse(&self.imp, self.chunk_size)?, compute))
+        let req = ImplRequest {
+            name: self.imp.clone(),
+            chunk_size: self.chunk_size,
+            world: self.world,
+            cuts: self
+                .cuts
+                .as_deref()
+                .map(|c| list("--cuts", c))
+                .transpose()?,
+            cp_engine: self.cp_engine.clone(),
+            ..ImplRequest::default()
+        };
+        Ok((req, compute))
+    }
+
+    /// The implementation for `case`.
+    pub fn resolve(&self, case: &Case) -> Result<(Impl, Compute), CaseError> {
+        let (req, compute) = self.request()?;
+        Ok((req.resolve(case)?, compute))
     }
 }

@@ -21,7 +21,7 @@ pub struct Args {
 
 fn go(a: &Args) -> Result<String, CaseError> {
     let case = Case::read(&a.case)?;
-    let (imp, compute) = a.imp.resolve()?;
+    let (imp, compute) = a.imp.resolve(&case)?;
     let results = imp
         .compute(&case, compute)
         .map_err(|e| CaseError::Invalid {
@@ -62,7 +62,7 @@ fn go(a: &Args) -> Result<String, CaseError> {
 pub fn run(a: Args) -> ExitCode {
     match go(&a) {
         Ok(s) => {
-            println!("{s}");
+            super::print(&s);
             ExitCode::SUCCESS
         }
         Err(e) => fail(&e),

@@ -23,12 +23,9 @@ pub fn run(args: Args) -> ExitCode {
         }
     };
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).expect("rows serialise")
-        );
+        super::print(&serde_json::to_string_pretty(&report).expect("rows serialise"));
     } else {
-        println!("{report}");
+        super::print(&report.to_string());
     }
     if report.all_pass() {
         ExitCode::SUCCESS

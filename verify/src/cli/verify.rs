@@ -49,7 +49,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                 )));
             }
             let (expected, reference) = if stored.is_empty() {
-                let oracle = Impl::Naive
+                let oracle = Impl::NAIVE
                     .compute(&case, Compute::F64)
                     .map_err(invalid(&a.case))?;
                 (oracle, "impl:naive (f64 oracle)".to_string())
@@ -70,7 +70,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                     a.case.display()
                 )));
             }
-            let (imp, compute) = a.imp.resolve()?;
+            let (imp, compute) = a.imp.resolve(&case)?;
             let got = imp.compute(&case, compute).map_err(invalid(&a.case))?;
             (
                 stored,
@@ -94,12 +94,9 @@ pub fn run(a: Args) -> ExitCode {
     match go(&a) {
         Ok(report) => {
             if a.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&report).expect("report serialises")
-                );
+                super::print(&serde_json::to_string_pretty(&report).expect("report serialises"));
             } else {
-                println!("{report}");
+                super::print(&report.to_string());
             }
             if report.pass {
                 ExitCode::SUCCESS

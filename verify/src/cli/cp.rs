@@ -1,0 +1,124 @@
+//! `deltaref cp`: run a case under simulated context parallel and print the
+//! per-rank table (local `cu_seqlens`, `pre/post_num_ranks`, `S_ext`, `M`,
+//! merged states against the non-CP state at the same token) and the CP vs
+//! non-CP comparison of every tensor.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args as ClapArgs;
+use deltaref::cp::intra::{self, IntraParams};
+use deltaref::cp::table;
+use deltaref_verify::case::{Case, CaseError};
+use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::report::VerifyReport;
+
+use super::{fail, ImplArgs};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    #[arg(long)]
+    pub case: PathBuf,
+    #[command(flatten)]
+    pub imp: ImplArgs,
+    /// Intra-card CP: split long sequences with FLA's rule instead of --world/--cuts.
+    #[arg(long)]
+    pub intra: bool,
+    /// Intra-card: explicit sub-sequence length (else FLA's compute_subseq_len).
+    #[arg(long)]
+    pub subseq_len: Option<usize>,
+    /// Intra-card: streaming multiprocessors of the device (H100: 132).
+    #[arg(long, default_value_t = 132)]
+    pub num_sms: usize,
+    /// Intra-card: heads (FLA passes the value-head count).
+    #[arg(long, default_value_t = 1)]
+    pub num_heads: usize,
+    /// Intra-card: most pieces per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub max_splits: usize,
+    /// CP vs non-CP tolerance (exact arithmetic: rounding only).
+    #[arg(long, default_value_t = 1e-10)]
+    pub max_ratio: f64,
+}
+
+fn go(a: &Args) -> Result<(String, bool), CaseError> {
+    let case = Case::read(&a.case)?;
+    let (mut req, _) = a.imp.request()?;
+    req.name = "cp".into();
+    if a.intra {
+        if req.world.is_some() || req.cuts.is_some() {
+            return Err(CaseError::Usage(
+                "--intra chooses the cuts itself: drop --world/--cuts".into(),
+            ));
+        }
+        let t = case.inputs().map_err(|e| CaseError::Invalid {
+            path: a.case.display().to_string(),
+            source: e,
+        })?;
+        let cu = case
+            .cu_seqlens
+            .clone()
+            .unwrap_or_else(|| vec![0, seq_len(&t) as i64]);
+        let params = IntraParams {
+            num_sms: a.num_sms,
+            num_heads: a.num_heads,
+            chunk_size: if req.chunk_size == 0 {
+                64
+            } else {
+                req.chunk_size
+            },
+            max_splits: a.max_splits,
+            subseq_len: a.subseq_len,
+        };
+        let cuts =
+            intra::split_points(&cu, &params).map_err(|e| CaseError::Usage(e.to_string()))?;
+        req.cuts = Some(cuts);
+    }
+    let imp = req.resolve(&case)?;
+    let invalid = |e| CaseError::Invalid {
+        path: a.case.display().to_string(),
+        source: e,
+    };
+    let (got, diags) = imp.compute_with_diags(&case).map_err(invalid)?;
+    let reference = Impl::NAIVE.compute(&case, Compute::F64).map_err(invalid)?;
+    let report = VerifyReport::new(
+        &a.case.display().to_string(),
+        "impl:naive (non-CP, f64)",
+        &format!("impl:{}", imp.name()),
+        &reference,
+        &got,
+        a.max_ratio,
+    );
+    let mut out = String::new();
+    if !diags.is_empty() {
+        out += &format!("per-rank table ({}; norms over all heads; `vs nonCP` = max |merged − non-CP state|):\n", imp.name());
+        out += &table(&diags);
+        out += "\n";
+    }
+    out += &report.to_string();
+    Ok((out, report.pass))
+}
+
+/// T of a case's inputs (token-shift `x` or `q`).
+fn seq_len(inputs: &deltaref_verify::case::Inputs) -> usize {
+    use deltaref_verify::case::Inputs;
+    match inputs {
+        Inputs::Kda(x) => x.q.shape()[1],
+        Inputs::Dplr(x) => x.q.shape()[1],
+        Inputs::TokenShift(x) => x.x.shape()[1],
+    }
+}
+
+pub fn run(a: Args) -> ExitCode {
+    match go(&a) {
+        Ok((s, pass)) => {
+            super::print(&s);
+            if pass {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => fail(&e),
+    }
+}
