@@ -572,11 +572,11 @@ impl Case {
         }
     }
 
-    /// Writes the case atomically: a temporary file next to `path`, then rename.
-    pub fn write(&self, path: &Path) -> Result<(), CaseError> {
-        let io = |e: std::io::Error| CaseError::Io {
-            path: path.display().to_string(),
-            source: e,
+    /// The safetensors bytes of the case (deterministic).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, CaseError> {
+        let fmt = |e: safetensors::SafeTensorError| CaseError::Format {
+            path: "(in memory)".into(),
+            why: e.to_string(),
         };
         let mut bufs: Vec<(String, Vec<u8>, Vec<usize>, StDtype)> = self
             .tensors
@@ -594,39 +594,17 @@ impl Case {
             .iter()
             .map(|(n, b, s, d)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
             .collect::<Result<_, safetensors::SafeTensorError>>()
-            .map_err(|e| CaseError::Format {
-                path: path.display().to_string(),
-                why: e.to_string(),
-            })?;
+            .map_err(fmt)?;
         let meta = std::collections::HashMap::from([(
             "case".to_string(),
             self.meta.to_json().to_string(),
         )]);
-        let bytes =
-            safetensors::tensor::serialize(views, Some(meta)).map_err(|e| CaseError::Format {
-                path: path.display().to_string(),
-                why: e.to_string(),
-            })?;
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-        let result = (|| {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        result.map_err(io)
+        safetensors::tensor::serialize(views, Some(meta)).map_err(fmt)
+    }
+
+    /// Writes the case atomically: a temporary file next to `path`, then rename.
+    pub fn write(&self, path: &Path) -> Result<(), CaseError> {
+        write_atomic(path, &self.to_bytes()?)
     }
 
     /// Reads and validates a case file.
@@ -705,6 +683,34 @@ impl Case {
         })?;
         Ok(case)
     }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory
+/// and a rename, so an interrupted write never leaves a partial file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CaseError> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(|e| CaseError::Io {
+        path: path.display().to_string(),
+        source: e,
+    })
 }
 
 /// Float tensors only; integer dtypes are refused by name.

@@ -1,6 +1,7 @@
 pub mod case;
 pub mod diagnose;
 pub mod fd;
+pub mod fixtures;
 pub mod generate;
 pub mod impls;
 pub mod metrics;

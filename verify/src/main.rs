@@ -29,6 +29,8 @@ enum Command {
     Verify(cli::verify::Args),
     /// Simulate context parallel on a case: per-rank table and CP vs non-CP.
     Cp(cli::cp::Args),
+    /// Write the fixture set for other ports, or check a committed one.
+    Fixtures(cli::fixtures::Args),
 }
 
 fn main() -> ExitCode {
@@ -50,5 +52,6 @@ fn main() -> ExitCode {
         Command::Run(a) => cli::run::run(a),
         Command::Verify(a) => cli::verify::run(a),
         Command::Cp(a) => cli::cp::run(a),
+        Command::Fixtures(a) => cli::fixtures::run(a),
     }
 }

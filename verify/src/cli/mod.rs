@@ -2,6 +2,7 @@
 //! Exit codes: 0 success/all pass, 1 a comparison failed, 2 usage or input error.
 
 pub mod cp;
+pub mod fixtures;
 pub mod gen;
 pub mod run;
 pub mod selfcheck;

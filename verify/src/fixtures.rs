@@ -1,0 +1,321 @@
+//! The committed fixture set for other ports: deterministic cases (inputs,
+//! upstream gradients and the float64 truth), with a manifest of options,
+//! shapes, dtypes, seeds and SHA-256 hashes. Regenerating reproduces every
+//! byte (see `deltaref::rng` for the generator).
+
+use std::path::Path;
+
+use deltaref::gates::Gate;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::case::{Case, CaseError, CpLayout, Dtype, Op};
+use crate::generate::{generate, GenSpec};
+
+/// One fixture: a name and how to generate it.
+#[derive(Clone, Debug)]
+pub struct Preset {
+    pub name: &'static str,
+    pub spec: GenSpec,
+    pub cp: Option<CpLayout>,
+    pub chunk_size: Option<usize>,
+}
+
+fn kda(shape: Option<[usize; 6]>, lengths: Option<&[usize]>, seed: u64) -> GenSpec {
+    GenSpec {
+        shape: shape.map(|s| s.to_vec()),
+        lengths: lengths.map(|l| l.to_vec()),
+        seed,
+        initial_state: true,
+        expected: true,
+        ..GenSpec::new(Op::Kda)
+    }
+}
+
+fn varlen(op: Op, lengths: &[usize], seed: u64) -> GenSpec {
+    GenSpec {
+        lengths: Some(lengths.to_vec()),
+        seed,
+        initial_state: true,
+        expected: true,
+        ..GenSpec::new(op)
+    }
+}
+
+/// The committed set: what ports break on, small enough to commit.
+pub fn presets() -> Vec<Preset> {
+    let lb = Gate::LowerBound { lower_bound: -5.0 };
+    let p = |name, spec| Preset {
+        name,
+        spec,
+        cp: None,
+        chunk_size: None,
+    };
+    let cp = |name, spec, layout| Preset {
+        name,
+        spec,
+        cp: Some(layout),
+        chunk_size: Some(64),
+    };
+    let cp_kda = |lengths: &[usize], seed| GenSpec {
+        gate: lb,
+        use_qk_l2norm_in_kernel: true,
+        initial_state: false,
+        ..kda(
+            Some([1, lengths.iter().sum(), 1, 1, 8, 8]),
+            Some(lengths),
+            seed,
+        )
+    };
+    vec![
+        p("kda_small", kda(Some([2, 24, 2, 2, 8, 8]), None, 1)),
+        p("kda_gva", kda(Some([1, 40, 1, 4, 8, 8]), None, 2)),
+        p(
+            "kda_varlen_0_1",
+            kda(Some([1, 48, 2, 2, 8, 8]), Some(&[17, 0, 1, 30]), 3),
+        ),
+        p(
+            "kda_lowerbound_gate",
+            GenSpec {
+                gate: lb,
+                use_beta_sigmoid_in_kernel: true,
+                ..kda(Some([1, 53, 1, 2, 8, 8]), Some(&[33, 20]), 4)
+            },
+        ),
+        p(
+            "kda_in_kernel_gate",
+            GenSpec {
+                gate: Gate::Kda,
+                ..kda(Some([1, 45, 1, 2, 8, 8]), Some(&[20, 25]), 5)
+            },
+        ),
+        p(
+            "kda_l2norm",
+            GenSpec {
+                use_qk_l2norm_in_kernel: true,
+                ..kda(Some([2, 32, 1, 2, 8, 8]), None, 6)
+            },
+        ),
+        p(
+            "kda_lowerbound_l2norm_bf16",
+            GenSpec {
+                gate: lb,
+                use_qk_l2norm_in_kernel: true,
+                dtype: Dtype::Bf16,
+                ..kda(Some([1, 70, 1, 2, 8, 8]), Some(&[64, 6]), 7)
+            },
+        ),
+        p(
+            "dplr_rwkv7",
+            GenSpec {
+                shape: Some(vec![1, 66, 2, 8, 8]),
+                ..varlen(Op::Dplr, &[25, 1, 40], 8)
+            },
+        ),
+        p(
+            "dplr_rwkv7_bf16",
+            GenSpec {
+                shape: Some(vec![1, 66, 2, 8, 8]),
+                dtype: Dtype::Bf16,
+                ..varlen(Op::Dplr, &[25, 1, 40], 9)
+            },
+        ),
+        p(
+            "token_shift_varlen_cache",
+            GenSpec {
+                shape: Some(vec![1, 32, 16]),
+                ..varlen(Op::TokenShift, &[10, 0, 1, 21], 10)
+            },
+        ),
+        cp(
+            "cp_kda_400_624_world2",
+            cp_kda(&[400, 624], 11),
+            CpLayout::World(2),
+        ),
+        cp(
+            "cp_kda_4seqs_world4",
+            cp_kda(&[100, 37, 150, 225], 12),
+            CpLayout::World(4),
+        ),
+        cp("cp_kda_long_world8", cp_kda(&[512], 13), CpLayout::World(8)),
+        cp(
+            "cp_kda_unaligned_cuts",
+            cp_kda(&[50, 90], 14),
+            CpLayout::Cuts(vec![30, 77, 101]),
+        ),
+        cp(
+            "cp_kda_400_624_world2_bf16",
+            GenSpec {
+                dtype: Dtype::Bf16,
+                ..cp_kda(&[400, 624], 15)
+            },
+            CpLayout::World(2),
+        ),
+        cp(
+            "cp_dplr_world2",
+            GenSpec {
+                shape: Some(vec![1, 128, 1, 8, 8]),
+                initial_state: false,
+                ..varlen(Op::Dplr, &[60, 68], 16)
+            },
+            CpLayout::World(2),
+        ),
+        cp(
+            "cp_token_shift_world4",
+            GenSpec {
+                shape: Some(vec![1, 64, 8]),
+                ..varlen(Op::TokenShift, &[5, 40, 19], 17)
+            },
+            CpLayout::World(4),
+        ),
+    ]
+}
+
+impl Preset {
+    pub fn case(&self) -> Result<Case, CaseError> {
+        let mut c = generate(&self.spec)?;
+        c.meta.cp = self.cp.clone();
+        c.meta.chunk_size = self.chunk_size;
+        Ok(c)
+    }
+}
+
+/// One manifest entry.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct Entry {
+    pub file: String,
+    pub op: String,
+    /// The `case` metadata (FLA's option names).
+    pub case: serde_json::Value,
+    /// Stored tensors: name → `[dtype, shape]`.
+    pub tensors: std::collections::BTreeMap<String, (String, Vec<usize>)>,
+    pub seed: u64,
+    pub sha256: String,
+}
+
+/// `fixtures/manifest.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct Manifest {
+    pub generator: String,
+    pub fixtures: Vec<Entry>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Every preset's file name and bytes, plus the manifest.
+pub fn build() -> Result<(Vec<(String, Vec<u8>)>, Manifest), CaseError> {
+    let mut files = vec![];
+    let mut entries = vec![];
+    for p in presets() {
+        let case = p.case()?;
+        let bytes = case.to_bytes()?;
+        let file = format!("{}.safetensors", p.name);
+        let mut tensors: std::collections::BTreeMap<String, (String, Vec<usize>)> = case
+            .tensors
+            .iter()
+            .map(|(n, t)| {
+                (
+                    n.clone(),
+                    (case.dtypes[n].name().to_string(), t.shape().to_vec()),
+                )
+            })
+            .collect();
+        if let Some(cu) = &case.cu_seqlens {
+            tensors.insert("cu_seqlens".into(), ("i64".into(), vec![cu.len()]));
+        }
+        entries.push(Entry {
+            file: file.clone(),
+            op: case.meta.op.name().into(),
+            case: case.meta.to_json(),
+            tensors,
+            seed: p.spec.seed,
+            sha256: hex(&bytes),
+        });
+        files.push((file, bytes));
+    }
+    let generator = format!(
+        "deltaref {} (`deltaref fixtures --out DIR`)",
+        env!("CARGO_PKG_VERSION")
+    );
+    Ok((
+        files,
+        Manifest {
+            generator,
+            fixtures: entries,
+        },
+    ))
+}
+
+/// Writes the set and `manifest.json` into `dir` (created if missing).
+pub fn write(dir: &Path) -> Result<Manifest, CaseError> {
+    let io = |e: std::io::Error| CaseError::Io {
+        path: dir.display().to_string(),
+        source: e,
+    };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let (files, manifest) = build()?;
+    for (name, bytes) in &files {
+        crate::case::write_atomic(&dir.join(name), bytes)?;
+    }
+    let json = serde_json::to_string_pretty(&manifest).expect("manifest serialises") + "\n";
+    crate::case::write_atomic(&dir.join("manifest.json"), json.as_bytes())?;
+    Ok(manifest)
+}
+
+/// Regenerates in memory and compares with `dir`: returns one line per
+/// problem (a file whose bytes or hash differ, a missing file, a stale
+/// manifest); empty when everything matches.
+pub fn check(dir: &Path) -> Result<Vec<String>, CaseError> {
+    let (files, manifest) = build()?;
+    let mut problems = vec![];
+    let committed: Option<Manifest> = std::fs::read_to_string(dir.join("manifest.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok());
+    match &committed {
+        None => problems.push(format!(
+            "{}: missing or unreadable",
+            dir.join("manifest.json").display()
+        )),
+        Some(m) if m != &manifest => {
+            for e in &manifest.fixtures {
+                match m.fixtures.iter().find(|c| c.file == e.file) {
+                    None => problems.push(format!("{}: not in the committed manifest", e.file)),
+                    Some(c) if c != e => problems.push(format!(
+                        "{}: manifest entry differs (sha256 {} committed, {} regenerated)",
+                        e.file, c.sha256, e.sha256
+                    )),
+                    _ => {}
+                }
+            }
+            for c in &m.fixtures {
+                if !manifest.fixtures.iter().any(|e| e.file == c.file) {
+                    problems.push(format!(
+                        "{}: in the manifest but no longer generated",
+                        c.file
+                    ));
+                }
+            }
+            if problems.is_empty() {
+                problems.push("manifest.json: differs from the regenerated one".into());
+            }
+        }
+        _ => {}
+    }
+    for (name, bytes) in &files {
+        match std::fs::read(dir.join(name)) {
+            Err(_) => problems.push(format!("{name}: missing")),
+            Ok(on_disk) if on_disk != *bytes => problems.push(format!(
+                "{name}: bytes differ (sha256 on disk {}, regenerated {})",
+                hex(&on_disk),
+                hex(bytes)
+            )),
+            _ => {}
+        }
+    }
+    Ok(problems)
+}
