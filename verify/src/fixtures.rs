@@ -207,8 +207,11 @@ fn hex(bytes: &[u8]) -> String {
         .collect()
 }
 
+/// A file name and its bytes.
+pub type FixtureFile = (String, Vec<u8>);
+
 /// Every preset's file name and bytes, plus the manifest.
-pub fn build() -> Result<(Vec<(String, Vec<u8>)>, Manifest), CaseError> {
+pub fn build() -> Result<(Vec<FixtureFile>, Manifest), CaseError> {
     let mut files = vec![];
     let mut entries = vec![];
     for p in presets() {
