@@ -515,6 +515,32 @@ impl Case {
             .collect()
     }
 
+    /// A copy whose inputs and upstream gradients went through `round`
+    /// (stored results are kept as they are).
+    pub fn with_rounded_inputs(&self, round: impl Fn(f64) -> f64) -> Case {
+        let mut c = self.clone();
+        let op = self.meta.op;
+        for (name, t) in c.tensors.iter_mut() {
+            if op.inputs().contains(&name.as_str()) || op.upstream().contains(&name.as_str()) {
+                t.mapv_inplace(&round);
+            }
+        }
+        c
+    }
+
+    /// The value dimension (V; D for token-shift), 0 if the inputs are absent.
+    pub fn value_dim(&self) -> usize {
+        let name = if self.meta.op == Op::TokenShift {
+            "x"
+        } else {
+            "v"
+        };
+        self.tensors
+            .get(name)
+            .and_then(|t| t.shape().last().copied())
+            .unwrap_or(0)
+    }
+
     /// Checks inputs, upstream gradients and stored results for consistency
     /// with the reference crate's validation.
     pub fn validate(&self) -> Result<(), deltaref::Error> {

@@ -105,7 +105,8 @@ impl TokenMap {
     }
 }
 
-/// The diagnosis of one tensor.
+/// The diagnosis of one tensor. `first_bad` is the first token of the first
+/// chunk whose error exceeds the band.
 #[derive(Clone, Debug, Serialize)]
 pub struct TensorDiagnosis {
     pub name: String,
@@ -118,7 +119,7 @@ pub struct TensorDiagnosis {
     pub per_rank: Vec<f64>,
     /// `(sequence, chunk, error)` for every chunk of every sequence.
     pub per_chunk: Vec<(usize, usize, f64)>,
-    /// First token whose error exceeds the band.
+    /// Where the error leaves the band (see the type's docs).
     pub first_bad: Option<Location>,
 }
 
@@ -194,17 +195,25 @@ fn diagnose_tensor(
             group(&mut (0..map.b).flat_map(|b| (s..e).map(move |t| b * map.t + t)))
         })
         .collect();
+    // The first chunk (in token order) whose error leaves the band; single
+    // tokens are too noisy at bf16 to judge alone. Inside it, the first token
+    // out of band (or the chunk's start).
+    let mut first: Option<usize> = None;
     for (si, &(b, s, e)) in map.sequences.iter().enumerate() {
         for (ci, cs) in (s..e).step_by(map.chunk_size).enumerate() {
             let ce = (cs + map.chunk_size).min(e);
-            d.per_chunk
-                .push((si, ci, group(&mut (cs..ce).map(|t| b * map.t + t))));
+            let err = group(&mut (cs..ce).map(|t| b * map.t + t));
+            d.per_chunk.push((si, ci, err));
+            if err > band || err.is_nan() {
+                let tok = (cs..ce)
+                    .find(|&t| !(per_token[b * map.t + t] <= band))
+                    .unwrap_or(cs);
+                let flat = b * map.t + tok;
+                first = Some(first.map_or(flat, |f| f.min(flat)));
+            }
         }
     }
-    d.first_bad = per_token
-        .iter()
-        .position(|&e| e > band || e.is_nan())
-        .map(|i| map.locate(i / map.t, i % map.t));
+    d.first_bad = first.map(|i| map.locate(i / map.t, i % map.t));
     d.per_token = Some(per_token);
     d
 }

@@ -4,7 +4,7 @@
 
 use deltaref::cp::{plan::PlanSpec, CpOptions, RankDiag};
 use deltaref::kda::chunk::Chunk;
-use deltaref::precision::Policy;
+use deltaref::precision::{Policy, Stage};
 use deltaref::{dplr, kda, Scalar};
 
 use crate::case::{Case, CaseError, CpLayout, Inputs};
@@ -86,6 +86,15 @@ impl Impl {
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error> {
+        // The kernel reads its inputs in their storage dtype.
+        let rounded;
+        let case = match self.policy.storage(Stage::Inputs) {
+            Some(s) => {
+                rounded = case.with_rounded_inputs(|x| s.round_f64(x));
+                &rounded
+            }
+            None => case,
+        };
         let (d_o, dht) = case.upstream()?;
         let dht = dht.as_ref();
         let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
@@ -148,9 +157,41 @@ pub struct ImplRequest {
     pub cp_engine: Option<String>,
     pub cp_options: CpOptions,
     pub policy: Policy,
+    /// A named preset (see `presets`): sets the policy, CP faults and compute.
+    pub precision: Option<String>,
 }
 
 impl ImplRequest {
+    /// Resolves against a case (whose metadata may carry a CP layout and
+    /// chunk size); returns the compute scalar a preset asks for, if any.
+    pub fn resolve_with_compute(&self, case: &Case) -> Result<(Impl, Option<Compute>), CaseError> {
+        let Some(name) = &self.precision else {
+            return Ok((self.resolve(case)?, None));
+        };
+        let v = case.value_dim();
+        let p = crate::presets::find(name, v).ok_or_else(|| {
+            CaseError::Usage(format!(
+                "unknown --precision `{name}` (available: {})",
+                crate::presets::names()
+            ))
+        })?;
+        if p.faults != Default::default() && self.name != "cp" {
+            return Err(CaseError::Usage(format!(
+                "--precision {name} injects a CP fault: use it with --impl cp"
+            )));
+        }
+        let req = ImplRequest {
+            policy: p.policy.clone(),
+            cp_options: CpOptions {
+                policy: p.policy.clone(),
+                faults: p.faults,
+            },
+            precision: None,
+            ..self.clone()
+        };
+        Ok((req.resolve(case)?, Some(p.compute)))
+    }
+
     /// Resolves against a case (whose metadata may carry a CP layout and chunk size).
     pub fn resolve(&self, case: &Case) -> Result<Impl, CaseError> {
         let usage = |m: String| CaseError::Usage(m);

@@ -6,5 +6,6 @@ pub mod generate;
 pub mod impls;
 pub mod metrics;
 pub mod outputs;
+pub mod presets;
 pub mod report;
 pub mod selfcheck;

@@ -31,6 +31,8 @@ enum Command {
     Cp(cli::cp::Args),
     /// Write the fixture set for other ports, or check a committed one.
     Fixtures(cli::fixtures::Args),
+    /// Locate where an error starts: per token, sequence, rank and chunk.
+    Diagnose(cli::diagnose::Args),
 }
 
 fn main() -> ExitCode {
@@ -53,5 +55,6 @@ fn main() -> ExitCode {
         Command::Verify(a) => cli::verify::run(a),
         Command::Cp(a) => cli::cp::run(a),
         Command::Fixtures(a) => cli::fixtures::run(a),
+        Command::Diagnose(a) => cli::diagnose::run(a),
     }
 }

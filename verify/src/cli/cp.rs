@@ -74,7 +74,7 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
             intra::split_points(&cu, &params).map_err(|e| CaseError::Usage(e.to_string()))?;
         req.cuts = Some(cuts);
     }
-    let imp = req.resolve(&case)?;
+    let (imp, _) = req.resolve_with_compute(&case)?;
     let invalid = |e| CaseError::Invalid {
         path: a.case.display().to_string(),
         source: e,

@@ -2,6 +2,7 @@
 //! Exit codes: 0 success/all pass, 1 a comparison failed, 2 usage or input error.
 
 pub mod cp;
+pub mod diagnose;
 pub mod fixtures;
 pub mod gen;
 pub mod run;
@@ -57,17 +58,23 @@ pub struct ImplArgs {
     /// CP: local engine, naive or chunk (default chunk).
     #[arg(long)]
     pub cp_engine: Option<String>,
-    /// Compute in f64 (the oracle) or f32 (same code, single precision).
-    #[arg(long, default_value = "f64")]
-    pub compute: String,
+    /// Compute in f64 (the oracle) or f32 (same code, single precision); default f64, or the preset's.
+    #[arg(long)]
+    pub compute: Option<String>,
+    /// Emulate a precision preset or inject a CP fault (exact, f32, fla-bf16,
+    /// fla-bf16-mchain-bf16, akk-bf16, tf32-solve, drop-merged-state,
+    /// partial-merge-v, wrong-preprocess).
+    #[arg(long)]
+    pub precision: Option<String>,
 }
 
 impl ImplArgs {
-    pub fn request(&self) -> Result<(ImplRequest, Compute), CaseError> {
-        let compute = match self.compute.as_str() {
-            "f64" => Compute::F64,
-            "f32" => Compute::F32,
-            c => {
+    pub fn request(&self) -> Result<(ImplRequest, Option<Compute>), CaseError> {
+        let compute = match self.compute.as_deref() {
+            None => None,
+            Some("f64") => Some(Compute::F64),
+            Some("f32") => Some(Compute::F32),
+            Some(c) => {
                 return Err(CaseError::Usage(format!(
                     "--compute: expected f64 or f32, got `{c}`"
                 )))
@@ -83,6 +90,7 @@ impl ImplArgs {
                 .map(|c| list("--cuts", c))
                 .transpose()?,
             cp_engine: self.cp_engine.clone(),
+            precision: self.precision.clone(),
             ..ImplRequest::default()
         };
         Ok((req, compute))
@@ -91,6 +99,7 @@ impl ImplArgs {
     /// The implementation for `case`.
     pub fn resolve(&self, case: &Case) -> Result<(Impl, Compute), CaseError> {
         let (req, compute) = self.request()?;
-        Ok((req.resolve(case)?, compute))
+        let (imp, preset_compute) = req.resolve_with_compute(case)?;
+        Ok((imp, compute.or(preset_compute).unwrap_or(Compute::F64)))
     }
 }

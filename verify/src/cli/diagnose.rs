@@ -1,0 +1,109 @@
+//! `deltaref diagnose`: where an error starts. Compares a candidate file, or
+//! an implementation under a precision preset / fault, with the truth, and
+//! breaks the error down per token, sequence, rank and chunk.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args as ClapArgs;
+use deltaref_verify::case::{Case, CaseError};
+use deltaref_verify::diagnose::{diagnose, plot, Diagnosis, TokenMap};
+use deltaref_verify::impls::{Compute, Engine, Impl};
+
+use super::{fail, ImplArgs};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    #[arg(long)]
+    pub case: PathBuf,
+    /// A candidate file holding outputs and gradients (else --impl/--precision compute one).
+    #[arg(long)]
+    pub candidate: Option<PathBuf>,
+    #[command(flatten)]
+    pub imp: ImplArgs,
+    /// Per-token error above this leaves the noise band (FLA's guide: 5e-3 for bf16 KCP).
+    #[arg(long, default_value_t = 5e-3)]
+    pub band: f64,
+    /// Write a PNG of per-token error against token, with rank cuts and chunk boundaries.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Print the diagnosis as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn go(a: &Args) -> Result<Diagnosis, CaseError> {
+    let case = Case::read(&a.case)?;
+    let invalid = |e| CaseError::Invalid {
+        path: a.case.display().to_string(),
+        source: e,
+    };
+    let (imp, compute) = a.imp.resolve(&case)?;
+    // The truth: stored results, else the f64 oracle on the inputs the candidate saw.
+    let stored = case.results();
+    let truth_case = match imp.policy.storage(deltaref::precision::Stage::Inputs) {
+        Some(s) if stored.is_empty() => case.with_rounded_inputs(|x| s.round_f64(x)),
+        _ => case.clone(),
+    };
+    let reference = if stored.is_empty() {
+        Impl::NAIVE
+            .compute(&truth_case, Compute::F64)
+            .map_err(invalid)?
+    } else {
+        stored
+    };
+    let candidate = match &a.candidate {
+        Some(p) => Case::read(p)?.results(),
+        None => imp.compute(&case, compute).map_err(invalid)?,
+    };
+    let (b, t) = case
+        .tensors
+        .get(if case.meta.op == deltaref_verify::case::Op::TokenShift {
+            "x"
+        } else {
+            "q"
+        })
+        .map(|x| (x.shape()[0], x.shape()[1]))
+        .unwrap_or((1, 0));
+    let cuts = match &imp.cp {
+        Some((spec, _)) => spec
+            .build(b, t, case.cu_seqlens.as_deref())
+            .map_err(invalid)?
+            .cuts()
+            .to_vec(),
+        None => vec![],
+    };
+    let chunk = match imp.engine {
+        Engine::Chunk(c) => c,
+        Engine::Naive => case.meta.chunk_size.unwrap_or(64),
+    };
+    let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), &cuts, chunk);
+    let d = diagnose(&reference, &candidate, &map, a.band);
+    if let Some(path) = &a.plot {
+        plot(&d, path).map_err(CaseError::Usage)?;
+    }
+    Ok(d)
+}
+
+pub fn run(a: Args) -> ExitCode {
+    match go(&a) {
+        Ok(d) => {
+            if a.json {
+                super::print(&serde_json::to_string_pretty(&d).expect("diagnosis serialises"));
+            } else {
+                super::print(&d.to_string());
+                if let Some(p) = &a.plot {
+                    super::print(&format!("plot: {}", p.display()));
+                }
+            }
+            // Like verify: fail when a whole tensor is out of band; where the
+            // error starts is information either way.
+            if d.tensors.iter().all(|t| t.norm_ratio <= a.band) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => fail(&e),
+    }
+}
