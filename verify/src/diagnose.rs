@@ -206,7 +206,7 @@ fn diagnose_tensor(
             d.per_chunk.push((si, ci, err));
             if err > band || err.is_nan() {
                 let tok = (cs..ce)
-                    .find(|&t| !(per_token[b * map.t + t] <= band))
+                    .find(|&t| per_token[b * map.t + t] > band || per_token[b * map.t + t].is_nan())
                     .unwrap_or(cs);
                 let flat = b * map.t + tok;
                 first = Some(first.map_or(flat, |f| f.min(flat)));
