@@ -101,17 +101,18 @@ proptest! {
     }
 
     #[test]
-    fn dplr_cp_equals_non_cp((lengths, cuts) in layout_and_cuts(), h in 1usize..3, k in 1usize..6, v in 1usize..6, h0 in any::<bool>(), seed in 0u64..1000) {
+    fn dplr_cp_equals_non_cp((lengths, cuts) in layout_and_cuts(), h in 1usize..3, k in 1usize..6, v in 1usize..6, h0 in any::<bool>(), chunk in any::<bool>(), seed in 0u64..1000) {
         let spec = DplrSpec { layout: Layout::varlen(&lengths), h, k, v, initial_state: h0, seed };
         let x = inputs::dplr(&spec);
         let opts = DplrOptions { output_final_state: true, ..Default::default() };
         let plan = PlanSpec::Cuts(cuts);
         let cpo = CpOptions::default();
-        let (o, _) = cp::dplr::forward(&dplr::naive::Naive, &x.inputs, &opts, &plan, &cpo).unwrap();
+        let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::chunk::Chunk::new(16).unwrap()) } else { Box::new(dplr::naive::Naive) };
+        let (o, _) = engine.fwd(&x.inputs, &opts, &plan, &cpo);
         let full = dplr::naive::forward(&x.inputs, &opts).unwrap();
         close("o", &full.o, &o.o)?;
         close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
-        let (gr, diags) = cp::dplr::backward(&dplr::naive::Naive, &x.inputs, &opts, &x.d_o, Some(&x.dht), &plan, &cpo).unwrap();
+        let (gr, diags) = engine.bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
         let want = dplr::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
         for (n, a, b) in [("dq", &want.dq, &gr.dq), ("dk", &want.dk, &gr.dk), ("dv", &want.dv, &gr.dv), ("da", &want.da, &gr.da), ("db", &want.db, &gr.db), ("dgk", &want.dgk, &gr.dgk)] {
             close(n, a, b)?;
@@ -134,6 +135,49 @@ proptest! {
         let got = cp::token_shift::backward(&x.inputs, &x.d_o, Some(&x.dht), &plan).unwrap();
         close("dx", &want.dx, &got.dx)?;
         if let (Some(a), Some(b)) = (&want.dcache, &got.dcache) { close("dcache", a, b)?; }
+    }
+}
+
+/// Object-safe DPLR CP runner over either engine.
+trait DplrCp {
+    fn fwd(
+        &self,
+        x: &dplr::DplrInputs<f64>,
+        o: &DplrOptions,
+        p: &PlanSpec,
+        c: &CpOptions,
+    ) -> (dplr::DplrOutputs<f64>, Vec<cp::RankDiag<f64>>);
+    fn bwd(
+        &self,
+        x: &dplr::DplrInputs<f64>,
+        o: &DplrOptions,
+        d_o: &ArrayD<f64>,
+        dht: &ArrayD<f64>,
+        p: &PlanSpec,
+        c: &CpOptions,
+    ) -> (dplr::DplrGrads<f64>, Vec<cp::RankDiag<f64>>);
+}
+
+impl<E: dplr::DplrEngine<f64>> DplrCp for E {
+    fn fwd(
+        &self,
+        x: &dplr::DplrInputs<f64>,
+        o: &DplrOptions,
+        p: &PlanSpec,
+        c: &CpOptions,
+    ) -> (dplr::DplrOutputs<f64>, Vec<cp::RankDiag<f64>>) {
+        cp::dplr::forward(self, x, o, p, c).expect("valid")
+    }
+    fn bwd(
+        &self,
+        x: &dplr::DplrInputs<f64>,
+        o: &DplrOptions,
+        d_o: &ArrayD<f64>,
+        dht: &ArrayD<f64>,
+        p: &PlanSpec,
+        c: &CpOptions,
+    ) -> (dplr::DplrGrads<f64>, Vec<cp::RankDiag<f64>>) {
+        cp::dplr::backward(self, x, o, d_o, Some(dht), p, c).expect("valid")
     }
 }
 

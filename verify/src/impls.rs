@@ -14,7 +14,7 @@ use crate::outputs::{self, Tensors};
 #[derive(Clone, Debug, PartialEq)]
 pub enum Engine {
     Naive,
-    /// Chunked KDA with this chunk size (DPLR has no chunked form here).
+    /// The chunked form with this chunk size (token-shift has none and runs as naive).
     Chunk(usize),
 }
 
@@ -119,21 +119,28 @@ impl Impl {
                 }
             }
             (Inputs::Dplr(x), cp) => {
-                if let Engine::Chunk(_) = self.engine {
-                    return Err(deltaref::Error::option(
-                        "impl",
-                        "DPLR has no chunked form in this build: use the naive engine (--impl naive, or --cp-engine naive)",
-                    ));
-                }
                 let opts = case.meta.dplr_options();
-                match cp {
-                    None => Ok((
-                        outputs::dplr::<T, _>(&dplr::naive::Naive, &x, &opts, &d_o, dht)?,
+                let naive = &dplr::naive::Naive;
+                match (&self.engine, cp) {
+                    (Engine::Naive, None) => {
+                        Ok((outputs::dplr::<T, _>(naive, &x, &opts, &d_o, dht)?, vec![]))
+                    }
+                    (Engine::Chunk(c), None) => Ok((
+                        outputs::dplr::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, &d_o, dht)?,
                         vec![],
                     )),
-                    Some((p, o)) => {
-                        outputs::dplr_cp::<T, _>(&dplr::naive::Naive, &x, &opts, &d_o, dht, p, o)
+                    (Engine::Naive, Some((p, o))) => {
+                        outputs::dplr_cp::<T, _>(naive, &x, &opts, &d_o, dht, p, o)
                     }
+                    (Engine::Chunk(c), Some((p, o))) => outputs::dplr_cp::<T, _>(
+                        &dplr::chunk::Chunk::new(*c)?,
+                        &x,
+                        &opts,
+                        &d_o,
+                        dht,
+                        p,
+                        o,
+                    ),
                 }
             }
             (Inputs::TokenShift(x), None) => {

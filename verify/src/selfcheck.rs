@@ -392,6 +392,18 @@ fn chunk_rows(report: &mut Report) -> Result<()> {
             EXACT_TOL,
         );
     }
+    let (_, g) = dplr_case(&LENGTHS, 16, 16);
+    let opts = DplrOptions::default();
+    let naive =
+        outputs::dplr::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    let got = outputs::dplr::<f64, _>(
+        &dplr::chunk::Chunk::new(32)?,
+        &g.inputs,
+        &opts,
+        &g.d_o,
+        Some(&g.dht),
+    )?;
+    report.compare_maps("chunk C=32 vs naive (f64)", "dplr", &naive, &got, EXACT_TOL);
     Ok(())
 }
 
@@ -456,6 +468,23 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     )?;
     report.compare_maps(
         "cp cuts=20,38,90 (naive) vs naive",
+        "dplr",
+        &naive,
+        &got,
+        EXACT_TOL,
+    );
+    let chunk = dplr::chunk::Chunk::new(16)?;
+    let (got, _) = outputs::dplr_cp::<f64, _>(
+        &chunk,
+        &g.inputs,
+        &opts,
+        &g.d_o,
+        Some(&g.dht),
+        &PlanSpec::World(2),
+        &cpo,
+    )?;
+    report.compare_maps(
+        "cp world=2 (chunk C=16) vs naive",
         "dplr",
         &naive,
         &got,

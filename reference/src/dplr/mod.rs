@@ -6,6 +6,7 @@
 //! Shared pieces as for KDA: tensors, validation, the pair driver; the
 //! engines (`naive`, `chunk`) see one head of one sequence.
 
+pub mod chunk;
 pub mod naive;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView2};

@@ -1,0 +1,469 @@
+//! The chunked DPLR form (SPEC §4), in the structure of FLA's
+//! `chunk_dplr_delta_rule`: per chunk the state-independent A blocks
+//! (`Aqk`, `Aqb`, `Aab`, `Aak`), the WY inverse `P = (I − Aab)^{-1}`, `w`,
+//! `u`; then one pass over the chunks carrying the state (`h`, `v2`, `o`).
+//! Backward: output backward, the `dh` recurrence, WY backward, A-block
+//! backward, gate (reverse cumsum) backward. Decays are always formed from
+//! differences of the in-chunk cumulative log-decay, so nothing overflows.
+
+use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+
+use super::{
+    DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
+};
+use crate::error::{Error, Result};
+use crate::scalar::Scalar;
+use crate::varlen::{par_pairs, Segment};
+
+/// The chunked engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub chunk_size: usize,
+}
+
+impl Chunk {
+    /// Chunk sizes of FLA's kernels: 16, 32 or 64.
+    pub fn new(chunk_size: usize) -> Result<Self> {
+        if ![16, 32, 64].contains(&chunk_size) {
+            return Err(Error::option(
+                "chunk_size",
+                format!("must be 16, 32 or 64, got {chunk_size}"),
+            ));
+        }
+        Ok(Chunk { chunk_size })
+    }
+}
+
+/// `chunk::forward(x, opt, C)`.
+pub fn forward<T: Scalar>(
+    x: &DplrInputs<T>,
+    opt: &DplrOptions,
+    chunk_size: usize,
+) -> Result<DplrOutputs<T>> {
+    super::forward(&Chunk::new(chunk_size)?, x, opt)
+}
+
+/// `chunk::backward(x, opt, do, dht, C)`.
+pub fn backward<T: Scalar>(
+    x: &DplrInputs<T>,
+    opt: &DplrOptions,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    chunk_size: usize,
+) -> Result<DplrGrads<T>> {
+    super::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
+}
+
+/// One chunk's state-independent quantities (rows = the chunk's tokens).
+#[derive(Clone, Debug)]
+pub struct Intra<T> {
+    pub start: usize,
+    /// Γ (inclusive) and Γx = Γ − gk (exclusive) cumulative log-decay, `[c, K]`.
+    pub g_cumsum: Array2<T>,
+    pub gx_cumsum: Array2<T>,
+    /// `[c, c]`: `Aqk`, `Aqb` (j ≤ i), `Aab`, `Aak` (j < i).
+    pub aqk: Array2<T>,
+    pub aqb: Array2<T>,
+    pub aab: Array2<T>,
+    pub aak: Array2<T>,
+    /// `P = (I − Aab)^{-1}`, `[c, c]`.
+    pub p: Array2<T>,
+    /// `w = P (exp(Γx) ⊙ A)`, `[c, K]`; `u = P (Aak V)`, `[c, V]`.
+    pub w: Array2<T>,
+    pub u: Array2<T>,
+}
+
+impl<T: Scalar> Intra<T> {
+    pub fn len(&self) -> usize {
+        self.g_cumsum.nrows()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn decay_last(&self) -> Array1<T> {
+        self.g_cumsum.row(self.len() - 1).mapv(|v| v.exp())
+    }
+
+    /// `exp(Γ_last − Γ)`, `[c, K]`.
+    fn decay_to_last(&self) -> Array2<T> {
+        let last = self.g_cumsum.row(self.len() - 1);
+        Array2::from_shape_fn(self.g_cumsum.raw_dim(), |(r, d)| {
+            (last[d] - self.g_cumsum[[r, d]]).exp()
+        })
+    }
+
+    /// `M_chunk = Diag(exp Γ_last) + (B ⊙ exp(Γ_last − Γ))ᵀ w`, `[K, K]`.
+    pub fn transition(&self, b: ArrayView2<T>) -> Array2<T> {
+        let mut m = (&b * &self.decay_to_last()).t().dot(&self.w);
+        for (d, e) in self.decay_last().iter().enumerate() {
+            m[[d, d]] += *e;
+        }
+        m
+    }
+}
+
+/// Forward intermediates of one head.
+#[derive(Clone, Debug)]
+pub struct ChunkForward<T> {
+    pub intra: Vec<Intra<T>>,
+    /// State entering each chunk, `[NT, K, V]`.
+    pub h: Array3<T>,
+    /// `v2 = u + w h` (the `aᵀS` terms), `[L, V]`.
+    pub v2: Array2<T>,
+    pub o: Array2<T>,
+    pub final_state: Array2<T>,
+}
+
+/// Backward intermediates of one head.
+#[derive(Clone, Debug)]
+pub struct ChunkBackward<T> {
+    /// Gradient of the state at the END of each chunk (FLA's `dh`), `[NT, K, V]`.
+    pub dh: Array3<T>,
+    /// Per chunk: gradients of `Aqk`, `Aqb`, `Aab`, `Aak`.
+    pub da_blocks: Vec<[Array2<T>; 4]>,
+    pub grads: DplrHeadGrads<T>,
+}
+
+/// Rows of `x` for one chunk.
+fn rows<T: Scalar>(x: &Array2<T>, start: usize, c: usize) -> ArrayView2<'_, T> {
+    x.slice(s![start..start + c, ..])
+}
+
+fn mask<T: Scalar>(a: &mut Array2<T>, keep: impl Fn(usize, usize) -> bool) {
+    a.indexed_iter_mut().for_each(|((i, j), v)| {
+        if !keep(i, j) {
+            *v = T::zero()
+        }
+    });
+}
+
+impl Chunk {
+    /// The intra-chunk stage for tokens `start..start + c`.
+    pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
+        let (q, k, a, b, v) = (
+            rows(&x.q, start, c),
+            rows(&x.k, start, c),
+            rows(&x.a, start, c),
+            rows(&x.b, start, c),
+            rows(&x.v, start, c),
+        );
+        let mut g = rows(&x.gk, start, c).to_owned();
+        g.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
+        let gx = &g - &rows(&x.gk, start, c);
+        let kd = x.k_dim();
+        let z = || Array2::<T>::zeros((c, c));
+        let (mut aqk, mut aqb, mut aab, mut aak) = (z(), z(), z(), z());
+        for i in 0..c {
+            for j in 0..=i {
+                let (mut s_qk, mut s_qb, mut s_ab, mut s_ak) =
+                    (T::zero(), T::zero(), T::zero(), T::zero());
+                for d in 0..kd {
+                    let e1 = (g[[i, d]] - g[[j, d]]).exp();
+                    s_qk += q[[i, d]] * k[[j, d]] * e1;
+                    s_qb += q[[i, d]] * b[[j, d]] * e1;
+                    if j < i {
+                        let e2 = (gx[[i, d]] - g[[j, d]]).exp();
+                        s_ab += a[[i, d]] * b[[j, d]] * e2;
+                        s_ak += a[[i, d]] * k[[j, d]] * e2;
+                    }
+                }
+                (aqk[[i, j]], aqb[[i, j]], aab[[i, j]], aak[[i, j]]) = (s_qk, s_qb, s_ab, s_ak);
+            }
+        }
+        // (I − Aab)^{-1} by forward substitution (Aab strictly lower).
+        let mut p = Array2::<T>::eye(c);
+        for i in 1..c {
+            for j in 0..i {
+                let l = aab[[i, j]];
+                if l != T::zero() {
+                    let row = p.row(j).to_owned();
+                    p.row_mut(i).scaled_add(l, &row);
+                }
+            }
+        }
+        let ax = &a * &gx.mapv(|v| v.exp());
+        let w = p.dot(&ax);
+        let u = p.dot(&aak.dot(&v));
+        Intra {
+            start,
+            g_cumsum: g,
+            gx_cumsum: gx,
+            aqk,
+            aqb,
+            aab,
+            aak,
+            p,
+            w,
+            u,
+        }
+    }
+
+    pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
+        (0..x.len())
+            .step_by(self.chunk_size)
+            .map(|start| self.intra(x, start, self.chunk_size.min(x.len() - start)))
+            .collect()
+    }
+
+    /// The forward pass with every intermediate.
+    pub fn forward_intermediates<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+    ) -> ChunkForward<T> {
+        let intra = self.intras(x);
+        let (kd, vd) = (x.k_dim(), x.v_dim());
+        let mut h = Array3::zeros((intra.len(), kd, vd));
+        let mut v2 = Array2::zeros((x.len(), vd));
+        let mut o = Array2::zeros((x.len(), vd));
+        let mut state = h0.to_owned();
+        for (n, ch) in intra.iter().enumerate() {
+            let c = ch.len();
+            let r = s![ch.start..ch.start + c, ..];
+            let v = rows(&x.v, ch.start, c);
+            let v2n = &ch.u + &ch.w.dot(&state);
+            let qg = &rows(&x.q, ch.start, c) * &ch.g_cumsum.mapv(|g| g.exp());
+            o.slice_mut(r)
+                .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&state)));
+            let dl = ch.decay_to_last();
+            h.index_axis_mut(Axis(0), n).assign(&state);
+            state = &state * &ch.decay_last().insert_axis(Axis(1))
+                + (&rows(&x.k, ch.start, c) * &dl).t().dot(&v)
+                + (&rows(&x.b, ch.start, c) * &dl).t().dot(&v2n);
+            v2.slice_mut(r).assign(&v2n);
+        }
+        ChunkForward {
+            intra,
+            h,
+            v2,
+            o,
+            final_state: state,
+        }
+    }
+
+    /// The backward pass with every intermediate.
+    pub fn backward_intermediates<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ChunkBackward<T> {
+        let fwd = self.forward_intermediates(x, h0);
+        let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
+        let z = || Array2::zeros((l, kd));
+        let mut gr = DplrHeadGrads {
+            dq: z(),
+            dk: z(),
+            dv: Array2::zeros((l, vd)),
+            da: z(),
+            db: z(),
+            dgk: z(),
+            dh0: Array2::zeros((kd, vd)),
+        };
+        let nt = fwd.intra.len();
+        let mut dh = Array3::zeros((nt, kd, vd));
+        let mut da_blocks = Vec::with_capacity(nt);
+        let mut ds = dht.to_owned();
+        for (n, ch) in fwd.intra.iter().enumerate().rev() {
+            dh.index_axis_mut(Axis(0), n).assign(&ds);
+            let (ds_prev, blocks) = self.chunk_backward(x, ch, &fwd, n, d_o, &ds, &mut gr);
+            ds = ds_prev;
+            da_blocks.push(blocks);
+        }
+        da_blocks.reverse();
+        gr.dh0 = ds;
+        ChunkBackward {
+            dh,
+            da_blocks,
+            grads: gr,
+        }
+    }
+
+    /// Backward through one chunk given `ds = ∂L/∂(state at its end)`;
+    /// returns `∂L/∂(state entering it)` and the A-block gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_backward<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        ch: &Intra<T>,
+        fwd: &ChunkForward<T>,
+        n: usize,
+        d_o: ArrayView2<T>,
+        ds: &Array2<T>,
+        gr: &mut DplrHeadGrads<T>,
+    ) -> (Array2<T>, [Array2<T>; 4]) {
+        let (c, st) = (ch.len(), ch.start);
+        let r = s![st..st + c, ..];
+        let (q, k, a, b, v) = (
+            rows(&x.q, st, c),
+            rows(&x.k, st, c),
+            rows(&x.a, st, c),
+            rows(&x.b, st, c),
+            rows(&x.v, st, c),
+        );
+        let h = fwd.h.index_axis(Axis(0), n);
+        let v2 = fwd.v2.slice(r);
+        let dout = d_o.slice(r);
+        let eg = ch.g_cumsum.mapv(|g| g.exp());
+        let egx = ch.gx_cumsum.mapv(|g| g.exp());
+        let dl = ch.decay_to_last();
+        let decay_last = ch.decay_last();
+        // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h.
+        let qg = &q * &eg;
+        let dqg = dout.dot(&h.t());
+        let mut ds_prev = qg.t().dot(&dout) + ds * &decay_last.clone().insert_axis(Axis(1));
+        let mut daqk = dout.dot(&v.t());
+        let mut daqb = dout.dot(&v2.t());
+        mask(&mut daqk, |i, j| j <= i);
+        mask(&mut daqb, |i, j| j <= i);
+        let mut dv = ch.aqk.t().dot(&dout);
+        let mut dv2 = ch.aqb.t().dot(&dout);
+        // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
+        let (kgl, bgl) = (&k * &dl, &b * &dl);
+        let mut dgamma_last: Array1<T> = (&h * ds).sum_axis(Axis(1)) * &decay_last;
+        let dkgl = v.dot(&ds.t());
+        let dbgl = v2.dot(&ds.t());
+        dv += &kgl.dot(ds);
+        dv2 += &bgl.dot(ds);
+        // v2 = u + w h.
+        let dw = dv2.dot(&h.t());
+        ds_prev += &ch.w.t().dot(&dv2);
+        // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
+        let zv = ch.aak.dot(&v);
+        let ax = &a * &egx;
+        let dp = dv2.dot(&zv.t()) + dw.dot(&ax.t());
+        let dz = ch.p.t().dot(&dv2);
+        let mut daak = dz.dot(&v.t());
+        mask(&mut daak, |i, j| j < i);
+        dv += &ch.aak.t().dot(&dz);
+        let dax = ch.p.t().dot(&dw);
+        let mut daab = ch.p.t().dot(&dp).dot(&ch.p.t());
+        mask(&mut daab, |i, j| j < i);
+        let mut da = &dax * &egx;
+        let mut dgx = &dax * &ax;
+        // qg, kgl, bgl.
+        let mut dq = &dqg * &eg;
+        let mut dgamma = &dqg * &qg;
+        let mut dk = &dkgl * &dl;
+        let mut db = &dbgl * &dl;
+        for t in [&dkgl * &kgl, &dbgl * &bgl] {
+            dgamma -= &t;
+            dgamma_last += &t.sum_axis(Axis(0));
+        }
+        self.blocks_backward(
+            ch,
+            [&q, &k, &a, &b],
+            [&daqk, &daqb, &daab, &daak],
+            [&mut dq, &mut dk, &mut da, &mut db],
+            &mut dgamma,
+            &mut dgx,
+        );
+        // Γlast is Γ's last row; Γx = Γ − gk; Γ = cumsum(gk).
+        dgamma.row_mut(c - 1).scaled_add(T::one(), &dgamma_last);
+        dgamma += &dgx;
+        for i in (0..c - 1).rev() {
+            let next = dgamma.row(i + 1).to_owned();
+            dgamma.row_mut(i).scaled_add(T::one(), &next);
+        }
+        let dgk = dgamma - dgx;
+        for (dst, src) in [
+            (&mut gr.dq, dq),
+            (&mut gr.dk, dk),
+            (&mut gr.da, da),
+            (&mut gr.db, db),
+            (&mut gr.dgk, dgk),
+        ] {
+            dst.slice_mut(r).assign(&src);
+        }
+        gr.dv.slice_mut(r).assign(&dv);
+        (ds_prev, [daqk, daqb, daab, daak])
+    }
+
+    /// Through the four A blocks (pairwise decays `e^{Γ_i − Γ_j}` for Aqk/Aqb,
+    /// `e^{Γx_i − Γ_j}` for Aab/Aak): gradients of q, k, a, b, Γ and Γx.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks_backward<T: Scalar>(
+        &self,
+        ch: &Intra<T>,
+        [q, k, a, b]: [&ArrayView2<T>; 4],
+        [daqk, daqb, daab, daak]: [&Array2<T>; 4],
+        [dq, dk, da, db]: [&mut Array2<T>; 4],
+        dgamma: &mut Array2<T>,
+        dgx: &mut Array2<T>,
+    ) {
+        let (g, gx) = (&ch.g_cumsum, &ch.gx_cumsum);
+        let (c, kd) = (ch.len(), k.ncols());
+        for i in 0..c {
+            for j in 0..=i {
+                let (p_qk, p_qb, p_ab, p_ak) =
+                    (daqk[[i, j]], daqb[[i, j]], daab[[i, j]], daak[[i, j]]);
+                for d in 0..kd {
+                    let e1 = (g[[i, d]] - g[[j, d]]).exp();
+                    let (qi, kj, bj) = (q[[i, d]], k[[j, d]], b[[j, d]]);
+                    dq[[i, d]] += (p_qk * kj + p_qb * bj) * e1;
+                    dk[[j, d]] += p_qk * qi * e1;
+                    db[[j, d]] += p_qb * qi * e1;
+                    let t1 = (p_qk * kj + p_qb * bj) * qi * e1;
+                    dgamma[[i, d]] += t1;
+                    dgamma[[j, d]] -= t1;
+                    if j < i {
+                        let e2 = (gx[[i, d]] - g[[j, d]]).exp();
+                        let ai = a[[i, d]];
+                        da[[i, d]] += (p_ab * bj + p_ak * kj) * e2;
+                        db[[j, d]] += p_ab * ai * e2;
+                        dk[[j, d]] += p_ak * ai * e2;
+                        let t2 = (p_ab * bj + p_ak * kj) * ai * e2;
+                        dgx[[i, d]] += t2;
+                        dgamma[[j, d]] -= t2;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl<T: Scalar> DplrEngine<T> for Chunk {
+    fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        let f = self.forward_intermediates(x, h0);
+        (f.o, f.final_state)
+    }
+
+    fn backward(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> DplrHeadGrads<T> {
+        self.backward_intermediates(x, h0, d_o, dht).grads
+    }
+
+    /// `M = Π M_chunk`, later chunks on the left.
+    fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
+        let mut m = Array2::eye(x.k_dim());
+        for ch in self.intras(x) {
+            m = ch.transition(rows(&x.b, ch.start, ch.len())).dot(&m);
+        }
+        m
+    }
+}
+
+/// Forward intermediates of every (sequence, head) pair of a batch.
+pub fn intermediates<T: Scalar>(
+    engine: &Chunk,
+    x: &DplrInputs<T>,
+    opt: &DplrOptions,
+) -> Result<Vec<(Segment, usize, ChunkForward<T>)>> {
+    let p = Prepared::new(x, opt)?;
+    Ok(par_pairs(p.segments.len(), p.dims.h, |si, h| {
+        let seg = p.segments[si];
+        (
+            seg,
+            h,
+            engine.forward_intermediates(&p.head(&seg, h), p.initial_state(seg.seq, h).view()),
+        )
+    }))
+}

@@ -1,0 +1,147 @@
+//! The chunked DPLR form against the naive recurrence: f64 agreement ≤ 1e-10
+//! for outputs, final state and every gradient; `h` equal to the naive state
+//! at every chunk start; the chunk transition equal to the per-token
+//! product; no overflow under strong decay; f32 within FLA's band.
+
+use deltaref::dplr::chunk::Chunk;
+use deltaref::dplr::naive::Naive;
+use deltaref::dplr::{DplrEngine, DplrHead, DplrOptions, Prepared};
+use deltaref::inputs::{self, DplrSpec, Layout};
+use deltaref_tests::ratio;
+use deltaref_verify::outputs::{self, Tensors};
+use ndarray::{s, Array2, ArrayD, IxDyn};
+
+fn spec(layout: Layout, seed: u64) -> DplrSpec {
+    DplrSpec {
+        layout,
+        h: 2,
+        k: 8,
+        v: 6,
+        initial_state: true,
+        seed,
+    }
+}
+
+fn all(engine: &impl DplrEngine<f64>, s: &DplrSpec) -> Tensors {
+    let g = inputs::dplr(s);
+    outputs::dplr::<f64, _>(
+        engine,
+        &g.inputs,
+        &DplrOptions::default(),
+        &g.d_o,
+        Some(&g.dht),
+    )
+    .expect("valid")
+}
+
+fn assert_maps_close(what: &str, reference: &Tensors, got: &Tensors, tol: f64) {
+    for (name, r) in reference {
+        let v = ratio(r, &got[name]);
+        assert!(v <= tol, "{what}: {name} norm_ratio {v:e} > {tol:e}");
+        assert!(
+            got[name].iter().all(|x| x.is_finite()),
+            "{what}: {name} not finite"
+        );
+    }
+}
+
+#[test]
+fn chunk_matches_naive_for_every_chunk_size_and_layout() {
+    for (i, layout) in [Layout::varlen(&[37, 0, 1, 70, 16]), Layout::batch(2, 45)]
+        .into_iter()
+        .enumerate()
+    {
+        let s = spec(layout, 30 + i as u64);
+        let reference = all(&Naive, &s);
+        for c in [16, 32, 64] {
+            assert_maps_close(
+                &format!("C={c}"),
+                &reference,
+                &all(&Chunk::new(c).unwrap(), &s),
+                1e-10,
+            );
+        }
+    }
+}
+
+fn head(s: &DplrSpec) -> (DplrHead<f64>, Array2<f64>) {
+    let g = inputs::dplr(s);
+    let p = Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
+    (p.head(&p.segments[0], 1), p.initial_state(0, 1))
+}
+
+fn prefix(x: &DplrHead<f64>, n: usize) -> DplrHead<f64> {
+    let cut = |a: &Array2<f64>| a.slice(s![..n, ..]).to_owned();
+    DplrHead {
+        q: cut(&x.q),
+        k: cut(&x.k),
+        a: cut(&x.a),
+        b: cut(&x.b),
+        gk: cut(&x.gk),
+        v: cut(&x.v),
+    }
+}
+
+fn max_diff(a: &Array2<f64>, b: &Array2<f64>) -> f64 {
+    (a - b).iter().fold(0.0, |m, v| m.max(v.abs()))
+}
+
+#[test]
+fn h_is_the_naive_state_at_every_chunk_start_and_transitions_agree() {
+    let (x, h0) = head(&spec(Layout::varlen(&[150]), 3));
+    let per_token = Naive.transition(&x);
+    for c in [16, 32, 64] {
+        let chunk = Chunk::new(c).unwrap();
+        let f = chunk.forward_intermediates(&x, h0.view());
+        for n in 0..f.h.shape()[0] {
+            let naive = Naive.forward(&prefix(&x, n * c), h0.view()).1;
+            let d = max_diff(&f.h.index_axis(ndarray::Axis(0), n).to_owned(), &naive);
+            assert!(d <= 1e-12, "C={c} chunk {n}: {d:e}");
+        }
+        let d = max_diff(&chunk.transition(&x), &per_token);
+        assert!(d <= 1e-12, "C={c} transition: {d:e}");
+    }
+}
+
+#[test]
+fn strong_decay_does_not_overflow() {
+    let s = spec(Layout::varlen(&[130, 64]), 5);
+    let mut g = inputs::dplr(&s);
+    g.inputs.gk = ArrayD::from_elem(IxDyn(g.inputs.gk.shape()), -5.0);
+    let opts = DplrOptions::default();
+    let reference =
+        outputs::dplr::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let chunk = Chunk::new(64).unwrap();
+    let got = outputs::dplr::<f64, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    assert_maps_close("gk = -5", &reference, &got, 1e-10);
+    let single = outputs::dplr::<f32, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    for (name, t) in &single {
+        assert!(t.iter().all(|v| v.is_finite()), "f32 {name} has Inf/NaN");
+    }
+}
+
+#[test]
+fn f32_chunk_is_within_flas_band_of_f64_naive() {
+    let s = DplrSpec {
+        k: 32,
+        v: 32,
+        ..spec(Layout::varlen(&[200, 56]), 6)
+    };
+    let g = inputs::dplr(&s);
+    let opts = DplrOptions::default();
+    let reference =
+        outputs::dplr::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let single = outputs::dplr::<f32, _>(
+        &Chunk::new(64).unwrap(),
+        &g.inputs,
+        &opts,
+        &g.d_o,
+        Some(&g.dht),
+    )
+    .unwrap();
+    for (name, r) in &reference {
+        let v = ratio(r, &single[name]);
+        println!("f32 chunk vs f64 naive (dplr) {name:<12} {v:.3e}");
+        assert!(v <= 5e-3, "{name}: {v:e}");
+    }
+}
