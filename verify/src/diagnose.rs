@@ -311,6 +311,8 @@ pub fn plot(d: &Diagnosis, path: &Path) -> Result<(), String> {
         .configure_mesh()
         .x_desc("token (batch rows laid end to end)")
         .y_desc("error")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0e}"))
         .draw()
         .map_err(|e| err(&e))?;
     let vline = |x: usize, style: ShapeStyle| {

@@ -287,3 +287,65 @@ fn cp_command_prints_the_rank_table_and_matches_non_cp() {
         assert_eq!(rc, 2, "{args:?}: {err}");
     }
 }
+
+#[test]
+fn diagnose_locates_a_fault_and_draws_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = dir.path().join("c.safetensors");
+    run_ok(&[
+        "gen",
+        "--op",
+        "kda",
+        "--lengths",
+        "100,92",
+        "--shape",
+        "1,192,1,1,8,8",
+        "--expected",
+        "--out",
+        s(&case),
+    ]);
+    let png = dir.path().join("err.png");
+    let (rc, out, err) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--impl",
+        "cp",
+        "--world",
+        "2",
+        "--precision",
+        "partial-merge-v",
+        "--plot",
+        s(&png),
+    ]);
+    assert_eq!(rc, 1, "{out}{err}");
+    assert!(
+        out.contains("error starts at token 96 (batch 0, sequence 0, rank 1"),
+        "{out}"
+    );
+    assert_eq!(&std::fs::read(&png).unwrap()[1..4], b"PNG");
+    let (rc, json, _) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--impl",
+        "cp",
+        "--world",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(rc, 0);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(v["first_bad"].is_null(), "{v}");
+    let (rc, _, err) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--precision",
+        "drop-merged-state",
+    ]);
+    assert_eq!(rc, 2, "a CP fault needs --impl cp: {err}");
+    let (rc, _, err) = code(&["diagnose", "--case", s(&case), "--precision", "fp8"]);
+    assert_eq!(rc, 2);
+    assert!(err.contains("unknown --precision `fp8`"), "{err}");
+}
