@@ -93,3 +93,23 @@ pub fn cast<T: Scalar, U: Scalar>(x: &ArrayD<T>) -> ArrayD<U> {
 pub fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>> {
     x.as_ref().map(cast)
 }
+
+/// `Σ a_i b_i` with four independent partial sums (fixed order, so
+/// deterministic): a strict left-to-right sum is one long dependency chain.
+#[inline]
+pub fn dot<T: Scalar>(a: &[T], b: &[T]) -> T {
+    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
+    let tail: T = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(&x, &y)| x * y)
+        .sum();
+    let mut acc = [T::zero(); 4];
+    for (x, y) in ca.zip(cb) {
+        for l in 0..4 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+}

@@ -6,6 +6,7 @@ use ndarray::{Array2, ArrayD, ArrayView1, ArrayView2};
 use super::{DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs};
 use crate::error::Result;
 use crate::scalar::Scalar;
+use crate::tensor::dot;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;
@@ -106,18 +107,20 @@ impl<T: Scalar> DplrEngine<T> for Naive {
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let bl = block_len(l);
-        let mut checkpoints: Vec<Vec<T>> = Vec::new();
+        let (bl, kv) = (block_len(l), kd * vd);
+        let mut a_s = vec![T::zero(); vd];
+        let mut checkpoints: Vec<T> = Vec::with_capacity(l.div_ceil(bl) * kv);
         let mut s = h0
             .as_standard_layout()
             .into_owned()
             .into_raw_vec_and_offset()
             .0;
-        run(x, &mut s, 0, l, None, |t, st| {
+        for t in 0..l {
             if t % bl == 0 {
-                checkpoints.push(st.to_vec());
+                checkpoints.extend_from_slice(&s);
             }
-        });
+            step(x, t, &mut s, &mut a_s);
+        }
         let z = || Array2::zeros((l, kd));
         let mut gr = DplrHeadGrads {
             dq: z(),
@@ -133,19 +136,22 @@ impl<T: Scalar> DplrEngine<T> for Naive {
             .into_owned()
             .into_raw_vec_and_offset()
             .0;
-        let mut s_t = vec![T::zero(); kd * vd];
-        let mut a_s = vec![T::zero(); vd];
+        // Per block: the state entering each token and its `aᵀS`.
+        let mut prev = vec![T::zero(); bl * kv];
+        let mut a_ss = vec![T::zero(); bl * vd];
         let mut da_s = vec![T::zero(); vd];
-        for (blk, start) in checkpoints.iter().zip((0..l).step_by(bl)).rev() {
+        for (blk, start) in (0..l).step_by(bl).enumerate().rev() {
             let end = (start + bl).min(l);
-            let mut prev: Vec<Vec<T>> = Vec::with_capacity(end - start);
-            let mut s = blk.clone();
-            run(x, &mut s, start, end, None, |_, st| prev.push(st.to_vec()));
+            s.copy_from_slice(&checkpoints[blk * kv..(blk + 1) * kv]);
+            for t in start..end {
+                let i = t - start;
+                prev[i * kv..(i + 1) * kv].copy_from_slice(&s);
+                step(x, t, &mut s, &mut a_ss[i * vd..(i + 1) * vd]);
+            }
             for t in (start..end).rev() {
-                let s_prev = &prev[t - start];
-                s_t.copy_from_slice(s_prev);
-                step(x, t, &mut s_t, &mut a_s);
-                backward_step(x, t, s_prev, &s_t, &a_s, d_o, &mut ds, &mut da_s, &mut gr);
+                let i = t - start;
+                let (s_prev, a_s) = (&prev[i * kv..(i + 1) * kv], &a_ss[i * vd..(i + 1) * vd]);
+                backward_step(x, t, s_prev, a_s, d_o, &mut ds, &mut da_s, &mut gr);
             }
         }
         gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
@@ -154,64 +160,66 @@ impl<T: Scalar> DplrEngine<T> for Naive {
 }
 
 /// One reverse step: `ds` holds `∂L/∂S_t` on entry and `∂L/∂S_{t−1}` on exit.
+///
+/// With `S_t = Diag(e^gk) S_{t−1} + b (aᵀS_{t−1})ᵀ + k vᵀ` and `o = S_tᵀ q`:
+/// pass A gives `dq`, `dS_t += q doᵀ`, `dk = dS_t v`, `dv += dS_tᵀ k`,
+/// `db = dS_t (aᵀS)`, `d(aᵀS) = dS_tᵀ b`, `dgk = e^gk ⊙ Σ_j dS_t ⊙ S_{t−1}`;
+/// pass B: `da = S_{t−1} d(aᵀS)`, `dS_{t−1} = Diag(e^gk) dS_t + a d(aᵀS)ᵀ`.
 #[allow(clippy::too_many_arguments)]
 fn backward_step<T: Scalar>(
     x: &DplrHead<T>,
     t: usize,
     s_prev: &[T],
-    s_t: &[T],
     a_s: &[T],
     d_o: ArrayView2<T>,
     ds: &mut [T],
     da_s: &mut [T],
     gr: &mut DplrHeadGrads<T>,
 ) {
-    let vd = x.v_dim();
-    let dot = d_o.row(t);
-    let v = x.v.row(t);
-    // o = S_tᵀ q.
-    for (i, &qi) in x.q.row(t).iter().enumerate() {
-        let mut acc = T::zero();
-        for ((&sj, dj), &doj) in s_t[i * vd..(i + 1) * vd]
-            .iter()
-            .zip(&mut ds[i * vd..(i + 1) * vd])
-            .zip(dot.iter())
-        {
-            acc += sj * doj;
+    let vd = a_s.len();
+    let (do_row, v_row) = (d_o.row(t), x.v.row(t));
+    let (d_out, v) = (
+        do_row.as_slice().expect("row-major"),
+        v_row.as_slice().expect("row-major"),
+    );
+    let (ado, vdo) = (dot(a_s, d_out), dot(v, d_out));
+    da_s.iter_mut().for_each(|x| *x = T::zero());
+    let params =
+        x.q.row(t)
+            .into_iter()
+            .zip(x.k.row(t))
+            .zip(x.b.row(t))
+            .zip(x.gk.row(t));
+    for (i, ((dsr, spr), (((&qi, &ki), &bi), &gi))) in ds
+        .chunks_exact_mut(vd)
+        .zip(s_prev.chunks_exact(vd))
+        .zip(params)
+        .enumerate()
+    {
+        let e = gi.exp();
+        // o_j = Σ_i q_i S_t[i, j] with S_t row i = e S_{t−1} row + b_i aᵀS + k_i v.
+        gr.dq[[t, i]] = e * dot(spr, d_out) + bi * ado + ki * vdo;
+        for (dj, &doj) in dsr.iter_mut().zip(d_out) {
             *dj += qi * doj;
         }
-        gr.dq[[t, i]] = acc;
-    }
-    // S_t = Diag(e^gk) S_{t−1} + b (aᵀS_{t−1})ᵀ + k vᵀ.
-    da_s.iter_mut().for_each(|x| *x = T::zero());
-    for (i, ((&ki, &bi), &gi)) in
-        x.k.row(t)
-            .iter()
-            .zip(x.b.row(t))
-            .zip(x.gk.row(t))
-            .enumerate()
-    {
-        let (dsr, spr) = (&ds[i * vd..(i + 1) * vd], &s_prev[i * vd..(i + 1) * vd]);
-        let (mut dk, mut db, mut dg) = (T::zero(), T::zero(), T::zero());
-        for (j, (&dj, &sj)) in dsr.iter().zip(spr).enumerate() {
-            dk += dj * v[j];
-            db += dj * a_s[j];
-            dg += dj * sj;
-            da_s[j] += bi * dj;
-            gr.dv[[t, j]] += ki * dj;
+        gr.dk[[t, i]] = dot(dsr, v);
+        gr.db[[t, i]] = dot(dsr, a_s);
+        gr.dgk[[t, i]] = e * dot(dsr, spr);
+        for ((dasj, dvj), &dj) in da_s.iter_mut().zip(gr.dv.row_mut(t)).zip(dsr.iter()) {
+            *dasj += bi * dj;
+            *dvj += ki * dj;
         }
-        gr.dk[[t, i]] = dk;
-        gr.db[[t, i]] = db;
-        gr.dgk[[t, i]] = gi.exp() * dg;
     }
-    for (i, (&ai, &gi)) in x.a.row(t).iter().zip(x.gk.row(t)).enumerate() {
-        let (dsr, spr) = (&mut ds[i * vd..(i + 1) * vd], &s_prev[i * vd..(i + 1) * vd]);
+    for (i, ((dsr, spr), (&ai, &gi))) in ds
+        .chunks_exact_mut(vd)
+        .zip(s_prev.chunks_exact(vd))
+        .zip(x.a.row(t).iter().zip(x.gk.row(t)))
+        .enumerate()
+    {
         let e = gi.exp();
-        let mut da = T::zero();
-        for ((dj, &sj), &dasj) in dsr.iter_mut().zip(spr).zip(da_s.iter()) {
-            da += sj * dasj;
+        gr.da[[t, i]] = dot(spr, da_s);
+        for (dj, &dasj) in dsr.iter_mut().zip(da_s.iter()) {
             *dj = e * *dj + ai * dasj;
         }
-        gr.da[[t, i]] = da;
     }
 }

@@ -10,6 +10,7 @@ use ndarray::{Array1, Array2, ArrayD, ArrayView2};
 use super::{KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
 use crate::error::Result;
 use crate::scalar::Scalar;
+use crate::tensor::dot;
 
 /// The naive recurrent engine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -164,28 +165,21 @@ impl<T: Scalar> BackStep<'_, T> {
     fn run(&self, d_o: ArrayView2<T>, ds: &mut [T], du: &mut [T], gr: &mut KdaHeadGrads<T>) {
         let (x, t, vd) = (self.x, self.t, self.r.len());
         let beta = x.beta[t];
-        let dot = d_o.row(t);
-        let dot = dot.as_slice().expect("row-major");
+        let do_row = d_o.row(t);
+        let dot_ = do_row.as_slice().expect("row-major");
+        let rdo = dot(self.r, dot_);
         let (q, k, g) = (x.q.row(t), x.k.row(t), x.g.row(t));
         du.iter_mut().for_each(|v| *v = T::zero());
         let rows = ds.chunks_exact_mut(vd).zip(self.s_prev.chunks_exact(vd));
         for (i, ((dsr, spr), ((&qi, &ki), &gi))) in rows.zip(q.iter().zip(&k).zip(&g)).enumerate() {
             let e = gi.exp();
-            let (mut dq, mut dk) = (T::zero(), T::zero());
-            for (((dj, &sj), &rj), (duj, &doj)) in dsr
-                .iter_mut()
-                .zip(spr)
-                .zip(self.r)
-                .zip(du.iter_mut().zip(dot))
-            {
-                let uj = beta * rj;
-                dq += (e * sj + ki * uj) * doj;
+            // dq_i = S_t row · do with S_t row = e·S_{t−1} row + k_i β r.
+            gr.dq[[t, i]] = e * dot(spr, dot_) + ki * beta * rdo;
+            for ((dj, duj), &doj) in dsr.iter_mut().zip(du.iter_mut()).zip(dot_) {
                 *dj += qi * doj;
                 *duj += ki * *dj;
-                dk += *dj * uj;
             }
-            gr.dq[[t, i]] = dq;
-            gr.dk[[t, i]] = dk;
+            gr.dk[[t, i]] = beta * dot(dsr, self.r);
         }
         let mut dbeta = T::zero();
         for (j, (duj, &rj)) in du.iter_mut().zip(self.r).enumerate() {
@@ -197,16 +191,13 @@ impl<T: Scalar> BackStep<'_, T> {
         let rows = ds.chunks_exact_mut(vd).zip(self.s_prev.chunks_exact(vd));
         for (i, ((dsr, spr), (&ki, &gi))) in rows.zip(k.iter().zip(&g)).enumerate() {
             let e = gi.exp();
-            let (mut dk, mut dg) = (T::zero(), T::zero());
-            for ((dj, &sj), &dksj) in dsr.iter_mut().zip(spr).zip(du.iter()) {
-                let spj = e * sj;
+            for (dj, &dksj) in dsr.iter_mut().zip(du.iter()) {
                 *dj += ki * dksj;
-                dk += spj * dksj;
-                dg += *dj * spj;
-                *dj *= e;
             }
-            gr.dk[[t, i]] += dk;
-            gr.dg[[t, i]] = dg;
+            // With S' = e·S_{t−1}: dk += S' d(S'ᵀk), dg = Σ dS' ⊙ S'.
+            gr.dk[[t, i]] += e * dot(spr, du);
+            gr.dg[[t, i]] = e * dot(dsr, spr);
+            dsr.iter_mut().for_each(|d| *d *= e);
         }
     }
 }
