@@ -9,6 +9,8 @@
 //! `initial_state` and `final_state` are allowed: the first rank of a
 //! sequence starts from its initial state.
 
+#[macro_use]
+mod operator;
 pub mod dplr;
 pub mod intra;
 pub mod kda;

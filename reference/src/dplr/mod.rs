@@ -78,6 +78,13 @@ pub struct DplrGrads<T> {
     pub dh0: Option<ArrayD<T>>,
 }
 
+impl DplrDims {
+    /// Heads that carry a state.
+    pub fn heads(&self) -> usize {
+        self.h
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DplrDims {
     pub b: usize,
@@ -310,7 +317,7 @@ pub fn backward<T: Scalar, E: DplrEngine<T>>(
     for (i, r) in results.iter().enumerate() {
         pg.scatter(&p.segments[i / d.h], i % d.h, r);
     }
-    Ok(pg.finish(x, &p))
+    Ok(pg.chain(x, opt, &p))
 }
 
 /// Gradients gathered per head before the `scale` chain on `dq`.
@@ -357,8 +364,9 @@ impl<T: Scalar> PreparedGrads<T> {
         }
     }
 
-    /// Applies `scale` to `dq` and returns FLA-shaped gradients.
-    pub fn finish(self, x: &DplrInputs<T>, p: &Prepared<T>) -> DplrGrads<T> {
+    /// Applies `scale` to `dq` and returns FLA-shaped gradients (`opt` has
+    /// nothing else to chain through; the signature matches KDA's).
+    pub fn chain(self, x: &DplrInputs<T>, _opt: &DplrOptions, p: &Prepared<T>) -> DplrGrads<T> {
         DplrGrads {
             dq: self.dq.mapv(|e| e * T::c(p.scale)).into_dyn(),
             dk: self.dk.into_dyn(),

@@ -108,6 +108,11 @@ pub struct KdaDims {
 }
 
 impl KdaDims {
+    /// Heads that carry a state (value heads).
+    pub fn heads(&self) -> usize {
+        self.hv
+    }
+
     /// Value heads per q/k head.
     pub fn groups(&self) -> usize {
         self.hv / self.h
