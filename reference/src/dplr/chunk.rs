@@ -139,6 +139,58 @@ fn mask<T: Scalar>(a: &mut Array2<T>, keep: impl Fn(usize, usize) -> bool) {
     });
 }
 
+/// `exp(Γ − Γ_m)`, `exp(Γx − Γ_m)`, `exp(Γ_m − Γ)` through the chunk's middle row.
+struct Factors<T> {
+    ep: Array2<T>,
+    exp_: Array2<T>,
+    em: Array2<T>,
+}
+
+/// The factors when every exponent stays far from overflow in `T`; `None`
+/// sends the caller to the pairwise differences.
+fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
+    let mid = g.row(g.nrows() / 2).to_owned().insert_axis(Axis(0));
+    let (d, dx) = (g - &mid, gx - &mid);
+    let limit = 0.4 * T::max_value().ln().f64();
+    if d.iter().chain(dx.iter()).any(|v| v.f64().abs() > limit) {
+        return None;
+    }
+    Some(Factors {
+        ep: d.mapv(|v| v.exp()),
+        exp_: dx.mapv(|v| v.exp()),
+        em: d.mapv(|v| (-v).exp()),
+    })
+}
+
+/// The four A blocks from pairwise decay differences (any range).
+fn pair_blocks<T: Scalar>(
+    g: &Array2<T>,
+    gx: &Array2<T>,
+    [q, k, a, b]: [&ArrayView2<T>; 4],
+) -> (Array2<T>, Array2<T>, Array2<T>, Array2<T>) {
+    let (c, kd) = (g.nrows(), k.ncols());
+    let z = || Array2::<T>::zeros((c, c));
+    let (mut aqk, mut aqb, mut aab, mut aak) = (z(), z(), z(), z());
+    for i in 0..c {
+        for j in 0..=i {
+            let (mut s_qk, mut s_qb, mut s_ab, mut s_ak) =
+                (T::zero(), T::zero(), T::zero(), T::zero());
+            for d in 0..kd {
+                let e1 = (g[[i, d]] - g[[j, d]]).exp();
+                s_qk += q[[i, d]] * k[[j, d]] * e1;
+                s_qb += q[[i, d]] * b[[j, d]] * e1;
+                if j < i {
+                    let e2 = (gx[[i, d]] - g[[j, d]]).exp();
+                    s_ab += a[[i, d]] * b[[j, d]] * e2;
+                    s_ak += a[[i, d]] * k[[j, d]] * e2;
+                }
+            }
+            (aqk[[i, j]], aqb[[i, j]], aab[[i, j]], aak[[i, j]]) = (s_qk, s_qb, s_ab, s_ak);
+        }
+    }
+    (aqk, aqb, aab, aak)
+}
+
 impl Chunk {
     /// The intra-chunk stage for tokens `start..start + c`.
     pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
@@ -152,26 +204,24 @@ impl Chunk {
         let mut g = rows(&x.gk, start, c).to_owned();
         g.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
         let gx = &g - &rows(&x.gk, start, c);
-        let kd = x.k_dim();
-        let z = || Array2::<T>::zeros((c, c));
-        let (mut aqk, mut aqb, mut aab, mut aak) = (z(), z(), z(), z());
-        for i in 0..c {
-            for j in 0..=i {
-                let (mut s_qk, mut s_qb, mut s_ab, mut s_ak) =
-                    (T::zero(), T::zero(), T::zero(), T::zero());
-                for d in 0..kd {
-                    let e1 = (g[[i, d]] - g[[j, d]]).exp();
-                    s_qk += q[[i, d]] * k[[j, d]] * e1;
-                    s_qb += q[[i, d]] * b[[j, d]] * e1;
-                    if j < i {
-                        let e2 = (gx[[i, d]] - g[[j, d]]).exp();
-                        s_ab += a[[i, d]] * b[[j, d]] * e2;
-                        s_ak += a[[i, d]] * k[[j, d]] * e2;
-                    }
+        let (aqk, aqb, aab, aak) = match factors(&g, &gx) {
+            Some(f) => {
+                // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
+                let (qa, ax, kb, bb) = (&q * &f.ep, &a * &f.exp_, &k * &f.em, &b * &f.em);
+                let mut blocks = [
+                    qa.dot(&kb.t()),
+                    qa.dot(&bb.t()),
+                    ax.dot(&bb.t()),
+                    ax.dot(&kb.t()),
+                ];
+                for (i, blk) in blocks.iter_mut().enumerate() {
+                    mask(blk, |r, c| if i < 2 { c <= r } else { c < r });
                 }
-                (aqk[[i, j]], aqb[[i, j]], aab[[i, j]], aak[[i, j]]) = (s_qk, s_qb, s_ab, s_ak);
+                let [aqk, aqb, aab, aak] = blocks;
+                (aqk, aqb, aab, aak)
             }
-        }
+            None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
+        };
         // (I − Aab)^{-1} by forward substitution (Aab strictly lower).
         let mut p = Array2::<T>::eye(c);
         for i in 1..c {
@@ -395,6 +445,21 @@ impl Chunk {
         dgx: &mut Array2<T>,
     ) {
         let (g, gx) = (&ch.g_cumsum, &ch.gx_cumsum);
+        if let Some(f) = factors(g, gx) {
+            // Γ_m cancels in every product, so it is held constant.
+            let (qa, ax, kb, bb) = (q * &f.ep, a * &f.exp_, k * &f.em, b * &f.em);
+            let dqa = daqk.dot(&kb) + daqb.dot(&bb);
+            let dax = daab.dot(&bb) + daak.dot(&kb);
+            let dkb = daqk.t().dot(&qa) + daak.t().dot(&ax);
+            let dbb = daqb.t().dot(&qa) + daab.t().dot(&ax);
+            *dq += &(&dqa * &f.ep);
+            *da += &(&dax * &f.exp_);
+            *dk += &(&dkb * &f.em);
+            *db += &(&dbb * &f.em);
+            *dgamma += &(&dqa * &qa - &dkb * &kb - &dbb * &bb);
+            *dgx += &(&dax * &ax);
+            return;
+        }
         let (c, kd) = (ch.len(), k.ncols());
         for i in 0..c {
             for j in 0..=i {

@@ -9,6 +9,8 @@
 //! never overflow. A [`Policy`] rounds each stored stage for precision
 //! emulation; the default policy is exact.
 
+use std::ops::Mul;
+
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
 
 use super::{
@@ -157,6 +159,51 @@ impl Chunk {
         }
     }
 
+    /// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` through the chunk's middle row `m`, when
+    /// every exponent stays far from overflow in `T` (|x| ≤ 0.4·ln(max));
+    /// `None` under the safe-gate emulation or when the decay range is too
+    /// wide, and the pairwise differences are used instead.
+    fn factors<T: Scalar>(&self, g: &Array2<T>) -> Option<(Array2<T>, Array2<T>)> {
+        if self.policy.safe_gate_midpoint {
+            return None;
+        }
+        let mid = g.row(g.nrows() / 2).to_owned();
+        let limit = 0.4 * T::max_value().ln().f64();
+        let diff = g - &mid.insert_axis(Axis(0));
+        if diff.iter().any(|v| v.f64().abs() > limit) {
+            return None;
+        }
+        Some((
+            diff.mapv(|v| self.policy.exp(v)),
+            diff.mapv(|v| self.policy.exp(-v)),
+        ))
+    }
+
+    /// `Σ_d q_r k_s exp(Γ_r − Γ_s)` and `Σ_d k_r k_s exp(Γ_r − Γ_s)` for
+    /// `s ≤ r`, each decay formed from its difference (any range).
+    fn pair_products<T: Scalar>(
+        &self,
+        g: &Array2<T>,
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+    ) -> (Array2<T>, Array2<T>) {
+        let c = g.nrows();
+        let (mut aqk, mut p) = (Array2::zeros((c, c)), Array2::zeros((c, c)));
+        for r in 0..c {
+            for s in 0..=r {
+                let (mut a, mut b) = (T::zero(), T::zero());
+                for d in 0..k.ncols() {
+                    let e = self.pair_decay(g, r, s, d);
+                    a += q[[r, d]] * k[[s, d]] * e;
+                    b += k[[r, d]] * k[[s, d]] * e;
+                }
+                aqk[[r, s]] = a;
+                p[[r, s]] = b;
+            }
+        }
+        (aqk, p)
+    }
+
     /// `exp(Γ_last − Γ)`, `[c, K]` (at most 1: no overflow).
     fn decay_to_last<T: Scalar>(&self, g_cumsum: &Array2<T>) -> Array2<T> {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
@@ -173,22 +220,19 @@ impl Chunk {
         let mut g_cumsum = x.g.slice(rows).to_owned();
         g_cumsum.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
         self.policy.round(Stage::GCumsum, &mut g_cumsum);
-        let kd = x.k_dim();
-        let (mut aqk, mut p) = (Array2::zeros((c, c)), Array2::zeros((c, c)));
-        for r in 0..c {
-            for s in 0..=r {
-                let (mut a, mut b) = (T::zero(), T::zero());
-                for d in 0..kd {
-                    let e = self.pair_decay(&g_cumsum, r, s, d);
-                    a += q[[r, d]] * k[[s, d]] * e;
-                    b += k[[r, d]] * k[[s, d]] * e;
-                }
-                aqk[[r, s]] = a;
-                if s < r {
-                    p[[r, s]] = b;
-                }
+        let (mut aqk, mut p) = match self.factors(&g_cumsum) {
+            Some((ep, em)) => {
+                // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix products.
+                let km = &k * &em;
+                (
+                    q.to_owned().mul(&ep).dot(&km.t()),
+                    k.to_owned().mul(&ep).dot(&km.t()),
+                )
             }
-        }
+            None => self.pair_products(&g_cumsum, q, k),
+        };
+        mask_lower(&mut aqk, true);
+        mask_lower(&mut p, false);
         // (I + L)^{-1} by forward substitution, L[r, s] = β_r p[r, s].
         let mut n_inv = Array2::<T>::eye(c);
         for r in 1..c {
@@ -414,6 +458,17 @@ impl Chunk {
         dk: &mut Array2<T>,
         dgamma: &mut Array2<T>,
     ) {
+        if let Some((ep, em)) = self.factors(&ch.g_cumsum) {
+            // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
+            // Γ_m cancels in every product, so it is held constant.
+            let (a, b, cc) = (q.to_owned() * &ep, k.to_owned() * &em, k.to_owned() * &ep);
+            let (da, dc) = (daqk.dot(&b), dp.dot(&b));
+            let db = daqk.t().dot(&a) + dp.t().dot(&cc);
+            *dq += &(&da * &ep);
+            *dk += &(&dc * &ep + &db * &em);
+            *dgamma += &(&da * &a + &dc * &cc - &db * &b);
+            return;
+        }
         let (c, kd) = (ch.len(), k.ncols());
         for r in 0..c {
             for s in 0..=r {
@@ -435,6 +490,15 @@ impl Chunk {
             }
         }
     }
+}
+
+/// Zeroes the strict upper triangle (and the diagonal unless `diagonal`).
+fn mask_lower<T: Scalar>(a: &mut Array2<T>, diagonal: bool) {
+    a.indexed_iter_mut().for_each(|((r, s), v)| {
+        if s > r || (s == r && !diagonal) {
+            *v = T::zero()
+        }
+    });
 }
 
 /// What one chunk's backward hands back to the recurrence and the caller.
