@@ -69,7 +69,7 @@ proptest! {
     fn kda_cp_equals_non_cp(
         (lengths, cuts) in layout_and_cuts(),
         h in 1usize..3, g in 1usize..3, k in 1usize..6, v in 1usize..6,
-        gate in 0u8..3, l2 in any::<bool>(), h0 in any::<bool>(), chunk in any::<bool>(), seed in 0u64..1000,
+        gate in 0u8..3, l2 in any::<bool>(), h0 in any::<bool>(), chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000,
     ) {
         let opts = KdaOptions { output_final_state: true, gate: gate_of(gate), use_qk_l2norm_in_kernel: l2, ..Default::default() };
         let spec = KdaSpec { layout: Layout::varlen(&lengths), h, hv: h * g, k, v, opts, initial_state: h0, scalar_gate: false, seed };
@@ -97,17 +97,17 @@ proptest! {
             }
             Ok(())
         };
-        if chunk { run(&Chunk::new(16).unwrap())?; } else { run(&Naive)?; }
+        if chunk { run(&Chunk::new(cs).unwrap())?; } else { run(&Naive)?; }
     }
 
     #[test]
-    fn dplr_cp_equals_non_cp((lengths, cuts) in layout_and_cuts(), h in 1usize..3, k in 1usize..6, v in 1usize..6, h0 in any::<bool>(), chunk in any::<bool>(), seed in 0u64..1000) {
+    fn dplr_cp_equals_non_cp((lengths, cuts) in layout_and_cuts(), h in 1usize..3, k in 1usize..6, v in 1usize..6, h0 in any::<bool>(), chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000) {
         let spec = DplrSpec { layout: Layout::varlen(&lengths), h, k, v, initial_state: h0, seed };
         let x = inputs::dplr(&spec);
         let opts = DplrOptions { output_final_state: true, ..Default::default() };
         let plan = PlanSpec::Cuts(cuts);
         let cpo = CpOptions::default();
-        let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::chunk::Chunk::new(16).unwrap()) } else { Box::new(dplr::naive::Naive) };
+        let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::chunk::Chunk::new(cs).unwrap()) } else { Box::new(dplr::naive::Naive) };
         let (o, _) = engine.fwd(&x.inputs, &opts, &plan, &cpo);
         let full = dplr::naive::forward(&x.inputs, &opts).unwrap();
         close("o", &full.o, &o.o)?;
