@@ -1,21 +1,13 @@
 //! Chunked vs naive forward+backward (issue 4): B=1, T=4096, H=4, K=V=128, f64.
 //! Run: `cargo bench -p deltaref-reference --bench chunk`.
 
-use std::time::Instant;
+mod common;
+
+use common::best_of;
 
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
-
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 fn main() {
     let (t, h, kd, vd) = (4096, 4, 128, 128);

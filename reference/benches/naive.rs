@@ -3,22 +3,13 @@
 //! about 2.2 s (KDA) and 3.3 s (DPLR) for the same job).
 //! Run: `cargo bench -p deltaref-reference --bench naive`.
 
-use std::time::Instant;
+mod common;
+
+use common::best_of;
 
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
-
-/// Best wall time of `reps` runs, in seconds.
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 fn main() {
     let (t, h, kd, vd) = (1024, 4, 64, 64);

@@ -113,3 +113,15 @@ pub fn dot<T: Scalar>(a: &[T], b: &[T]) -> T {
     }
     (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
 }
+
+/// FLA's kernels use chunks of 16, 32 or 64 tokens.
+pub fn check_chunk_size(chunk_size: usize) -> Result<()> {
+    if [16, 32, 64].contains(&chunk_size) {
+        Ok(())
+    } else {
+        Err(Error::option(
+            "chunk_size",
+            format!("must be 16, 32 or 64, got {chunk_size}"),
+        ))
+    }
+}

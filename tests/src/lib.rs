@@ -5,6 +5,7 @@ use deltaref::kda::{self, KdaInputs, KdaOptions};
 use deltaref::token_shift::{self, TokenShiftInputs};
 use deltaref_verify::fd::dot;
 use deltaref_verify::metrics::norm_ratio;
+use deltaref_verify::outputs::Tensors;
 use ndarray::ArrayD;
 
 /// Central-difference gradient of `f` at `x` (every element).
@@ -69,4 +70,29 @@ pub fn check_grad(
         "{what}: analytic vs finite differences norm_ratio {r:e} > {tol:e}"
     );
     r
+}
+
+/// Every tensor of `reference` agrees with `got`: ≤ `tol` norm_ratio, or
+/// max_abs ≤ 1e-12 for a near-zero reference (where the ratio's 1e-8 floor
+/// dominates, e.g. dgk under exp(−20) decay); and `got` is finite.
+pub fn assert_maps_close(what: &str, reference: &Tensors, got: &Tensors, tol: f64) {
+    assert_eq!(
+        reference.keys().collect::<Vec<_>>(),
+        got.keys().collect::<Vec<_>>()
+    );
+    for (name, r) in reference {
+        let v = ratio(r, &got[name]);
+        let m = r
+            .iter()
+            .zip(got[name].iter())
+            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            v <= tol || m <= 1e-12,
+            "{what}: {name} norm_ratio {v:e} > {tol:e}, max_abs {m:e}"
+        );
+        assert!(
+            got[name].iter().all(|x| x.is_finite()),
+            "{what}: {name} not finite"
+        );
+    }
 }

@@ -8,7 +8,7 @@ use deltaref::inputs::{self, KdaSpec, Layout};
 use deltaref::kda::chunk::Chunk;
 use deltaref::kda::naive::Naive;
 use deltaref::kda::{KdaEngine, KdaHead, KdaOptions, Prepared};
-use deltaref_tests::ratio;
+use deltaref_tests::{assert_maps_close, ratio};
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::{s, Array2, ArrayD, IxDyn};
 
@@ -29,30 +29,6 @@ fn spec(layout: Layout, opts: KdaOptions, seed: u64) -> KdaSpec {
 fn all(engine: &impl KdaEngine<f64>, s: &KdaSpec) -> Tensors {
     let g = inputs::kda(s);
     outputs::kda::<f64, _>(engine, &g.inputs, &s.opts, &g.d_o, Some(&g.dht)).expect("valid")
-}
-
-/// ≤ `tol` norm_ratio, or max_abs ≤ 1e-12 for a near-zero reference (where
-/// the ratio's 1e-8 floor dominates: e.g. dgk under exp(−20) decay).
-fn assert_maps_close(what: &str, reference: &Tensors, got: &Tensors, tol: f64) {
-    assert_eq!(
-        reference.keys().collect::<Vec<_>>(),
-        got.keys().collect::<Vec<_>>()
-    );
-    for (name, r) in reference {
-        let v = ratio(r, &got[name]);
-        let m = r
-            .iter()
-            .zip(got[name].iter())
-            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            v <= tol || m <= 1e-12,
-            "{what}: {name} norm_ratio {v:e} > {tol:e}, max_abs {m:e}"
-        );
-        assert!(
-            got[name].iter().all(|x| x.is_finite()),
-            "{what}: {name} not finite"
-        );
-    }
 }
 
 #[test]

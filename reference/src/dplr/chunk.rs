@@ -11,7 +11,7 @@ use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
 use super::{
     DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
 };
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
 
@@ -24,12 +24,7 @@ pub struct Chunk {
 impl Chunk {
     /// Chunk sizes of FLA's kernels: 16, 32 or 64.
     pub fn new(chunk_size: usize) -> Result<Self> {
-        if ![16, 32, 64].contains(&chunk_size) {
-            return Err(Error::option(
-                "chunk_size",
-                format!("must be 16, 32 or 64, got {chunk_size}"),
-            ));
-        }
+        crate::tensor::check_chunk_size(chunk_size)?;
         Ok(Chunk { chunk_size })
     }
 }

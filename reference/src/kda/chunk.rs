@@ -16,7 +16,7 @@ use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
 use super::{
     KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared,
 };
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
@@ -31,12 +31,7 @@ pub struct Chunk {
 impl Chunk {
     /// Chunk sizes of FLA's kernels: 16, 32 or 64.
     pub fn new(chunk_size: usize) -> Result<Self> {
-        if ![16, 32, 64].contains(&chunk_size) {
-            return Err(Error::option(
-                "chunk_size",
-                format!("must be 16, 32 or 64, got {chunk_size}"),
-            ));
-        }
+        crate::tensor::check_chunk_size(chunk_size)?;
         Ok(Chunk {
             chunk_size,
             policy: Policy::exact(),
