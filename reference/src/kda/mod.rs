@@ -409,13 +409,14 @@ impl<T: Scalar> Prepared<T> {
     }
 }
 
-/// The decay `g [B, T, HV, K]` and its partial derivatives `∂g/∂x`,
-/// `∂g/∂A_log` (x = raw g + dt_bias), element by element.
+/// The decay `g [B, T, HV, K]` and, for an in-kernel gate, its partial
+/// derivatives `(∂g/∂x, ∂g/∂A_log)` (x = raw g + dt_bias), element by element.
+#[allow(clippy::type_complexity)]
 fn gate_terms<T: Scalar>(
     x: &KdaInputs<T>,
     opt: &KdaOptions,
     d: &KdaDims,
-) -> (Array4<T>, Array4<T>, Array4<T>) {
+) -> (Array4<T>, Option<(Array4<T>, Array4<T>)>) {
     let shape = (d.b, d.t, d.hv, d.k);
     let raw = if d.scalar_gate {
         let g3 = x.g.view().into_dimensionality::<Ix3>().expect("validated");
@@ -427,7 +428,7 @@ fn gate_terms<T: Scalar>(
         tensor::to4(&x.g)
     };
     if opt.gate == Gate::None {
-        return (raw, Array4::ones(shape), Array4::zeros(shape));
+        return (raw, None);
     }
     let flat = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| a.iter().copied().collect::<Vec<T>>());
     let (a_log, dt_bias) = (flat(&x.a_log), flat(&x.dt_bias));
@@ -440,7 +441,7 @@ fn gate_terms<T: Scalar>(
             let (v, dv, dav) = gates::gate_eval(opt.gate, *g + bias, a_log.as_ref().map(|a| a[h]));
             (*g, *dx, *da) = (v, dv, dav);
         });
-    (g, dx, da)
+    (g, Some((dx, da)))
 }
 
 /// Runs `engine` forward over every (sequence, value head) pair.
@@ -567,14 +568,17 @@ impl<T: Scalar> PreparedGrads<T> {
     /// Chain rule through GVA, scale, l2norm, gate and beta sigmoid.
     pub fn chain(self, x: &KdaInputs<T>, opt: &KdaOptions, p: &Prepared<T>) -> KdaGrads<T> {
         let d = p.dims;
+        // Sum each GVA group of value heads onto its q/k head, in head order.
         let group_sum = |a: &Array4<T>, factor: T| {
-            Array4::from_shape_fn((d.b, d.t, d.h, d.k), |(b, t, h, kk)| {
-                let mut acc = T::zero();
+            let mut out = Array4::zeros((d.b, d.t, d.h, d.k));
+            for h in 0..d.h {
+                let mut dst = out.slice_mut(s![.., .., h, ..]);
                 for j in h * d.groups()..(h + 1) * d.groups() {
-                    acc += a[[b, t, j, kk]];
+                    dst += &a.slice(s![.., .., j, ..]);
                 }
-                acc * factor
-            })
+                dst.mapv_inplace(|v| v * factor);
+            }
+            out
         };
         let mut dq = group_sum(&self.dq, T::c(p.scale));
         let mut dk = group_sum(&self.dk, T::one());
@@ -618,14 +622,21 @@ fn gate_backward<T: Scalar>(
     if d.scalar_gate {
         return (dgate.sum_axis(Axis(3)).into_dyn(), None, None);
     }
-    let (_, dg_dx, dg_da) = gate_terms(x, opt, d);
+    let Some((dg_dx, dg_da)) = gate_terms(x, opt, d).1 else {
+        return (dgate.clone().into_dyn(), None, None);
+    };
     let dg = dgate * &dg_dx;
-    let mut da = Array1::<T>::zeros(d.hv);
+    // Serial sums in index order keep the result thread-count independent.
+    let da = Array1::from_shape_fn(d.hv, |h| {
+        (&dgate.slice(s![.., .., h, ..]) * &dg_da.slice(s![.., .., h, ..])).sum()
+    });
     let mut dbias = Array1::<T>::zeros(d.hv * d.k);
-    // Serial accumulation in index order keeps the sums thread-count independent.
-    for ((b, t, h, kk), &gd) in dgate.indexed_iter() {
-        da[h] += gd * dg_da[[b, t, h, kk]];
-        dbias[h * d.k + kk] += dg[[b, t, h, kk]];
+    for h in 0..d.hv {
+        let col = dg
+            .slice(s![.., .., h, ..])
+            .sum_axis(Axis(0))
+            .sum_axis(Axis(0));
+        dbias.slice_mut(s![h * d.k..(h + 1) * d.k]).assign(&col);
     }
     let shape_of = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| IxDyn(a.shape()));
     (
