@@ -7,16 +7,20 @@
 use deltaref::cp::intra::{compute_subseq_len, split_points, IntraParams};
 use deltaref::cp::plan::PlanSpec;
 use deltaref::cp::{self, CpOptions};
+use deltaref::dplr::DplrEngine;
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{self, chunk::Chunk, naive::Naive, KdaEngine, KdaOptions};
 use deltaref::token_shift;
+use deltaref::varlen::Segment;
 use deltaref_tests::ratio;
 use ndarray::ArrayD;
 use proptest::prelude::*;
 
 const TOL: f64 = 1e-10;
+/// max_abs bar for merged states and state gradients, relative to max(1, max |reference|).
+const STATE_TOL: f64 = 1e-12;
 
 /// ≤ 1e-10 norm_ratio, or (for an all-but-zero reference, where the ratio's
 /// 1e-8 floor dominates, e.g. dg with a zero state) max_abs ≤ 1e-12.
@@ -36,30 +40,127 @@ fn close(what: &str, a: &ArrayD<f64>, b: &ArrayD<f64>) -> Result<(), TestCaseErr
     Ok(())
 }
 
-/// Lengths (some 0 or 1) and interior cuts.
-fn layout_and_cuts() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+/// Lengths (some 0 or 1), at least one token in all.
+fn lengths() -> impl Strategy<Value = Vec<usize>> {
     prop::collection::vec(prop_oneof![Just(0usize), Just(1usize), 2usize..120], 1..5)
         .prop_filter("at least one token", |l| l.iter().sum::<usize>() >= 1)
-        .prop_flat_map(|lengths| {
-            let t: usize = lengths.iter().sum();
-            let max_cuts = (t - 1).min(7);
-            let cuts = if max_cuts == 0 {
-                Just(vec![]).boxed()
-            } else {
-                prop::collection::btree_set(1..t, 0..=max_cuts)
-                    .prop_map(|s| s.into_iter().collect())
-                    .boxed()
-            };
-            (Just(lengths), cuts)
-        })
 }
 
-fn gate_of(i: u8) -> Gate {
-    match i % 3 {
-        0 => Gate::None,
-        1 => Gate::Kda,
-        _ => Gate::LowerBound { lower_bound: -5.0 },
+/// A layout and a plan: the lengths packed as varlen, or (`varlen = false`)
+/// one unpacked sequence of `T = Σ lengths` (B = 1); cut either by random
+/// interior cuts (world 1..8) or by FLA's equal split over a world size that
+/// divides T.
+fn layout_and_plan() -> impl Strategy<Value = (Layout, PlanSpec)> {
+    (lengths(), any::<bool>(), any::<bool>()).prop_flat_map(|(lengths, varlen, equal)| {
+        let t: usize = lengths.iter().sum();
+        let layout = if varlen {
+            Layout::varlen(&lengths)
+        } else {
+            Layout::batch(1, t)
+        };
+        let plan = if equal {
+            prop::sample::select(divisors(t))
+                .prop_map(PlanSpec::World)
+                .boxed()
+        } else if t == 1 {
+            Just(PlanSpec::Cuts(vec![])).boxed()
+        } else {
+            prop::collection::btree_set(1..t, 0..=(t - 1).min(7))
+                .prop_map(|s| PlanSpec::Cuts(s.into_iter().collect()))
+                .boxed()
+        };
+        (Just(layout), plan)
+    })
+}
+
+/// World sizes 1..=8 that split `t` tokens evenly.
+fn divisors(t: usize) -> Vec<usize> {
+    (1..=8).filter(|&w| t.is_multiple_of(w)).collect()
+}
+
+/// Gate variants: none, kda, lower-bound, and GDN's scalar gate (no in-kernel gate).
+fn gate_of(i: u8) -> (Gate, bool) {
+    match i % 4 {
+        0 => (Gate::None, false),
+        1 => (Gate::Kda, false),
+        2 => (Gate::LowerBound { lower_bound: -5.0 }, false),
+        _ => (Gate::None, true),
     }
+}
+
+/// The global token range of sequence `seq` in `layout`.
+fn seq_range(layout: &Layout, seq: usize) -> (usize, usize) {
+    layout
+        .cu_seqlens()
+        .map_or((0, layout.t), |cu| (cu[seq] as usize, cu[seq + 1] as usize))
+}
+
+/// Each continuing rank's merged initial state against the naive state at
+/// the rank's first token (`state_at(seq, seq_start, rank_start, h)`, an
+/// independent prefix run): max_abs ≤ 1e-12 relative to the state's largest
+/// entry (when above 1; states grow large with `allow_neg_eigval` and
+/// unnormalised k).
+fn merged_states_are_naive_prefix_states(
+    layout: &Layout,
+    diags: &[cp::RankDiag<f64>],
+    state_at: impl Fn(usize, usize, usize, usize) -> ndarray::Array2<f64>,
+) -> Result<(), TestCaseError> {
+    for d in diags {
+        let Some(merged) = &d.merged_h0 else {
+            prop_assert!(d.meta.is_first_rank);
+            continue;
+        };
+        let seq = d.meta.pieces[0].seq;
+        let (a, _) = seq_range(layout, seq);
+        for (h, m) in merged.iter().enumerate() {
+            let want = state_at(seq, a, d.meta.start, h);
+            let e = (m - &want).iter().fold(0.0f64, |x, v| x.max(v.abs()));
+            let scale = want.iter().fold(1.0f64, |x, v| x.max(v.abs()));
+            prop_assert!(
+                e <= STATE_TOL * scale,
+                "rank {} head {}: merged h0 off by {:e} (state max {:e})",
+                d.meta.rank,
+                h,
+                e,
+                scale
+            );
+        }
+    }
+    Ok(())
+}
+
+/// max(1, max |x|) over all heads.
+fn state_scale(x: &[ndarray::Array2<f64>]) -> f64 {
+    x.iter().flatten().fold(1.0f64, |m, v| m.max(v.abs()))
+}
+
+/// The diagnostics' own merged-vs-non-CP errors, and which ranks have them.
+fn diag_errors_are_small(diags: &[cp::RankDiag<f64>]) -> Result<(), TestCaseError> {
+    for d in diags {
+        prop_assert_eq!(d.merged_h0.is_some(), d.meta.pre_num_ranks > 0);
+        prop_assert_eq!(d.merged_dht.is_some(), d.meta.post_num_ranks > 0);
+        if let (Some(e), Some(r)) = (d.h0_error(), &d.reference_h0) {
+            let bar = STATE_TOL * state_scale(r);
+            prop_assert!(
+                e <= bar,
+                "rank {} merged h0 off by {:e} > {:e}",
+                d.meta.rank,
+                e,
+                bar
+            );
+        }
+        if let (Some(e), Some(r)) = (d.dht_error(), &d.reference_dht) {
+            let bar = STATE_TOL * state_scale(r);
+            prop_assert!(
+                e <= bar,
+                "rank {} merged dht off by {:e} > {:e}",
+                d.meta.rank,
+                e,
+                bar
+            );
+        }
+    }
+    Ok(())
 }
 
 proptest! {
@@ -67,20 +168,30 @@ proptest! {
 
     #[test]
     fn kda_cp_equals_non_cp(
-        (lengths, cuts) in layout_and_cuts(),
+        (layout, plan) in layout_and_plan(),
         h in 1usize..3, g in 1usize..3, k in 1usize..6, v in 1usize..6,
-        gate in 0u8..3, l2 in any::<bool>(), h0 in any::<bool>(), chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000,
+        gate in 0u8..4, l2 in any::<bool>(), beta_sigmoid in any::<bool>(), neg in any::<bool>(), h0 in any::<bool>(),
+        chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000,
     ) {
-        let opts = KdaOptions { output_final_state: true, gate: gate_of(gate), use_qk_l2norm_in_kernel: l2, ..Default::default() };
-        let spec = KdaSpec { layout: Layout::varlen(&lengths), h, hv: h * g, k, v, opts, initial_state: h0, scalar_gate: false, seed };
+        let (gate, scalar_gate) = gate_of(gate);
+        let opts = KdaOptions {
+            output_final_state: true, gate, use_qk_l2norm_in_kernel: l2,
+            use_beta_sigmoid_in_kernel: beta_sigmoid, allow_neg_eigval: beta_sigmoid && neg,
+            ..Default::default()
+        };
+        let spec = KdaSpec { layout: layout.clone(), h, hv: h * g, k, v, opts, initial_state: h0, scalar_gate, seed };
         let x = inputs::kda(&spec);
-        let plan = PlanSpec::Cuts(cuts);
         let cpo = CpOptions::default();
+        let p = kda::Prepared::new(&x.inputs, &opts).unwrap();
         let run = |e: &dyn KdaEngineDyn| -> Result<(), TestCaseError> {
-            let (o, _) = e.cp_fwd(&x.inputs, &opts, &plan, &cpo);
+            let (o, fwd_diags) = e.cp_fwd(&x.inputs, &opts, &plan, &cpo);
             let full = kda::naive::forward(&x.inputs, &opts).unwrap();
             close("o", &full.o, &o.o)?;
             close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
+            merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
+                let seg = Segment { seq, batch: 0, start: a, end: at };
+                Naive.forward(&p.head(&seg, h), p.initial_state(seq, h).view()).1
+            })?;
             let (gr, diags) = e.cp_bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
             let want = kda::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
             close("dq", &want.dq, &gr.dq)?;
@@ -88,45 +199,48 @@ proptest! {
             close("dv", &want.dv, &gr.dv)?;
             close("dg", &want.dg, &gr.dg)?;
             close("dbeta", &want.dbeta, &gr.dbeta)?;
+            prop_assert_eq!(want.da_log.is_some(), gr.da_log.is_some());
+            prop_assert_eq!(want.dh0.is_some(), gr.dh0.is_some());
             if let (Some(a), Some(b)) = (&want.da_log, &gr.da_log) { close("dA_log", a, b)?; }
             if let (Some(a), Some(b)) = (&want.ddt_bias, &gr.ddt_bias) { close("ddt_bias", a, b)?; }
             if let (Some(a), Some(b)) = (&want.dh0, &gr.dh0) { close("dh0", a, b)?; }
-            for d in &diags {
-                if let Some(e) = d.h0_error() { prop_assert!(e <= 1e-12, "rank {} merged h0 off by {:e}", d.meta.rank, e); }
-                if let Some(e) = d.dht_error() { prop_assert!(e <= 1e-12, "rank {} merged dht off by {:e}", d.meta.rank, e); }
-            }
-            Ok(())
+            diag_errors_are_small(&diags)
         };
         if chunk { run(&Chunk::new(cs).unwrap())?; } else { run(&Naive)?; }
     }
 
     #[test]
-    fn dplr_cp_equals_non_cp((lengths, cuts) in layout_and_cuts(), h in 1usize..3, k in 1usize..6, v in 1usize..6, h0 in any::<bool>(), chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000) {
-        let spec = DplrSpec { layout: Layout::varlen(&lengths), h, k, v, initial_state: h0, seed };
+    fn dplr_cp_equals_non_cp(
+        (layout, plan) in layout_and_plan(), h in 1usize..3, k in 1usize..6, v in 1usize..6, h0 in any::<bool>(),
+        chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000,
+    ) {
+        let spec = DplrSpec { layout: layout.clone(), h, k, v, initial_state: h0, seed };
         let x = inputs::dplr(&spec);
         let opts = DplrOptions { output_final_state: true, ..Default::default() };
-        let plan = PlanSpec::Cuts(cuts);
         let cpo = CpOptions::default();
         let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::chunk::Chunk::new(cs).unwrap()) } else { Box::new(dplr::naive::Naive) };
-        let (o, _) = engine.fwd(&x.inputs, &opts, &plan, &cpo);
+        let (o, fwd_diags) = engine.fwd(&x.inputs, &opts, &plan, &cpo);
         let full = dplr::naive::forward(&x.inputs, &opts).unwrap();
         close("o", &full.o, &o.o)?;
         close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
+        let p = dplr::Prepared::new(&x.inputs, &opts).unwrap();
+        merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
+            let seg = Segment { seq, batch: 0, start: a, end: at };
+            dplr::naive::Naive.forward(&p.head(&seg, h), p.initial_state(seq, h).view()).1
+        })?;
         let (gr, diags) = engine.bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
         let want = dplr::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
         for (n, a, b) in [("dq", &want.dq, &gr.dq), ("dk", &want.dk, &gr.dk), ("dv", &want.dv, &gr.dv), ("da", &want.da, &gr.da), ("db", &want.db, &gr.db), ("dgk", &want.dgk, &gr.dgk)] {
             close(n, a, b)?;
         }
+        prop_assert_eq!(want.dh0.is_some(), gr.dh0.is_some());
         if let (Some(a), Some(b)) = (&want.dh0, &gr.dh0) { close("dh0", a, b)?; }
-        for d in &diags {
-            if let Some(e) = d.h0_error() { prop_assert!(e <= 1e-12, "rank {} merged h0 off by {:e}", d.meta.rank, e); }
-        }
+        diag_errors_are_small(&diags)?;
     }
 
     #[test]
-    fn token_shift_cp_equals_non_cp((lengths, cuts) in layout_and_cuts(), dim in 1usize..5, cache in any::<bool>(), seed in 0u64..1000) {
-        let x = inputs::token_shift(&TokenShiftSpec { layout: Layout::varlen(&lengths), d: dim, cache, seed });
-        let plan = PlanSpec::Cuts(cuts);
+    fn token_shift_cp_equals_non_cp((layout, plan) in layout_and_plan(), dim in 1usize..5, cache in any::<bool>(), seed in 0u64..1000) {
+        let x = inputs::token_shift(&TokenShiftSpec { layout, d: dim, cache, seed });
         let full = token_shift::forward(&x.inputs).unwrap();
         let got = cp::token_shift::forward(&x.inputs, &plan).unwrap();
         prop_assert_eq!(&full.y, &got.y);
@@ -134,8 +248,64 @@ proptest! {
         let want = token_shift::backward(&x.inputs, &x.d_o, Some(&x.dht)).unwrap();
         let got = cp::token_shift::backward(&x.inputs, &x.d_o, Some(&x.dht), &plan).unwrap();
         close("dx", &want.dx, &got.dx)?;
+        prop_assert_eq!(want.dcache.is_some(), got.dcache.is_some());
         if let (Some(a), Some(b)) = (&want.dcache, &got.dcache) { close("dcache", a, b)?; }
     }
+
+    /// The rank metadata of an equal split against an independent
+    /// transcription of FLA's `get_cp_cu_seqlens` (searchsorted on the
+    /// sequence ends and starts, clamp, unique_consecutive).
+    #[test]
+    fn equal_split_metadata_is_flas(
+        (lengths, world) in lengths().prop_flat_map(|l| {
+            let w = prop::sample::select(divisors(l.iter().sum()));
+            (Just(l), w)
+        }),
+    ) {
+        let t: usize = lengths.iter().sum();
+        let cu = Layout::varlen(&lengths).cu_seqlens().unwrap();
+        let plan = PlanSpec::World(world).build(1, t, Some(&cu)).unwrap();
+        for (r, m) in plan.ranks.iter().enumerate() {
+            let want = fla_context(&cu, world, r);
+            prop_assert_eq!(
+                (&m.cu_seqlens, m.pre_num_ranks, m.post_num_ranks, m.is_first_rank, m.is_last_rank, m.pre_num_conv_tokens),
+                (&want.0, want.1, want.2, want.3, want.4, want.5),
+                "rank {}", r
+            );
+        }
+    }
+}
+
+/// FLA's `get_cp_cu_seqlens(cu_seqlens, world_size, rank)`: `(local
+/// cu_seqlens, pre_num_ranks, post_num_ranks, is_first_rank, is_last_rank,
+/// pre_num_conv_tokens)`.
+fn fla_context(
+    cu: &[i64],
+    world: usize,
+    rank: usize,
+) -> (Vec<i64>, usize, usize, bool, bool, usize) {
+    let total = *cu.last().unwrap();
+    let part = total / world as i64;
+    let (rs, re) = (part * rank as i64, part * (rank as i64 + 1));
+    // searchsorted(ends, rs, right) and searchsorted(starts, re, left).
+    let first = cu[1..].iter().filter(|&&e| e <= rs).count();
+    let last = cu[..cu.len() - 1].iter().filter(|&&s| s < re).count();
+    let mut local: Vec<i64> = cu[first..=last]
+        .iter()
+        .map(|&c| c.clamp(rs, re) - rs)
+        .collect();
+    local.dedup();
+    let (head, tail) = (cu[first], cu[last]);
+    let first_rank = (head / part) as usize;
+    let last_rank = ((tail - 1) / part) as usize;
+    (
+        local,
+        rank - first_rank,
+        last_rank - rank,
+        rank == first_rank,
+        rank == last_rank,
+        (rs - head).max(0) as usize,
+    )
 }
 
 /// Object-safe DPLR CP runner over either engine.
@@ -225,10 +395,13 @@ impl<E: KdaEngine<f64>> KdaEngineDyn for E {
     }
 }
 
-#[test]
-fn fla_debug_guide_example() {
-    // lengths [400, 624], chunk 64, world 2: rank 1's merged state is the
-    // non-CP state at global token 512.
+/// FLA's debugging-guide layouts, one engine: CP equals non-CP for `o` and
+/// every gradient; returns the diagnostics of the backward.
+fn debug_guide_run(
+    e: &dyn KdaEngineDyn,
+    lengths: &[usize],
+    world: usize,
+) -> (kda::KdaInputs<f64>, KdaOptions, Vec<cp::RankDiag<f64>>) {
     let opts = KdaOptions {
         output_final_state: true,
         gate: Gate::LowerBound { lower_bound: -5.0 },
@@ -236,7 +409,7 @@ fn fla_debug_guide_example() {
         ..Default::default()
     };
     let spec = KdaSpec {
-        layout: Layout::varlen(&[400, 624]),
+        layout: Layout::varlen(lengths),
         h: 2,
         hv: 2,
         k: 16,
@@ -247,32 +420,13 @@ fn fla_debug_guide_example() {
         seed: 7,
     };
     let x = inputs::kda(&spec);
-    let chunk = Chunk::new(64).unwrap();
-    let plan = PlanSpec::World(2);
+    let plan = PlanSpec::World(world);
     let cpo = CpOptions::default();
-    let (o, diags) = cp::kda::forward(&chunk, &x.inputs, &opts, &plan, &cpo).unwrap();
+    let (o, _) = e.cp_fwd(&x.inputs, &opts, &plan, &cpo);
     let full = kda::naive::forward(&x.inputs, &opts).unwrap();
     assert!(ratio(&full.o, &o.o) <= TOL);
-    assert_eq!(diags[1].meta.cu_seqlens, vec![0, 512]);
-    assert_eq!(diags[1].meta.pre_num_ranks, 1);
-    // Independent reference: the naive state after the first 112 tokens of sequence 1.
-    let p = kda::Prepared::new(&x.inputs, &opts).unwrap();
-    let seg = deltaref::varlen::Segment {
-        seq: 1,
-        batch: 0,
-        start: 400,
-        end: 512,
-    };
-    for h in 0..2 {
-        let state = Naive
-            .forward(&p.head(&seg, h), p.initial_state(1, h).view())
-            .1;
-        let merged = &diags[1].merged_h0.as_ref().unwrap()[h];
-        let d = (merged - &state).iter().fold(0.0f64, |m, v| m.max(v.abs()));
-        assert!(d <= 1e-12, "head {h}: {d:e}");
-    }
-    let (gr, _) = cp::kda::backward(&chunk, &x.inputs, &opts, &x.d_o, None, &plan, &cpo).unwrap();
-    let want = kda::naive::backward(&x.inputs, &opts, &x.d_o, None).unwrap();
+    let (gr, diags) = e.cp_bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
+    let want = kda::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
     for (n, a, b) in [
         ("dq", &want.dq, &gr.dq),
         ("dk", &want.dk, &gr.dk),
@@ -280,13 +434,99 @@ fn fla_debug_guide_example() {
         ("dg", &want.dg, &gr.dg),
         ("dbeta", &want.dbeta, &gr.dbeta),
     ] {
-        assert!(ratio(a, b) <= TOL, "{n}");
+        assert!(ratio(a, b) <= TOL, "{n}: {:e}", ratio(a, b));
     }
-    let table = cp::table(&diags);
-    assert!(
-        table.contains("0..512") && table.contains("512..1024"),
-        "{table}"
-    );
+    (x.inputs, opts, diags)
+}
+
+fn max_diff(a: &ndarray::Array2<f64>, b: &ndarray::Array2<f64>) -> f64 {
+    (a - b).iter().fold(0.0f64, |m, v| m.max(v.abs()))
+}
+
+#[test]
+fn fla_debug_guide_example() {
+    // lengths [400, 624], world 2: rank 1's merged state is the non-CP state
+    // at global token 512; rank 0's merged dht is the non-CP state gradient there.
+    for (name, e) in [
+        ("naive", &Naive as &dyn KdaEngineDyn),
+        ("chunk 64", &Chunk::new(64).unwrap()),
+    ] {
+        let (x, opts, diags) = debug_guide_run(e, &[400, 624], 2);
+        let (r0, r1) = (&diags[0].meta, &diags[1].meta);
+        assert_eq!(r0.cu_seqlens, vec![0, 400, 512]);
+        assert_eq!(r1.cu_seqlens, vec![0, 512]);
+        assert_eq!((r0.post_num_ranks, r1.pre_num_ranks), (1, 1));
+        // Independent references: naive prefix and suffix runs of sequence 1.
+        let p = kda::Prepared::new(&x, &opts).unwrap();
+        let g = inputs::kda(&KdaSpec {
+            layout: Layout::varlen(&[400, 624]),
+            h: 2,
+            hv: 2,
+            k: 16,
+            v: 16,
+            opts,
+            initial_state: false,
+            scalar_gate: false,
+            seed: 7,
+        });
+        let d_o = deltaref::tensor::to4(&g.d_o);
+        let dht = deltaref::tensor::to4(&g.dht);
+        let (head, tail) = (
+            Segment {
+                seq: 1,
+                batch: 0,
+                start: 400,
+                end: 512,
+            },
+            Segment {
+                seq: 1,
+                batch: 0,
+                start: 512,
+                end: 1024,
+            },
+        );
+        for h in 0..2 {
+            let state = Naive
+                .forward(&p.head(&head, h), p.initial_state(1, h).view())
+                .1;
+            let d = max_diff(&diags[1].merged_h0.as_ref().unwrap()[h], &state);
+            assert!(d <= 1e-12, "{name} head {h}: merged h0 off by {d:e}");
+            let dh = Naive
+                .backward(
+                    &p.head(&tail, h),
+                    state.view(),
+                    deltaref::tensor::gather(&d_o, &tail, h).view(),
+                    dht.slice(ndarray::s![1, h, .., ..]),
+                )
+                .dh0;
+            let d = max_diff(&diags[0].merged_dht.as_ref().unwrap()[h], &dh);
+            assert!(d <= 1e-12, "{name} head {h}: merged dht off by {d:e}");
+        }
+        let table = cp::table(&diags);
+        assert!(
+            table.contains("0..512") && table.contains("512..1024"),
+            "{table}"
+        );
+    }
+}
+
+#[test]
+fn debug_guide_rank_with_a_tail_and_a_head() {
+    // lengths [700, 324], CP4 (pitfall 4): rank 2 holds the tail of sequence 0
+    // and the head of sequence 1, so its forward pre-process (last piece) and
+    // backward pre-process (first piece) are different sequences.
+    for e in [&Naive as &dyn KdaEngineDyn, &Chunk::new(64).unwrap()] {
+        let (_, _, diags) = debug_guide_run(e, &[700, 324], 4);
+        let r2 = &diags[2].meta;
+        assert_eq!(r2.cu_seqlens, vec![0, 188, 256]);
+        assert_eq!((r2.pre_num_ranks, r2.post_num_ranks), (2, 1));
+        assert_eq!((r2.pieces[0].seq, r2.pieces[1].seq), (0, 1));
+        assert!(diags[3].meta.is_last_rank && !diags[3].meta.is_first_rank);
+        for d in &diags {
+            assert!(d.h0_error().is_none_or(|e| e <= 1e-12));
+            assert!(d.dht_error().is_none_or(|e| e <= 1e-12));
+        }
+    }
 }
 
 #[test]
@@ -407,4 +647,85 @@ fn intra_card_split_follows_flas_rule_and_matches_non_cp() {
             o.final_state.as_ref().unwrap()
         ) <= TOL
     );
+}
+
+/// FLA's `prepare_subseq_cu_seqlens`, transcribed: the boundaries of all
+/// sub-sequences (sequence ends included, FLA's empty trailing pieces as
+/// repeated ends).
+fn fla_subseq_boundaries(
+    cu: &[i64],
+    subseq_len: usize,
+    cs: usize,
+    max_splits: usize,
+) -> Vec<usize> {
+    let subseq_chunks = subseq_len.div_ceil(cs);
+    let mut out = vec![0];
+    for w in cu.windows(2) {
+        let (a, b) = (w[0] as usize, w[1] as usize);
+        let chunks = (b - a).div_ceil(cs);
+        if b - a >= 3 * subseq_len {
+            let n = max_splits.min(chunks.div_ceil(subseq_chunks));
+            let piece = chunks.div_ceil(n) * cs;
+            out.extend((1..=n).map(|j| (a + j * piece).min(b)));
+        } else {
+            out.push(b);
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// Intra-card splitting: the cuts are FLA's sub-sequence boundaries that
+    /// are not sequence ends, and the split forward equals the non-CP one.
+    #[test]
+    fn intra_card_split_is_flas_and_matches_non_cp(
+        lengths in prop::collection::vec(0usize..400, 1..4).prop_filter("tokens", |l| l.iter().sum::<usize>() >= 1),
+        subseq_len in 1usize..100, cs in prop::sample::select(vec![16usize, 32, 64]), max_splits in 1usize..6,
+        chunk in any::<bool>(), seed in 0u64..1000,
+    ) {
+        let cu = Layout::varlen(&lengths).cu_seqlens().unwrap();
+        let p = IntraParams { num_sms: 132, num_heads: 1, chunk_size: cs, max_splits, subseq_len: Some(subseq_len) };
+        let cuts = split_points(&cu, &p).unwrap();
+        let mut want: Vec<usize> = fla_subseq_boundaries(&cu, subseq_len, cs, max_splits)
+            .into_iter()
+            .filter(|b| !cu.contains(&(*b as i64)))
+            .collect();
+        want.dedup();
+        prop_assert_eq!(&cuts, &want);
+        let opts = KdaOptions { output_final_state: true, ..Default::default() };
+        let spec = KdaSpec { layout: Layout::varlen(&lengths), h: 1, hv: 1, k: 3, v: 2, opts, initial_state: true, scalar_gate: false, seed };
+        let x = inputs::kda(&spec);
+        let plan = deltaref::cp::intra::plan_spec(&cu, &p).unwrap();
+        let (o, _) = if chunk {
+            cp::kda::forward(&Chunk::new(cs).unwrap(), &x.inputs, &opts, &plan, &CpOptions::default())
+        } else {
+            cp::kda::forward(&Naive, &x.inputs, &opts, &plan, &CpOptions::default())
+        }
+        .unwrap();
+        let full = kda::naive::forward(&x.inputs, &opts).unwrap();
+        close("o", &full.o, &o.o)?;
+        close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
+    }
+}
+
+#[test]
+fn bad_intra_card_parameters_are_rejected() {
+    let cu = [0i64, 500];
+    let p = IntraParams::default();
+    for (bad, needle) in [
+        (IntraParams { chunk_size: 0, ..p }, "chunk_size"),
+        (IntraParams { max_splits: 0, ..p }, "max_splits"),
+        (
+            IntraParams {
+                subseq_len: Some(0),
+                ..p
+            },
+            "subseq_len",
+        ),
+    ] {
+        let e = split_points(&cu, &bad).unwrap_err();
+        assert!(e.to_string().contains(needle), "{bad:?}: {e}");
+    }
 }

@@ -28,7 +28,9 @@ pub fn compute_subseq_len(
 /// Parameters of the split rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IntraParams {
+    /// Streaming multiprocessors of the device (H100: 132).
     pub num_sms: usize,
+    /// FLA passes the value-head count HV.
     pub num_heads: usize,
     pub chunk_size: usize,
     pub max_splits: usize,
@@ -52,7 +54,9 @@ impl Default for IntraParams {
 /// The split points (FLA `prepare_subseq_cu_seqlens`): a sequence of at least
 /// `3·subseq_len` tokens becomes `min(max_splits, ⌈chunks / subseq_chunks⌉)`
 /// pieces of `⌈chunks / pieces⌉·chunk_size` tokens. Returns the interior cut
-/// points (global token positions); empty when nothing is split.
+/// points (global token positions); empty when nothing is split. When
+/// `max_splits` caps the count, FLA's last piece can be empty (a boundary
+/// clamped to the sequence end); it holds no tokens, so it is no cut here.
 pub fn split_points(cu_seqlens: &[i64], p: &IntraParams) -> Result<Vec<usize>> {
     if p.chunk_size == 0 || p.max_splits == 0 {
         return Err(Error::option(

@@ -73,13 +73,17 @@ pub struct CpOptions {
 #[derive(Clone, Debug)]
 pub struct RankDiag<T> {
     pub meta: RankMeta,
-    /// `S_ext` of the piece the pre-process ran on (last local sequence), per head.
+    /// `S_ext` of the piece the pre-process ran on (last local sequence), per
+    /// head. Computed on every rank for the table; FLA leaves it zero on an
+    /// `is_last_rank` rank, whose value no merge reads.
     pub s_ext: Vec<Array2<T>>,
     /// `M` of that piece, per head.
     pub m: Vec<Array2<T>>,
     /// Merged initial state of the first local sequence (when it continues), per head.
     pub merged_h0: Option<Vec<Array2<T>>>,
-    /// The non-CP state at the rank's first token (same engine, no CP).
+    /// The non-CP state at the rank's first token: a prefix run of the
+    /// sequence with the same engine, no CP (so the difference is the CP
+    /// path's alone, not the engine's).
     pub reference_h0: Option<Vec<Array2<T>>>,
     /// `dS_ext` handed to the previous rank (backward, when it continues), per head.
     pub ds_ext: Option<Vec<Array2<T>>>,
@@ -87,7 +91,8 @@ pub struct RankDiag<T> {
     pub m_first: Option<Vec<Array2<T>>>,
     /// Merged `dht` of the last local sequence (backward, when it is continued).
     pub merged_dht: Option<Vec<Array2<T>>>,
-    /// The non-CP state gradient at the rank's last token.
+    /// The non-CP state gradient at the end of the rank's slice (a suffix
+    /// run of the sequence backward from its global `dht`, same engine).
     pub reference_dht: Option<Vec<Array2<T>>>,
 }
 

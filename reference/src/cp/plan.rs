@@ -18,8 +18,16 @@ pub struct RankMeta {
     pub pre_num_ranks: usize,
     /// Later ranks holding the tail of this rank's last sequence.
     pub post_num_ranks: usize,
+    /// This rank is the first of its first sequence's chain (FLA: `rank ==
+    /// first_rank_of_first_seq`, i.e. `pre_num_ranks == 0`): it receives no state.
+    /// Not "rank 0": a rank starting on a sequence boundary is also first.
     pub is_first_rank: bool,
+    /// This rank is the last of its last sequence's chain (`post_num_ranks ==
+    /// 0`): it hands no state on. Not "rank R−1".
     pub is_last_rank: bool,
+    /// Tokens of the first sequence held by earlier ranks (FLA
+    /// `pre_num_conv_tokens`: `rank_start − first_seq_global_start`).
+    pub pre_num_conv_tokens: usize,
     /// The non-empty pieces of global sequences on this rank, in order
     /// (global token coordinates; `seq` is the global sequence index).
     pub pieces: Vec<Segment>,
@@ -53,6 +61,11 @@ impl Plan {
     pub fn equal(cu_seqlens: &[i64], t: usize, world: usize) -> Result<Plan> {
         if world == 0 {
             return Err(Error::Partition("world size must be at least 1".into()));
+        }
+        if t < world {
+            return Err(Error::Partition(format!(
+                "T = {t} tokens must be at least the world size {world} (a rank would be empty)"
+            )));
         }
         if !t.is_multiple_of(world) {
             return Err(Error::Partition(format!(
@@ -120,23 +133,18 @@ impl Plan {
                     .map(|c| (c - start) as i64)
                     .collect();
                 cu.dedup();
+                let pre_num_ranks = r - rank_of(head_start);
+                let post_num_ranks = rank_of(tail_end - 1) - r;
                 RankMeta {
                     rank: r,
                     start,
                     end,
                     cu_seqlens: cu,
-                    pre_num_ranks: if head_start < start {
-                        r - rank_of(head_start)
-                    } else {
-                        0
-                    },
-                    post_num_ranks: if tail_end > end {
-                        rank_of(tail_end - 1) - r
-                    } else {
-                        0
-                    },
-                    is_first_rank: r == 0,
-                    is_last_rank: r + 1 == world,
+                    pre_num_ranks,
+                    post_num_ranks,
+                    is_first_rank: pre_num_ranks == 0,
+                    is_last_rank: post_num_ranks == 0,
+                    pre_num_conv_tokens: start - head_start,
                     pieces,
                 }
             })
@@ -159,6 +167,33 @@ impl Plan {
     }
 }
 
+/// How to cut: FLA's equal split or explicit interior cuts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlanSpec {
+    World(usize),
+    Cuts(Vec<usize>),
+}
+
+impl PlanSpec {
+    /// The plan for a `[B, T, …]` input. CP works on one packed row, as FLA's
+    /// does (`[1, T, …]`): `B = 1` with `cu_seqlens` (varlen), or `B = 1`
+    /// without (one sequence of T tokens). `B > 1` is an `Error::Partition`:
+    /// pack the batch into varlen instead.
+    pub fn build(&self, b: usize, t: usize, cu_seqlens: Option<&[i64]>) -> Result<Plan> {
+        if b != 1 {
+            return Err(Error::Partition(format!(
+                "context parallel splits one packed sequence batch: B must be 1 (varlen), got B = {b}"
+            )));
+        }
+        let whole = [0, t as i64];
+        let cu = cu_seqlens.unwrap_or(&whole);
+        match self {
+            PlanSpec::World(w) => Plan::equal(cu, t, *w),
+            PlanSpec::Cuts(c) => Plan::from_cuts(cu, t, c),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,7 +207,9 @@ mod tests {
         assert_eq!(r1.cu_seqlens, vec![0, 512]);
         assert_eq!((r0.pre_num_ranks, r0.post_num_ranks), (0, 1));
         assert_eq!((r1.pre_num_ranks, r1.post_num_ranks), (1, 0));
-        assert!(r0.is_first_rank && !r0.is_last_rank && r1.is_last_rank);
+        assert!(r0.is_first_rank && !r0.is_last_rank);
+        assert!(!r1.is_first_rank && r1.is_last_rank);
+        assert_eq!((r0.pre_num_conv_tokens, r1.pre_num_conv_tokens), (0, 112));
         assert_eq!(
             r1.pieces,
             vec![Segment {
@@ -210,6 +247,30 @@ mod tests {
     }
 
     #[test]
+    fn fla_context_test_case() {
+        // FLA tests/context_parallel/test_cp_context.py: [0, 5, 12], world 3, rank 1.
+        let p = Plan::equal(&[0, 5, 12], 12, 3).unwrap();
+        let r1 = &p.ranks[1];
+        assert_eq!(r1.cu_seqlens, vec![0, 1, 4]);
+        assert_eq!(r1.pre_num_conv_tokens, 4);
+        assert_eq!((r1.pre_num_ranks, r1.post_num_ranks), (1, 1));
+        assert!(!r1.is_first_rank && !r1.is_last_rank);
+    }
+
+    #[test]
+    fn first_and_last_rank_are_per_chain_not_per_world() {
+        // [0, 4, 12], world 3: rank 0 ends on a boundary (last of its chain),
+        // rank 1 starts on it (first of its chain), rank 2 continues rank 1.
+        let p = Plan::equal(&[0, 4, 12], 12, 3).unwrap();
+        let flags: Vec<(bool, bool)> = p
+            .ranks
+            .iter()
+            .map(|r| (r.is_first_rank, r.is_last_rank))
+            .collect();
+        assert_eq!(flags, vec![(true, true), (true, false), (false, true)]);
+    }
+
+    #[test]
     fn bad_plans_are_rejected() {
         let cu = [0i64, 5, 9];
         for (cuts, needle) in [
@@ -227,34 +288,17 @@ mod tests {
             .to_string()
             .contains("divisible"));
         assert!(Plan::equal(&cu, 9, 0).is_err());
+        assert!(Plan::equal(&[0, 2], 2, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("at least the world size"));
+        assert!(Plan::from_cuts(&[0, 0], 0, &[])
+            .unwrap_err()
+            .to_string()
+            .contains("T = 0"));
         assert!(matches!(
             Plan::from_cuts(&[0, 5], 9, &[3]),
             Err(Error::CuSeqlens(_))
         ));
-    }
-}
-
-/// How to cut: FLA's equal split or explicit interior cuts.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PlanSpec {
-    World(usize),
-    Cuts(Vec<usize>),
-}
-
-impl PlanSpec {
-    /// The plan for a `[B, T, …]` input: CP works on one packed row (`B = 1`,
-    /// with `cu_seqlens` or as one sequence).
-    pub fn build(&self, b: usize, t: usize, cu_seqlens: Option<&[i64]>) -> Result<Plan> {
-        if b != 1 {
-            return Err(Error::Partition(format!(
-                "context parallel splits one packed sequence batch: B must be 1 (varlen), got B = {b}"
-            )));
-        }
-        let whole = [0, t as i64];
-        let cu = cu_seqlens.unwrap_or(&whole);
-        match self {
-            PlanSpec::World(w) => Plan::equal(cu, t, *w),
-            PlanSpec::Cuts(c) => Plan::from_cuts(cu, t, c),
-        }
     }
 }
