@@ -5,6 +5,7 @@ use deltaref::gates::Gate;
 use deltaref_verify::case::{Case, CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
 use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::outputs::Tensors;
 use deltaref_verify::report::VerifyReport;
 
 fn spec(op: Op) -> GenSpec {
@@ -186,10 +187,10 @@ fn truncated_and_malformed_files_are_rejected() {
     let mut huge = good.clone();
     huge[..8].copy_from_slice(&(good.len() as u64 * 4).to_le_bytes());
     let e = read_err(&huge);
-    assert!(
-        e.contains("larger than the file") || e.contains("large"),
-        "{e}"
-    );
+    assert!(e.contains("larger than the file"), "{e}");
+    huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    let e = read_err(&huge);
+    assert!(e.contains("implausibly large"), "{e}");
     let e = read_err(&raw("{not json", &[]));
     assert!(e.contains("not valid JSON"), "{e}");
 }
@@ -256,7 +257,10 @@ fn tensor_problems_name_the_tensor() {
         r#"{{{META_TS},"x":{{"dtype":"I32","shape":[1,1,1],"data_offsets":[0,4]}},"dy":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[4,12]}}}}"#
     );
     let e = read_err(&raw(&h, &[0u8; 12]));
-    assert!(e.contains("`x`") && e.contains("not a float type"), "{e}");
+    assert!(
+        e.contains("`x`") && e.contains("not a supported float type"),
+        "{e}"
+    );
     // An unknown tensor name.
     let h = format!(
         r#"{{{META_TS},"x":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[0,8]}},"d_y":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[8,16]}}}}"#
@@ -310,4 +314,135 @@ fn writing_is_atomic_and_leaves_no_temporary_file() {
     let bad = dir.path().join("missing").join("c.safetensors");
     assert!(matches!(case.write(&bad), Err(CaseError::Io { .. })));
     assert!(!bad.exists());
+}
+
+#[test]
+fn offsets_outside_the_data_and_overflowing_shapes_are_rejected() {
+    // Offsets past the end of the data.
+    let h = format!(
+        r#"{{{META_TS},"x":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[0,8]}},"dy":{{"dtype":"F64","shape":[1,1,100],"data_offsets":[8,808]}}}}"#
+    );
+    let e = read_err(&raw(&h, &[0u8; 16]));
+    assert!(e.contains("not a valid safetensors file"), "{e}");
+    // A gap between tensors (offsets must tile the data).
+    let h = format!(
+        r#"{{{META_TS},"x":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[0,8]}},"dy":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[16,24]}}}}"#
+    );
+    let e = read_err(&raw(&h, &[0u8; 24]));
+    assert!(e.contains("not a valid safetensors file"), "{e}");
+    // A shape whose element count overflows usize.
+    let h = format!(
+        r#"{{{META_TS},"x":{{"dtype":"F64","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}},"dy":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[8,16]}}}}"#
+    );
+    let e = read_err(&raw(&h, &[0u8; 16]));
+    assert!(e.contains("not a valid safetensors file"), "{e}");
+}
+
+#[test]
+fn bad_cu_seqlens_and_gate_metadata_are_rejected() {
+    let x = r#""x":{"dtype":"F64","shape":[1,3,1],"data_offsets":[0,24]},"dy":{"dtype":"F64","shape":[1,3,1],"data_offsets":[24,48]}"#;
+    let cu = |shape: &str, vals: &[i64]| {
+        let h = format!(
+            r#"{{{META_TS},{x},"cu_seqlens":{{"dtype":"I64","shape":{shape},"data_offsets":[48,{}]}}}}"#,
+            48 + 8 * vals.len()
+        );
+        let mut data = vec![0u8; 48];
+        data.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        raw(&h, &data)
+    };
+    assert!(Case::from_bytes(&cu("[3]", &[0, 1, 3]), "ok").is_ok());
+    let e = read_err(&cu("[1,3]", &[0, 1, 3]));
+    assert!(e.contains("`cu_seqlens`") && e.contains("1-D int64"), "{e}");
+    // Values inconsistent with T = 3: the reference crate's validation.
+    let e = read_err(&cu("[3]", &[0, 2, 4]));
+    assert!(e.contains("cu_seqlens"), "{e}");
+    assert!(matches!(
+        Case::from_bytes(&cu("[3]", &[0, 2, 1]), "t"),
+        Err(CaseError::Invalid { .. })
+    ));
+    let meta = |case: &str| one_x(&format!(r#""__metadata__":{{"case":"{case}"}},"#));
+    let e = read_err(&meta(r#"{\"op\":\"kda\",\"gate\":\"sometimes\"}"#));
+    assert!(e.contains("unknown gate \"sometimes\""), "{e}");
+    let e = read_err(&meta(r#"{\"op\":\"kda\",\"gate\":\"lowerbound\"}"#));
+    assert!(e.contains("needs key `lower_bound`"), "{e}");
+    let e = read_err(&meta(
+        r#"{\"op\":\"kda\",\"gate\":\"kda\",\"lower_bound\":-5}"#,
+    ));
+    assert!(e.contains("key `lower_bound`"), "{e}");
+    let e = read_err(&meta(r#"{\"op\":\"kda\",\"scale\":\"0.25\"}"#));
+    assert!(e.contains("key `scale`: expected a number"), "{e}");
+    let e = read_err(&meta(
+        r#"{\"op\":\"kda\",\"cp\":{\"world\":2,\"cuts\":[3]}}"#,
+    ));
+    assert!(e.contains("exactly one of `world` or `cuts`"), "{e}");
+    let e = read_err(&meta(r#"[\"kda\"]"#));
+    assert!(e.contains("must be a JSON object"), "{e}");
+    let e = read_err(&meta(r#"{\"op\":\"token_shift\",\"dtype\":\"f8\"}"#));
+    assert!(e.contains("unknown dtype \"f8\""), "{e}");
+}
+
+/// The results of `case` as a port writes them: f32, no inputs, and no
+/// metadata unless `meta` is given.
+fn port_candidate(results: &Tensors, meta: Option<&str>) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    if let Some(m) = meta {
+        header.insert("__metadata__".into(), serde_json::json!({ "case": m }));
+    }
+    let mut data = Vec::new();
+    for (name, t) in results {
+        let start = data.len();
+        data.extend(t.iter().flat_map(|&v| (v as f32).to_le_bytes()));
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": t.shape(), "data_offsets": [start, data.len()]}),
+        );
+    }
+    raw(&serde_json::Value::Object(header).to_string(), &data)
+}
+
+#[test]
+fn candidates_need_only_results_and_no_metadata() {
+    let case = generate(&spec(Op::Kda)).unwrap();
+    let results = case.results();
+    for meta in [None, Some(r#"{"op": "kda"}"#)] {
+        let bytes = port_candidate(&results, meta);
+        let cand = Case::candidate_from_bytes(&bytes, "cand", Op::Kda).expect("candidate");
+        assert_eq!(cand.results().len(), results.len());
+        assert!(cand.dtypes.values().all(|&d| d == Dtype::F32));
+        let report = VerifyReport::new("c", "case file", "cand", &results, &cand.results(), 5e-3);
+        assert!(report.pass, "{report}");
+        // The same bytes are not a case: its inputs are missing.
+        assert!(Case::from_bytes(&bytes, "cand").is_err());
+    }
+    let bytes = port_candidate(&results, Some(r#"{"op": "dplr"}"#));
+    let e = Case::candidate_from_bytes(&bytes, "cand", Op::Kda).unwrap_err();
+    assert!(e.to_string().contains("candidate op `dplr`"), "{e}");
+    // A misspelt name is still refused.
+    let mut renamed = results.clone();
+    let dq = renamed.remove("dq").unwrap();
+    renamed.insert("grad_q".into(), dq);
+    let e =
+        Case::candidate_from_bytes(&port_candidate(&renamed, None), "cand", Op::Kda).unwrap_err();
+    assert!(e.to_string().contains("`grad_q`"), "{e}");
+}
+
+#[test]
+fn non_finite_candidate_values_fail_their_row_only() {
+    let case = generate(&spec(Op::Dplr)).unwrap();
+    let results = case.results();
+    for bad in [f64::NAN, f64::INFINITY] {
+        let mut got = results.clone();
+        got.get_mut("da").unwrap()[[0, 3, 1, 2]] = bad;
+        let cand = Case::candidate_from_bytes(&port_candidate(&got, None), "cand", Op::Dplr)
+            .expect("a NaN is a failed comparison, not an unreadable file");
+        let report = VerifyReport::new("c", "case file", "cand", &results, &cand.results(), 5e-3);
+        let failing: Vec<_> = report.rows.iter().filter(|r| !r.pass).collect();
+        assert_eq!(failing.len(), 1, "{report}");
+        assert_eq!(failing[0].tensor, "da");
+        assert_eq!(failing[0].argmax.as_deref(), Some(&[0, 3, 1, 2][..]));
+        assert_eq!(
+            failing[0].problem.as_deref(),
+            Some("non-finite values in the candidate")
+        );
+    }
 }

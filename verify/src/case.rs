@@ -645,6 +645,39 @@ impl Case {
 
     /// Parses a case from the bytes of a safetensors file (`what` names it in errors).
     pub fn from_bytes(bytes: &[u8], what: &str) -> Result<Case, CaseError> {
+        let case = Case::parse(bytes, what, None)?;
+        case.validate().map_err(|e| CaseError::Invalid {
+            path: what.to_string(),
+            source: e,
+        })?;
+        Ok(case)
+    }
+
+    /// Reads a candidate: the outputs and gradients a port produced for a
+    /// case of op `op`. See [`Case::candidate_from_bytes`].
+    pub fn read_candidate(path: &Path, op: Op) -> Result<Case, CaseError> {
+        let p = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| CaseError::Io {
+            path: p.clone(),
+            source: e,
+        })?;
+        Case::candidate_from_bytes(&bytes, &p, op)
+    }
+
+    /// Parses a candidate. Unlike a case it needs no inputs (a port saves
+    /// only what it computed), its `case` metadata is optional (when present
+    /// its `op` must be `op`), and non-finite values are kept: a NaN in a
+    /// port's output is a failed comparison, not an unreadable file. Framing,
+    /// tensor names and dtypes are checked as for a case; shapes are checked
+    /// by the comparison, tensor by tensor.
+    pub fn candidate_from_bytes(bytes: &[u8], what: &str, op: Op) -> Result<Case, CaseError> {
+        Case::parse(bytes, what, Some(op))
+    }
+
+    /// Framing, metadata, names and dtypes, without the cross-tensor
+    /// validation. `candidate_of`: a candidate for a case of this op (its
+    /// metadata is then optional but must name this op).
+    fn parse(bytes: &[u8], what: &str, candidate_of: Option<Op>) -> Result<Case, CaseError> {
         let fmt_err = |why: String| CaseError::Format {
             path: what.to_string(),
             why,
@@ -656,14 +689,23 @@ impl Case {
             path: what.to_string(),
             why,
         };
-        let text = md
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get("case"))
-            .ok_or_else(|| {
-                meta_err("no `case` entry in the metadata (expected {\"op\": ...})".into())
-            })?;
-        let meta = CaseMeta::from_json(text).map_err(meta_err)?;
+        let text = md.metadata().as_ref().and_then(|m| m.get("case"));
+        let meta = match (text, candidate_of) {
+            (Some(text), _) => CaseMeta::from_json(text).map_err(meta_err)?,
+            (None, Some(op)) => CaseMeta::new(op),
+            (None, None) => {
+                return Err(meta_err(
+                    "no `case` entry in the metadata (expected {\"op\": ...})".into(),
+                ))
+            }
+        };
+        if let Some(op) = candidate_of.filter(|&op| op != meta.op) {
+            return Err(meta_err(format!(
+                "candidate op `{}` differs from the case's `{}`",
+                meta.op.name(),
+                op.name()
+            )));
+        }
         let mut case = Case::new(meta);
         let mut names: Vec<(String, TensorView)> = st.tensors();
         names.sort_by(|a, b| a.0.cmp(&b.0));
@@ -677,36 +719,15 @@ impl Case {
                 return Err(terr(format!("not a tensor of op {}", case.meta.op.name())));
             }
             if name == "cu_seqlens" {
-                if view.dtype() != StDtype::I64 || view.shape().len() != 1 {
-                    return Err(terr(format!(
-                        "must be a 1-D int64 tensor, got {:?} {:?}",
-                        view.dtype(),
-                        view.shape()
-                    )));
-                }
-                case.cu_seqlens = Some(
-                    view.data()
-                        .chunks_exact(8)
-                        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-                        .collect(),
-                );
+                case.cu_seqlens = Some(decode_cu_seqlens(&view).map_err(terr)?);
                 continue;
             }
             let (values, dt) = decode(&view).map_err(terr)?;
-            let arr = ArrayD::from_shape_vec(IxDyn(view.shape()), values).map_err(|e| {
-                CaseError::Tensor {
-                    path: what.to_string(),
-                    tensor: name.clone(),
-                    why: e.to_string(),
-                }
-            })?;
+            let arr = ArrayD::from_shape_vec(IxDyn(view.shape()), values)
+                .map_err(|e| terr(e.to_string()))?;
             case.tensors.insert(name.clone(), arr);
             case.dtypes.insert(name, dt);
         }
-        case.validate().map_err(|e| CaseError::Invalid {
-            path: what.to_string(),
-            source: e,
-        })?;
         Ok(case)
     }
 }
@@ -739,6 +760,22 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CaseError> {
     })
 }
 
+/// `cu_seqlens`: a 1-D int64 tensor.
+fn decode_cu_seqlens(view: &TensorView) -> Result<Vec<i64>, String> {
+    if view.dtype() != StDtype::I64 || view.shape().len() != 1 {
+        return Err(format!(
+            "must be a 1-D int64 tensor, got {:?} {:?}",
+            view.dtype(),
+            view.shape()
+        ));
+    }
+    Ok(view
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
 /// Float tensors only; integer dtypes are refused by name.
 fn decode(view: &TensorView) -> Result<(Vec<f64>, Dtype), String> {
     let d = view.data();
@@ -769,7 +806,7 @@ fn decode(view: &TensorView) -> Result<(Vec<f64>, Dtype), String> {
         ),
         other => {
             return Err(format!(
-                "dtype {other:?} is not a float type (expected F64, F32, BF16 or F16)"
+                "dtype {other:?} is not a supported float type (F64, F32, BF16 or F16)"
             ))
         }
     })

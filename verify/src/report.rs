@@ -18,7 +18,8 @@ pub struct VerifyRow {
     /// Multi-dimensional index of the largest difference.
     pub argmax: Option<Vec<usize>>,
     pub pass: bool,
-    /// Why the row fails without numbers (missing tensor, shape mismatch).
+    /// Why the row fails in words: missing tensor, shape mismatch (no
+    /// numbers then), or non-finite candidate values.
     pub problem: Option<String>,
 }
 
@@ -67,11 +68,17 @@ fn row(name: &str, r: &ArrayD<f64>, c: Option<&ArrayD<f64>>, max_ratio: f64) -> 
             let (rf, cf): (Vec<f64>, Vec<f64>) =
                 (r.iter().copied().collect(), c.iter().copied().collect());
             let cmp = compare(&rf, &cf, max_ratio);
+            // JSON has no NaN or Inf (serde writes null): say it in words.
+            let problem = cf
+                .iter()
+                .any(|v| !v.is_finite())
+                .then(|| "non-finite values in the candidate".to_string());
             VerifyRow {
                 norm_ratio: Some(cmp.norm_ratio),
                 max_abs: Some(cmp.max_abs),
                 argmax: Some(unravel(cmp.argmax, r.shape())),
                 pass: cmp.pass,
+                problem,
                 ..base
             }
         }

@@ -53,7 +53,7 @@ fn go(a: &Args) -> Result<Diagnosis, CaseError> {
         stored
     };
     let candidate = match &a.candidate {
-        Some(p) => Case::read(p)?.results(),
+        Some(p) => Case::read_candidate(p, case.meta.op)?.results(),
         None => imp.compute(&case, compute).map_err(invalid)?,
     };
     let (b, t) = case

@@ -26,9 +26,9 @@ pub struct Args {
     /// KDA in-kernel gate: none, kda or lowerbound.
     #[arg(long, default_value = "none")]
     pub gate: String,
-    /// Lower bound of the lowerbound gate.
-    #[arg(long, default_value_t = -5.0, allow_negative_numbers = true)]
-    pub lower_bound: f64,
+    /// Lower bound of the lowerbound gate (default -5, FLA's recommended value; FLA accepts [-5, 0)).
+    #[arg(long, allow_negative_numbers = true)]
+    pub lower_bound: Option<f64>,
     /// KDA use_qk_l2norm_in_kernel.
     #[arg(long)]
     pub l2norm: bool,
@@ -63,17 +63,20 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
         ))
     })?;
     let gate = match a.gate.as_str() {
+        "lowerbound" => Gate::LowerBound {
+            lower_bound: a.lower_bound.unwrap_or(-5.0),
+        },
         "none" => Gate::None,
         "kda" => Gate::Kda,
-        "lowerbound" => Gate::LowerBound {
-            lower_bound: a.lower_bound,
-        },
         g => {
             return Err(usage(format!(
                 "--gate: unknown gate `{g}` (none, kda, lowerbound)"
             )))
         }
     };
+    if a.lower_bound.is_some() && !matches!(gate, Gate::LowerBound { .. }) {
+        return Err(usage("--lower-bound needs --gate lowerbound".into()));
+    }
     if op != Op::Kda && (gate != Gate::None || a.l2norm || a.beta_sigmoid || a.allow_neg_eigval) {
         return Err(usage(
             "--gate, --l2norm, --beta-sigmoid and --allow-neg-eigval only apply to --op kda".into(),
