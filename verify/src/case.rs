@@ -17,6 +17,7 @@ use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 use serde_json::{Map, Value};
 use thiserror::Error;
 
+use crate::gpu::ComputeError;
 use crate::outputs::Tensors;
 
 #[derive(Debug, Error)]
@@ -41,8 +42,29 @@ pub enum CaseError {
         path: String,
         source: deltaref::Error,
     },
+    #[error("{path}: GPU: {source}")]
+    Gpu {
+        path: String,
+        source: deltaref_gpu::GpuError,
+    },
     #[error("{0}")]
     Usage(String),
+}
+
+impl CaseError {
+    /// How an implementation's failure on the case at `path` is reported.
+    pub fn computing(path: &Path) -> impl Fn(ComputeError) -> CaseError + Copy + '_ {
+        move |e| match e {
+            ComputeError::Input(source) => CaseError::Invalid {
+                path: path.display().to_string(),
+                source,
+            },
+            ComputeError::Gpu(source) => CaseError::Gpu {
+                path: path.display().to_string(),
+                source,
+            },
+        }
+    }
 }
 
 /// The three operators.

@@ -6,8 +6,10 @@ use deltaref::cp::{plan::PlanSpec, CpOptions, RankDiag};
 use deltaref::kda::chunk::Chunk;
 use deltaref::precision::{Policy, Stage};
 use deltaref::{dplr, kda, Scalar};
+use deltaref_gpu::{GpuImpl, Storage, Timings};
 
-use crate::case::{Case, CaseError, CpLayout, Inputs};
+use crate::case::{Case, CaseError, CpLayout, Inputs, Op};
+pub use crate::gpu::ComputeError;
 use crate::outputs::{self, Tensors};
 
 /// The local engine: the naive recurrence or the chunked form.
@@ -18,14 +20,26 @@ pub enum Engine {
     Chunk(usize),
 }
 
+/// Where an implementation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// The oracle's code, in f64 or f32.
+    Cpu,
+    /// The CUDA kernels; inputs stored as given, or (`None`) in the dtype
+    /// the case stores them in.
+    Gpu(Option<Storage>),
+}
+
 /// An implementation of all three operators: an engine, optionally under
-/// simulated CP, optionally with emulated storage precisions.
+/// simulated CP, optionally with emulated storage precisions, on the CPU
+/// (the oracle's code) or the GPU (the CUDA kernels).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Impl {
     pub engine: Engine,
     pub cp: Option<(PlanSpec, CpOptions)>,
     /// Stage rounding of the chunked engine (the CP rounding lives in `cp`).
     pub policy: Policy,
+    pub device: Device,
 }
 
 /// The scalar an implementation computes in.
@@ -44,6 +58,7 @@ impl Impl {
             exp2: false,
             safe_gate_midpoint: false,
         },
+        device: Device::Cpu,
     };
 
     pub fn chunk(chunk_size: usize) -> Result<Impl, CaseError> {
@@ -59,19 +74,49 @@ impl Impl {
             Engine::Naive => "naive".to_string(),
             Engine::Chunk(c) => format!("chunk(C={c})"),
         };
+        let (prefix, storage) = match self.device {
+            Device::Cpu => ("", String::new()),
+            Device::Gpu(s) => (
+                "gpu-",
+                s.map_or(String::new(), |s| format!(", {}", s.name())),
+            ),
+        };
         match &self.cp {
-            None => engine,
-            Some((PlanSpec::World(w), _)) => format!("cp(world={w}, {engine})"),
-            Some((PlanSpec::Cuts(c), _)) => format!("cp(cuts={c:?}, {engine})"),
+            None => format!("{prefix}{engine}{storage}"),
+            Some((PlanSpec::World(w), _)) => format!("{prefix}cp(world={w}, {engine}{storage})"),
+            Some((PlanSpec::Cuts(c), _)) => format!("{prefix}cp(cuts={c:?}, {engine}{storage})"),
         }
     }
 
-    /// Outputs and gradients of `case`'s inputs and upstream gradients.
-    pub fn compute(&self, case: &Case, compute: Compute) -> Result<Tensors, deltaref::Error> {
-        match compute {
-            Compute::F64 => self.compute_in::<f64>(case).map(|r| r.0),
-            Compute::F32 => self.compute_in::<f32>(case).map(|r| r.0),
+    /// Outputs and gradients of `case`'s inputs and upstream gradients
+    /// (`compute` picks the oracle's scalar; the GPU computes in f32).
+    pub fn compute(&self, case: &Case, compute: Compute) -> Result<Tensors, ComputeError> {
+        Ok(self.timed_compute(case, compute)?.0)
+    }
+
+    /// Like `compute`, with the device time of GPU runs (`None` on the CPU).
+    pub fn timed_compute(
+        &self,
+        case: &Case,
+        compute: Compute,
+    ) -> Result<(Tensors, Option<Timings>), ComputeError> {
+        if let Device::Gpu(storage) = self.device {
+            let imp = GpuImpl {
+                engine: match self.engine {
+                    Engine::Naive => deltaref_gpu::Engine::Naive,
+                    Engine::Chunk(c) => deltaref_gpu::Engine::Chunk(c),
+                },
+                cp: self.cp.as_ref().map(|(p, _)| p.clone()),
+                storage: storage.unwrap_or_else(|| crate::gpu::case_storage(case)),
+            };
+            let (t, timings) = crate::gpu::case(&imp, case)?;
+            return Ok((t, Some(timings)));
         }
+        let t = match compute {
+            Compute::F64 => self.compute_in::<f64>(case)?.0,
+            Compute::F32 => self.compute_in::<f32>(case)?.0,
+        };
+        Ok((t, None))
     }
 
     /// Like `compute` in f64, with the per-rank CP diagnostics (empty without CP).
@@ -166,6 +211,8 @@ pub struct ImplRequest {
     pub policy: Policy,
     /// A named preset (see `presets`): sets the policy, CP faults and compute.
     pub precision: Option<String>,
+    /// GPU input storage (default: the case's input dtype).
+    pub gpu_dtype: Option<Storage>,
 }
 
 impl ImplRequest {
@@ -182,6 +229,13 @@ impl ImplRequest {
                 crate::presets::names()
             ))
         })?;
+        if self.name.starts_with("gpu-") {
+            return Err(CaseError::Usage(format!(
+                "--precision emulates storage precisions in the oracle's code; the GPU kernels \
+                 have their own (use --gpu-dtype), drop --precision with --impl {}",
+                self.name
+            )));
+        }
         if p.faults != Default::default() && self.name != "cp" {
             return Err(CaseError::Usage(format!(
                 "--precision {name} injects a CP fault: use it with --impl cp"
@@ -213,6 +267,11 @@ impl ImplRequest {
             other => Err(usage(format!("unknown engine `{other}` (naive, chunk)"))),
         };
         let cp_given = self.world.is_some() || self.cuts.is_some() || self.cp_engine.is_some();
+        if self.gpu_dtype.is_some() && !self.name.starts_with("gpu-") {
+            return Err(usage(
+                "--gpu-dtype applies to the gpu-* implementations".into(),
+            ));
+        }
         match self.name.as_str() {
             "naive" | "chunk" if cp_given => {
                 Err(usage("--world/--cuts/--cp-engine need --impl cp".into()))
@@ -221,8 +280,22 @@ impl ImplRequest {
                 engine: engine_of(&self.name)?,
                 cp: None,
                 policy: self.policy.clone(),
+                device: Device::Cpu,
             }),
-            "cp" => {
+            "gpu-naive" | "gpu-chunk" if cp_given => Err(usage(
+                "--world/--cuts/--cp-engine need --impl cp or gpu-cp".into(),
+            )),
+            "gpu-naive" | "gpu-chunk" => {
+                let engine = engine_of(&self.name["gpu-".len()..])?;
+                gpu_engine_supported(case.meta.op, &engine)?;
+                Ok(Impl {
+                    engine,
+                    cp: None,
+                    policy: Policy::exact(),
+                    device: Device::Gpu(self.gpu_dtype),
+                })
+            }
+            "cp" | "gpu-cp" => {
                 let plan = match (self.world, &self.cuts, &case.meta.cp) {
                     (Some(_), Some(_), _) => {
                         return Err(usage("give --world or --cuts, not both".into()))
@@ -236,16 +309,40 @@ impl ImplRequest {
                             .into(),
                     )),
                 };
-                let engine = engine_of(self.cp_engine.as_deref().unwrap_or("chunk"))?;
+                if self.name == "cp" {
+                    let engine = engine_of(self.cp_engine.as_deref().unwrap_or("chunk"))?;
+                    return Ok(Impl {
+                        engine,
+                        cp: Some((plan, self.cp_options.clone())),
+                        policy: self.policy.clone(),
+                        device: Device::Cpu,
+                    });
+                }
+                // DPLR has naive GPU kernels only: its CP runs them by default.
+                let default = if case.meta.op == Op::Dplr { "naive" } else { "chunk" };
+                let engine = engine_of(self.cp_engine.as_deref().unwrap_or(default))?;
+                gpu_engine_supported(case.meta.op, &engine)?;
                 Ok(Impl {
                     engine,
-                    cp: Some((plan, self.cp_options.clone())),
-                    policy: self.policy.clone(),
+                    cp: Some((plan, CpOptions::default())),
+                    policy: Policy::exact(),
+                    device: Device::Gpu(self.gpu_dtype),
                 })
             }
             other => Err(usage(format!(
-                "unknown --impl `{other}` (available: naive, chunk, cp)"
+                "unknown --impl `{other}` (available: naive, chunk, cp, gpu-naive, gpu-chunk, gpu-cp)"
             ))),
         }
     }
+}
+
+/// The GPU has chunked kernels for KDA only (token-shift has no engine).
+fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
+    if op == Op::Dplr && *engine != Engine::Naive {
+        return Err(CaseError::Usage(
+            "the GPU has naive DPLR kernels only: use gpu-naive, or gpu-cp --cp-engine naive"
+                .into(),
+        ));
+    }
+    Ok(())
 }

@@ -3,6 +3,7 @@ pub mod diagnose;
 pub mod fd;
 pub mod fixtures;
 pub mod generate;
+pub mod gpu;
 pub mod impls;
 pub mod metrics;
 pub mod outputs;

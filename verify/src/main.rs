@@ -33,6 +33,8 @@ enum Command {
     Fixtures(cli::fixtures::Args),
     /// Locate where an error starts: per token, sequence, rank and chunk.
     Diagnose(cli::diagnose::Args),
+    /// Time implementations (CPU oracle, GPU kernels) on a case, with their errors.
+    Bench(cli::bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -56,5 +58,6 @@ fn main() -> ExitCode {
         Command::Cp(a) => cli::cp::run(a),
         Command::Fixtures(a) => cli::fixtures::run(a),
         Command::Diagnose(a) => cli::diagnose::run(a),
+        Command::Bench(a) => cli::bench::run(a),
     }
 }

@@ -15,7 +15,10 @@ use deltaref::{dplr, kda, Result};
 use ndarray::ArrayD;
 use serde::Serialize;
 
+use deltaref_gpu::{Engine as GpuEngine, GpuImpl, Storage};
+
 use crate::fd;
+use crate::gpu::{self, ComputeError};
 use crate::metrics::{compare, Comparison};
 use crate::outputs::{self, Tensors};
 
@@ -25,6 +28,10 @@ pub const FD_TOL: f64 = 1e-6;
 pub const F32_TOL: f64 = 1e-4;
 /// Two exact (f64) forms of the same algorithm.
 pub const EXACT_TOL: f64 = 1e-10;
+/// The f32 CUDA kernels against the f64 oracle on the same inputs.
+pub const GPU_F32_TOL: f64 = 1e-5;
+/// bf16 inputs: FLA's "rounding noise" bar for KDA CP (SPEC §7).
+pub const GPU_BF16_TOL: f64 = 5e-3;
 
 /// One compared tensor.
 #[derive(Clone, Debug, Serialize)]
@@ -42,6 +49,8 @@ pub struct Row {
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Report {
     pub rows: Vec<Row>,
+    /// Groups of rows that could not run here, with the reason.
+    pub skipped: Vec<String>,
 }
 
 impl Report {
@@ -113,6 +122,9 @@ impl fmt::Display for Report {
                 r.tol,
                 if r.cmp.pass { "pass" } else { "FAIL" }
             )?;
+        }
+        for why in &self.skipped {
+            writeln!(f, "skipped: {why}")?;
         }
         let failed = self.rows.iter().filter(|r| !r.cmp.pass).count();
         write!(f, "{} passed, {} failed", self.rows.len() - failed, failed)
@@ -504,7 +516,105 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// Runs every check on the built-in cases.
+/// The GPU kernels against the f64 oracle on the inputs they read (f32 and
+/// bf16 storage), plain and under CP. `Err` says why they cannot run here.
+fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
+    gpu::device()?;
+    let cuts = PlanSpec::Cuts(vec![20, 38, 90]);
+    // K = V = 64: with 16, dA_log is two sums of a few hundred cancelling
+    // terms and its bf16 error is noise around the 5e-3 bar.
+    let (spec, g) = kda_case(&LENGTHS, 64, 64);
+    for storage in [Storage::F32, Storage::Bf16] {
+        let x = gpu::stored_kda(&g.inputs, storage);
+        let d_o = gpu::stored(&g.d_o, storage);
+        let dht = gpu::stored(&g.dht, Storage::F32);
+        let truth = outputs::kda::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))?;
+        let tol = gpu_tol(storage);
+        for (engine, cp) in [
+            (GpuEngine::Naive, None),
+            (GpuEngine::Chunk(16), None),
+            (GpuEngine::Chunk(64), None),
+            (GpuEngine::Chunk(16), Some(PlanSpec::World(2))),
+            (GpuEngine::Naive, Some(cuts.clone())),
+        ] {
+            let imp = GpuImpl {
+                engine,
+                cp,
+                storage,
+            };
+            let (got, _) = gpu::kda(&imp, &x, &spec.opts, &d_o, Some(&dht))?;
+            report.compare_maps(&gpu_check(&imp), "kda", &truth, &got, tol);
+        }
+    }
+    let (_, g) = dplr_case(&LENGTHS, 16, 16);
+    let opts = DplrOptions::default();
+    for storage in [Storage::F32, Storage::Bf16] {
+        let x = gpu::stored_dplr(&g.inputs, storage);
+        let d_o = gpu::stored(&g.d_o, storage);
+        let dht = gpu::stored(&g.dht, Storage::F32);
+        let truth = outputs::dplr::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))?;
+        for cp in [None, Some(cuts.clone())] {
+            let imp = GpuImpl {
+                engine: GpuEngine::Naive,
+                cp,
+                storage,
+            };
+            let (got, _) = gpu::dplr(&imp, &x, &opts, &d_o, Some(&dht))?;
+            report.compare_maps(&gpu_check(&imp), "dplr", &truth, &got, gpu_tol(storage));
+        }
+    }
+    let g = token_shift_case(&LENGTHS);
+    let x = TokenShiftInputs {
+        x: gpu::stored(&g.inputs.x, Storage::F32),
+        cache: g
+            .inputs
+            .cache
+            .as_ref()
+            .map(|c| gpu::stored(c, Storage::F32)),
+        ..g.inputs.clone()
+    };
+    let dy = gpu::stored(&g.d_o, Storage::F32);
+    let truth = outputs::token_shift::<f64>(&x, &dy, Some(&g.dht))?;
+    for cp in [None, Some(cuts)] {
+        let imp = GpuImpl {
+            engine: GpuEngine::Naive,
+            cp,
+            storage: Storage::F32,
+        };
+        let (got, _) = gpu::token_shift(&imp, &x, &dy, Some(&g.dht))?;
+        report.compare_maps(&gpu_check(&imp), "token_shift", &truth, &got, GPU_F32_TOL);
+    }
+    Ok(())
+}
+
+fn gpu_tol(s: Storage) -> f64 {
+    match s {
+        Storage::F32 => GPU_F32_TOL,
+        Storage::Bf16 => GPU_BF16_TOL,
+    }
+}
+
+/// E.g. `gpu chunk C=16 cp world=2 bf16 vs f64`.
+fn gpu_check(imp: &GpuImpl) -> String {
+    let engine = match imp.engine {
+        GpuEngine::Naive => "naive".to_string(),
+        GpuEngine::Chunk(c) => format!("chunk C={c}"),
+    };
+    let cp = match &imp.cp {
+        None => String::new(),
+        Some(PlanSpec::World(w)) => format!(" cp world={w}"),
+        Some(PlanSpec::Cuts(c)) => format!(
+            " cp cuts={}",
+            c.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+    };
+    format!("gpu {engine}{cp} {} vs f64", imp.storage.name())
+}
+
+/// Runs every check on the built-in cases (the GPU rows when a device is here).
 pub fn run() -> Result<Report> {
     let mut report = Report::default();
     kda_fd(&mut report)?;
@@ -513,5 +623,11 @@ pub fn run() -> Result<Report> {
     precision_rows(&mut report)?;
     chunk_rows(&mut report)?;
     cp_rows(&mut report)?;
+    let mut gpu_report = Report::default();
+    match gpu_rows(&mut gpu_report) {
+        Ok(()) => report.rows.extend(gpu_report.rows),
+        Err(ComputeError::Input(e)) => return Err(e),
+        Err(ComputeError::Gpu(e)) => report.skipped.push(format!("GPU rows ({e})")),
+    }
     Ok(report)
 }

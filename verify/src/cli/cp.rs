@@ -75,11 +75,10 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
         req.cuts = Some(cuts);
     }
     let (imp, _) = req.resolve_with_compute(&case)?;
-    let invalid = |e| CaseError::Invalid {
-        path: a.case.display().to_string(),
-        source: e,
-    };
-    let (got, diags) = imp.compute_with_diags(&case).map_err(invalid)?;
+    let invalid = CaseError::computing(&a.case);
+    let (got, diags) = imp
+        .compute_with_diags(&case)
+        .map_err(|e| invalid(e.into()))?;
     let reference = Impl::NAIVE.compute(&case, Compute::F64).map_err(invalid)?;
     let report = VerifyReport::new(
         &a.case.display().to_string(),

@@ -34,10 +34,7 @@ pub struct Args {
 
 fn go(a: &Args) -> Result<Diagnosis, CaseError> {
     let case = Case::read(&a.case)?;
-    let invalid = |e| CaseError::Invalid {
-        path: a.case.display().to_string(),
-        source: e,
-    };
+    let invalid = CaseError::computing(&a.case);
     let (imp, compute) = a.imp.resolve(&case)?;
     // The truth: stored results, else the f64 oracle on the inputs the candidate saw.
     let stored = case.results();
@@ -68,7 +65,7 @@ fn go(a: &Args) -> Result<Diagnosis, CaseError> {
     let cuts = match &imp.cp {
         Some((spec, _)) => spec
             .build(b, t, case.cu_seqlens.as_deref())
-            .map_err(invalid)?
+            .map_err(|e| invalid(e.into()))?
             .cuts()
             .to_vec(),
         None => vec![],

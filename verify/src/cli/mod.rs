@@ -1,6 +1,7 @@
 //! One module per subcommand: each exposes `Args` and `run(args) -> ExitCode`.
 //! Exit codes: 0 success/all pass, 1 a comparison failed, 2 usage or input error.
 
+pub mod bench;
 pub mod cp;
 pub mod diagnose;
 pub mod fixtures;
@@ -12,6 +13,7 @@ pub mod verify;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use deltaref_gpu::Storage;
 use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
 use deltaref_verify::impls::{Compute, Impl, ImplRequest};
@@ -43,7 +45,8 @@ pub fn list(flag: &str, s: &str) -> Result<Vec<usize>, CaseError> {
 /// `--impl` and its parameters.
 #[derive(ClapArgs, Debug)]
 pub struct ImplArgs {
-    /// Implementation: naive, chunk or cp (simulated context parallel).
+    /// Implementation: naive, chunk or cp (simulated context parallel) in the
+    /// oracle's code; gpu-naive, gpu-chunk or gpu-cp on the CUDA kernels.
     #[arg(long = "impl", default_value = "naive")]
     pub imp: String,
     /// Chunk size of the chunked engine: 16, 32 or 64 (default: the case's `chunk_size`, else 64).
@@ -66,6 +69,9 @@ pub struct ImplArgs {
     /// partial-merge-v, wrong-preprocess).
     #[arg(long)]
     pub precision: Option<String>,
+    /// gpu-*: store the inputs as f32 or bf16 (default: the case's input dtype).
+    #[arg(long)]
+    pub gpu_dtype: Option<String>,
 }
 
 impl ImplArgs {
@@ -80,8 +86,26 @@ impl ImplArgs {
                 )))
             }
         };
+        if compute.is_some() && self.imp.starts_with("gpu-") {
+            return Err(CaseError::Usage(
+                "--compute picks the oracle's scalar; the GPU kernels compute in f32 \
+                 (choose their input storage with --gpu-dtype)"
+                    .into(),
+            ));
+        }
+        let gpu_dtype = match self.gpu_dtype.as_deref() {
+            None => None,
+            Some("f32") => Some(Storage::F32),
+            Some("bf16") => Some(Storage::Bf16),
+            Some(d) => {
+                return Err(CaseError::Usage(format!(
+                    "--gpu-dtype: expected f32 or bf16, got `{d}`"
+                )))
+            }
+        };
         let req = ImplRequest {
             name: self.imp.clone(),
+            gpu_dtype,
             chunk_size: self.chunk_size,
             world: self.world,
             cuts: self

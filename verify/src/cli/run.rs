@@ -24,10 +24,7 @@ fn go(a: &Args) -> Result<String, CaseError> {
     let (imp, compute) = a.imp.resolve(&case)?;
     let results = imp
         .compute(&case, compute)
-        .map_err(|e| CaseError::Invalid {
-            path: a.case.display().to_string(),
-            source: e,
-        })?;
+        .map_err(CaseError::computing(&a.case))?;
     let mut lines = vec![format!("{} on {}:", imp.name(), a.case.display())];
     for (n, t) in &results {
         let rms = (t.iter().map(|v| v * v).sum::<f64>() / t.len().max(1) as f64).sqrt();

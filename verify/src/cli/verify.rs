@@ -28,13 +28,6 @@ pub struct Args {
     pub json: bool,
 }
 
-fn invalid(path: &std::path::Path) -> impl Fn(deltaref::Error) -> CaseError + '_ {
-    move |e| CaseError::Invalid {
-        path: path.display().to_string(),
-        source: e,
-    }
-}
-
 /// Whether any `--impl` flag differs from its default (`--impl naive` alone
 /// cannot be told from no flag and is accepted).
 fn impl_flags_given(i: &ImplArgs) -> bool {
@@ -45,6 +38,7 @@ fn impl_flags_given(i: &ImplArgs) -> bool {
         || i.cp_engine.is_some()
         || i.compute.is_some()
         || i.precision.is_some()
+        || i.gpu_dtype.is_some()
 }
 
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
@@ -63,7 +57,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             let (expected, reference) = if stored.is_empty() {
                 let oracle = Impl::NAIVE
                     .compute(&case, Compute::F64)
-                    .map_err(invalid(&a.case))?;
+                    .map_err(CaseError::computing(&a.case))?;
                 (oracle, "impl:naive (f64 oracle)".to_string())
             } else {
                 (stored, "case file".to_string())
@@ -83,7 +77,9 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                 )));
             }
             let (imp, compute) = a.imp.resolve(&case)?;
-            let got = imp.compute(&case, compute).map_err(invalid(&a.case))?;
+            let got = imp
+                .compute(&case, compute)
+                .map_err(CaseError::computing(&a.case))?;
             (
                 stored,
                 "case file".to_string(),

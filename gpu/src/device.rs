@@ -1,0 +1,472 @@
+//! The CUDA device: the driver and NVRTC loaded at run time (so the workspace
+//! builds and its tests run on machines without CUDA), kernels compiled from
+//! source by NVRTC for the device's architecture and cached per source and
+//! compile-time sizes, and memory whose exhaustion is a clear error.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
+    LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+use ndarray::{ArrayD, IxDyn};
+
+use crate::error::{GpuError, Result};
+use crate::kernels::{prep_defines, Defines, Source, PREP};
+
+/// How the inputs are stored on the device: f32, or bfloat16 as FLA's bf16
+/// runs have them (results are then rounded to bf16 too; states, `A_log`,
+/// `dt_bias` and their gradients stay f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Storage {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl Storage {
+    pub fn name(self) -> &'static str {
+        match self {
+            Storage::F32 => "f32",
+            Storage::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One CUDA device with its stream and compiled kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+    name: String,
+    modules: Mutex<HashMap<(&'static str, Defines), Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({}, {})", self.name, self.arch)
+    }
+}
+
+/// Null for an optional pointer argument.
+static NULL: u64 = 0;
+
+impl Gpu {
+    /// Opens device `ordinal`: loads the driver and NVRTC first, so a machine
+    /// without them gets [`GpuError::NoDriver`] / [`GpuError::NoNvrtc`], not a panic.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        ensure_driver()?;
+        let count = CudaContext::device_count().map_err(|e| driver("cuDeviceGetCount", e))?;
+        if count <= 0 {
+            return Err(GpuError::NoDevice(
+                "the CUDA driver is installed but sees no GPU".into(),
+            ));
+        }
+        if ordinal >= count as usize {
+            return Err(GpuError::NoDevice(format!(
+                "device {ordinal} requested, the driver sees {count}"
+            )));
+        }
+        ensure_nvrtc()?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver("creating the context", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver("reading the compute capability", e))?;
+        let name = ctx
+            .name()
+            .map_err(|e| driver("reading the device name", e))?;
+        let stream = ctx.default_stream();
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch: format!("compute_{major}{minor}"),
+            name,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Device 0, or why there is none (the message GPU tests print when they skip).
+    pub fn probe() -> Result<Gpu> {
+        Gpu::open(0)
+    }
+
+    /// E.g. `"NVIDIA H100 80GB HBM3 (compute_90)"`.
+    pub fn describe(&self) -> String {
+        format!("{} ({})", self.name, self.arch)
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Kernel `function` of `source` compiled with `defines` (compiled once).
+    pub(crate) fn function(
+        &self,
+        source: &Source,
+        defines: Defines,
+        function: &'static str,
+    ) -> Result<CudaFunction> {
+        let key = (source.name, defines);
+        let module = {
+            let mut cache = self.modules.lock().expect("module cache poisoned");
+            match cache.get(&key) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = compile(source, defines, &self.arch)?;
+                    let m = self
+                        .ctx
+                        .load_module(ptx)
+                        .map_err(|e| driver(&format!("loading module `{}`", source.name), e))?;
+                    cache.insert(key, m.clone());
+                    m
+                }
+            }
+        };
+        module
+            .load_function(function)
+            .map_err(|e| driver(&format!("finding kernel `{function}`"), e))
+    }
+
+    /// Launches a built kernel call.
+    pub(crate) fn launch(
+        &self,
+        mut args: LaunchArgs<'_>,
+        what: &str,
+        cfg: LaunchConfig,
+    ) -> Result<()> {
+        unsafe { args.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| driver(&format!("launching {what}"), e))
+    }
+
+    /// Waits for the stream; kernel faults surface here.
+    pub(crate) fn sync(&self, what: &str) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver(&format!("running {what}"), e))
+    }
+
+    /// Seconds `f` takes with the stream drained before and after.
+    pub(crate) fn timed<R>(&self, what: &str, f: impl FnOnce() -> Result<R>) -> Result<(R, f64)> {
+        self.sync(what)?;
+        let t = Instant::now();
+        let r = f()?;
+        self.sync(what)?;
+        Ok((r, t.elapsed().as_secs_f64()))
+    }
+
+    /// `n` zeros on the device (at least one element, so empty problems need
+    /// no special case); running out of memory is [`GpuError::OutOfMemory`].
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        what: &str,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        let n = n.max(1);
+        self.stream
+            .alloc_zeros::<T>(n)
+            .map_err(|e| self.memory_error(what, n * std::mem::size_of::<T>(), e))
+    }
+
+    /// Copies `host` to the device.
+    pub(crate) fn upload<T: DeviceRepr + ValidAsZeroBits + Copy>(
+        &self,
+        what: &str,
+        host: &[T],
+    ) -> Result<CudaSlice<T>> {
+        let mut d = self.zeros::<T>(what, host.len())?;
+        if !host.is_empty() {
+            self.stream
+                .memcpy_htod(host, &mut d)
+                .map_err(|e| driver(&format!("copying {what} to the device"), e))?;
+        }
+        Ok(d)
+    }
+
+    /// The first `n` elements of `x`, on the host.
+    pub(crate) fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        what: &str,
+        x: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<Vec<T>> {
+        let mut v = self
+            .stream
+            .clone_dtoh(x)
+            .map_err(|e| driver(&format!("copying {what} from the device"), e))?;
+        v.truncate(n);
+        Ok(v)
+    }
+
+    /// Copies `len` floats from `src[src_at..]` to `dst[dst_at..]` on the device.
+    pub(crate) fn copy(
+        &self,
+        src: &CudaSlice<f32>,
+        src_at: usize,
+        dst: &mut CudaSlice<f32>,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let from = src.slice(src_at..src_at + len);
+        let mut to = dst.slice_mut(dst_at..dst_at + len);
+        self.stream
+            .memcpy_dtod(&from, &mut to)
+            .map_err(|e| driver("a device-to-device copy", e))
+    }
+
+    /// Uploads an input tensor in the chosen storage dtype.
+    pub(crate) fn upload_input(&self, what: &str, x: &ArrayD<f64>, s: Storage) -> Result<Input> {
+        Ok(match s {
+            Storage::F32 => Input::F32(self.upload_f32(what, x)?),
+            Storage::Bf16 => {
+                let bits: Vec<u16> = x
+                    .iter()
+                    .map(|&v| half::bf16::from_f64(v).to_bits())
+                    .collect();
+                Input::Bf16(self.upload(what, &bits)?)
+            }
+        })
+    }
+
+    /// Uploads a tensor as f32 (states, gate parameters, upstream state gradients).
+    pub(crate) fn upload_f32(&self, what: &str, x: &ArrayD<f64>) -> Result<CudaSlice<f32>> {
+        let v: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        self.upload(what, &v)
+    }
+
+    /// Copies a result `[shape]` back as f64, first rounded in place to
+    /// `round_to`'s dtype (FLA returns outputs and gradients in the input dtype).
+    pub(crate) fn fetch(
+        &self,
+        what: &str,
+        mut t: CudaSlice<f32>,
+        shape: &[usize],
+        round_to: Option<Storage>,
+    ) -> Result<ArrayD<f64>> {
+        let n: usize = shape.iter().product();
+        if round_to == Some(Storage::Bf16) && n > 0 {
+            let f = self.function(&PREP, prep_defines(Storage::Bf16), "round_store")?;
+            let nn = n as i64;
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&mut t).arg(&nn);
+            self.launch(b, "round_store", elementwise(n))?;
+        }
+        let host = self.download(what, &t, n)?;
+        Ok(
+            ArrayD::from_shape_vec(IxDyn(shape), host.into_iter().map(f64::from).collect())
+                .expect("shape matches the buffer"),
+        )
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| driver("reading free memory", e))
+    }
+
+    fn memory_error(&self, what: &str, bytes: usize, e: DriverError) -> GpuError {
+        if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            let (free, total) = self.memory().unwrap_or((0, 0));
+            GpuError::OutOfMemory {
+                what: what.to_string(),
+                bytes,
+                free,
+                total,
+            }
+        } else {
+            driver(&format!("allocating {what}"), e)
+        }
+    }
+}
+
+/// A stored input: f32 or raw bfloat16 words (kernels compiled with `IN_BF16`).
+pub(crate) enum Input {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+/// Pushes a stored input as a kernel argument.
+pub(crate) fn arg_in<'a>(b: &mut LaunchArgs<'a>, x: &'a Input) {
+    match x {
+        Input::F32(s) => b.arg(s),
+        Input::Bf16(s) => b.arg(s),
+    };
+}
+
+/// Pushes an optional input (null when absent).
+pub(crate) fn arg_in_opt<'a>(b: &mut LaunchArgs<'a>, x: Option<&'a Input>) {
+    match x {
+        Some(x) => arg_in(b, x),
+        None => {
+            b.arg(&NULL);
+        }
+    }
+}
+
+/// Pushes an optional f32 buffer (null when absent).
+pub(crate) fn arg_opt<'a, T>(b: &mut LaunchArgs<'a>, x: Option<&'a CudaSlice<T>>) {
+    match x {
+        Some(s) => {
+            b.arg(s);
+        }
+        None => {
+            b.arg(&NULL);
+        }
+    }
+}
+
+/// A grid-stride launch over `n` elements.
+pub(crate) fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 8192) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A `(x, y)` grid of blocks of `threads` (rounded up to whole warps).
+pub(crate) fn grid(x: usize, y: usize, threads: usize, shared_bytes: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x.max(1) as u32, y.max(1) as u32, 1),
+        block_dim: (threads.div_ceil(32).max(1) as u32 * 32, 1, 1),
+        shared_mem_bytes: shared_bytes as u32,
+    }
+}
+
+pub(crate) fn driver(what: &str, e: DriverError) -> GpuError {
+    GpuError::Driver {
+        what: what.to_string(),
+        source: e,
+    }
+}
+
+/// NVRTC-compiles `source` with `defines` for `arch` (e.g. `compute_90`);
+/// needs NVRTC but no GPU (see `ptx` for the text).
+pub fn compile(source: &Source, defines: Defines, arch: &str) -> Result<Ptx> {
+    ensure_nvrtc()?;
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}")],
+        name: Some(format!("{}.cu", source.name)),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(source.text(defines), opts).map_err(|e| match e {
+        CompileError::CompileError { options, log, .. } => GpuError::Compile {
+            source_name: source.name.to_string(),
+            options: options.join(" "),
+            log: log.to_string_lossy().into_owned(),
+        },
+        other => GpuError::Compile {
+            source_name: source.name.to_string(),
+            options: String::new(),
+            log: format!("{other:?}"),
+        },
+    })
+}
+
+/// The PTX of `source` built with `defines` for `arch`, for inspection.
+pub fn ptx(source: &Source, defines: Defines, arch: &str) -> Result<String> {
+    Ok(compile(source, defines, arch)?.to_src())
+}
+
+fn ensure_driver() -> Result<()> {
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(GpuError::NoDriver {
+            why: "libcuda.so.1 is not on the library path (ldconfig, LD_LIBRARY_PATH)".into(),
+        })
+    }
+}
+
+/// Makes NVRTC loadable: the dynamic library path first, else a copy found
+/// through `DELTAREF_NVRTC`, `CUDA_HOME`, `CUDA_PATH` or `/usr/local/cuda`,
+/// opened by full path and kept loaded so cudarc's later load by name finds it.
+pub fn ensure_nvrtc() -> Result<()> {
+    static FOUND: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    FOUND
+        .get_or_init(|| {
+            if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return Ok(());
+            }
+            let candidates = nvrtc_candidates();
+            for path in &candidates {
+                if let Ok(lib) = unsafe { libloading::Library::new(path) } {
+                    // Kept for the life of the process: cudarc resolves NVRTC
+                    // by name, and NVRTC its builtins (from the same folder).
+                    std::mem::forget(lib);
+                    preload_builtins(path);
+                    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                        return Ok(());
+                    }
+                }
+            }
+            Err(candidates
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "))
+        })
+        .clone()
+        .map_err(|tried| GpuError::NoNvrtc {
+            tried: if tried.is_empty() {
+                "no DELTAREF_NVRTC/CUDA_HOME/CUDA_PATH and no /usr/local/cuda".into()
+            } else {
+                tried
+            },
+        })
+}
+
+/// Loads `libnvrtc-builtins.so*` beside `nvrtc` (not on the library path either).
+fn preload_builtins(nvrtc: &std::path::Path) {
+    let Some(Ok(entries)) = nvrtc.parent().map(std::fs::read_dir) else {
+        return;
+    };
+    for p in entries.filter_map(|e| e.ok().map(|e| e.path())) {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if name.starts_with("libnvrtc-builtins.so") {
+            if let Ok(lib) = unsafe { libloading::Library::new(&p) } {
+                std::mem::forget(lib);
+            }
+        }
+    }
+}
+
+fn nvrtc_candidates() -> Vec<PathBuf> {
+    let mut out = vec![];
+    if let Some(f) = std::env::var_os("DELTAREF_NVRTC") {
+        out.push(PathBuf::from(f));
+    }
+    let roots = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .chain(std::iter::once(PathBuf::from("/usr/local/cuda")));
+    for root in roots {
+        for sub in ["lib64", "lib", "targets/x86_64-linux/lib"] {
+            let Ok(entries) = std::fs::read_dir(root.join(sub)) else {
+                continue;
+            };
+            let mut libs: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("libnvrtc.so"))
+                })
+                .collect();
+            libs.sort();
+            out.extend(libs);
+        }
+    }
+    out
+}

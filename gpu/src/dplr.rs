@@ -1,0 +1,325 @@
+//! DPLR on the GPU (SPEC §4): the naive recurrent kernels (`dplr_naive.cu`),
+//! plain or under simulated CP. `q` is scaled on the way in and `dq` on the
+//! way out; everything else is read as stored.
+
+use cudarc::driver::{CudaSlice, PushKernelArg};
+use deltaref::dplr::{self as oracle, DplrDims, DplrGrads, DplrInputs, DplrOptions, DplrOutputs};
+use deltaref::varlen::{self, Segment};
+use ndarray::ArrayD;
+
+use crate::cp::{self, Recurrence};
+use crate::device::{arg_in, arg_opt, elementwise, grid, Gpu, Input, Storage};
+use crate::error::{GpuError, Result};
+use crate::kda::{check_dims, naive::block_len};
+use crate::kernels::{prep_defines, Defines, DPLR_NAIVE, PREP};
+use crate::pieces::{self, upload_ranges};
+use crate::{Engine, GpuImpl, Run, Timings};
+
+/// A validated DPLR problem on the device (f32 working copies).
+struct Problem<'g> {
+    gpu: &'g Gpu,
+    d: DplrDims,
+    storage: Storage,
+    scale: f32,
+    raw_q: Input,
+    h0: Option<CudaSlice<f32>>,
+    dht: Option<CudaSlice<f32>>,
+    /// `[NTOK, H, K]`, `q` times scale.
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    a: CudaSlice<f32>,
+    b: CudaSlice<f32>,
+    gk: CudaSlice<f32>,
+    /// `[NTOK, H, V]`
+    v: CudaSlice<f32>,
+    d_o: CudaSlice<f32>,
+}
+
+/// Token gradients, `[NTOK, H, K]` (`dv`: `[NTOK, H, V]`).
+struct Grads {
+    dq: CudaSlice<f32>,
+    dk: CudaSlice<f32>,
+    dv: CudaSlice<f32>,
+    da: CudaSlice<f32>,
+    db: CudaSlice<f32>,
+    dgk: CudaSlice<f32>,
+}
+
+impl<'g> Problem<'g> {
+    fn new(
+        gpu: &'g Gpu,
+        x: &DplrInputs<f64>,
+        opts: &DplrOptions,
+        d_o: &ArrayD<f64>,
+        dht: Option<&ArrayD<f64>>,
+        storage: Storage,
+    ) -> Result<Problem<'g>> {
+        let d = oracle::validate(x, opts)?;
+        oracle::validate_upstream(&d, d_o, dht)?;
+        check_dims(d.k, d.v)?;
+        pieces::check_token_count(d.b * d.t)?;
+        let scale = opts.scale.unwrap_or(1.0 / (d.k as f64).sqrt()) as f32;
+        let ntok = d.b * d.t;
+        let defs = prep_defines(storage);
+        let raw_q = gpu.upload_input("q", &x.q, storage)?;
+        let mut q = gpu.zeros::<f32>("q", ntok * d.h * d.k)?;
+        let f = gpu.function(&PREP, defs, "prep_rows")?;
+        let (rows, kd, no_l2) = ((ntok * d.h) as i64, d.k as i32, 0i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        arg_in(&mut b, &raw_q);
+        b.arg(&mut q).arg(&rows).arg(&kd).arg(&no_l2).arg(&scale);
+        gpu.launch(b, "prep_rows", elementwise(ntok * d.h))?;
+        let convert = |what: &str, a: &ArrayD<f64>| -> Result<CudaSlice<f32>> {
+            let raw = gpu.upload_input(what, a, storage)?;
+            let mut out = gpu.zeros::<f32>(what, a.len())?;
+            let f = gpu.function(&PREP, defs, "to_f32")?;
+            let n = a.len() as i64;
+            let mut b = gpu.stream().launch_builder(&f);
+            arg_in(&mut b, &raw);
+            b.arg(&mut out).arg(&n);
+            gpu.launch(b, "to_f32", elementwise(a.len()))?;
+            Ok(out)
+        };
+        let up32 =
+            |what: &str, a: Option<&ArrayD<f64>>| a.map(|a| gpu.upload_f32(what, a)).transpose();
+        Ok(Problem {
+            gpu,
+            d,
+            storage,
+            scale,
+            k: convert("k", &x.k)?,
+            a: convert("a", &x.a)?,
+            b: convert("b", &x.b)?,
+            gk: convert("gk", &x.gk)?,
+            v: convert("v", &x.v)?,
+            d_o: convert("do", d_o)?,
+            h0: up32("initial_state", x.initial_state.as_ref())?,
+            dht: up32("dht", dht)?,
+            raw_q,
+            q,
+        })
+    }
+
+    fn tokens(&self) -> usize {
+        self.d.b * self.d.t
+    }
+
+    fn defines(&self) -> Defines {
+        Defines {
+            in_bf16: false,
+            kd: self.d.k,
+            chunk: 0,
+        }
+    }
+
+    fn run_fwd(
+        &self,
+        pieces: &[Segment],
+        h0: Option<&CudaSlice<f32>>,
+        o: Option<&mut CudaSlice<f32>>,
+        transition: bool,
+    ) -> Result<CudaSlice<f32>> {
+        let (gpu, d) = (self.gpu, self.d);
+        let ncol = if transition { d.k } else { d.v };
+        let mut ht = gpu.zeros::<f32>("final states", pieces.len() * d.h * d.k * ncol)?;
+        if pieces.is_empty() {
+            return Ok(ht);
+        }
+        let seg = upload_ranges(gpu, pieces, d.t)?;
+        let f = gpu.function(&DPLR_NAIVE, self.defines(), "dplr_naive_fwd")?;
+        let (h, nc, tr) = (d.h as i32, ncol as i32, i32::from(transition));
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.a)
+            .arg(&self.b)
+            .arg(&self.gk)
+            .arg(&seg);
+        arg_opt(&mut b, h0);
+        arg_opt(&mut b, o.map(|o| &*o));
+        b.arg(&mut ht).arg(&h).arg(&nc).arg(&tr);
+        gpu.launch(b, "dplr_naive_fwd", grid(pieces.len(), d.h, ncol, 0))?;
+        Ok(ht)
+    }
+}
+
+impl Recurrence for Problem<'_> {
+    type Grads = Grads;
+
+    fn gpu(&self) -> &Gpu {
+        self.gpu
+    }
+
+    fn shape(&self) -> (usize, usize, usize) {
+        (self.d.h, self.d.k, self.d.v)
+    }
+
+    fn forward(
+        &self,
+        pieces: &[Segment],
+        h0: Option<&CudaSlice<f32>>,
+        o: Option<&mut CudaSlice<f32>>,
+    ) -> Result<CudaSlice<f32>> {
+        self.run_fwd(pieces, h0, o, false)
+    }
+
+    fn transition(&self, pieces: &[Segment]) -> Result<CudaSlice<f32>> {
+        self.run_fwd(pieces, None, None, true)
+    }
+
+    fn backward(
+        &self,
+        pieces: &[Segment],
+        h0: Option<&CudaSlice<f32>>,
+        dht: Option<&CudaSlice<f32>>,
+        g: &mut Grads,
+    ) -> Result<CudaSlice<f32>> {
+        let (gpu, d) = (self.gpu, self.d);
+        let kv = d.k * d.v;
+        let mut dh0 = gpu.zeros::<f32>("dh0", pieces.len() * d.h * kv)?;
+        if pieces.is_empty() {
+            return Ok(dh0);
+        }
+        let max_len = pieces.iter().map(Segment::len).max().unwrap_or(0);
+        let bl = block_len(max_len);
+        let nck = max_len.div_ceil(bl).max(1);
+        let shared = d.v.div_ceil(32) * 5 * d.k * 4;
+        if shared > 48 * 1024 {
+            return Err(GpuError::Unsupported(format!(
+                "naive DPLR backward with K = {}, V = {} needs {shared} bytes of shared memory (limit 49152)",
+                d.k, d.v
+            )));
+        }
+        let pairs = pieces.len() * d.h;
+        let mut ckpt = gpu.zeros::<f32>("backward checkpoints", pairs * nck * kv)?;
+        let mut prev = gpu.zeros::<f32>("backward block states", pairs * bl * kv)?;
+        let mut asbuf = gpu.zeros::<f32>("backward aᵀS", pairs * bl * d.v)?;
+        let seg = upload_ranges(gpu, pieces, d.t)?;
+        let f = gpu.function(&DPLR_NAIVE, self.defines(), "dplr_naive_bwd")?;
+        let (h, v, bl_, nck_) = (d.h as i32, d.v as i32, bl as i32, nck as i32);
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.a)
+            .arg(&self.b)
+            .arg(&self.gk)
+            .arg(&seg);
+        arg_opt(&mut b, h0);
+        b.arg(&self.d_o);
+        arg_opt(&mut b, dht);
+        b.arg(&mut g.dq)
+            .arg(&mut g.dk)
+            .arg(&mut g.dv)
+            .arg(&mut g.da)
+            .arg(&mut g.db)
+            .arg(&mut g.dgk)
+            .arg(&mut dh0)
+            .arg(&mut ckpt)
+            .arg(&mut prev)
+            .arg(&mut asbuf)
+            .arg(&h)
+            .arg(&v)
+            .arg(&bl_)
+            .arg(&nck_);
+        gpu.launch(b, "dplr_naive_bwd", grid(pieces.len(), d.h, d.v, shared))?;
+        Ok(dh0)
+    }
+
+    fn scratch_grads(&self) -> Result<Grads> {
+        let (ntok, d) = (self.tokens(), self.d);
+        let z = |what: &str, n: usize| self.gpu.zeros::<f32>(what, n);
+        Ok(Grads {
+            dq: z("dq", ntok * d.h * d.k)?,
+            dk: z("dk", ntok * d.h * d.k)?,
+            dv: z("dv", ntok * d.h * d.v)?,
+            da: z("da", ntok * d.h * d.k)?,
+            db: z("db", ntok * d.h * d.k)?,
+            dgk: z("dgk", ntok * d.h * d.k)?,
+        })
+    }
+}
+
+/// DPLR forward and backward on the GPU (naive engine; CP when `imp.cp` is set).
+pub fn run(
+    gpu: &Gpu,
+    x: &DplrInputs<f64>,
+    opts: &DplrOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+    imp: &GpuImpl,
+) -> Result<Run<DplrOutputs<f64>, DplrGrads<f64>>> {
+    if imp.engine != Engine::Naive {
+        return Err(GpuError::Unsupported(
+            "DPLR has only the naive GPU kernels (use gpu-naive, or gpu-cp with the naive engine)"
+                .into(),
+        ));
+    }
+    let p = Problem::new(gpu, x, opts, d_o, dht, imp.storage)?;
+    let d = p.d;
+    let segs = varlen::sequences(d.b, d.t, x.cu_seqlens.as_deref())?;
+    let plan = imp
+        .cp
+        .as_ref()
+        .map(|spec| spec.build(d.b, d.t, x.cu_seqlens.as_deref()))
+        .transpose()?;
+    let mut o = gpu.zeros::<f32>("o", p.tokens() * d.h * d.v)?;
+    let (ht, forward_s) = gpu.timed("DPLR forward", || match &plan {
+        None => p.forward(&segs, p.h0.as_ref(), Some(&mut o)),
+        Some(plan) => cp::forward(&p, plan, p.h0.as_ref(), &mut o),
+    })?;
+    let ((g, dh0), backward_s) = gpu.timed("DPLR backward", || {
+        let mut g = p.scratch_grads()?;
+        let dh0 = match &plan {
+            None => p.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+            Some(plan) => cp::backward(&p, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+        };
+        Ok((g, dh0))
+    })?;
+    // dq with respect to the unscaled q: a GVA "group" of one head, no l2norm.
+    let mut dq = gpu.zeros::<f32>("dq", p.tokens() * d.h * d.k)?;
+    let f = gpu.function(&PREP, prep_defines(p.storage), "group_l2norm_bwd")?;
+    let (rows, h, one, k, no_l2) = (
+        (p.tokens() * d.h) as i64,
+        d.h as i32,
+        1i32,
+        d.k as i32,
+        0i32,
+    );
+    let mut b = gpu.stream().launch_builder(&f);
+    b.arg(&g.dq);
+    arg_in(&mut b, &p.raw_q);
+    b.arg(&mut dq)
+        .arg(&rows)
+        .arg(&h)
+        .arg(&one)
+        .arg(&k)
+        .arg(&no_l2)
+        .arg(&p.scale);
+    gpu.launch(b, "group_l2norm_bwd", elementwise(p.tokens() * d.h))?;
+    let token = Some(p.storage);
+    let state = [d.n, d.h, d.k, d.v];
+    Ok(Run {
+        outputs: DplrOutputs {
+            o: gpu.fetch("o", o, x.v.shape(), token)?,
+            final_state: Some(gpu.fetch("final_state", ht, &state, None)?),
+        },
+        grads: DplrGrads {
+            dq: gpu.fetch("dq", dq, x.q.shape(), token)?,
+            dk: gpu.fetch("dk", g.dk, x.k.shape(), token)?,
+            dv: gpu.fetch("dv", g.dv, x.v.shape(), token)?,
+            da: gpu.fetch("da", g.da, x.a.shape(), token)?,
+            db: gpu.fetch("db", g.db, x.b.shape(), token)?,
+            dgk: gpu.fetch("dgk", g.dgk, x.gk.shape(), token)?,
+            dh0: match &x.initial_state {
+                Some(_) => Some(gpu.fetch("dh0", dh0, &state, None)?),
+                None => None,
+            },
+        },
+        timings: Timings {
+            forward_s,
+            backward_s,
+        },
+    })
+}

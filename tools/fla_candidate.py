@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Run FLA's kernels (fla-core) on a deltaref case file; write a candidate.
+
+    python3 tools/fla_candidate.py CASE.safetensors CAND.safetensors [CASE CAND ...] [--dtype bf16|f32] [--time N]
+    deltaref verify --case CASE.safetensors --candidate CAND.safetensors
+
+KDA runs `chunk_kda`, DPLR `chunk_dplr_delta_rule`, token-shift
+`fla.modules.token_shift`, with the options of the case's `case` metadata.
+Token inputs (and `do`/`dy`) go in the chosen dtype (default: the dtype the
+case stores `q`/`x` in, bf16 or else f32); `A_log`, `dt_bias`,
+`initial_state` and `dht` in fp32, as FLA requires. The loss is the case's:
+Σ o·do + Σ final_state·dht (token-shift: Σ y·dy + Σ final_cache·dfinal_cache).
+With --time N it also prints FLA's best forward and backward time over N runs.
+Several case/candidate pairs run in one process (Triton compiles once).
+"""
+
+import argparse
+import json
+
+import safetensors
+import safetensors.torch as st
+import torch
+
+TOKEN_INPUTS = {
+    "kda": ["q", "k", "v", "g", "beta"],
+    "dplr": ["q", "k", "v", "a", "b", "gk"],
+    "token_shift": ["x"],
+}
+STATE_INPUTS = {
+    "kda": ["A_log", "dt_bias", "initial_state"],
+    "dplr": ["initial_state"],
+    "token_shift": ["cache"],
+}
+GRAD_NAME = {"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}
+
+
+def load(path):
+    t = st.load_file(path, device="cuda")
+    with safetensors.safe_open(path, "pt") as f:
+        meta = json.loads(f.metadata()["case"])
+    return t, meta
+
+
+def forward(op, meta, x, p, cu):
+    """Returns (main output, final state) of FLA's kernel."""
+    if op == "kda":
+        from fla.ops.kda import chunk_kda
+
+        gate = meta.get("gate", "none")
+        return chunk_kda(
+            **x,
+            scale=meta.get("scale"),
+            initial_state=p.get("initial_state"),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=meta.get("use_qk_l2norm_in_kernel", False),
+            use_gate_in_kernel=gate != "none",
+            A_log=p.get("A_log"),
+            dt_bias=p.get("dt_bias"),
+            lower_bound=meta.get("lower_bound") if gate == "lowerbound" else None,
+            safe_gate=gate == "lowerbound",
+            use_beta_sigmoid_in_kernel=meta.get("use_beta_sigmoid_in_kernel", False),
+            allow_neg_eigval=meta.get("allow_neg_eigval", False),
+            cu_seqlens=cu,
+        )
+    if op == "dplr":
+        from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
+
+        return chunk_dplr_delta_rule(
+            **x,
+            scale=meta.get("scale"),
+            initial_state=p.get("initial_state"),
+            output_final_state=True,
+            cu_seqlens=cu,
+        )
+    from fla.modules.token_shift import token_shift
+
+    y, cache = token_shift(x["x"], cu_seqlens=cu, cache=p.get("cache"), output_cache=True)
+    return y, cache.reshape(-1, cache.shape[-1])
+
+
+def run(op, meta, t, dtype):
+    x = {n: t[n].to(dtype).requires_grad_() for n in TOKEN_INPUTS[op]}
+    p = {n: t[n].float().requires_grad_() for n in STATE_INPUTS[op] if n in t}
+    if op == "token_shift" and "cache" in p:
+        p["cache"] = t["cache"].to(dtype).requires_grad_()
+    cu = t.get("cu_seqlens")
+    out, last = forward(op, meta, x, p, cu)
+    d_out, d_last = ("dy", "dfinal_cache") if op == "token_shift" else ("do", "dht")
+    loss = (out.float() * t[d_out].to(dtype).float()).sum()
+    if d_last in t:
+        loss = loss + (last.float() * t[d_last].float()).sum()
+    return x, p, out, last, loss
+
+
+def candidate(case, out, dtype_name, reps):
+    t, meta = load(case)
+    op = meta["op"]
+    first = "x" if op == "token_shift" else "q"
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}.get(
+        dtype_name, torch.bfloat16 if t[first].dtype == torch.bfloat16 else torch.float32
+    )
+    x, p, out_t, last, loss = run(op, meta, t, dtype)
+    loss.backward()
+    names = ("y", "final_cache") if op == "token_shift" else ("o", "final_state")
+    cand = {names[0]: out_t, names[1]: last}
+    cand |= {GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items()}
+    st.save_file({n: v.detach().float().contiguous().cpu() for n, v in cand.items()}, out)
+    print(f"FLA {op} ({dtype}): wrote {out}: {', '.join(sorted(cand))}")
+    if reps > 0:
+        best_f = best_b = float("inf")
+        for _ in range(reps):
+            s, m, e = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            s.record()
+            *_, loss = run(op, meta, t, dtype)
+            m.record()
+            loss.backward()
+            e.record()
+            torch.cuda.synchronize()
+            best_f, best_b = min(best_f, s.elapsed_time(m)), min(best_b, m.elapsed_time(e))
+        print(f"FLA {op} ({dtype}) best of {reps}: forward {best_f:.3f} ms, backward {best_b:.3f} ms")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("paths", nargs="+", metavar="CASE CAND")
+    ap.add_argument("--dtype", choices=["bf16", "f32"])
+    ap.add_argument("--time", type=int, default=0, metavar="N")
+    a = ap.parse_args()
+    if len(a.paths) % 2:
+        ap.error("give case/candidate pairs: CASE CAND [CASE CAND ...]")
+    failed = 0
+    for case, out in zip(a.paths[::2], a.paths[1::2]):
+        try:
+            candidate(case, out, a.dtype, a.time)
+        except Exception as e:  # one unsupported case must not hide the others
+            failed += 1
+            print(f"FLA failed on {case}: {type(e).__name__}: {e}")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+//! `deltaref bench`: wall time of implementations on one case, each next to
+//! its worst norm_ratio against the f64 oracle. GPU rows split forward and
+//! backward device time; CPU rows time forward+backward together.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args as ClapArgs;
+use deltaref::gates::Gate;
+use deltaref_gpu::Timings;
+use deltaref_verify::case::{Case, CaseError, Dtype, Op};
+use deltaref_verify::generate::{generate, GenSpec};
+use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::metrics::norm_ratio;
+use deltaref_verify::outputs::Tensors;
+use serde::Serialize;
+
+use super::{fail, ImplArgs};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    /// Case file (default: issue 8's KDA case, lengths [400, 624], H = HV = 4,
+    /// K = V = 128, lower-bound gate −5, l2norm, bf16 inputs).
+    #[arg(long)]
+    pub case: Option<PathBuf>,
+    /// Comma-separated implementations (default: naive,chunk, and
+    /// gpu-naive,gpu-chunk,gpu-cp when a GPU is present).
+    #[arg(long)]
+    pub impls: Option<String>,
+    /// CP world size for cp and gpu-cp.
+    #[arg(long, default_value_t = 2)]
+    pub world: usize,
+    /// Runs per implementation; the best time is reported.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    imp: String,
+    /// Best wall time of forward+backward, seconds.
+    total_s: f64,
+    /// GPU device time of the forward and backward phases (best run).
+    forward_s: Option<f64>,
+    backward_s: Option<f64>,
+    worst_norm_ratio: f64,
+    worst_tensor: String,
+}
+
+fn default_case() -> Result<Case, CaseError> {
+    generate(&GenSpec {
+        shape: Some(vec![1, 1024, 4, 4, 128, 128]),
+        lengths: Some(vec![400, 624]),
+        gate: Gate::LowerBound { lower_bound: -5.0 },
+        use_qk_l2norm_in_kernel: true,
+        dtype: Dtype::Bf16,
+        seed: 8,
+        ..GenSpec::new(Op::Kda)
+    })
+}
+
+fn worst(truth: &Tensors, got: &Tensors) -> (f64, String) {
+    let flat = |t: &ndarray::ArrayD<f64>| t.iter().copied().collect::<Vec<_>>();
+    truth
+        .iter()
+        .map(|(n, t)| {
+            let r = got
+                .get(n)
+                .map_or(f64::NAN, |g| norm_ratio(&flat(t), &flat(g)));
+            (r, n.clone())
+        })
+        .fold((-1.0, String::new()), |a, b| {
+            if b.0 > a.0 || b.0.is_nan() {
+                b
+            } else {
+                a
+            }
+        })
+}
+
+/// The best of `reps` runs: wall seconds, the GPU phases, the results.
+struct Timed {
+    wall_s: f64,
+    phases: Option<Timings>,
+    results: Tensors,
+}
+
+fn time(imp: &Impl, case: &Case, path: &std::path::Path, reps: usize) -> Result<Timed, CaseError> {
+    let mut best: Option<Timed> = None;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let (results, phases) = imp
+            .timed_compute(case, Compute::F64)
+            .map_err(CaseError::computing(path))?;
+        let wall_s = t.elapsed().as_secs_f64();
+        if best.as_ref().is_none_or(|b| wall_s < b.wall_s) {
+            best = Some(Timed {
+                wall_s,
+                phases,
+                results,
+            });
+        }
+    }
+    Ok(best.expect("at least one run"))
+}
+
+fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
+    let (case, path) = match &a.case {
+        Some(p) => (Case::read(p)?, p.clone()),
+        None => (default_case()?, PathBuf::from("<built-in KDA case>")),
+    };
+    let names: Vec<String> = match &a.impls {
+        Some(s) => s.split(',').map(|x| x.trim().to_string()).collect(),
+        None => {
+            let mut v = vec!["naive".to_string(), "chunk".to_string()];
+            if deltaref_verify::gpu::device().is_ok() {
+                v.extend(["gpu-naive", "gpu-chunk", "gpu-cp"].map(String::from));
+            }
+            v
+        }
+    };
+    let truth = Impl::NAIVE
+        .compute(&case, Compute::F64)
+        .map_err(CaseError::computing(&path))?;
+    let mut rows = vec![];
+    for name in names {
+        let cp = name == "cp" || name == "gpu-cp";
+        let args = ImplArgs {
+            imp: name.clone(),
+            chunk_size: 0,
+            world: cp.then_some(a.world),
+            cuts: None,
+            cp_engine: None,
+            compute: None,
+            precision: None,
+            gpu_dtype: None,
+        };
+        let (imp, _) = args.resolve(&case)?;
+        let t = time(&imp, &case, &path, a.reps)?;
+        let (worst_norm_ratio, worst_tensor) = worst(&truth, &t.results);
+        rows.push(Row {
+            imp: imp.name(),
+            total_s: t.wall_s,
+            forward_s: t.phases.map(|p| p.forward_s),
+            backward_s: t.phases.map(|p| p.backward_s),
+            worst_norm_ratio,
+            worst_tensor,
+        });
+    }
+    Ok(rows)
+}
+
+fn table(rows: &[Row]) -> String {
+    let ms = |s: Option<f64>| s.map_or("-".to_string(), |s| format!("{:.3}", s * 1e3));
+    let mut out = format!(
+        "{:<34} {:>12} {:>12} {:>12}  {:>11} {}\n",
+        "impl", "fwd+bwd ms", "fwd dev ms", "bwd dev ms", "worst ratio", "(tensor)"
+    );
+    for r in rows {
+        out += &format!(
+            "{:<34} {:>12.3} {:>12} {:>12}  {:>11.3e} ({})\n",
+            r.imp,
+            r.total_s * 1e3,
+            ms(r.forward_s),
+            ms(r.backward_s),
+            r.worst_norm_ratio,
+            r.worst_tensor
+        );
+    }
+    out.push_str("fwd+bwd: best wall time of a whole run (uploads and pre-processing included); dev: GPU stream time of each phase");
+    out
+}
+
+pub fn run(a: Args) -> ExitCode {
+    match go(&a) {
+        Ok(rows) => {
+            if a.json {
+                super::print(&serde_json::to_string_pretty(&rows).expect("rows serialise"));
+            } else {
+                super::print(&table(&rows));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e),
+    }
+}
