@@ -8,7 +8,9 @@ use deltaref_gpu::device::ptx;
 use deltaref_gpu::kernels::{Defines, ALL};
 
 fn main() {
-    let arch = std::env::args().nth(1).unwrap_or_else(|| "compute_90".into());
+    let arch = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "compute_90".into());
     let d = Defines {
         in_bf16: false,
         kd: 128,

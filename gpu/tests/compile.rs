@@ -7,8 +7,12 @@ use deltaref_gpu::kernels::{Defines, ALL};
 use deltaref_gpu::GpuError;
 
 /// On the real stderr: the harness captures `eprintln!` of passing tests.
+/// With `DELTAREF_NVRTC` set (as CI does) a missing NVRTC is a failure.
 fn skipped(e: &GpuError) {
     use std::io::Write;
+    if let Some(path) = std::env::var_os("DELTAREF_NVRTC") {
+        panic!("DELTAREF_NVRTC={path:?} is set but NVRTC cannot be used: {e}");
+    }
     let _ = writeln!(std::io::stderr(), "SKIPPED kernel compile check: {e}");
 }
 
@@ -20,7 +24,7 @@ fn every_kernel_source_compiles() {
     }
     for src in ALL {
         for in_bf16 in [false, true] {
-            for (kd, chunk) in [(16, 16), (64, 32), (128, 64)] {
+            for (kd, chunk) in [(16, 16), (128, 64)] {
                 let d = Defines { in_bf16, kd, chunk };
                 let text = ptx(&src, d, "compute_90")
                     .unwrap_or_else(|e| panic!("{} with {d:?}: {e}", src.name));
