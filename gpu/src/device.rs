@@ -117,11 +117,7 @@ impl Gpu {
             match cache.get(&key) {
                 Some(m) => m.clone(),
                 None => {
-                    let ptx = compile(source, defines, &self.arch)?;
-                    let m = self
-                        .ctx
-                        .load_module(ptx)
-                        .map_err(|e| driver(&format!("loading module `{}`", source.name), e))?;
+                    let m = self.load(source, defines)?;
                     cache.insert(key, m.clone());
                     m
                 }
@@ -130,6 +126,26 @@ impl Gpu {
         module
             .load_function(function)
             .map_err(|e| driver(&format!("finding kernel `{function}`"), e))
+    }
+
+    /// Loads a module from the PTX disk cache, or compiles it (and caches
+    /// it); a cached file the driver rejects is replaced by a fresh build.
+    fn load(&self, source: &Source, defines: Defines) -> Result<Arc<CudaModule>> {
+        let what = || format!("loading module `{}`", source.name);
+        let cache = PtxCache::open();
+        if let Some(ptx) = cache
+            .as_ref()
+            .and_then(|c| c.get(source, defines, &self.arch))
+        {
+            if let Ok(m) = self.ctx.load_module(ptx) {
+                return Ok(m);
+            }
+        }
+        let ptx = compile(source, defines, &self.arch)?;
+        if let Some(c) = &cache {
+            c.put(source, defines, &self.arch, &ptx.to_src());
+        }
+        self.ctx.load_module(ptx).map_err(|e| driver(&what(), e))
     }
 
     /// Launches a built kernel call.
@@ -376,6 +392,79 @@ pub fn compile(source: &Source, defines: Defines, arch: &str) -> Result<Ptx> {
 /// The PTX of `source` built with `defines` for `arch`, for inspection.
 pub fn ptx(source: &Source, defines: Defines, arch: &str) -> Result<String> {
     Ok(compile(source, defines, arch)?.to_src())
+}
+
+/// Compiled PTX on disk, keyed by a hash of the full source text, the
+/// architecture and the NVRTC version, so a process reuses what an earlier one
+/// compiled. The folder is `DELTAREF_CACHE`, else `$XDG_CACHE_HOME/deltaref`
+/// or `~/.cache/deltaref`; `DELTAREF_CACHE=off` disables it. Best effort: a
+/// cache that cannot be read or written only costs a compile.
+pub struct PtxCache {
+    dir: PathBuf,
+}
+
+impl PtxCache {
+    pub fn open() -> Option<PtxCache> {
+        let dir = match std::env::var_os("DELTAREF_CACHE") {
+            Some(d) if d == "off" => return None,
+            Some(d) => PathBuf::from(d),
+            None => std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?
+                .join("deltaref"),
+        };
+        PtxCache::at(dir.join("ptx"))
+    }
+
+    /// A cache in `dir` (created if needed).
+    pub fn at(dir: PathBuf) -> Option<PtxCache> {
+        std::fs::create_dir_all(&dir).ok()?;
+        Some(PtxCache { dir })
+    }
+
+    /// The file an identical build is stored in.
+    pub fn path(&self, source: &Source, defines: Defines, arch: &str) -> PathBuf {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(source.text(defines).as_bytes());
+        h.update(arch.as_bytes());
+        h.update(nvrtc_version().as_bytes());
+        let key: String = h.finalize()[..12]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        self.dir.join(format!("{}-{key}.ptx", source.name))
+    }
+
+    pub fn get(&self, source: &Source, defines: Defines, arch: &str) -> Option<Ptx> {
+        std::fs::read_to_string(self.path(source, defines, arch))
+            .ok()
+            .map(Ptx::from_src)
+    }
+
+    /// Writes through a temporary file and a rename, so a reader never sees
+    /// half a file.
+    pub fn put(&self, source: &Source, defines: Defines, arch: &str, ptx: &str) {
+        let path = self.path(source, defines, arch);
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, ptx).is_ok() && std::fs::rename(&tmp, &path).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+}
+
+/// `"major.minor"` of the loaded NVRTC (empty when it is not loaded).
+fn nvrtc_version() -> String {
+    if ensure_nvrtc().is_err() {
+        return String::new();
+    }
+    let (mut major, mut minor) = (0, 0);
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        format!("{major}.{minor}")
+    } else {
+        String::new()
+    }
 }
 
 fn ensure_driver() -> Result<()> {

@@ -203,6 +203,23 @@ fn required_spec() -> KdaSpec {
 }
 
 #[test]
+fn kda_f32_required_case_matches_the_oracle() {
+    let Some(gpu) = gpu("kda_f32_required_case_matches_the_oracle") else {
+        return;
+    };
+    let spec = required_spec();
+    for (engine, cp) in [
+        (Engine::Naive, None),
+        (Engine::Chunk(64), None),
+        (Engine::Chunk(64), Some(PlanSpec::World(2))),
+    ] {
+        let label = format!("kda f32 [400, 624] K=V=128 {engine:?} cp={cp:?}");
+        let (truth, got) = kda_pair(&gpu, &spec, &imp(engine, cp, Storage::F32));
+        check(&label, &truth, &got, 1e-5);
+    }
+}
+
+#[test]
 fn kda_bf16_inputs_are_within_rounding_noise() {
     let Some(gpu) = gpu("kda_bf16_inputs_are_within_rounding_noise") else {
         return;
