@@ -2,7 +2,7 @@
 //! plain or under simulated CP. `q` is scaled on the way in and `dq` on the
 //! way out; everything else is read as stored.
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use deltaref::dplr::{self as oracle, DplrDims, DplrGrads, DplrInputs, DplrOptions, DplrOutputs};
 use deltaref::varlen::{self, Segment};
 use ndarray::ArrayD;
@@ -10,9 +10,9 @@ use ndarray::ArrayD;
 use crate::cp::{self, Recurrence};
 use crate::device::{arg_in, arg_opt, elementwise, grid, Gpu, Input, Storage};
 use crate::error::{GpuError, Result};
-use crate::kda::{check_dims, naive::block_len};
-use crate::kernels::{prep_defines, Defines, DPLR_NAIVE, PREP};
-use crate::pieces::{self, upload_ranges};
+use crate::kernels::{check_sizes, prep_defines, Defines, DPLR_NAIVE, PREP};
+use crate::pieces::upload_ranges;
+use crate::recurrent::BackwardScratch;
 use crate::{Engine, GpuImpl, Run, Timings};
 
 /// A validated DPLR problem on the device (f32 working copies).
@@ -56,8 +56,7 @@ impl<'g> Problem<'g> {
     ) -> Result<Problem<'g>> {
         let d = oracle::validate(x, opts)?;
         oracle::validate_upstream(&d, d_o, dht)?;
-        check_dims(d.k, d.v)?;
-        pieces::check_token_count(d.b * d.t)?;
+        check_sizes(d.k, d.v, d.b * d.t)?;
         let scale = opts.scale.unwrap_or(1.0 / (d.k as f64).sqrt()) as f32;
         let ntok = d.b * d.t;
         let defs = prep_defines(storage);
@@ -112,6 +111,17 @@ impl<'g> Problem<'g> {
         }
     }
 
+    /// Pushes the f32 inputs and the piece ranges.
+    fn push_inputs<'a>(&'a self, b: &mut LaunchArgs<'a>, seg: &'a CudaSlice<i32>) {
+        b.arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.a)
+            .arg(&self.b)
+            .arg(&self.gk)
+            .arg(seg);
+    }
+
     fn run_fwd(
         &self,
         pieces: &[Segment],
@@ -129,13 +139,7 @@ impl<'g> Problem<'g> {
         let f = gpu.function(&DPLR_NAIVE, self.defines(), "dplr_naive_fwd")?;
         let (h, nc, tr) = (d.h as i32, ncol as i32, i32::from(transition));
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&self.q)
-            .arg(&self.k)
-            .arg(&self.v)
-            .arg(&self.a)
-            .arg(&self.b)
-            .arg(&self.gk)
-            .arg(&seg);
+        self.push_inputs(&mut b, &seg);
         arg_opt(&mut b, h0);
         arg_opt(&mut b, o.map(|o| &*o));
         b.arg(&mut ht).arg(&h).arg(&nc).arg(&tr);
@@ -181,31 +185,12 @@ impl Recurrence for Problem<'_> {
         if pieces.is_empty() {
             return Ok(dh0);
         }
-        let max_len = pieces.iter().map(Segment::len).max().unwrap_or(0);
-        let bl = block_len(max_len);
-        let nck = max_len.div_ceil(bl).max(1);
-        let shared = d.v.div_ceil(32) * 5 * d.k * 4;
-        if shared > 48 * 1024 {
-            return Err(GpuError::Unsupported(format!(
-                "naive DPLR backward with K = {}, V = {} needs {shared} bytes of shared memory (limit 49152)",
-                d.k, d.v
-            )));
-        }
-        let pairs = pieces.len() * d.h;
-        let mut ckpt = gpu.zeros::<f32>("backward checkpoints", pairs * nck * kv)?;
-        let mut prev = gpu.zeros::<f32>("backward block states", pairs * bl * kv)?;
-        let mut asbuf = gpu.zeros::<f32>("backward aᵀS", pairs * bl * d.v)?;
+        let mut sc = BackwardScratch::new(gpu, "DPLR", pieces, d.h, (d.k, d.v), (5, 0))?;
         let seg = upload_ranges(gpu, pieces, d.t)?;
         let f = gpu.function(&DPLR_NAIVE, self.defines(), "dplr_naive_bwd")?;
-        let (h, v, bl_, nck_) = (d.h as i32, d.v as i32, bl as i32, nck as i32);
+        let (h, v) = (d.h as i32, d.v as i32);
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&self.q)
-            .arg(&self.k)
-            .arg(&self.v)
-            .arg(&self.a)
-            .arg(&self.b)
-            .arg(&self.gk)
-            .arg(&seg);
+        self.push_inputs(&mut b, &seg);
         arg_opt(&mut b, h0);
         b.arg(&self.d_o);
         arg_opt(&mut b, dht);
@@ -216,13 +201,10 @@ impl Recurrence for Problem<'_> {
             .arg(&mut g.db)
             .arg(&mut g.dgk)
             .arg(&mut dh0)
-            .arg(&mut ckpt)
-            .arg(&mut prev)
-            .arg(&mut asbuf)
             .arg(&h)
-            .arg(&v)
-            .arg(&bl_)
-            .arg(&nck_);
+            .arg(&v);
+        let shared = sc.shared;
+        sc.push(&mut b);
         gpu.launch(b, "dplr_naive_bwd", grid(pieces.len(), d.h, d.v, shared))?;
         Ok(dh0)
     }

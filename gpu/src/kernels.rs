@@ -2,6 +2,29 @@
 //! sizes each module is built with.
 
 use crate::device::Storage;
+use crate::error::{GpuError, Result};
+
+/// Largest key dim: a state column lives in `KD` registers per thread.
+pub const MAX_K: usize = 256;
+/// Largest value dim: one thread per state column.
+pub const MAX_V: usize = 1024;
+
+/// Checks a problem against what the kernels are built for: `K ≤ MAX_K`,
+/// `V ≤ MAX_V`, and `B·T` tokens indexable with 32-bit integers.
+pub fn check_sizes(k: usize, v: usize, tokens: usize) -> Result<()> {
+    if k > MAX_K || v > MAX_V {
+        return Err(GpuError::Unsupported(format!(
+            "K = {k}, V = {v}: the kernels hold a state column in registers (K ≤ {MAX_K}) \
+             and run one thread per column (V ≤ {MAX_V})"
+        )));
+    }
+    if tokens > i32::MAX as usize {
+        return Err(GpuError::Unsupported(format!(
+            "{tokens} tokens: the kernels index B·T with 32-bit integers"
+        )));
+    }
+    Ok(())
+}
 
 /// Compile-time sizes of one module build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,5 +100,35 @@ impl Source {
             d.chunk,
             self.body
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_beyond_the_kernels_are_refused_with_the_limit() {
+        assert!(check_sizes(MAX_K, MAX_V, i32::MAX as usize).is_ok());
+        let e = check_sizes(MAX_K + 1, 8, 1).unwrap_err().to_string();
+        assert!(e.contains("K ≤ 256"), "{e}");
+        let e = check_sizes(8, MAX_V + 1, 1).unwrap_err().to_string();
+        assert!(e.contains("V ≤ 1024"), "{e}");
+        let e = check_sizes(8, 8, i32::MAX as usize + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("32-bit"), "{e}");
+    }
+
+    #[test]
+    fn the_translation_unit_starts_with_its_sizes() {
+        let d = Defines {
+            in_bf16: true,
+            kd: 128,
+            chunk: 64,
+        };
+        let t = KDA_CHUNK.text(d);
+        assert!(t.starts_with("#define IN_BF16 1\n#define KD 128\n#define CHUNK 64\n"));
+        assert!(t.contains("kda_chunk_intra"));
     }
 }

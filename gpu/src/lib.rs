@@ -28,6 +28,7 @@ pub mod error;
 pub mod kda;
 pub mod kernels;
 mod pieces;
+mod recurrent;
 pub mod token_shift;
 
 use deltaref::cp::plan::PlanSpec;

@@ -5,7 +5,7 @@ use cudarc::driver::CudaSlice;
 use deltaref::varlen::Segment;
 
 use crate::device::Gpu;
-use crate::error::{GpuError, Result};
+use crate::error::Result;
 
 /// `{start, end}` per piece, flattened over `[B, T]` (`t` tokens per row).
 pub(crate) fn ranges(pieces: &[Segment], t: usize) -> Vec<i32> {
@@ -50,16 +50,6 @@ impl Chunks {
     }
 }
 
-/// The kernels index tokens with 32-bit integers.
-pub(crate) fn check_token_count(tokens: usize) -> Result<()> {
-    if tokens > i32::MAX as usize {
-        return Err(GpuError::Unsupported(format!(
-            "{tokens} tokens: the kernels index B·T with 32-bit integers"
-        )));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,12 +77,5 @@ mod tests {
         assert_eq!(c.chunk, vec![0, 2, 0, 2, 2, 0, 4, 1, 0, 5, 2, 2, 7, 1, 2]);
         assert_eq!(c.segc, vec![0, 3, 3, 0, 3, 2]);
         assert_eq!(c.count(), 5);
-    }
-
-    #[test]
-    fn token_count_over_i32_is_refused() {
-        assert!(check_token_count(i32::MAX as usize).is_ok());
-        let e = check_token_count(i32::MAX as usize + 1).unwrap_err();
-        assert!(e.to_string().contains("32-bit"), "{e}");
     }
 }

@@ -8,8 +8,8 @@ use ndarray::{s, ArrayD, Axis};
 
 use crate::device::{arg_in, arg_in_opt, arg_opt, elementwise, Gpu};
 use crate::error::Result;
-use crate::kernels::{prep_defines, TOKEN_SHIFT};
-use crate::{pieces, GpuImpl, Run, Timings};
+use crate::kernels::{check_sizes, prep_defines, TOKEN_SHIFT};
+use crate::{GpuImpl, Run, Timings};
 
 /// One piece: `{start, end, seq, link}` for the kernels plus where its
 /// results go.
@@ -62,7 +62,7 @@ pub fn run(
 ) -> Result<Run<TokenShiftOutputs<f64>, TokenShiftGrads<f64>>> {
     let (d, _) = oracle::validate(x)?;
     oracle::validate_upstream(&d, dy, dfinal_cache)?;
-    pieces::check_token_count(d.b * d.t)?;
+    check_sizes(1, 1, d.b * d.t)?;
     let table = piece_table(x, imp, d.b, d.t)?;
     let defs = prep_defines(imp.storage);
     let ntok = d.b * d.t;

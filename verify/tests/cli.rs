@@ -1,37 +1,11 @@
 //! The real `deltaref` binary on temporary files: exit codes 0 (pass),
 //! 1 (a comparison failed), 2 (usage or input error); `--json` parses.
 
-use std::path::Path;
+mod common;
 
-use assert_cmd::Command;
+use common::{code, run_ok, s};
+
 use deltaref_verify::case::{Case, Dtype};
-
-fn deltaref() -> Command {
-    Command::cargo_bin("deltaref").expect("binary built")
-}
-
-fn run_ok(args: &[&str]) -> String {
-    let out = deltaref().args(args).output().expect("runs");
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
-}
-
-fn code(args: &[&str]) -> (i32, String, String) {
-    let out = deltaref().args(args).output().expect("runs");
-    (
-        out.status.code().expect("exit code"),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 #[test]
 fn gen_run_verify_round_trip_for_every_op() {

@@ -2,29 +2,15 @@
 //! outputs and gradients, any float dtype, metadata optional), non-finite
 //! candidates, and the `gen`/`verify` flag combinations that must be refused.
 
+mod common;
+
+use common::{code, s};
+
 use std::collections::HashMap;
 use std::path::Path;
 
-use assert_cmd::Command;
 use deltaref_verify::case::{Case, Dtype};
 use safetensors::tensor::{Dtype as StDtype, TensorView};
-
-fn code(args: &[&str]) -> (i32, String, String) {
-    let out = Command::cargo_bin("deltaref")
-        .expect("binary built")
-        .args(args)
-        .output()
-        .expect("runs");
-    (
-        out.status.code().expect("exit code"),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// Writes the outputs and gradients of the case at `from` the way a port
 /// does (`safetensors.torch.save_file` of its results): `dtype`, nothing

@@ -2,26 +2,11 @@
 //! everywhere; without a GPU the gpu-* implementations say why and selfcheck
 //! reports the skipped rows; `bench` times implementations on a case.
 
+mod common;
+
+use common::{code, s};
+
 use std::path::Path;
-
-use assert_cmd::Command;
-
-fn deltaref() -> Command {
-    Command::cargo_bin("deltaref").expect("binary built")
-}
-
-fn code(args: &[&str]) -> (i32, String, String) {
-    let out = deltaref().args(args).output().expect("runs");
-    (
-        out.status.code().expect("exit code"),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 fn gen(dir: &Path, name: &str, args: &[&str]) -> std::path::PathBuf {
     let out = dir.join(name);

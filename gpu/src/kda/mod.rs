@@ -15,14 +15,9 @@ use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
 use crate::device::{arg_in, arg_opt, elementwise, Gpu, Input, Storage};
-use crate::error::{GpuError, Result};
-use crate::kernels::{prep_defines, Defines, PREP};
-use crate::{pieces, Engine, GpuImpl, Run, Timings};
-
-/// Largest key dim: a state column lives in `KD` registers per thread.
-pub const MAX_K: usize = 256;
-/// Largest value dim: one thread per state column.
-pub const MAX_V: usize = 1024;
+use crate::error::Result;
+use crate::kernels::{check_sizes, prep_defines, Defines, PREP};
+use crate::{Engine, GpuImpl, Run, Timings};
 
 const _: () = assert!(L2NORM_EPS == 1e-6, "prep.cu hard-codes FLA's l2norm eps");
 
@@ -98,17 +93,6 @@ fn beta_factor(opts: &KdaOptions) -> f32 {
     }
 }
 
-/// Checks the sizes the kernels are built for.
-pub(crate) fn check_dims(k: usize, v: usize) -> Result<()> {
-    if k > MAX_K || v > MAX_V {
-        return Err(GpuError::Unsupported(format!(
-            "K = {k}, V = {v}: the kernels hold a state column in registers (K ≤ {MAX_K}) \
-             and run one thread per column (V ≤ {MAX_V})"
-        )));
-    }
-    Ok(())
-}
-
 impl<'g> Problem<'g> {
     pub fn new(
         gpu: &'g Gpu,
@@ -120,8 +104,7 @@ impl<'g> Problem<'g> {
     ) -> Result<Problem<'g>> {
         let d = oracle::validate(x, opts)?;
         oracle::validate_upstream(&d, d_o, dht)?;
-        check_dims(d.k, d.v)?;
-        pieces::check_token_count(d.b * d.t)?;
+        check_sizes(d.k, d.v, d.b * d.t)?;
         let scale = opts.scale.unwrap_or(1.0 / (d.k as f64).sqrt()) as f32;
         let up = |what: &str, a: &ArrayD<f64>| gpu.upload_input(what, a, storage);
         let up32 =

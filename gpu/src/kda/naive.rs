@@ -1,28 +1,32 @@
 //! The naive recurrent KDA kernels (`kda_naive.cu`) as a [`Recurrence`].
 
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use deltaref::varlen::Segment;
 
 use super::{Grads, Problem};
 use crate::cp::Recurrence;
 use crate::device::{arg_opt, grid, Gpu};
-use crate::error::{GpuError, Result};
+use crate::error::Result;
 use crate::kernels::{Defines, KDA_NAIVE};
 use crate::pieces::upload_ranges;
-
-/// Default dynamic shared memory per block.
-const SHARED_LIMIT: usize = 48 * 1024;
+use crate::recurrent::BackwardScratch;
 
 pub(crate) struct Naive<'a, 'g> {
     pub p: &'a Problem<'g>,
 }
 
-/// Checkpoint spacing of the backward: `⌈√L⌉` (at least 16), as the oracle.
-pub(crate) fn block_len(max_len: usize) -> usize {
-    ((max_len as f64).sqrt().ceil() as usize).max(16)
-}
+impl<'a> Naive<'a, '_> {
+    /// Pushes the pre-processed inputs and the piece ranges.
+    fn push_inputs(&self, b: &mut LaunchArgs<'a>, seg: &'a CudaSlice<i32>) {
+        let p = self.p;
+        b.arg(&p.q)
+            .arg(&p.k)
+            .arg(&p.v)
+            .arg(&p.g)
+            .arg(&p.beta)
+            .arg(seg);
+    }
 
-impl Naive<'_, '_> {
     /// The recurrence reads the pre-processed f32 tensors.
     fn defines(&self) -> Defines {
         Defines {
@@ -102,31 +106,12 @@ impl Recurrence for Naive<'_, '_> {
         if pieces.is_empty() {
             return Ok(dh0);
         }
-        let max_len = pieces.iter().map(Segment::len).max().unwrap_or(0);
-        let bl = block_len(max_len);
-        let nck = max_len.div_ceil(bl).max(1);
-        let warps = d.v.div_ceil(32);
-        let shared = (warps * 3 * d.k + warps) * 4;
-        if shared > SHARED_LIMIT {
-            return Err(GpuError::Unsupported(format!(
-                "naive KDA backward with K = {}, V = {} needs {shared} bytes of shared memory (limit {SHARED_LIMIT})",
-                d.k, d.v
-            )));
-        }
-        let pairs = pieces.len() * d.hv;
-        let mut ckpt = gpu.zeros::<f32>("backward checkpoints", pairs * nck * kv)?;
-        let mut prev = gpu.zeros::<f32>("backward block states", pairs * bl * kv)?;
-        let mut rbuf = gpu.zeros::<f32>("backward residuals", pairs * bl * d.v)?;
+        let mut sc = BackwardScratch::new(gpu, "KDA", pieces, d.hv, (d.k, d.v), (3, 1))?;
         let seg = upload_ranges(gpu, pieces, d.t)?;
         let f = gpu.function(&KDA_NAIVE, self.defines(), "kda_naive_bwd")?;
-        let (h, hv, v, bl_, nck_) = (d.h as i32, d.hv as i32, d.v as i32, bl as i32, nck as i32);
+        let (h, hv, v) = (d.h as i32, d.hv as i32, d.v as i32);
         let mut b = gpu.stream().launch_builder(&f);
-        b.arg(&p.q)
-            .arg(&p.k)
-            .arg(&p.v)
-            .arg(&p.g)
-            .arg(&p.beta)
-            .arg(&seg);
+        self.push_inputs(&mut b, &seg);
         arg_opt(&mut b, h0);
         b.arg(&p.d_o);
         arg_opt(&mut b, dht);
@@ -136,14 +121,11 @@ impl Recurrence for Naive<'_, '_> {
             .arg(&mut g.dg)
             .arg(&mut g.dbeta)
             .arg(&mut dh0)
-            .arg(&mut ckpt)
-            .arg(&mut prev)
-            .arg(&mut rbuf)
             .arg(&h)
             .arg(&hv)
-            .arg(&v)
-            .arg(&bl_)
-            .arg(&nck_);
+            .arg(&v);
+        let shared = sc.shared;
+        sc.push(&mut b);
         gpu.launch(b, "kda_naive_bwd", grid(pieces.len(), d.hv, d.v, shared))?;
         Ok(dh0)
     }

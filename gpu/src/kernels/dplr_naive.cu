@@ -78,8 +78,8 @@ extern "C" __global__ void dplr_naive_bwd(
     const int* __restrict__ seg, const float* __restrict__ h0, const float* __restrict__ d_o,
     const float* __restrict__ dht, float* __restrict__ dq, float* __restrict__ dk,
     float* __restrict__ dv, float* __restrict__ da, float* __restrict__ db,
-    float* __restrict__ dgk, float* __restrict__ dh0, float* __restrict__ ckpt,
-    float* __restrict__ prev, float* __restrict__ asbuf, int H, int V, int BL, int NCK) {
+    float* __restrict__ dgk, float* __restrict__ dh0, int H, int V, float* __restrict__ ckpt,
+    float* __restrict__ prev, float* __restrict__ asbuf, int BL, int NCK) {
     extern __shared__ float red[];
     __shared__ DplrToken sm;
     const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;

@@ -90,9 +90,9 @@ extern "C" __global__ void kda_naive_bwd(
     const float* __restrict__ g, const float* __restrict__ beta, const int* __restrict__ seg,
     const float* __restrict__ h0, const float* __restrict__ d_o, const float* __restrict__ dht,
     float* __restrict__ dq, float* __restrict__ dk, float* __restrict__ dv,
-    float* __restrict__ dg, float* __restrict__ dbeta, float* __restrict__ dh0,
-    float* __restrict__ ckpt, float* __restrict__ prev, float* __restrict__ rbuf, int H, int HV,
-    int V, int BL, int NCK) {
+    float* __restrict__ dg, float* __restrict__ dbeta, float* __restrict__ dh0, int H, int HV,
+    int V, float* __restrict__ ckpt, float* __restrict__ prev, float* __restrict__ rbuf, int BL,
+    int NCK) {
     extern __shared__ float red[];
     __shared__ KdaToken sm;
     const int s = blockIdx.x, hv = blockIdx.y, j = threadIdx.x, hq = hv / (HV / H);
