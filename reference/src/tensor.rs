@@ -96,22 +96,57 @@ pub fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>
 
 /// `Σ a_i b_i` with four independent partial sums (fixed order, so
 /// deterministic): a strict left-to-right sum is one long dependency chain.
-#[inline]
+#[inline(always)]
 pub fn dot<T: Scalar>(a: &[T], b: &[T]) -> T {
-    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let tail: T = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(&x, &y)| x * y)
-        .sum();
-    let mut acc = [T::zero(); 4];
-    for (x, y) in ca.zip(cb) {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut sum = DotSum::new();
+    for (x, y) in a.chunks_exact(4).zip(b.chunks_exact(4)) {
         for l in 0..4 {
-            acc[l] += x[l] * y[l];
+            sum.lanes[l] += x[l] * y[l];
         }
     }
-    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+    let full = n / 4 * 4;
+    for (&x, &y) in a[full..].iter().zip(&b[full..]) {
+        sum.tail += x * y;
+    }
+    sum.finish()
+}
+
+/// The partial sums of [`dot`], for passes that accumulate dot products
+/// while doing other work on the same row: `lanes[l]` sums the products at
+/// `4c + l` over the full chunks of 4, `tail` the rest, and `finish`
+/// combines them in `dot`'s order, so the result has `dot`'s bits.
+#[derive(Clone, Copy, Debug)]
+pub struct DotSum<T> {
+    pub lanes: [T; 4],
+    pub tail: T,
+}
+
+impl<T: Scalar> DotSum<T> {
+    /// The tail starts at −0 like `Iterator::sum`, so an empty tail adds nothing.
+    #[inline(always)]
+    pub fn new() -> Self {
+        DotSum {
+            lanes: [T::zero(); 4],
+            tail: -T::zero(),
+        }
+    }
+
+    #[inline(always)]
+    pub fn finish(self) -> T {
+        // Passing the lanes through memory keeps them one vector register in
+        // the loop: otherwise LLVM pairs lanes (0, 2) and (1, 3) to suit this
+        // final sum and shuffles every load.
+        let l = std::hint::black_box(self.lanes);
+        (l[0] + l[1]) + (l[2] + l[3]) + self.tail
+    }
+}
+
+impl<T: Scalar> Default for DotSum<T> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// FLA's kernels use chunks of 16, 32 or 64 tokens.
