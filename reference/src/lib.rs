@@ -16,6 +16,7 @@ pub mod precision;
 pub mod rng;
 pub mod scalar;
 pub mod simd;
+pub mod sweep;
 pub mod tensor;
 pub mod token_shift;
 pub mod varlen;

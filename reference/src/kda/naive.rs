@@ -23,6 +23,7 @@ use super::{KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, K
 use crate::error::Result;
 use crate::scalar::Scalar;
 use crate::simd;
+use crate::sweep::{block_len, quad, row, row_mut, state, TILE};
 use crate::tensor::{dot, DotSum};
 
 /// The naive recurrent engine.
@@ -43,29 +44,6 @@ pub fn backward<T: Scalar>(
 ) -> Result<KdaGrads<T>> {
     super::backward(&Naive, x, opt, d_o, dht)
 }
-
-/// Row `t` of a row-major array.
-fn row<T>(a: &Array2<T>, t: usize) -> &[T] {
-    let n = a.ncols();
-    &a.as_slice().expect("row-major")[t * n..(t + 1) * n]
-}
-
-/// Row `t` of a row-major array, mutable.
-fn row_mut<T>(a: &mut Array2<T>, t: usize) -> &mut [T] {
-    let n = a.ncols();
-    &mut a.as_slice_mut().expect("row-major")[t * n..(t + 1) * n]
-}
-
-/// A chunk of four as an array. Row kernels load their chunks into arrays
-/// and store the results after the arithmetic: with loads and stores apart,
-/// LLVM vectorises the four lanes without proving the rows never overlap.
-#[inline(always)]
-fn quad<T: Copy>(a: &[T]) -> [T; 4] {
-    a.try_into().expect("4 elements")
-}
-
-/// Columns per tile of a forward sweep; their accumulators stay in registers.
-const TILE: usize = 8;
 
 /// The start of a token: `S ← Diag(e) S`, then `r = v − Sᵀk`.
 struct Start<'a, T> {
@@ -233,19 +211,6 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             std::mem::swap(&mut r, &mut r_next);
         }
     }
-}
-
-/// Block length for checkpointed backward.
-fn block_len(l: usize) -> usize {
-    ((l as f64).sqrt().ceil() as usize).max(16)
-}
-
-/// A `[K, V]` view as a row-major vector.
-fn state<T: Scalar>(a: ArrayView2<T>) -> Vec<T> {
-    a.as_standard_layout()
-        .into_owned()
-        .into_raw_vec_and_offset()
-        .0
 }
 
 impl<T: Scalar> KdaEngine<T> for Naive {
