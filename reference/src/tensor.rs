@@ -2,7 +2,7 @@
 //! between FLA's time-major `[B, T, heads, D]` tensors and the per-head
 //! `[L, D]` blocks the engines work on.
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, Ix4};
+use ndarray::{s, Array2, Array4, ArrayBase, ArrayD, ArrayView2, ArrayView4, Data, Ix4};
 
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
@@ -36,7 +36,11 @@ pub fn check_finite<T: Scalar>(tensor: &str, x: &ArrayD<T>) -> Result<()> {
     // Scan the flat data first (fast); build the index only on failure.
     let x = x.as_standard_layout();
     let flat = x.as_slice().expect("standard layout");
-    match flat.iter().position(|v| !v.is_finite()) {
+    let first_bad = crate::simd::dispatch(
+        #[inline(always)]
+        || first_non_finite(flat),
+    );
+    match first_bad {
         None => Ok(()),
         Some(pos) => {
             let mut index = vec![0; x.ndim()];
@@ -54,6 +58,17 @@ pub fn check_finite<T: Scalar>(tensor: &str, x: &ArrayD<T>) -> Result<()> {
     }
 }
 
+/// The index of the first NaN or ±Inf in `flat`. Chunks are counted without
+/// an early exit, which vectorises; only a failing chunk is searched.
+#[inline(always)]
+fn first_non_finite<T: Scalar>(flat: &[T]) -> Option<usize> {
+    const CHUNK: usize = 1024;
+    flat.chunks(CHUNK)
+        .enumerate()
+        .find(|(_, c)| c.iter().filter(|v| !v.is_finite()).count() > 0)
+        .map(|(i, c)| i * CHUNK + c.iter().position(|v| !v.is_finite()).expect("in chunk"))
+}
+
 /// Checks a scalar option is finite.
 pub fn check_finite_option(option: &str, x: f64) -> Result<()> {
     if x.is_finite() {
@@ -63,16 +78,24 @@ pub fn check_finite_option(option: &str, x: f64) -> Result<()> {
     }
 }
 
-/// A validated 4-D tensor view as `Array4` (caller checked the rank).
+/// A validated 4-D tensor as `Array4` (caller checked the rank).
 pub fn to4<T: Scalar>(x: &ArrayD<T>) -> Array4<T> {
+    view4(x).to_owned()
+}
+
+/// A validated 4-D tensor viewed as 4-D (caller checked the rank).
+pub fn view4<T: Scalar>(x: &ArrayD<T>) -> ArrayView4<'_, T> {
     x.view()
         .into_dimensionality::<Ix4>()
         .expect("rank checked by validation")
-        .to_owned()
 }
 
 /// Rows `seg.start..seg.end` of head `h` of batch row `seg.batch`: `[L, D]`.
-pub fn gather<T: Scalar>(x: &Array4<T>, seg: &Segment, h: usize) -> Array2<T> {
+pub fn gather<T: Scalar, S: Data<Elem = T>>(
+    x: &ArrayBase<S, Ix4>,
+    seg: &Segment,
+    h: usize,
+) -> Array2<T> {
     x.slice(s![seg.batch, seg.start..seg.end, h, ..])
         .as_standard_layout()
         .into_owned()

@@ -16,7 +16,7 @@ macro_rules! cp_operator {
 
         /// One problem seen piece by piece.
         pub struct $Local<'a, T, E> {
-            pub p: &'a crate::$m::Prepared<T>,
+            pub p: &'a crate::$m::Prepared<'a, T>,
             pub engine: &'a E,
             /// `[B, T, heads, V]`
             pub d_o: Option<Array4<T>>,
@@ -104,7 +104,7 @@ macro_rules! cp_operator {
             }
             // Sequences without tokens keep their initial state.
             let mut ht =
-                p.h0.clone()
+                p.h0.map(|h0| h0.to_owned())
                     .unwrap_or_else(|| Array4::zeros((d.n, d.heads(), d.k, d.v)));
             for (seq, h, st) in &f.final_states {
                 ht.slice_mut(s![*seq, *h, .., ..]).assign(st);

@@ -9,7 +9,7 @@
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2};
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
 
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
@@ -198,36 +198,37 @@ pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrD
     Ok(DplrDims { b, t, h, k, v, n })
 }
 
-/// Validated inputs with `q` scaled, ready to cut into heads.
+/// Validated inputs with `q` scaled, ready to cut into heads; the other
+/// tensors are views of the inputs.
 #[derive(Clone, Debug)]
-pub struct Prepared<T> {
+pub struct Prepared<'a, T> {
     pub dims: DplrDims,
     pub scale: f64,
     pub segments: Vec<Segment>,
     pub q: Array4<T>,
-    pub k: Array4<T>,
-    pub v: Array4<T>,
-    pub a: Array4<T>,
-    pub b: Array4<T>,
-    pub gk: Array4<T>,
-    pub h0: Option<Array4<T>>,
+    pub k: ArrayView4<'a, T>,
+    pub v: ArrayView4<'a, T>,
+    pub a: ArrayView4<'a, T>,
+    pub b: ArrayView4<'a, T>,
+    pub gk: ArrayView4<'a, T>,
+    pub h0: Option<ArrayView4<'a, T>>,
 }
 
-impl<T: Scalar> Prepared<T> {
-    pub fn new(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<Self> {
+impl<'a, T: Scalar> Prepared<'a, T> {
+    pub fn new(x: &'a DplrInputs<T>, opt: &DplrOptions) -> Result<Self> {
         let dims = validate(x, opt)?;
         let scale = opt.scale.unwrap_or(1.0 / (dims.k as f64).sqrt());
         Ok(Prepared {
             dims,
             scale,
             segments: varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?,
-            q: tensor::to4(&x.q).mapv(|e| e * T::c(scale)),
-            k: tensor::to4(&x.k),
-            v: tensor::to4(&x.v),
-            a: tensor::to4(&x.a),
-            b: tensor::to4(&x.b),
-            gk: tensor::to4(&x.gk),
-            h0: x.initial_state.as_ref().map(tensor::to4),
+            q: tensor::view4(&x.q).mapv(|e| e * T::c(scale)),
+            k: tensor::view4(&x.k),
+            v: tensor::view4(&x.v),
+            a: tensor::view4(&x.a),
+            b: tensor::view4(&x.b),
+            gk: tensor::view4(&x.gk),
+            h0: x.initial_state.as_ref().map(tensor::view4),
         })
     }
 
@@ -298,8 +299,8 @@ pub fn backward<T: Scalar, E: DplrEngine<T>>(
     let p = Prepared::new(x, opt)?;
     let d = p.dims;
     validate_upstream(&d, d_o, dht)?;
-    let d_o = tensor::to4(d_o);
-    let dht = dht.map(tensor::to4);
+    let d_o = tensor::view4(d_o);
+    let dht = dht.map(tensor::view4);
     let results = par_pairs(p.segments.len(), d.h, |si, h| {
         let seg = &p.segments[si];
         let dht_h = match &dht {
@@ -368,7 +369,7 @@ impl<T: Scalar> PreparedGrads<T> {
     /// nothing else to chain through; the signature matches KDA's).
     pub fn chain(self, x: &DplrInputs<T>, _opt: &DplrOptions, p: &Prepared<T>) -> DplrGrads<T> {
         DplrGrads {
-            dq: self.dq.mapv(|e| e * T::c(p.scale)).into_dyn(),
+            dq: self.dq.mapv_into(|e| e * T::c(p.scale)).into_dyn(),
             dk: self.dk.into_dyn(),
             dv: self.dv.into_dyn(),
             da: self.da.into_dyn(),

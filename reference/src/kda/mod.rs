@@ -10,7 +10,10 @@
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, Axis, Ix3, IxDyn};
+use ndarray::{
+    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Ix4,
+    IxDyn,
+};
 
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
@@ -326,8 +329,9 @@ fn validate_gate<T: Scalar>(
 }
 
 /// Validated inputs after FLA's fused pre-processing, ready to cut into heads.
+/// Tensors the pre-processing leaves alone are views of the inputs.
 #[derive(Clone, Debug)]
-pub struct Prepared<T> {
+pub struct Prepared<'a, T> {
     pub dims: KdaDims,
     pub scale: f64,
     /// Sequences of the batch (whole sequences; CP cuts them further).
@@ -335,30 +339,30 @@ pub struct Prepared<T> {
     /// `[B, T, H, K]`, l2-normalised if asked, times `scale`.
     pub q: Array4<T>,
     /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: Array4<T>,
+    pub k: CowArray<'a, T, Ix4>,
     /// `[B, T, HV, V]`
-    pub v: Array4<T>,
+    pub v: ArrayView4<'a, T>,
     /// `[B, T, HV, K]` log-space decay.
-    pub g: Array4<T>,
+    pub g: CowArray<'a, T, Ix4>,
     /// `[B, T, HV]`
     pub beta: Array3<T>,
     /// `[N, HV, K, V]`
-    pub h0: Option<Array4<T>>,
+    pub h0: Option<ArrayView4<'a, T>>,
 }
 
-impl<T: Scalar> Prepared<T> {
+impl<'a, T: Scalar> Prepared<'a, T> {
     /// Validates `x` and applies l2norm, scale, gate and beta sigmoid.
-    pub fn new(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
+    pub fn new(x: &'a KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
         let dims = validate(x, opt)?;
         let scale = opt.scale.unwrap_or(1.0 / (dims.k as f64).sqrt());
         let segments = varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?;
-        let (q, k) = (tensor::to4(&x.q), tensor::to4(&x.k));
+        let (q, k) = (tensor::view4(&x.q), tensor::view4(&x.k));
         let (q, k) = if opt.use_qk_l2norm_in_kernel {
-            (gates::l2norm_fwd(&q), gates::l2norm_fwd(&k))
+            let q = gates::l2norm_fwd(&q).mapv_into(|e| e * T::c(scale));
+            (q, CowArray::from(gates::l2norm_fwd(&k)))
         } else {
-            (q, k)
+            (q.mapv(|e| e * T::c(scale)), CowArray::from(k))
         };
-        let q = q.mapv(|e| e * T::c(scale));
         let g = gate_terms(x, opt, &dims).0;
         let beta = x
             .beta
@@ -378,10 +382,10 @@ impl<T: Scalar> Prepared<T> {
             segments,
             q,
             k,
-            v: tensor::to4(&x.v),
+            v: tensor::view4(&x.v),
             g,
             beta,
-            h0: x.initial_state.as_ref().map(tensor::to4),
+            h0: x.initial_state.as_ref().map(tensor::view4),
         })
     }
 
@@ -412,27 +416,25 @@ impl<T: Scalar> Prepared<T> {
 /// The decay `g [B, T, HV, K]` and, for an in-kernel gate, its partial
 /// derivatives `(∂g/∂x, ∂g/∂A_log)` (x = raw g + dt_bias), element by element.
 #[allow(clippy::type_complexity)]
-fn gate_terms<T: Scalar>(
-    x: &KdaInputs<T>,
+fn gate_terms<'a, T: Scalar>(
+    x: &'a KdaInputs<T>,
     opt: &KdaOptions,
     d: &KdaDims,
-) -> (Array4<T>, Option<(Array4<T>, Array4<T>)>) {
+) -> (CowArray<'a, T, Ix4>, Option<(Array4<T>, Array4<T>)>) {
     let shape = (d.b, d.t, d.hv, d.k);
     let raw = if d.scalar_gate {
         let g3 = x.g.view().into_dimensionality::<Ix3>().expect("validated");
-        g3.insert_axis(Axis(3))
-            .broadcast(shape)
-            .expect("broadcast over K")
-            .to_owned()
+        let g4 = g3.insert_axis(Axis(3));
+        CowArray::from(g4.broadcast(shape).expect("broadcast over K").to_owned())
     } else {
-        tensor::to4(&x.g)
+        CowArray::from(tensor::view4(&x.g))
     };
     if opt.gate == Gate::None {
         return (raw, None);
     }
     let flat = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| a.iter().copied().collect::<Vec<T>>());
     let (a_log, dt_bias) = (flat(&x.a_log), flat(&x.dt_bias));
-    let (mut g, mut dx, mut da) = (raw, Array4::zeros(shape), Array4::zeros(shape));
+    let (mut g, mut dx, mut da) = (raw.into_owned(), Array4::zeros(shape), Array4::zeros(shape));
     ndarray::Zip::indexed(&mut g)
         .and(&mut dx)
         .and(&mut da)
@@ -441,7 +443,7 @@ fn gate_terms<T: Scalar>(
             let (v, dv, dav) = gates::gate_eval(opt.gate, *g + bias, a_log.as_ref().map(|a| a[h]));
             (*g, *dx, *da) = (v, dv, dav);
         });
-    (g, Some((dx, da)))
+    (CowArray::from(g), Some((dx, da)))
 }
 
 /// Runs `engine` forward over every (sequence, value head) pair.
@@ -496,8 +498,8 @@ pub fn backward<T: Scalar, E: KdaEngine<T>>(
     let p = Prepared::new(x, opt)?;
     let d = p.dims;
     validate_upstream(&d, d_o, dht)?;
-    let d_o = tensor::to4(d_o);
-    let dht = dht.map(tensor::to4);
+    let d_o = tensor::view4(d_o);
+    let dht = dht.map(tensor::view4);
     let results = par_pairs(p.segments.len(), d.hv, |si, hv| {
         let seg = &p.segments[si];
         let dht_h = match &dht {
@@ -568,8 +570,14 @@ impl<T: Scalar> PreparedGrads<T> {
     /// Chain rule through GVA, scale, l2norm, gate and beta sigmoid.
     pub fn chain(self, x: &KdaInputs<T>, opt: &KdaOptions, p: &Prepared<T>) -> KdaGrads<T> {
         let d = p.dims;
-        // Sum each GVA group of value heads onto its q/k head, in head order.
-        let group_sum = |a: &Array4<T>, factor: T| {
+        // Sum each GVA group of value heads onto its q/k head, in head order,
+        // then scale: `(0 + a_0 + a_1 + …) · factor`. With one value head per
+        // q/k head that is a map in place (same bits, no new tensor).
+        let group_sum = |mut a: Array4<T>, factor: T| {
+            if d.groups() == 1 {
+                a.mapv_inplace(|v| (T::zero() + v) * factor);
+                return a;
+            }
             let mut out = Array4::zeros((d.b, d.t, d.h, d.k));
             for h in 0..d.h {
                 let mut dst = out.slice_mut(s![.., .., h, ..]);
@@ -580,13 +588,13 @@ impl<T: Scalar> PreparedGrads<T> {
             }
             out
         };
-        let mut dq = group_sum(&self.dq, T::c(p.scale));
-        let mut dk = group_sum(&self.dk, T::one());
+        let mut dq = group_sum(self.dq, T::c(p.scale));
+        let mut dk = group_sum(self.dk, T::one());
         if opt.use_qk_l2norm_in_kernel {
-            dq = gates::l2norm_bwd(&tensor::to4(&x.q), &dq);
-            dk = gates::l2norm_bwd(&tensor::to4(&x.k), &dk);
+            dq = gates::l2norm_bwd(&tensor::view4(&x.q), &dq);
+            dk = gates::l2norm_bwd(&tensor::view4(&x.k), &dk);
         }
-        let (dg, da_log, ddt_bias) = gate_backward(x, opt, &d, &self.dg);
+        let (dg, da_log, ddt_bias) = gate_backward(x, opt, &d, self.dg);
         let dbeta = if opt.use_beta_sigmoid_in_kernel {
             let raw = x
                 .beta
@@ -617,15 +625,15 @@ fn gate_backward<T: Scalar>(
     x: &KdaInputs<T>,
     opt: &KdaOptions,
     d: &KdaDims,
-    dgate: &Array4<T>,
+    dgate: Array4<T>,
 ) -> (ArrayD<T>, Option<ArrayD<T>>, Option<ArrayD<T>>) {
     if d.scalar_gate {
         return (dgate.sum_axis(Axis(3)).into_dyn(), None, None);
     }
     let Some((dg_dx, dg_da)) = gate_terms(x, opt, d).1 else {
-        return (dgate.clone().into_dyn(), None, None);
+        return (dgate.into_dyn(), None, None);
     };
-    let dg = dgate * &dg_dx;
+    let dg = &dgate * &dg_dx;
     // Serial sums in index order keep the result thread-count independent.
     let da = Array1::from_shape_fn(d.hv, |h| {
         (&dgate.slice(s![.., .., h, ..]) * &dg_da.slice(s![.., .., h, ..])).sum()
