@@ -107,6 +107,19 @@ pub fn scatter<T: Scalar>(dst: &mut Array4<T>, seg: &Segment, h: usize, src: Arr
         .assign(&src);
 }
 
+/// A `[B, T, heads, D]` tensor assembled from `[L, D]` blocks, each written
+/// where `gather` would take it from (`(segment, head, block)`); the rest is 0.
+pub fn assemble<'a, T: Scalar>(
+    shape: (usize, usize, usize, usize),
+    blocks: impl Iterator<Item = (&'a Segment, usize, ArrayView2<'a, T>)>,
+) -> Array4<T> {
+    let mut out = Array4::zeros(shape);
+    for (seg, h, block) in blocks {
+        scatter(&mut out, seg, h, block);
+    }
+    out
+}
+
 /// Converts between scalars (through `f64`: exact widening, rounded narrowing).
 pub fn cast<T: Scalar, U: Scalar>(x: &ArrayD<T>) -> ArrayD<U> {
     x.mapv(|v| U::c(v.f64()))

@@ -139,10 +139,8 @@ macro_rules! cp_operator {
                 dht: dht.map(tensor::to4),
             };
             let b = super::backward(&local, &plan, cp);
-            let mut pg = crate::$m::PreparedGrads::zeros(&d);
-            for (seg, h, g) in &b.grads {
-                pg.scatter_tokens(seg, *h, g);
-            }
+            let pieces: Vec<_> = b.grads.iter().map(|(seg, h, g)| (*seg, *h, g)).collect();
+            let mut pg = crate::$m::PreparedGrads::from_pieces(&d, &pieces);
             // A sequence without tokens passes its final-state gradient straight to h0.
             if let Some(dht) = &local.dht {
                 pg.dh0.assign(dht);

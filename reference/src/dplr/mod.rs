@@ -11,6 +11,8 @@ pub mod naive;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
 
+use rayon::prelude::*;
+
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
@@ -314,12 +316,20 @@ pub fn backward<T: Scalar, E: DplrEngine<T>>(
             dht_h.view(),
         )
     });
-    let mut pg = PreparedGrads::zeros(&d);
-    for (i, r) in results.iter().enumerate() {
-        pg.scatter(&p.segments[i / d.h], i % d.h, r);
+    let pieces: Vec<_> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (p.segments[i / d.h], i % d.h, r))
+        .collect();
+    let mut pg = PreparedGrads::from_pieces(&d, &pieces);
+    for (seg, h, r) in &pieces {
+        pg.dh0.slice_mut(s![seg.seq, *h, .., ..]).assign(&r.dh0);
     }
     Ok(pg.chain(x, opt, &p))
 }
+
+/// Picks one per-token gradient out of a head's gradients.
+type PickGrad<T> = fn(&DplrHeadGrads<T>) -> &Array2<T>;
 
 /// Gradients gathered per head before the `scale` chain on `dq`.
 #[derive(Clone, Debug)]
@@ -334,34 +344,33 @@ pub struct PreparedGrads<T> {
 }
 
 impl<T: Scalar> PreparedGrads<T> {
-    pub fn zeros(d: &DplrDims) -> Self {
-        let kshape = (d.b, d.t, d.h, d.k);
+    /// The per-token gradients of `(segment, head, gradients)` pieces, one
+    /// tensor per parallel task; `dh0` is left zero for the caller.
+    pub fn from_pieces(d: &DplrDims, pieces: &[(Segment, usize, &DplrHeadGrads<T>)]) -> Self {
+        let grads: [(PickGrad<T>, usize); 6] = [
+            (|g| &g.dq, d.k),
+            (|g| &g.dk, d.k),
+            (|g| &g.dv, d.v),
+            (|g| &g.da, d.k),
+            (|g| &g.db, d.k),
+            (|g| &g.dgk, d.k),
+        ];
+        let tensors: Vec<Array4<T>> = grads
+            .into_par_iter()
+            .map(|(grad, width)| {
+                let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, grad(g).view()));
+                tensor::assemble((d.b, d.t, d.h, width), blocks)
+            })
+            .collect();
+        let [dq, dk, dv, da, db, dgk] = tensors.try_into().expect("six tensors");
         PreparedGrads {
-            dq: Array4::zeros(kshape),
-            dk: Array4::zeros(kshape),
-            dv: Array4::zeros((d.b, d.t, d.h, d.v)),
-            da: Array4::zeros(kshape),
-            db: Array4::zeros(kshape),
-            dgk: Array4::zeros(kshape),
+            dq,
+            dk,
+            dv,
+            da,
+            db,
+            dgk,
             dh0: Array4::zeros((d.n, d.h, d.k, d.v)),
-        }
-    }
-
-    pub fn scatter(&mut self, seg: &Segment, h: usize, r: &DplrHeadGrads<T>) {
-        self.scatter_tokens(seg, h, r);
-        self.dh0.slice_mut(s![seg.seq, h, .., ..]).assign(&r.dh0);
-    }
-
-    pub fn scatter_tokens(&mut self, seg: &Segment, h: usize, r: &DplrHeadGrads<T>) {
-        for (dst, src) in [
-            (&mut self.dq, &r.dq),
-            (&mut self.dk, &r.dk),
-            (&mut self.dv, &r.dv),
-            (&mut self.da, &r.da),
-            (&mut self.db, &r.db),
-            (&mut self.dgk, &r.dgk),
-        ] {
-            tensor::scatter(dst, seg, h, src.view());
         }
     }
 

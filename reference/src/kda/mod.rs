@@ -513,9 +513,14 @@ pub fn backward<T: Scalar, E: KdaEngine<T>>(
             dht_h.view(),
         )
     });
-    let mut pg = PreparedGrads::zeros(&d);
-    for (i, r) in results.iter().enumerate() {
-        pg.scatter(&p.segments[i / d.hv], i % d.hv, r);
+    let pieces: Vec<_> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (p.segments[i / d.hv], i % d.hv, r))
+        .collect();
+    let mut pg = PreparedGrads::from_pieces(&d, &pieces);
+    for (seg, hv, r) in &pieces {
+        pg.dh0.slice_mut(s![seg.seq, *hv, .., ..]).assign(&r.dh0);
     }
     Ok(pg.chain(x, opt, &p))
 }
@@ -538,33 +543,32 @@ pub struct PreparedGrads<T> {
 }
 
 impl<T: Scalar> PreparedGrads<T> {
-    pub fn zeros(d: &KdaDims) -> Self {
+    /// The per-token gradients of `(segment, value head, gradients)` pieces,
+    /// one tensor per parallel task; `dh0` is left zero for the caller (in
+    /// CP it belongs to the rank holding the sequence's start).
+    pub fn from_pieces(d: &KdaDims, pieces: &[(Segment, usize, &KdaHeadGrads<T>)]) -> Self {
+        let tokens = |grad: fn(&KdaHeadGrads<T>) -> &Array2<T>, width: usize| {
+            let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, grad(g).view()));
+            tensor::assemble((d.b, d.t, d.hv, width), blocks)
+        };
+        let ((dq, dk), (dv, dg)) = rayon::join(
+            || rayon::join(|| tokens(|g| &g.dq, d.k), || tokens(|g| &g.dk, d.k)),
+            || rayon::join(|| tokens(|g| &g.dv, d.v), || tokens(|g| &g.dg, d.k)),
+        );
+        let mut dbeta = Array3::zeros((d.b, d.t, d.hv));
+        for (seg, h, g) in pieces {
+            dbeta
+                .slice_mut(s![seg.batch, seg.start..seg.end, *h])
+                .assign(&g.dbeta);
+        }
         PreparedGrads {
-            dq: Array4::zeros((d.b, d.t, d.hv, d.k)),
-            dk: Array4::zeros((d.b, d.t, d.hv, d.k)),
-            dv: Array4::zeros((d.b, d.t, d.hv, d.v)),
-            dg: Array4::zeros((d.b, d.t, d.hv, d.k)),
-            dbeta: Array3::zeros((d.b, d.t, d.hv)),
+            dq,
+            dk,
+            dv,
+            dg,
+            dbeta,
             dh0: Array4::zeros((d.n, d.hv, d.k, d.v)),
         }
-    }
-
-    /// Stores one head's per-token gradients; `dh0` goes to `seg.seq`.
-    pub fn scatter(&mut self, seg: &Segment, hv: usize, r: &KdaHeadGrads<T>) {
-        self.scatter_tokens(seg, hv, r);
-        self.dh0.slice_mut(s![seg.seq, hv, .., ..]).assign(&r.dh0);
-    }
-
-    /// Stores one head's per-token gradients only (CP pieces whose `dh0`
-    /// belongs to the previous rank).
-    pub fn scatter_tokens(&mut self, seg: &Segment, hv: usize, r: &KdaHeadGrads<T>) {
-        tensor::scatter(&mut self.dq, seg, hv, r.dq.view());
-        tensor::scatter(&mut self.dk, seg, hv, r.dk.view());
-        tensor::scatter(&mut self.dv, seg, hv, r.dv.view());
-        tensor::scatter(&mut self.dg, seg, hv, r.dg.view());
-        self.dbeta
-            .slice_mut(s![seg.batch, seg.start..seg.end, hv])
-            .assign(&r.dbeta);
     }
 
     /// Chain rule through GVA, scale, l2norm, gate and beta sigmoid.
