@@ -96,9 +96,17 @@ pub fn gather<T: Scalar, S: Data<Elem = T>>(
     seg: &Segment,
     h: usize,
 ) -> Array2<T> {
-    x.slice(s![seg.batch, seg.start..seg.end, h, ..])
-        .as_standard_layout()
-        .into_owned()
+    let rows = x.slice(s![seg.batch, seg.start..seg.end, h, ..]);
+    let mut out = Vec::with_capacity(rows.len());
+    // Row by row: each row is contiguous in the usual layout, and copying
+    // whole rows is much faster than ndarray's element-wise strided copy.
+    for row in rows.rows() {
+        match row.to_slice() {
+            Some(r) => out.extend_from_slice(r),
+            None => out.extend(row.iter().copied()),
+        }
+    }
+    Array2::from_shape_vec(rows.raw_dim(), out).expect("L×D")
 }
 
 /// Writes an `[L, D]` block back at the place `gather` took it from.
