@@ -200,14 +200,16 @@ pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrD
     Ok(DplrDims { b, t, h, k, v, n })
 }
 
-/// Validated inputs with `q` scaled, ready to cut into heads; the other
-/// tensors are views of the inputs.
+/// Validated inputs, ready to cut into heads: views of the input tensors
+/// (`scale` is applied to `q` head by head).
 #[derive(Clone, Debug)]
 pub struct Prepared<'a, T> {
     pub dims: DplrDims,
     pub scale: f64,
     pub segments: Vec<Segment>,
-    pub q: Array4<T>,
+    /// `[B, T, H, K]`, not yet scaled: [`Prepared::head`] applies `scale`,
+    /// head by head, in parallel.
+    pub q: ArrayView4<'a, T>,
     pub k: ArrayView4<'a, T>,
     pub v: ArrayView4<'a, T>,
     pub a: ArrayView4<'a, T>,
@@ -224,7 +226,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             dims,
             scale,
             segments: varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?,
-            q: tensor::view4(&x.q).mapv(|e| e * T::c(scale)),
+            q: tensor::view4(&x.q),
             k: tensor::view4(&x.k),
             v: tensor::view4(&x.v),
             a: tensor::view4(&x.a),
@@ -234,9 +236,10 @@ impl<'a, T: Scalar> Prepared<'a, T> {
         })
     }
 
+    /// Head `h` of `seg`, `q` times `scale`.
     pub fn head(&self, seg: &Segment, h: usize) -> DplrHead<T> {
         DplrHead {
-            q: tensor::gather(&self.q, seg, h),
+            q: tensor::gather(&self.q, seg, h).mapv_into(|e| e * T::c(self.scale)),
             k: tensor::gather(&self.k, seg, h),
             a: tensor::gather(&self.a, seg, h),
             b: tensor::gather(&self.b, seg, h),

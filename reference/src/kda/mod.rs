@@ -336,8 +336,9 @@ pub struct Prepared<'a, T> {
     pub scale: f64,
     /// Sequences of the batch (whole sequences; CP cuts them further).
     pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked, times `scale`.
-    pub q: Array4<T>,
+    /// `[B, T, H, K]`, l2-normalised if asked ([`Prepared::head`] applies
+    /// `scale`, head by head, in parallel).
+    pub q: CowArray<'a, T, Ix4>,
     /// `[B, T, H, K]`, l2-normalised if asked.
     pub k: CowArray<'a, T, Ix4>,
     /// `[B, T, HV, V]`
@@ -358,10 +359,10 @@ impl<'a, T: Scalar> Prepared<'a, T> {
         let segments = varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?;
         let (q, k) = (tensor::view4(&x.q), tensor::view4(&x.k));
         let (q, k) = if opt.use_qk_l2norm_in_kernel {
-            let q = gates::l2norm_fwd(&q).mapv_into(|e| e * T::c(scale));
-            (q, CowArray::from(gates::l2norm_fwd(&k)))
+            let l2 = |x| CowArray::from(gates::l2norm_fwd(&x));
+            (l2(q), l2(k))
         } else {
-            (q.mapv(|e| e * T::c(scale)), CowArray::from(k))
+            (CowArray::from(q), CowArray::from(k))
         };
         let g = gate_terms(x, opt, &dims).0;
         let beta = x
@@ -389,11 +390,13 @@ impl<'a, T: Scalar> Prepared<'a, T> {
         })
     }
 
-    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA).
+    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA); q is
+    /// multiplied by `scale`.
     pub fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
         let hq = hv / self.dims.groups();
+        let scale = T::c(self.scale);
         KdaHead {
-            q: tensor::gather(&self.q, seg, hq),
+            q: tensor::gather(&self.q, seg, hq).mapv_into(|e| e * scale),
             k: tensor::gather(&self.k, seg, hq),
             v: tensor::gather(&self.v, seg, hv),
             g: tensor::gather(&self.g, seg, hv),
