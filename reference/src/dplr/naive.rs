@@ -38,88 +38,87 @@ pub fn backward<T: Scalar>(
     super::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// The finish of a token: `S ← Diag(e) S + b wᵀ + k vᵀ`, then `o = Sᵀq` if
-/// `q` is given.
-struct Finish<'a, T> {
-    e: &'a [T],
-    b: &'a [T],
-    k: &'a [T],
+/// What a sweep does to row `i` of the state: the finish of token `t − 1`
+/// (`S_i ← e_i S_i + b_i w + k_i v`, then `o += q_i S_i`) and the start of
+/// token `t` (`w' += a_i S_i`).
+#[derive(Clone, Copy, Debug, Default)]
+struct RowCoef<T> {
+    e: T,
+    b: T,
+    k: T,
+    q: T,
+    a: T,
+}
+
+/// The `[V]` vectors of a sweep: `w` and `v` of the finished token, and the
+/// outputs `o` and `w' = aᵀS` of the started one.
+struct SweepIo<'a, T> {
     w: &'a [T],
     v: &'a [T],
-    q: Option<&'a [T]>,
+    o: &'a mut [T],
+    w_next: &'a mut [T],
 }
 
-/// Where a sweep writes: the readout `o` of the finished token (when `q` is
-/// given), `w = aᵀS` of the started one (when `a` is given), and `keep` the
-/// state between the two.
-struct SweepOut<'a, T> {
-    o: Option<&'a mut [T]>,
-    w: Option<&'a mut [T]>,
-    keep: Option<&'a mut [T]>,
-}
-
-/// One sweep over the state `s [K, V]`: per row, `fin` (of token `t − 1`)
-/// then the start of token `t` (`w += a_i S_i`, when `a` is given).
+/// One sweep over the state `s [K, V]`. The halves it runs are constants
+/// (`FIN`ish, `READ` out, `START`), so each combination compiles to a loop
+/// without branches; vectors of absent halves are never touched.
 #[inline(always)]
-fn sweep<T: Scalar>(
+fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    vd: usize,
-    fin: Option<&Finish<T>>,
-    a: Option<&[T]>,
-    mut out: SweepOut<T>,
+    rows: &[RowCoef<T>],
+    io: &mut SweepIo<T>,
 ) {
+    let vd = s.len() / rows.len();
     let full = vd / TILE * TILE;
     for j0 in (0..full).step_by(TILE) {
-        sweep_tile::<T, TILE>(s, vd, j0, fin, a, &mut out);
+        sweep_tile::<T, TILE, FIN, READ, START>(s, rows, j0, io);
     }
     for j0 in full..vd {
-        sweep_tile::<T, 1>(s, vd, j0, fin, a, &mut out);
+        sweep_tile::<T, 1, FIN, READ, START>(s, rows, j0, io);
     }
 }
 
 /// [`sweep`] over columns `j0 .. j0 + W` (the arithmetic per element does not
-/// depend on `W`, so the tiling leaves the bits alone).
+/// depend on `W`, so the tiling leaves the bits alone). Each row's tile is
+/// copied into registers and back, which lets LLVM vectorise it.
 #[inline(always)]
-fn sweep_tile<T: Scalar, const W: usize>(
+fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    vd: usize,
+    rows: &[RowCoef<T>],
     j0: usize,
-    fin: Option<&Finish<T>>,
-    a: Option<&[T]>,
-    out: &mut SweepOut<T>,
+    io: &mut SweepIo<T>,
 ) {
+    let vd = s.len() / rows.len();
     let cols = j0..j0 + W;
-    let tile = |x: &[T]| -> [T; W] { x[cols.clone()].try_into().expect("W columns") };
+    let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
     let zeros = [T::zero(); W];
-    let (w_fin, v) = fin.map_or((zeros, zeros), |f| (tile(f.w), tile(f.v)));
-    let (mut o_acc, mut w_acc) = (zeros, zeros);
-    for (i, s_row) in s.chunks_exact_mut(vd).enumerate() {
+    let (w, v) = if FIN {
+        (tile(io.w), tile(io.v))
+    } else {
+        (zeros, zeros)
+    };
+    let (mut o, mut w_next) = (zeros, zeros);
+    for (s_row, c) in s.chunks_exact_mut(vd).zip(rows) {
         let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
-        if let Some(f) = fin {
-            let (e, b, k) = (f.e[i], f.b[i], f.k[i]);
-            for ((sj, &wj), &vj) in s_tile.iter_mut().zip(&w_fin).zip(&v) {
-                *sj = e * *sj + b * wj + k * vj;
+        let mut x = *s_tile;
+        for j in 0..W {
+            if FIN {
+                x[j] = c.e * x[j] + c.b * w[j] + c.k * v[j];
             }
-            if let Some(q) = f.q {
-                for (oj, &sj) in o_acc.iter_mut().zip(s_tile.iter()) {
-                    *oj += q[i] * sj;
-                }
+            if READ {
+                o[j] += c.q * x[j];
             }
-        }
-        if let Some(keep) = out.keep.as_deref_mut() {
-            keep[i * vd..(i + 1) * vd][cols.clone()].copy_from_slice(s_tile);
-        }
-        if let Some(a) = a {
-            for (wj, &sj) in w_acc.iter_mut().zip(s_tile.iter()) {
-                *wj += a[i] * sj;
+            if START {
+                w_next[j] += c.a * x[j];
             }
         }
+        *s_tile = x;
     }
-    if let Some(o) = out.o.as_deref_mut() {
-        o[cols.clone()].copy_from_slice(&o_acc);
+    if READ {
+        io.o[cols.clone()].copy_from_slice(&o);
     }
-    if let Some(w) = out.w.as_deref_mut() {
-        w[cols].copy_from_slice(&w_acc);
+    if START {
+        io.w_next[cols].copy_from_slice(&w_next);
     }
 }
 
@@ -148,49 +147,80 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         }
     }
 
-    #[inline(always)]
-    fn finish<'b>(&'b self, t: usize, w: &'b [T], read: bool) -> Finish<'b, T> {
-        Finish {
-            e: row(&self.decay, t),
-            b: row(&self.x.b, t),
-            k: row(&self.x.k, t),
-            w,
-            v: row(&self.x.v, t),
-            q: read.then(|| row(&self.x.q, t)),
-        }
-    }
-
-    /// Runs all tokens from the state `s`, leaving `S_L` in it.
+    /// Runs all tokens from the state `s`, leaving `S_L` in it. Sweep `t`
+    /// finishes token `t − 1` and starts token `t`; where a checkpoint falls
+    /// between the two, they run as two sweeps around the copy.
     #[inline(always)]
     fn run(&self, s: &mut [T], mut rec: Record<T>) {
-        let (l, vd) = (self.x.len(), self.x.v_dim());
+        let (l, kd, vd) = (self.x.len(), self.x.k_dim(), self.x.v_dim());
         let (mut w, mut w_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
+        let mut rows = vec![RowCoef::default(); kd];
+        let mut o_row = vec![T::zero(); if rec.o.is_some() { vd } else { 0 }];
         for t in 0..=l {
-            let read = rec.o.is_some();
-            let fin = (t > 0).then(|| self.finish(t - 1, &w, read));
-            let a = (t < l).then(|| row(&self.x.a, t));
-            let keep = match &mut rec.checkpoints {
+            let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
+            let mut io = SweepIo {
+                w: &w,
+                v: fin.map_or(&[], |p| row(&self.x.v, p)),
+                o: &mut o_row,
+                w_next: &mut w_next,
+            };
+            match &mut rec.checkpoints {
                 Some((every, states)) if t < l && t % *every == 0 => {
-                    let n = states.len();
-                    states.resize(n + s.len(), T::zero());
-                    Some(&mut states[n..])
+                    self.sweep(s, &mut rows, fin, None, &mut io);
+                    states.extend_from_slice(s);
+                    self.sweep(s, &mut rows, None, start, &mut io);
                 }
-                _ => None,
-            };
-            let o = match (&mut rec.o, t) {
-                (Some(o), 1..) => Some(row_mut(o, t - 1)),
-                _ => None,
-            };
-            let out = SweepOut {
-                o,
-                w: a.is_some().then_some(w_next.as_mut_slice()),
-                keep,
-            };
-            sweep(s, vd, fin.as_ref(), a, out);
-            if let (Some(ws), true) = (&mut rec.w, t < l) {
+                _ => self.sweep(s, &mut rows, fin, start, &mut io),
+            }
+            if let (Some(o), Some(p)) = (&mut rec.o, fin) {
+                row_mut(o, p).copy_from_slice(&o_row);
+            }
+            if let (Some(ws), Some(t)) = (&mut rec.w, start) {
                 row_mut(ws, t).copy_from_slice(&w_next);
             }
             std::mem::swap(&mut w, &mut w_next);
+        }
+    }
+
+    /// One sweep finishing token `fin` (reading out `o` when `io.o` is not
+    /// empty) and starting token `start`.
+    #[inline(always)]
+    fn sweep(
+        &self,
+        s: &mut [T],
+        rows: &mut [RowCoef<T>],
+        fin: Option<usize>,
+        start: Option<usize>,
+        io: &mut SweepIo<T>,
+    ) {
+        let x = self.x;
+        let read = fin.is_some() && !io.o.is_empty();
+        if let Some(t) = fin {
+            let coefs = row(&self.decay, t)
+                .iter()
+                .zip(row(&x.b, t))
+                .zip(row(&x.k, t));
+            for (c, ((&e, &b), &k)) in rows.iter_mut().zip(coefs) {
+                (c.e, c.b, c.k) = (e, b, k);
+            }
+            if read {
+                for (c, &q) in rows.iter_mut().zip(row(&x.q, t)) {
+                    c.q = q;
+                }
+            }
+        }
+        if let Some(t) = start {
+            for (c, &a) in rows.iter_mut().zip(row(&x.a, t)) {
+                c.a = a;
+            }
+        }
+        match (fin.is_some(), read, start.is_some()) {
+            (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
+            (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
+            (true, false, true) => sweep::<T, true, false, true>(s, rows, io),
+            (true, false, false) => sweep::<T, true, false, false>(s, rows, io),
+            (false, _, true) => sweep::<T, false, false, true>(s, rows, io),
+            (false, _, false) => {}
         }
     }
 

@@ -45,94 +45,83 @@ pub fn backward<T: Scalar>(
     super::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// The start of a token: `S ← Diag(e) S`, then `r = v − Sᵀk`.
-struct Start<'a, T> {
-    e: &'a [T],
-    k: &'a [T],
-    v: &'a [T],
+/// What a sweep does to row `i` of the state: the finish of token `t − 1`
+/// (`S_i += c_i r` with `c = β k`, then `o += q_i S_i`) and the start of
+/// token `t` (`S_i *= e_i`, then `r' −= k_i S_i`).
+#[derive(Clone, Copy, Debug, Default)]
+struct RowCoef<T> {
+    c: T,
+    q: T,
+    e: T,
+    k: T,
 }
 
-/// The finish of a token: `S ← S + β k rᵀ`, then `o = Sᵀq` if `q` is given.
-struct Finish<'a, T> {
-    k: &'a [T],
-    beta: T,
+/// The `[V]` vectors of a sweep: the residual `r` of the finished token, the
+/// value `v` of the started one, and the outputs `o` and `r' = v − S'ᵀk`.
+struct SweepIo<'a, T> {
     r: &'a [T],
-    q: Option<&'a [T]>,
+    v: &'a [T],
+    o: &'a mut [T],
+    r_next: &'a mut [T],
 }
 
-/// Where a sweep writes: the readout `o` of the finished token (when `q` is
-/// given), the residual `r` of the started one, and `keep` the state between
-/// the two halves.
-struct SweepOut<'a, T> {
-    o: Option<&'a mut [T]>,
-    r: &'a mut [T],
-    keep: Option<&'a mut [T]>,
-}
-
-/// One sweep over the state `s [K, V]`: per row, `fin` (of token `t − 1`)
-/// then `start` (of token `t`); either may be absent at the ends.
+/// One sweep over the state `s [K, V]`. The halves it runs are constants
+/// (`FIN`ish, `READ` out, `START`), so each combination compiles to a loop
+/// without branches; vectors of absent halves are never touched.
 #[inline(always)]
-fn sweep<T: Scalar>(
+fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    fin: Option<&Finish<T>>,
-    start: Option<&Start<T>>,
-    mut out: SweepOut<T>,
+    rows: &[RowCoef<T>],
+    io: &mut SweepIo<T>,
 ) {
-    let vd = out.r.len();
+    let vd = s.len() / rows.len();
     let full = vd / TILE * TILE;
     for j0 in (0..full).step_by(TILE) {
-        sweep_tile::<T, TILE>(s, j0, fin, start, &mut out);
+        sweep_tile::<T, TILE, FIN, READ, START>(s, rows, j0, io);
     }
     for j0 in full..vd {
-        sweep_tile::<T, 1>(s, j0, fin, start, &mut out);
+        sweep_tile::<T, 1, FIN, READ, START>(s, rows, j0, io);
     }
 }
 
 /// [`sweep`] over columns `j0 .. j0 + W` (the arithmetic per element does not
-/// depend on `W`, so the tiling leaves the bits alone).
+/// depend on `W`, so the tiling leaves the bits alone). Each row's tile is
+/// copied into registers and back, which lets LLVM vectorise it.
 #[inline(always)]
-fn sweep_tile<T: Scalar, const W: usize>(
+fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
+    rows: &[RowCoef<T>],
     j0: usize,
-    fin: Option<&Finish<T>>,
-    start: Option<&Start<T>>,
-    out: &mut SweepOut<T>,
+    io: &mut SweepIo<T>,
 ) {
-    let vd = out.r.len();
+    let vd = s.len() / rows.len();
     let cols = j0..j0 + W;
     let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
-    let r_fin = fin.map_or([T::zero(); W], |f| tile(f.r));
-    let mut o_acc = [T::zero(); W];
-    let mut r_acc = start.map_or([T::zero(); W], |st| tile(st.v));
-    for (i, s_row) in s.chunks_exact_mut(vd).enumerate() {
+    let zeros = [T::zero(); W];
+    let r = if FIN { tile(io.r) } else { zeros };
+    let (mut o, mut r_next) = (zeros, if START { tile(io.v) } else { zeros });
+    for (s_row, c) in s.chunks_exact_mut(vd).zip(rows) {
         let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
-        if let Some(f) = fin {
-            let c = f.k[i] * f.beta;
-            for (sj, &rj) in s_tile.iter_mut().zip(&r_fin) {
-                *sj += c * rj;
+        let mut x = *s_tile;
+        for j in 0..W {
+            if FIN {
+                x[j] += c.c * r[j];
             }
-            if let Some(q) = f.q {
-                for (oj, &sj) in o_acc.iter_mut().zip(s_tile.iter()) {
-                    *oj += q[i] * sj;
-                }
+            if READ {
+                o[j] += c.q * x[j];
             }
-        }
-        if let Some(keep) = out.keep.as_deref_mut() {
-            keep[i * vd..(i + 1) * vd][cols.clone()].copy_from_slice(s_tile);
-        }
-        if let Some(st) = start {
-            let (e, k) = (st.e[i], st.k[i]);
-            for (sj, rj) in s_tile.iter_mut().zip(r_acc.iter_mut()) {
-                *sj *= e;
-                *rj -= k * *sj;
+            if START {
+                x[j] *= c.e;
+                r_next[j] -= c.k * x[j];
             }
         }
+        *s_tile = x;
     }
-    if let Some(o) = out.o.as_deref_mut() {
-        o[cols.clone()].copy_from_slice(&o_acc);
+    if READ {
+        io.o[cols.clone()].copy_from_slice(&o);
     }
-    if start.is_some() {
-        out.r[cols].copy_from_slice(&r_acc);
+    if START {
+        io.r_next[cols].copy_from_slice(&r_next);
     }
 }
 
@@ -161,54 +150,78 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         }
     }
 
-    fn start(&self, t: usize) -> Start<'_, T> {
-        Start {
-            e: row(&self.decay, t),
-            k: row(&self.x.k, t),
-            v: row(&self.x.v, t),
-        }
-    }
-
-    fn finish<'b>(&'b self, t: usize, r: &'b [T], read: bool) -> Finish<'b, T> {
-        Finish {
-            k: row(&self.x.k, t),
-            beta: self.x.beta[t],
-            r,
-            q: read.then(|| row(&self.x.q, t)),
-        }
-    }
-
-    /// Runs all tokens from the state `s`, leaving `S_L` in it.
+    /// Runs all tokens from the state `s`, leaving `S_L` in it. Sweep `t`
+    /// finishes token `t − 1` and starts token `t`; where a checkpoint falls
+    /// between the two, they run as two sweeps around the copy.
     #[inline(always)]
     fn run(&self, s: &mut [T], mut rec: Record<T>) {
-        let (l, vd) = (self.x.len(), self.x.v_dim());
+        let (l, kd, vd) = (self.x.len(), self.x.k_dim(), self.x.v_dim());
         let (mut r, mut r_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
+        let mut rows = vec![RowCoef::default(); kd];
+        let mut o_row = vec![T::zero(); if rec.o.is_some() { vd } else { 0 }];
         for t in 0..=l {
-            let read = rec.o.is_some();
-            let fin = (t > 0).then(|| self.finish(t - 1, &r, read));
-            let start = (t < l).then(|| self.start(t));
-            let keep = match &mut rec.checkpoints {
+            let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
+            let mut io = SweepIo {
+                r: &r,
+                v: start.map_or(&[], |t| row(&self.x.v, t)),
+                o: &mut o_row,
+                r_next: &mut r_next,
+            };
+            match &mut rec.checkpoints {
                 Some((every, states)) if t < l && t % *every == 0 => {
-                    let n = states.len();
-                    states.resize(n + s.len(), T::zero());
-                    Some(&mut states[n..])
+                    self.sweep(s, &mut rows, fin, None, &mut io);
+                    states.extend_from_slice(s);
+                    self.sweep(s, &mut rows, None, start, &mut io);
                 }
-                _ => None,
-            };
-            let o = match (&mut rec.o, t) {
-                (Some(o), 1..) => Some(row_mut(o, t - 1)),
-                _ => None,
-            };
-            let out = SweepOut {
-                o,
-                r: &mut r_next,
-                keep,
-            };
-            sweep(s, fin.as_ref(), start.as_ref(), out);
-            if let (Some(rs), true) = (&mut rec.r, t < l) {
+                _ => self.sweep(s, &mut rows, fin, start, &mut io),
+            }
+            if let (Some(o), Some(p)) = (&mut rec.o, fin) {
+                row_mut(o, p).copy_from_slice(&o_row);
+            }
+            if let (Some(rs), Some(t)) = (&mut rec.r, start) {
                 row_mut(rs, t).copy_from_slice(&r_next);
             }
             std::mem::swap(&mut r, &mut r_next);
+        }
+    }
+
+    /// One sweep finishing token `fin` (reading out `o` when `io.o` is not
+    /// empty) and starting token `start`.
+    #[inline(always)]
+    fn sweep(
+        &self,
+        s: &mut [T],
+        rows: &mut [RowCoef<T>],
+        fin: Option<usize>,
+        start: Option<usize>,
+        io: &mut SweepIo<T>,
+    ) {
+        let x = self.x;
+        let read = fin.is_some() && !io.o.is_empty();
+        if let Some(t) = fin {
+            let (k, beta) = (row(&x.k, t), x.beta[t]);
+            for (c, &ki) in rows.iter_mut().zip(k) {
+                c.c = ki * beta;
+            }
+            if read {
+                for (c, &qi) in rows.iter_mut().zip(row(&x.q, t)) {
+                    c.q = qi;
+                }
+            }
+        }
+        if let Some(t) = start {
+            let (e, k) = (row(&self.decay, t), row(&x.k, t));
+            for ((c, &ei), &ki) in rows.iter_mut().zip(e).zip(k) {
+                (c.e, c.k) = (ei, ki);
+            }
+        }
+        match (fin.is_some(), read, start.is_some()) {
+            (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
+            (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
+            (true, false, true) => sweep::<T, true, false, true>(s, rows, io),
+            (true, false, false) => sweep::<T, true, false, false>(s, rows, io),
+            (false, _, true) => sweep::<T, false, false, true>(s, rows, io),
+            (false, _, false) => {}
         }
     }
 }
