@@ -40,6 +40,13 @@ fn main() {
         "kda  naive fwd+bwd: {:8.4} s   (FLA torch naive ~2.2 s; target < 0.05 s)",
         kda_s
     );
+    let fwd = best_of(5, || {
+        kda::naive::forward(&g.inputs, &opts).expect("valid");
+    });
+    let bwd = best_of(5, || {
+        kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+    });
+    println!("     forward {fwd:8.4} s, backward {bwd:8.4} s");
 
     let d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
@@ -61,4 +68,11 @@ fn main() {
         "dplr naive fwd+bwd: {:8.4} s   (FLA torch naive ~3.3 s; target < 0.05 s)",
         dplr_s
     );
+    let fwd = best_of(5, || {
+        dplr::naive::forward(&d.inputs, &dopts).expect("valid");
+    });
+    let bwd = best_of(5, || {
+        dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+    });
+    println!("     forward {fwd:8.4} s, backward {bwd:8.4} s");
 }

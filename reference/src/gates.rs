@@ -2,7 +2,7 @@
 //! derivatives: l2 normalisation of q/k, the KDA gates and the beta sigmoid.
 //! Every formula of SPEC §3 "Options" lives here once.
 
-use ndarray::{Array4, Axis, Zip};
+use ndarray::{Array4, ArrayBase, Axis, Data, Ix4, Zip};
 
 use crate::scalar::Scalar;
 
@@ -30,8 +30,8 @@ pub fn softplus<T: Scalar>(x: T) -> T {
 }
 
 /// Normalises the last axis of `[B, T, H, D]`: `y = x / sqrt(Σx² + eps)`.
-pub fn l2norm_fwd<T: Scalar>(x: &Array4<T>) -> Array4<T> {
-    let mut y = x.clone();
+pub fn l2norm_fwd<T: Scalar, S: Data<Elem = T>>(x: &ArrayBase<S, Ix4>) -> Array4<T> {
+    let mut y = x.to_owned();
     for mut row in y.lanes_mut(Axis(3)) {
         let r = rstd(row.iter().copied());
         row.mapv_inplace(|v| v * r);
@@ -40,7 +40,10 @@ pub fn l2norm_fwd<T: Scalar>(x: &Array4<T>) -> Array4<T> {
 }
 
 /// Gradient through `l2norm_fwd`: `dx = r (dy − y (y·dy))`, given the raw `x`.
-pub fn l2norm_bwd<T: Scalar>(x: &Array4<T>, dy: &Array4<T>) -> Array4<T> {
+pub fn l2norm_bwd<T: Scalar, S: Data<Elem = T>>(
+    x: &ArrayBase<S, Ix4>,
+    dy: &Array4<T>,
+) -> Array4<T> {
     let mut dx = dy.clone();
     Zip::from(dx.lanes_mut(Axis(3)))
         .and(x.lanes(Axis(3)))

@@ -15,6 +15,8 @@ pub mod kda;
 pub mod precision;
 pub mod rng;
 pub mod scalar;
+pub mod simd;
+pub mod sweep;
 pub mod tensor;
 pub mod token_shift;
 pub mod varlen;

@@ -2,7 +2,7 @@
 //! between FLA's time-major `[B, T, heads, D]` tensors and the per-head
 //! `[L, D]` blocks the engines work on.
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, Ix4};
+use ndarray::{s, Array2, Array4, ArrayBase, ArrayD, ArrayView2, ArrayView4, Data, Ix4};
 
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
@@ -36,7 +36,11 @@ pub fn check_finite<T: Scalar>(tensor: &str, x: &ArrayD<T>) -> Result<()> {
     // Scan the flat data first (fast); build the index only on failure.
     let x = x.as_standard_layout();
     let flat = x.as_slice().expect("standard layout");
-    match flat.iter().position(|v| !v.is_finite()) {
+    let first_bad = crate::simd::dispatch(
+        #[inline(always)]
+        || first_non_finite(flat),
+    );
+    match first_bad {
         None => Ok(()),
         Some(pos) => {
             let mut index = vec![0; x.ndim()];
@@ -54,6 +58,17 @@ pub fn check_finite<T: Scalar>(tensor: &str, x: &ArrayD<T>) -> Result<()> {
     }
 }
 
+/// The index of the first NaN or ±Inf in `flat`. Chunks are counted without
+/// an early exit, which vectorises; only a failing chunk is searched.
+#[inline(always)]
+fn first_non_finite<T: Scalar>(flat: &[T]) -> Option<usize> {
+    const CHUNK: usize = 1024;
+    flat.chunks(CHUNK)
+        .enumerate()
+        .find(|(_, c)| c.iter().filter(|v| !v.is_finite()).count() > 0)
+        .map(|(i, c)| i * CHUNK + c.iter().position(|v| !v.is_finite()).expect("in chunk"))
+}
+
 /// Checks a scalar option is finite.
 pub fn check_finite_option(option: &str, x: f64) -> Result<()> {
     if x.is_finite() {
@@ -63,25 +78,54 @@ pub fn check_finite_option(option: &str, x: f64) -> Result<()> {
     }
 }
 
-/// A validated 4-D tensor view as `Array4` (caller checked the rank).
+/// A validated 4-D tensor as `Array4` (caller checked the rank).
 pub fn to4<T: Scalar>(x: &ArrayD<T>) -> Array4<T> {
+    view4(x).to_owned()
+}
+
+/// A validated 4-D tensor viewed as 4-D (caller checked the rank).
+pub fn view4<T: Scalar>(x: &ArrayD<T>) -> ArrayView4<'_, T> {
     x.view()
         .into_dimensionality::<Ix4>()
         .expect("rank checked by validation")
-        .to_owned()
 }
 
 /// Rows `seg.start..seg.end` of head `h` of batch row `seg.batch`: `[L, D]`.
-pub fn gather<T: Scalar>(x: &Array4<T>, seg: &Segment, h: usize) -> Array2<T> {
-    x.slice(s![seg.batch, seg.start..seg.end, h, ..])
-        .as_standard_layout()
-        .into_owned()
+pub fn gather<T: Scalar, S: Data<Elem = T>>(
+    x: &ArrayBase<S, Ix4>,
+    seg: &Segment,
+    h: usize,
+) -> Array2<T> {
+    let rows = x.slice(s![seg.batch, seg.start..seg.end, h, ..]);
+    let mut out = Vec::with_capacity(rows.len());
+    // Row by row: each row is contiguous in the usual layout, and copying
+    // whole rows is much faster than ndarray's element-wise strided copy.
+    for row in rows.rows() {
+        match row.to_slice() {
+            Some(r) => out.extend_from_slice(r),
+            None => out.extend(row.iter().copied()),
+        }
+    }
+    Array2::from_shape_vec(rows.raw_dim(), out).expect("L×D")
 }
 
 /// Writes an `[L, D]` block back at the place `gather` took it from.
 pub fn scatter<T: Scalar>(dst: &mut Array4<T>, seg: &Segment, h: usize, src: ArrayView2<T>) {
     dst.slice_mut(s![seg.batch, seg.start..seg.end, h, ..])
         .assign(&src);
+}
+
+/// A `[B, T, heads, D]` tensor assembled from `[L, D]` blocks, each written
+/// where `gather` would take it from (`(segment, head, block)`); the rest is 0.
+pub fn assemble<'a, T: Scalar>(
+    shape: (usize, usize, usize, usize),
+    blocks: impl Iterator<Item = (&'a Segment, usize, ArrayView2<'a, T>)>,
+) -> Array4<T> {
+    let mut out = Array4::zeros(shape);
+    for (seg, h, block) in blocks {
+        scatter(&mut out, seg, h, block);
+    }
+    out
 }
 
 /// Converts between scalars (through `f64`: exact widening, rounded narrowing).
@@ -96,22 +140,57 @@ pub fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>
 
 /// `Σ a_i b_i` with four independent partial sums (fixed order, so
 /// deterministic): a strict left-to-right sum is one long dependency chain.
-#[inline]
+#[inline(always)]
 pub fn dot<T: Scalar>(a: &[T], b: &[T]) -> T {
-    let (ca, cb) = (a.chunks_exact(4), b.chunks_exact(4));
-    let tail: T = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(&x, &y)| x * y)
-        .sum();
-    let mut acc = [T::zero(); 4];
-    for (x, y) in ca.zip(cb) {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut sum = DotSum::new();
+    for (x, y) in a.chunks_exact(4).zip(b.chunks_exact(4)) {
         for l in 0..4 {
-            acc[l] += x[l] * y[l];
+            sum.lanes[l] += x[l] * y[l];
         }
     }
-    (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail
+    let full = n / 4 * 4;
+    for (&x, &y) in a[full..].iter().zip(&b[full..]) {
+        sum.tail += x * y;
+    }
+    sum.finish()
+}
+
+/// The partial sums of [`dot`], for passes that accumulate dot products
+/// while doing other work on the same row: `lanes[l]` sums the products at
+/// `4c + l` over the full chunks of 4, `tail` the rest, and `finish`
+/// combines them in `dot`'s order, so the result has `dot`'s bits.
+#[derive(Clone, Copy, Debug)]
+pub struct DotSum<T> {
+    pub lanes: [T; 4],
+    pub tail: T,
+}
+
+impl<T: Scalar> DotSum<T> {
+    /// The tail starts at −0 like `Iterator::sum`, so an empty tail adds nothing.
+    #[inline(always)]
+    pub fn new() -> Self {
+        DotSum {
+            lanes: [T::zero(); 4],
+            tail: -T::zero(),
+        }
+    }
+
+    #[inline(always)]
+    pub fn finish(self) -> T {
+        // Passing the lanes through memory keeps them one vector register in
+        // the loop: otherwise LLVM pairs lanes (0, 2) and (1, 3) to suit this
+        // final sum and shuffles every load.
+        let l = std::hint::black_box(self.lanes);
+        (l[0] + l[1]) + (l[2] + l[3]) + self.tail
+    }
+}
+
+impl<T: Scalar> Default for DotSum<T> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// FLA's kernels use chunks of 16, 32 or 64 tokens.

@@ -323,3 +323,22 @@ fn diagnose_locates_a_fault_and_draws_a_plot() {
     assert_eq!(rc, 2);
     assert!(err.contains("unknown --precision `fp8`"), "{err}");
 }
+
+/// The AVX2 code (where the CPU has it) and the baseline code give the same
+/// bits: with `DELTAREF_NO_SIMD` the committed fixtures still regenerate byte
+/// for byte (the in-process fixture test covers the default path).
+#[test]
+fn fixtures_regenerate_on_the_baseline_code_path() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let out = deltaref()
+        .env("DELTAREF_NO_SIMD", "1")
+        .args(["fixtures", "--check", s(&fixtures)])
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -16,7 +16,7 @@ macro_rules! cp_operator {
 
         /// One problem seen piece by piece.
         pub struct $Local<'a, T, E> {
-            pub p: &'a crate::$m::Prepared<T>,
+            pub p: &'a crate::$m::Prepared<'a, T>,
             pub engine: &'a E,
             /// `[B, T, heads, V]`
             pub d_o: Option<Array4<T>>,
@@ -104,7 +104,7 @@ macro_rules! cp_operator {
             }
             // Sequences without tokens keep their initial state.
             let mut ht =
-                p.h0.clone()
+                p.h0.map(|h0| h0.to_owned())
                     .unwrap_or_else(|| Array4::zeros((d.n, d.heads(), d.k, d.v)));
             for (seq, h, st) in &f.final_states {
                 ht.slice_mut(s![*seq, *h, .., ..]).assign(st);
@@ -139,10 +139,8 @@ macro_rules! cp_operator {
                 dht: dht.map(tensor::to4),
             };
             let b = super::backward(&local, &plan, cp);
-            let mut pg = crate::$m::PreparedGrads::zeros(&d);
-            for (seg, h, g) in &b.grads {
-                pg.scatter_tokens(seg, *h, g);
-            }
+            let pieces: Vec<_> = b.grads.iter().map(|(seg, h, g)| (*seg, *h, g)).collect();
+            let mut pg = crate::$m::PreparedGrads::from_pieces(&d, &pieces);
             // A sequence without tokens passes its final-state gradient straight to h0.
             if let Some(dht) = &local.dht {
                 pg.dh0.assign(dht);

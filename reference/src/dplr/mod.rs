@@ -9,7 +9,9 @@
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2};
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
+
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
@@ -198,42 +200,46 @@ pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrD
     Ok(DplrDims { b, t, h, k, v, n })
 }
 
-/// Validated inputs with `q` scaled, ready to cut into heads.
+/// Validated inputs, ready to cut into heads: views of the input tensors
+/// (`scale` is applied to `q` head by head).
 #[derive(Clone, Debug)]
-pub struct Prepared<T> {
+pub struct Prepared<'a, T> {
     pub dims: DplrDims,
     pub scale: f64,
     pub segments: Vec<Segment>,
-    pub q: Array4<T>,
-    pub k: Array4<T>,
-    pub v: Array4<T>,
-    pub a: Array4<T>,
-    pub b: Array4<T>,
-    pub gk: Array4<T>,
-    pub h0: Option<Array4<T>>,
+    /// `[B, T, H, K]`, not yet scaled: [`Prepared::head`] applies `scale`,
+    /// head by head, in parallel.
+    pub q: ArrayView4<'a, T>,
+    pub k: ArrayView4<'a, T>,
+    pub v: ArrayView4<'a, T>,
+    pub a: ArrayView4<'a, T>,
+    pub b: ArrayView4<'a, T>,
+    pub gk: ArrayView4<'a, T>,
+    pub h0: Option<ArrayView4<'a, T>>,
 }
 
-impl<T: Scalar> Prepared<T> {
-    pub fn new(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<Self> {
+impl<'a, T: Scalar> Prepared<'a, T> {
+    pub fn new(x: &'a DplrInputs<T>, opt: &DplrOptions) -> Result<Self> {
         let dims = validate(x, opt)?;
         let scale = opt.scale.unwrap_or(1.0 / (dims.k as f64).sqrt());
         Ok(Prepared {
             dims,
             scale,
             segments: varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?,
-            q: tensor::to4(&x.q).mapv(|e| e * T::c(scale)),
-            k: tensor::to4(&x.k),
-            v: tensor::to4(&x.v),
-            a: tensor::to4(&x.a),
-            b: tensor::to4(&x.b),
-            gk: tensor::to4(&x.gk),
-            h0: x.initial_state.as_ref().map(tensor::to4),
+            q: tensor::view4(&x.q),
+            k: tensor::view4(&x.k),
+            v: tensor::view4(&x.v),
+            a: tensor::view4(&x.a),
+            b: tensor::view4(&x.b),
+            gk: tensor::view4(&x.gk),
+            h0: x.initial_state.as_ref().map(tensor::view4),
         })
     }
 
+    /// Head `h` of `seg`, `q` times `scale`.
     pub fn head(&self, seg: &Segment, h: usize) -> DplrHead<T> {
         DplrHead {
-            q: tensor::gather(&self.q, seg, h),
+            q: tensor::gather(&self.q, seg, h).mapv_into(|e| e * T::c(self.scale)),
             k: tensor::gather(&self.k, seg, h),
             a: tensor::gather(&self.a, seg, h),
             b: tensor::gather(&self.b, seg, h),
@@ -298,8 +304,8 @@ pub fn backward<T: Scalar, E: DplrEngine<T>>(
     let p = Prepared::new(x, opt)?;
     let d = p.dims;
     validate_upstream(&d, d_o, dht)?;
-    let d_o = tensor::to4(d_o);
-    let dht = dht.map(tensor::to4);
+    let d_o = tensor::view4(d_o);
+    let dht = dht.map(tensor::view4);
     let results = par_pairs(p.segments.len(), d.h, |si, h| {
         let seg = &p.segments[si];
         let dht_h = match &dht {
@@ -313,12 +319,20 @@ pub fn backward<T: Scalar, E: DplrEngine<T>>(
             dht_h.view(),
         )
     });
-    let mut pg = PreparedGrads::zeros(&d);
-    for (i, r) in results.iter().enumerate() {
-        pg.scatter(&p.segments[i / d.h], i % d.h, r);
+    let pieces: Vec<_> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (p.segments[i / d.h], i % d.h, r))
+        .collect();
+    let mut pg = PreparedGrads::from_pieces(&d, &pieces);
+    for (seg, h, r) in &pieces {
+        pg.dh0.slice_mut(s![seg.seq, *h, .., ..]).assign(&r.dh0);
     }
     Ok(pg.chain(x, opt, &p))
 }
+
+/// Picks one per-token gradient out of a head's gradients.
+type PickGrad<T> = fn(&DplrHeadGrads<T>) -> &Array2<T>;
 
 /// Gradients gathered per head before the `scale` chain on `dq`.
 #[derive(Clone, Debug)]
@@ -333,34 +347,33 @@ pub struct PreparedGrads<T> {
 }
 
 impl<T: Scalar> PreparedGrads<T> {
-    pub fn zeros(d: &DplrDims) -> Self {
-        let kshape = (d.b, d.t, d.h, d.k);
+    /// The per-token gradients of `(segment, head, gradients)` pieces, one
+    /// tensor per parallel task; `dh0` is left zero for the caller.
+    pub fn from_pieces(d: &DplrDims, pieces: &[(Segment, usize, &DplrHeadGrads<T>)]) -> Self {
+        let grads: [(PickGrad<T>, usize); 6] = [
+            (|g| &g.dq, d.k),
+            (|g| &g.dk, d.k),
+            (|g| &g.dv, d.v),
+            (|g| &g.da, d.k),
+            (|g| &g.db, d.k),
+            (|g| &g.dgk, d.k),
+        ];
+        let tensors: Vec<Array4<T>> = grads
+            .into_par_iter()
+            .map(|(grad, width)| {
+                let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, grad(g).view()));
+                tensor::assemble((d.b, d.t, d.h, width), blocks)
+            })
+            .collect();
+        let [dq, dk, dv, da, db, dgk] = tensors.try_into().expect("six tensors");
         PreparedGrads {
-            dq: Array4::zeros(kshape),
-            dk: Array4::zeros(kshape),
-            dv: Array4::zeros((d.b, d.t, d.h, d.v)),
-            da: Array4::zeros(kshape),
-            db: Array4::zeros(kshape),
-            dgk: Array4::zeros(kshape),
+            dq,
+            dk,
+            dv,
+            da,
+            db,
+            dgk,
             dh0: Array4::zeros((d.n, d.h, d.k, d.v)),
-        }
-    }
-
-    pub fn scatter(&mut self, seg: &Segment, h: usize, r: &DplrHeadGrads<T>) {
-        self.scatter_tokens(seg, h, r);
-        self.dh0.slice_mut(s![seg.seq, h, .., ..]).assign(&r.dh0);
-    }
-
-    pub fn scatter_tokens(&mut self, seg: &Segment, h: usize, r: &DplrHeadGrads<T>) {
-        for (dst, src) in [
-            (&mut self.dq, &r.dq),
-            (&mut self.dk, &r.dk),
-            (&mut self.dv, &r.dv),
-            (&mut self.da, &r.da),
-            (&mut self.db, &r.db),
-            (&mut self.dgk, &r.dgk),
-        ] {
-            tensor::scatter(dst, seg, h, src.view());
         }
     }
 
@@ -368,7 +381,7 @@ impl<T: Scalar> PreparedGrads<T> {
     /// nothing else to chain through; the signature matches KDA's).
     pub fn chain(self, x: &DplrInputs<T>, _opt: &DplrOptions, p: &Prepared<T>) -> DplrGrads<T> {
         DplrGrads {
-            dq: self.dq.mapv(|e| e * T::c(p.scale)).into_dyn(),
+            dq: self.dq.mapv_into(|e| e * T::c(p.scale)).into_dyn(),
             dk: self.dk.into_dyn(),
             dv: self.dv.into_dyn(),
             da: self.da.into_dyn(),

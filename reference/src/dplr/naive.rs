@@ -1,12 +1,26 @@
 //! The naive recurrent DPLR form, one token at a time (SPEC §4), with a
 //! checkpointed hand-derived backward (`O(√L · K · V)` memory).
+//!
+//! Each token has two halves: *start* reads the low-rank term from the
+//! undecayed state (`w = aᵀ S_{t−1}`), *finish* writes the state
+//! (`S_t = Diag(e^gk) S_{t−1} + b wᵀ + k vᵀ`) and reads out `o = S_tᵀ q`. As
+//! in the KDA engine, the finish of one token and the start of the next run
+//! in one sweep over the state, a tile of columns at a time. The checkpoint
+//! pass keeps `w [L, V]`, which makes recomputing a token elementwise, and
+//! the reverse sweep fuses, row by row, the backward of token `t`'s start
+//! (and decay) with the backward of token `t − 1`'s finish.
+//!
+//! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
+//! on everything they call per token.
 
-use ndarray::{Array2, ArrayD, ArrayView1, ArrayView2};
+use ndarray::{Array2, ArrayD, ArrayView2};
 
 use super::{DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs};
 use crate::error::Result;
 use crate::scalar::Scalar;
-use crate::tensor::dot;
+use crate::simd;
+use crate::sweep::{block_len, quad, row, row_mut, state, TILE};
+use crate::tensor::{dot, DotSum};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;
@@ -24,79 +38,221 @@ pub fn backward<T: Scalar>(
     super::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// `out_j = Σ_i w_i S[i, j]` (a row vector times the `[K, V]` state).
-fn vec_mat<T: Scalar>(w: ArrayView1<T>, s: &[T], out: &mut [T]) {
-    let vd = out.len();
-    out.iter_mut().for_each(|x| *x = T::zero());
-    for (i, &wi) in w.iter().enumerate() {
-        for (oj, &sj) in out.iter_mut().zip(&s[i * vd..(i + 1) * vd]) {
-            *oj += wi * sj;
-        }
-    }
+/// What a sweep does to row `i` of the state: the finish of token `t − 1`
+/// (`S_i ← e_i S_i + b_i w + k_i v`, then `o += q_i S_i`) and the start of
+/// token `t` (`w' += a_i S_i`).
+#[derive(Clone, Copy, Debug, Default)]
+struct RowCoef<T> {
+    e: T,
+    b: T,
+    k: T,
+    q: T,
+    a: T,
 }
 
-/// One step `S ← Diag(exp gk) S + b (aᵀS) + k vᵀ`; `a_s` receives `aᵀ S_{t−1}`.
-fn step<T: Scalar>(x: &DplrHead<T>, t: usize, s: &mut [T], a_s: &mut [T]) {
-    let vd = x.v_dim();
-    vec_mat(x.a.row(t), s, a_s);
-    let v = x.v.row(t);
-    for (i, ((&gi, &bi), &ki)) in
-        x.gk.row(t)
-            .iter()
-            .zip(x.b.row(t))
-            .zip(x.k.row(t))
-            .enumerate()
-    {
-        let e = gi.exp();
-        for ((sj, &asj), &vj) in s[i * vd..(i + 1) * vd]
-            .iter_mut()
-            .zip(a_s.iter())
-            .zip(v.iter())
-        {
-            *sj = e * *sj + bi * asj + ki * vj;
-        }
-    }
+/// The `[V]` vectors of a sweep: `w` and `v` of the finished token, and the
+/// outputs `o` and `w' = aᵀS` of the started one.
+struct SweepIo<'a, T> {
+    w: &'a [T],
+    v: &'a [T],
+    o: &'a mut [T],
+    w_next: &'a mut [T],
 }
 
-fn run<T: Scalar>(
-    x: &DplrHead<T>,
+/// One sweep over the state `s [K, V]`. The halves it runs are constants
+/// (`FIN`ish, `READ` out, `START`), so each combination compiles to a loop
+/// without branches; vectors of absent halves are never touched.
+#[inline(always)]
+fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    from: usize,
-    to: usize,
-    mut o: Option<&mut Array2<T>>,
-    mut keep: impl FnMut(usize, &[T]),
+    rows: &[RowCoef<T>],
+    io: &mut SweepIo<T>,
 ) {
-    let mut a_s = vec![T::zero(); x.v_dim()];
-    for t in from..to {
-        keep(t, s);
-        step(x, t, s, &mut a_s);
-        if let Some(o) = o.as_deref_mut() {
-            vec_mat(
-                x.q.row(t),
-                s,
-                o.row_mut(t).as_slice_mut().expect("row-major"),
-            );
-        }
+    let vd = s.len() / rows.len();
+    let full = vd / TILE * TILE;
+    for j0 in (0..full).step_by(TILE) {
+        sweep_tile::<T, TILE, FIN, READ, START>(s, rows, j0, io);
+    }
+    for j0 in full..vd {
+        sweep_tile::<T, 1, FIN, READ, START>(s, rows, j0, io);
     }
 }
 
-fn block_len(l: usize) -> usize {
-    ((l as f64).sqrt().ceil() as usize).max(16)
+/// [`sweep`] over columns `j0 .. j0 + W` (the arithmetic per element does not
+/// depend on `W`, so the tiling leaves the bits alone). Each row's tile is
+/// copied into registers and back, which lets LLVM vectorise it.
+#[inline(always)]
+fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
+    s: &mut [T],
+    rows: &[RowCoef<T>],
+    j0: usize,
+    io: &mut SweepIo<T>,
+) {
+    let vd = s.len() / rows.len();
+    let cols = j0..j0 + W;
+    let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
+    let zeros = [T::zero(); W];
+    let (w, v) = if FIN {
+        (tile(io.w), tile(io.v))
+    } else {
+        (zeros, zeros)
+    };
+    let (mut o, mut w_next) = (zeros, zeros);
+    for (s_row, c) in s.chunks_exact_mut(vd).zip(rows) {
+        let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
+        let mut x = *s_tile;
+        for j in 0..W {
+            if FIN {
+                x[j] = c.e * x[j] + c.b * w[j] + c.k * v[j];
+            }
+            if READ {
+                o[j] += c.q * x[j];
+            }
+            if START {
+                w_next[j] += c.a * x[j];
+            }
+        }
+        *s_tile = x;
+    }
+    if READ {
+        io.o[cols.clone()].copy_from_slice(&o);
+    }
+    if START {
+        io.w_next[cols].copy_from_slice(&w_next);
+    }
+}
+
+/// One head's tensors by token, with the decay `e^gk` computed once.
+struct Tokens<'a, T> {
+    x: &'a DplrHead<T>,
+    /// `e^gk [L, K]`
+    decay: Array2<T>,
+}
+
+/// What a forward run records besides the final state.
+struct Record<'a, T> {
+    /// `o [L, V]`
+    o: Option<&'a mut Array2<T>>,
+    /// `w = aᵀ S_{t−1}`, `[L, V]`.
+    w: Option<&'a mut Array2<T>>,
+    /// `(every, states)`: the state entering every `every`-th token, appended.
+    checkpoints: Option<(usize, &'a mut Vec<T>)>,
+}
+
+impl<'a, T: Scalar> Tokens<'a, T> {
+    fn new(x: &'a DplrHead<T>) -> Self {
+        Tokens {
+            x,
+            decay: x.gk.mapv(T::exp),
+        }
+    }
+
+    /// Runs all tokens from the state `s`, leaving `S_L` in it. Sweep `t`
+    /// finishes token `t − 1` and starts token `t`; where a checkpoint falls
+    /// between the two, they run as two sweeps around the copy.
+    #[inline(always)]
+    fn run(&self, s: &mut [T], mut rec: Record<T>) {
+        let (l, kd, vd) = (self.x.len(), self.x.k_dim(), self.x.v_dim());
+        let (mut w, mut w_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
+        let mut rows = vec![RowCoef::default(); kd];
+        let mut o_row = vec![T::zero(); if rec.o.is_some() { vd } else { 0 }];
+        for t in 0..=l {
+            let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
+            let mut io = SweepIo {
+                w: &w,
+                v: fin.map_or(&[], |p| row(&self.x.v, p)),
+                o: &mut o_row,
+                w_next: &mut w_next,
+            };
+            match &mut rec.checkpoints {
+                Some((every, states)) if t < l && t % *every == 0 => {
+                    self.sweep(s, &mut rows, fin, None, &mut io);
+                    states.extend_from_slice(s);
+                    self.sweep(s, &mut rows, None, start, &mut io);
+                }
+                _ => self.sweep(s, &mut rows, fin, start, &mut io),
+            }
+            if let (Some(o), Some(p)) = (&mut rec.o, fin) {
+                row_mut(o, p).copy_from_slice(&o_row);
+            }
+            if let (Some(ws), Some(t)) = (&mut rec.w, start) {
+                row_mut(ws, t).copy_from_slice(&w_next);
+            }
+            std::mem::swap(&mut w, &mut w_next);
+        }
+    }
+
+    /// One sweep finishing token `fin` (reading out `o` when `io.o` is not
+    /// empty) and starting token `start`.
+    #[inline(always)]
+    fn sweep(
+        &self,
+        s: &mut [T],
+        rows: &mut [RowCoef<T>],
+        fin: Option<usize>,
+        start: Option<usize>,
+        io: &mut SweepIo<T>,
+    ) {
+        let x = self.x;
+        let read = fin.is_some() && !io.o.is_empty();
+        if let Some(t) = fin {
+            let coefs = row(&self.decay, t)
+                .iter()
+                .zip(row(&x.b, t))
+                .zip(row(&x.k, t));
+            for (c, ((&e, &b), &k)) in rows.iter_mut().zip(coefs) {
+                (c.e, c.b, c.k) = (e, b, k);
+            }
+            if read {
+                for (c, &q) in rows.iter_mut().zip(row(&x.q, t)) {
+                    c.q = q;
+                }
+            }
+        }
+        if let Some(t) = start {
+            for (c, &a) in rows.iter_mut().zip(row(&x.a, t)) {
+                c.a = a;
+            }
+        }
+        match (fin.is_some(), read, start.is_some()) {
+            (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
+            (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
+            (true, false, true) => sweep::<T, true, false, true>(s, rows, io),
+            (true, false, false) => sweep::<T, true, false, false>(s, rows, io),
+            (false, _, true) => sweep::<T, false, false, true>(s, rows, io),
+            (false, _, false) => {}
+        }
+    }
+
+    /// `S_t = Diag(e^gk) S_{t−1} + b wᵀ + k vᵀ` from the kept `w_t`: the
+    /// forward sweep's operations without the reductions.
+    #[inline(always)]
+    fn replay(&self, t: usize, w: &[T], s_prev: &[T], s: &mut [T]) {
+        let x = self.x;
+        let (e, b, k, v) = (
+            row(&self.decay, t),
+            row(&x.b, t),
+            row(&x.k, t),
+            row(&x.v, t),
+        );
+        let rows = s
+            .chunks_exact_mut(w.len())
+            .zip(s_prev.chunks_exact(w.len()));
+        for (i, (s_row, p_row)) in rows.enumerate() {
+            let (ei, bi, ki) = (e[i], b[i], k[i]);
+            for (((sj, &pj), &wj), &vj) in s_row.iter_mut().zip(p_row).zip(w).zip(v) {
+                *sj = ei * pj + bi * wj + ki * vj;
+            }
+        }
+    }
 }
 
 impl<T: Scalar> DplrEngine<T> for Naive {
     fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        let mut s = h0.as_standard_layout().into_owned();
-        let mut o = Array2::zeros((x.len(), x.v_dim()));
-        run(
-            x,
-            s.as_slice_mut().expect("standard layout"),
-            0,
-            x.len(),
-            Some(&mut o),
-            |_, _| {},
-        );
-        (o, s)
+        simd::dispatch(
+            #[inline(always)]
+            || forward_head(x, h0),
+        )
     }
 
     fn backward(
@@ -106,23 +262,53 @@ impl<T: Scalar> DplrEngine<T> for Naive {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
-        let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let (bl, kv) = (block_len(l), kd * vd);
-        let mut a_s = vec![T::zero(); vd];
-        let mut checkpoints: Vec<T> = Vec::with_capacity(l.div_ceil(bl) * kv);
-        let mut s = h0
-            .as_standard_layout()
-            .into_owned()
-            .into_raw_vec_and_offset()
-            .0;
-        for t in 0..l {
-            if t % bl == 0 {
-                checkpoints.extend_from_slice(&s);
-            }
-            step(x, t, &mut s, &mut a_s);
-        }
-        let z = || Array2::zeros((l, kd));
-        let mut gr = DplrHeadGrads {
+        simd::dispatch(
+            #[inline(always)]
+            || backward_head(x, h0, d_o, dht),
+        )
+    }
+}
+
+#[inline(always)]
+fn forward_head<T: Scalar>(x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+    let mut s = state(h0);
+    let mut o = Array2::zeros((x.len(), x.v_dim()));
+    let rec = Record {
+        o: Some(&mut o),
+        w: None,
+        checkpoints: None,
+    };
+    Tokens::new(x).run(&mut s, rec);
+    (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
+}
+
+#[inline(always)]
+fn backward_head<T: Scalar>(
+    x: &DplrHead<T>,
+    h0: ArrayView2<T>,
+    d_o: ArrayView2<T>,
+    dht: ArrayView2<T>,
+) -> DplrHeadGrads<T> {
+    let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
+    let (bl, kv) = (block_len(l), kd * vd);
+    let tokens = Tokens::new(x);
+    let mut ws = Array2::zeros((l, vd));
+    let mut checkpoints = Vec::with_capacity(l.div_ceil(bl) * kv);
+    let rec = Record {
+        o: None,
+        w: Some(&mut ws),
+        checkpoints: Some((bl, &mut checkpoints)),
+    };
+    tokens.run(&mut state(h0), rec);
+    let d_o = d_o.as_standard_layout();
+    let z = || Array2::zeros((l, kd));
+    let mut back = Backward {
+        tokens: &tokens,
+        ws: &ws,
+        d_o: d_o.as_slice().expect("standard layout"),
+        dw: vec![T::zero(); vd],
+        dw_next: vec![T::zero(); vd],
+        gr: DplrHeadGrads {
             dq: z(),
             dk: z(),
             dv: Array2::zeros((l, vd)),
@@ -130,96 +316,230 @@ impl<T: Scalar> DplrEngine<T> for Naive {
             db: z(),
             dgk: z(),
             dh0: Array2::zeros((kd, vd)),
-        };
-        let mut ds = dht
-            .as_standard_layout()
-            .into_owned()
-            .into_raw_vec_and_offset()
-            .0;
-        // Per block: the state entering each token and its `aᵀS`.
-        let mut prev = vec![T::zero(); bl * kv];
-        let mut a_ss = vec![T::zero(); bl * vd];
-        let mut da_s = vec![T::zero(); vd];
-        for (blk, start) in (0..l).step_by(bl).enumerate().rev() {
-            let end = (start + bl).min(l);
-            s.copy_from_slice(&checkpoints[blk * kv..(blk + 1) * kv]);
-            for t in start..end {
-                let i = t - start;
-                prev[i * kv..(i + 1) * kv].copy_from_slice(&s);
-                step(x, t, &mut s, &mut a_ss[i * vd..(i + 1) * vd]);
+        },
+    };
+    let mut ds = state(dht);
+    // The states entering the tokens of one block.
+    let mut prev = vec![T::zero(); bl * kv];
+    for (blk, start) in (0..l).step_by(bl).enumerate().rev() {
+        let end = (start + bl).min(l);
+        prev[..kv].copy_from_slice(&checkpoints[blk * kv..(blk + 1) * kv]);
+        for t in start..end - 1 {
+            let (done, next) = prev.split_at_mut((t + 1 - start) * kv);
+            tokens.replay(t, row(&ws, t), &done[(t - start) * kv..], &mut next[..kv]);
+        }
+        back.block(start, end, &prev, &mut ds);
+    }
+    let mut gr = back.gr;
+    gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
+    gr
+}
+
+/// The reverse sweeps and the gradients they fill.
+struct Backward<'a, T> {
+    tokens: &'a Tokens<'a, T>,
+    /// `w = aᵀ S_{t−1}`, `[L, V]`.
+    ws: &'a Array2<T>,
+    /// `do [L, V]`, row-major.
+    d_o: &'a [T],
+    /// `dw = dS_tᵀ b` of the token whose start backward comes next.
+    dw: Vec<T>,
+    /// `dw` of the token before, accumulated by its finish backward.
+    dw_next: Vec<T>,
+    gr: DplrHeadGrads<T>,
+}
+
+impl<T: Scalar> Backward<'_, T> {
+    /// Tokens `start .. end` in reverse; `prev` holds `S_{t−1}` for each and
+    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit.
+    /// Sweep `t` runs the start backward of token `t` and the finish backward
+    /// of token `t − 1`, row by row.
+    #[inline(always)]
+    fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
+        let x = self.tokens.x;
+        let (vd, kv) = (x.v_dim(), x.k_dim() * x.v_dim());
+        let state = |t: usize| &prev[(t - start) * kv..(t - start + 1) * kv];
+        for t in (start..=end).rev() {
+            let start_back = (t < end).then(|| StartBack {
+                t,
+                a: row(&x.a, t),
+                e: row(&self.tokens.decay, t),
+                dw: &self.dw,
+                s_prev: state(t),
+            });
+            let finish_back = (t > start).then(|| {
+                let p = t - 1;
+                let (w, v, d_o) = (row(self.ws, p), row(&x.v, p), &self.d_o[p * vd..t * vd]);
+                FinishBack {
+                    t: p,
+                    q: row(&x.q, p),
+                    k: row(&x.k, p),
+                    b: row(&x.b, p),
+                    e: row(&self.tokens.decay, p),
+                    w,
+                    v,
+                    d_o,
+                    wdo: dot(w, d_o),
+                    vdo: dot(v, d_o),
+                    s_prev: state(p),
+                }
+            });
+            let gr = &mut self.gr;
+            for (i, ds_row) in ds.chunks_exact_mut(vd).enumerate() {
+                if let Some(b) = &start_back {
+                    gr.da[[b.t, i]] = b.row(i, ds_row);
+                }
+                if let Some(a) = &finish_back {
+                    let dv = row_mut(&mut gr.dv, a.t);
+                    let [dq, dk, db, dgk] = a.row(i, ds_row, &mut self.dw_next, dv);
+                    let t = a.t;
+                    (gr.dq[[t, i]], gr.dk[[t, i]]) = (dq, dk);
+                    (gr.db[[t, i]], gr.dgk[[t, i]]) = (db, dgk);
+                }
             }
-            for t in (start..end).rev() {
-                let i = t - start;
-                let (s_prev, a_s) = (&prev[i * kv..(i + 1) * kv], &a_ss[i * vd..(i + 1) * vd]);
-                backward_step(x, t, s_prev, a_s, d_o, &mut ds, &mut da_s, &mut gr);
+            if finish_back.is_some() {
+                std::mem::swap(&mut self.dw, &mut self.dw_next);
+                self.dw_next.iter_mut().for_each(|d| *d = T::zero());
             }
         }
-        gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
-        gr
     }
 }
 
-/// One reverse step: `ds` holds `∂L/∂S_t` on entry and `∂L/∂S_{t−1}` on exit.
-///
-/// With `S_t = Diag(e^gk) S_{t−1} + b (aᵀS_{t−1})ᵀ + k vᵀ` and `o = S_tᵀ q`:
-/// pass A gives `dq`, `dS_t += q doᵀ`, `dk = dS_t v`, `dv += dS_tᵀ k`,
-/// `db = dS_t (aᵀS)`, `d(aᵀS) = dS_tᵀ b`, `dgk = e^gk ⊙ Σ_j dS_t ⊙ S_{t−1}`;
-/// pass B: `da = S_{t−1} d(aᵀS)`, `dS_{t−1} = Diag(e^gk) dS_t + a d(aᵀS)ᵀ`.
-#[allow(clippy::too_many_arguments)]
-fn backward_step<T: Scalar>(
-    x: &DplrHead<T>,
+/// The backward of the finish of token `t` (`S_t = Diag(e) S_{t−1} + b wᵀ +
+/// k vᵀ`, `o = S_tᵀ q`): `dq = S_t do`, `dS_t += q doᵀ`, `dk = dS_t v`,
+/// `db = dS_t w`, `dgk = e ⊙ Σ_j dS_t ⊙ S_{t−1}`, `dw = dS_tᵀ b`,
+/// `dv = dS_tᵀ k`.
+struct FinishBack<'a, T> {
     t: usize,
-    s_prev: &[T],
-    a_s: &[T],
-    d_o: ArrayView2<T>,
-    ds: &mut [T],
-    da_s: &mut [T],
-    gr: &mut DplrHeadGrads<T>,
-) {
-    let vd = a_s.len();
-    let (do_row, v_row) = (d_o.row(t), x.v.row(t));
-    let (d_out, v) = (
-        do_row.as_slice().expect("row-major"),
-        v_row.as_slice().expect("row-major"),
-    );
-    let (ado, vdo) = (dot(a_s, d_out), dot(v, d_out));
-    da_s.iter_mut().for_each(|x| *x = T::zero());
-    let params =
-        x.q.row(t)
-            .into_iter()
-            .zip(x.k.row(t))
-            .zip(x.b.row(t))
-            .zip(x.gk.row(t));
-    for (i, ((dsr, spr), (((&qi, &ki), &bi), &gi))) in ds
-        .chunks_exact_mut(vd)
-        .zip(s_prev.chunks_exact(vd))
-        .zip(params)
-        .enumerate()
-    {
-        let e = gi.exp();
-        // o_j = Σ_i q_i S_t[i, j] with S_t row i = e S_{t−1} row + b_i aᵀS + k_i v.
-        gr.dq[[t, i]] = e * dot(spr, d_out) + bi * ado + ki * vdo;
-        for (dj, &doj) in dsr.iter_mut().zip(d_out) {
-            *dj += qi * doj;
-        }
-        gr.dk[[t, i]] = dot(dsr, v);
-        gr.db[[t, i]] = dot(dsr, a_s);
-        gr.dgk[[t, i]] = e * dot(dsr, spr);
-        for ((dasj, dvj), &dj) in da_s.iter_mut().zip(gr.dv.row_mut(t)).zip(dsr.iter()) {
-            *dasj += bi * dj;
-            *dvj += ki * dj;
-        }
+    q: &'a [T],
+    k: &'a [T],
+    b: &'a [T],
+    e: &'a [T],
+    w: &'a [T],
+    v: &'a [T],
+    d_o: &'a [T],
+    /// `w · do`
+    wdo: T,
+    /// `v · do`
+    vdo: T,
+    /// `S_{t−1}`
+    s_prev: &'a [T],
+}
+
+impl<T: Scalar> FinishBack<'_, T> {
+    /// Row `i`: updates `ds`, `dw` and `dv` and returns `[dq_i, dk_i, db_i,
+    /// dgk_i]`.
+    #[inline(always)]
+    fn row(&self, i: usize, ds: &mut [T], dw: &mut [T], dv: &mut [T]) -> [T; 4] {
+        let vd = ds.len();
+        let (qi, ki, bi, e) = (self.q[i], self.k[i], self.b[i], self.e[i]);
+        let ins = RowInputs {
+            s_prev: &self.s_prev[i * vd..(i + 1) * vd],
+            d_o: self.d_o,
+            v: self.v,
+            w: self.w,
+        };
+        let [s_do, ds_v, ds_w, ds_s] = finish_back_row(ds, dw, dv, ins, qi, bi, ki);
+        // o_j = Σ_i q_i S_t[i, j] with S_t row i = e S_{t−1} row + b_i w + k_i v.
+        let dq = e * s_do + bi * self.wdo + ki * self.vdo;
+        [dq, ds_v, ds_w, e * ds_s]
     }
-    for (i, ((dsr, spr), (&ai, &gi))) in ds
-        .chunks_exact_mut(vd)
-        .zip(s_prev.chunks_exact(vd))
-        .zip(x.a.row(t).iter().zip(x.gk.row(t)))
-        .enumerate()
-    {
-        let e = gi.exp();
-        gr.da[[t, i]] = dot(spr, da_s);
-        for (dj, &dasj) in dsr.iter_mut().zip(da_s.iter()) {
-            *dj = e * *dj + ai * dasj;
+}
+
+/// The rows [`finish_back_row`] reads.
+struct RowInputs<'a, T> {
+    s_prev: &'a [T],
+    d_o: &'a [T],
+    v: &'a [T],
+    w: &'a [T],
+}
+
+/// One row of [`FinishBack`]: `ds += q_i do`, `dw += b_i ds`, `dv += k_i ds`,
+/// in one pass with `S_{t−1} row · do`, `ds · v`, `ds · w` and
+/// `ds · S_{t−1} row` (returned, in [`dot`]'s order).
+#[inline(always)]
+fn finish_back_row<T: Scalar>(
+    ds: &mut [T],
+    dw: &mut [T],
+    dv: &mut [T],
+    ins: RowInputs<T>,
+    qi: T,
+    bi: T,
+    ki: T,
+) -> [T; 4] {
+    let n = ds.len();
+    let (dw, dv) = (&mut dw[..n], &mut dv[..n]);
+    let (s_prev, d_o, v, w) = (&ins.s_prev[..n], &ins.d_o[..n], &ins.v[..n], &ins.w[..n]);
+    let mut sums = [DotSum::new(); 4];
+    let outs = ds
+        .chunks_exact_mut(4)
+        .zip(dw.chunks_exact_mut(4))
+        .zip(dv.chunks_exact_mut(4));
+    let ins = s_prev
+        .chunks_exact(4)
+        .zip(d_o.chunks_exact(4))
+        .zip(v.chunks_exact(4).zip(w.chunks_exact(4)));
+    for (((dsq, dwq), dvq), ((sq, doq), (vq, wq))) in outs.zip(ins) {
+        let (sq, doq, vq, wq) = (quad(sq), quad(doq), quad(vq), quad(wq));
+        let (mut d, mut dwv, mut dvv) = (quad(dsq), quad(dwq), quad(dvq));
+        for l in 0..4 {
+            sums[0].lanes[l] += sq[l] * doq[l];
+            d[l] += qi * doq[l];
+            sums[1].lanes[l] += d[l] * vq[l];
+            sums[2].lanes[l] += d[l] * wq[l];
+            sums[3].lanes[l] += d[l] * sq[l];
+            dwv[l] += bi * d[l];
+            dvv[l] += ki * d[l];
         }
+        dsq.copy_from_slice(&d);
+        dwq.copy_from_slice(&dwv);
+        dvq.copy_from_slice(&dvv);
+    }
+    for j in n / 4 * 4..n {
+        sums[0].tail += s_prev[j] * d_o[j];
+        ds[j] += qi * d_o[j];
+        sums[1].tail += ds[j] * v[j];
+        sums[2].tail += ds[j] * w[j];
+        sums[3].tail += ds[j] * s_prev[j];
+        dw[j] += bi * ds[j];
+        dv[j] += ki * ds[j];
+    }
+    sums.map(DotSum::finish)
+}
+
+/// The backward of the start of token `t` (`w = aᵀ S_{t−1}`) and of its
+/// decay: `da = S_{t−1} dw`, `dS_{t−1} = Diag(e) dS_t + a dwᵀ`.
+struct StartBack<'a, T> {
+    t: usize,
+    a: &'a [T],
+    e: &'a [T],
+    /// `dw = dS_tᵀ b`
+    dw: &'a [T],
+    /// `S_{t−1}`
+    s_prev: &'a [T],
+}
+
+impl<T: Scalar> StartBack<'_, T> {
+    /// Row `i`: `ds ← e_i ds + a_i dw`; returns `da_i = S_{t−1} row · dw`.
+    #[inline(always)]
+    fn row(&self, i: usize, ds: &mut [T]) -> T {
+        let n = ds.len();
+        let (ai, e) = (self.a[i], self.e[i]);
+        let (s_prev, dw) = (&self.s_prev[i * n..(i + 1) * n], &self.dw[..n]);
+        let mut s_dw = DotSum::new();
+        let ins = s_prev.chunks_exact(4).zip(dw.chunks_exact(4));
+        for (dsq, (sq, dwq)) in ds.chunks_exact_mut(4).zip(ins) {
+            let (sq, dwq, mut d) = (quad(sq), quad(dwq), quad(dsq));
+            for l in 0..4 {
+                s_dw.lanes[l] += sq[l] * dwq[l];
+                d[l] = e * d[l] + ai * dwq[l];
+            }
+            dsq.copy_from_slice(&d);
+        }
+        for j in n / 4 * 4..n {
+            s_dw.tail += s_prev[j] * dw[j];
+            ds[j] = e * ds[j] + ai * dw[j];
+        }
+        s_dw.finish()
     }
 }

@@ -10,7 +10,10 @@
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, Axis, Ix3, IxDyn};
+use ndarray::{
+    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Ix4,
+    IxDyn,
+};
 
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
@@ -326,39 +329,41 @@ fn validate_gate<T: Scalar>(
 }
 
 /// Validated inputs after FLA's fused pre-processing, ready to cut into heads.
+/// Tensors the pre-processing leaves alone are views of the inputs.
 #[derive(Clone, Debug)]
-pub struct Prepared<T> {
+pub struct Prepared<'a, T> {
     pub dims: KdaDims,
     pub scale: f64,
     /// Sequences of the batch (whole sequences; CP cuts them further).
     pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked, times `scale`.
-    pub q: Array4<T>,
+    /// `[B, T, H, K]`, l2-normalised if asked ([`Prepared::head`] applies
+    /// `scale`, head by head, in parallel).
+    pub q: CowArray<'a, T, Ix4>,
     /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: Array4<T>,
+    pub k: CowArray<'a, T, Ix4>,
     /// `[B, T, HV, V]`
-    pub v: Array4<T>,
+    pub v: ArrayView4<'a, T>,
     /// `[B, T, HV, K]` log-space decay.
-    pub g: Array4<T>,
+    pub g: CowArray<'a, T, Ix4>,
     /// `[B, T, HV]`
     pub beta: Array3<T>,
     /// `[N, HV, K, V]`
-    pub h0: Option<Array4<T>>,
+    pub h0: Option<ArrayView4<'a, T>>,
 }
 
-impl<T: Scalar> Prepared<T> {
+impl<'a, T: Scalar> Prepared<'a, T> {
     /// Validates `x` and applies l2norm, scale, gate and beta sigmoid.
-    pub fn new(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
+    pub fn new(x: &'a KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
         let dims = validate(x, opt)?;
         let scale = opt.scale.unwrap_or(1.0 / (dims.k as f64).sqrt());
         let segments = varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?;
-        let (q, k) = (tensor::to4(&x.q), tensor::to4(&x.k));
+        let (q, k) = (tensor::view4(&x.q), tensor::view4(&x.k));
         let (q, k) = if opt.use_qk_l2norm_in_kernel {
-            (gates::l2norm_fwd(&q), gates::l2norm_fwd(&k))
+            let l2 = |x| CowArray::from(gates::l2norm_fwd(&x));
+            (l2(q), l2(k))
         } else {
-            (q, k)
+            (CowArray::from(q), CowArray::from(k))
         };
-        let q = q.mapv(|e| e * T::c(scale));
         let g = gate_terms(x, opt, &dims).0;
         let beta = x
             .beta
@@ -378,18 +383,20 @@ impl<T: Scalar> Prepared<T> {
             segments,
             q,
             k,
-            v: tensor::to4(&x.v),
+            v: tensor::view4(&x.v),
             g,
             beta,
-            h0: x.initial_state.as_ref().map(tensor::to4),
+            h0: x.initial_state.as_ref().map(tensor::view4),
         })
     }
 
-    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA).
+    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA); q is
+    /// multiplied by `scale`.
     pub fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
         let hq = hv / self.dims.groups();
+        let scale = T::c(self.scale);
         KdaHead {
-            q: tensor::gather(&self.q, seg, hq),
+            q: tensor::gather(&self.q, seg, hq).mapv_into(|e| e * scale),
             k: tensor::gather(&self.k, seg, hq),
             v: tensor::gather(&self.v, seg, hv),
             g: tensor::gather(&self.g, seg, hv),
@@ -412,27 +419,25 @@ impl<T: Scalar> Prepared<T> {
 /// The decay `g [B, T, HV, K]` and, for an in-kernel gate, its partial
 /// derivatives `(∂g/∂x, ∂g/∂A_log)` (x = raw g + dt_bias), element by element.
 #[allow(clippy::type_complexity)]
-fn gate_terms<T: Scalar>(
-    x: &KdaInputs<T>,
+fn gate_terms<'a, T: Scalar>(
+    x: &'a KdaInputs<T>,
     opt: &KdaOptions,
     d: &KdaDims,
-) -> (Array4<T>, Option<(Array4<T>, Array4<T>)>) {
+) -> (CowArray<'a, T, Ix4>, Option<(Array4<T>, Array4<T>)>) {
     let shape = (d.b, d.t, d.hv, d.k);
     let raw = if d.scalar_gate {
         let g3 = x.g.view().into_dimensionality::<Ix3>().expect("validated");
-        g3.insert_axis(Axis(3))
-            .broadcast(shape)
-            .expect("broadcast over K")
-            .to_owned()
+        let g4 = g3.insert_axis(Axis(3));
+        CowArray::from(g4.broadcast(shape).expect("broadcast over K").to_owned())
     } else {
-        tensor::to4(&x.g)
+        CowArray::from(tensor::view4(&x.g))
     };
     if opt.gate == Gate::None {
         return (raw, None);
     }
     let flat = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| a.iter().copied().collect::<Vec<T>>());
     let (a_log, dt_bias) = (flat(&x.a_log), flat(&x.dt_bias));
-    let (mut g, mut dx, mut da) = (raw, Array4::zeros(shape), Array4::zeros(shape));
+    let (mut g, mut dx, mut da) = (raw.into_owned(), Array4::zeros(shape), Array4::zeros(shape));
     ndarray::Zip::indexed(&mut g)
         .and(&mut dx)
         .and(&mut da)
@@ -441,7 +446,7 @@ fn gate_terms<T: Scalar>(
             let (v, dv, dav) = gates::gate_eval(opt.gate, *g + bias, a_log.as_ref().map(|a| a[h]));
             (*g, *dx, *da) = (v, dv, dav);
         });
-    (g, Some((dx, da)))
+    (CowArray::from(g), Some((dx, da)))
 }
 
 /// Runs `engine` forward over every (sequence, value head) pair.
@@ -496,8 +501,8 @@ pub fn backward<T: Scalar, E: KdaEngine<T>>(
     let p = Prepared::new(x, opt)?;
     let d = p.dims;
     validate_upstream(&d, d_o, dht)?;
-    let d_o = tensor::to4(d_o);
-    let dht = dht.map(tensor::to4);
+    let d_o = tensor::view4(d_o);
+    let dht = dht.map(tensor::view4);
     let results = par_pairs(p.segments.len(), d.hv, |si, hv| {
         let seg = &p.segments[si];
         let dht_h = match &dht {
@@ -511,9 +516,14 @@ pub fn backward<T: Scalar, E: KdaEngine<T>>(
             dht_h.view(),
         )
     });
-    let mut pg = PreparedGrads::zeros(&d);
-    for (i, r) in results.iter().enumerate() {
-        pg.scatter(&p.segments[i / d.hv], i % d.hv, r);
+    let pieces: Vec<_> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (p.segments[i / d.hv], i % d.hv, r))
+        .collect();
+    let mut pg = PreparedGrads::from_pieces(&d, &pieces);
+    for (seg, hv, r) in &pieces {
+        pg.dh0.slice_mut(s![seg.seq, *hv, .., ..]).assign(&r.dh0);
     }
     Ok(pg.chain(x, opt, &p))
 }
@@ -536,40 +546,45 @@ pub struct PreparedGrads<T> {
 }
 
 impl<T: Scalar> PreparedGrads<T> {
-    pub fn zeros(d: &KdaDims) -> Self {
+    /// The per-token gradients of `(segment, value head, gradients)` pieces,
+    /// one tensor per parallel task; `dh0` is left zero for the caller (in
+    /// CP it belongs to the rank holding the sequence's start).
+    pub fn from_pieces(d: &KdaDims, pieces: &[(Segment, usize, &KdaHeadGrads<T>)]) -> Self {
+        let tokens = |grad: fn(&KdaHeadGrads<T>) -> &Array2<T>, width: usize| {
+            let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, grad(g).view()));
+            tensor::assemble((d.b, d.t, d.hv, width), blocks)
+        };
+        let ((dq, dk), (dv, dg)) = rayon::join(
+            || rayon::join(|| tokens(|g| &g.dq, d.k), || tokens(|g| &g.dk, d.k)),
+            || rayon::join(|| tokens(|g| &g.dv, d.v), || tokens(|g| &g.dg, d.k)),
+        );
+        let mut dbeta = Array3::zeros((d.b, d.t, d.hv));
+        for (seg, h, g) in pieces {
+            dbeta
+                .slice_mut(s![seg.batch, seg.start..seg.end, *h])
+                .assign(&g.dbeta);
+        }
         PreparedGrads {
-            dq: Array4::zeros((d.b, d.t, d.hv, d.k)),
-            dk: Array4::zeros((d.b, d.t, d.hv, d.k)),
-            dv: Array4::zeros((d.b, d.t, d.hv, d.v)),
-            dg: Array4::zeros((d.b, d.t, d.hv, d.k)),
-            dbeta: Array3::zeros((d.b, d.t, d.hv)),
+            dq,
+            dk,
+            dv,
+            dg,
+            dbeta,
             dh0: Array4::zeros((d.n, d.hv, d.k, d.v)),
         }
-    }
-
-    /// Stores one head's per-token gradients; `dh0` goes to `seg.seq`.
-    pub fn scatter(&mut self, seg: &Segment, hv: usize, r: &KdaHeadGrads<T>) {
-        self.scatter_tokens(seg, hv, r);
-        self.dh0.slice_mut(s![seg.seq, hv, .., ..]).assign(&r.dh0);
-    }
-
-    /// Stores one head's per-token gradients only (CP pieces whose `dh0`
-    /// belongs to the previous rank).
-    pub fn scatter_tokens(&mut self, seg: &Segment, hv: usize, r: &KdaHeadGrads<T>) {
-        tensor::scatter(&mut self.dq, seg, hv, r.dq.view());
-        tensor::scatter(&mut self.dk, seg, hv, r.dk.view());
-        tensor::scatter(&mut self.dv, seg, hv, r.dv.view());
-        tensor::scatter(&mut self.dg, seg, hv, r.dg.view());
-        self.dbeta
-            .slice_mut(s![seg.batch, seg.start..seg.end, hv])
-            .assign(&r.dbeta);
     }
 
     /// Chain rule through GVA, scale, l2norm, gate and beta sigmoid.
     pub fn chain(self, x: &KdaInputs<T>, opt: &KdaOptions, p: &Prepared<T>) -> KdaGrads<T> {
         let d = p.dims;
-        // Sum each GVA group of value heads onto its q/k head, in head order.
-        let group_sum = |a: &Array4<T>, factor: T| {
+        // Sum each GVA group of value heads onto its q/k head, in head order,
+        // then scale: `(0 + a_0 + a_1 + …) · factor`. With one value head per
+        // q/k head that is a map in place (same bits, no new tensor).
+        let group_sum = |mut a: Array4<T>, factor: T| {
+            if d.groups() == 1 {
+                a.mapv_inplace(|v| (T::zero() + v) * factor);
+                return a;
+            }
             let mut out = Array4::zeros((d.b, d.t, d.h, d.k));
             for h in 0..d.h {
                 let mut dst = out.slice_mut(s![.., .., h, ..]);
@@ -580,13 +595,13 @@ impl<T: Scalar> PreparedGrads<T> {
             }
             out
         };
-        let mut dq = group_sum(&self.dq, T::c(p.scale));
-        let mut dk = group_sum(&self.dk, T::one());
+        let mut dq = group_sum(self.dq, T::c(p.scale));
+        let mut dk = group_sum(self.dk, T::one());
         if opt.use_qk_l2norm_in_kernel {
-            dq = gates::l2norm_bwd(&tensor::to4(&x.q), &dq);
-            dk = gates::l2norm_bwd(&tensor::to4(&x.k), &dk);
+            dq = gates::l2norm_bwd(&tensor::view4(&x.q), &dq);
+            dk = gates::l2norm_bwd(&tensor::view4(&x.k), &dk);
         }
-        let (dg, da_log, ddt_bias) = gate_backward(x, opt, &d, &self.dg);
+        let (dg, da_log, ddt_bias) = gate_backward(x, opt, &d, self.dg);
         let dbeta = if opt.use_beta_sigmoid_in_kernel {
             let raw = x
                 .beta
@@ -617,15 +632,15 @@ fn gate_backward<T: Scalar>(
     x: &KdaInputs<T>,
     opt: &KdaOptions,
     d: &KdaDims,
-    dgate: &Array4<T>,
+    dgate: Array4<T>,
 ) -> (ArrayD<T>, Option<ArrayD<T>>, Option<ArrayD<T>>) {
     if d.scalar_gate {
         return (dgate.sum_axis(Axis(3)).into_dyn(), None, None);
     }
     let Some((dg_dx, dg_da)) = gate_terms(x, opt, d).1 else {
-        return (dgate.clone().into_dyn(), None, None);
+        return (dgate.into_dyn(), None, None);
     };
-    let dg = dgate * &dg_dx;
+    let dg = &dgate * &dg_dx;
     // Serial sums in index order keep the result thread-count independent.
     let da = Array1::from_shape_fn(d.hv, |h| {
         (&dgate.slice(s![.., .., h, ..]) * &dg_da.slice(s![.., .., h, ..])).sum()

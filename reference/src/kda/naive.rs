@@ -1,16 +1,30 @@
 //! The naive recurrent form: one token at a time, exactly SPEC §3.
 //!
+//! Each token has two halves: *start* decays the state and forms the residual
+//! (`S ← Diag(e^g) S`, `r = v − Sᵀk`), *finish* writes it (`S ← S + β k rᵀ`)
+//! and reads out `o = Sᵀq`. The finish of one token and the start of the next
+//! run in one sweep over the `[K, V]` state, a tile of columns at a time, so
+//! the state is read and written once per token and the `[V]` accumulators
+//! (`o`, the next `r`) stay in registers down the `K` rows.
+//!
 //! Backward is the hand-derived reverse-time recurrence. States are kept only
 //! at checkpoints every `⌈√L⌉` tokens and recomputed per block, so memory is
-//! `O(√L · K · V)` rather than `O(L · K · V)`. Each token costs two fused
-//! passes over the `[K, V]` state forward and two backward.
+//! `O(√L · K · V)` rather than `O(L · K · V)`. The checkpoint pass also keeps
+//! the residuals `r [L, V]`, which makes recomputing a token one elementwise
+//! `S ← e^g ⊙ S + β k rᵀ`. The reverse sweep fuses, row by row, the backward
+//! of the start of token `t` with the backward of the finish of token `t − 1`.
+//!
+//! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
+//! on everything they call per token.
 
 use ndarray::{Array1, Array2, ArrayD, ArrayView2};
 
 use super::{KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
 use crate::error::Result;
 use crate::scalar::Scalar;
-use crate::tensor::dot;
+use crate::simd;
+use crate::sweep::{block_len, quad, row, row_mut, state, TILE};
+use crate::tensor::{dot, DotSum};
 
 /// The naive recurrent engine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -31,56 +45,193 @@ pub fn backward<T: Scalar>(
     super::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// One token: `S ← Diag(e^g) S`, `r = v − Sᵀk`, `S ← S + β k rᵀ`, and when
-/// `o` is given `o = Sᵀ q`. `r` receives `v − S'ᵀk` (needed by backward).
-fn step<T: Scalar>(x: &KdaHead<T>, t: usize, s: &mut [T], r: &mut [T], o: Option<&mut [T]>) {
-    let vd = r.len();
-    r.copy_from_slice(x.v.row(t).as_slice().expect("row-major"));
-    for ((row, &ki), &gi) in s.chunks_exact_mut(vd).zip(x.k.row(t)).zip(x.g.row(t)) {
-        let e = gi.exp();
-        for (sj, rj) in row.iter_mut().zip(r.iter_mut()) {
-            *sj *= e;
-            *rj -= ki * *sj;
-        }
+/// What a sweep does to row `i` of the state: the finish of token `t − 1`
+/// (`S_i += c_i r` with `c = β k`, then `o += q_i S_i`) and the start of
+/// token `t` (`S_i *= e_i`, then `r' −= k_i S_i`).
+#[derive(Clone, Copy, Debug, Default)]
+struct RowCoef<T> {
+    c: T,
+    q: T,
+    e: T,
+    k: T,
+}
+
+/// The `[V]` vectors of a sweep: the residual `r` of the finished token, the
+/// value `v` of the started one, and the outputs `o` and `r' = v − S'ᵀk`.
+struct SweepIo<'a, T> {
+    r: &'a [T],
+    v: &'a [T],
+    o: &'a mut [T],
+    r_next: &'a mut [T],
+}
+
+/// One sweep over the state `s [K, V]`. The halves it runs are constants
+/// (`FIN`ish, `READ` out, `START`), so each combination compiles to a loop
+/// without branches; vectors of absent halves are never touched.
+#[inline(always)]
+fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
+    s: &mut [T],
+    rows: &[RowCoef<T>],
+    io: &mut SweepIo<T>,
+) {
+    let vd = s.len() / rows.len();
+    let full = vd / TILE * TILE;
+    for j0 in (0..full).step_by(TILE) {
+        sweep_tile::<T, TILE, FIN, READ, START>(s, rows, j0, io);
     }
-    let beta = x.beta[t];
-    match o {
-        Some(o) => {
-            o.iter_mut().for_each(|v| *v = T::zero());
-            for ((row, &ki), &qi) in s.chunks_exact_mut(vd).zip(x.k.row(t)).zip(x.q.row(t)) {
-                let c = ki * beta;
-                for ((sj, &rj), oj) in row.iter_mut().zip(r.iter()).zip(o.iter_mut()) {
-                    *sj += c * rj;
-                    *oj += qi * *sj;
-                }
-            }
-        }
-        None => {
-            for (row, &ki) in s.chunks_exact_mut(vd).zip(x.k.row(t)) {
-                let c = ki * beta;
-                row.iter_mut()
-                    .zip(r.iter())
-                    .for_each(|(sj, &rj)| *sj += c * rj);
-            }
-        }
+    for j0 in full..vd {
+        sweep_tile::<T, 1, FIN, READ, START>(s, rows, j0, io);
     }
 }
 
-/// Block length for checkpointed backward.
-fn block_len(l: usize) -> usize {
-    ((l as f64).sqrt().ceil() as usize).max(16)
+/// [`sweep`] over columns `j0 .. j0 + W` (the arithmetic per element does not
+/// depend on `W`, so the tiling leaves the bits alone). Each row's tile is
+/// copied into registers and back, which lets LLVM vectorise it.
+#[inline(always)]
+fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
+    s: &mut [T],
+    rows: &[RowCoef<T>],
+    j0: usize,
+    io: &mut SweepIo<T>,
+) {
+    let vd = s.len() / rows.len();
+    let cols = j0..j0 + W;
+    let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
+    let zeros = [T::zero(); W];
+    let r = if FIN { tile(io.r) } else { zeros };
+    let (mut o, mut r_next) = (zeros, if START { tile(io.v) } else { zeros });
+    for (s_row, c) in s.chunks_exact_mut(vd).zip(rows) {
+        let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
+        let mut x = *s_tile;
+        for j in 0..W {
+            if FIN {
+                x[j] += c.c * r[j];
+            }
+            if READ {
+                o[j] += c.q * x[j];
+            }
+            if START {
+                x[j] *= c.e;
+                r_next[j] -= c.k * x[j];
+            }
+        }
+        *s_tile = x;
+    }
+    if READ {
+        io.o[cols.clone()].copy_from_slice(&o);
+    }
+    if START {
+        io.r_next[cols].copy_from_slice(&r_next);
+    }
+}
+
+/// One head's tensors by token, with the decay `e^g` computed once.
+struct Tokens<'a, T> {
+    x: &'a KdaHead<T>,
+    /// `e^g [L, K]`
+    decay: Array2<T>,
+}
+
+/// What a forward run records besides the final state.
+struct Record<'a, T> {
+    /// `o [L, V]`
+    o: Option<&'a mut Array2<T>>,
+    /// The residuals `r [L, V]`.
+    r: Option<&'a mut Array2<T>>,
+    /// `(every, states)`: the state entering every `every`-th token, appended.
+    checkpoints: Option<(usize, &'a mut Vec<T>)>,
+}
+
+impl<'a, T: Scalar> Tokens<'a, T> {
+    fn new(x: &'a KdaHead<T>) -> Self {
+        Tokens {
+            x,
+            decay: x.g.mapv(T::exp),
+        }
+    }
+
+    /// Runs all tokens from the state `s`, leaving `S_L` in it. Sweep `t`
+    /// finishes token `t − 1` and starts token `t`; where a checkpoint falls
+    /// between the two, they run as two sweeps around the copy.
+    #[inline(always)]
+    fn run(&self, s: &mut [T], mut rec: Record<T>) {
+        let (l, kd, vd) = (self.x.len(), self.x.k_dim(), self.x.v_dim());
+        let (mut r, mut r_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
+        let mut rows = vec![RowCoef::default(); kd];
+        let mut o_row = vec![T::zero(); if rec.o.is_some() { vd } else { 0 }];
+        for t in 0..=l {
+            let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
+            let mut io = SweepIo {
+                r: &r,
+                v: start.map_or(&[], |t| row(&self.x.v, t)),
+                o: &mut o_row,
+                r_next: &mut r_next,
+            };
+            match &mut rec.checkpoints {
+                Some((every, states)) if t < l && t % *every == 0 => {
+                    self.sweep(s, &mut rows, fin, None, &mut io);
+                    states.extend_from_slice(s);
+                    self.sweep(s, &mut rows, None, start, &mut io);
+                }
+                _ => self.sweep(s, &mut rows, fin, start, &mut io),
+            }
+            if let (Some(o), Some(p)) = (&mut rec.o, fin) {
+                row_mut(o, p).copy_from_slice(&o_row);
+            }
+            if let (Some(rs), Some(t)) = (&mut rec.r, start) {
+                row_mut(rs, t).copy_from_slice(&r_next);
+            }
+            std::mem::swap(&mut r, &mut r_next);
+        }
+    }
+
+    /// One sweep finishing token `fin` (reading out `o` when `io.o` is not
+    /// empty) and starting token `start`.
+    #[inline(always)]
+    fn sweep(
+        &self,
+        s: &mut [T],
+        rows: &mut [RowCoef<T>],
+        fin: Option<usize>,
+        start: Option<usize>,
+        io: &mut SweepIo<T>,
+    ) {
+        let x = self.x;
+        let read = fin.is_some() && !io.o.is_empty();
+        if let Some(t) = fin {
+            let (k, beta) = (row(&x.k, t), x.beta[t]);
+            for (c, &ki) in rows.iter_mut().zip(k) {
+                c.c = ki * beta;
+            }
+            if read {
+                for (c, &qi) in rows.iter_mut().zip(row(&x.q, t)) {
+                    c.q = qi;
+                }
+            }
+        }
+        if let Some(t) = start {
+            let (e, k) = (row(&self.decay, t), row(&x.k, t));
+            for ((c, &ei), &ki) in rows.iter_mut().zip(e).zip(k) {
+                (c.e, c.k) = (ei, ki);
+            }
+        }
+        match (fin.is_some(), read, start.is_some()) {
+            (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
+            (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
+            (true, false, true) => sweep::<T, true, false, true>(s, rows, io),
+            (true, false, false) => sweep::<T, true, false, false>(s, rows, io),
+            (false, _, true) => sweep::<T, false, false, true>(s, rows, io),
+            (false, _, false) => {}
+        }
+    }
 }
 
 impl<T: Scalar> KdaEngine<T> for Naive {
     fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        let mut s = h0.as_standard_layout().into_owned();
-        let mut o = Array2::zeros((x.len(), x.v_dim()));
-        let mut r = vec![T::zero(); x.v_dim()];
-        let sl = s.as_slice_mut().expect("standard layout");
-        for (t, mut orow) in o.rows_mut().into_iter().enumerate() {
-            step(x, t, sl, &mut r, orow.as_slice_mut());
-        }
-        (o, s)
+        simd::dispatch(
+            #[inline(always)]
+            || forward_head(x, h0),
+        )
     }
 
     fn backward(
@@ -90,114 +241,295 @@ impl<T: Scalar> KdaEngine<T> for Naive {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
-        let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let (bl, kv) = (block_len(l), kd * vd);
-        let mut r = vec![T::zero(); vd];
-        // The state entering each block.
-        let mut checkpoints: Vec<T> = Vec::with_capacity(l.div_ceil(bl) * kv);
-        let mut s = h0
-            .as_standard_layout()
-            .into_owned()
-            .into_raw_vec_and_offset()
-            .0;
-        for t in 0..l {
-            if t % bl == 0 {
-                checkpoints.extend_from_slice(&s);
-            }
-            step(x, t, &mut s, &mut r, None);
-        }
-        let mut gr = KdaHeadGrads {
+        simd::dispatch(
+            #[inline(always)]
+            || backward_head(x, h0, d_o, dht),
+        )
+    }
+}
+
+#[inline(always)]
+fn forward_head<T: Scalar>(x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+    let mut s = state(h0);
+    let mut o = Array2::zeros((x.len(), x.v_dim()));
+    let rec = Record {
+        o: Some(&mut o),
+        r: None,
+        checkpoints: None,
+    };
+    Tokens::new(x).run(&mut s, rec);
+    (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
+}
+
+#[inline(always)]
+fn backward_head<T: Scalar>(
+    x: &KdaHead<T>,
+    h0: ArrayView2<T>,
+    d_o: ArrayView2<T>,
+    dht: ArrayView2<T>,
+) -> KdaHeadGrads<T> {
+    let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
+    let (bl, kv) = (block_len(l), kd * vd);
+    let tokens = Tokens::new(x);
+    let mut rs = Array2::zeros((l, vd));
+    let mut checkpoints = Vec::with_capacity(l.div_ceil(bl) * kv);
+    let rec = Record {
+        o: None,
+        r: Some(&mut rs),
+        checkpoints: Some((bl, &mut checkpoints)),
+    };
+    tokens.run(&mut state(h0), rec);
+    let d_o = d_o.as_standard_layout();
+    let mut back = Backward {
+        tokens: &tokens,
+        rs: &rs,
+        d_o: d_o.as_slice().expect("standard layout"),
+        du: vec![T::zero(); vd],
+        dr: vec![T::zero(); vd],
+        gr: KdaHeadGrads {
             dq: Array2::zeros((l, kd)),
             dk: Array2::zeros((l, kd)),
             dv: Array2::zeros((l, vd)),
             dg: Array2::zeros((l, kd)),
             dbeta: Array1::zeros(l),
             dh0: Array2::zeros((kd, vd)),
-        };
-        let mut ds = dht
-            .as_standard_layout()
-            .into_owned()
-            .into_raw_vec_and_offset()
-            .0;
-        // Per block: the state entering each token and its `r`.
-        let mut prev = vec![T::zero(); bl * kv];
-        let mut rs = vec![T::zero(); bl * vd];
-        let mut du = vec![T::zero(); vd];
-        for (b, start) in (0..l).step_by(bl).enumerate().rev() {
-            let end = (start + bl).min(l);
-            s.copy_from_slice(&checkpoints[b * kv..(b + 1) * kv]);
-            for t in start..end {
-                let i = t - start;
-                prev[i * kv..(i + 1) * kv].copy_from_slice(&s);
-                step(x, t, &mut s, &mut rs[i * vd..(i + 1) * vd], None);
-            }
-            for t in (start..end).rev() {
-                let i = t - start;
-                let bs = BackStep {
-                    x,
-                    t,
-                    s_prev: &prev[i * kv..(i + 1) * kv],
-                    r: &rs[i * vd..(i + 1) * vd],
-                };
-                bs.run(d_o, &mut ds, &mut du, &mut gr);
+        },
+    };
+    let mut ds = state(dht);
+    // The states entering the tokens of one block.
+    let mut prev = vec![T::zero(); bl * kv];
+    for (b, start) in (0..l).step_by(bl).enumerate().rev() {
+        let end = (start + bl).min(l);
+        prev[..kv].copy_from_slice(&checkpoints[b * kv..(b + 1) * kv]);
+        for t in start..end - 1 {
+            let (done, next) = prev.split_at_mut((t + 1 - start) * kv);
+            tokens.replay(t, row(&rs, t), &done[(t - start) * kv..], &mut next[..kv]);
+        }
+        back.block(start, end, &prev, &mut ds);
+    }
+    let mut gr = back.gr;
+    gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
+    gr
+}
+
+impl<T: Scalar> Tokens<'_, T> {
+    /// `S_t = Diag(e^g) S_{t−1} + β k rᵀ` from the kept residual `r_t`: the
+    /// forward sweep's operations, `(e·s) + (kβ)·r`, without the reduction.
+    #[inline(always)]
+    fn replay(&self, t: usize, r: &[T], s_prev: &[T], s: &mut [T]) {
+        let vd = r.len();
+        let (e, k, beta) = (row(&self.decay, t), row(&self.x.k, t), self.x.beta[t]);
+        let rows = s.chunks_exact_mut(vd).zip(s_prev.chunks_exact(vd));
+        for (((s_row, p_row), &ei), &ki) in rows.zip(e).zip(k) {
+            let c = ki * beta;
+            for ((sj, &pj), &rj) in s_row.iter_mut().zip(p_row).zip(r) {
+                *sj = pj * ei + c * rj;
             }
         }
-        gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
-        gr
     }
 }
 
-/// What one reverse step needs: the token, the state entering it and `r`.
-struct BackStep<'a, T> {
-    x: &'a KdaHead<T>,
-    t: usize,
-    s_prev: &'a [T],
-    r: &'a [T],
+/// The reverse sweeps and the gradients they fill.
+struct Backward<'a, T> {
+    tokens: &'a Tokens<'a, T>,
+    /// The residuals `r [L, V]`.
+    rs: &'a Array2<T>,
+    /// `do [L, V]`, row-major.
+    d_o: &'a [T],
+    /// `du = dS_tᵀ k`, accumulated by the finish backward.
+    du: Vec<T>,
+    /// `d(S'ᵀk) = −β du`, consumed by the start backward.
+    dr: Vec<T>,
+    gr: KdaHeadGrads<T>,
 }
 
-impl<T: Scalar> BackStep<'_, T> {
-    /// `ds` holds `∂L/∂S_t` on entry and `∂L/∂S_{t−1}` on exit.
-    ///
-    /// With `S' = Diag(e^g) S_{t−1}`, `u = β r`, `S_t = S' + k uᵀ`, `o = S_tᵀ q`:
-    /// pass A gives `dq = S_t do`, `dS_t += q doᵀ`, `du = dS_tᵀ k`, `dk = dS_t u`;
-    /// pass B applies `d(S'ᵀk) = −β du`: `dS' = dS_t + k d(S'ᵀk)ᵀ`,
-    /// `dk += S' d(S'ᵀk)`, `dg = Σ_j dS' ⊙ S'`, `dS_{t−1} = Diag(e^g) dS'`.
-    fn run(&self, d_o: ArrayView2<T>, ds: &mut [T], du: &mut [T], gr: &mut KdaHeadGrads<T>) {
-        let (x, t, vd) = (self.x, self.t, self.r.len());
-        let beta = x.beta[t];
-        let do_row = d_o.row(t);
-        let dot_ = do_row.as_slice().expect("row-major");
-        let rdo = dot(self.r, dot_);
-        let (q, k, g) = (x.q.row(t), x.k.row(t), x.g.row(t));
-        du.iter_mut().for_each(|v| *v = T::zero());
-        let rows = ds.chunks_exact_mut(vd).zip(self.s_prev.chunks_exact(vd));
-        for (i, ((dsr, spr), ((&qi, &ki), &gi))) in rows.zip(q.iter().zip(&k).zip(&g)).enumerate() {
-            let e = gi.exp();
-            // dq_i = S_t row · do with S_t row = e·S_{t−1} row + k_i β r.
-            gr.dq[[t, i]] = e * dot(spr, dot_) + ki * beta * rdo;
-            for ((dj, duj), &doj) in dsr.iter_mut().zip(du.iter_mut()).zip(dot_) {
-                *dj += qi * doj;
-                *duj += ki * *dj;
+impl<T: Scalar> Backward<'_, T> {
+    /// Tokens `start .. end` in reverse; `prev` holds `S_{t−1}` for each and
+    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit.
+    /// Sweep `t` runs the start backward of token `t` and the finish backward
+    /// of token `t − 1`, row by row.
+    #[inline(always)]
+    fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
+        let x = self.tokens.x;
+        let (vd, kv) = (x.v_dim(), x.k_dim() * x.v_dim());
+        let state = |t: usize| &prev[(t - start) * kv..(t - start + 1) * kv];
+        for t in (start..=end).rev() {
+            let start_back = (t < end).then(|| StartBack {
+                t,
+                k: row(&x.k, t),
+                e: row(&self.tokens.decay, t),
+                dr: &self.dr,
+                s_prev: state(t),
+            });
+            let finish_back = (t > start).then(|| {
+                let p = t - 1;
+                let (r, d_o) = (row(self.rs, p), &self.d_o[p * vd..t * vd]);
+                FinishBack {
+                    t: p,
+                    q: row(&x.q, p),
+                    k: row(&x.k, p),
+                    e: row(&self.tokens.decay, p),
+                    beta: x.beta[p],
+                    r,
+                    d_o,
+                    rdo: dot(r, d_o),
+                    s_prev: state(p),
+                }
+            });
+            for (i, ds_row) in ds.chunks_exact_mut(vd).enumerate() {
+                if let Some(b) = &start_back {
+                    b.row(i, ds_row, &mut self.gr);
+                }
+                if let Some(a) = &finish_back {
+                    a.row(i, ds_row, &mut self.du, &mut self.gr);
+                }
             }
-            gr.dk[[t, i]] = beta * dot(dsr, self.r);
+            if let Some(a) = finish_back {
+                a.close(&mut self.du, &mut self.dr, &mut self.gr);
+            }
         }
+    }
+}
+
+/// The backward of the finish of token `t`: with `S_t = S' + k uᵀ`,
+/// `u = β r` and `o = S_tᵀ q`, it gives `dq = S_t do`, `dS_t += q doᵀ`,
+/// `du = dS_tᵀ k`, `dk = dS_t u`, then `dβ`, `dv` and `d(S'ᵀk) = −β du`.
+struct FinishBack<'a, T> {
+    t: usize,
+    q: &'a [T],
+    k: &'a [T],
+    e: &'a [T],
+    beta: T,
+    r: &'a [T],
+    d_o: &'a [T],
+    /// `r · do`
+    rdo: T,
+    /// `S_{t−1}`
+    s_prev: &'a [T],
+}
+
+impl<T: Scalar> FinishBack<'_, T> {
+    #[inline(always)]
+    fn row(&self, i: usize, ds: &mut [T], du: &mut [T], gr: &mut KdaHeadGrads<T>) {
+        let vd = ds.len();
+        let (qi, ki) = (self.q[i], self.k[i]);
+        let s_prev = &self.s_prev[i * vd..(i + 1) * vd];
+        let (s_do, ds_r) = finish_back_row(ds, du, s_prev, self.d_o, self.r, qi, ki);
+        // dq_i = S_t row · do with S_t row = e·S_{t−1} row + k_i β r.
+        let beta = self.beta;
+        gr.dq[[self.t, i]] = self.e[i] * s_do + ki * beta * self.rdo;
+        gr.dk[[self.t, i]] = beta * ds_r;
+    }
+
+    /// After all rows: `dβ = du · r`, `dv = β du`, and `dr = −β du` for the
+    /// start backward; `du` is cleared for the next token.
+    #[inline(always)]
+    fn close(&self, du: &mut [T], dr: &mut [T], gr: &mut KdaHeadGrads<T>) {
+        let (t, beta) = (self.t, self.beta);
         let mut dbeta = T::zero();
-        for (j, (duj, &rj)) in du.iter_mut().zip(self.r).enumerate() {
+        let dv = row_mut(&mut gr.dv, t);
+        let cols = du.iter_mut().zip(dr.iter_mut()).zip(self.r).zip(dv);
+        for (((duj, drj), &rj), dvj) in cols {
             dbeta += *duj * rj;
-            gr.dv[[t, j]] = beta * *duj;
-            *duj = -beta * *duj;
+            *dvj = beta * *duj;
+            *drj = -beta * *duj;
+            *duj = T::zero();
         }
         gr.dbeta[t] = dbeta;
-        let rows = ds.chunks_exact_mut(vd).zip(self.s_prev.chunks_exact(vd));
-        for (i, ((dsr, spr), (&ki, &gi))) in rows.zip(k.iter().zip(&g)).enumerate() {
-            let e = gi.exp();
-            for (dj, &dksj) in dsr.iter_mut().zip(du.iter()) {
-                *dj += ki * dksj;
-            }
-            // With S' = e·S_{t−1}: dk += S' d(S'ᵀk), dg = Σ dS' ⊙ S'.
-            gr.dk[[t, i]] += e * dot(spr, du);
-            gr.dg[[t, i]] = e * dot(dsr, spr);
-            dsr.iter_mut().for_each(|d| *d *= e);
-        }
     }
+}
+
+/// One row of [`FinishBack`]: `ds += q_i do`, `du += k_i ds`, in one pass
+/// with `S_{t−1} row · do` and `ds · r` (returned, in [`dot`]'s order).
+#[inline(always)]
+fn finish_back_row<T: Scalar>(
+    ds: &mut [T],
+    du: &mut [T],
+    s_prev: &[T],
+    d_o: &[T],
+    r: &[T],
+    qi: T,
+    ki: T,
+) -> (T, T) {
+    let vd = ds.len();
+    let (du, s_prev, d_o, r) = (&mut du[..vd], &s_prev[..vd], &d_o[..vd], &r[..vd]);
+    let (mut s_do, mut ds_r) = (DotSum::new(), DotSum::new());
+    let quads = ds.chunks_exact_mut(4).zip(du.chunks_exact_mut(4));
+    let ins = s_prev
+        .chunks_exact(4)
+        .zip(d_o.chunks_exact(4))
+        .zip(r.chunks_exact(4));
+    for ((dsq, duq), ((sq, doq), rq)) in quads.zip(ins) {
+        let (sq, doq, rq) = (quad(sq), quad(doq), quad(rq));
+        let (mut d, mut u) = (quad(dsq), quad(duq));
+        for l in 0..4 {
+            s_do.lanes[l] += sq[l] * doq[l];
+            d[l] += qi * doq[l];
+            u[l] += ki * d[l];
+            ds_r.lanes[l] += d[l] * rq[l];
+        }
+        dsq.copy_from_slice(&d);
+        duq.copy_from_slice(&u);
+    }
+    for j in vd / 4 * 4..vd {
+        s_do.tail += s_prev[j] * d_o[j];
+        ds[j] += qi * d_o[j];
+        du[j] += ki * ds[j];
+        ds_r.tail += ds[j] * r[j];
+    }
+    (s_do.finish(), ds_r.finish())
+}
+
+/// The backward of the start of token `t` (`S' = Diag(e) S_{t−1}`,
+/// `r = v − S'ᵀk`): `dS' = dS_t + k drᵀ`, `dk += S' dr`, `dg = Σ_j dS' ⊙ S'`,
+/// `dS_{t−1} = Diag(e) dS'`.
+struct StartBack<'a, T> {
+    t: usize,
+    k: &'a [T],
+    e: &'a [T],
+    /// `d(S'ᵀk)`
+    dr: &'a [T],
+    /// `S_{t−1}`
+    s_prev: &'a [T],
+}
+
+impl<T: Scalar> StartBack<'_, T> {
+    #[inline(always)]
+    fn row(&self, i: usize, ds: &mut [T], gr: &mut KdaHeadGrads<T>) {
+        let vd = ds.len();
+        let (ki, e) = (self.k[i], self.e[i]);
+        let s_prev = &self.s_prev[i * vd..(i + 1) * vd];
+        let (s_dr, ds_s) = start_back_row(ds, s_prev, self.dr, ki, e);
+        // With S' = e·S_{t−1}: dk += S' dr, dg = Σ dS' ⊙ S'.
+        gr.dk[[self.t, i]] += e * s_dr;
+        gr.dg[[self.t, i]] = e * ds_s;
+    }
+}
+
+/// One row of [`StartBack`]: `ds += k_i dr`, then `ds *= e_i`, in one pass
+/// with `S_{t−1} row · dr` and `ds · S_{t−1} row` (taken between the two,
+/// returned in [`dot`]'s order).
+#[inline(always)]
+fn start_back_row<T: Scalar>(ds: &mut [T], s_prev: &[T], dr: &[T], ki: T, e: T) -> (T, T) {
+    let vd = ds.len();
+    let (s_prev, dr) = (&s_prev[..vd], &dr[..vd]);
+    let (mut s_dr, mut ds_s) = (DotSum::new(), DotSum::new());
+    let ins = s_prev.chunks_exact(4).zip(dr.chunks_exact(4));
+    for (dsq, (sq, drq)) in ds.chunks_exact_mut(4).zip(ins) {
+        let (sq, drq, mut d) = (quad(sq), quad(drq), quad(dsq));
+        for l in 0..4 {
+            d[l] += ki * drq[l];
+            s_dr.lanes[l] += sq[l] * drq[l];
+            ds_s.lanes[l] += d[l] * sq[l];
+            d[l] *= e;
+        }
+        dsq.copy_from_slice(&d);
+    }
+    for j in vd / 4 * 4..vd {
+        ds[j] += ki * dr[j];
+        s_dr.tail += s_prev[j] * dr[j];
+        ds_s.tail += ds[j] * s_prev[j];
+        ds[j] *= e;
+    }
+    (s_dr.finish(), ds_s.finish())
 }
