@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::{code, run_ok, s};
+use common::{code, deltaref, run_ok, s};
+
+use std::path::Path;
 
 use deltaref_verify::case::{Case, Dtype};
 
