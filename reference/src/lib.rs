@@ -4,7 +4,8 @@
 //! Layout: one module per operator, each with a `mod.rs` holding the shared
 //! tensors/options/validation/driver and one file per form (`naive`, `chunk`).
 //! Shared pieces: [`gates`] (l2norm, gates, beta sigmoid), [`varlen`]
-//! (sequences and the parallel pair runner), [`tensor`] (checks, gather/scatter).
+//! (sequences and the parallel pair runner), [`tensor`] (checks, gather/scatter),
+//! [`sweep`] (what the naive engines share), [`simd`] (runtime AVX2 dispatch).
 
 pub mod cp;
 pub mod dplr;

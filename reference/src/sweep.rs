@@ -1,7 +1,7 @@
 //! Pieces shared by the naive engines, which sweep a `[K, V]` state held as
 //! a row-major slice once or twice per token.
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::{Array2, ArrayBase, ArrayView2, Data, Ix2};
 
 use crate::scalar::Scalar;
 
@@ -24,9 +24,9 @@ pub fn state<T: Scalar>(a: ArrayView2<T>) -> Vec<T> {
         .0
 }
 
-/// Row `t` of a row-major array.
+/// Row `t` of a row-major (standard-layout) array.
 #[inline(always)]
-pub fn row<T>(a: &Array2<T>, t: usize) -> &[T] {
+pub fn row<T, S: Data<Elem = T>>(a: &ArrayBase<S, Ix2>, t: usize) -> &[T] {
     let n = a.ncols();
     &a.as_slice().expect("row-major")[t * n..(t + 1) * n]
 }

@@ -13,7 +13,7 @@
 //! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
 //! on everything they call per token.
 
-use ndarray::{Array2, ArrayD, ArrayView2};
+use ndarray::{Array2, ArrayD, ArrayView2, CowArray, Ix2};
 
 use super::{DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs};
 use crate::error::Result;
@@ -122,9 +122,15 @@ fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, cons
     }
 }
 
-/// One head's tensors by token, with the decay `e^gk` computed once.
+/// One head's tensors as the sweeps read them, row by row: in standard
+/// layout (borrowed when they already are), with the decay `e^gk` computed
+/// once.
 struct Tokens<'a, T> {
-    x: &'a DplrHead<T>,
+    q: CowArray<'a, T, Ix2>,
+    k: CowArray<'a, T, Ix2>,
+    a: CowArray<'a, T, Ix2>,
+    b: CowArray<'a, T, Ix2>,
+    v: CowArray<'a, T, Ix2>,
     /// `e^gk [L, K]`
     decay: Array2<T>,
 }
@@ -142,8 +148,12 @@ struct Record<'a, T> {
 impl<'a, T: Scalar> Tokens<'a, T> {
     fn new(x: &'a DplrHead<T>) -> Self {
         Tokens {
-            x,
-            decay: x.gk.mapv(T::exp),
+            q: x.q.as_standard_layout(),
+            k: x.k.as_standard_layout(),
+            a: x.a.as_standard_layout(),
+            b: x.b.as_standard_layout(),
+            v: x.v.as_standard_layout(),
+            decay: x.gk.as_standard_layout().mapv(T::exp),
         }
     }
 
@@ -152,7 +162,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
     /// between the two, they run as two sweeps around the copy.
     #[inline(always)]
     fn run(&self, s: &mut [T], mut rec: Record<T>) {
-        let (l, kd, vd) = (self.x.len(), self.x.k_dim(), self.x.v_dim());
+        let (l, kd, vd) = (self.k.nrows(), self.k.ncols(), self.v.ncols());
         let (mut w, mut w_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
         let mut rows = vec![RowCoef::default(); kd];
         let mut o_row = vec![T::zero(); if rec.o.is_some() { vd } else { 0 }];
@@ -160,7 +170,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
             let mut io = SweepIo {
                 w: &w,
-                v: fin.map_or(&[], |p| row(&self.x.v, p)),
+                v: fin.map_or(&[], |p| row(&self.v, p)),
                 o: &mut o_row,
                 w_next: &mut w_next,
             };
@@ -193,24 +203,23 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         start: Option<usize>,
         io: &mut SweepIo<T>,
     ) {
-        let x = self.x;
         let read = fin.is_some() && !io.o.is_empty();
         if let Some(t) = fin {
             let coefs = row(&self.decay, t)
                 .iter()
-                .zip(row(&x.b, t))
-                .zip(row(&x.k, t));
+                .zip(row(&self.b, t))
+                .zip(row(&self.k, t));
             for (c, ((&e, &b), &k)) in rows.iter_mut().zip(coefs) {
                 (c.e, c.b, c.k) = (e, b, k);
             }
             if read {
-                for (c, &q) in rows.iter_mut().zip(row(&x.q, t)) {
+                for (c, &q) in rows.iter_mut().zip(row(&self.q, t)) {
                     c.q = q;
                 }
             }
         }
         if let Some(t) = start {
-            for (c, &a) in rows.iter_mut().zip(row(&x.a, t)) {
+            for (c, &a) in rows.iter_mut().zip(row(&self.a, t)) {
                 c.a = a;
             }
         }
@@ -228,12 +237,11 @@ impl<'a, T: Scalar> Tokens<'a, T> {
     /// forward sweep's operations without the reductions.
     #[inline(always)]
     fn replay(&self, t: usize, w: &[T], s_prev: &[T], s: &mut [T]) {
-        let x = self.x;
         let (e, b, k, v) = (
             row(&self.decay, t),
-            row(&x.b, t),
-            row(&x.k, t),
-            row(&x.v, t),
+            row(&self.b, t),
+            row(&self.k, t),
+            row(&self.v, t),
         );
         let rows = s
             .chunks_exact_mut(w.len())
@@ -356,14 +364,14 @@ impl<T: Scalar> Backward<'_, T> {
     /// of token `t − 1`, row by row.
     #[inline(always)]
     fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
-        let x = self.tokens.x;
-        let (vd, kv) = (x.v_dim(), x.k_dim() * x.v_dim());
+        let x = self.tokens;
+        let (vd, kv) = (x.v.ncols(), x.k.ncols() * x.v.ncols());
         let state = |t: usize| &prev[(t - start) * kv..(t - start + 1) * kv];
         for t in (start..=end).rev() {
             let start_back = (t < end).then(|| StartBack {
                 t,
                 a: row(&x.a, t),
-                e: row(&self.tokens.decay, t),
+                e: row(&x.decay, t),
                 dw: &self.dw,
                 s_prev: state(t),
             });
@@ -375,7 +383,7 @@ impl<T: Scalar> Backward<'_, T> {
                     q: row(&x.q, p),
                     k: row(&x.k, p),
                     b: row(&x.b, p),
-                    e: row(&self.tokens.decay, p),
+                    e: row(&x.decay, p),
                     w,
                     v,
                     d_o,

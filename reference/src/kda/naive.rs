@@ -17,7 +17,7 @@
 //! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
 //! on everything they call per token.
 
-use ndarray::{Array1, Array2, ArrayD, ArrayView2};
+use ndarray::{Array1, Array2, ArrayD, ArrayView2, CowArray, Ix2};
 
 use super::{KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
 use crate::error::Result;
@@ -125,9 +125,14 @@ fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, cons
     }
 }
 
-/// One head's tensors by token, with the decay `e^g` computed once.
+/// One head's tensors as the sweeps read them, row by row: in standard
+/// layout (borrowed when they already are), with the decay `e^g` computed
+/// once.
 struct Tokens<'a, T> {
-    x: &'a KdaHead<T>,
+    q: CowArray<'a, T, Ix2>,
+    k: CowArray<'a, T, Ix2>,
+    v: CowArray<'a, T, Ix2>,
+    beta: &'a Array1<T>,
     /// `e^g [L, K]`
     decay: Array2<T>,
 }
@@ -145,8 +150,11 @@ struct Record<'a, T> {
 impl<'a, T: Scalar> Tokens<'a, T> {
     fn new(x: &'a KdaHead<T>) -> Self {
         Tokens {
-            x,
-            decay: x.g.mapv(T::exp),
+            q: x.q.as_standard_layout(),
+            k: x.k.as_standard_layout(),
+            v: x.v.as_standard_layout(),
+            beta: &x.beta,
+            decay: x.g.as_standard_layout().mapv(T::exp),
         }
     }
 
@@ -155,7 +163,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
     /// between the two, they run as two sweeps around the copy.
     #[inline(always)]
     fn run(&self, s: &mut [T], mut rec: Record<T>) {
-        let (l, kd, vd) = (self.x.len(), self.x.k_dim(), self.x.v_dim());
+        let (l, kd, vd) = (self.k.nrows(), self.k.ncols(), self.v.ncols());
         let (mut r, mut r_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
         let mut rows = vec![RowCoef::default(); kd];
         let mut o_row = vec![T::zero(); if rec.o.is_some() { vd } else { 0 }];
@@ -163,7 +171,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
             let mut io = SweepIo {
                 r: &r,
-                v: start.map_or(&[], |t| row(&self.x.v, t)),
+                v: start.map_or(&[], |t| row(&self.v, t)),
                 o: &mut o_row,
                 r_next: &mut r_next,
             };
@@ -196,21 +204,20 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         start: Option<usize>,
         io: &mut SweepIo<T>,
     ) {
-        let x = self.x;
         let read = fin.is_some() && !io.o.is_empty();
         if let Some(t) = fin {
-            let (k, beta) = (row(&x.k, t), x.beta[t]);
+            let (k, beta) = (row(&self.k, t), self.beta[t]);
             for (c, &ki) in rows.iter_mut().zip(k) {
                 c.c = ki * beta;
             }
             if read {
-                for (c, &qi) in rows.iter_mut().zip(row(&x.q, t)) {
+                for (c, &qi) in rows.iter_mut().zip(row(&self.q, t)) {
                     c.q = qi;
                 }
             }
         }
         if let Some(t) = start {
-            let (e, k) = (row(&self.decay, t), row(&x.k, t));
+            let (e, k) = (row(&self.decay, t), row(&self.k, t));
             for ((c, &ei), &ki) in rows.iter_mut().zip(e).zip(k) {
                 (c.e, c.k) = (ei, ki);
             }
@@ -318,7 +325,7 @@ impl<T: Scalar> Tokens<'_, T> {
     #[inline(always)]
     fn replay(&self, t: usize, r: &[T], s_prev: &[T], s: &mut [T]) {
         let vd = r.len();
-        let (e, k, beta) = (row(&self.decay, t), row(&self.x.k, t), self.x.beta[t]);
+        let (e, k, beta) = (row(&self.decay, t), row(&self.k, t), self.beta[t]);
         let rows = s.chunks_exact_mut(vd).zip(s_prev.chunks_exact(vd));
         for (((s_row, p_row), &ei), &ki) in rows.zip(e).zip(k) {
             let c = ki * beta;
@@ -350,14 +357,14 @@ impl<T: Scalar> Backward<'_, T> {
     /// of token `t − 1`, row by row.
     #[inline(always)]
     fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
-        let x = self.tokens.x;
-        let (vd, kv) = (x.v_dim(), x.k_dim() * x.v_dim());
+        let x = self.tokens;
+        let (vd, kv) = (x.v.ncols(), x.k.ncols() * x.v.ncols());
         let state = |t: usize| &prev[(t - start) * kv..(t - start + 1) * kv];
         for t in (start..=end).rev() {
             let start_back = (t < end).then(|| StartBack {
                 t,
                 k: row(&x.k, t),
-                e: row(&self.tokens.decay, t),
+                e: row(&x.decay, t),
                 dr: &self.dr,
                 s_prev: state(t),
             });
@@ -368,7 +375,7 @@ impl<T: Scalar> Backward<'_, T> {
                     t: p,
                     q: row(&x.q, p),
                     k: row(&x.k, p),
-                    e: row(&self.tokens.decay, p),
+                    e: row(&x.decay, p),
                     beta: x.beta[p],
                     r,
                     d_o,
