@@ -14,7 +14,9 @@ use deltaref::kda::{self, KdaOptions};
 fn main() {
     let (t, h, kd, vd) = (1024, 4, 64, 64);
     let threads = rayon::current_num_threads();
-    println!("naive forward+backward, f64, B=1 T={t} H={h} K=V={kd}, {threads} rayon threads");
+    println!(
+        "naive forward+backward, f64, B=1 T={t} H={h} K=V={kd}, {threads} rayon threads, mimalloc"
+    );
 
     let opts = KdaOptions {
         output_final_state: true,

@@ -2,6 +2,11 @@
 
 use std::time::Instant;
 
+// The `deltaref` binary's allocator (see verify/src/main.rs): with glibc's,
+// page faults on the per-call buffers dominate the timings.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Best wall time of `reps` runs, in seconds.
 pub fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
     (0..reps)

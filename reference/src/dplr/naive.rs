@@ -394,13 +394,22 @@ impl<T: Scalar> Backward<'_, T> {
             });
             let gr = &mut self.gr;
             for (i, ds_row) in ds.chunks_exact_mut(vd).enumerate() {
+                let dv = finish_back
+                    .as_ref()
+                    .map_or(&mut [][..], |a| row_mut(&mut gr.dv, a.t));
+                let r = back_row(
+                    i,
+                    ds_row,
+                    start_back.as_ref(),
+                    finish_back.as_ref(),
+                    &mut self.dw_next,
+                    dv,
+                );
                 if let Some(b) = &start_back {
-                    gr.da[[b.t, i]] = b.row(i, ds_row);
+                    gr.da[[b.t, i]] = r.da;
                 }
                 if let Some(a) = &finish_back {
-                    let dv = row_mut(&mut gr.dv, a.t);
-                    let [dq, dk, db, dgk] = a.row(i, ds_row, &mut self.dw_next, dv);
-                    let t = a.t;
+                    let (t, [dq, dk, db, dgk]) = (a.t, r.finish);
                     (gr.dq[[t, i]], gr.dk[[t, i]]) = (dq, dk);
                     (gr.db[[t, i]], gr.dgk[[t, i]]) = (db, dgk);
                 }
@@ -434,85 +443,188 @@ struct FinishBack<'a, T> {
     s_prev: &'a [T],
 }
 
-impl<T: Scalar> FinishBack<'_, T> {
-    /// Row `i`: updates `ds`, `dw` and `dv` and returns `[dq_i, dk_i, db_i,
-    /// dgk_i]`.
-    #[inline(always)]
-    fn row(&self, i: usize, ds: &mut [T], dw: &mut [T], dv: &mut [T]) -> [T; 4] {
-        let vd = ds.len();
-        let (qi, ki, bi, e) = (self.q[i], self.k[i], self.b[i], self.e[i]);
-        let ins = RowInputs {
-            s_prev: &self.s_prev[i * vd..(i + 1) * vd],
-            d_o: self.d_o,
-            v: self.v,
-            w: self.w,
-        };
-        let [s_do, ds_v, ds_w, ds_s] = finish_back_row(ds, dw, dv, ins, qi, bi, ki);
-        // o_j = Σ_i q_i S_t[i, j] with S_t row i = e S_{t−1} row + b_i w + k_i v.
-        let dq = e * s_do + bi * self.wdo + ki * self.vdo;
-        [dq, ds_v, ds_w, e * ds_s]
+/// The per-row gradients of one reverse sweep: `da_i` of the started token
+/// and `[dq_i, dk_i, db_i, dgk_i]` of the finished one (zero when absent).
+struct RowGrads<T> {
+    da: T,
+    finish: [T; 4],
+}
+
+/// Row `i` of reverse sweep `t`: the start backward of token `t` (updating
+/// `ds`), then the finish backward of token `t − 1` (updating `ds`, `dw_next`
+/// and `dv`). Both are elementwise along the row, so running them in one pass
+/// gives the bits of running them one after the other, with the five
+/// reductions overlapping instead of each waiting on its own adds.
+#[inline(always)]
+fn back_row<T: Scalar>(
+    i: usize,
+    ds: &mut [T],
+    start: Option<&StartBack<T>>,
+    finish: Option<&FinishBack<T>>,
+    dw_next: &mut [T],
+    dv: &mut [T],
+) -> RowGrads<T> {
+    let n = ds.len();
+    let st = start.map_or_else(StartRow::default, |b| b.row(i, n));
+    let fi = finish.map_or_else(FinishRow::default, |a| a.row(i, n));
+    let sums = match (start.is_some(), finish.is_some()) {
+        (true, true) => back_row_pass::<T, true, true>(ds, &st, &fi, dw_next, dv),
+        (true, false) => back_row_pass::<T, true, false>(ds, &st, &fi, dw_next, dv),
+        (false, true) => back_row_pass::<T, false, true>(ds, &st, &fi, dw_next, dv),
+        (false, false) => [T::zero(); 5],
+    };
+    let finish = finish.map_or([T::zero(); 4], |a| a.grads(i, &fi, &sums));
+    RowGrads {
+        da: sums[0],
+        finish,
     }
 }
 
-/// The rows [`finish_back_row`] reads.
-struct RowInputs<'a, T> {
+/// Row `i` of a [`StartBack`]: `ds ← e_i ds + a_i dw`, `da_i = S_{t−1} row · dw`.
+struct StartRow<'a, T> {
+    e: T,
+    a: T,
+    s_prev: &'a [T],
+    dw: &'a [T],
+}
+
+impl<T: Scalar> Default for StartRow<'_, T> {
+    fn default() -> Self {
+        StartRow {
+            e: T::zero(),
+            a: T::zero(),
+            s_prev: &[],
+            dw: &[],
+        }
+    }
+}
+
+/// Row `i` of a [`FinishBack`]: `ds += q_i do`, `dw += b_i ds`,
+/// `dv += k_i ds`, with `S_{t−1} row · do`, `ds · v`, `ds · w` and
+/// `ds · S_{t−1} row`.
+struct FinishRow<'a, T> {
+    q: T,
+    b: T,
+    k: T,
     s_prev: &'a [T],
     d_o: &'a [T],
     v: &'a [T],
     w: &'a [T],
 }
 
-/// One row of [`FinishBack`]: `ds += q_i do`, `dw += b_i ds`, `dv += k_i ds`,
-/// in one pass with `S_{t−1} row · do`, `ds · v`, `ds · w` and
-/// `ds · S_{t−1} row` (returned, in [`dot`]'s order).
-#[inline(always)]
-fn finish_back_row<T: Scalar>(
-    ds: &mut [T],
-    dw: &mut [T],
-    dv: &mut [T],
-    ins: RowInputs<T>,
-    qi: T,
-    bi: T,
-    ki: T,
-) -> [T; 4] {
-    let n = ds.len();
-    let (dw, dv) = (&mut dw[..n], &mut dv[..n]);
-    let (s_prev, d_o, v, w) = (&ins.s_prev[..n], &ins.d_o[..n], &ins.v[..n], &ins.w[..n]);
-    let mut sums = [DotSum::new(); 4];
-    let outs = ds
-        .chunks_exact_mut(4)
-        .zip(dw.chunks_exact_mut(4))
-        .zip(dv.chunks_exact_mut(4));
-    let ins = s_prev
-        .chunks_exact(4)
-        .zip(d_o.chunks_exact(4))
-        .zip(v.chunks_exact(4).zip(w.chunks_exact(4)));
-    for (((dsq, dwq), dvq), ((sq, doq), (vq, wq))) in outs.zip(ins) {
-        let (sq, doq, vq, wq) = (quad(sq), quad(doq), quad(vq), quad(wq));
-        let (mut d, mut dwv, mut dvv) = (quad(dsq), quad(dwq), quad(dvq));
-        for l in 0..4 {
-            sums[0].lanes[l] += sq[l] * doq[l];
-            d[l] += qi * doq[l];
-            sums[1].lanes[l] += d[l] * vq[l];
-            sums[2].lanes[l] += d[l] * wq[l];
-            sums[3].lanes[l] += d[l] * sq[l];
-            dwv[l] += bi * d[l];
-            dvv[l] += ki * d[l];
+impl<T: Scalar> Default for FinishRow<'_, T> {
+    fn default() -> Self {
+        FinishRow {
+            q: T::zero(),
+            b: T::zero(),
+            k: T::zero(),
+            s_prev: &[],
+            d_o: &[],
+            v: &[],
+            w: &[],
         }
-        dsq.copy_from_slice(&d);
-        dwq.copy_from_slice(&dwv);
-        dvq.copy_from_slice(&dvv);
     }
-    for j in n / 4 * 4..n {
-        sums[0].tail += s_prev[j] * d_o[j];
-        ds[j] += qi * d_o[j];
-        sums[1].tail += ds[j] * v[j];
-        sums[2].tail += ds[j] * w[j];
-        sums[3].tail += ds[j] * s_prev[j];
-        dw[j] += bi * ds[j];
-        dv[j] += ki * ds[j];
+}
+
+/// The pass of [`back_row`] for the halves present (`START`, `FINISH`);
+/// returns the reductions in [`dot`]'s order: `[S_{t−1} row · dw]` of the
+/// start, then `[S_{t−2} row · do, ds · v, ds · w, ds · S_{t−2} row]` of the
+/// finish.
+#[inline(always)]
+fn back_row_pass<T: Scalar, const START: bool, const FINISH: bool>(
+    ds: &mut [T],
+    st: &StartRow<T>,
+    fi: &FinishRow<T>,
+    dw_next: &mut [T],
+    dv: &mut [T],
+) -> [T; 5] {
+    let n = ds.len();
+    let (s1, dw) = if START {
+        (&st.s_prev[..n], &st.dw[..n])
+    } else {
+        (&[][..], &[][..])
+    };
+    let (s2, d_o, v, w) = if FINISH {
+        (&fi.s_prev[..n], &fi.d_o[..n], &fi.v[..n], &fi.w[..n])
+    } else {
+        (&[][..], &[][..], &[][..], &[][..])
+    };
+    let (dw_next, dv) = if FINISH {
+        (&mut dw_next[..n], &mut dv[..n])
+    } else {
+        (&mut [][..], &mut [][..])
+    };
+    let mut sums = [DotSum::new(); 5];
+    let full = n / 4 * 4;
+    for j in (0..full).step_by(4) {
+        let q4 = j..j + 4;
+        let mut d = quad(&ds[q4.clone()]);
+        if START {
+            let (sq, dwq) = (quad(&s1[q4.clone()]), quad(&dw[q4.clone()]));
+            for l in 0..4 {
+                sums[0].lanes[l] += sq[l] * dwq[l];
+                d[l] = st.e * d[l] + st.a * dwq[l];
+            }
+        }
+        if FINISH {
+            let (sq, doq) = (quad(&s2[q4.clone()]), quad(&d_o[q4.clone()]));
+            let (vq, wq) = (quad(&v[q4.clone()]), quad(&w[q4.clone()]));
+            let (mut dwv, mut dvv) = (quad(&dw_next[q4.clone()]), quad(&dv[q4.clone()]));
+            for l in 0..4 {
+                sums[1].lanes[l] += sq[l] * doq[l];
+                d[l] += fi.q * doq[l];
+                sums[2].lanes[l] += d[l] * vq[l];
+                sums[3].lanes[l] += d[l] * wq[l];
+                sums[4].lanes[l] += d[l] * sq[l];
+                dwv[l] += fi.b * d[l];
+                dvv[l] += fi.k * d[l];
+            }
+            dw_next[q4.clone()].copy_from_slice(&dwv);
+            dv[q4.clone()].copy_from_slice(&dvv);
+        }
+        ds[q4].copy_from_slice(&d);
+    }
+    for j in full..n {
+        if START {
+            sums[0].tail += s1[j] * dw[j];
+            ds[j] = st.e * ds[j] + st.a * dw[j];
+        }
+        if FINISH {
+            sums[1].tail += s2[j] * d_o[j];
+            ds[j] += fi.q * d_o[j];
+            sums[2].tail += ds[j] * v[j];
+            sums[3].tail += ds[j] * w[j];
+            sums[4].tail += ds[j] * s2[j];
+            dw_next[j] += fi.b * ds[j];
+            dv[j] += fi.k * ds[j];
+        }
     }
     sums.map(DotSum::finish)
+}
+
+impl<T: Scalar> FinishBack<'_, T> {
+    #[inline(always)]
+    fn row(&self, i: usize, n: usize) -> FinishRow<'_, T> {
+        FinishRow {
+            q: self.q[i],
+            b: self.b[i],
+            k: self.k[i],
+            s_prev: &self.s_prev[i * n..(i + 1) * n],
+            d_o: self.d_o,
+            v: self.v,
+            w: self.w,
+        }
+    }
+
+    /// `[dq_i, dk_i, db_i, dgk_i]` from the row's reductions.
+    #[inline(always)]
+    fn grads(&self, i: usize, fi: &FinishRow<T>, sums: &[T; 5]) -> [T; 4] {
+        let [_, s_do, ds_v, ds_w, ds_s] = *sums;
+        let e = self.e[i];
+        // o_j = Σ_i q_i S_t[i, j] with S_t row i = e S_{t−1} row + b_i w + k_i v.
+        let dq = e * s_do + fi.b * self.wdo + fi.k * self.vdo;
+        [dq, ds_v, ds_w, e * ds_s]
+    }
 }
 
 /// The backward of the start of token `t` (`w = aᵀ S_{t−1}`) and of its
@@ -528,26 +640,13 @@ struct StartBack<'a, T> {
 }
 
 impl<T: Scalar> StartBack<'_, T> {
-    /// Row `i`: `ds ← e_i ds + a_i dw`; returns `da_i = S_{t−1} row · dw`.
     #[inline(always)]
-    fn row(&self, i: usize, ds: &mut [T]) -> T {
-        let n = ds.len();
-        let (ai, e) = (self.a[i], self.e[i]);
-        let (s_prev, dw) = (&self.s_prev[i * n..(i + 1) * n], &self.dw[..n]);
-        let mut s_dw = DotSum::new();
-        let ins = s_prev.chunks_exact(4).zip(dw.chunks_exact(4));
-        for (dsq, (sq, dwq)) in ds.chunks_exact_mut(4).zip(ins) {
-            let (sq, dwq, mut d) = (quad(sq), quad(dwq), quad(dsq));
-            for l in 0..4 {
-                s_dw.lanes[l] += sq[l] * dwq[l];
-                d[l] = e * d[l] + ai * dwq[l];
-            }
-            dsq.copy_from_slice(&d);
+    fn row(&self, i: usize, n: usize) -> StartRow<'_, T> {
+        StartRow {
+            e: self.e[i],
+            a: self.a[i],
+            s_prev: &self.s_prev[i * n..(i + 1) * n],
+            dw: self.dw,
         }
-        for j in n / 4 * 4..n {
-            s_dw.tail += s_prev[j] * dw[j];
-            ds[j] = e * ds[j] + ai * dw[j];
-        }
-        s_dw.finish()
     }
 }
