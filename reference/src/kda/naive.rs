@@ -384,12 +384,8 @@ impl<T: Scalar> Backward<'_, T> {
                 }
             });
             for (i, ds_row) in ds.chunks_exact_mut(vd).enumerate() {
-                if let Some(b) = &start_back {
-                    b.row(i, ds_row, &mut self.gr);
-                }
-                if let Some(a) = &finish_back {
-                    a.row(i, ds_row, &mut self.du, &mut self.gr);
-                }
+                let (b, a) = (start_back.as_ref(), finish_back.as_ref());
+                back_row(i, ds_row, b, a, &mut self.du, &mut self.gr);
             }
             if let Some(a) = finish_back {
                 a.close(&mut self.du, &mut self.dr, &mut self.gr);
@@ -417,13 +413,22 @@ struct FinishBack<'a, T> {
 
 impl<T: Scalar> FinishBack<'_, T> {
     #[inline(always)]
-    fn row(&self, i: usize, ds: &mut [T], du: &mut [T], gr: &mut KdaHeadGrads<T>) {
-        let vd = ds.len();
-        let (qi, ki) = (self.q[i], self.k[i]);
-        let s_prev = &self.s_prev[i * vd..(i + 1) * vd];
-        let (s_do, ds_r) = finish_back_row(ds, du, s_prev, self.d_o, self.r, qi, ki);
+    fn row(&self, i: usize, n: usize) -> FinishRow<'_, T> {
+        FinishRow {
+            q: self.q[i],
+            k: self.k[i],
+            s_prev: &self.s_prev[i * n..(i + 1) * n],
+            d_o: self.d_o,
+            r: self.r,
+        }
+    }
+
+    /// `dq_i` and `dk_i` from the row's reductions `S_{t−1} row · do` and
+    /// `ds · r`.
+    #[inline(always)]
+    fn grads(&self, i: usize, s_do: T, ds_r: T, gr: &mut KdaHeadGrads<T>) {
         // dq_i = S_t row · do with S_t row = e·S_{t−1} row + k_i β r.
-        let beta = self.beta;
+        let (ki, beta) = (self.k[i], self.beta);
         gr.dq[[self.t, i]] = self.e[i] * s_do + ki * beta * self.rdo;
         gr.dk[[self.t, i]] = beta * ds_r;
     }
@@ -446,47 +451,6 @@ impl<T: Scalar> FinishBack<'_, T> {
     }
 }
 
-/// One row of [`FinishBack`]: `ds += q_i do`, `du += k_i ds`, in one pass
-/// with `S_{t−1} row · do` and `ds · r` (returned, in [`dot`]'s order).
-#[inline(always)]
-fn finish_back_row<T: Scalar>(
-    ds: &mut [T],
-    du: &mut [T],
-    s_prev: &[T],
-    d_o: &[T],
-    r: &[T],
-    qi: T,
-    ki: T,
-) -> (T, T) {
-    let vd = ds.len();
-    let (du, s_prev, d_o, r) = (&mut du[..vd], &s_prev[..vd], &d_o[..vd], &r[..vd]);
-    let (mut s_do, mut ds_r) = (DotSum::new(), DotSum::new());
-    let quads = ds.chunks_exact_mut(4).zip(du.chunks_exact_mut(4));
-    let ins = s_prev
-        .chunks_exact(4)
-        .zip(d_o.chunks_exact(4))
-        .zip(r.chunks_exact(4));
-    for ((dsq, duq), ((sq, doq), rq)) in quads.zip(ins) {
-        let (sq, doq, rq) = (quad(sq), quad(doq), quad(rq));
-        let (mut d, mut u) = (quad(dsq), quad(duq));
-        for l in 0..4 {
-            s_do.lanes[l] += sq[l] * doq[l];
-            d[l] += qi * doq[l];
-            u[l] += ki * d[l];
-            ds_r.lanes[l] += d[l] * rq[l];
-        }
-        dsq.copy_from_slice(&d);
-        duq.copy_from_slice(&u);
-    }
-    for j in vd / 4 * 4..vd {
-        s_do.tail += s_prev[j] * d_o[j];
-        ds[j] += qi * d_o[j];
-        du[j] += ki * ds[j];
-        ds_r.tail += ds[j] * r[j];
-    }
-    (s_do.finish(), ds_r.finish())
-}
-
 /// The backward of the start of token `t` (`S' = Diag(e) S_{t−1}`,
 /// `r = v − S'ᵀk`): `dS' = dS_t + k drᵀ`, `dk += S' dr`, `dg = Σ_j dS' ⊙ S'`,
 /// `dS_{t−1} = Diag(e) dS'`.
@@ -502,41 +466,165 @@ struct StartBack<'a, T> {
 
 impl<T: Scalar> StartBack<'_, T> {
     #[inline(always)]
-    fn row(&self, i: usize, ds: &mut [T], gr: &mut KdaHeadGrads<T>) {
-        let vd = ds.len();
-        let (ki, e) = (self.k[i], self.e[i]);
-        let s_prev = &self.s_prev[i * vd..(i + 1) * vd];
-        let (s_dr, ds_s) = start_back_row(ds, s_prev, self.dr, ki, e);
+    fn row(&self, i: usize, n: usize) -> StartRow<'_, T> {
+        StartRow {
+            k: self.k[i],
+            e: self.e[i],
+            s_prev: &self.s_prev[i * n..(i + 1) * n],
+            dr: self.dr,
+        }
+    }
+
+    /// `dk_i` and `dg_i` from the row's reductions `S_{t−1} row · dr` and
+    /// `ds · S_{t−1} row`.
+    #[inline(always)]
+    fn grads(&self, i: usize, s_dr: T, ds_s: T, gr: &mut KdaHeadGrads<T>) {
         // With S' = e·S_{t−1}: dk += S' dr, dg = Σ dS' ⊙ S'.
+        let e = self.e[i];
         gr.dk[[self.t, i]] += e * s_dr;
         gr.dg[[self.t, i]] = e * ds_s;
     }
 }
 
-/// One row of [`StartBack`]: `ds += k_i dr`, then `ds *= e_i`, in one pass
-/// with `S_{t−1} row · dr` and `ds · S_{t−1} row` (taken between the two,
-/// returned in [`dot`]'s order).
+/// Row `i` of reverse sweep `t`: the start backward of token `t`, then the
+/// finish backward of token `t − 1`. Both are elementwise along the row, so
+/// running them in one pass gives the bits of running them one after the
+/// other, with the four reductions overlapping instead of each waiting on
+/// its own adds.
 #[inline(always)]
-fn start_back_row<T: Scalar>(ds: &mut [T], s_prev: &[T], dr: &[T], ki: T, e: T) -> (T, T) {
-    let vd = ds.len();
-    let (s_prev, dr) = (&s_prev[..vd], &dr[..vd]);
-    let (mut s_dr, mut ds_s) = (DotSum::new(), DotSum::new());
-    let ins = s_prev.chunks_exact(4).zip(dr.chunks_exact(4));
-    for (dsq, (sq, drq)) in ds.chunks_exact_mut(4).zip(ins) {
-        let (sq, drq, mut d) = (quad(sq), quad(drq), quad(dsq));
-        for l in 0..4 {
-            d[l] += ki * drq[l];
-            s_dr.lanes[l] += sq[l] * drq[l];
-            ds_s.lanes[l] += d[l] * sq[l];
-            d[l] *= e;
+fn back_row<T: Scalar>(
+    i: usize,
+    ds: &mut [T],
+    start: Option<&StartBack<T>>,
+    finish: Option<&FinishBack<T>>,
+    du: &mut [T],
+    gr: &mut KdaHeadGrads<T>,
+) {
+    let n = ds.len();
+    let st = start.map_or_else(StartRow::default, |b| b.row(i, n));
+    let fi = finish.map_or_else(FinishRow::default, |a| a.row(i, n));
+    let [s_dr, ds_s, s_do, ds_r] = match (start.is_some(), finish.is_some()) {
+        (true, true) => back_row_pass::<T, true, true>(ds, &st, &fi, du),
+        (true, false) => back_row_pass::<T, true, false>(ds, &st, &fi, du),
+        (false, true) => back_row_pass::<T, false, true>(ds, &st, &fi, du),
+        (false, false) => return,
+    };
+    if let Some(b) = start {
+        b.grads(i, s_dr, ds_s, gr);
+    }
+    if let Some(a) = finish {
+        a.grads(i, s_do, ds_r, gr);
+    }
+}
+
+/// Row `i` of a [`StartBack`]: `ds += k_i dr`, then `ds *= e_i`, with
+/// `S_{t−1} row · dr` and `ds · S_{t−1} row` taken between the two.
+struct StartRow<'a, T> {
+    k: T,
+    e: T,
+    s_prev: &'a [T],
+    dr: &'a [T],
+}
+
+impl<T: Scalar> Default for StartRow<'_, T> {
+    fn default() -> Self {
+        StartRow {
+            k: T::zero(),
+            e: T::zero(),
+            s_prev: &[],
+            dr: &[],
         }
-        dsq.copy_from_slice(&d);
     }
-    for j in vd / 4 * 4..vd {
-        ds[j] += ki * dr[j];
-        s_dr.tail += s_prev[j] * dr[j];
-        ds_s.tail += ds[j] * s_prev[j];
-        ds[j] *= e;
+}
+
+/// Row `i` of a [`FinishBack`]: `ds += q_i do`, `du += k_i ds`, with
+/// `S_{t−1} row · do` and `ds · r`.
+struct FinishRow<'a, T> {
+    q: T,
+    k: T,
+    s_prev: &'a [T],
+    d_o: &'a [T],
+    r: &'a [T],
+}
+
+impl<T: Scalar> Default for FinishRow<'_, T> {
+    fn default() -> Self {
+        FinishRow {
+            q: T::zero(),
+            k: T::zero(),
+            s_prev: &[],
+            d_o: &[],
+            r: &[],
+        }
     }
-    (s_dr.finish(), ds_s.finish())
+}
+
+/// The pass of [`back_row`] for the halves present (`START`, `FINISH`);
+/// returns the reductions in [`dot`]'s order: `[S_{t−1} row · dr,
+/// ds · S_{t−1} row]` of the start, then `[S_{t−2} row · do, ds · r]` of the
+/// finish.
+#[inline(always)]
+fn back_row_pass<T: Scalar, const START: bool, const FINISH: bool>(
+    ds: &mut [T],
+    st: &StartRow<T>,
+    fi: &FinishRow<T>,
+    du: &mut [T],
+) -> [T; 4] {
+    let n = ds.len();
+    let (s1, dr) = if START {
+        (&st.s_prev[..n], &st.dr[..n])
+    } else {
+        (&[][..], &[][..])
+    };
+    let (s2, d_o, r, du) = if FINISH {
+        (&fi.s_prev[..n], &fi.d_o[..n], &fi.r[..n], &mut du[..n])
+    } else {
+        (&[][..], &[][..], &[][..], &mut [][..])
+    };
+    let mut sums = [DotSum::new(); 4];
+    let full = n / 4 * 4;
+    for j in (0..full).step_by(4) {
+        let q4 = j..j + 4;
+        let mut d = quad(&ds[q4.clone()]);
+        if START {
+            let (sq, drq) = (quad(&s1[q4.clone()]), quad(&dr[q4.clone()]));
+            for l in 0..4 {
+                d[l] += st.k * drq[l];
+                sums[0].lanes[l] += sq[l] * drq[l];
+                sums[1].lanes[l] += d[l] * sq[l];
+                d[l] *= st.e;
+            }
+        }
+        if FINISH {
+            let (sq, doq, rq) = (
+                quad(&s2[q4.clone()]),
+                quad(&d_o[q4.clone()]),
+                quad(&r[q4.clone()]),
+            );
+            let mut u = quad(&du[q4.clone()]);
+            for l in 0..4 {
+                sums[2].lanes[l] += sq[l] * doq[l];
+                d[l] += fi.q * doq[l];
+                u[l] += fi.k * d[l];
+                sums[3].lanes[l] += d[l] * rq[l];
+            }
+            du[q4.clone()].copy_from_slice(&u);
+        }
+        ds[q4].copy_from_slice(&d);
+    }
+    for j in full..n {
+        if START {
+            ds[j] += st.k * dr[j];
+            sums[0].tail += s1[j] * dr[j];
+            sums[1].tail += ds[j] * s1[j];
+            ds[j] *= st.e;
+        }
+        if FINISH {
+            sums[2].tail += s2[j] * d_o[j];
+            ds[j] += fi.q * d_o[j];
+            du[j] += fi.k * ds[j];
+            sums[3].tail += ds[j] * r[j];
+        }
+    }
+    sums.map(DotSum::finish)
 }
