@@ -481,6 +481,7 @@ fn back_row<T: Scalar>(
 }
 
 /// Row `i` of a [`StartBack`]: `ds ← e_i ds + a_i dw`, `da_i = S_{t−1} row · dw`.
+#[derive(Default)]
 struct StartRow<'a, T> {
     e: T,
     a: T,
@@ -488,20 +489,10 @@ struct StartRow<'a, T> {
     dw: &'a [T],
 }
 
-impl<T: Scalar> Default for StartRow<'_, T> {
-    fn default() -> Self {
-        StartRow {
-            e: T::zero(),
-            a: T::zero(),
-            s_prev: &[],
-            dw: &[],
-        }
-    }
-}
-
 /// Row `i` of a [`FinishBack`]: `ds += q_i do`, `dw += b_i ds`,
 /// `dv += k_i ds`, with `S_{t−1} row · do`, `ds · v`, `ds · w` and
 /// `ds · S_{t−1} row`.
+#[derive(Default)]
 struct FinishRow<'a, T> {
     q: T,
     b: T,
@@ -510,20 +501,6 @@ struct FinishRow<'a, T> {
     d_o: &'a [T],
     v: &'a [T],
     w: &'a [T],
-}
-
-impl<T: Scalar> Default for FinishRow<'_, T> {
-    fn default() -> Self {
-        FinishRow {
-            q: T::zero(),
-            b: T::zero(),
-            k: T::zero(),
-            s_prev: &[],
-            d_o: &[],
-            v: &[],
-            w: &[],
-        }
-    }
 }
 
 /// The pass of [`back_row`] for the halves present (`START`, `FINISH`);

@@ -519,6 +519,7 @@ fn back_row<T: Scalar>(
 
 /// Row `i` of a [`StartBack`]: `ds += k_i dr`, then `ds *= e_i`, with
 /// `S_{t−1} row · dr` and `ds · S_{t−1} row` taken between the two.
+#[derive(Default)]
 struct StartRow<'a, T> {
     k: T,
     e: T,
@@ -526,37 +527,15 @@ struct StartRow<'a, T> {
     dr: &'a [T],
 }
 
-impl<T: Scalar> Default for StartRow<'_, T> {
-    fn default() -> Self {
-        StartRow {
-            k: T::zero(),
-            e: T::zero(),
-            s_prev: &[],
-            dr: &[],
-        }
-    }
-}
-
 /// Row `i` of a [`FinishBack`]: `ds += q_i do`, `du += k_i ds`, with
 /// `S_{t−1} row · do` and `ds · r`.
+#[derive(Default)]
 struct FinishRow<'a, T> {
     q: T,
     k: T,
     s_prev: &'a [T],
     d_o: &'a [T],
     r: &'a [T],
-}
-
-impl<T: Scalar> Default for FinishRow<'_, T> {
-    fn default() -> Self {
-        FinishRow {
-            q: T::zero(),
-            k: T::zero(),
-            s_prev: &[],
-            d_o: &[],
-            r: &[],
-        }
-    }
 }
 
 /// The pass of [`back_row`] for the halves present (`START`, `FINISH`);
