@@ -4,6 +4,7 @@
 //! shared-memory table of per-warp sums over the state columns.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
+use deltaref::sweep::block_len;
 use deltaref::varlen::Segment;
 
 use crate::device::Gpu;
@@ -11,11 +12,6 @@ use crate::error::{GpuError, Result};
 
 /// Default dynamic shared memory per block.
 const SHARED_LIMIT: usize = 48 * 1024;
-
-/// Checkpoint spacing: `⌈√L⌉`, at least 16.
-pub(crate) fn block_len(max_len: usize) -> usize {
-    ((max_len as f64).sqrt().ceil() as usize).max(16)
-}
 
 /// Buffers of one backward launch over `pieces × heads` states `[K, V]`.
 pub(crate) struct BackwardScratch {

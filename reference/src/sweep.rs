@@ -11,9 +11,65 @@ use crate::scalar::Scalar;
 pub const TILE: usize = 8;
 
 /// Tokens per block of the checkpointed backward: states are kept every
-/// `⌈√L⌉` tokens and recomputed per block, so memory is `O(√L · K · V)`.
+/// `⌈√L⌉` (at least 16) tokens and recomputed per block, so memory is
+/// `O(√L · K · V)`. The GPU's naive backward uses the same spacing.
 pub fn block_len(l: usize) -> usize {
     ((l as f64).sqrt().ceil() as usize).max(16)
+}
+
+/// The forward schedule of the naive engines over tokens `0 .. l`: sweep
+/// `t` (one call `sweep(s, fin, start)`) finishes token `fin = t − 1` and
+/// starts token `start = t`. With `checkpoints`, the state entering the first
+/// token of every block of [`block_len`] tokens is appended to it, so there
+/// the two halves run as two calls around the copy.
+#[inline(always)]
+pub fn run_tokens<T: Copy>(
+    l: usize,
+    s: &mut [T],
+    mut checkpoints: Option<&mut Vec<T>>,
+    mut sweep: impl FnMut(&mut [T], Option<usize>, Option<usize>),
+) {
+    let bl = block_len(l);
+    if let Some(states) = &mut checkpoints {
+        states.reserve(l.div_ceil(bl) * s.len());
+    }
+    for t in 0..=l {
+        let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
+        match &mut checkpoints {
+            Some(states) if t < l && t % bl == 0 => {
+                sweep(s, fin, None);
+                states.extend_from_slice(s);
+                sweep(s, None, start);
+            }
+            _ => sweep(s, fin, start),
+        }
+    }
+}
+
+/// The backward schedule matching [`run_tokens`]: blocks in reverse; each block's entering states `S_{t−1}` (`kv` values
+/// each) are rebuilt from its checkpoint by `replay(t, S_{t−1}, S_t)`, then
+/// `back(start, end, states, ds)` runs the block's reverse sweeps, taking
+/// `ds` from `∂L/∂S_{end−1}` to `∂L/∂S_{start−1}`. Memory: one block of states.
+#[inline(always)]
+pub fn reverse_blocks<T: Scalar>(
+    l: usize,
+    kv: usize,
+    checkpoints: &[T],
+    ds: &mut [T],
+    replay: impl Fn(usize, &[T], &mut [T]),
+    mut back: impl FnMut(usize, usize, &[T], &mut [T]),
+) {
+    let bl = block_len(l);
+    let mut prev = vec![T::zero(); bl * kv];
+    for (blk, start) in (0..l).step_by(bl).enumerate().rev() {
+        let end = (start + bl).min(l);
+        prev[..kv].copy_from_slice(&checkpoints[blk * kv..(blk + 1) * kv]);
+        for t in start..end - 1 {
+            let (done, next) = prev.split_at_mut((t + 1 - start) * kv);
+            replay(t, &done[(t - start) * kv..], &mut next[..kv]);
+        }
+        back(start, end, &prev, ds);
+    }
 }
 
 /// A `[K, V]` view as a row-major vector.

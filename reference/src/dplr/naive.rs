@@ -19,7 +19,7 @@ use super::{DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOpti
 use crate::error::Result;
 use crate::scalar::Scalar;
 use crate::simd;
-use crate::sweep::{block_len, quad, row, row_mut, state, TILE};
+use crate::sweep::{quad, reverse_blocks, row, row_mut, run_tokens, state, TILE};
 use crate::tensor::{dot, DotSum};
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -141,8 +141,8 @@ struct Record<'a, T> {
     o: Option<&'a mut Array2<T>>,
     /// `w = aᵀ S_{t−1}`, `[L, V]`.
     w: Option<&'a mut Array2<T>>,
-    /// `(every, states)`: the state entering every `every`-th token, appended.
-    checkpoints: Option<(usize, &'a mut Vec<T>)>,
+    /// The states at the checkpoints of [`run_tokens`], appended.
+    checkpoints: Option<&'a mut Vec<T>>,
 }
 
 impl<'a, T: Scalar> Tokens<'a, T> {
@@ -157,39 +157,43 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         }
     }
 
-    /// Runs all tokens from the state `s`, leaving `S_L` in it. Sweep `t`
-    /// finishes token `t − 1` and starts token `t`; where a checkpoint falls
-    /// between the two, they run as two sweeps around the copy.
+    /// Runs all tokens from the state `s` (see [`run_tokens`]), leaving
+    /// `S_L` in it.
     #[inline(always)]
-    fn run(&self, s: &mut [T], mut rec: Record<T>) {
+    fn run(&self, s: &mut [T], rec: Record<T>) {
         let (l, kd, vd) = (self.k.nrows(), self.k.ncols(), self.v.ncols());
-        let (mut w, mut w_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
+        let Record {
+            mut o,
+            mut w,
+            checkpoints,
+        } = rec;
+        let (mut w_cur, mut w_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
         let mut rows = vec![RowCoef::default(); kd];
-        let mut o_row = vec![T::zero(); if rec.o.is_some() { vd } else { 0 }];
-        for t in 0..=l {
-            let (fin, start) = (t.checked_sub(1), (t < l).then_some(t));
-            let mut io = SweepIo {
-                w: &w,
-                v: fin.map_or(&[], |p| row(&self.v, p)),
-                o: &mut o_row,
-                w_next: &mut w_next,
-            };
-            match &mut rec.checkpoints {
-                Some((every, states)) if t < l && t % *every == 0 => {
-                    self.sweep(s, &mut rows, fin, None, &mut io);
-                    states.extend_from_slice(s);
-                    self.sweep(s, &mut rows, None, start, &mut io);
+        let mut o_row = vec![T::zero(); if o.is_some() { vd } else { 0 }];
+        run_tokens(
+            l,
+            s,
+            checkpoints,
+            #[inline(always)]
+            |s: &mut [T], fin, start| {
+                let mut io = SweepIo {
+                    w: &w_cur,
+                    v: fin.map_or(&[], |p| row(&self.v, p)),
+                    o: &mut o_row,
+                    w_next: &mut w_next,
+                };
+                self.sweep(s, &mut rows, fin, start, &mut io);
+                if let (Some(o), Some(p)) = (&mut o, fin) {
+                    row_mut(o, p).copy_from_slice(&o_row);
                 }
-                _ => self.sweep(s, &mut rows, fin, start, &mut io),
-            }
-            if let (Some(o), Some(p)) = (&mut rec.o, fin) {
-                row_mut(o, p).copy_from_slice(&o_row);
-            }
-            if let (Some(ws), Some(t)) = (&mut rec.w, start) {
-                row_mut(ws, t).copy_from_slice(&w_next);
-            }
-            std::mem::swap(&mut w, &mut w_next);
-        }
+                if let Some(t) = start {
+                    if let Some(ws) = &mut w {
+                        row_mut(ws, t).copy_from_slice(&w_next);
+                    }
+                    std::mem::swap(&mut w_cur, &mut w_next);
+                }
+            },
+        );
     }
 
     /// One sweep finishing token `fin` (reading out `o` when `io.o` is not
@@ -298,14 +302,14 @@ fn backward_head<T: Scalar>(
     dht: ArrayView2<T>,
 ) -> DplrHeadGrads<T> {
     let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-    let (bl, kv) = (block_len(l), kd * vd);
+    let kv = kd * vd;
     let tokens = Tokens::new(x);
     let mut ws = Array2::zeros((l, vd));
-    let mut checkpoints = Vec::with_capacity(l.div_ceil(bl) * kv);
+    let mut checkpoints = Vec::new();
     let rec = Record {
         o: None,
         w: Some(&mut ws),
-        checkpoints: Some((bl, &mut checkpoints)),
+        checkpoints: Some(&mut checkpoints),
     };
     tokens.run(&mut state(h0), rec);
     let d_o = d_o.as_standard_layout();
@@ -327,17 +331,16 @@ fn backward_head<T: Scalar>(
         },
     };
     let mut ds = state(dht);
-    // The states entering the tokens of one block.
-    let mut prev = vec![T::zero(); bl * kv];
-    for (blk, start) in (0..l).step_by(bl).enumerate().rev() {
-        let end = (start + bl).min(l);
-        prev[..kv].copy_from_slice(&checkpoints[blk * kv..(blk + 1) * kv]);
-        for t in start..end - 1 {
-            let (done, next) = prev.split_at_mut((t + 1 - start) * kv);
-            tokens.replay(t, row(&ws, t), &done[(t - start) * kv..], &mut next[..kv]);
-        }
-        back.block(start, end, &prev, &mut ds);
-    }
+    reverse_blocks(
+        l,
+        kv,
+        &checkpoints,
+        &mut ds,
+        #[inline(always)]
+        |t, s_prev: &[T], s: &mut [T]| tokens.replay(t, row(&ws, t), s_prev, s),
+        #[inline(always)]
+        |start, end, prev: &[T], ds: &mut [T]| back.block(start, end, prev, ds),
+    );
     let mut gr = back.gr;
     gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
     gr
