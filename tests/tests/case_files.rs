@@ -248,6 +248,17 @@ fn metadata_problems_name_the_key() {
         r#""__metadata__":{"case":"{\"op\":\"token_shift\",\"cp\":{\"world\":2,\"rank\":1}}"},"#,
     ));
     assert!(e.contains("cp.rank"), "{e}");
+    let e = read_err(&one_x(
+        r#""__metadata__":{"case":"{\"op\":\"token_shift\",\"cp\":{\"world\":2,\"layout\":\"ring\"}}"},"#,
+    ));
+    assert!(e.contains("cp.layout") && e.contains("zigzag"), "{e}");
+    let e = read_err(&one_x(
+        r#""__metadata__":{"case":"{\"op\":\"token_shift\",\"cp\":{\"cuts\":[1],\"layout\":\"zigzag\"}}"},"#,
+    ));
+    assert!(
+        e.contains("cp.layout") && e.contains("not to `cuts`"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -48,17 +48,22 @@ fn lengths() -> impl Strategy<Value = Vec<usize>> {
 
 /// A layout and a plan: the lengths packed as varlen, or (`varlen = false`)
 /// one unpacked sequence of `T = Σ lengths` (B = 1); cut either by random
-/// interior cuts (world 1..8) or by FLA's equal split over a world size that
-/// divides T.
+/// interior cuts (world 1..8), by FLA's equal split over a world size that
+/// divides T, or by FLA's zigzag layout over a world size W with 2W | T.
 fn layout_and_plan() -> impl Strategy<Value = (Layout, PlanSpec)> {
-    (lengths(), any::<bool>(), any::<bool>()).prop_flat_map(|(lengths, varlen, equal)| {
+    (lengths(), any::<bool>(), 0u8..3).prop_flat_map(|(lengths, varlen, kind)| {
         let t: usize = lengths.iter().sum();
         let layout = if varlen {
             Layout::varlen(&lengths)
         } else {
             Layout::batch(1, t)
         };
-        let plan = if equal {
+        let zigzag = zigzag_worlds(t);
+        let plan = if kind == 0 && !zigzag.is_empty() {
+            prop::sample::select(zigzag)
+                .prop_map(PlanSpec::Zigzag)
+                .boxed()
+        } else if kind < 2 {
             prop::sample::select(divisors(t))
                 .prop_map(PlanSpec::World)
                 .boxed()
@@ -76,6 +81,11 @@ fn layout_and_plan() -> impl Strategy<Value = (Layout, PlanSpec)> {
 /// World sizes 1..=8 that split `t` tokens evenly.
 fn divisors(t: usize) -> Vec<usize> {
     (1..=8).filter(|&w| t.is_multiple_of(w)).collect()
+}
+
+/// World sizes 1..=4 whose zigzag layout (`2W` intervals) splits `t` evenly.
+fn zigzag_worlds(t: usize) -> Vec<usize> {
+    (1..=4).filter(|&w| t.is_multiple_of(2 * w)).collect()
 }
 
 /// Gate variants: none, kda, lower-bound, and GDN's scalar gate (no in-kernel gate).
@@ -276,16 +286,55 @@ proptest! {
     }
 }
 
-/// FLA's `get_cp_cu_seqlens(cu_seqlens, world_size, rank)`: `(local
-/// cu_seqlens, pre_num_ranks, post_num_ranks, is_first_rank, is_last_rank,
-/// pre_num_conv_tokens)`.
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// Zigzag: every part's metadata and each rank's concatenated local
+    /// `cu_seqlens` against an independent transcription of FLA's
+    /// `get_cp_cu_seqlens(..., layout='zigzag')`.
+    #[test]
+    fn zigzag_metadata_is_flas(
+        (lengths, world) in lengths().prop_filter("2W | T for some W", |l| !zigzag_worlds(l.iter().sum()).is_empty())
+            .prop_flat_map(|l| {
+                let w = prop::sample::select(zigzag_worlds(l.iter().sum()));
+                (Just(l), w)
+            }),
+    ) {
+        let t: usize = lengths.iter().sum();
+        let cu = Layout::varlen(&lengths).cu_seqlens().unwrap();
+        let plan = PlanSpec::Zigzag(world).build(1, t, Some(&cu)).unwrap();
+        prop_assert_eq!(plan.devices(), world);
+        for r in 0..world {
+            let (front, back) = (fla_context(&cu, 2 * world, r), fla_context(&cu, 2 * world, 2 * world - 1 - r));
+            let dev = plan.device_rank(r);
+            for (i, want) in dev.intervals.iter().zip([&front, &back]) {
+                let m = &plan.ranks[*i];
+                prop_assert_eq!(m.device, r);
+                prop_assert_eq!(
+                    (&m.cu_seqlens, m.pre_num_ranks, m.post_num_ranks, m.is_first_rank, m.is_last_rank, m.pre_num_conv_tokens),
+                    (&want.0, want.1, want.2, want.3, want.4, want.5),
+                    "rank {} interval {}", r, i
+                );
+            }
+            let part = (t / (2 * world)) as i64;
+            let local: Vec<i64> = front.0.iter().copied().chain(back.0[1..].iter().map(|c| c + part)).collect();
+            prop_assert_eq!(&dev.cu_seqlens, &local);
+            prop_assert_eq!(dev.front_num_seqs, front.0.len() - 1);
+        }
+    }
+}
+
+/// FLA's `get_cp_cu_seqlens(cu_seqlens, world_size, rank)` for `parts` equal
+/// intervals (the world size when contiguous, twice it when zigzag; `rank`
+/// is then the chain position): `(local cu_seqlens, pre_num_ranks,
+/// post_num_ranks, is_first_rank, is_last_rank, pre_num_conv_tokens)`.
 fn fla_context(
     cu: &[i64],
-    world: usize,
+    parts: usize,
     rank: usize,
 ) -> (Vec<i64>, usize, usize, bool, bool, usize) {
     let total = *cu.last().unwrap();
-    let part = total / world as i64;
+    let part = total / parts as i64;
     let (rs, re) = (part * rank as i64, part * (rank as i64 + 1));
     // searchsorted(ends, rs, right) and searchsorted(starts, re, left).
     let first = cu[1..].iter().filter(|&&e| e <= rs).count();

@@ -249,6 +249,7 @@ fn kda_cp_equals_non_cp_on_the_gpu() {
             for cp in [
                 PlanSpec::World(2),
                 PlanSpec::World(4),
+                PlanSpec::Zigzag(2),
                 PlanSpec::Cuts(vec![100, 399, 401, 700]),
             ] {
                 let label = format!("kda {storage:?} {engine:?} {cp:?} vs non-CP");

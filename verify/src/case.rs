@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
+use deltaref::cp::Layout;
 use deltaref::dplr::{DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::kda::{KdaInputs, KdaOptions};
@@ -219,8 +220,9 @@ impl Dtype {
 /// A CP layout stored with a case.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CpLayout {
-    /// FLA's equal split over `world` ranks.
-    World(usize),
+    /// FLA's equal split over `world` ranks, in its layout (`"layout"`,
+    /// contiguous when absent).
+    World(usize, Layout),
     /// Interior cut points.
     Cuts(Vec<usize>),
 }
@@ -300,8 +302,14 @@ impl CaseMeta {
             m.insert("chunk_size".into(), c.into());
         }
         match &self.cp {
-            Some(CpLayout::World(w)) => {
+            Some(CpLayout::World(w, Layout::Contiguous)) => {
                 m.insert("cp".into(), serde_json::json!({ "world": w }));
+            }
+            Some(CpLayout::World(w, layout)) => {
+                m.insert(
+                    "cp".into(),
+                    serde_json::json!({ "world": w, "layout": layout.name() }),
+                );
             }
             Some(CpLayout::Cuts(c)) => {
                 m.insert("cp".into(), serde_json::json!({ "cuts": c }));
@@ -420,14 +428,34 @@ fn uint(key: &str, v: &Value) -> Result<u64, String> {
 }
 
 fn cp_layout(v: &Value) -> Result<CpLayout, String> {
-    let m = v
-        .as_object()
-        .ok_or("key `cp`: expected an object {\"world\": N} or {\"cuts\": [...]}")?;
-    if let Some(k) = m.keys().find(|k| *k != "world" && *k != "cuts") {
+    let m = v.as_object().ok_or(
+        "key `cp`: expected an object {\"world\": N, \"layout\": \"contiguous\"|\"zigzag\"} or {\"cuts\": [...]}",
+    )?;
+    if let Some(k) = m
+        .keys()
+        .find(|k| !["world", "layout", "cuts"].contains(&k.as_str()))
+    {
         return Err(format!("unknown key `cp.{k}`"));
     }
+    let layout = match m.get("layout") {
+        None => None,
+        Some(Value::String(s)) => {
+            Some(Layout::parse(s).map_err(|e| format!("key `cp.layout`: {e}"))?)
+        }
+        Some(other) => {
+            return Err(format!(
+                "key `cp.layout`: expected \"contiguous\" or \"zigzag\", got {other}"
+            ))
+        }
+    };
     match (m.get("world"), m.get("cuts")) {
-        (Some(w), None) => Ok(CpLayout::World(uint("cp.world", w)? as usize)),
+        (None, Some(_)) if layout.is_some() => {
+            Err("key `cp.layout`: applies to `world`, not to `cuts`".into())
+        }
+        (Some(w), None) => Ok(CpLayout::World(
+            uint("cp.world", w)? as usize,
+            layout.unwrap_or_default(),
+        )),
         (None, Some(Value::Array(c))) => Ok(CpLayout::Cuts(
             c.iter()
                 .map(|x| uint("cp.cuts", x).map(|u| u as usize))

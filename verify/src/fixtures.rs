@@ -5,6 +5,7 @@
 
 use std::path::Path;
 
+use deltaref::cp::Layout;
 use deltaref::gates::Gate;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -130,14 +131,18 @@ pub fn presets() -> Vec<Preset> {
         cp(
             "cp_kda_400_624_world2",
             cp_kda(&[400, 624], 11),
-            CpLayout::World(2),
+            CpLayout::World(2, Layout::Contiguous),
         ),
         cp(
             "cp_kda_4seqs_world4",
             cp_kda(&[100, 37, 150, 225], 12),
-            CpLayout::World(4),
+            CpLayout::World(4, Layout::Contiguous),
         ),
-        cp("cp_kda_long_world8", cp_kda(&[512], 13), CpLayout::World(8)),
+        cp(
+            "cp_kda_long_world8",
+            cp_kda(&[512], 13),
+            CpLayout::World(8, Layout::Contiguous),
+        ),
         cp(
             "cp_kda_unaligned_cuts",
             cp_kda(&[50, 90], 14),
@@ -149,7 +154,7 @@ pub fn presets() -> Vec<Preset> {
                 dtype: Dtype::Bf16,
                 ..cp_kda(&[400, 624], 15)
             },
-            CpLayout::World(2),
+            CpLayout::World(2, Layout::Contiguous),
         ),
         cp(
             "cp_dplr_world2",
@@ -158,7 +163,7 @@ pub fn presets() -> Vec<Preset> {
                 initial_state: false,
                 ..varlen(Op::Dplr, &[60, 68], 16)
             },
-            CpLayout::World(2),
+            CpLayout::World(2, Layout::Contiguous),
         ),
         cp(
             "cp_token_shift_world4",
@@ -166,7 +171,7 @@ pub fn presets() -> Vec<Preset> {
                 shape: Some(vec![1, 64, 8]),
                 ..varlen(Op::TokenShift, &[5, 40, 19], 17)
             },
-            CpLayout::World(4),
+            CpLayout::World(4, Layout::Contiguous),
         ),
     ]
 }

@@ -2,7 +2,7 @@
 //! gradients (`--impl`). Every implementation returns the same name → tensor
 //! map, so any two can be compared.
 
-use deltaref::cp::{plan::PlanSpec, CpOptions, RankDiag};
+use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::kda::chunk::Chunk;
 use deltaref::precision::{Policy, Stage};
 use deltaref::{dplr, kda, Scalar};
@@ -83,8 +83,7 @@ impl Impl {
         };
         match &self.cp {
             None => format!("{prefix}{engine}{storage}"),
-            Some((PlanSpec::World(w), _)) => format!("{prefix}cp(world={w}, {engine}{storage})"),
-            Some((PlanSpec::Cuts(c), _)) => format!("{prefix}cp(cuts={c:?}, {engine}{storage})"),
+            Some((plan, _)) => format!("{prefix}cp({plan}, {engine}{storage})"),
         }
     }
 
@@ -198,12 +197,22 @@ impl Impl {
     }
 }
 
+/// FLA's equal split of `world` ranks in `layout`.
+fn world_plan(world: usize, layout: Layout) -> PlanSpec {
+    match layout {
+        Layout::Contiguous => PlanSpec::World(world),
+        Layout::Zigzag => PlanSpec::Zigzag(world),
+    }
+}
+
 /// What `--impl` and its flags say, before the case is known.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ImplRequest {
     pub name: String,
     pub chunk_size: usize,
     pub world: Option<usize>,
+    /// FLA's layout of `world` (contiguous unless given).
+    pub layout: Option<Layout>,
     pub cuts: Option<Vec<usize>>,
     /// `naive` or `chunk` (default `chunk`: FLA's kernels are chunked).
     pub cp_engine: Option<String>,
@@ -266,7 +275,10 @@ impl ImplRequest {
             "chunk" => Impl::chunk(chunk_size).map(|i| i.engine),
             other => Err(usage(format!("unknown engine `{other}` (naive, chunk)"))),
         };
-        let cp_given = self.world.is_some() || self.cuts.is_some() || self.cp_engine.is_some();
+        let cp_given = self.world.is_some()
+            || self.layout.is_some()
+            || self.cuts.is_some()
+            || self.cp_engine.is_some();
         if self.gpu_dtype.is_some() && !self.name.starts_with("gpu-") {
             return Err(usage(
                 "--gpu-dtype applies to the gpu-* implementations".into(),
@@ -274,7 +286,7 @@ impl ImplRequest {
         }
         match self.name.as_str() {
             "naive" | "chunk" if cp_given => {
-                Err(usage("--world/--cuts/--cp-engine need --impl cp".into()))
+                Err(usage("--world/--layout/--cuts/--cp-engine need --impl cp".into()))
             }
             "naive" | "chunk" => Ok(Impl {
                 engine: engine_of(&self.name)?,
@@ -283,7 +295,7 @@ impl ImplRequest {
                 device: Device::Cpu,
             }),
             "gpu-naive" | "gpu-chunk" if cp_given => Err(usage(
-                "--world/--cuts/--cp-engine need --impl cp or gpu-cp".into(),
+                "--world/--layout/--cuts/--cp-engine need --impl cp or gpu-cp".into(),
             )),
             "gpu-naive" | "gpu-chunk" => {
                 let engine = engine_of(&self.name["gpu-".len()..])?;
@@ -300,9 +312,23 @@ impl ImplRequest {
                     (Some(_), Some(_), _) => {
                         return Err(usage("give --world or --cuts, not both".into()))
                     }
-                    (Some(w), None, _) => PlanSpec::World(w),
+                    (_, Some(_), _) if self.layout.is_some() => {
+                        return Err(usage(
+                            "--layout applies to --world (FLA's equal split), not to --cuts"
+                                .into(),
+                        ))
+                    }
+                    (Some(w), None, _) => world_plan(w, self.layout.unwrap_or_default()),
                     (None, Some(c), _) => PlanSpec::Cuts(c.clone()),
-                    (None, None, Some(CpLayout::World(w))) => PlanSpec::World(*w),
+                    (None, None, Some(CpLayout::World(w, layout))) => {
+                        world_plan(*w, self.layout.unwrap_or(*layout))
+                    }
+                    (None, None, Some(CpLayout::Cuts(_))) if self.layout.is_some() => {
+                        return Err(usage(
+                            "--layout applies to --world: the case's CP layout is explicit cuts"
+                                .into(),
+                        ))
+                    }
                     (None, None, Some(CpLayout::Cuts(c))) => PlanSpec::Cuts(c.clone()),
                     (None, None, None) => return Err(usage(
                         "--impl cp needs --world N or --cuts a,b,c (the case has no `cp` layout)"

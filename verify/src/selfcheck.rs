@@ -603,6 +603,7 @@ fn gpu_check(imp: &GpuImpl) -> String {
     let cp = match &imp.cp {
         None => String::new(),
         Some(PlanSpec::World(w)) => format!(" cp world={w}"),
+        Some(PlanSpec::Zigzag(w)) => format!(" cp zigzag world={w}"),
         Some(PlanSpec::Cuts(c)) => format!(
             " cp cuts={}",
             c.iter()

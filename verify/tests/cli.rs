@@ -7,7 +7,8 @@ use common::{code, deltaref, run_ok, s};
 
 use std::path::Path;
 
-use deltaref_verify::case::{Case, Dtype};
+use deltaref::cp::Layout;
+use deltaref_verify::case::{Case, CpLayout, Dtype};
 
 #[test]
 fn gen_run_verify_round_trip_for_every_op() {
@@ -261,6 +262,102 @@ fn cp_command_prints_the_rank_table_and_matches_non_cp() {
     ] {
         let (rc, _, err) = code(&args);
         assert_eq!(rc, 2, "{args:?}: {err}");
+    }
+}
+
+/// FLA's zigzag layout from the flag and from the case's `cp` metadata: the
+/// table lists the parts in chain order, CP equals non-CP, and every
+/// misuse is a usage error.
+#[test]
+fn cp_zigzag_layout_from_flag_and_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = dir.path().join("c.safetensors");
+    run_ok(&[
+        "gen",
+        "--op",
+        "kda",
+        "--lengths",
+        "400,624",
+        "--shape",
+        "1,1024,1,2,8,8",
+        "--gate",
+        "lowerbound",
+        "--out",
+        s(&case),
+    ]);
+    let out = run_ok(&[
+        "cp",
+        "--case",
+        s(&case),
+        "--world",
+        "2",
+        "--layout",
+        "zigzag",
+    ]);
+    let order: Vec<usize> = ["0.front", "1.front", "1.back", "0.back"]
+        .iter()
+        .map(|l| out.find(l).unwrap_or_else(|| panic!("{l} missing: {out}")))
+        .collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{out}");
+    assert!(
+        out.contains("768..1024") && out.contains("[0, 144, 256]"),
+        "{out}"
+    );
+    assert!(out.contains("9 of 9 tensors pass"), "{out}");
+
+    let zz = dir.path().join("zz.safetensors");
+    let mut c = Case::read(&case).unwrap();
+    c.meta.cp = Some(CpLayout::World(2, Layout::Zigzag));
+    c.write(&zz).unwrap();
+    assert_eq!(Case::read(&zz).unwrap().meta.cp, c.meta.cp);
+    let out = run_ok(&["cp", "--case", s(&zz)]);
+    assert!(
+        out.contains("world=2, zigzag") && out.contains("0.back"),
+        "{out}"
+    );
+    // The flag overrides the case's layout.
+    let out = run_ok(&["cp", "--case", s(&zz), "--layout", "contiguous"]);
+    assert!(
+        !out.contains("zigzag") && out.contains("512..1024"),
+        "{out}"
+    );
+
+    for args in [
+        vec![
+            "cp",
+            "--case",
+            s(&case),
+            "--world",
+            "3",
+            "--layout",
+            "zigzag",
+        ],
+        vec![
+            "cp",
+            "--case",
+            s(&case),
+            "--cuts",
+            "512",
+            "--layout",
+            "zigzag",
+        ],
+        vec!["cp", "--case", s(&case), "--world", "2", "--layout", "ring"],
+        vec![
+            "run",
+            "--case",
+            s(&case),
+            "--impl",
+            "chunk",
+            "--layout",
+            "zigzag",
+        ],
+    ] {
+        let (rc, _, err) = code(&args);
+        assert_eq!(rc, 2, "{args:?}: {err}");
+        assert!(
+            err.contains("layout") || err.contains("zigzag"),
+            "{args:?}: {err}"
+        );
     }
 }
 

@@ -22,7 +22,7 @@ use ndarray::{s, Array2, ArrayView2};
 use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
-pub use plan::{Plan, RankMeta};
+pub use plan::{Layout, Plan, RankMeta};
 
 /// What CP needs from an operator, for one piece of a sequence and one head.
 pub trait Local<T: Scalar>: Sync {
@@ -137,8 +137,13 @@ pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
         })
     };
     let err = |e: Option<f64>| e.map_or("-".to_string(), |e| format!("{e:.2e}"));
+    let layout = if diags.iter().any(|d| d.meta.back) {
+        Layout::Zigzag
+    } else {
+        Layout::Contiguous
+    };
     let mut out = format!(
-        "{:<5} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
+        "{:<8} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
         "rank",
         "tokens",
         "local cu_seqlens",
@@ -157,8 +162,8 @@ pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
         let cu = format!("{:?}", m.cu_seqlens);
         out +=
             &format!(
-            "{:<5} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
-            m.rank,
+            "{:<8} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
+            m.label(layout),
             format!("{}..{}", m.start, m.end),
             if cu.len() > 22 { format!("{}…", &cu[..21]) } else { cu },
             m.pre_num_ranks,

@@ -1,13 +1,61 @@
-//! Partition plans: how a packed batch of T tokens is cut into rank slices,
-//! and each rank's metadata exactly as FLA's `FLACPContext` has it.
+//! Partition plans: how a packed batch of T tokens is cut into chain
+//! intervals, which device rank holds each, and each interval's metadata
+//! exactly as FLA's `FLACPContext` has it.
+//!
+//! The state chain always runs over intervals in global token order. In the
+//! contiguous layout interval `i` is rank `i`'s whole slice. In FLA's zigzag
+//! layout (`build_cp_context(..., layout='zigzag')`) the T tokens are cut into
+//! `2W` equal intervals and rank `r` holds intervals `r` and `2W−1−r`, its
+//! local buffer being `[front; back]`; each part is pre-processed and merged
+//! on its own, with `pre_num_ranks` counting earlier *intervals* (FLA's
+//! `pre_num_ranks_by_part`). So zigzag CP is the contiguous algorithm over
+//! `2W` intervals, with two intervals per device.
 
 use crate::error::{Error, Result};
 use crate::varlen::{validate_cu_seqlens, Segment};
 
-/// One rank's view of the plan (FLA `FLACPContext` fields plus the pieces).
+/// How chain intervals are laid out over device ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// Rank `r` holds interval `r` (FLA's default).
+    #[default]
+    Contiguous,
+    /// `2W` equal intervals; rank `r` holds intervals `r` and `2W−1−r`.
+    Zigzag,
+}
+
+impl Layout {
+    /// FLA's name (`layout=` of `build_cp_context`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Contiguous => "contiguous",
+            Layout::Zigzag => "zigzag",
+        }
+    }
+
+    /// Parses FLA's name.
+    pub fn parse(s: &str) -> Result<Layout> {
+        match s {
+            "contiguous" => Ok(Layout::Contiguous),
+            "zigzag" => Ok(Layout::Zigzag),
+            other => Err(Error::Partition(format!(
+                "unknown CP layout `{other}` (contiguous, zigzag)"
+            ))),
+        }
+    }
+}
+
+/// One chain interval's view of the plan (FLA `FLACPContext` fields, per
+/// part under zigzag, plus the pieces).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankMeta {
+    /// Position in the state chain (FLA's `chain_pos`): the rank in a
+    /// contiguous layout, the interval (slot) in a zigzag one.
     pub rank: usize,
+    /// The device rank that holds this interval (`== rank` when contiguous).
+    pub device: usize,
+    /// Zigzag: this interval is the back half of its device's local buffer.
+    pub back: bool,
     /// Global token range `[start, end)`.
     pub start: usize,
     pub end: usize,
@@ -34,6 +82,15 @@ pub struct RankMeta {
 }
 
 impl RankMeta {
+    /// `"r"` in a contiguous layout, `"r.front"` / `"r.back"` in a zigzag one.
+    pub fn label(&self, layout: Layout) -> String {
+        match (layout, self.back) {
+            (Layout::Contiguous, _) => self.rank.to_string(),
+            (Layout::Zigzag, false) => format!("{}.front", self.device),
+            (Layout::Zigzag, true) => format!("{}.back", self.device),
+        }
+    }
+
     /// The first piece continues a sequence from the previous rank.
     pub fn continues(&self) -> bool {
         self.pre_num_ranks > 0
@@ -45,15 +102,32 @@ impl RankMeta {
     }
 }
 
-/// A validated partition of `[0, T)` into ranks.
+/// A validated partition of `[0, T)` into chain intervals.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     pub t: usize,
     /// Global `cu_seqlens` (`[0, T]` for one unpacked sequence).
     pub cu_seqlens: Vec<i64>,
-    /// `[0, c_1, …, c_{R−1}, T]`.
+    /// Interval bounds `[0, c_1, …, c_{R−1}, T]`.
     pub bounds: Vec<usize>,
+    /// The chain intervals in global token order (one per rank when
+    /// contiguous, two per rank when zigzag).
     pub ranks: Vec<RankMeta>,
+    pub layout: Layout,
+}
+
+/// One device rank's local buffer under a plan: its intervals in buffer
+/// order and FLA's local `cu_seqlens` over the concatenated buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceRank {
+    pub rank: usize,
+    /// Indices into [`Plan::ranks`], in local-buffer order (`[front, back]`).
+    pub intervals: Vec<usize>,
+    /// Local `cu_seqlens` of the buffer: the parts' local boundaries
+    /// concatenated, the back part's shifted by the front's length (FLA).
+    pub cu_seqlens: Vec<i64>,
+    /// Sequences of the front part (FLA `front_num_seqs`).
+    pub front_num_seqs: usize,
 }
 
 impl Plan {
@@ -74,6 +148,29 @@ impl Plan {
         }
         let cuts: Vec<usize> = (1..world).map(|r| r * t / world).collect();
         Plan::from_cuts(cu_seqlens, t, &cuts)
+    }
+
+    /// FLA's zigzag split: `2·world` intervals of `T / (2·world)` tokens, rank
+    /// `r` holding intervals `r` (front) and `2·world−1−r` (back).
+    pub fn zigzag(cu_seqlens: &[i64], t: usize, world: usize) -> Result<Plan> {
+        if world == 0 {
+            return Err(Error::Partition("world size must be at least 1".into()));
+        }
+        let parts = world
+            .checked_mul(2)
+            .ok_or_else(|| Error::Partition(format!("world size {world} is too large")))?;
+        if t < parts || !t.is_multiple_of(parts) {
+            return Err(Error::Partition(format!(
+                "FLA's zigzag layout needs T divisible by 2·world (and at least it): T = {t}, world = {world}, 2·world = {parts}"
+            )));
+        }
+        let mut plan = Plan::equal(cu_seqlens, t, parts)?;
+        plan.layout = Layout::Zigzag;
+        for m in &mut plan.ranks {
+            m.back = m.rank >= world;
+            m.device = if m.back { parts - 1 - m.rank } else { m.rank };
+        }
+        Ok(plan)
     }
 
     /// Arbitrary interior cut points `0 < c_1 < … < c_{R−1} < T`.
@@ -137,6 +234,8 @@ impl Plan {
                 let post_num_ranks = rank_of(tail_end - 1) - r;
                 RankMeta {
                     rank: r,
+                    device: r,
+                    back: false,
                     start,
                     end,
                     cu_seqlens: cu,
@@ -154,11 +253,50 @@ impl Plan {
             cu_seqlens: cu_seqlens.to_vec(),
             bounds,
             ranks,
+            layout: Layout::Contiguous,
         })
     }
 
+    /// Number of chain intervals (the ranks of a contiguous layout).
     pub fn world(&self) -> usize {
         self.ranks.len()
+    }
+
+    /// Number of device ranks.
+    pub fn devices(&self) -> usize {
+        match self.layout {
+            Layout::Contiguous => self.ranks.len(),
+            Layout::Zigzag => self.ranks.len() / 2,
+        }
+    }
+
+    /// Device rank `r`'s local buffer.
+    pub fn device_rank(&self, r: usize) -> DeviceRank {
+        let intervals: Vec<usize> = match self.layout {
+            Layout::Contiguous => vec![r],
+            Layout::Zigzag => vec![r, self.ranks.len() - 1 - r],
+        };
+        let front = &self.ranks[intervals[0]];
+        let mut cu = front.cu_seqlens.clone();
+        let front_len = (front.end - front.start) as i64;
+        if let Some(&b) = intervals.get(1) {
+            cu.extend(self.ranks[b].cu_seqlens[1..].iter().map(|c| c + front_len));
+        }
+        DeviceRank {
+            rank: r,
+            intervals,
+            cu_seqlens: cu,
+            front_num_seqs: front.cu_seqlens.len() - 1,
+        }
+    }
+
+    /// Global token ranges of device rank `r`'s local buffer, in buffer order.
+    pub fn device_ranges(&self, r: usize) -> Vec<(usize, usize)> {
+        self.device_rank(r)
+            .intervals
+            .iter()
+            .map(|&i| (self.ranks[i].start, self.ranks[i].end))
+            .collect()
     }
 
     /// Interior cut points.
@@ -167,11 +305,23 @@ impl Plan {
     }
 }
 
-/// How to cut: FLA's equal split or explicit interior cuts.
+/// How to cut: FLA's equal split (contiguous or zigzag) or explicit interior cuts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PlanSpec {
     World(usize),
+    /// FLA's zigzag layout over this many ranks (`2·world` intervals).
+    Zigzag(usize),
     Cuts(Vec<usize>),
+}
+
+impl std::fmt::Display for PlanSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlanSpec::World(w) => write!(f, "world={w}"),
+            PlanSpec::Zigzag(w) => write!(f, "world={w}, zigzag"),
+            PlanSpec::Cuts(c) => write!(f, "cuts={c:?}"),
+        }
+    }
 }
 
 impl PlanSpec {
@@ -189,6 +339,7 @@ impl PlanSpec {
         let cu = cu_seqlens.unwrap_or(&whole);
         match self {
             PlanSpec::World(w) => Plan::equal(cu, t, *w),
+            PlanSpec::Zigzag(w) => Plan::zigzag(cu, t, *w),
             PlanSpec::Cuts(c) => Plan::from_cuts(cu, t, c),
         }
     }
@@ -268,6 +419,45 @@ mod tests {
             .map(|r| (r.is_first_rank, r.is_last_rank))
             .collect();
         assert_eq!(flags, vec![(true, true), (true, false), (false, true)]);
+    }
+
+    #[test]
+    fn zigzag_layout_of_the_debug_guide_lengths() {
+        // [400, 624], world 2 zigzag: 4 intervals of 256 tokens; rank 0 holds
+        // 0..256 and 768..1024, rank 1 holds 256..512 and 512..768.
+        let p = Plan::zigzag(&[0, 400, 1024], 1024, 2).unwrap();
+        assert_eq!((p.world(), p.devices()), (4, 2));
+        let owners: Vec<(usize, bool)> = p.ranks.iter().map(|m| (m.device, m.back)).collect();
+        assert_eq!(owners, vec![(0, false), (1, false), (1, true), (0, true)]);
+        let chain: Vec<(usize, usize)> = p
+            .ranks
+            .iter()
+            .map(|m| (m.pre_num_ranks, m.post_num_ranks))
+            .collect();
+        // Sequence 0 spans intervals 0–1, sequence 1 spans intervals 1–3.
+        assert_eq!(chain, vec![(0, 1), (1, 2), (1, 1), (2, 0)]);
+        assert_eq!(p.ranks[1].cu_seqlens, vec![0, 144, 256]);
+        assert_eq!(p.device_ranges(0), vec![(0, 256), (768, 1024)]);
+        let r1 = p.device_rank(1);
+        assert_eq!(r1.intervals, vec![1, 2]);
+        assert_eq!(r1.cu_seqlens, vec![0, 144, 256, 512]);
+        assert_eq!(r1.front_num_seqs, 2);
+        assert_eq!(p.device_rank(0).cu_seqlens, vec![0, 256, 512]);
+        assert_eq!(p.ranks[3].label(p.layout), "0.back");
+    }
+
+    #[test]
+    fn zigzag_needs_two_world_equal_intervals() {
+        for (t, w) in [(6, 2), (3, 2), (10, 0)] {
+            let e = Plan::zigzag(&[0, t as i64], t, w).unwrap_err();
+            assert!(matches!(e, Error::Partition(_)), "{t} {w}: {e}");
+        }
+        assert!(Plan::zigzag(&[0, 4], 4, usize::MAX).is_err());
+        assert_eq!(Layout::parse("zigzag").unwrap(), Layout::Zigzag);
+        assert!(Layout::parse("ring")
+            .unwrap_err()
+            .to_string()
+            .contains("contiguous, zigzag"));
     }
 
     #[test]

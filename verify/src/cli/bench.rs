@@ -133,6 +133,7 @@ fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
             imp: name.clone(),
             chunk_size: 0,
             world: cp.then_some(a.world),
+            layout: None,
             cuts: None,
             cp_engine: None,
             compute: None,

@@ -13,6 +13,7 @@ pub mod verify;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use deltaref::cp::Layout;
 use deltaref_gpu::Storage;
 use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
@@ -55,6 +56,10 @@ pub struct ImplArgs {
     /// CP: FLA's equal split over N ranks (T must divide).
     #[arg(long)]
     pub world: Option<usize>,
+    /// CP: FLA's layout of --world: contiguous (rank r holds slice r) or
+    /// zigzag (2W equal intervals, rank r holds r and 2W−1−r).
+    #[arg(long)]
+    pub layout: Option<String>,
     /// CP: interior cut positions, e.g. 300,512,700.
     #[arg(long)]
     pub cuts: Option<String>,
@@ -108,6 +113,12 @@ impl ImplArgs {
             gpu_dtype,
             chunk_size: self.chunk_size,
             world: self.world,
+            layout: self
+                .layout
+                .as_deref()
+                .map(Layout::parse)
+                .transpose()
+                .map_err(|e| CaseError::Usage(format!("--layout: {e}")))?,
             cuts: self
                 .cuts
                 .as_deref()
