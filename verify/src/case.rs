@@ -238,6 +238,8 @@ pub struct CaseMeta {
     pub cp: Option<CpLayout>,
     pub seed: Option<u64>,
     pub dtype: Option<Dtype>,
+    /// The input regime `gen` drew from (absent: FLA's test draws).
+    pub regime: Option<deltaref::inputs::Regime>,
 }
 
 impl CaseMeta {
@@ -253,6 +255,7 @@ impl CaseMeta {
             cp: None,
             seed: None,
             dtype: None,
+            regime: None,
         }
     }
 
@@ -313,6 +316,9 @@ impl CaseMeta {
         }
         if let Some(d) = self.dtype {
             m.insert("dtype".into(), d.name().into());
+        }
+        if let Some(r) = self.regime {
+            m.insert("regime".into(), r.name().into());
         }
         Value::Object(m)
     }
@@ -379,6 +385,14 @@ impl CaseMeta {
                         .ok_or(format!("key `{key}`: expected a string"))?;
                     meta.dtype =
                         Some(Dtype::parse(s).ok_or(format!("key `{key}`: unknown dtype \"{s}\""))?);
+                }
+                "regime" => {
+                    let s = val
+                        .as_str()
+                        .ok_or(format!("key `{key}`: expected a string"))?;
+                    meta.regime = Some(deltaref::inputs::Regime::parse(s).ok_or(format!(
+                        "key `{key}`: unknown regime \"{s}\" (fla-test, long-memory, mixed, sharp)"
+                    ))?);
                 }
                 other => return Err(format!("unknown key `{other}` in `case`")),
             }
