@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use deltaref::gates::Gate;
+use deltaref::inputs::Regime;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -168,7 +169,57 @@ pub fn presets() -> Vec<Preset> {
             },
             CpLayout::World(4),
         ),
+        // Long memory: M and the carried state stay O(1) across ranks, so
+        // every CP fault preset fails one of these (tests/tests/fault_fixtures.rs).
+        // Chunks of 16 lengthen the M chain; a short first sequence makes
+        // rank 0's first and last local sequences differ (wrong-preprocess).
+        long_cp(
+            "cp_kda_long_memory_lowerbound_world4",
+            GenSpec {
+                gate: lb,
+                use_qk_l2norm_in_kernel: true,
+                ..long_memory(Op::Kda, vec![1, 256, 1, 1, 16, 8], &[30, 190, 36], 31)
+            },
+            4,
+        ),
+        // bf16 inputs (the truth is exact on them): fla-bf16 passes and the
+        // bf16 M chain (8 ranks in one sequence) does not.
+        long_cp(
+            "cp_kda_long_memory_world8_bf16",
+            GenSpec {
+                use_qk_l2norm_in_kernel: true,
+                dtype: Dtype::Bf16,
+                ..long_memory(Op::Kda, vec![1, 768, 1, 1, 8, 8], &[40, 700, 28], 21)
+            },
+            8,
+        ),
+        long_cp(
+            "cp_dplr_long_memory_world4",
+            long_memory(Op::Dplr, vec![1, 256, 1, 8, 8], &[30, 190, 36], 32),
+            4,
+        ),
     ]
+}
+
+/// A long-memory varlen case (no initial state: FLA forbids it under CP).
+fn long_memory(op: Op, shape: Vec<usize>, lengths: &[usize], seed: u64) -> GenSpec {
+    GenSpec {
+        shape: Some(shape),
+        lengths: Some(lengths.to_vec()),
+        seed,
+        expected: true,
+        regime: Regime::LongMemory,
+        ..GenSpec::new(op)
+    }
+}
+
+fn long_cp(name: &'static str, spec: GenSpec, world: usize) -> Preset {
+    Preset {
+        name,
+        spec,
+        cp: Some(CpLayout::World(world)),
+        chunk_size: Some(16),
+    }
 }
 
 impl Preset {
