@@ -154,6 +154,7 @@ impl Op {
         self.inputs().contains(&name)
             || self.upstream().contains(&name)
             || self.results().contains(&name)
+            || crate::intermediates::is_intermediate(self, name)
     }
 }
 
@@ -612,6 +613,9 @@ impl Case {
                     x.shape(),
                 )?;
             }
+            deltaref::tensor::check_finite(&name, &x)?;
+        }
+        for (name, x) in crate::intermediates::stored(self) {
             deltaref::tensor::check_finite(&name, &x)?;
         }
         Ok(())
