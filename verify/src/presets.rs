@@ -109,7 +109,20 @@ pub fn presets() -> Vec<Preset> {
 }
 
 /// Looks a preset up by name; `v` resolves `partial-merge-v`'s half of V.
+/// `A+F` puts fault preset `F` on top of precision preset `A` (e.g.
+/// `fla-bf16+partial-merge-v`: a fault under bf16 rounding noise).
 pub fn find(name: &str, v: usize) -> Option<Preset> {
+    if let Some((base, fault)) = name.split_once('+') {
+        let (b, f) = (find(base, v)?, find(fault, v)?);
+        if b.faults != Faults::default() || f.faults == Faults::default() {
+            return None;
+        }
+        return Some(Preset {
+            about: f.about,
+            faults: f.faults,
+            ..b
+        });
+    }
     let mut p = presets().into_iter().find(|p| p.name == name)?;
     if p.faults.merge_v_limit.is_some() {
         p.faults.merge_v_limit = Some(v / 2);
@@ -124,4 +137,15 @@ pub fn names() -> String {
         .map(|p| p.name)
         .collect::<Vec<_>>()
         .join(", ")
+        + "; or PRECISION+FAULT, e.g. fla-bf16+partial-merge-v"
+}
+
+/// The preset with its fault switched off: the rounding-noise-only run a
+/// fault is judged against (`exact` for a bare fault preset).
+pub fn without_fault(name: &str) -> &str {
+    match name.split_once('+') {
+        Some((base, _)) => base,
+        None if find(name, 2).is_some_and(|p| p.faults != Faults::default()) => "exact",
+        None => name,
+    }
 }
