@@ -14,7 +14,7 @@ With --time N it also prints FLA's best forward and backward time over N runs.
 With --intermediates (KDA, no CP) the candidate also holds FLA's own forward
 intermediates, from `fla.ops.kda.chunk_fwd.chunk_kda_fwd(...,
 disable_recompute=True)` on the pre-processed inputs (l2norm, beta sigmoid
-as `chunk_kda` applies them): `g` (base-2 in-chunk cumsum), `Aqk`, `Akk`
+as `chunk_kda` applies them): `g_cumsum` (base-2 in-chunk cumsum), `Aqk`, `Akk`
 (upper triangles of each chunk zeroed: FLA leaves them unwritten), `w`,
 `u`, `qg`, `kg`, `v_new`, `h`; `deltaref verify` compares each with the
 oracle's and names the first chunk out of band.
@@ -100,7 +100,8 @@ def run(op, meta, t, dtype):
 
 
 def kda_intermediates(meta, t, dtype):
-    """FLA's chunk_kda_fwd intermediates for the case's inputs (no autograd)."""
+    """FLA's chunk_kda_fwd results for the case's inputs (no autograd): `o`,
+    `final_state` and the intermediates."""
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.gate import fused_beta_sigmoid
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
@@ -130,7 +131,7 @@ def kda_intermediates(meta, t, dtype):
         dt_bias=f32("dt_bias"),
         disable_recompute=True,
     )
-    names = ["o", "final_state", "g", "Aqk", "Akk", "w", "u", "qg", "kg", "v_new", "h"]
+    names = ["o", "final_state", "g_cumsum", "Aqk", "Akk", "w", "u", "qg", "kg", "v_new", "h"]
     inter = dict(zip(names, res))
     # Position of each token inside its chunk: mask the unwritten upper triangles.
     T = q.shape[1]
@@ -139,7 +140,7 @@ def kda_intermediates(meta, t, dtype):
     upper = torch.arange(bt, device=q.device)[None, :] > pos[:, None]
     for n in ("Aqk", "Akk"):
         inter[n] = inter[n].masked_fill(upper[None, :, None, :], 0)
-    return {n: inter[n] for n in names[2:]}
+    return inter
 
 
 def candidate(case, out, dtype_name, reps, intermediates=False):
@@ -158,7 +159,8 @@ def candidate(case, out, dtype_name, reps, intermediates=False):
         if op != "kda" or meta.get("cp"):
             raise ValueError("--intermediates captures KDA without CP (chunk_kda_fwd)")
         with torch.no_grad():
-            cand |= kda_intermediates(meta, t, dtype)
+            inter = kda_intermediates(meta, t, dtype)
+        cand |= {n: v for n, v in inter.items() if n not in ("o", "final_state")}
     st.save_file({n: v.detach().float().contiguous().cpu() for n, v in cand.items()}, out)
     print(f"FLA {op} ({dtype}): wrote {out}: {', '.join(sorted(cand))}")
     if reps > 0:

@@ -20,6 +20,8 @@ pub struct Preset {
     pub spec: GenSpec,
     pub cp: Option<CpLayout>,
     pub chunk_size: Option<usize>,
+    /// Also store the oracle's forward intermediates (KDA; see `intermediates`).
+    pub intermediates: bool,
 }
 
 fn kda(shape: Option<[usize; 6]>, lengths: Option<&[usize]>, seed: u64) -> GenSpec {
@@ -51,12 +53,14 @@ pub fn presets() -> Vec<Preset> {
         spec,
         cp: None,
         chunk_size: None,
+        intermediates: false,
     };
     let cp = |name, spec, layout| Preset {
         name,
         spec,
         cp: Some(layout),
         chunk_size: Some(64),
+        intermediates: false,
     };
     let cp_kda = |lengths: &[usize], seed| GenSpec {
         gate: lb,
@@ -198,6 +202,32 @@ pub fn presets() -> Vec<Preset> {
             long_memory(Op::Dplr, vec![1, 256, 1, 8, 8], &[30, 190, 36], 32),
             4,
         ),
+        // FLA's forward intermediates stored with the truth, so a port can
+        // check its sub-functions one by one (README: "Intermediates").
+        Preset {
+            name: "kda_intermediates_lowerbound_l2norm",
+            spec: GenSpec {
+                gate: lb,
+                use_qk_l2norm_in_kernel: true,
+                initial_state: true,
+                ..long_memory(Op::Kda, vec![1, 100, 1, 1, 8, 8], &[40, 60], 33)
+            },
+            cp: None,
+            chunk_size: Some(32),
+            intermediates: true,
+        },
+        Preset {
+            intermediates: true,
+            ..long_cp(
+                "cp_kda_intermediates_world2",
+                GenSpec {
+                    gate: lb,
+                    use_qk_l2norm_in_kernel: true,
+                    ..long_memory(Op::Kda, vec![1, 128, 1, 1, 8, 8], &[20, 108], 34)
+                },
+                2,
+            )
+        },
     ]
 }
 
@@ -219,6 +249,7 @@ fn long_cp(name: &'static str, spec: GenSpec, world: usize) -> Preset {
         spec,
         cp: Some(CpLayout::World(world)),
         chunk_size: Some(16),
+        intermediates: false,
     }
 }
 
@@ -227,6 +258,16 @@ impl Preset {
         let mut c = generate(&self.spec)?;
         c.meta.cp = self.cp.clone();
         c.meta.chunk_size = self.chunk_size;
+        if self.intermediates {
+            let req = crate::impls::ImplRequest {
+                name: if self.cp.is_some() { "cp" } else { "chunk" }.into(),
+                ..Default::default()
+            };
+            let (tensors, _) = crate::intermediates::compute(&c, &req.resolve(&c)?)?;
+            for (n, t) in tensors {
+                c.insert(&n, t, Dtype::F64);
+            }
+        }
         Ok(c)
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! | name | layout | what |
 //! |---|---|---|
-//! | `g` | `[B, T, HV, K]` | in-chunk cumulative log-decay **in base 2** (`Γ·log2 e`, FLA's `chunk_local_cumsum(g, scale=RCP_LN2)`) |
+//! | `g_cumsum` | `[B, T, HV, K]` | in-chunk cumulative log-decay **in base 2** (`Γ·log2 e`, FLA's `chunk_local_cumsum(g, scale=RCP_LN2)`; `chunk_kda` calls it `g_cumsum`, the input `g` keeps its name) |
 //! | `Aqk` | `[B, T, HV, BT]` | row = token, column = key position inside its chunk; `scale·Σ q k exp(Γ_r − Γ_c)`, `c ≤ r`, 0 above |
 //! | `Akk` | `[B, T, HV, BT]` | `(I + L)^{-1}`, unit lower triangular, 0 above (β is applied in `w`, `u`) |
 //! | `w`, `kg`, `qg` | `[B, T, HV, K]` | `Akk Diag(β)(exp(Γ)⊙K)`; `K⊙exp(Γ_C − Γ)`; `Q⊙exp(Γ)` (q unscaled, as FLA) |
@@ -32,7 +32,7 @@ use crate::outputs::Tensors;
 
 /// Every intermediate name, FLA's where FLA has one.
 pub const NAMES: [&str; 13] = [
-    "g",
+    "g_cumsum",
     "Aqk",
     "Akk",
     "w",
@@ -187,7 +187,7 @@ fn fill(
     let nt = chunks.iter().map(|ch| ch.index + 1).max().unwrap_or(0);
     let z = |shape: &[usize]| ArrayD::<f64>::zeros(IxDyn(shape));
     let mut out: Tensors = [
-        ("g", z(&[b, t, hv, k])),
+        ("g_cumsum", z(&[b, t, hv, k])),
         ("Aqk", z(&[b, t, hv, c])),
         ("Akk", z(&[b, t, hv, c])),
         ("w", z(&[b, t, hv, k])),
@@ -221,7 +221,7 @@ fn fill(
                     .slice_mut(sl)
                     .assign(&val);
             };
-            put(&mut out, "g", rows, ch.g_cumsum.mapv(|g| g * log2e).view());
+            put(&mut out, "g_cumsum", rows, ch.g_cumsum.mapv(|g| g * log2e).view());
             put(&mut out, "Aqk", cols, ch.aqk.view());
             put(&mut out, "Akk", cols, ch.n_inv.view());
             put(&mut out, "w", rows, ch.w.view());
