@@ -590,6 +590,49 @@ mod tests {
     }
 
     #[test]
+    fn the_noise_reference_sets_the_band_chunk_by_chunk() {
+        // One sequence of 16 tokens, chunks of 4, V = 4. The candidate has
+        // noise 1e-2 in chunk 3 (as a bf16 run at a sequence end) and a fault
+        // 0.5 in the upper half of V from chunk 1 on; the noise run has the noise alone.
+        let map = TokenMap::new(1, 16, None, &[8], 4);
+        let r = ArrayD::from_shape_fn(IxDyn(&[1, 16, 4]), |i| 1.0 + (i[1] + i[2]) as f64);
+        let mut noise = r.clone();
+        for t in 12..16 {
+            noise[[0, t, 0]] *= 1.01;
+        }
+        let mut faulty = noise.clone();
+        for t in 4..16 {
+            faulty[[0, t, 3]] += 5.0;
+        }
+        let nr = tensors("o", noise.clone());
+        let with = |c: &ArrayD<f64>| {
+            diagnose_with_noise(
+                &tensors("o", r.clone()),
+                &tensors("o", c.clone()),
+                Some(NoiseReference {
+                    name: "n".into(),
+                    tensors: &nr,
+                }),
+                &map,
+                1e-4,
+                Some(4),
+            )
+        };
+        // Noise alone: the fixed band flags chunk 3, the noise band does not.
+        let fixed = diagnose(&tensors("o", r.clone()), &nr, &map, 1e-4);
+        assert_eq!(fixed.first_bad.as_ref().map(|f| f.1.token), Some(12));
+        assert!(with(&noise).first_bad.is_none());
+        // The fault starts at chunk 1 (token 4, rank 0); upper V column only.
+        let d = with(&faulty);
+        assert_eq!(d.first_bad.as_ref().map(|f| (f.1.token, f.1.chunk)), Some((4, 1)));
+        let cols = &d.tensors[0].per_v_column;
+        assert_eq!(cols.len(), 4);
+        assert!(cols[3] > 100.0 * cols[1] && cols[1] == 0.0, "{cols:?}");
+        assert!(v_columns(&d.tensors[0]).contains("upper half of V only"));
+        assert_eq!(d.noise_reference.as_deref(), Some("n"));
+    }
+
+    #[test]
     fn plot_writes_a_png() {
         let map = TokenMap::new(1, 64, Some(&[0, 30, 64]), &[32], 16);
         let r = ArrayD::from_shape_fn(IxDyn(&[1, 64, 2]), |i| 1.0 + i[1] as f64);
