@@ -171,10 +171,14 @@ fn direct_log_decay(regime: Regime, slow: bool, x: f64) -> f64 {
     }
 }
 
+/// Maps from a normal draw to raw `g`, `A_log` and `dt_bias` (given
+/// whether the channel is slow).
+type GateMaps = (fn(f64) -> f64, fn(f64) -> f64, fn(f64, bool) -> f64);
+
 /// `(raw g, A_log, dt_bias)` maps of a regime for an in-kernel gate: the
 /// gate applied to them gives |g| ~ 1e-3 on slow channels, ~1 on fast ones
 /// and the bound (or ~−8 for the kda gate) under `sharp`.
-fn gate_maps(regime: Regime, gate: Gate) -> (fn(f64) -> f64, fn(f64) -> f64, fn(f64, bool) -> f64) {
+fn gate_maps(regime: Regime, gate: Gate) -> GateMaps {
     let quarter: fn(f64) -> f64 = |x| 0.25 * x;
     let half: fn(f64) -> f64 = |x| 0.5 * x;
     match (regime, gate) {

@@ -54,7 +54,10 @@ fn every_cp_fault_fails_a_committed_fixture() {
             .filter(|(_, c)| passes(c, fault) == Some(false))
             .map(|(n, _)| n.as_str())
             .collect();
-        assert!(!caught.is_empty(), "{fault} passes every committed CP fixture");
+        assert!(
+            !caught.is_empty(),
+            "{fault} passes every committed CP fixture"
+        );
     }
 }
 
@@ -63,8 +66,7 @@ fn the_bf16_m_chain_fails_a_fixture_that_fla_bf16_passes() {
     let caught: Vec<String> = cp_fixtures()
         .into_iter()
         .filter(|(_, c)| {
-            passes(c, "fla-bf16") == Some(true)
-                && passes(c, "fla-bf16-mchain-bf16") == Some(false)
+            passes(c, "fla-bf16") == Some(true) && passes(c, "fla-bf16-mchain-bf16") == Some(false)
         })
         .map(|(n, _)| n)
         .collect();

@@ -107,7 +107,10 @@ fn token_shift_regimes_change_x() {
         let lm = &lm;
         (0..16).map(move |d| lm[[0, t, d]] - lm[[0, t - 1, d]])
     }));
-    assert!(steps < 0.1 * rms(&mut lm.iter().copied()), "step rms {steps}");
+    assert!(
+        steps < 0.1 * rms(&mut lm.iter().copied()),
+        "step rms {steps}"
+    );
     // mixed: channel magnitudes six orders apart.
     let mx = x(Regime::Mixed);
     let per: Vec<f64> = (0..16)

@@ -259,7 +259,9 @@ fn diagnose_tensor(
             d.per_chunk.push((si, ci, err));
             if err > limit || err.is_nan() {
                 let tok = (cs..ce)
-                    .find(|&t| per_token[b * map.t + t] > limit || per_token[b * map.t + t].is_nan())
+                    .find(|&t| {
+                        per_token[b * map.t + t] > limit || per_token[b * map.t + t].is_nan()
+                    })
                     .unwrap_or(cs);
                 let flat = b * map.t + tok;
                 first = Some(first.map_or(flat, |f| f.min(flat)));
@@ -384,7 +386,11 @@ fn v_columns(t: &TensorDiagnosis) -> String {
     let (lo, hi) = (mean(&p[..half]), mean(&p[half..]));
     let cols: Vec<String> = p.iter().map(|e| format!("{e:.1e}")).collect();
     let shown = if cols.len() > 16 {
-        format!("{} … {}", cols[..8].join(" "), cols[cols.len() - 8..].join(" "))
+        format!(
+            "{} … {}",
+            cols[..8].join(" "),
+            cols[cols.len() - 8..].join(" ")
+        )
     } else {
         cols.join(" ")
     };
@@ -624,7 +630,10 @@ mod tests {
         assert!(with(&noise).first_bad.is_none());
         // The fault starts at chunk 1 (token 4, rank 0); upper V column only.
         let d = with(&faulty);
-        assert_eq!(d.first_bad.as_ref().map(|f| (f.1.token, f.1.chunk)), Some((4, 1)));
+        assert_eq!(
+            d.first_bad.as_ref().map(|f| (f.1.token, f.1.chunk)),
+            Some((4, 1))
+        );
         let cols = &d.tensors[0].per_v_column;
         assert_eq!(cols.len(), 4);
         assert!(cols[3] > 100.0 * cols[1] && cols[1] == 0.0, "{cols:?}");

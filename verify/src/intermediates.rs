@@ -19,10 +19,10 @@
 //! rank cuts as well as sequence starts.
 
 use deltaref::cp::RankDiag;
-use deltaref::kda::chunk::Chunk;
 use deltaref::kda;
+use deltaref::kda::chunk::Chunk;
 use deltaref::varlen::{par_pairs, Segment};
-use ndarray::{s, ArrayD, IxDyn};
+use ndarray::{s, Array2, ArrayD, IxDyn};
 use serde::Serialize;
 
 use crate::case::{Case, CaseError, Inputs, Op};
@@ -135,9 +135,14 @@ pub fn compute(case: &Case, imp: &Impl) -> Result<(Tensors, Vec<ChunkPos>), Case
     };
     let opts = case.meta.kda_options();
     let p = kda::Prepared::new(&x, &opts).map_err(invalid)?;
-    let engine = Chunk::new(c).map_err(invalid)?.with_policy(imp.policy.clone());
+    let engine = Chunk::new(c)
+        .map_err(invalid)?
+        .with_policy(imp.policy.clone());
     let (pieces, diags) = match &imp.cp {
-        None => (p.segments.iter().map(|&s| (0, s)).collect::<Vec<_>>(), vec![]),
+        None => (
+            p.segments.iter().map(|&s| (0, s)).collect::<Vec<_>>(),
+            vec![],
+        ),
         Some((spec, _)) => {
             let plan = spec
                 .build(p.dims.b, p.dims.t, x.cu_seqlens.as_deref())
@@ -167,7 +172,11 @@ fn piece_h0(
     let first_of_rank = i == 0 || pieces[i - 1].0 != rank;
     match diags.get(rank).and_then(|d| d.merged_h0.as_ref()) {
         Some(m) if first_of_rank => m[h].clone(),
-        _ if p.segments.iter().any(|s| s.seq == seg.seq && s.start == seg.start) => {
+        _ if p
+            .segments
+            .iter()
+            .any(|s| s.seq == seg.seq && s.start == seg.start) =>
+        {
             p.initial_state(seg.seq, h)
         }
         _ => ndarray::Array2::zeros((p.dims.k, p.dims.v)),
@@ -221,7 +230,12 @@ fn fill(
                     .slice_mut(sl)
                     .assign(&val);
             };
-            put(&mut out, "g_cumsum", rows, ch.g_cumsum.mapv(|g| g * log2e).view());
+            put(
+                &mut out,
+                "g_cumsum",
+                rows,
+                ch.g_cumsum.mapv(|g| g * log2e).view(),
+            );
             put(&mut out, "Aqk", cols, ch.aqk.view());
             put(&mut out, "Akk", cols, ch.n_inv.view());
             put(&mut out, "w", rows, ch.w.view());
@@ -238,27 +252,35 @@ fn fill(
         }
     }
     if !diags.is_empty() {
-        let r = diags.len();
-        let stack = |f: &dyn Fn(&RankDiag<f64>) -> Option<Vec<ndarray::Array2<f64>>>, cols| {
-            let mut a = z(&[r, hv, k, cols]);
-            for (ri, dg) in diags.iter().enumerate() {
-                if let Some(m) = f(dg) {
-                    for (h, m) in m.iter().enumerate() {
-                        a.slice_mut(s![ri, h, .., ..]).assign(m);
-                    }
-                }
-            }
-            a
+        let per_rank = |f: fn(&RankDiag<f64>) -> Option<&[Array2<f64>]>| {
+            diags.iter().map(f).collect::<Vec<_>>()
         };
-        out.insert("S_ext".into(), stack(&|d| Some(d.s_ext.clone()), v));
-        out.insert("M".into(), stack(&|d| Some(d.m.clone()), k));
+        out.insert(
+            "S_ext".into(),
+            stack(&per_rank(|d| Some(&d.s_ext)), [hv, k, v]),
+        );
+        out.insert("M".into(), stack(&per_rank(|d| Some(&d.m)), [hv, k, k]));
         out.insert(
             "merged_initial_state".into(),
-            stack(&|d| d.merged_h0.clone(), v),
+            stack(&per_rank(|d| d.merged_h0.as_deref()), [hv, k, v]),
         );
-        out.insert("merged_dht".into(), stack(&|d| d.merged_dht.clone(), v));
+        out.insert(
+            "merged_dht".into(),
+            stack(&per_rank(|d| d.merged_dht.as_deref()), [hv, k, v]),
+        );
     }
     out
+}
+
+/// `[R, HV, K, cols]` from per-rank, per-head matrices (zeros where a rank has none).
+fn stack(per_rank: &[Option<&[Array2<f64>]>], [hv, k, cols]: [usize; 3]) -> ArrayD<f64> {
+    let mut a = ArrayD::zeros(IxDyn(&[per_rank.len(), hv, k, cols]));
+    for (r, m) in per_rank.iter().enumerate() {
+        for (h, m) in m.iter().flat_map(|m| m.iter()).enumerate() {
+            a.slice_mut(s![r, h, .., ..]).assign(m);
+        }
+    }
+    a
 }
 
 /// One intermediate's comparison: whole-tensor numbers and the first chunk

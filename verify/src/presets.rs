@@ -161,7 +161,10 @@ mod tests {
         assert_eq!((p.policy, p.compute), (base.policy, base.compute));
         assert_eq!(p.faults.merge_v_limit, Some(4));
         assert!(find("fla-bf16+akk-bf16", 8).is_none(), "not a fault");
-        assert!(find("drop-merged-state+partial-merge-v", 8).is_none(), "two faults");
+        assert!(
+            find("drop-merged-state+partial-merge-v", 8).is_none(),
+            "two faults"
+        );
         assert!(find("fla-bf16+nope", 8).is_none());
         assert_eq!(without_fault("fla-bf16+partial-merge-v"), "fla-bf16");
         assert_eq!(without_fault("drop-merged-state"), "exact");

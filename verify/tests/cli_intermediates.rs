@@ -23,8 +23,18 @@ fn regimes_are_recorded_and_cp_says_whether_the_merge_is_exercised() {
     let case = dir.path().join("lm.safetensors");
     let gen = |regime: &str| {
         run_ok(&[
-            "gen", "--op", "kda", "--shape", "1,256,1,1,8,8", "--gate", "lowerbound", "--l2norm",
-            "--regime", regime, "--out", s(&case),
+            "gen",
+            "--op",
+            "kda",
+            "--shape",
+            "1,256,1,1,8,8",
+            "--gate",
+            "lowerbound",
+            "--l2norm",
+            "--regime",
+            regime,
+            "--out",
+            s(&case),
         ])
     };
     gen("long-memory");
@@ -35,9 +45,7 @@ fn regimes_are_recorded_and_cp_says_whether_the_merge_is_exercised() {
     gen("fla-test");
     let out = run_ok(&["cp", "--case", s(&case), "--world", "4"]);
     assert!(out.contains("merge faults barely show"), "{out}");
-    let (rc, _, err) = code(&[
-        "gen", "--op", "kda", "--regime", "slow", "--out", s(&case),
-    ]);
+    let (rc, _, err) = code(&["gen", "--op", "kda", "--regime", "slow", "--out", s(&case)]);
     assert_eq!(rc, 2);
     assert!(err.contains("--regime: unknown regime `slow`"), "{err}");
 }
@@ -57,7 +65,13 @@ fn intermediates_out_and_in_name_the_first_chunk_and_rank_out_of_band() {
     let case = fixture("cp_kda_intermediates_world2.safetensors");
     let cand = dir.path().join("cand.safetensors");
     let out = run_ok(&[
-        "run", "--case", s(&case), "--impl", "cp", "--intermediates", s(&cand),
+        "run",
+        "--case",
+        s(&case),
+        "--impl",
+        "cp",
+        "--intermediates",
+        s(&cand),
     ]);
     assert!(out.contains("h            [1, 9, 1, 8, 8]"), "{out}");
     assert!(out.contains("M            [2, 1, 8, 8]"), "{out}");
@@ -72,9 +86,12 @@ fn intermediates_out_and_in_name_the_first_chunk_and_rank_out_of_band() {
     // Rank 1 starts at token 64: its first chunk is chunk 5 (rank 0 holds
     // chunks 0..16, 16..20, 20..36, 36..52, 52..64).
     edit(&cand, "v_new", |t| {
-        t.slice_mut(ndarray::s![.., 70.., .., ..]).mapv_inplace(|x| x * 1.1)
+        t.slice_mut(ndarray::s![.., 70.., .., ..])
+            .mapv_inplace(|x| x * 1.1)
     });
-    edit(&cand, "M", |t| t.slice_mut(ndarray::s![1, .., .., ..]).fill(0.0));
+    edit(&cand, "M", |t| {
+        t.slice_mut(ndarray::s![1, .., .., ..]).fill(0.0)
+    });
     let (rc, out, _) = code(&["verify", "--case", s(&case), "--candidate", s(&cand)]);
     assert_eq!(rc, 1, "{out}");
     let line = |n: &str| {
@@ -87,7 +104,10 @@ fn intermediates_out_and_in_name_the_first_chunk_and_rank_out_of_band() {
         line("v_new").contains("chunk 5 (batch 0, tokens 64..80, rank 1)"),
         "{out}"
     );
-    assert!(line("M").contains("rank 1") && line("M").ends_with("FAIL"), "{out}");
+    assert!(
+        line("M").contains("rank 1") && line("M").ends_with("FAIL"),
+        "{out}"
+    );
     assert!(line("w").ends_with("pass"), "{out}");
 }
 
@@ -101,7 +121,13 @@ fn intermediates_are_refused_where_they_do_not_exist() {
     assert!(err.contains("--impl chunk or cp"), "{err}");
     let dplr = fixture("dplr_rwkv7.safetensors");
     let (rc, _, err) = code(&[
-        "run", "--case", s(&dplr), "--impl", "chunk", "--intermediates", s(&out),
+        "run",
+        "--case",
+        s(&dplr),
+        "--impl",
+        "chunk",
+        "--intermediates",
+        s(&out),
     ]);
     assert_eq!(rc, 2);
     assert!(err.contains("defined for KDA"), "{err}");
@@ -118,8 +144,13 @@ fn intermediates_are_refused_where_they_do_not_exist() {
     // A non-CP case has no per-rank tensors to compare against.
     let cp_int = dir.path().join("cp.safetensors");
     run_ok(&[
-        "run", "--case", s(&fixture("cp_kda_intermediates_world2.safetensors")), "--impl", "cp",
-        "--intermediates", s(&cp_int),
+        "run",
+        "--case",
+        s(&fixture("cp_kda_intermediates_world2.safetensors")),
+        "--impl",
+        "cp",
+        "--intermediates",
+        s(&cp_int),
     ]);
     let mut c = Case::read_candidate(&cp_int, Op::Kda).unwrap();
     let m = c.tensors["M"].clone();
@@ -146,13 +177,27 @@ fn forward_only_checks_outputs_and_final_state_and_says_so() {
     let (rc, out, _) = code(&["verify", "--case", s(&case), "--candidate", s(&cand)]);
     assert_eq!(rc, 1, "gradients missing without --forward-only: {out}");
     let out = run_ok(&[
-        "verify", "--case", s(&case), "--candidate", s(&cand), "--forward-only",
+        "verify",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&cand),
+        "--forward-only",
     ]);
-    assert!(out.contains("forward only: outputs and final state compared"), "{out}");
+    assert!(
+        out.contains("forward only: outputs and final state compared"),
+        "{out}"
+    );
     assert!(out.contains("4 of 4 tensors pass"), "{out}");
     assert!(!out.contains("dq "), "{out}");
     let json = run_ok(&[
-        "verify", "--case", s(&case), "--candidate", s(&cand), "--forward-only", "--json",
+        "verify",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&cand),
+        "--forward-only",
+        "--json",
     ]);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["forward_only"], true);
@@ -165,21 +210,42 @@ fn diagnose_judges_a_fault_against_bf16_noise() {
     let case = fixture("cp_kda_long_memory_world8_bf16.safetensors");
     let run = |precision: &str| {
         code(&[
-            "diagnose", "--case", s(&case), "--impl", "cp", "--precision", precision,
+            "diagnose",
+            "--case",
+            s(&case),
+            "--impl",
+            "cp",
+            "--precision",
+            precision,
         ])
     };
     let (_, out, err) = run("fla-bf16");
     assert!(out.contains("4× the error of `fla-bf16`"), "{out}{err}");
-    assert!(out.ends_with("no per-token tensor leaves the noise band\n"), "{out}");
+    assert!(
+        out.ends_with("no per-token tensor leaves the noise band\n"),
+        "{out}"
+    );
     // World 8 over 768 tokens: rank 1 starts at token 96.
     let (rc, out, _) = run("fla-bf16+partial-merge-v");
     assert_eq!(rc, 1);
-    assert!(out.contains("error starts at token 96 (batch 0, sequence 1, rank 1"), "{out}");
-    let o = out.lines().find(|l| l.starts_with("o ") && l.contains("per V column")).unwrap();
+    assert!(
+        out.contains("error starts at token 96 (batch 0, sequence 1, rank 1"),
+        "{out}"
+    );
+    let o = out
+        .lines()
+        .find(|l| l.starts_with("o ") && l.contains("per V column"))
+        .unwrap();
     assert!(o.contains("upper half of V only"), "{out}");
     let (_, out, _) = run("fla-bf16+drop-merged-state");
-    assert!(out.contains("error starts at token 96 (batch 0, sequence 1, rank 1"), "{out}");
-    let o = out.lines().find(|l| l.starts_with("o ") && l.contains("per V column")).unwrap();
+    assert!(
+        out.contains("error starts at token 96 (batch 0, sequence 1, rank 1"),
+        "{out}"
+    );
+    let o = out
+        .lines()
+        .find(|l| l.starts_with("o ") && l.contains("per V column"))
+        .unwrap();
     assert!(!o.contains("upper half of V only"), "{out}");
     let (rc, _, err) = run("fla-bf16+akk-bf16");
     assert_eq!(rc, 2, "a precision preset is not a fault: {err}");

@@ -106,7 +106,11 @@ fn go(a: &Args) -> Result<Diagnosis, CaseError> {
 /// The noise reference's name and results, if any (see `--noise`).
 fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseError> {
     let bf16_inputs = || {
-        let first = if case.meta.op == Op::TokenShift { "x" } else { "q" };
+        let first = if case.meta.op == Op::TokenShift {
+            "x"
+        } else {
+            "q"
+        };
         case.dtypes.get(first) == Some(&Dtype::Bf16)
     };
     let name = match (a.noise.as_str(), &a.imp.precision, &a.candidate) {
@@ -119,7 +123,12 @@ fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseErr
     let (mut req, _) = a.imp.request()?;
     if a.candidate.is_some() {
         req = ImplRequest {
-            name: if case.meta.cp.is_some() { "cp" } else { "chunk" }.into(),
+            name: if case.meta.cp.is_some() {
+                "cp"
+            } else {
+                "chunk"
+            }
+            .into(),
             ..ImplRequest::default()
         };
     }

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::case::Op;
+use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::impls::{Compute, Impl, ImplRequest};
 use deltaref_verify::intermediates;
 use deltaref_verify::report::VerifyReport;
@@ -66,7 +66,12 @@ fn intermediate_rows(
         return Ok(vec![]);
     }
     let req = ImplRequest {
-        name: if case.meta.cp.is_some() { "cp" } else { "chunk" }.into(),
+        name: if case.meta.cp.is_some() {
+            "cp"
+        } else {
+            "chunk"
+        }
+        .into(),
         ..ImplRequest::default()
     };
     let (oracle, chunks) = intermediates::compute(case, &req.resolve(case)?)?;
