@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run FLA's kernels (fla-core) on a deltaref case file; write a candidate.
 
-    python3 tools/fla_candidate.py CASE.safetensors CAND.safetensors [CASE CAND ...] [--dtype bf16|f32] [--time N]
+    python3 tools/fla_candidate.py CASE.safetensors CAND.safetensors [CASE CAND ...] [--dtype bf16|f32] [--time N] [--intermediates]
     deltaref verify --case CASE.safetensors --candidate CAND.safetensors
 
 KDA runs `chunk_kda`, DPLR `chunk_dplr_delta_rule`, token-shift
@@ -11,6 +11,13 @@ case stores `q`/`x` in, bf16 or else f32); `A_log`, `dt_bias`,
 `initial_state` and `dht` in fp32, as FLA requires. The loss is the case's:
 Σ o·do + Σ final_state·dht (token-shift: Σ y·dy + Σ final_cache·dfinal_cache).
 With --time N it also prints FLA's best forward and backward time over N runs.
+With --intermediates (KDA, no CP) the candidate also holds FLA's own forward
+intermediates, from `fla.ops.kda.chunk_fwd.chunk_kda_fwd(...,
+disable_recompute=True)` on the pre-processed inputs (l2norm, beta sigmoid
+as `chunk_kda` applies them): `g_cumsum` (base-2 in-chunk cumsum), `Aqk`, `Akk`
+(upper triangles of each chunk zeroed: FLA leaves them unwritten), `w`,
+`u`, `qg`, `kg`, `v_new`, `h`; `deltaref verify` compares each with the
+oracle's and names the first chunk out of band.
 Several case/candidate pairs run in one process (Triton compiles once).
 """
 
@@ -92,7 +99,51 @@ def run(op, meta, t, dtype):
     return x, p, out, last, loss
 
 
-def candidate(case, out, dtype_name, reps):
+def kda_intermediates(meta, t, dtype):
+    """FLA's chunk_kda_fwd results for the case's inputs (no autograd): `o`,
+    `final_state` and the intermediates."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.gate import fused_beta_sigmoid
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+    from fla.ops.utils import prepare_chunk_indices
+
+    q, k, v, g, beta = (t[n].to(dtype) for n in TOKEN_INPUTS["kda"])
+    if meta.get("use_qk_l2norm_in_kernel", False):
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    if meta.get("use_beta_sigmoid_in_kernel", False):
+        beta = fused_beta_sigmoid(x=beta, scale=2.0 if meta.get("allow_neg_eigval", False) else 1.0)
+    cu = t.get("cu_seqlens")
+    bt = meta.get("chunk_size", 64)
+    gate = meta.get("gate", "none")
+    f32 = lambda n: t[n].float() if n in t else None  # noqa: E731
+    res = chunk_kda_fwd(
+        q=q, k=k, v=v, g=g, beta=beta,
+        scale=meta.get("scale") or q.shape[-1] ** -0.5,
+        initial_state=f32("initial_state"),
+        output_final_state=True,
+        cu_seqlens=cu,
+        chunk_indices=prepare_chunk_indices(cu, bt) if cu is not None else None,
+        chunk_size=bt,
+        safe_gate=gate == "lowerbound",
+        lower_bound=meta.get("lower_bound") if gate == "lowerbound" else None,
+        use_gate_in_kernel=gate != "none",
+        A_log=f32("A_log"),
+        dt_bias=f32("dt_bias"),
+        disable_recompute=True,
+    )
+    names = ["o", "final_state", "g_cumsum", "Aqk", "Akk", "w", "u", "qg", "kg", "v_new", "h"]
+    inter = dict(zip(names, res))
+    # Position of each token inside its chunk: mask the unwritten upper triangles.
+    T = q.shape[1]
+    starts = cu.tolist() if cu is not None else [0, T]
+    pos = torch.cat([torch.arange(e - s, device=q.device) % bt for s, e in zip(starts[:-1], starts[1:])])
+    upper = torch.arange(bt, device=q.device)[None, :] > pos[:, None]
+    for n in ("Aqk", "Akk"):
+        inter[n] = inter[n].masked_fill(upper[None, :, None, :], 0)
+    return inter
+
+
+def candidate(case, out, dtype_name, reps, intermediates=False):
     t, meta = load(case)
     op = meta["op"]
     first = "x" if op == "token_shift" else "q"
@@ -104,6 +155,12 @@ def candidate(case, out, dtype_name, reps):
     names = ("y", "final_cache") if op == "token_shift" else ("o", "final_state")
     cand = {names[0]: out_t, names[1]: last}
     cand |= {GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items()}
+    if intermediates:
+        if op != "kda" or meta.get("cp"):
+            raise ValueError("--intermediates captures KDA without CP (chunk_kda_fwd)")
+        with torch.no_grad():
+            inter = kda_intermediates(meta, t, dtype)
+        cand |= {n: v for n, v in inter.items() if n not in ("o", "final_state")}
     st.save_file({n: v.detach().float().contiguous().cpu() for n, v in cand.items()}, out)
     print(f"FLA {op} ({dtype}): wrote {out}: {', '.join(sorted(cand))}")
     if reps > 0:
@@ -125,13 +182,14 @@ def main():
     ap.add_argument("paths", nargs="+", metavar="CASE CAND")
     ap.add_argument("--dtype", choices=["bf16", "f32"])
     ap.add_argument("--time", type=int, default=0, metavar="N")
+    ap.add_argument("--intermediates", action="store_true", help="KDA: also capture FLA's forward intermediates")
     a = ap.parse_args()
     if len(a.paths) % 2:
         ap.error("give case/candidate pairs: CASE CAND [CASE CAND ...]")
     failed = 0
     for case, out in zip(a.paths[::2], a.paths[1::2]):
         try:
-            candidate(case, out, a.dtype, a.time)
+            candidate(case, out, a.dtype, a.time, a.intermediates)
         except Exception as e:  # one unsupported case must not hide the others
             failed += 1
             print(f"FLA failed on {case}: {type(e).__name__}: {e}")

@@ -65,6 +65,141 @@ fn normal(seed: u64, name: &str, shape: &[usize]) -> ArrayD<f64> {
     tensor(seed, name, shape, |x| x)
 }
 
+/// Like [`tensor`], with the element's index in the last `channel_dims`
+/// dimensions (the channel: `(head, key dim)` for `[B,T,HV,K]`, `key dim`
+/// for `[HV*K]`) passed to `f`.
+fn channel_tensor(
+    seed: u64,
+    name: &str,
+    shape: &[usize],
+    channel_dims: usize,
+    f: impl Fn(f64, usize) -> f64,
+) -> ArrayD<f64> {
+    let width: usize = shape[shape.len() - channel_dims..].iter().product();
+    let n = shape.iter().product();
+    let v = Stream::new(seed, name)
+        .normals(n)
+        .into_iter()
+        .enumerate()
+        .map(|(i, x)| f(x, i % width.max(1)))
+        .collect();
+    Array::from_shape_vec(IxDyn(shape), v).expect("size matches")
+}
+
+/// How the random inputs are distributed: FLA's test draws, or a regime
+/// that stresses what kernels get wrong (cross-chunk and cross-rank memory,
+/// mixed time scales, saturated gates).
+///
+/// Typical per-token log-decay |g| and β (KDA; DPLR's `gk` and `b` follow
+/// the same pattern, token-shift changes the distribution of `x`):
+///
+/// | regime | decay | β | keys |
+/// |---|---|---|---|
+/// | `fla-test` | ~0.3–1 (forgets within a chunk) | sigmoid(N) ~ 0.5 | normal |
+/// | `long-memory` | ~1e-3 on every channel | ~0.02 | low-rank-ish |
+/// | `mixed` | per channel: ~1e-3 (half) or ~1 (half) | ~0.12 | low-rank-ish |
+/// | `sharp` | at the lower bound (−5; kda gate ~−8) | ~0.98 | normal (unit norm) |
+///
+/// "Low-rank-ish" keys put their weight on the first `max(1, K/4)` key
+/// dims (the rest at 1/10): the delta rule's `(I − β k kᵀ)` only shrinks
+/// those directions, so the transition `M` stays O(1) over hundreds of
+/// tokens instead of collapsing in every direction a key visits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Regime {
+    #[default]
+    FlaTest,
+    LongMemory,
+    Mixed,
+    Sharp,
+}
+
+impl Regime {
+    pub const ALL: [Regime; 4] = [
+        Regime::FlaTest,
+        Regime::LongMemory,
+        Regime::Mixed,
+        Regime::Sharp,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Regime::FlaTest => "fla-test",
+            Regime::LongMemory => "long-memory",
+            Regime::Mixed => "mixed",
+            Regime::Sharp => "sharp",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Regime> {
+        Regime::ALL.into_iter().find(|r| r.name() == s)
+    }
+
+    /// Whether channel `c` (an index into `[HV, K]` or `[H, K]`) decays slowly.
+    fn slow(self, seed: u64, c: usize) -> bool {
+        match self {
+            Regime::LongMemory => true,
+            Regime::Mixed => Stream::new(seed, "slow_channels").normal(c as u64) > 0.0,
+            Regime::FlaTest | Regime::Sharp => false,
+        }
+    }
+
+    /// The per-key-dim weight of the keys that enter the delta rule.
+    fn key_weight(self, d: usize, k: usize) -> f64 {
+        match self {
+            Regime::LongMemory | Regime::Mixed if d >= (k / 4).max(1) => 0.1,
+            _ => 1.0,
+        }
+    }
+
+    /// The logit whose sigmoid is β (KDA) or the scale of `b` (DPLR).
+    fn beta_logit(self, x: f64) -> f64 {
+        match self {
+            Regime::FlaTest => x,
+            Regime::LongMemory => -4.0 + 0.5 * x,
+            Regime::Mixed => -2.0 + 0.5 * x,
+            Regime::Sharp => 4.0 + 0.5 * x,
+        }
+    }
+}
+
+/// Log-decay `g` drawn directly (no in-kernel gate): slow channels ~−1e-3.
+fn direct_log_decay(regime: Regime, slow: bool, x: f64) -> f64 {
+    match regime {
+        _ if slow => -(0.25 * x - 7.0).exp(),
+        Regime::Sharp => -5.0 * gates::sigmoid(0.5 * x + 4.0),
+        _ => log_sigmoid(x),
+    }
+}
+
+/// Maps from a normal draw to raw `g`, `A_log` and `dt_bias` (given
+/// whether the channel is slow).
+type GateMaps = (fn(f64) -> f64, fn(f64) -> f64, fn(f64, bool) -> f64);
+
+/// `(raw g, A_log, dt_bias)` maps of a regime for an in-kernel gate: the
+/// gate applied to them gives |g| ~ 1e-3 on slow channels, ~1 on fast ones
+/// and the bound (or ~−8 for the kda gate) under `sharp`.
+fn gate_maps(regime: Regime, gate: Gate) -> GateMaps {
+    let quarter: fn(f64) -> f64 = |x| 0.25 * x;
+    let half: fn(f64) -> f64 = |x| 0.5 * x;
+    match (regime, gate) {
+        (Regime::FlaTest, _) | (_, Gate::None) => (|x| x, half, |x, _| 0.5 * x),
+        // g = −exp(A_log)·softplus(g + dt_bias): exp(−4)·softplus(−3) ≈ 1e-3.
+        (Regime::Sharp, Gate::Kda) => (quarter, |x| 1.0 + 0.25 * x, |x, _| 3.0 + 0.5 * x),
+        (_, Gate::Kda) => (
+            quarter,
+            |x| -4.0 + 0.25 * x,
+            |x, slow| if slow { -3.0 + 0.25 * x } else { 6.0 + 0.5 * x },
+        ),
+        // g = lb·sigmoid(exp(A_log)·(g + dt_bias)): −5·sigmoid(−8.5) ≈ −1e-3.
+        (Regime::Sharp, Gate::LowerBound { .. }) => (quarter, |x| 0.1 * x, |x, _| 5.0 + 0.5 * x),
+        (_, Gate::LowerBound { .. }) => (
+            quarter,
+            |x| 0.1 * x,
+            |x, slow| if slow { -8.5 + 0.25 * x } else { 0.5 * x },
+        ),
+    }
+}
+
 fn log_sigmoid(x: f64) -> f64 {
     -gates::softplus(-x)
 }
@@ -93,35 +228,60 @@ pub struct Generated<I> {
     pub dht: ArrayD<f64>,
 }
 
-/// q, k, v normal; `g = logsigmoid(N)` (raw normal with an in-kernel gate);
-/// `beta = sigmoid(N)` (raw normal with `use_beta_sigmoid_in_kernel`);
-/// `A_log = N/2`, `dt_bias = N/2`; `initial_state` normal.
+/// FLA's test draws ([`Regime::FlaTest`]): q, k, v normal; `g =
+/// logsigmoid(N)` (raw normal with an in-kernel gate); `beta = sigmoid(N)`
+/// (raw normal with `use_beta_sigmoid_in_kernel`); `A_log = N/2`, `dt_bias =
+/// N/2`; `initial_state` normal.
 pub fn kda(s: &KdaSpec) -> Generated<KdaInputs<f64>> {
+    kda_in(s, Regime::FlaTest)
+}
+
+/// KDA inputs drawn in `regime` (see [`Regime`]); the same named streams as
+/// [`kda`], mapped differently. Under `sharp` without
+/// `use_qk_l2norm_in_kernel` the keys are scaled by `K^-1/2` (unit norm on
+/// average) so that β ≈ 1 keeps the recurrence stable.
+pub fn kda_in(s: &KdaSpec, regime: Regime) -> Generated<KdaInputs<f64>> {
     let (b, t) = (s.layout.b, s.layout.t);
-    let gshape: Vec<usize> = if s.scalar_gate {
-        vec![b, t, s.hv]
+    let (gshape, gdims): (Vec<usize>, usize) = if s.scalar_gate {
+        (vec![b, t, s.hv], 1)
     } else {
-        vec![b, t, s.hv, s.k]
+        (vec![b, t, s.hv, s.k], 2)
     };
+    // A scalar gate's channel is its head: index it like key dim 0.
+    let chan = |c: usize| if s.scalar_gate { c * s.k } else { c };
     let g = match s.opts.gate {
-        Gate::None => tensor(s.seed, "g", &gshape, log_sigmoid),
-        _ => normal(s.seed, "g", &gshape),
+        Gate::None => channel_tensor(s.seed, "g", &gshape, gdims, |x, c| {
+            direct_log_decay(regime, regime.slow(s.seed, chan(c)), x)
+        }),
+        gate => tensor(s.seed, "g", &gshape, gate_maps(regime, gate).0),
     };
     let beta = if s.opts.use_beta_sigmoid_in_kernel {
-        normal(s.seed, "beta", &[b, t, s.hv])
+        tensor(s.seed, "beta", &[b, t, s.hv], |x| regime.beta_logit(x))
     } else {
-        tensor(s.seed, "beta", &[b, t, s.hv], gates::sigmoid)
+        tensor(s.seed, "beta", &[b, t, s.hv], |x| {
+            gates::sigmoid(regime.beta_logit(x))
+        })
     };
-    let half = |x: f64| 0.5 * x;
+    let (_, a_log_map, dt_bias_map) = gate_maps(regime, s.opts.gate);
+    let key_scale = if regime == Regime::Sharp && !s.opts.use_qk_l2norm_in_kernel {
+        1.0 / (s.k as f64).sqrt()
+    } else {
+        1.0
+    };
     let inputs = KdaInputs {
         q: normal(s.seed, "q", &[b, t, s.h, s.k]),
-        k: normal(s.seed, "k", &[b, t, s.h, s.k]),
+        k: channel_tensor(s.seed, "k", &[b, t, s.h, s.k], 1, |x, d| {
+            x * key_scale * regime.key_weight(d, s.k)
+        }),
         v: normal(s.seed, "v", &[b, t, s.hv, s.v]),
         g,
         beta,
-        a_log: (s.opts.gate != Gate::None).then(|| tensor(s.seed, "A_log", &[s.hv], half)),
-        dt_bias: (s.opts.gate != Gate::None)
-            .then(|| tensor(s.seed, "dt_bias", &[s.hv * s.k], half)),
+        a_log: (s.opts.gate != Gate::None).then(|| tensor(s.seed, "A_log", &[s.hv], a_log_map)),
+        dt_bias: (s.opts.gate != Gate::None).then(|| {
+            channel_tensor(s.seed, "dt_bias", &[s.hv * s.k], 1, |x, c| {
+                dt_bias_map(x, regime.slow(s.seed, c))
+            })
+        }),
         initial_state: s
             .initial_state
             .then(|| normal(s.seed, "initial_state", &[s.layout.n(), s.hv, s.k, s.v])),
@@ -144,25 +304,43 @@ pub struct DplrSpec {
     pub seed: u64,
 }
 
-/// RWKV-7-like: q, k l2-normalised normals, `kk` an l2-normalised normal,
-/// `a = −kk`, `b = kk ⊙ sigmoid(N)`, `gk = −0.6065306597126334 · sigmoid(N)`.
+/// RWKV-7-like ([`Regime::FlaTest`]): q, k l2-normalised normals, `kk` an
+/// l2-normalised normal, `a = −kk`, `b = kk ⊙ sigmoid(N)`, `gk =
+/// −0.6065306597126334 · sigmoid(N)`.
 pub fn dplr(s: &DplrSpec) -> Generated<DplrInputs<f64>> {
+    dplr_in(s, Regime::FlaTest)
+}
+
+/// DPLR inputs drawn in `regime`: `gk = −0.6065·sigmoid(x)` with `x` ≈ −6.5
+/// on slow channels (|gk| ~ 1e-3) and ≈ +4 under `sharp`; the scale of `b`
+/// is `sigmoid(beta_logit)` as KDA's β; `kk` low-rank-ish where KDA's keys are.
+pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
     let (b, t) = (s.layout.b, s.layout.t);
     let kshape = [b, t, s.h, s.k];
     let l2 = |x: ArrayD<f64>| {
         let x4 = x.into_dimensionality::<ndarray::Ix4>().expect("4-d");
         gates::l2norm_fwd(&x4).into_dyn()
     };
-    let kk = l2(normal(s.seed, "kk", &kshape));
-    let bscale = tensor(s.seed, "b", &kshape, gates::sigmoid);
+    let kk = l2(channel_tensor(s.seed, "kk", &kshape, 1, |x, d| {
+        x * regime.key_weight(d, s.k)
+    }));
+    let bscale = tensor(s.seed, "b", &kshape, |x| {
+        gates::sigmoid(regime.beta_logit(x))
+    });
+    let gk_logit = |x: f64, c: usize| match regime {
+        _ if regime.slow(s.seed, c) => 0.25 * x - 6.5,
+        Regime::Sharp => 0.5 * x + 4.0,
+        Regime::Mixed => 0.5 * x + 2.0,
+        _ => x,
+    };
     let inputs = DplrInputs {
         q: l2(normal(s.seed, "q", &kshape)),
         k: l2(normal(s.seed, "k", &kshape)),
         v: normal(s.seed, "v", &[b, t, s.h, s.v]),
         a: kk.mapv(|x| -x),
         b: &kk * &bscale,
-        gk: tensor(s.seed, "gk", &kshape, |x| {
-            -0.606_530_659_712_633_4 * gates::sigmoid(x)
+        gk: channel_tensor(s.seed, "gk", &kshape, 2, |x, c| {
+            -0.606_530_659_712_633_4 * gates::sigmoid(gk_logit(x, c))
         }),
         initial_state: s
             .initial_state
@@ -184,14 +362,51 @@ pub struct TokenShiftSpec {
     pub seed: u64,
 }
 
-/// x, cache, dy, dfinal_cache normal.
+/// x, cache, dy, dfinal_cache normal ([`Regime::FlaTest`]).
 pub fn token_shift(s: &TokenShiftSpec) -> Generated<TokenShiftInputs<f64>> {
+    token_shift_in(s, Regime::FlaTest)
+}
+
+/// Token-shift inputs drawn in `regime`, which changes `x` and `cache`:
+/// `long-memory`: x slowly varying along T (AR(1), ρ = 0.999, unit
+/// variance, per batch row and channel), so `y = x_{t−1} − x_t` is a small
+/// difference of large numbers; `mixed`: channel magnitudes 1e-3 or 1e3
+/// (half each); `sharp`: heavy tails, `N·exp(1.5·N')` (log-normal scale).
+pub fn token_shift_in(s: &TokenShiftSpec, regime: Regime) -> Generated<TokenShiftInputs<f64>> {
     let (b, t) = (s.layout.b, s.layout.t);
     let n = s.layout.n();
+    let spread = Stream::new(s.seed, "x_scale");
+    let shape_x = |x: f64, c: usize, i: usize| match regime {
+        Regime::FlaTest | Regime::LongMemory => x,
+        Regime::Mixed if regime.slow(s.seed, c) => 1e-3 * x,
+        Regime::Mixed => 1e3 * x,
+        Regime::Sharp => x * (1.5 * spread.normal(i as u64)).exp(),
+    };
+    let mut x = channel_tensor(s.seed, "x", &[b, t, s.d], 1, |v, _| v);
+    for (i, (idx, v)) in x.indexed_iter_mut().enumerate() {
+        *v = shape_x(*v, idx[2], i);
+    }
+    if regime == Regime::LongMemory {
+        let rho: f64 = 0.999;
+        let fresh = (1.0 - rho * rho).sqrt();
+        for mut row in x.lanes_mut(ndarray::Axis(1)) {
+            for i in 1..row.len() {
+                row[i] = rho * row[i - 1] + fresh * row[i];
+            }
+        }
+    }
+    let cache = s.cache.then(|| {
+        let mut c = normal(s.seed, "cache", &[n, s.d]);
+        let offset = b * t * s.d;
+        for (i, (idx, v)) in c.indexed_iter_mut().enumerate() {
+            *v = shape_x(*v, idx[1], offset + i);
+        }
+        c
+    });
     Generated {
         inputs: TokenShiftInputs {
-            x: normal(s.seed, "x", &[b, t, s.d]),
-            cache: s.cache.then(|| normal(s.seed, "cache", &[n, s.d])),
+            x,
+            cache,
             cu_seqlens: s.layout.cu_seqlens(),
         },
         d_o: normal(s.seed, "dy", &[b, t, s.d]),

@@ -10,7 +10,7 @@ use deltaref::cp::{self, CpOptions};
 use deltaref::dplr::DplrEngine;
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;
-use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, TokenShiftSpec};
+use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
 use deltaref::kda::{self, chunk::Chunk, naive::Naive, KdaEngine, KdaOptions};
 use deltaref::token_shift;
 use deltaref::varlen::Segment;
@@ -76,6 +76,12 @@ fn layout_and_plan() -> impl Strategy<Value = (Layout, PlanSpec)> {
         };
         (Just(layout), plan)
     })
+}
+
+/// Every input regime: FLA's draws forget within a chunk, so the merge is
+/// only really exercised by the long-memory and mixed ones.
+fn regimes() -> impl Strategy<Value = Regime> {
+    prop::sample::select(Regime::ALL.to_vec())
 }
 
 /// World sizes 1..=8 that split `t` tokens evenly.
@@ -182,6 +188,7 @@ proptest! {
         h in 1usize..3, g in 1usize..3, k in 1usize..6, v in 1usize..6,
         gate in 0u8..4, l2 in any::<bool>(), beta_sigmoid in any::<bool>(), neg in any::<bool>(), h0 in any::<bool>(),
         chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000,
+        regime in regimes(),
     ) {
         let (gate, scalar_gate) = gate_of(gate);
         let opts = KdaOptions {
@@ -190,7 +197,7 @@ proptest! {
             ..Default::default()
         };
         let spec = KdaSpec { layout: layout.clone(), h, hv: h * g, k, v, opts, initial_state: h0, scalar_gate, seed };
-        let x = inputs::kda(&spec);
+        let x = inputs::kda_in(&spec, regime);
         let cpo = CpOptions::default();
         let p = kda::Prepared::new(&x.inputs, &opts).unwrap();
         let run = |e: &dyn KdaEngineDyn| -> Result<(), TestCaseError> {
@@ -223,9 +230,10 @@ proptest! {
     fn dplr_cp_equals_non_cp(
         (layout, plan) in layout_and_plan(), h in 1usize..3, k in 1usize..6, v in 1usize..6, h0 in any::<bool>(),
         chunk in any::<bool>(), cs in prop::sample::select(vec![16usize, 32, 64]), seed in 0u64..1000,
+        regime in regimes(),
     ) {
         let spec = DplrSpec { layout: layout.clone(), h, k, v, initial_state: h0, seed };
-        let x = inputs::dplr(&spec);
+        let x = inputs::dplr_in(&spec, regime);
         let opts = DplrOptions { output_final_state: true, ..Default::default() };
         let cpo = CpOptions::default();
         let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::chunk::Chunk::new(cs).unwrap()) } else { Box::new(dplr::naive::Naive) };
@@ -249,8 +257,8 @@ proptest! {
     }
 
     #[test]
-    fn token_shift_cp_equals_non_cp((layout, plan) in layout_and_plan(), dim in 1usize..5, cache in any::<bool>(), seed in 0u64..1000) {
-        let x = inputs::token_shift(&TokenShiftSpec { layout, d: dim, cache, seed });
+    fn token_shift_cp_equals_non_cp((layout, plan) in layout_and_plan(), dim in 1usize..5, cache in any::<bool>(), seed in 0u64..1000, regime in regimes()) {
+        let x = inputs::token_shift_in(&TokenShiftSpec { layout, d: dim, cache, seed }, regime);
         let full = token_shift::forward(&x.inputs).unwrap();
         let got = cp::token_shift::forward(&x.inputs, &plan).unwrap();
         prop_assert_eq!(&full.y, &got.y);

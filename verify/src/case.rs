@@ -155,6 +155,7 @@ impl Op {
         self.inputs().contains(&name)
             || self.upstream().contains(&name)
             || self.results().contains(&name)
+            || crate::intermediates::is_intermediate(self, name)
     }
 }
 
@@ -240,6 +241,8 @@ pub struct CaseMeta {
     pub cp: Option<CpLayout>,
     pub seed: Option<u64>,
     pub dtype: Option<Dtype>,
+    /// The input regime `gen` drew from (absent: FLA's test draws).
+    pub regime: Option<deltaref::inputs::Regime>,
 }
 
 impl CaseMeta {
@@ -255,6 +258,7 @@ impl CaseMeta {
             cp: None,
             seed: None,
             dtype: None,
+            regime: None,
         }
     }
 
@@ -322,6 +326,9 @@ impl CaseMeta {
         if let Some(d) = self.dtype {
             m.insert("dtype".into(), d.name().into());
         }
+        if let Some(r) = self.regime {
+            m.insert("regime".into(), r.name().into());
+        }
         Value::Object(m)
     }
 
@@ -387,6 +394,14 @@ impl CaseMeta {
                         .ok_or(format!("key `{key}`: expected a string"))?;
                     meta.dtype =
                         Some(Dtype::parse(s).ok_or(format!("key `{key}`: unknown dtype \"{s}\""))?);
+                }
+                "regime" => {
+                    let s = val
+                        .as_str()
+                        .ok_or(format!("key `{key}`: expected a string"))?;
+                    meta.regime = Some(deltaref::inputs::Regime::parse(s).ok_or(format!(
+                        "key `{key}`: unknown regime \"{s}\" (fla-test, long-memory, mixed, sharp)"
+                    ))?);
                 }
                 other => return Err(format!("unknown key `{other}` in `case`")),
             }
@@ -626,6 +641,9 @@ impl Case {
                     x.shape(),
                 )?;
             }
+            deltaref::tensor::check_finite(&name, &x)?;
+        }
+        for (name, x) in crate::intermediates::stored(self) {
             deltaref::tensor::check_finite(&name, &x)?;
         }
         Ok(())

@@ -121,12 +121,21 @@ pub struct TensorDiagnosis {
     pub per_chunk: Vec<(usize, usize, f64)>,
     /// Where the error leaves the band (see the type's docs).
     pub first_bad: Option<Location>,
+    /// Error per column of the last (V) dimension, for tensors ending in V
+    /// (`o`, `dv`, `final_state`, `dh0`): a merge covering only part of V
+    /// shows as clean lower columns and bad upper ones.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub per_v_column: Vec<f64>,
 }
 
 /// The diagnosis of a candidate against a reference.
 #[derive(Clone, Debug, Serialize)]
 pub struct Diagnosis {
+    /// The band's floor (per-token error always allowed).
     pub band: f64,
+    /// What set the band per chunk: `NOISE_FACTOR ×` that run's own error
+    /// in the same chunk (None: the floor alone).
+    pub noise_reference: Option<String>,
     pub map: TokenMap,
     pub tensors: Vec<TensorDiagnosis>,
     /// Earliest first-bad token over all tensors, with the tensor's name.
@@ -143,12 +152,50 @@ fn is_per_token(x: &ArrayD<f64>, map: &TokenMap) -> bool {
     x.ndim() >= 2 && x.shape()[0] == map.b && x.shape()[1] == map.t
 }
 
+/// A chunk's error may reach this multiple of the noise reference's own
+/// error in the same chunk before it counts as a fault: rounding noise of
+/// two runs of one precision differs by a small factor, a fault by orders.
+pub const NOISE_FACTOR: f64 = 4.0;
+
+/// The chunk-by-chunk band: `max(floor, NOISE_FACTOR × noise error of the
+/// chunk)`, in the order `diagnose_tensor` visits chunks.
+struct Band<'a> {
+    floor: f64,
+    noise: Option<&'a [(usize, usize, f64)]>,
+}
+
+impl Band<'_> {
+    fn at(&self, i: usize) -> f64 {
+        let n = self.noise.and_then(|n| n.get(i)).map_or(0.0, |x| x.2);
+        self.floor.max(NOISE_FACTOR * n)
+    }
+}
+
+/// Error per column of the last dimension, on the whole tensor's scale.
+fn per_column(rf: &[f64], cf: &[f64], cols: usize) -> Vec<f64> {
+    let scale = rms(rf.iter().copied()).0 + 1e-8;
+    let rows = (rf.len() / cols.max(1)).max(1) as f64;
+    (0..cols)
+        .map(|j| {
+            let s: f64 = rf
+                .iter()
+                .zip(cf)
+                .skip(j)
+                .step_by(cols)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum();
+            (s / rows).sqrt() / scale
+        })
+        .collect()
+}
+
 fn diagnose_tensor(
     name: &str,
     r: &ArrayD<f64>,
     c: &ArrayD<f64>,
     map: &TokenMap,
-    band: f64,
+    band: &Band,
+    v_dim: Option<usize>,
 ) -> TensorDiagnosis {
     let (rf, cf): (Vec<f64>, Vec<f64>) = (r.iter().copied().collect(), c.iter().copied().collect());
     let mut d = TensorDiagnosis {
@@ -161,7 +208,12 @@ fn diagnose_tensor(
         per_rank: vec![],
         per_chunk: vec![],
         first_bad: None,
+        per_v_column: vec![],
     };
+    let ends_in_v = ["o", "dv", "final_state", "dh0"].contains(&name);
+    if let Some(v) = v_dim.filter(|&v| ends_in_v && v > 1 && r.shape().last() == Some(&v)) {
+        d.per_v_column = per_column(&rf, &cf, v);
+    }
     if !is_per_token(r, map) {
         return d;
     }
@@ -203,10 +255,13 @@ fn diagnose_tensor(
         for (ci, cs) in (s..e).step_by(map.chunk_size).enumerate() {
             let ce = (cs + map.chunk_size).min(e);
             let err = group(&mut (cs..ce).map(|t| b * map.t + t));
+            let limit = band.at(d.per_chunk.len());
             d.per_chunk.push((si, ci, err));
-            if err > band || err.is_nan() {
+            if err > limit || err.is_nan() {
                 let tok = (cs..ce)
-                    .find(|&t| per_token[b * map.t + t] > band || per_token[b * map.t + t].is_nan())
+                    .find(|&t| {
+                        per_token[b * map.t + t] > limit || per_token[b * map.t + t].is_nan()
+                    })
                     .unwrap_or(cs);
                 let flat = b * map.t + tok;
                 first = Some(first.map_or(flat, |f| f.min(flat)));
@@ -218,13 +273,47 @@ fn diagnose_tensor(
     d
 }
 
-/// Diagnoses every tensor present in both maps.
+/// Diagnoses every tensor present in both maps against a fixed band.
 pub fn diagnose(reference: &Tensors, candidate: &Tensors, map: &TokenMap, band: f64) -> Diagnosis {
+    diagnose_with_noise(reference, candidate, None, map, band, None)
+}
+
+/// A run of the same case whose error is rounding noise only (e.g. the
+/// preset with its fault switched off), and its name for the report.
+pub struct NoiseReference<'a> {
+    pub name: String,
+    pub tensors: &'a Tensors,
+}
+
+/// Diagnoses every tensor present in both maps. With `noise`, each chunk's
+/// band is `max(floor, NOISE_FACTOR ×` the noise run's error in that chunk`)`,
+/// so bf16 rounding noise (largest at sequence ends) is not taken for a
+/// fault. `v_dim`: report the error per V column of tensors ending in V.
+pub fn diagnose_with_noise(
+    reference: &Tensors,
+    candidate: &Tensors,
+    noise: Option<NoiseReference>,
+    map: &TokenMap,
+    floor: f64,
+    v_dim: Option<usize>,
+) -> Diagnosis {
     let tensors: Vec<TensorDiagnosis> = reference
         .iter()
         .filter_map(|(name, r)| {
             let c = candidate.get(name).filter(|c| c.shape() == r.shape())?;
-            Some(diagnose_tensor(name, r, c, map, band))
+            let noise_chunks = noise
+                .as_ref()
+                .and_then(|n| n.tensors.get(name))
+                .filter(|n| n.shape() == r.shape())
+                .map(|n| {
+                    let free = Band { floor, noise: None };
+                    diagnose_tensor(name, r, n, map, &free, None).per_chunk
+                });
+            let band = Band {
+                floor,
+                noise: noise_chunks.as_deref(),
+            };
+            Some(diagnose_tensor(name, r, c, map, &band, v_dim))
         })
         .collect();
     let first_bad = tensors
@@ -232,7 +321,8 @@ pub fn diagnose(reference: &Tensors, candidate: &Tensors, map: &TokenMap, band: 
         .filter_map(|t| t.first_bad.map(|l| (t.name.clone(), l)))
         .min_by_key(|(_, l)| (l.batch, l.token));
     Diagnosis {
-        band,
+        band: floor,
+        noise_reference: noise.map(|n| n.name),
         map: map.clone(),
         tensors,
         first_bad,
@@ -241,11 +331,18 @@ pub fn diagnose(reference: &Tensors, candidate: &Tensors, map: &TokenMap, band: 
 
 impl fmt::Display for Diagnosis {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "noise band: per-token error > {:.1e} counts as leaving it",
-            self.band
-        )?;
+        match &self.noise_reference {
+            None => writeln!(
+                f,
+                "noise band: per-token error > {:.1e} counts as leaving it",
+                self.band
+            )?,
+            Some(n) => writeln!(
+                f,
+                "noise band per chunk: {NOISE_FACTOR}× the error of `{n}` (rounding noise only) in the same chunk, at least {:.1e}",
+                self.band
+            )?,
+        }
         writeln!(
             f,
             "{:<12} {:<18} {:>11} {:>11}  {:<28} per rank",
@@ -270,11 +367,42 @@ impl fmt::Display for Diagnosis {
                 ranks.join(" ")
             )?;
         }
+        for t in self.tensors.iter().filter(|t| !t.per_v_column.is_empty()) {
+            writeln!(f, "{}", v_columns(t))?;
+        }
         match &self.first_bad {
             Some((name, l)) => write!(f, "error starts at {l}, in `{name}`"),
             None => write!(f, "no per-token tensor leaves the noise band"),
         }
     }
+}
+
+/// One line: a tensor's error per V column, its lower and upper halves,
+/// and the partial-V merge signature when the upper half dominates.
+fn v_columns(t: &TensorDiagnosis) -> String {
+    let p = &t.per_v_column;
+    let half = p.len() / 2;
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
+    let (lo, hi) = (mean(&p[..half]), mean(&p[half..]));
+    let cols: Vec<String> = p.iter().map(|e| format!("{e:.1e}")).collect();
+    let shown = if cols.len() > 16 {
+        format!(
+            "{} … {}",
+            cols[..8].join(" "),
+            cols[cols.len() - 8..].join(" ")
+        )
+    } else {
+        cols.join(" ")
+    };
+    let sig = if hi > 10.0 * lo && hi > 0.0 {
+        "  <- upper half of V only: a merge covering part of V (stale block size)"
+    } else {
+        ""
+    };
+    format!(
+        "{:<12} per V column: {shown}  (lower half {lo:.2e}, upper half {hi:.2e}){sig}",
+        t.name
+    )
 }
 
 /// Draws per-token error against token (log scale) for every per-token
@@ -465,6 +593,52 @@ mod tests {
             t.norm_ratio
         );
         assert!(t.first_bad.is_none());
+    }
+
+    #[test]
+    fn the_noise_reference_sets_the_band_chunk_by_chunk() {
+        // One sequence of 16 tokens, chunks of 4, V = 4. The candidate has
+        // noise 1e-2 in chunk 3 (as a bf16 run at a sequence end) and a fault
+        // 0.5 in the upper half of V from chunk 1 on; the noise run has the noise alone.
+        let map = TokenMap::new(1, 16, None, &[8], 4);
+        let r = ArrayD::from_shape_fn(IxDyn(&[1, 16, 4]), |i| 1.0 + (i[1] + i[2]) as f64);
+        let mut noise = r.clone();
+        for t in 12..16 {
+            noise[[0, t, 0]] *= 1.01;
+        }
+        let mut faulty = noise.clone();
+        for t in 4..16 {
+            faulty[[0, t, 3]] += 5.0;
+        }
+        let nr = tensors("o", noise.clone());
+        let with = |c: &ArrayD<f64>| {
+            diagnose_with_noise(
+                &tensors("o", r.clone()),
+                &tensors("o", c.clone()),
+                Some(NoiseReference {
+                    name: "n".into(),
+                    tensors: &nr,
+                }),
+                &map,
+                1e-4,
+                Some(4),
+            )
+        };
+        // Noise alone: the fixed band flags chunk 3, the noise band does not.
+        let fixed = diagnose(&tensors("o", r.clone()), &nr, &map, 1e-4);
+        assert_eq!(fixed.first_bad.as_ref().map(|f| f.1.token), Some(12));
+        assert!(with(&noise).first_bad.is_none());
+        // The fault starts at chunk 1 (token 4, rank 0); upper V column only.
+        let d = with(&faulty);
+        assert_eq!(
+            d.first_bad.as_ref().map(|f| (f.1.token, f.1.chunk)),
+            Some((4, 1))
+        );
+        let cols = &d.tensors[0].per_v_column;
+        assert_eq!(cols.len(), 4);
+        assert!(cols[3] > 100.0 * cols[1] && cols[1] == 0.0, "{cols:?}");
+        assert!(v_columns(&d.tensors[0]).contains("upper half of V only"));
+        assert_eq!(d.noise_reference.as_deref(), Some("n"));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use deltaref::cp::Layout;
 use deltaref::gates::Gate;
+use deltaref::inputs::Regime;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -20,6 +21,8 @@ pub struct Preset {
     pub spec: GenSpec,
     pub cp: Option<CpLayout>,
     pub chunk_size: Option<usize>,
+    /// Also store the oracle's forward intermediates (KDA; see `intermediates`).
+    pub intermediates: bool,
 }
 
 fn kda(shape: Option<[usize; 6]>, lengths: Option<&[usize]>, seed: u64) -> GenSpec {
@@ -51,12 +54,14 @@ pub fn presets() -> Vec<Preset> {
         spec,
         cp: None,
         chunk_size: None,
+        intermediates: false,
     };
     let cp = |name, spec, layout| Preset {
         name,
         spec,
         cp: Some(layout),
         chunk_size: Some(64),
+        intermediates: false,
     };
     let cp_kda = |lengths: &[usize], seed| GenSpec {
         gate: lb,
@@ -173,7 +178,84 @@ pub fn presets() -> Vec<Preset> {
             },
             CpLayout::World(4, Layout::Contiguous),
         ),
+        // Long memory: M and the carried state stay O(1) across ranks, so
+        // every CP fault preset fails one of these (tests/tests/fault_fixtures.rs).
+        // Chunks of 16 lengthen the M chain; a short first sequence makes
+        // rank 0's first and last local sequences differ (wrong-preprocess).
+        long_cp(
+            "cp_kda_long_memory_lowerbound_world4",
+            GenSpec {
+                gate: lb,
+                use_qk_l2norm_in_kernel: true,
+                ..long_memory(Op::Kda, vec![1, 256, 1, 1, 16, 8], &[30, 190, 36], 31)
+            },
+            4,
+        ),
+        // bf16 inputs (the truth is exact on them): fla-bf16 passes and the
+        // bf16 M chain (8 ranks in one sequence) does not.
+        long_cp(
+            "cp_kda_long_memory_world8_bf16",
+            GenSpec {
+                use_qk_l2norm_in_kernel: true,
+                dtype: Dtype::Bf16,
+                ..long_memory(Op::Kda, vec![1, 768, 1, 1, 8, 8], &[40, 700, 28], 21)
+            },
+            8,
+        ),
+        long_cp(
+            "cp_dplr_long_memory_world4",
+            long_memory(Op::Dplr, vec![1, 256, 1, 8, 8], &[30, 190, 36], 32),
+            4,
+        ),
+        // FLA's forward intermediates stored with the truth, so a port can
+        // check its sub-functions one by one (README: "Intermediates").
+        Preset {
+            name: "kda_intermediates_lowerbound_l2norm",
+            spec: GenSpec {
+                gate: lb,
+                use_qk_l2norm_in_kernel: true,
+                initial_state: true,
+                ..long_memory(Op::Kda, vec![1, 100, 1, 1, 8, 8], &[40, 60], 33)
+            },
+            cp: None,
+            chunk_size: Some(32),
+            intermediates: true,
+        },
+        Preset {
+            intermediates: true,
+            ..long_cp(
+                "cp_kda_intermediates_world2",
+                GenSpec {
+                    gate: lb,
+                    use_qk_l2norm_in_kernel: true,
+                    ..long_memory(Op::Kda, vec![1, 128, 1, 1, 8, 8], &[20, 108], 34)
+                },
+                2,
+            )
+        },
     ]
+}
+
+/// A long-memory varlen case (no initial state: FLA forbids it under CP).
+fn long_memory(op: Op, shape: Vec<usize>, lengths: &[usize], seed: u64) -> GenSpec {
+    GenSpec {
+        shape: Some(shape),
+        lengths: Some(lengths.to_vec()),
+        seed,
+        expected: true,
+        regime: Regime::LongMemory,
+        ..GenSpec::new(op)
+    }
+}
+
+fn long_cp(name: &'static str, spec: GenSpec, world: usize) -> Preset {
+    Preset {
+        name,
+        spec,
+        cp: Some(CpLayout::World(world, Layout::Contiguous)),
+        chunk_size: Some(16),
+        intermediates: false,
+    }
 }
 
 impl Preset {
@@ -181,6 +263,16 @@ impl Preset {
         let mut c = generate(&self.spec)?;
         c.meta.cp = self.cp.clone();
         c.meta.chunk_size = self.chunk_size;
+        if self.intermediates {
+            let req = crate::impls::ImplRequest {
+                name: if self.cp.is_some() { "cp" } else { "chunk" }.into(),
+                ..Default::default()
+            };
+            let (tensors, _) = crate::intermediates::compute(&c, &req.resolve(&c)?)?;
+            for (n, t) in tensors {
+                c.insert(&n, t, Dtype::F64);
+            }
+        }
         Ok(c)
     }
 }

@@ -1,7 +1,7 @@
 //! `deltaref gen`: deterministic cases with FLA-test-like inputs.
 
 use deltaref::gates::Gate;
-use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
+use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, Regime, TokenShiftSpec};
 use deltaref::kda::KdaOptions;
 use ndarray::ArrayD;
 
@@ -26,6 +26,8 @@ pub struct GenSpec {
     pub dtype: Dtype,
     /// Store the float64 outputs and gradients too.
     pub expected: bool,
+    /// How the inputs are distributed (see [`Regime`]).
+    pub regime: Regime,
 }
 
 impl GenSpec {
@@ -43,6 +45,7 @@ impl GenSpec {
             scale: None,
             dtype: Dtype::F64,
             expected: false,
+            regime: Regime::FlaTest,
         }
     }
 
@@ -93,6 +96,8 @@ impl GenSpec {
         }
         m.seed = Some(self.seed);
         m.dtype = Some(self.dtype);
+        // FLA's draws stay unrecorded, so cases generated before regimes existed keep their bytes.
+        m.regime = (self.regime != Regime::FlaTest).then_some(self.regime);
         m
     }
 }
@@ -141,7 +146,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
                 scalar_gate: false,
                 seed: spec.seed,
             };
-            let g = inputs::kda(&s);
+            let g = inputs::kda_in(&s, spec.regime);
             let x = &g.inputs;
             let named = vec![
                 ("q", Some(&x.q)),
@@ -164,7 +169,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
                 initial_state: spec.initial_state,
                 seed: spec.seed,
             };
-            let g = inputs::dplr(&s);
+            let g = inputs::dplr_in(&s, spec.regime);
             let x = &g.inputs;
             let named = vec![
                 ("q", Some(&x.q)),
@@ -178,12 +183,15 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             put_all(&mut case, &g, named, ["do", "dht"], dt);
         }
         Op::TokenShift => {
-            let g = inputs::token_shift(&TokenShiftSpec {
-                layout,
-                d: dims[0],
-                cache: spec.initial_state,
-                seed: spec.seed,
-            });
+            let g = inputs::token_shift_in(
+                &TokenShiftSpec {
+                    layout,
+                    d: dims[0],
+                    cache: spec.initial_state,
+                    seed: spec.seed,
+                },
+                spec.regime,
+            );
             let named = vec![("x", Some(&g.inputs.x)), ("cache", g.inputs.cache.as_ref())];
             put_all(&mut case, &g, named, ["dy", "dfinal_cache"], dt);
         }

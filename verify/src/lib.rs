@@ -5,6 +5,7 @@ pub mod fixtures;
 pub mod generate;
 pub mod gpu;
 pub mod impls;
+pub mod intermediates;
 pub mod metrics;
 pub mod outputs;
 pub mod presets;

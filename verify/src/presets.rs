@@ -109,7 +109,20 @@ pub fn presets() -> Vec<Preset> {
 }
 
 /// Looks a preset up by name; `v` resolves `partial-merge-v`'s half of V.
+/// `A+F` puts fault preset `F` on top of precision preset `A` (e.g.
+/// `fla-bf16+partial-merge-v`: a fault under bf16 rounding noise).
 pub fn find(name: &str, v: usize) -> Option<Preset> {
+    if let Some((base, fault)) = name.split_once('+') {
+        let (b, f) = (find(base, v)?, find(fault, v)?);
+        if b.faults != Faults::default() || f.faults == Faults::default() {
+            return None;
+        }
+        return Some(Preset {
+            about: f.about,
+            faults: f.faults,
+            ..b
+        });
+    }
     let mut p = presets().into_iter().find(|p| p.name == name)?;
     if p.faults.merge_v_limit.is_some() {
         p.faults.merge_v_limit = Some(v / 2);
@@ -124,4 +137,37 @@ pub fn names() -> String {
         .map(|p| p.name)
         .collect::<Vec<_>>()
         .join(", ")
+        + "; or PRECISION+FAULT, e.g. fla-bf16+partial-merge-v"
+}
+
+/// The preset with its fault switched off: the rounding-noise-only run a
+/// fault is judged against (`exact` for a bare fault preset).
+pub fn without_fault(name: &str) -> &str {
+    match name.split_once('+') {
+        Some((base, _)) => base,
+        None if find(name, 2).is_some_and(|p| p.faults != Faults::default()) => "exact",
+        None => name,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fault_goes_on_top_of_a_precision() {
+        let p = find("fla-bf16+partial-merge-v", 8).expect("combines");
+        let base = find("fla-bf16", 8).unwrap();
+        assert_eq!((p.policy, p.compute), (base.policy, base.compute));
+        assert_eq!(p.faults.merge_v_limit, Some(4));
+        assert!(find("fla-bf16+akk-bf16", 8).is_none(), "not a fault");
+        assert!(
+            find("drop-merged-state+partial-merge-v", 8).is_none(),
+            "two faults"
+        );
+        assert!(find("fla-bf16+nope", 8).is_none());
+        assert_eq!(without_fault("fla-bf16+partial-merge-v"), "fla-bf16");
+        assert_eq!(without_fault("drop-merged-state"), "exact");
+        assert_eq!(without_fault("fla-bf16"), "fla-bf16");
+    }
 }

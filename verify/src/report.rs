@@ -5,6 +5,7 @@ use std::fmt;
 use ndarray::ArrayD;
 use serde::Serialize;
 
+use crate::intermediates::IntermediateRow;
 use crate::metrics::compare;
 use crate::outputs::Tensors;
 
@@ -34,6 +35,11 @@ pub struct VerifyReport {
     pub max_ratio: f64,
     pub pass: bool,
     pub rows: Vec<VerifyRow>,
+    /// Only outputs and final state were compared (`--forward-only`).
+    pub forward_only: bool,
+    /// The candidate's intermediates against the oracle's.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub intermediates: Vec<IntermediateRow>,
 }
 
 fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
@@ -106,6 +112,25 @@ impl VerifyReport {
             max_ratio,
             pass: !rows.is_empty() && rows.iter().all(|r| r.pass),
             rows,
+            forward_only: false,
+            intermediates: vec![],
+        }
+    }
+
+    /// Marks the report as covering outputs and final state only.
+    pub fn forward_only(self) -> Self {
+        VerifyReport {
+            forward_only: true,
+            ..self
+        }
+    }
+
+    /// Adds the intermediates' rows; the report passes only if they do too.
+    pub fn with_intermediates(self, rows: Vec<IntermediateRow>) -> Self {
+        VerifyReport {
+            pass: self.pass && rows.iter().all(|r| r.pass),
+            intermediates: rows,
+            ..self
         }
     }
 }
@@ -140,12 +165,40 @@ impl fmt::Display for VerifyReport {
                 result
             )?;
         }
-        let failed = self.rows.iter().filter(|r| !r.pass).count();
-        write!(
-            f,
-            "{} of {} tensors pass",
-            self.rows.len() - failed,
-            self.rows.len()
-        )
+        if self.forward_only {
+            writeln!(
+                f,
+                "forward only: outputs and final state compared, gradients not checked"
+            )?;
+        }
+        if !self.intermediates.is_empty() {
+            writeln!(
+                f,
+                "intermediates (first chunk/rank whose error leaves {:.1e}):",
+                self.max_ratio
+            )?;
+            for r in &self.intermediates {
+                let num = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3e}"));
+                let result = match (&r.problem, r.pass) {
+                    (Some(p), _) => format!("FAIL ({p})"),
+                    (None, true) => "pass".into(),
+                    (None, false) => "FAIL".into(),
+                };
+                writeln!(
+                    f,
+                    "{:<21} {:<20} {:>11} {:>11}  {:<44} {}",
+                    r.tensor,
+                    format!("{:?}", r.shape),
+                    num(r.norm_ratio),
+                    num(r.max_abs),
+                    r.first_bad.as_deref().unwrap_or("-"),
+                    result
+                )?;
+            }
+        }
+        let failed = self.rows.iter().filter(|r| !r.pass).count()
+            + self.intermediates.iter().filter(|r| !r.pass).count();
+        let total = self.rows.len() + self.intermediates.len();
+        write!(f, "{} of {} tensors pass", total - failed, total)
     }
 }

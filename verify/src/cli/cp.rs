@@ -92,10 +92,38 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
     if !diags.is_empty() {
         out += &format!("per-rank table ({}; norms over all heads; `vs nonCP` = max |merged − non-CP state|):\n", imp.name());
         out += &table(&diags);
+        out += &memory_line(&diags);
         out += "\n";
     }
     out += &report.to_string();
     Ok((out, report.pass))
+}
+
+/// Whether the case exercises the merge: the largest `max |M|` over the
+/// ranks whose `(S_ext, M)` some later rank merges. `M` near 0 means the
+/// carried state is forgotten within a rank, so merge faults barely show.
+fn memory_line(diags: &[deltaref::cp::RankDiag<f64>]) -> String {
+    let max_abs = |m: &[ndarray::Array2<f64>]| {
+        m.iter()
+            .flat_map(|a| a.iter())
+            .fold(0.0f64, |x, v| x.max(v.abs()))
+    };
+    let merged: Vec<(usize, f64)> = diags
+        .iter()
+        .filter(|d| d.meta.post_num_ranks > 0)
+        .map(|d| (d.meta.rank, max_abs(&d.m)))
+        .collect();
+    match merged.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1)) {
+        None => "no rank hands a state on: the merge is not exercised\n".into(),
+        Some((r, m)) => format!(
+            "max |M| entry over merged ranks: {m:.3e} (rank {r}); {}\n",
+            if m < 1e-3 {
+                "the carried state is forgotten within a rank: merge faults barely show (try gen --regime long-memory)"
+            } else {
+                "the carried state survives across ranks: the merge is exercised"
+            }
+        ),
+    }
 }
 
 /// T of a case's inputs (token-shift `x` or `q`).

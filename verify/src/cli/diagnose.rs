@@ -7,8 +7,11 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::diagnose::{diagnose, plot, Diagnosis, TokenMap};
-use deltaref_verify::impls::{Compute, Engine, Impl};
+use deltaref_verify::case::{Dtype, Op};
+use deltaref_verify::diagnose::{diagnose_with_noise, plot, Diagnosis, NoiseReference, TokenMap};
+use deltaref_verify::impls::{Compute, Engine, Impl, ImplRequest};
+use deltaref_verify::outputs::Tensors;
+use deltaref_verify::presets;
 
 use super::{fail, ImplArgs};
 
@@ -21,9 +24,15 @@ pub struct Args {
     pub candidate: Option<PathBuf>,
     #[command(flatten)]
     pub imp: ImplArgs,
-    /// Per-token error above this leaves the noise band (FLA's guide: 5e-3 for bf16 KCP).
+    /// Floor of the band: per-token error above this (and above the noise
+    /// reference's) leaves it (FLA's guide: 5e-3 for bf16 KCP).
     #[arg(long, default_value_t = 5e-3)]
     pub band: f64,
+    /// Noise reference setting the band chunk by chunk (4× its error there):
+    /// `auto` (the --precision preset with its fault off; for a candidate
+    /// file with bf16 inputs, fla-bf16), `none` (the floor alone), or a preset name.
+    #[arg(long, default_value = "auto")]
+    pub noise: String,
     /// Write a PNG of per-token error against token, with rank cuts and chunk boundaries.
     #[arg(long)]
     pub plot: Option<PathBuf>,
@@ -75,11 +84,60 @@ fn go(a: &Args) -> Result<Diagnosis, CaseError> {
         Engine::Naive => case.meta.chunk_size.unwrap_or(64),
     };
     let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), &cuts, chunk);
-    let d = diagnose(&reference, &candidate, &map, a.band);
+    let noise = noise_run(a, &case)?;
+    let v_dim = (case.meta.op != Op::TokenShift).then(|| case.value_dim());
+    let d = diagnose_with_noise(
+        &reference,
+        &candidate,
+        noise.as_ref().map(|(name, t)| NoiseReference {
+            name: name.clone(),
+            tensors: t,
+        }),
+        &map,
+        a.band,
+        v_dim,
+    );
     if let Some(path) = &a.plot {
         plot(&d, path).map_err(CaseError::Usage)?;
     }
     Ok(d)
+}
+
+/// The noise reference's name and results, if any (see `--noise`).
+fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseError> {
+    let bf16_inputs = || {
+        let first = if case.meta.op == Op::TokenShift {
+            "x"
+        } else {
+            "q"
+        };
+        case.dtypes.get(first) == Some(&Dtype::Bf16)
+    };
+    let name = match (a.noise.as_str(), &a.imp.precision, &a.candidate) {
+        ("none", _, _) => return Ok(None),
+        ("auto", Some(p), None) => presets::without_fault(p).to_string(),
+        ("auto", _, Some(_)) if bf16_inputs() => "fla-bf16".to_string(),
+        ("auto", _, _) => return Ok(None),
+        (p, _, _) => p.to_string(),
+    };
+    let (mut req, _) = a.imp.request()?;
+    if a.candidate.is_some() {
+        req = ImplRequest {
+            name: if case.meta.cp.is_some() {
+                "cp"
+            } else {
+                "chunk"
+            }
+            .into(),
+            ..ImplRequest::default()
+        };
+    }
+    req.precision = Some(name.clone());
+    let (imp, compute) = req.resolve_with_compute(case)?;
+    let t = imp
+        .compute(case, compute.unwrap_or(Compute::F64))
+        .map_err(CaseError::computing(&a.case))?;
+    Ok(Some((name, t)))
 }
 
 pub fn run(a: Args) -> ExitCode {

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref::gates::Gate;
+use deltaref::inputs::Regime;
 use deltaref_verify::case::{CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
 
@@ -50,6 +51,11 @@ pub struct Args {
     /// Also store the float64 outputs and gradients.
     #[arg(long)]
     pub expected: bool,
+    /// Input distribution: fla-test (FLA's test draws), long-memory (decay ≈ 1, small β:
+    /// M and the carried CP state stay O(1)), mixed (per-channel fast/slow decay),
+    /// sharp (gates at the lower bound, β ≈ 1). Token-shift: changes x (slow, mixed scales, heavy tails).
+    #[arg(long, default_value = "fla-test")]
+    pub regime: String,
     #[arg(long)]
     pub out: PathBuf,
 }
@@ -103,6 +109,12 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
             ))
         })?,
         expected: a.expected,
+        regime: Regime::parse(&a.regime).ok_or_else(|| {
+            usage(format!(
+                "--regime: unknown regime `{}` (fla-test, long-memory, mixed, sharp)",
+                a.regime
+            ))
+        })?,
         ..GenSpec::new(op)
     })
 }

@@ -17,11 +17,21 @@ pub struct Args {
     /// Write the results as a candidate case file (float64).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// KDA, --impl chunk or cp: write the outputs, gradients and the oracle's
+    /// forward intermediates under FLA's names and layouts (see README).
+    #[arg(long)]
+    pub intermediates: Option<PathBuf>,
 }
 
 fn go(a: &Args) -> Result<String, CaseError> {
     let case = Case::read(&a.case)?;
     let (imp, compute) = a.imp.resolve(&case)?;
+    // Checked before the run, so a bad request costs nothing.
+    let inter = a
+        .intermediates
+        .as_ref()
+        .map(|_| deltaref_verify::intermediates::compute(&case, &imp))
+        .transpose()?;
     let results = imp
         .compute(&case, compute)
         .map_err(CaseError::computing(&a.case))?;
@@ -47,11 +57,26 @@ fn go(a: &Args) -> Result<String, CaseError> {
                 case.dtypes.get(n).copied().unwrap_or(Dtype::F64),
             );
         }
-        for (n, t) in results {
-            cand.insert(&n, t, Dtype::F64);
+        for (n, t) in &results {
+            cand.insert(n, t.clone(), Dtype::F64);
         }
         cand.write(out)?;
         lines.push(format!("wrote {}", out.display()));
+    }
+    if let (Some(path), Some((tensors, _))) = (&a.intermediates, inter) {
+        let mut file = Case::new(case.meta.clone());
+        for (n, t) in results.iter().chain(&tensors) {
+            file.insert(n, t.clone(), Dtype::F64);
+        }
+        for (n, t) in &tensors {
+            lines.push(format!("  {n:<12} {:?}", t.shape()));
+        }
+        file.write(path)?;
+        lines.push(format!(
+            "wrote {} (outputs, gradients and {} intermediates)",
+            path.display(),
+            tensors.len()
+        ));
     }
     Ok(lines.join("\n"))
 }

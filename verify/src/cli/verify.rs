@@ -5,8 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use deltaref_verify::case::Op;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::impls::{Compute, Impl, ImplRequest};
+use deltaref_verify::intermediates;
 use deltaref_verify::report::VerifyReport;
 
 use super::{fail, ImplArgs};
@@ -26,6 +28,9 @@ pub struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Compare outputs and final state only (a forward-only port); the report says so.
+    #[arg(long)]
+    pub forward_only: bool,
 }
 
 /// Whether any `--impl` flag differs from its default (`--impl naive` alone
@@ -41,10 +46,43 @@ fn impl_flags_given(i: &ImplArgs) -> bool {
         || i.gpu_dtype.is_some()
 }
 
+/// The forward results of `op`: its output and final state.
+fn forward_names(op: Op) -> &'static [&'static str] {
+    match op {
+        Op::TokenShift => &["y", "final_cache"],
+        _ => &["o", "final_state"],
+    }
+}
+
+/// The candidate's intermediates against the oracle's, computed with the
+/// chunked engine in the case's layout (CP when the case has one).
+fn intermediate_rows(
+    case: &Case,
+    cand: &Case,
+    max_ratio: f64,
+) -> Result<Vec<intermediates::IntermediateRow>, CaseError> {
+    let held = intermediates::stored(cand);
+    if held.is_empty() {
+        return Ok(vec![]);
+    }
+    let req = ImplRequest {
+        name: if case.meta.cp.is_some() {
+            "cp"
+        } else {
+            "chunk"
+        }
+        .into(),
+        ..ImplRequest::default()
+    };
+    let (oracle, chunks) = intermediates::compute(case, &req.resolve(case)?)?;
+    Ok(intermediates::compare(&oracle, &held, &chunks, max_ratio))
+}
+
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     let case = Case::read(&a.case)?;
     let stored = case.results();
-    let (expected, reference, got, candidate) = match &a.candidate {
+    let mut inter = vec![];
+    let (mut expected, reference, got, candidate) = match &a.candidate {
         Some(cpath) => {
             if impl_flags_given(&a.imp) {
                 return Err(CaseError::Usage(
@@ -54,6 +92,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                 ));
             }
             let cand = Case::read_candidate(cpath, case.meta.op)?;
+            inter = intermediate_rows(&case, &cand, a.max_ratio)?;
             let (expected, reference) = if stored.is_empty() {
                 let oracle = Impl::NAIVE
                     .compute(&case, Compute::F64)
@@ -88,14 +127,24 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             )
         }
     };
-    Ok(VerifyReport::new(
+    if a.forward_only {
+        let keep = forward_names(case.meta.op);
+        expected.retain(|n, _| keep.contains(&n.as_str()));
+    }
+    let report = VerifyReport::new(
         &a.case.display().to_string(),
         &reference,
         &candidate,
         &expected,
         &got,
         a.max_ratio,
-    ))
+    )
+    .with_intermediates(inter);
+    Ok(if a.forward_only {
+        report.forward_only()
+    } else {
+        report
+    })
 }
 
 pub fn run(a: Args) -> ExitCode {
