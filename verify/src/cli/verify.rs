@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::impls::oracle_truth;
+use deltaref_verify::outputs::Tensors;
+use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
 use super::{fail, ImplArgs};
@@ -26,13 +28,17 @@ pub struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Accept a case whose stored truth covers only some outputs and
+    /// gradients (the unchecked ones are still listed).
+    #[arg(long)]
+    pub allow_partial: bool,
 }
 
 /// Whether any `--impl` flag differs from its default (`--impl naive` alone
 /// cannot be told from no flag and is accepted).
 fn impl_flags_given(i: &ImplArgs) -> bool {
     i.imp != "naive"
-        || i.chunk_size != 0
+        || i.chunk_size.is_some()
         || i.world.is_some()
         || i.cuts.is_some()
         || i.cp_engine.is_some()
@@ -42,8 +48,18 @@ fn impl_flags_given(i: &ImplArgs) -> bool {
 }
 
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
+    super::check_ratio("--max-ratio", a.max_ratio)?;
     let case = Case::read(&a.case)?;
     let stored = case.results();
+    // Without stored truth every comparison is against the f64 oracle.
+    let truth = |case: &Case| -> Result<(Tensors, String), CaseError> {
+        if stored.is_empty() {
+            let t = oracle_truth(case, &a.case)?;
+            Ok((t, "impl:naive (f64 oracle)".to_string()))
+        } else {
+            Ok((stored.clone(), "case file".to_string()))
+        }
+    };
     let (expected, reference, got, candidate) = match &a.candidate {
         Some(cpath) => {
             if impl_flags_given(&a.imp) {
@@ -53,15 +69,8 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                         .into(),
                 ));
             }
-            let cand = Case::read_candidate(cpath, case.meta.op)?;
-            let (expected, reference) = if stored.is_empty() {
-                let oracle = Impl::NAIVE
-                    .compute(&case, Compute::F64)
-                    .map_err(CaseError::computing(&a.case))?;
-                (oracle, "impl:naive (f64 oracle)".to_string())
-            } else {
-                (stored, "case file".to_string())
-            };
+            let cand = Case::read_candidate_for(cpath, &case)?;
+            let (expected, reference) = truth(&case)?;
             (
                 expected,
                 reference,
@@ -70,24 +79,22 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             )
         }
         None => {
-            if stored.is_empty() {
-                return Err(CaseError::Usage(format!(
-                    "{} stores no expected outputs: pass --candidate, or generate it with --expected",
-                    a.case.display()
-                )));
-            }
             let (imp, compute) = a.imp.resolve(&case)?;
+            imp.check_memory(&case)?;
+            let (expected, reference) = truth(&case)?;
+            let _p = Progress::spinner(&format!("computing impl:{}", imp.name()));
             let got = imp
                 .compute(&case, compute)
                 .map_err(CaseError::computing(&a.case))?;
-            (
-                stored,
-                "case file".to_string(),
-                got,
-                format!("impl:{}", imp.name()),
-            )
+            (expected, reference, got, format!("impl:{}", imp.name()))
         }
     };
+    let unchecked = case
+        .expected_results()
+        .into_iter()
+        .filter(|n| !expected.contains_key(*n))
+        .map(String::from)
+        .collect();
     Ok(VerifyReport::new(
         &a.case.display().to_string(),
         &reference,
@@ -95,7 +102,8 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         &expected,
         &got,
         a.max_ratio,
-    ))
+    )
+    .with_unchecked(unchecked, a.allow_partial))
 }
 
 pub fn run(a: Args) -> ExitCode {
