@@ -700,37 +700,38 @@ impl Case {
     }
 
     /// Reads a candidate for `case`: as [`Case::read_candidate`], and when
-    /// the candidate states `case` metadata, every option that changes the
-    /// math (op, scale, l2norm, gate, lower bound, beta sigmoid, negative
-    /// eigenvalues) must agree with the case's: else an error naming the
-    /// differing keys (CP layout, chunk size, seed and dtype may differ).
+    /// the candidate states `case` metadata, every option it states that
+    /// changes the math (scale, l2norm, gate, lower bound, beta sigmoid,
+    /// negative eigenvalues; `op` is checked by the parser) must agree with
+    /// the case's: else an error naming the differing keys (CP layout, chunk
+    /// size, seed and dtype may differ).
     pub fn read_candidate_for(path: &Path, case: &Case) -> Result<Case, CaseError> {
         let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
         let what = path.display().to_string();
         let cand = Case::candidate_from_bytes(&bytes, &what, case.meta.op)?;
-        let stated = SafeTensors::read_metadata(&bytes)
+        let stated: Vec<String> = SafeTensors::read_metadata(&bytes)
             .ok()
-            .and_then(|(_, m)| m.metadata().as_ref().map(|m| m.contains_key("case")))
-            .unwrap_or(false);
-        if stated {
-            let differ = case.math_options_differing(&cand.meta);
-            if !differ.is_empty() {
-                return Err(CaseError::Metadata {
-                    path: what,
-                    why: format!(
-                        "the candidate's `case` states other options than the case: {}",
-                        differ.join(", ")
-                    ),
-                });
-            }
+            .and_then(|(_, m)| m.metadata().as_ref()?.get("case").cloned())
+            .and_then(|text| serde_json::from_str::<Map<String, Value>>(&text).ok())
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        let differ = case.math_options_differing(&cand.meta, &stated);
+        if !differ.is_empty() {
+            return Err(CaseError::Metadata {
+                path: what,
+                why: format!(
+                    "the candidate's `case` states other options than the case: {}",
+                    differ.join(", ")
+                ),
+            });
         }
         Ok(cand)
     }
 
-    /// `key (case X, candidate Y)` for every math option that differs.
-    fn math_options_differing(&self, other: &CaseMeta) -> Vec<String> {
-        const MATH: [&str; 7] = [
-            "op",
+    /// `key (case X, candidate Y)` for every math option `stated` by the
+    /// candidate that differs from the case's (a port may state only some).
+    fn math_options_differing(&self, other: &CaseMeta, stated: &[String]) -> Vec<String> {
+        const MATH: [&str; 6] = [
             "scale",
             "use_qk_l2norm_in_kernel",
             "gate",
@@ -751,7 +752,7 @@ impl Case {
         };
         let (a, b) = (with_scale(&self.meta), with_scale(other));
         MATH.iter()
-            .filter(|key| a.get(**key) != b.get(**key))
+            .filter(|key| stated.iter().any(|s| s == *key) && a.get(**key) != b.get(**key))
             .map(|key| {
                 let show = |v: Option<&Value>| v.map_or("absent".to_string(), Value::to_string);
                 format!(
