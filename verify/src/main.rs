@@ -52,7 +52,24 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    // An interrupted write must not leave its temporary file behind.
+    if let Err(e) = ctrlc::set_handler(|| {
+        deltaref_verify::files::remove_live_temps();
+        std::process::exit(130);
+    }) {
+        eprintln!("warning: cannot install the SIGINT/SIGTERM handler: {e}");
+    }
+    run_args(std::env::args_os())
+}
+
+/// Parses `args` (the program name first) and runs the command: the whole
+/// program but the signal handler, callable in-process (the fuzzer does).
+pub fn run_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {
             // Help and version exit 0; usage errors exit 2.
@@ -64,13 +81,6 @@ fn main() -> ExitCode {
             };
         }
     };
-    // An interrupted write must not leave its temporary file behind.
-    if let Err(e) = ctrlc::set_handler(|| {
-        deltaref_verify::files::remove_live_temps();
-        std::process::exit(130);
-    }) {
-        eprintln!("warning: cannot install the SIGINT/SIGTERM handler: {e}");
-    }
     deltaref_verify::memory::set_limit(cli.max_memory);
     deltaref_verify::progress::set_quiet(cli.quiet);
     match cli.command {

@@ -32,13 +32,16 @@ pub struct Args {
     /// CP world size for cp and gpu-cp.
     #[arg(long, default_value_t = 2)]
     pub world: usize,
-    /// Runs per implementation; the best time is reported.
+    /// Runs per implementation (1 to 1000); the best time is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
 }
+
+/// More runs than this measure nothing new and only keep the machine busy.
+const MAX_REPS: usize = 1000;
 
 #[derive(Debug, Serialize)]
 struct Row {
@@ -110,8 +113,11 @@ fn time(imp: &Impl, case: &Case, path: &std::path::Path, reps: usize) -> Result<
 }
 
 fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
-    if a.reps == 0 {
-        return Err(CaseError::Usage("--reps: expected at least 1".into()));
+    if !(1..=MAX_REPS).contains(&a.reps) {
+        return Err(CaseError::Usage(format!(
+            "--reps: expected 1 to {MAX_REPS}, got {}",
+            a.reps
+        )));
     }
     let (case, path) = match &a.case {
         Some(p) => (Case::read(p)?, p.clone()),
