@@ -917,9 +917,16 @@ fn check_header_length(bytes: &[u8]) -> Result<(), String> {
     };
     let n = u64::from_le_bytes(n.try_into().expect("8 bytes"));
     let room = bytes.len() as u64 - 8;
+    // The safetensors parser's own bound on a header.
+    const MAX_HEADER: u64 = 100_000_000;
+    if n > MAX_HEADER {
+        return Err(format!(
+            "header length {n} is implausibly large (at most {MAX_HEADER} bytes)"
+        ));
+    }
     if n > room {
         return Err(format!(
-            "header length {n} is larger than the {room} bytes after it (truncated?)"
+            "header length {n} is larger than the file ({room} bytes after it; truncated?)"
         ));
     }
     Ok(())
