@@ -685,3 +685,19 @@ fn quiet_is_accepted_everywhere_and_progress_stays_off_pipes() {
     run_ok(&["--quiet", "verify", "--case", s(&out)]);
     run_ok(&["verify", "-q", "--case", s(&out)]);
 }
+
+#[test]
+fn intra_with_a_huge_subseq_len_splits_nothing() {
+    // Found by the fuzzer: 3·subseq_len overflowed.
+    let dir = tempfile::tempdir().unwrap();
+    let kda = gen(dir.path(), "k.safetensors", &["--lengths", "10,14"]);
+    let out = run_ok(&[
+        "cp",
+        "--case",
+        s(&kda),
+        "--intra",
+        "--subseq-len",
+        "18446744073709551615",
+    ]);
+    assert!(out.contains("pass") && !out.contains("FAIL"), "{out}");
+}
