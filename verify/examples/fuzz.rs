@@ -437,8 +437,9 @@ pub fn exercise_case(bytes: &[u8], op: Op, compute: bool) -> bool {
     valid
 }
 
-/// Command lines over small case files in `dir` (paths stay inside it,
-/// apart from `/dev/zero` as a read).
+/// Command lines over small case files in `dir` (absolute paths stay inside
+/// it, apart from `/dev/zero` as a read; the campaign runs with `dir` as the
+/// current directory, so relative ones land there too).
 pub struct CliCorpus {
     pub dir: PathBuf,
     pub lines: Vec<Vec<String>>,
@@ -753,6 +754,9 @@ pub fn campaign(
     let seeds = seeds();
     let work = tempfile::tempdir().expect("temp dir");
     let corpus = CliCorpus::new(work.path());
+    // Mutated command lines write to relative paths too: keep them in `work`.
+    let cwd = std::env::current_dir().expect("current directory");
+    std::env::set_current_dir(work.path()).expect("enter the temp dir");
     let current = Arc::new(Mutex::new(String::new()));
     let started_ms = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
@@ -863,6 +867,7 @@ pub fn campaign(
         }
     }
     let _ = std::panic::take_hook();
+    std::env::set_current_dir(cwd).expect("back to the starting directory");
     t
 }
 
