@@ -96,10 +96,3 @@ pub fn assert_maps_close(what: &str, reference: &Tensors, got: &Tensors, tol: f6
         );
     }
 }
-
-/// Reports a skipped test on the real stderr: the harness captures
-/// `eprintln!` of passing tests, and a skip must be visible in `cargo test`.
-pub fn report_skip(test: &str, why: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
-}

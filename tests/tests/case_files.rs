@@ -321,9 +321,11 @@ fn writing_is_atomic_and_leaves_no_temporary_file() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(names.len(), 1, "{names:?}");
-    // A write into a missing directory fails cleanly and creates nothing.
+    // A write into a missing directory fails cleanly, says so, and creates nothing.
     let bad = dir.path().join("missing").join("c.safetensors");
-    assert!(matches!(case.write(&bad), Err(CaseError::Io { .. })));
+    let e = case.write(&bad).expect_err("missing directory");
+    assert!(matches!(e, CaseError::Write { .. }), "{e}");
+    assert!(e.to_string().contains("cannot write"), "{e}");
     assert!(!bad.exists());
 }
 

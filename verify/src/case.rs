@@ -1,7 +1,7 @@
 //! Case files (SPEC §8): one case = one safetensors file holding FLA-named
 //! tensors and a `case` metadata entry (a JSON object with `op` and FLA's
 //! option names). Reading validates everything and never panics; writing is
-//! atomic (temporary file + rename).
+//! atomic (temporary file + rename, see [`crate::files`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -28,6 +28,8 @@ pub enum CaseError {
         path: String,
         source: std::io::Error,
     },
+    #[error("{path}: cannot write: {why}")]
+    Write { path: String, why: String },
     #[error("{path}: not a valid safetensors file: {why}")]
     Format { path: String, why: String },
     #[error("{path}: metadata: {why}")]
@@ -649,6 +651,25 @@ impl Case {
         Ok(())
     }
 
+    /// The outputs and gradients the oracle computes for this case: every
+    /// result name, less the gradients of optional inputs it lacks.
+    pub fn expected_results(&self) -> Vec<&'static str> {
+        let has = |n: &str| self.tensors.contains_key(n);
+        self.meta
+            .op
+            .results()
+            .iter()
+            .copied()
+            .filter(|&n| match n {
+                "dA_log" => has("A_log"),
+                "ddt_bias" => has("dt_bias"),
+                "dh0" => has("initial_state"),
+                "dcache" => has("cache"),
+                _ => true,
+            })
+            .collect()
+    }
+
     /// The shape a result must have: a gradient is shaped like its input,
     /// `o`/`y` like `do`/`dy`, a final state like `dht` when present.
     pub fn result_shape(&self, name: &str) -> Option<Vec<usize>> {
@@ -703,12 +724,8 @@ impl Case {
 
     /// Reads and validates a case file.
     pub fn read(path: &Path) -> Result<Case, CaseError> {
-        let p = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|e| CaseError::Io {
-            path: p.clone(),
-            source: e,
-        })?;
-        Case::from_bytes(&bytes, &p)
+        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        Case::from_bytes(&bytes, &path.display().to_string())
     }
 
     /// Parses a case from the bytes of a safetensors file (`what` names it in errors).
@@ -724,12 +741,73 @@ impl Case {
     /// Reads a candidate: the outputs and gradients a port produced for a
     /// case of op `op`. See [`Case::candidate_from_bytes`].
     pub fn read_candidate(path: &Path, op: Op) -> Result<Case, CaseError> {
-        let p = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|e| CaseError::Io {
-            path: p.clone(),
-            source: e,
-        })?;
-        Case::candidate_from_bytes(&bytes, &p, op)
+        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        Case::candidate_from_bytes(&bytes, &path.display().to_string(), op)
+    }
+
+    /// Reads a candidate for `case`: as [`Case::read_candidate`], and when
+    /// the candidate states `case` metadata, every option it states that
+    /// changes the math (scale, l2norm, gate, lower bound, beta sigmoid,
+    /// negative eigenvalues; `op` is checked by the parser) must agree with
+    /// the case's: else an error naming the differing keys (CP layout, chunk
+    /// size, seed and dtype may differ).
+    pub fn read_candidate_for(path: &Path, case: &Case) -> Result<Case, CaseError> {
+        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        let what = path.display().to_string();
+        let cand = Case::candidate_from_bytes(&bytes, &what, case.meta.op)?;
+        let stated: Vec<String> = SafeTensors::read_metadata(&bytes)
+            .ok()
+            .and_then(|(_, m)| m.metadata().as_ref()?.get("case").cloned())
+            .and_then(|text| serde_json::from_str::<Map<String, Value>>(&text).ok())
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        let differ = case.math_options_differing(&cand.meta, &stated);
+        if !differ.is_empty() {
+            return Err(CaseError::Metadata {
+                path: what,
+                why: format!(
+                    "the candidate's `case` states other options than the case: {}",
+                    differ.join(", ")
+                ),
+            });
+        }
+        Ok(cand)
+    }
+
+    /// `key (case X, candidate Y)` for every math option `stated` by the
+    /// candidate that differs from the case's (a port may state only some).
+    fn math_options_differing(&self, other: &CaseMeta, stated: &[String]) -> Vec<String> {
+        const MATH: [&str; 6] = [
+            "scale",
+            "use_qk_l2norm_in_kernel",
+            "gate",
+            "lower_bound",
+            "use_beta_sigmoid_in_kernel",
+            "allow_neg_eigval",
+        ];
+        let k = self
+            .tensors
+            .get("q")
+            .and_then(|q| q.shape().last().copied());
+        let with_scale = |m: &CaseMeta| {
+            let mut j = m.to_json();
+            if let (Some(k), None, Value::Object(o)) = (k, m.scale, &mut j) {
+                o.insert("scale".into(), (k as f64).powf(-0.5).into());
+            }
+            j
+        };
+        let (a, b) = (with_scale(&self.meta), with_scale(other));
+        MATH.iter()
+            .filter(|key| stated.iter().any(|s| s == *key) && a.get(**key) != b.get(**key))
+            .map(|key| {
+                let show = |v: Option<&Value>| v.map_or("absent".to_string(), Value::to_string);
+                format!(
+                    "{key} (case {}, candidate {})",
+                    show(a.get(*key)),
+                    show(b.get(*key))
+                )
+            })
+            .collect()
     }
 
     /// Parses a candidate. Unlike a case it needs no inputs (a port saves
@@ -750,6 +828,7 @@ impl Case {
             path: what.to_string(),
             why,
         };
+        check_header_length(bytes).map_err(fmt_err)?;
         reject_duplicate_names(bytes).map_err(fmt_err)?;
         let st = SafeTensors::deserialize(bytes).map_err(|e| fmt_err(describe(&e)))?;
         let (_, md) = SafeTensors::read_metadata(bytes).map_err(|e| fmt_err(describe(&e)))?;
@@ -800,33 +879,12 @@ impl Case {
     }
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory
-/// and a rename, so an interrupted write never leaves a partial file.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CaseError> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let result = (|| {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(|e| CaseError::Io {
-        path: path.display().to_string(),
-        source: e,
-    })
-}
+pub use crate::files::write_atomic;
+
+/// What reading a case costs per stored byte: the bytes, the f64 tensors
+/// and a validation copy for an f64 file (a bf16 file widens more; the
+/// command's compute estimate, from the shapes, covers that).
+const READ_WIDEN: u64 = 4;
 
 /// `cu_seqlens`: a 1-D int64 tensor.
 fn decode_cu_seqlens(view: &TensorView) -> Result<Vec<i64>, String> {
@@ -893,6 +951,32 @@ fn describe(e: &safetensors::SafeTensorError) -> String {
         E::TensorInvalidInfo => "a tensor's dtype and shape do not match its byte length".into(),
         other => other.to_string(),
     }
+}
+
+/// The 8-byte header length must fit in the file (checked before the
+/// parser sizes anything by it).
+fn check_header_length(bytes: &[u8]) -> Result<(), String> {
+    let Some(n) = bytes.get(..8) else {
+        return Err(format!(
+            "file too short for the 8-byte header length ({} bytes; truncated?)",
+            bytes.len()
+        ));
+    };
+    let n = u64::from_le_bytes(n.try_into().expect("8 bytes"));
+    let room = bytes.len() as u64 - 8;
+    // The safetensors parser's own bound on a header.
+    const MAX_HEADER: u64 = 100_000_000;
+    if n > MAX_HEADER {
+        return Err(format!(
+            "header length {n} is implausibly large (at most {MAX_HEADER} bytes)"
+        ));
+    }
+    if n > room {
+        return Err(format!(
+            "header length {n} is larger than the file ({room} bytes after it; truncated?)"
+        ));
+    }
+    Ok(())
 }
 
 /// JSON objects silently keep the last of duplicate keys; a case must not.

@@ -3,10 +3,12 @@
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, Regime, TokenShiftSpec};
 use deltaref::kda::KdaOptions;
-use ndarray::ArrayD;
+use ndarray::{ArrayD, Axis};
 
 use crate::case::{Case, CaseError, CaseMeta, Dtype, Op};
 use crate::impls::{Compute, Impl};
+use crate::memory::{self, Problem};
+use crate::progress::Progress;
 
 /// What to generate (the `gen` flags).
 #[derive(Clone, Debug, PartialEq)]
@@ -28,6 +30,10 @@ pub struct GenSpec {
     pub expected: bool,
     /// How the inputs are distributed (see [`Regime`]).
     pub regime: Regime,
+    /// KDA without `use_qk_l2norm_in_kernel`: draw unit-norm keys, as FLA's
+    /// tests do (`F.normalize(randn)`); raw normal keys give `‖k‖² ≈ K`, so
+    /// `I − β k kᵀ` has an eigenvalue near `1 − βK` and the state explodes.
+    pub unit_norm_keys: bool,
 }
 
 impl GenSpec {
@@ -46,6 +52,7 @@ impl GenSpec {
             dtype: Dtype::F64,
             expected: false,
             regime: Regime::FlaTest,
+            unit_norm_keys: true,
         }
     }
 
@@ -72,7 +79,15 @@ impl GenSpec {
         let layout = match &self.lengths {
             None => Layout::batch(shape[0], shape[1]),
             Some(l) => {
-                let t: usize = l.iter().sum();
+                let t = l
+                    .iter()
+                    .try_fold(0usize, |a, &x| a.checked_add(x))
+                    .filter(|&t| i64::try_from(t).is_ok())
+                    .ok_or_else(|| {
+                        CaseError::Usage(format!(
+                            "--lengths: the total Σ lengths overflows the int64 range of cu_seqlens (got {l:?})"
+                        ))
+                    })?;
                 if self.shape.is_some() && (shape[0] != 1 || shape[1] != t) {
                     return Err(CaseError::Usage(format!(
                         "with --lengths the batch is packed: --shape must have B = 1 and T = Σ lengths = {t}, got B = {}, T = {}",
@@ -82,7 +97,49 @@ impl GenSpec {
                 Layout::varlen(l)
             }
         };
+        if i64::try_from(layout.t).is_err() || memory::elements(&shape).is_none() {
+            return Err(CaseError::Usage(format!(
+                "--shape {names}: {shape:?} overflows a 64-bit element count"
+            )));
+        }
         Ok((layout, shape[2..].to_vec()))
+    }
+
+    /// The memory-relevant sizes of the problem.
+    fn problem(&self, layout: &Layout, dims: &[usize]) -> Problem {
+        let (b, t, n) = (layout.b, layout.t, layout.n());
+        match self.op {
+            Op::Kda => Problem {
+                op: self.op,
+                b,
+                t,
+                n,
+                h: dims[0],
+                hv: dims[1],
+                k: dims[2],
+                v: dims[3],
+            },
+            Op::Dplr => Problem {
+                op: self.op,
+                b,
+                t,
+                n,
+                h: dims[0],
+                hv: dims[0],
+                k: dims[1],
+                v: dims[2],
+            },
+            Op::TokenShift => Problem {
+                op: self.op,
+                b,
+                t,
+                n,
+                h: 1,
+                hv: 1,
+                k: 1,
+                v: dims[0],
+            },
+        }
     }
 
     pub fn meta(&self) -> CaseMeta {
@@ -122,6 +179,14 @@ fn put_all<I>(
 /// stored (possibly rounded) inputs.
 pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
     let (layout, dims) = spec.dims()?;
+    let problem = spec.problem(&layout, &dims);
+    let need = problem.gen_bytes().saturating_add(if spec.expected {
+        problem.compute_bytes(None)
+    } else {
+        0
+    });
+    memory::check("generating this case", need)?;
+    let progress = Progress::spinner("drawing the inputs");
     let mut case = Case::new(spec.meta());
     case.cu_seqlens = layout.cu_seqlens();
     let dt = spec.dtype;
@@ -146,7 +211,10 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
                 scalar_gate: false,
                 seed: spec.seed,
             };
-            let g = inputs::kda_in(&s, spec.regime);
+            let mut g = inputs::kda_in(&s, spec.regime);
+            if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
+                g.inputs.k = unit_norm(&g.inputs.k);
+            }
             let x = &g.inputs;
             let named = vec![
                 ("q", Some(&x.q)),
@@ -199,12 +267,31 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
     case.validate()
         .map_err(|e| CaseError::Usage(e.to_string()))?;
     if spec.expected {
+        progress.step("computing the f64 truth");
         let truth = Impl::NAIVE
             .compute(&case, Compute::F64)
             .map_err(|e| CaseError::Usage(e.to_string()))?;
         for (n, t) in truth {
+            if let Some((i, v)) = t.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(CaseError::Usage(format!(
+                    "the f64 oracle's `{n}` is non-finite ({v} at flat index {i} of shape {:?}): \
+                     the inputs overflow the recurrence (unstable keys, gates or scale); \
+                     refusing to store a non-finite truth",
+                    t.shape()
+                )));
+            }
             case.insert(&n, t, Dtype::F64);
         }
     }
     Ok(case)
+}
+
+/// `x / max(‖x‖, 1e-12)` over the last dimension (PyTorch's `F.normalize`).
+fn unit_norm(x: &ArrayD<f64>) -> ArrayD<f64> {
+    let mut y = x.clone();
+    for mut row in y.lanes_mut(Axis(x.ndim() - 1)) {
+        let norm = row.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);
+        row.mapv_inplace(|v| v / norm);
+    }
+    y
 }

@@ -87,6 +87,19 @@ impl Impl {
         }
     }
 
+    /// Refuses (before any allocation) when running on `case` would need
+    /// more memory than the budget of [`crate::memory`].
+    pub fn check_memory(&self, case: &Case) -> Result<(), CaseError> {
+        let chunk = match (&self.engine, self.device) {
+            (Engine::Chunk(c), Device::Cpu) => Some(*c),
+            _ => None,
+        };
+        crate::memory::check(
+            &format!("impl:{} on this case", self.name()),
+            crate::memory::Problem::of_case(case).compute_bytes(chunk),
+        )
+    }
+
     /// Outputs and gradients of `case`'s inputs and upstream gradients
     /// (`compute` picks the oracle's scalar; the GPU computes in f32).
     pub fn compute(&self, case: &Case, compute: Compute) -> Result<Tensors, ComputeError> {
@@ -250,6 +263,12 @@ impl ImplRequest {
                 "--precision {name} injects a CP fault: use it with --impl cp"
             )));
         }
+        if p.faults != Default::default() && case.meta.op == Op::TokenShift {
+            return Err(CaseError::Usage(format!(
+                "--precision {name} injects a fault into the CP state merge of KDA/DPLR; \
+                 token-shift hands on a cached token, not a state, so it cannot apply"
+            )));
+        }
         let req = ImplRequest {
             policy: p.policy.clone(),
             cp_options: CpOptions {
@@ -279,6 +298,27 @@ impl ImplRequest {
             || self.layout.is_some()
             || self.cuts.is_some()
             || self.cp_engine.is_some();
+        let engine_name = match self.name.as_str() {
+            "cp" | "gpu-cp" => self.cp_engine.as_deref().unwrap_or(
+                if self.name == "gpu-cp" && case.meta.op == Op::Dplr {
+                    "naive"
+                } else {
+                    "chunk"
+                },
+            ),
+            n => n.strip_prefix("gpu-").unwrap_or(n),
+        };
+        if self.chunk_size != 0 && engine_name == "naive" {
+            return Err(usage(format!(
+                "--chunk-size applies to the chunked engine; --impl {}{} runs the naive one",
+                self.name,
+                if self.name.ends_with("cp") {
+                    " --cp-engine naive"
+                } else {
+                    ""
+                }
+            )));
+        }
         if self.gpu_dtype.is_some() && !self.name.starts_with("gpu-") {
             return Err(usage(
                 "--gpu-dtype applies to the gpu-* implementations".into(),
@@ -371,4 +411,37 @@ fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
         ));
     }
     Ok(())
+}
+
+/// The first non-finite value of `results`: `(tensor, flat index, value)`.
+pub fn first_non_finite(results: &Tensors) -> Option<(String, usize, f64)> {
+    results.iter().find_map(|(n, t)| {
+        t.iter()
+            .enumerate()
+            .find(|(_, v)| !v.is_finite())
+            .map(|(i, v)| (n.clone(), i, *v))
+    })
+}
+
+/// The truth of `case` (at `path`): the f64 oracle's outputs and gradients.
+/// A non-finite result is the reference's failure (its inputs overflow
+/// float64, e.g. an `A_log` or key norm that makes the decay or the delta
+/// update blow up), reported as an input error rather than blamed on
+/// whatever is compared with it.
+pub fn oracle_truth(case: &Case, path: &std::path::Path) -> Result<Tensors, CaseError> {
+    Impl::NAIVE.check_memory(case)?;
+    let _p = crate::progress::Progress::spinner("computing the f64 oracle's truth");
+    let truth = Impl::NAIVE
+        .compute(case, Compute::F64)
+        .map_err(CaseError::computing(path))?;
+    match first_non_finite(&truth) {
+        None => Ok(truth),
+        Some((n, i, v)) => Err(CaseError::Usage(format!(
+            "{}: the f64 oracle's result is non-finite (`{n}` = {v} at flat index {i}): \
+             the inputs overflow float64 in the recurrence (e.g. a huge A_log, gate or \
+             key norm); this is a limit of the reference on these inputs, not a \
+             candidate's fault",
+            path.display()
+        ))),
+    }
 }

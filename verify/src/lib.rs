@@ -1,13 +1,16 @@
 pub mod case;
 pub mod diagnose;
 pub mod fd;
+pub mod files;
 pub mod fixtures;
 pub mod generate;
 pub mod gpu;
 pub mod impls;
 pub mod intermediates;
+pub mod memory;
 pub mod metrics;
 pub mod outputs;
 pub mod presets;
+pub mod progress;
 pub mod report;
 pub mod selfcheck;

@@ -22,6 +22,13 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Refuse work whose up-front memory estimate exceeds this size (e.g.
+    /// 8G, 512M; default: MemAvailable from /proc/meminfo).
+    #[arg(long, global = true, value_parser = deltaref_verify::memory::parse_size)]
+    max_memory: Option<u64>,
+    /// No progress bar on stderr (it is hidden anyway when stderr is not a terminal).
+    #[arg(long, short, global = true)]
+    quiet: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -45,7 +52,24 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    // An interrupted write must not leave its temporary file behind.
+    if let Err(e) = ctrlc::set_handler(|| {
+        deltaref_verify::files::remove_live_temps();
+        std::process::exit(130);
+    }) {
+        eprintln!("warning: cannot install the SIGINT/SIGTERM handler: {e}");
+    }
+    run_args(std::env::args_os())
+}
+
+/// Parses `args` (the program name first) and runs the command: the whole
+/// program but the signal handler, callable in-process (the fuzzer does).
+pub fn run_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {
             // Help and version exit 0; usage errors exit 2.
@@ -57,6 +81,8 @@ fn main() -> ExitCode {
             };
         }
     };
+    deltaref_verify::memory::set_limit(cli.max_memory);
+    deltaref_verify::progress::set_quiet(cli.quiet);
     match cli.command {
         Command::Selfcheck(a) => cli::selfcheck::run(a),
         Command::Gen(a) => cli::gen::run(a),

@@ -40,6 +40,11 @@ pub struct VerifyReport {
     /// The candidate's intermediates against the oracle's.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub intermediates: Vec<IntermediateRow>,
+    /// Outputs and gradients the case should have but stores no truth for
+    /// (nothing checked them).
+    pub unchecked: Vec<String>,
+    /// Whether unchecked tensors were accepted (`--allow-partial`).
+    pub allow_partial: bool,
 }
 
 fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
@@ -112,6 +117,8 @@ impl VerifyReport {
             max_ratio,
             pass: !rows.is_empty() && rows.iter().all(|r| r.pass),
             rows,
+            unchecked: vec![],
+            allow_partial: false,
             forward_only: false,
             intermediates: vec![],
         }
@@ -132,6 +139,44 @@ impl VerifyReport {
             intermediates: rows,
             ..self
         }
+    }
+
+    /// Records the tensors left unchecked (a case with partial truth): the
+    /// report fails unless `allow_partial`.
+    pub fn with_unchecked(mut self, unchecked: Vec<String>, allow_partial: bool) -> Self {
+        self.pass &= unchecked.is_empty() || allow_partial;
+        self.unchecked = unchecked;
+        self.allow_partial = allow_partial;
+        self
+    }
+
+    /// Rows that fail for a reason other than their numbers (missing,
+    /// misshapen or non-finite candidate tensors), in words.
+    pub fn problems(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .rows
+            .iter()
+            .filter_map(|r| r.problem.as_ref().map(|p| format!("`{}`: {p}", r.tensor)))
+            .collect();
+        if self.rows.is_empty() {
+            v.push("nothing to compare (no expected tensors)".into());
+        }
+        if !self.unchecked.is_empty() && !self.allow_partial {
+            v.push(self.unchecked_line());
+        }
+        v
+    }
+
+    fn unchecked_line(&self) -> String {
+        format!(
+            "unchecked (no stored truth, or missing from the candidate under --allow-partial): {}{}",
+            self.unchecked.join(", "),
+            if self.allow_partial {
+                " (accepted: --allow-partial)"
+            } else {
+                "; store the full truth or pass --allow-partial"
+            }
+        )
     }
 }
 
@@ -164,6 +209,9 @@ impl fmt::Display for VerifyReport {
                 r.argmax.as_ref().map_or("-".into(), |a| format!("{a:?}")),
                 result
             )?;
+        }
+        if !self.unchecked.is_empty() {
+            writeln!(f, "{}", self.unchecked_line())?;
         }
         if self.forward_only {
             writeln!(

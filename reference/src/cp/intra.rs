@@ -22,7 +22,7 @@ pub fn compute_subseq_len(
     const MIN_SUBSEQ_CHUNKS: usize = 128;
     let target_splits = 4.max(num_sms / (NUM_V_BLOCKS * num_heads.max(1)));
     let subseq_chunks = seq_chunks.div_ceil(target_splits).max(MIN_SUBSEQ_CHUNKS);
-    subseq_chunks * chunk_size
+    subseq_chunks.saturating_mul(chunk_size)
 }
 
 /// Parameters of the split rule.
@@ -77,7 +77,8 @@ pub fn split_points(cu_seqlens: &[i64], p: &IntraParams) -> Result<Vec<usize>> {
     for w in cu_seqlens.windows(2) {
         let (start, end) = (w[0] as usize, w[1] as usize);
         let len = end - start;
-        if len < 3 * subseq_len {
+        // `3·subseq_len` may exceed usize for a huge explicit subseq_len.
+        if subseq_len.checked_mul(3).is_none_or(|min| len < min) {
             continue;
         }
         let chunks = len.div_ceil(p.chunk_size);

@@ -11,17 +11,18 @@ use deltaref::gates::Gate;
 use deltaref_gpu::Timings;
 use deltaref_verify::case::{Case, CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
-use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::impls::{oracle_truth, Compute, Impl};
 use deltaref_verify::metrics::norm_ratio;
 use deltaref_verify::outputs::Tensors;
+use deltaref_verify::progress::Progress;
 use serde::Serialize;
 
 use super::{fail, ImplArgs};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    /// Case file (default: issue 8's KDA case, lengths [400, 624], H = HV = 4,
-    /// K = V = 128, lower-bound gate −5, l2norm, bf16 inputs).
+    /// Case file (default: a built-in KDA case: varlen lengths [400, 624],
+    /// H = HV = 4, K = V = 128, lower-bound gate −5, l2norm, bf16 inputs).
     #[arg(long)]
     pub case: Option<PathBuf>,
     /// Comma-separated implementations (default: naive,chunk, and
@@ -31,13 +32,16 @@ pub struct Args {
     /// CP world size for cp and gpu-cp.
     #[arg(long, default_value_t = 2)]
     pub world: usize,
-    /// Runs per implementation; the best time is reported.
+    /// Runs per implementation (1 to 1000); the best time is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
 }
+
+/// More runs than this measure nothing new and only keep the machine busy.
+const MAX_REPS: usize = 1000;
 
 #[derive(Debug, Serialize)]
 struct Row {
@@ -91,7 +95,7 @@ struct Timed {
 
 fn time(imp: &Impl, case: &Case, path: &std::path::Path, reps: usize) -> Result<Timed, CaseError> {
     let mut best: Option<Timed> = None;
-    for _ in 0..reps.max(1) {
+    for _ in 0..reps {
         let t = Instant::now();
         let (results, phases) = imp
             .timed_compute(case, Compute::F64)
@@ -109,6 +113,12 @@ fn time(imp: &Impl, case: &Case, path: &std::path::Path, reps: usize) -> Result<
 }
 
 fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
+    if !(1..=MAX_REPS).contains(&a.reps) {
+        return Err(CaseError::Usage(format!(
+            "--reps: expected 1 to {MAX_REPS}, got {}",
+            a.reps
+        )));
+    }
     let (case, path) = match &a.case {
         Some(p) => (Case::read(p)?, p.clone()),
         None => (default_case()?, PathBuf::from("<built-in KDA case>")),
@@ -123,15 +133,15 @@ fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
             v
         }
     };
-    let truth = Impl::NAIVE
-        .compute(&case, Compute::F64)
-        .map_err(CaseError::computing(&path))?;
+    let truth = oracle_truth(&case, &path)?;
     let mut rows = vec![];
+    let progress = Progress::bar(names.len() as u64, "bench");
     for name in names {
+        progress.step(&format!("bench {name}"));
         let cp = name == "cp" || name == "gpu-cp";
         let args = ImplArgs {
             imp: name.clone(),
-            chunk_size: 0,
+            chunk_size: None,
             world: cp.then_some(a.world),
             layout: None,
             cuts: None,
@@ -141,7 +151,9 @@ fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
             gpu_dtype: None,
         };
         let (imp, _) = args.resolve(&case)?;
+        imp.check_memory(&case)?;
         let t = time(&imp, &case, &path, a.reps)?;
+        progress.inc();
         let (worst_norm_ratio, worst_tensor) = worst(&truth, &t.results);
         rows.push(Row {
             imp: imp.name(),

@@ -10,7 +10,8 @@ use clap::Args as ClapArgs;
 use deltaref::cp::intra::{self, IntraParams};
 use deltaref::cp::table;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::impls::{Compute, Impl};
+use deltaref_verify::impls::{oracle_truth, Compute};
+use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
 use super::{fail, ImplArgs};
@@ -30,9 +31,9 @@ pub struct Args {
     /// Intra-card: streaming multiprocessors of the device (H100: 132).
     #[arg(long, default_value_t = 132)]
     pub num_sms: usize,
-    /// Intra-card: heads (FLA passes the value-head count).
-    #[arg(long, default_value_t = 1)]
-    pub num_heads: usize,
+    /// Intra-card: heads (FLA passes the value-head count; default: the case's HV).
+    #[arg(long)]
+    pub num_heads: Option<usize>,
     /// Intra-card: most pieces per sequence.
     #[arg(long, default_value_t = 32)]
     pub max_splits: usize,
@@ -42,8 +43,26 @@ pub struct Args {
 }
 
 fn go(a: &Args) -> Result<(String, bool), CaseError> {
+    super::check_ratio("--max-ratio", a.max_ratio)?;
+    if !matches!(a.imp.imp.as_str(), "naive" | "cp") {
+        return Err(CaseError::Usage(format!(
+            "--impl {}: `cp` simulates context parallel in the oracle's code (--impl cp, \
+             the default); for the GPU kernels run `verify --impl gpu-cp`",
+            a.imp.imp
+        )));
+    }
+    if !a.intra && (a.subseq_len.is_some() || a.num_heads.is_some()) {
+        return Err(CaseError::Usage(
+            "--subseq-len and --num-heads apply to --intra".into(),
+        ));
+    }
+    if a.intra && (a.num_sms == 0 || a.max_splits == 0 || a.num_heads == Some(0)) {
+        return Err(CaseError::Usage(
+            "--intra: --num-sms, --num-heads and --max-splits must be ≥ 1".into(),
+        ));
+    }
     let case = Case::read(&a.case)?;
-    let (mut req, _) = a.imp.request()?;
+    let (mut req, explicit_compute) = a.imp.request()?;
     req.name = "cp".into();
     if a.intra {
         if req.world.is_some() || req.cuts.is_some() {
@@ -61,7 +80,7 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
             .unwrap_or_else(|| vec![0, seq_len(&t) as i64]);
         let params = IntraParams {
             num_sms: a.num_sms,
-            num_heads: a.num_heads,
+            num_heads: a.num_heads.unwrap_or_else(|| value_heads(&case)),
             chunk_size: if req.chunk_size == 0 {
                 64
             } else {
@@ -74,16 +93,32 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
             intra::split_points(&cu, &params).map_err(|e| CaseError::Usage(e.to_string()))?;
         req.cuts = Some(cuts);
     }
-    let (imp, _) = req.resolve_with_compute(&case)?;
+    let (imp, preset_compute) = req.resolve_with_compute(&case)?;
+    let compute = explicit_compute.or(preset_compute).unwrap_or(Compute::F64);
+    imp.check_memory(&case)?;
     let invalid = CaseError::computing(&a.case);
-    let (got, diags) = imp
-        .compute_with_diags(&case)
-        .map_err(|e| invalid(e.into()))?;
-    let reference = Impl::NAIVE.compute(&case, Compute::F64).map_err(invalid)?;
+    let reference = oracle_truth(&case, &a.case)?;
+    let progress = Progress::spinner(&format!("computing impl:{}", imp.name()));
+    // The per-rank table holds f64 states; an f32 run reports its tensors only.
+    let (got, diags) = match compute {
+        Compute::F64 => imp
+            .compute_with_diags(&case)
+            .map_err(|e| invalid(e.into()))?,
+        Compute::F32 => (imp.compute(&case, Compute::F32).map_err(invalid)?, vec![]),
+    };
+    drop(progress);
     let report = VerifyReport::new(
         &a.case.display().to_string(),
         "impl:naive (non-CP, f64)",
-        &format!("impl:{}", imp.name()),
+        &format!(
+            "impl:{}{}",
+            imp.name(),
+            if compute == Compute::F32 {
+                " in f32"
+            } else {
+                ""
+            }
+        ),
         &reference,
         &got,
         a.max_ratio,
@@ -124,6 +159,14 @@ fn memory_line(diags: &[deltaref::cp::RankDiag<f64>]) -> String {
             }
         ),
     }
+}
+
+/// HV of a case (`v [B,T,HV,V]`; 1 for token-shift), FLA's `num_heads`.
+fn value_heads(case: &Case) -> usize {
+    case.tensors
+        .get("v")
+        .and_then(|v| v.shape().get(2).copied())
+        .unwrap_or(1)
 }
 
 /// T of a case's inputs (token-shift `x` or `q`).

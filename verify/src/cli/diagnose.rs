@@ -9,9 +9,12 @@ use clap::Args as ClapArgs;
 use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::case::{Dtype, Op};
 use deltaref_verify::diagnose::{diagnose_with_noise, plot, Diagnosis, NoiseReference, TokenMap};
-use deltaref_verify::impls::{Compute, Engine, Impl, ImplRequest};
+use deltaref_verify::files::destination;
+use deltaref_verify::impls::{oracle_truth, Compute, Engine, ImplRequest};
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::presets;
+use deltaref_verify::progress::Progress;
+use deltaref_verify::report::VerifyReport;
 
 use super::{fail, ImplArgs};
 
@@ -39,10 +42,15 @@ pub struct Args {
     /// Print the diagnosis as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Accept a case whose stored truth covers only some outputs and gradients.
+    #[arg(long)]
+    pub allow_partial: bool,
 }
 
-fn go(a: &Args) -> Result<Diagnosis, CaseError> {
+fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
+    super::check_ratio("--band", a.band)?;
     let case = Case::read(&a.case)?;
+    let plot_path = a.plot.as_deref().map(destination).transpose()?;
     let invalid = CaseError::computing(&a.case);
     let (imp, compute) = a.imp.resolve(&case)?;
     // The truth: stored results, else the f64 oracle on the inputs the candidate saw.
@@ -52,16 +60,29 @@ fn go(a: &Args) -> Result<Diagnosis, CaseError> {
         _ => case.clone(),
     };
     let reference = if stored.is_empty() {
-        Impl::NAIVE
-            .compute(&truth_case, Compute::F64)
-            .map_err(invalid)?
+        oracle_truth(&truth_case, &a.case)?
     } else {
         stored
     };
     let candidate = match &a.candidate {
-        Some(p) => Case::read_candidate(p, case.meta.op)?.results(),
-        None => imp.compute(&case, compute).map_err(invalid)?,
+        Some(p) => Case::read_candidate_for(p, &case)?.results(),
+        None => {
+            imp.check_memory(&case)?;
+            let _p = Progress::spinner(&format!("computing impl:{}", imp.name()));
+            imp.compute(&case, compute).map_err(invalid)?
+        }
     };
+    // Fail exactly where verify fails: missing, misshapen or non-finite
+    // tensors, nothing to compare, or partial truth.
+    let unchecked = case
+        .expected_results()
+        .into_iter()
+        .filter(|n| !reference.contains_key(*n))
+        .map(String::from)
+        .collect();
+    let problems = VerifyReport::new("", "", "", &reference, &candidate, a.band)
+        .with_unchecked(unchecked, a.allow_partial)
+        .problems();
     let (b, t) = case
         .tensors
         .get(if case.meta.op == deltaref_verify::case::Op::TokenShift {
@@ -97,10 +118,10 @@ fn go(a: &Args) -> Result<Diagnosis, CaseError> {
         a.band,
         v_dim,
     );
-    if let Some(path) = &a.plot {
+    if let Some(path) = &plot_path {
         plot(&d, path).map_err(CaseError::Usage)?;
     }
-    Ok(d)
+    Ok((d, problems))
 }
 
 /// The noise reference's name and results, if any (see `--noise`).
@@ -142,7 +163,7 @@ fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseErr
 
 pub fn run(a: Args) -> ExitCode {
     match go(&a) {
-        Ok(d) => {
+        Ok((d, problems)) => {
             if a.json {
                 super::print(&serde_json::to_string_pretty(&d).expect("diagnosis serialises"));
             } else {
@@ -151,9 +172,12 @@ pub fn run(a: Args) -> ExitCode {
                     super::print(&format!("plot: {}", p.display()));
                 }
             }
-            // Like verify: fail when a whole tensor is out of band; where the
-            // error starts is information either way.
-            if d.tensors.iter().all(|t| t.norm_ratio <= a.band) {
+            for p in &problems {
+                eprintln!("FAIL: {p}");
+            }
+            // Like verify: fail when a whole tensor is out of band or cannot
+            // be compared; where the error starts is information either way.
+            if problems.is_empty() && d.tensors.iter().all(|t| t.norm_ratio <= a.band) {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)

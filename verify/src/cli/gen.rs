@@ -30,7 +30,7 @@ pub struct Args {
     /// Lower bound of the lowerbound gate (default -5, FLA's recommended value; FLA accepts [-5, 0)).
     #[arg(long, allow_negative_numbers = true)]
     pub lower_bound: Option<f64>,
-    /// KDA use_qk_l2norm_in_kernel.
+    /// KDA use_qk_l2norm_in_kernel (without it, keys are drawn unit-norm, as in FLA's tests).
     #[arg(long)]
     pub l2norm: bool,
     /// KDA use_beta_sigmoid_in_kernel.
@@ -80,6 +80,11 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
             )))
         }
     };
+    if let Some(lb) = a.lower_bound.filter(|lb| !(-5.0..0.0).contains(lb)) {
+        return Err(usage(format!(
+            "--lower-bound: FLA's safe gate accepts [-5, 0), got {lb}"
+        )));
+    }
     if a.lower_bound.is_some() && !matches!(gate, Gate::LowerBound { .. }) {
         return Err(usage("--lower-bound needs --gate lowerbound".into()));
     }
@@ -121,7 +126,11 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
 
 pub fn run(a: Args) -> ExitCode {
     let result = spec(&a)
-        .and_then(|s| generate(&s))
+        .and_then(|s| {
+            // Refuse an unwritable destination before the work, not after it.
+            deltaref_verify::files::destination(&a.out)?;
+            generate(&s)
+        })
         .and_then(|c| c.write(&a.out).map(|_| c));
     match result {
         Ok(c) => {

@@ -43,6 +43,17 @@ pub fn list(flag: &str, s: &str) -> Result<Vec<usize>, CaseError> {
         })
 }
 
+/// Refuses a tolerance that is NaN, infinite or negative (`flag` names it).
+pub fn check_ratio(flag: &str, x: f64) -> Result<(), CaseError> {
+    if x.is_finite() && x >= 0.0 {
+        Ok(())
+    } else {
+        Err(CaseError::Usage(format!(
+            "{flag}: expected a finite non-negative number, got {x}"
+        )))
+    }
+}
+
 /// `--impl` and its parameters.
 #[derive(ClapArgs, Debug)]
 pub struct ImplArgs {
@@ -51,8 +62,8 @@ pub struct ImplArgs {
     #[arg(long = "impl", default_value = "naive")]
     pub imp: String,
     /// Chunk size of the chunked engine: 16, 32 or 64 (default: the case's `chunk_size`, else 64).
-    #[arg(long, default_value_t = 0)]
-    pub chunk_size: usize,
+    #[arg(long)]
+    pub chunk_size: Option<usize>,
     /// CP: FLA's equal split over N ranks (T must divide).
     #[arg(long)]
     pub world: Option<usize>,
@@ -98,6 +109,11 @@ impl ImplArgs {
                     .into(),
             ));
         }
+        if self.chunk_size == Some(0) {
+            return Err(CaseError::Usage(
+                "--chunk-size: expected 16, 32 or 64, got 0".into(),
+            ));
+        }
         let gpu_dtype = match self.gpu_dtype.as_deref() {
             None => None,
             Some("f32") => Some(Storage::F32),
@@ -111,7 +127,7 @@ impl ImplArgs {
         let req = ImplRequest {
             name: self.imp.clone(),
             gpu_dtype,
-            chunk_size: self.chunk_size,
+            chunk_size: self.chunk_size.unwrap_or(0),
             world: self.world,
             layout: self
                 .layout

@@ -5,6 +5,8 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref_verify::case::{Case, CaseError, Dtype};
+use deltaref_verify::impls::{first_non_finite, Compute, Device};
+use deltaref_verify::progress::Progress;
 
 use super::{fail, ImplArgs};
 
@@ -26,15 +28,32 @@ pub struct Args {
 fn go(a: &Args) -> Result<String, CaseError> {
     let case = Case::read(&a.case)?;
     let (imp, compute) = a.imp.resolve(&case)?;
+    imp.check_memory(&case)?;
     // Checked before the run, so a bad request costs nothing.
     let inter = a
         .intermediates
         .as_ref()
         .map(|_| deltaref_verify::intermediates::compute(&case, &imp))
         .transpose()?;
+    let progress = Progress::spinner(&format!("computing impl:{}", imp.name()));
     let results = imp
         .compute(&case, compute)
         .map_err(CaseError::computing(&a.case))?;
+    drop(progress);
+    if let Some((n, i, v)) = first_non_finite(&results) {
+        let why = if imp.device == Device::Cpu && compute == Compute::F64 {
+            "the inputs overflow float64 in the oracle's recurrence (e.g. a huge A_log, \
+             gate or key norm): no finite truth exists for them"
+        } else {
+            "compare with the f64 oracle (`verify --impl naive`) to see whether the inputs \
+             or the implementation are at fault"
+        };
+        return Err(CaseError::Usage(format!(
+            "{}: impl:{} gave a non-finite result (`{n}` = {v} at flat index {i}); {why}",
+            a.case.display(),
+            imp.name()
+        )));
+    }
     let mut lines = vec![format!("{} on {}:", imp.name(), a.case.display())];
     for (n, t) in &results {
         let rms = (t.iter().map(|v| v * v).sum::<f64>() / t.len().max(1) as f64).sqrt();

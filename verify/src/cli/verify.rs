@@ -7,8 +7,10 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use deltaref_verify::case::Op;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::impls::{Compute, Impl, ImplRequest};
+use deltaref_verify::impls::{oracle_truth, ImplRequest};
 use deltaref_verify::intermediates;
+use deltaref_verify::outputs::Tensors;
+use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
 use super::{fail, ImplArgs};
@@ -31,13 +33,18 @@ pub struct Args {
     /// Compare outputs and final state only (a forward-only port); the report says so.
     #[arg(long)]
     pub forward_only: bool,
+    /// Accept partial checks: a case whose stored truth covers only some
+    /// outputs and gradients, or a candidate that lacks some (FLA's CP
+    /// returns no final state). The unchecked tensors are still listed.
+    #[arg(long)]
+    pub allow_partial: bool,
 }
 
 /// Whether any `--impl` flag differs from its default (`--impl naive` alone
 /// cannot be told from no flag and is accepted).
 fn impl_flags_given(i: &ImplArgs) -> bool {
     i.imp != "naive"
-        || i.chunk_size != 0
+        || i.chunk_size.is_some()
         || i.world.is_some()
         || i.cuts.is_some()
         || i.cp_engine.is_some()
@@ -79,8 +86,18 @@ fn intermediate_rows(
 }
 
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
+    super::check_ratio("--max-ratio", a.max_ratio)?;
     let case = Case::read(&a.case)?;
     let stored = case.results();
+    // Without stored truth every comparison is against the f64 oracle.
+    let truth = |case: &Case| -> Result<(Tensors, String), CaseError> {
+        if stored.is_empty() {
+            let t = oracle_truth(case, &a.case)?;
+            Ok((t, "impl:naive (f64 oracle)".to_string()))
+        } else {
+            Ok((stored.clone(), "case file".to_string()))
+        }
+    };
     let mut inter = vec![];
     let (mut expected, reference, got, candidate) = match &a.candidate {
         Some(cpath) => {
@@ -91,16 +108,9 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                         .into(),
                 ));
             }
-            let cand = Case::read_candidate(cpath, case.meta.op)?;
+            let cand = Case::read_candidate_for(cpath, &case)?;
             inter = intermediate_rows(&case, &cand, a.max_ratio)?;
-            let (expected, reference) = if stored.is_empty() {
-                let oracle = Impl::NAIVE
-                    .compute(&case, Compute::F64)
-                    .map_err(CaseError::computing(&a.case))?;
-                (oracle, "impl:naive (f64 oracle)".to_string())
-            } else {
-                (stored, "case file".to_string())
-            };
+            let (expected, reference) = truth(&case)?;
             (
                 expected,
                 reference,
@@ -109,27 +119,36 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             )
         }
         None => {
-            if stored.is_empty() {
-                return Err(CaseError::Usage(format!(
-                    "{} stores no expected outputs: pass --candidate, or generate it with --expected",
-                    a.case.display()
-                )));
-            }
             let (imp, compute) = a.imp.resolve(&case)?;
+            imp.check_memory(&case)?;
+            let (expected, reference) = truth(&case)?;
+            let _p = Progress::spinner(&format!("computing impl:{}", imp.name()));
             let got = imp
                 .compute(&case, compute)
                 .map_err(CaseError::computing(&a.case))?;
-            (
-                stored,
-                "case file".to_string(),
-                got,
-                format!("impl:{}", imp.name()),
-            )
+            (expected, reference, got, format!("impl:{}", imp.name()))
         }
     };
+    let keep = forward_names(case.meta.op);
     if a.forward_only {
-        let keep = forward_names(case.meta.op);
         expected.retain(|n, _| keep.contains(&n.as_str()));
+    }
+    let mut unchecked: Vec<String> = case
+        .expected_results()
+        .into_iter()
+        .filter(|n| !expected.contains_key(*n) && (!a.forward_only || keep.contains(n)))
+        .map(String::from)
+        .collect();
+    if a.allow_partial {
+        let missing: Vec<String> = expected
+            .keys()
+            .filter(|n| !got.contains_key(*n))
+            .cloned()
+            .collect();
+        for n in missing {
+            expected.remove(&n);
+            unchecked.push(n);
+        }
     }
     let report = VerifyReport::new(
         &a.case.display().to_string(),
@@ -139,7 +158,8 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         &got,
         a.max_ratio,
     )
-    .with_intermediates(inter);
+    .with_intermediates(inter)
+    .with_unchecked(unchecked, a.allow_partial);
     Ok(if a.forward_only {
         report.forward_only()
     } else {
