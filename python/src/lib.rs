@@ -96,7 +96,9 @@ fn compute_of(name: &str) -> PyResult<Compute> {
     match name {
         "f64" => Ok(Compute::F64),
         "f32" => Ok(Compute::F32),
-        c => Err(value_error(format!("compute: expected f64 or f32, got `{c}`"))),
+        c => Err(value_error(format!(
+            "compute: expected f64 or f32, got `{c}`"
+        ))),
     }
 }
 
@@ -136,15 +138,16 @@ fn run<'py>(
         precision,
         ..ImplRequest::default()
     };
-    let (name, results) = py.detach(move || -> Result<(String, Tensors), String> {
-        case.validate().map_err(|e| e.to_string())?;
-        let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
-        let t = imp
-            .compute(&case, preset.unwrap_or(compute))
-            .map_err(|e| e.to_string())?;
-        Ok((imp.name(), t))
-    })
-    .map_err(value_error)?;
+    let (name, results) = py
+        .detach(move || -> Result<(String, Tensors), String> {
+            case.validate().map_err(|e| e.to_string())?;
+            let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
+            let t = imp
+                .compute(&case, preset.unwrap_or(compute))
+                .map_err(|e| e.to_string())?;
+            Ok((imp.name(), t))
+        })
+        .map_err(value_error)?;
     Ok((name, tensors_to_py(py, results)?))
 }
 
@@ -159,9 +162,8 @@ fn read_case(py: Python<'_>, path: PathBuf) -> PyResult<PyCase<'_>> {
 /// inputs and metadata optional, non-finite values kept.
 #[pyfunction]
 fn read_candidate<'py>(py: Python<'py>, path: PathBuf, op: &str) -> PyResult<PyCase<'py>> {
-    let op = Op::parse(op).ok_or_else(|| {
-        value_error(format!("unknown op `{op}` (kda, dplr, token_shift)"))
-    })?;
+    let op = Op::parse(op)
+        .ok_or_else(|| value_error(format!("unknown op `{op}` (kda, dplr, token_shift)")))?;
     let case = py
         .detach(|| Case::read_candidate(&path, op))
         .map_err(value_error)?;
