@@ -154,3 +154,34 @@ def test_f32_in_gives_f32_out_of_the_same_code():
     # The f32 run is the CLI's --compute f32 on the same inputs.
     r = case.run("chunk", compute="f32")
     assert np.array_equal(r.o.astype(np.float32), o32)
+
+
+class OnlyDlpack:
+    """An array known only through DLPack (like a JAX array on the CPU)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class OnlyArray:
+    def __init__(self, a):
+        self._a = a
+
+    def __array__(self, dtype=None, copy=None):
+        return self._a if dtype is None else self._a.astype(dtype)
+
+
+def test_dlpack_and_array_protocol_inputs():
+    case = deltaref.gen("dplr", shape=[1, 20, 2, 8, 8])
+    t = case.tensors
+    names = ("q", "k", "v", "a", "b", "gk")
+    want, _ = deltaref.chunk_dplr_delta_rule(*(t[n] for n in names))
+    for wrap in (OnlyDlpack, OnlyArray):
+        got, _ = deltaref.chunk_dplr_delta_rule(*(wrap(t[n]) for n in names))
+        assert isinstance(got, np.ndarray) and np.array_equal(got, want)
