@@ -279,8 +279,9 @@ def chunk_kda(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
-    lower_bound=None, cu_seqlens=None, *, A_log=None, dt_bias=None, impl=None,
-    chunk_size=None, cp=None, precision=None, disable_recompute=False, cu_seqlens_cpu=None,
+    lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+    state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, *, A_log=None, dt_bias=None,
+    impl=None, chunk_size=None, cp=None, precision=None,
 ):
     """KDA in the chunked (WY) form FLA's kernels use (FLA ``chunk_kda``).
 
@@ -290,9 +291,15 @@ def chunk_kda(
     speed switch: the oracle is exact either way, the precision preset
     ``fla-bf16`` emulates its midpoint factoring); ``use_beta_sigmoid_in_kernel``,
     ``allow_neg_eigval``. ``disable_recompute`` and ``cu_seqlens_cpu`` are
-    accepted and change nothing. ``chunk_size`` 16, 32 or 64 (default 64).
+    accepted and change nothing; ``return_intermediate_states`` and
+    ``state_v_first`` are refused. ``chunk_size`` 16, 32 or 64 (default 64).
     """
     del disable_recompute, cu_seqlens_cpu
+    if return_intermediate_states or state_v_first:
+        raise ValueError(
+            "return_intermediate_states and state_v_first are not supported: the oracle "
+            "returns (o, final_state) with the state in FLA's default [K, V] layout"
+        )
     r, _ = _kda(
         "chunk", q, k, v, g, beta, None, None, scale, initial_state, cu_seqlens,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
@@ -373,15 +380,16 @@ def naive_recurrent_dplr_delta_rule(
 def chunk_dplr_delta_rule(
     q, k, v, a, b, gk, scale=None, initial_state=None, output_final_state=False,
     cu_seqlens=None, cu_seqlens_cpu=None, safe_gate=False, chunk_size=None,
-    disable_recompute=False, *, impl=None, cp=None, precision=None,
+    disable_recompute=False, *, lower_bound=None, impl=None, cp=None, precision=None,
 ):
     """DPLR in the chunked form (FLA ``chunk_dplr_delta_rule``).
 
     Shapes and outputs as :func:`naive_recurrent_dplr_delta_rule`.
-    ``chunk_size`` 16, 32 or 64 (default 64); ``safe_gate``,
-    ``disable_recompute`` and ``cu_seqlens_cpu`` change nothing in the oracle.
+    ``chunk_size`` 16, 32 or 64 (default 64); ``safe_gate``, ``lower_bound``
+    (FLA's kernel-speed hints), ``disable_recompute`` and ``cu_seqlens_cpu``
+    change nothing in the oracle.
     """
-    del cu_seqlens_cpu, safe_gate, disable_recompute
+    del cu_seqlens_cpu, safe_gate, disable_recompute, lower_bound
     r, _ = _dplr(
         "chunk", q, k, v, a, b, gk, None, None, scale, initial_state, cu_seqlens,
         impl, chunk_size, cp, precision,
@@ -431,13 +439,16 @@ def _token_shift(x, dy, dfinal_cache, cu_seqlens, cache, cp) -> tuple[Results, _
     )
 
 
-def token_shift(x, cu_seqlens=None, cache=None, output_cache=False, *, cp=None):
+def token_shift(x, cu_seqlens=None, cache=None, output_cache=False, chunk_indices=None, *,
+                cp=None):
     """FLA ``token_shift``: ``y_t = x_{t-1} − x_t`` per sequence.
 
     ``x [B,T,D]``, optional ``cache [N,D]`` (the token before each sequence),
     ``cu_seqlens [N+1]``. Returns ``y [B,T,D]``, or ``(y, final_cache [N,D])``
-    with ``output_cache``. ``cp`` simulates context parallel (``world``/``cuts``).
+    with ``output_cache``. ``cp`` simulates context parallel (``world``/``cuts``);
+    ``chunk_indices`` (FLA's launch grid) changes nothing.
     """
+    del chunk_indices
     r, _ = _token_shift(x, None, None, cu_seqlens, cache, cp)
     return (r.y, r.final_cache) if output_cache else r.y
 

@@ -33,11 +33,12 @@ def chunk_kda(
     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False, safe_gate: bool = False,
-    lower_bound: Optional[float] = None, cu_seqlens: Optional[ArrayLike] = None, *,
+    lower_bound: Optional[float] = None, disable_recompute: bool = False,
+    return_intermediate_states: bool = False, state_v_first: bool = False,
+    cu_seqlens: Optional[ArrayLike] = None, cu_seqlens_cpu: Optional[ArrayLike] = None, *,
     A_log: Optional[ArrayLike] = None, dt_bias: Optional[ArrayLike] = None,
     impl: Optional[Impl] = None, chunk_size: Optional[int] = None,
     cp: Optional[CpSpec] = None, precision: Optional[str] = None,
-    disable_recompute: bool = False, cu_seqlens_cpu: Optional[ArrayLike] = None,
 ) -> tuple[Any, Optional[Any]]: ...
 def naive_recurrent_kda_backward(
     q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, beta: ArrayLike,
@@ -65,7 +66,8 @@ def chunk_dplr_delta_rule(
     output_final_state: bool = False, cu_seqlens: Optional[ArrayLike] = None,
     cu_seqlens_cpu: Optional[ArrayLike] = None, safe_gate: bool = False,
     chunk_size: Optional[int] = None, disable_recompute: bool = False, *,
-    impl: Optional[Impl] = None, cp: Optional[CpSpec] = None, precision: Optional[str] = None,
+    lower_bound: Optional[float] = None, impl: Optional[Impl] = None,
+    cp: Optional[CpSpec] = None, precision: Optional[str] = None,
 ) -> tuple[Any, Optional[Any]]: ...
 def naive_recurrent_dplr_delta_rule_backward(
     q: ArrayLike, k: ArrayLike, v: ArrayLike, a: ArrayLike, b: ArrayLike, gk: ArrayLike,
@@ -78,7 +80,8 @@ chunk_dplr_delta_rule_backward = naive_recurrent_dplr_delta_rule_backward
 
 def token_shift(
     x: ArrayLike, cu_seqlens: Optional[ArrayLike] = None, cache: Optional[ArrayLike] = None,
-    output_cache: bool = False, *, cp: Optional[CpSpec] = None,
+    output_cache: bool = False, chunk_indices: Optional[ArrayLike] = None, *,
+    cp: Optional[CpSpec] = None,
 ) -> Any: ...
 def token_shift_backward(
     x: ArrayLike, dy: ArrayLike, dfinal_cache: Optional[ArrayLike] = None, *,

@@ -108,6 +108,8 @@ def test_python_side_refusals():
         deltaref.chunk_kda(q, k, v, g, beta, A_log=np.zeros(2))
     with pytest.raises(ValueError, match="`A_log` must be provided"):
         deltaref.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="return_intermediate_states and state_v_first"):
+        deltaref.chunk_kda(q, k, v, g, beta, state_v_first=True)
     with pytest.raises(ValueError, match=r"cp: unknown key\(s\) \['ranks'\]"):
         deltaref.chunk_kda(q, k, v, g, beta, cp={"ranks": 2})
     with pytest.raises(ValueError, match="1-D integer array"):
