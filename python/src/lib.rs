@@ -32,6 +32,25 @@ fn value_error(e: impl ToString) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
+/// Runs `f` with the GIL released. Its error, and a panic too (a bug or an
+/// input the validation missed), come back as a `ValueError`: nothing
+/// unwinds into the interpreter.
+fn released<T: Send, E: ToString + Send>(
+    py: Python<'_>,
+    f: impl FnOnce() -> Result<T, E> + Send,
+) -> PyResult<T> {
+    py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)))
+        .map_err(|p| {
+            let why = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown panic");
+            value_error(format!("deltaref internal error: {why}"))
+        })?
+        .map_err(value_error)
+}
+
 /// A case as Python sees it: `(case JSON, {name: f64 array}, {name: dtype}, cu_seqlens)`.
 type PyCase<'py> = (
     String,
@@ -145,23 +164,21 @@ fn run<'py>(
         precision,
         ..ImplRequest::default()
     };
-    let (name, results) = py
-        .detach(move || -> Result<(String, Tensors), String> {
-            case.validate().map_err(|e| e.to_string())?;
-            let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
-            let t = imp
-                .compute(&case, preset.unwrap_or(compute))
-                .map_err(|e| e.to_string())?;
-            Ok((imp.name(), t))
-        })
-        .map_err(value_error)?;
+    let (name, results) = released(py, move || -> Result<(String, Tensors), String> {
+        case.validate().map_err(|e| e.to_string())?;
+        let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
+        let t = imp
+            .compute(&case, preset.unwrap_or(compute))
+            .map_err(|e| e.to_string())?;
+        Ok((imp.name(), t))
+    })?;
     Ok((name, tensors_to_py(py, results)?))
 }
 
 /// Reads and validates a case file (`deltaref` reads it the same way).
 #[pyfunction]
 fn read_case(py: Python<'_>, path: PathBuf) -> PyResult<PyCase<'_>> {
-    let case = py.detach(|| Case::read(&path)).map_err(value_error)?;
+    let case = released(py, || Case::read(&path))?;
     case_to_py(py, case)
 }
 
@@ -171,9 +188,7 @@ fn read_case(py: Python<'_>, path: PathBuf) -> PyResult<PyCase<'_>> {
 fn read_candidate<'py>(py: Python<'py>, path: PathBuf, op: &str) -> PyResult<PyCase<'py>> {
     let op = Op::parse(op)
         .ok_or_else(|| value_error(format!("unknown op `{op}` (kda, dplr, token_shift)")))?;
-    let case = py
-        .detach(|| Case::read_candidate(&path, op))
-        .map_err(value_error)?;
+    let case = released(py, || Case::read_candidate(&path, op))?;
     case_to_py(py, case)
 }
 
@@ -190,7 +205,7 @@ fn write_case<'py>(
 ) -> PyResult<usize> {
     let case = build_case(meta_json, tensors, &dtypes, cu_seqlens)?;
     let n = case.tensors.len() + usize::from(case.cu_seqlens.is_some());
-    py.detach(|| case.write(&path)).map_err(value_error)?;
+    released(py, || case.write(&path))?;
     Ok(n)
 }
 
@@ -256,7 +271,7 @@ fn gen<'py>(
         expected,
         ..GenSpec::new(op)
     };
-    let case = py.detach(|| generate(&spec)).map_err(value_error)?;
+    let case = released(py, || generate(&spec))?;
     case_to_py(py, case)
 }
 
@@ -299,42 +314,44 @@ fn verify<'py>(
         precision,
         ..ImplRequest::default()
     };
-    let report = py
-        .detach(move || -> Result<VerifyReport, String> {
-            case.validate()
-                .map_err(|e| format!("{case_name}: {e}"))?;
-            let stored = case.results();
-            let computing = |e: deltaref_verify::gpu::ComputeError| format!("{case_name}: {e}");
-            let (expected, reference, got, candidate) = match cand {
-                Some(c) => {
-                    let (expected, reference) = if stored.is_empty() {
-                        let oracle = Impl::NAIVE
-                            .compute(&case, Compute::F64)
-                            .map_err(computing)?;
-                        (oracle, "impl:naive (f64 oracle)".to_string())
-                    } else {
-                        (stored, "case file".to_string())
-                    };
-                    (expected, reference, c.results(), candidate_name.to_string())
-                }
-                None => {
-                    if stored.is_empty() {
-                        return Err(format!(
+    let report = released(py, move || -> Result<VerifyReport, String> {
+        case.validate().map_err(|e| format!("{case_name}: {e}"))?;
+        let stored = case.results();
+        let computing = |e: deltaref_verify::gpu::ComputeError| format!("{case_name}: {e}");
+        let (expected, reference, got, candidate) = match cand {
+            Some(c) => {
+                let (expected, reference) = if stored.is_empty() {
+                    let oracle = Impl::NAIVE
+                        .compute(&case, Compute::F64)
+                        .map_err(computing)?;
+                    (oracle, "impl:naive (f64 oracle)".to_string())
+                } else {
+                    (stored, "case file".to_string())
+                };
+                (expected, reference, c.results(), candidate_name.to_string())
+            }
+            None => {
+                if stored.is_empty() {
+                    return Err(format!(
                             "{case_name} stores no expected outputs: pass a candidate, or generate it with expected=True"
                         ));
-                    }
-                    let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
-                    let got = imp
-                        .compute(&case, compute.or(preset).unwrap_or(Compute::F64))
-                        .map_err(computing)?;
-                    (stored, "case file".to_string(), got, format!("impl:{}", imp.name()))
                 }
-            };
-            Ok(VerifyReport::new(
-                case_name, &reference, &candidate, &expected, &got, max_ratio,
-            ))
-        })
-        .map_err(value_error)?;
+                let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
+                let got = imp
+                    .compute(&case, compute.or(preset).unwrap_or(Compute::F64))
+                    .map_err(computing)?;
+                (
+                    stored,
+                    "case file".to_string(),
+                    got,
+                    format!("impl:{}", imp.name()),
+                )
+            }
+        };
+        Ok(VerifyReport::new(
+            case_name, &reference, &candidate, &expected, &got, max_ratio,
+        ))
+    })?;
     let json = serde_json::to_string(&report).map_err(value_error)?;
     Ok((json, report.to_string(), report.pass))
 }

@@ -157,3 +157,12 @@ def test_long_calls_release_the_gil():
     # released, it ticks about once a millisecond.
     assert seconds[0] > 0.05, f"the call took {seconds[0]:.3f} s: too short to tell"
     assert ticks >= 20, (ticks, seconds)
+
+
+def test_no_panic_reaches_python():
+    # Shape arithmetic on absurd sizes: a clean ValueError whatever the Rust
+    # side does with it (validation error, or a caught panic).
+    with pytest.raises(ValueError):
+        deltaref.gen("kda", shape=[1, 2**64 - 1, 1, 1, 1, 1])
+    with pytest.raises(ValueError):
+        deltaref.gen("kda", lengths=[2**63, 2**63])
