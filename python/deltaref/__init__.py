@@ -175,6 +175,8 @@ def _run(
 ) -> tuple[Results, _Like]:
     arrays = {n: _array(n, x) for n, x in named.items() if x is not None}
     like = _Like(named[lead], arrays[lead])
+    # Without the main upstream gradient only the forward pass runs.
+    forward_only = not ({"do", "dy"} & set(arrays))
     tensors = {n: np.asarray(a, dtype=np.float64) for n, a in arrays.items()}
     dtypes = {n: like.compute for n in tensors}
     name, out = _core.run(
@@ -184,6 +186,7 @@ def _run(
         _cu_seqlens(cu_seqlens),
         compute=like.compute,
         precision=precision,
+        forward_only=forward_only,
         **_impl_args(impl, default_impl, chunk_size, cp),
     )
     r = Results({n: like(v) for n, v in out.items()})
@@ -239,11 +242,9 @@ def _kda(
         scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
         allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias,
     )
-    v_arr = _array("v", v)
     named = dict(
-        q=q, k=k, v=v_arr, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
-        initial_state=initial_state, dht=dht,
-        do=np.zeros_like(v_arr) if do is None else do,
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+        initial_state=initial_state, do=do, dht=dht,
     )
     return _run(meta, named, cu_seqlens, "q", impl, default_impl, chunk_size, cp, precision)
 
@@ -331,7 +332,8 @@ def _kda_backward(default_impl):
     ``Σ o·do + Σ final_state·dht``. Returns a :class:`Results` with ``o``,
     ``final_state``, ``dq``, ``dk``, ``dv``, ``dg``, ``dbeta`` and, when the
     inputs exist, ``dA_log``, ``ddt_bias``, ``dh0``. Keywords as
-    :func:`chunk_kda`.
+    :func:`chunk_kda`. With ``do=None`` only the forward pass runs
+    (``o`` and ``final_state``).
     """
     return backward
 
@@ -351,10 +353,8 @@ def _dplr(
     meta: dict[str, Any] = {"op": "dplr"}
     if scale is not None:
         meta["scale"] = float(scale)
-    v_arr = _array("v", v)
     named = dict(
-        q=q, k=k, v=v_arr, a=a, b=b, gk=gk, initial_state=initial_state, dht=dht,
-        do=np.zeros_like(v_arr) if do is None else do,
+        q=q, k=k, v=v, a=a, b=b, gk=gk, initial_state=initial_state, do=do, dht=dht,
     )
     return _run(meta, named, cu_seqlens, "q", impl, default_impl, chunk_size, cp, precision)
 
@@ -415,7 +415,8 @@ def _dplr_backward(default_impl):
 
     ``do [B,T,H,V]``, optional ``dht [N,H,K,V]``. Returns a :class:`Results`
     with ``o``, ``final_state``, ``dq``, ``dk``, ``dv``, ``da``, ``db``,
-    ``dgk`` and (with an initial state) ``dh0``.
+    ``dgk`` and (with an initial state) ``dh0``. With ``do=None`` only the
+    forward pass runs (``o`` and ``final_state``).
     """
     return backward
 
@@ -429,11 +430,7 @@ chunk_dplr_delta_rule_backward = _dplr_backward("chunk")
 
 
 def _token_shift(x, dy, dfinal_cache, cu_seqlens, cache, cp) -> tuple[Results, _Like]:
-    x_arr = _array("x", x)
-    named = dict(
-        x=x, cache=cache, dfinal_cache=dfinal_cache,
-        dy=np.zeros_like(x_arr) if dy is None else dy,
-    )
+    named = dict(x=x, cache=cache, dy=dy, dfinal_cache=dfinal_cache)
     return _run(
         {"op": "token_shift"}, named, cu_seqlens, "x", None, "naive", None, cp, None
     )
@@ -455,7 +452,8 @@ def token_shift(x, cu_seqlens=None, cache=None, output_cache=False, chunk_indice
 
 def token_shift_backward(x, dy, dfinal_cache=None, *, cu_seqlens=None, cache=None, cp=None):
     """``y``, ``final_cache``, ``dx`` and (with a cache) ``dcache`` of the
-    loss ``Σ y·dy + Σ final_cache·dfinal_cache``, as a :class:`Results`."""
+    loss ``Σ y·dy + Σ final_cache·dfinal_cache``, as a :class:`Results`
+    (``dy=None``: ``y`` and ``final_cache`` only)."""
     r, _ = _token_shift(x, dy, dfinal_cache, cu_seqlens, cache, cp)
     return r
 
@@ -555,7 +553,7 @@ class Case:
         (``deltaref run``); float64 arrays."""
         args = _impl_args(impl, "naive", chunk_size, cp)
         name, out = _core.run(
-            *self._core_args(), compute=compute, precision=precision, **args
+            *self._core_args(), compute=compute, precision=precision, forward_only=False, **args
         )
         r = Results(out)
         r.impl = name

@@ -44,7 +44,7 @@ class _Oracle(torch.autograd.Function):
     def forward(ctx, backward_fn: Callable, names, grads, outs, kwargs, *tensors):
         inputs = dict(zip(names, tensors))
         lead = tensors[0]
-        r = backward_fn(**inputs, **kwargs, **{outs[2]: torch.zeros_like(_value(inputs, names))})
+        r = backward_fn(**inputs, **kwargs, **{outs[2]: None})  # no `do`: forward only
         ctx.backward_fn, ctx.names, ctx.grads, ctx.outs, ctx.kwargs = (
             backward_fn, names, grads, outs, kwargs,
         )
@@ -62,11 +62,6 @@ class _Oracle(torch.autograd.Function):
             for t, g in zip(tensors, ctx.grads)
         )
         return (None, None, None, None, None) + grads
-
-
-def _value(inputs: dict, names) -> torch.Tensor:
-    # The main output is shaped like `v` ([B,T,HV,V]) or like `x` (token-shift).
-    return inputs["v"] if "v" in inputs else inputs[names[0]]
 
 
 def _call(fn: Callable, inputs: dict, kwargs: dict, upstream: dict) -> Any:

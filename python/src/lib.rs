@@ -134,10 +134,11 @@ fn compute_of(name: &str) -> PyResult<Compute> {
 /// Returns `(implementation name, {name: f64 array})`: `o`/`y`, the final
 /// state and every gradient FLA names (`dq dk dv dg dbeta dA_log ddt_bias
 /// dh0`; DPLR `da db dgk`; token-shift `dx dcache`), each shaped like its
-/// input. `compute` (f64 or f32) is used unless the `precision` preset sets
-/// its own scalar.
+/// input; with `forward_only`, the outputs and final state alone (no
+/// upstream gradients needed). `compute` (f64 or f32) is used unless the
+/// `precision` preset sets its own scalar.
 #[pyfunction]
-#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, impl_name, chunk_size, world, cuts, cp_engine, precision, compute))]
+#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, impl_name, chunk_size, world, cuts, cp_engine, precision, compute, forward_only))]
 #[allow(clippy::too_many_arguments)]
 fn run<'py>(
     py: Python<'py>,
@@ -152,6 +153,7 @@ fn run<'py>(
     cp_engine: Option<String>,
     precision: Option<String>,
     compute: &str,
+    forward_only: bool,
 ) -> PyResult<(String, Bound<'py, PyDict>)> {
     let case = build_case(meta_json, tensors, &dtypes, cu_seqlens)?;
     let compute = compute_of(compute)?;
@@ -165,12 +167,18 @@ fn run<'py>(
         ..ImplRequest::default()
     };
     let (name, results) = released(py, move || -> Result<(String, Tensors), String> {
-        case.validate().map_err(|e| e.to_string())?;
+        // The forward validates its inputs itself; `validate` also needs `do`.
+        if !forward_only {
+            case.validate().map_err(|e| e.to_string())?;
+        }
         let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
-        let t = imp
-            .compute(&case, preset.unwrap_or(compute))
-            .map_err(|e| e.to_string())?;
-        Ok((imp.name(), t))
+        let compute = preset.unwrap_or(compute);
+        let t = if forward_only {
+            imp.compute_forward(&case, compute)
+        } else {
+            imp.compute(&case, compute)
+        };
+        Ok((imp.name(), t.map_err(|e| e.to_string())?))
     })?;
     Ok((name, tensors_to_py(py, results)?))
 }

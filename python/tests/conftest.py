@@ -62,23 +62,26 @@ def fla_kwargs(case: deltaref.Case) -> dict:
     return kw
 
 
-def backward_of(case: deltaref.Case, engine: str, **extra) -> deltaref.Results:
+def backward_of(case: deltaref.Case, engine: str, upstream=True, **extra) -> deltaref.Results:
     """Outputs and gradients of a case through the FLA-named `*_backward`
-    companion of `engine` ("naive" or "chunk")."""
-    t = case.tensors
+    companion of `engine` ("naive" or "chunk"); the outputs alone (forward
+    pass only) without `upstream`."""
+    t = dict(case.tensors)
+    if not upstream:
+        t["do"] = t["dy"] = None
     if case.op == "token_shift":
         extra.pop("chunk_size", None)  # token-shift has no chunked engine
         return deltaref.token_shift_backward(
-            t["x"], t["dy"], t.get("dfinal_cache"), cu_seqlens=fla_kwargs(case).get("cu_seqlens"),
+            t["x"], t["dy"], t.get("dfinal_cache") if upstream else None, cu_seqlens=fla_kwargs(case).get("cu_seqlens"),
             cache=t.get("cache"), **extra,
         )
     kw = fla_kwargs(case) | extra
     if case.op == "kda":
         fn = deltaref.naive_recurrent_kda_backward if engine == "naive" else deltaref.chunk_kda_backward
-        return fn(t["q"], t["k"], t["v"], t["g"], t["beta"], t["do"], t.get("dht"), **kw)
+        return fn(t["q"], t["k"], t["v"], t["g"], t["beta"], t["do"], t.get("dht") if upstream else None, **kw)
     fn = (
         deltaref.naive_recurrent_dplr_delta_rule_backward
         if engine == "naive"
         else deltaref.chunk_dplr_delta_rule_backward
     )
-    return fn(t["q"], t["k"], t["v"], t["a"], t["b"], t["gk"], t["do"], t.get("dht"), **kw)
+    return fn(t["q"], t["k"], t["v"], t["a"], t["b"], t["gk"], t["do"], t.get("dht") if upstream else None, **kw)

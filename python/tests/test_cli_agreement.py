@@ -42,6 +42,11 @@ def test_chunk_and_cp_match_deltaref_run_bit_for_bit(path, cli, tmp_path):
             assert p.stdout.startswith(f"{got.impl} on ")
         for name in got:
             assert same_bits(got[name], want.tensors[name]), f"{impl}: {name}"
+        # The forward-only path gives the same outputs.
+        fwd = backward_of(case, "chunk", upstream=False, chunk_size=case.meta.get("chunk_size"), **extra)
+        assert len(fwd) == 2
+        for name in fwd:
+            assert same_bits(fwd[name], want.tensors[name]), f"{impl} forward: {name}"
 
 
 @pytest.mark.parametrize("path", FIXTURES[:6], ids=IDS[:6])
