@@ -153,7 +153,8 @@ impl Op {
         }
     }
 
-    fn knows(self, name: &str) -> bool {
+    /// Whether `name` is a tensor a case of this op may hold.
+    pub fn knows(self, name: &str) -> bool {
         self.inputs().contains(&name)
             || self.upstream().contains(&name)
             || self.results().contains(&name)

@@ -139,19 +139,67 @@ impl Impl {
         self.compute_in::<f64>(case)
     }
 
+    /// The outputs only (`o`/`y` and the final state), without the backward
+    /// pass: the case needs no upstream gradients. (The GPU runs both passes.)
+    pub fn compute_forward(&self, case: &Case, compute: Compute) -> Result<Tensors, ComputeError> {
+        if let Device::Gpu(_) = self.device {
+            let mut t = self.compute(case, compute)?;
+            t.retain(|n, _| matches!(n.as_str(), "o" | "final_state" | "y" | "final_cache"));
+            return Ok(t);
+        }
+        Ok(match compute {
+            Compute::F64 => self.forward_in::<f64>(case)?,
+            Compute::F32 => self.forward_in::<f32>(case)?,
+        })
+    }
+
+    fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
+        let case = self.stored_inputs(case);
+        let cp = self.cp.as_ref().map(|(p, o)| (p, o));
+        match case.inputs()? {
+            Inputs::Kda(x) => {
+                let opts = case.meta.kda_options();
+                match &self.engine {
+                    Engine::Naive => {
+                        outputs::kda_forward::<T, _>(&kda::naive::Naive, &x, &opts, cp)
+                    }
+                    Engine::Chunk(c) => {
+                        let e = Chunk::new(*c)?.with_policy(self.policy.clone());
+                        outputs::kda_forward::<T, _>(&e, &x, &opts, cp)
+                    }
+                }
+            }
+            Inputs::Dplr(x) => {
+                let opts = case.meta.dplr_options();
+                match &self.engine {
+                    Engine::Naive => {
+                        outputs::dplr_forward::<T, _>(&dplr::naive::Naive, &x, &opts, cp)
+                    }
+                    Engine::Chunk(c) => {
+                        outputs::dplr_forward::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, cp)
+                    }
+                }
+            }
+            Inputs::TokenShift(x) => {
+                outputs::token_shift_forward::<T>(&x, self.cp.as_ref().map(|(p, _)| p))
+            }
+        }
+    }
+
+    /// The case as the kernel reads it: inputs rounded to the policy's input storage.
+    fn stored_inputs<'a>(&self, case: &'a Case) -> std::borrow::Cow<'a, Case> {
+        match self.policy.storage(Stage::Inputs) {
+            Some(s) => std::borrow::Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
+            None => std::borrow::Cow::Borrowed(case),
+        }
+    }
+
     fn compute_in<T: Scalar>(
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error> {
         // The kernel reads its inputs in their storage dtype.
-        let rounded;
-        let case = match self.policy.storage(Stage::Inputs) {
-            Some(s) => {
-                rounded = case.with_rounded_inputs(|x| s.round_f64(x));
-                &rounded
-            }
-            None => case,
-        };
+        let case = &*self.stored_inputs(case);
         let (d_o, dht) = case.upstream()?;
         let dht = dht.as_ref();
         let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));

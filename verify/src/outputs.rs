@@ -205,3 +205,64 @@ pub fn token_shift_cp<T: Scalar>(
     )?;
     Ok(token_shift_map(&out, &gr))
 }
+
+/// KDA `o` and `final_state` only (no backward pass), computed by `engine`
+/// in `T`; under simulated CP when `cp` is given.
+pub fn kda_forward<T: Scalar, E: KdaEngine<T>>(
+    engine: &E,
+    x: &KdaInputs<f64>,
+    opts: &KdaOptions,
+    cp: Option<(&PlanSpec, &CpOptions)>,
+) -> Result<Tensors> {
+    let xt = x.cast::<T>();
+    let opts = KdaOptions {
+        output_final_state: true,
+        ..*opts
+    };
+    let out = match cp {
+        None => kda::forward(engine, &xt, &opts)?,
+        Some((plan, cpo)) => cp::kda::forward(engine, &xt, &opts, plan, cpo)?.0,
+    };
+    let mut m = Tensors::new();
+    put(&mut m, "o", Some(&out.o));
+    put(&mut m, "final_state", out.final_state.as_ref());
+    Ok(m)
+}
+
+/// DPLR `o` and `final_state` only, computed by `engine` in `T` (CP when `cp` is given).
+pub fn dplr_forward<T: Scalar, E: DplrEngine<T>>(
+    engine: &E,
+    x: &DplrInputs<f64>,
+    opts: &DplrOptions,
+    cp: Option<(&PlanSpec, &CpOptions)>,
+) -> Result<Tensors> {
+    let xt = x.cast::<T>();
+    let opts = DplrOptions {
+        output_final_state: true,
+        ..*opts
+    };
+    let out = match cp {
+        None => dplr::forward(engine, &xt, &opts)?,
+        Some((plan, cpo)) => cp::dplr::forward(engine, &xt, &opts, plan, cpo)?.0,
+    };
+    let mut m = Tensors::new();
+    put(&mut m, "o", Some(&out.o));
+    put(&mut m, "final_state", out.final_state.as_ref());
+    Ok(m)
+}
+
+/// Token-shift `y` and `final_cache` only, in `T` (CP when `plan` is given).
+pub fn token_shift_forward<T: Scalar>(
+    x: &TokenShiftInputs<f64>,
+    plan: Option<&PlanSpec>,
+) -> Result<Tensors> {
+    let xt = x.cast::<T>();
+    let out = match plan {
+        None => token_shift::forward(&xt)?,
+        Some(plan) => cp::token_shift::forward(&xt, plan)?,
+    };
+    let mut m = Tensors::new();
+    put(&mut m, "y", Some(&out.y));
+    put(&mut m, "final_cache", Some(&out.final_cache));
+    Ok(m)
+}
