@@ -597,6 +597,40 @@ fn partial_truth_is_listed_and_fails_unless_allowed() {
     assert!(err.contains("unchecked"), "{err}");
 }
 
+/// A candidate without `final_state` (FLA's CP returns none) fails on it;
+/// `--allow-partial` lists it as unchecked and still checks the rest.
+#[test]
+fn a_candidate_lacking_a_tensor_passes_only_with_allow_partial() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = gen(dir.path(), "c.safetensors", &["--expected"]);
+    let cand = dir.path().join("cand.safetensors");
+    run_ok(&["run", "--case", s(&case), "--out", s(&cand)]);
+    let mut g = Case::read(&cand).unwrap();
+    g.tensors.remove("final_state");
+    g.dtypes.remove("final_state");
+    g.write(&cand).unwrap();
+    let verify = |extra: &[&str]| {
+        let mut args = vec!["verify", "--case", s(&case), "--candidate", s(&cand)];
+        args.extend_from_slice(extra);
+        code(&args)
+    };
+    let (rc, out, _) = verify(&[]);
+    assert_eq!(rc, 1, "{out}");
+    assert!(out.contains("missing from the candidate"), "{out}");
+    let (rc, out, _) = verify(&["--allow-partial"]);
+    assert_eq!(rc, 0, "{out}");
+    assert!(
+        out.contains("unchecked") && out.contains("final_state") && !out.contains("FAIL"),
+        "{out}"
+    );
+    // The rest is still checked: a wrong `dq` fails even with --allow-partial.
+    let wrong = g.tensors["dq"].mapv(|v| v * 1.5);
+    g.insert("dq", wrong, Dtype::F64);
+    g.write(&cand).unwrap();
+    let (rc, out, _) = verify(&["--allow-partial"]);
+    assert_eq!(rc, 1, "{out}");
+}
+
 #[test]
 fn a_candidate_stating_other_options_is_refused() {
     let dir = tempfile::tempdir().unwrap();
