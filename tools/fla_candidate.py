@@ -48,25 +48,32 @@ def load(path):
     return t, meta
 
 
+def kda_options(meta, p):
+    """`chunk_kda`'s keyword arguments for a case's options and parameters `p`."""
+    gate = meta.get("gate", "none")
+    return dict(
+        scale=meta.get("scale"),
+        use_qk_l2norm_in_kernel=meta.get("use_qk_l2norm_in_kernel", False),
+        use_gate_in_kernel=gate != "none",
+        A_log=p.get("A_log"),
+        dt_bias=p.get("dt_bias"),
+        lower_bound=meta.get("lower_bound") if gate == "lowerbound" else None,
+        safe_gate=gate == "lowerbound",
+        use_beta_sigmoid_in_kernel=meta.get("use_beta_sigmoid_in_kernel", False),
+        allow_neg_eigval=meta.get("allow_neg_eigval", False),
+    )
+
+
 def forward(op, meta, x, p, cu):
     """Returns (main output, final state) of FLA's kernel."""
     if op == "kda":
         from fla.ops.kda import chunk_kda
 
-        gate = meta.get("gate", "none")
         return chunk_kda(
             **x,
-            scale=meta.get("scale"),
+            **kda_options(meta, p),
             initial_state=p.get("initial_state"),
             output_final_state=True,
-            use_qk_l2norm_in_kernel=meta.get("use_qk_l2norm_in_kernel", False),
-            use_gate_in_kernel=gate != "none",
-            A_log=p.get("A_log"),
-            dt_bias=p.get("dt_bias"),
-            lower_bound=meta.get("lower_bound") if gate == "lowerbound" else None,
-            safe_gate=gate == "lowerbound",
-            use_beta_sigmoid_in_kernel=meta.get("use_beta_sigmoid_in_kernel", False),
-            allow_neg_eigval=meta.get("allow_neg_eigval", False),
             cu_seqlens=cu,
         )
     if op == "dplr":

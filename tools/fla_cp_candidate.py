@@ -34,6 +34,7 @@ import safetensors
 import safetensors.torch as st
 import torch
 import torch.distributed as dist
+from fla_candidate import kda_options  # same directory: the options map once
 
 TOKEN_INPUTS = {
     "kda": ["q", "k", "v", "g", "beta"],
@@ -87,20 +88,7 @@ def forward(op, meta, x, p, ctx):
     if op == "kda":
         from fla.ops.kda import chunk_kda
 
-        gate = meta.get("gate", "none")
-        o, _ = chunk_kda(
-            **x,
-            scale=meta.get("scale"),
-            use_qk_l2norm_in_kernel=meta.get("use_qk_l2norm_in_kernel", False),
-            use_gate_in_kernel=gate != "none",
-            A_log=p.get("A_log"),
-            dt_bias=p.get("dt_bias"),
-            lower_bound=meta.get("lower_bound") if gate == "lowerbound" else None,
-            safe_gate=gate == "lowerbound",
-            use_beta_sigmoid_in_kernel=meta.get("use_beta_sigmoid_in_kernel", False),
-            allow_neg_eigval=meta.get("allow_neg_eigval", False),
-            cp_context=ctx,
-        )
+        o, _ = chunk_kda(**x, **kda_options(meta, p), cp_context=ctx)
         return o
     if op == "dplr":
         from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule

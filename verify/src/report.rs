@@ -180,6 +180,20 @@ impl VerifyReport {
     }
 }
 
+/// A table cell for an optional number.
+fn num(x: Option<f64>) -> String {
+    x.map_or("-".to_string(), |v| format!("{v:.3e}"))
+}
+
+/// A row's result: `pass`, `FAIL`, or `FAIL (why)` when it could not be compared.
+fn verdict(problem: &Option<String>, pass: bool) -> String {
+    match (problem, pass) {
+        (Some(p), _) => format!("FAIL ({p})"),
+        (None, true) => "pass".into(),
+        (None, false) => "FAIL".into(),
+    }
+}
+
 impl fmt::Display for VerifyReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
@@ -193,12 +207,6 @@ impl fmt::Display for VerifyReport {
             "tensor", "shape", "norm_ratio", "max_abs", "argmax"
         )?;
         for r in &self.rows {
-            let num = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3e}"));
-            let result = match (&r.problem, r.pass) {
-                (Some(p), _) => format!("FAIL ({p})"),
-                (None, true) => "pass".into(),
-                (None, false) => "FAIL".into(),
-            };
             writeln!(
                 f,
                 "{:<13} {:<20} {:>11} {:>11}  {:<20} {}",
@@ -207,7 +215,7 @@ impl fmt::Display for VerifyReport {
                 num(r.norm_ratio),
                 num(r.max_abs),
                 r.argmax.as_ref().map_or("-".into(), |a| format!("{a:?}")),
-                result
+                verdict(&r.problem, r.pass)
             )?;
         }
         if !self.unchecked.is_empty() {
@@ -226,12 +234,6 @@ impl fmt::Display for VerifyReport {
                 self.max_ratio
             )?;
             for r in &self.intermediates {
-                let num = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3e}"));
-                let result = match (&r.problem, r.pass) {
-                    (Some(p), _) => format!("FAIL ({p})"),
-                    (None, true) => "pass".into(),
-                    (None, false) => "FAIL".into(),
-                };
                 writeln!(
                     f,
                     "{:<21} {:<20} {:>11} {:>11}  {:<44} {}",
@@ -240,7 +242,7 @@ impl fmt::Display for VerifyReport {
                     num(r.norm_ratio),
                     num(r.max_abs),
                     r.first_bad.as_deref().unwrap_or("-"),
-                    result
+                    verdict(&r.problem, r.pass)
                 )?;
             }
         }
