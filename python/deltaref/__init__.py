@@ -139,15 +139,16 @@ def _impl_args(
     impl: str | None, default: str, chunk_size: int | None, cp: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """The registry request: ``impl`` picks the engine and ``cp`` wraps it."""
-    world = cuts = cp_engine = None
+    world = layout = cuts = cp_engine = None
     name = impl or default
     if cp is not None:
-        unknown = set(cp) - {"world", "cuts", "engine"}
+        unknown = set(cp) - {"world", "layout", "cuts", "engine"}
         if unknown:
             raise ValueError(
-                f"cp: unknown key(s) {sorted(unknown)} (world, cuts, engine)"
+                f"cp: unknown key(s) {sorted(unknown)} (world, layout, cuts, engine)"
             )
-        world, cuts, cp_engine = cp.get("world"), cp.get("cuts"), cp.get("engine")
+        world, layout, cuts = cp.get("world"), cp.get("layout"), cp.get("cuts")
+        cp_engine = cp.get("engine")
         if cuts is not None:
             cuts = [int(c) for c in cuts]
         if name in ("naive", "chunk"):
@@ -157,6 +158,7 @@ def _impl_args(
         impl_name=name,
         chunk_size=int(chunk_size or 0),
         world=None if world is None else int(world),
+        layout=layout,
         cuts=cuts,
         cp_engine=cp_engine,
     )

@@ -7,7 +7,7 @@ import numpy.typing as npt
 # NumPy arrays, PyTorch tensors, JAX arrays: anything with __array__ or __dlpack__.
 ArrayLike = Any
 Impl = Literal["naive", "chunk", "cp", "gpu-naive", "gpu-chunk", "gpu-cp"]
-CpSpec = Mapping[str, Any]  # {"world": N} or {"cuts": [...]}, optionally "engine"
+CpSpec = Mapping[str, Any]  # {"world": N} (optionally "layout": "zigzag") or {"cuts": [...]}, optionally "engine"
 _Path = Union[str, PathLike[str]]
 
 PRECISIONS: tuple[str, ...]

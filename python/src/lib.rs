@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use deltaref::cp::Layout;
 use deltaref::gates::Gate;
 use deltaref_verify::case::{Case, CaseMeta, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
@@ -118,6 +119,13 @@ fn build_case(
     Ok(case)
 }
 
+/// `cp={"layout": ...}`: FLA's name, with the CLI's message for a bad one.
+fn layout_of(name: Option<&str>) -> PyResult<Option<Layout>> {
+    name.map(Layout::parse)
+        .transpose()
+        .map_err(|e| value_error(format!("--layout: {e}")))
+}
+
 fn compute_of(name: &str) -> PyResult<Compute> {
     match name {
         "f64" => Ok(Compute::F64),
@@ -138,7 +146,7 @@ fn compute_of(name: &str) -> PyResult<Compute> {
 /// upstream gradients needed). `compute` (f64 or f32) is used unless the
 /// `precision` preset sets its own scalar.
 #[pyfunction]
-#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, impl_name, chunk_size, world, cuts, cp_engine, precision, compute, forward_only))]
+#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, impl_name, chunk_size, world, layout, cuts, cp_engine, precision, compute, forward_only))]
 #[allow(clippy::too_many_arguments)]
 fn run<'py>(
     py: Python<'py>,
@@ -149,6 +157,7 @@ fn run<'py>(
     impl_name: &str,
     chunk_size: usize,
     world: Option<usize>,
+    layout: Option<String>,
     cuts: Option<Vec<usize>>,
     cp_engine: Option<String>,
     precision: Option<String>,
@@ -161,6 +170,7 @@ fn run<'py>(
         name: impl_name.to_string(),
         chunk_size,
         world,
+        layout: layout_of(layout.as_deref())?,
         cuts,
         cp_engine,
         precision,
@@ -288,7 +298,7 @@ fn gen<'py>(
 /// truth, or with the f64 oracle when the case stores none and a candidate
 /// is given. Returns `(report JSON, report table, pass)`.
 #[pyfunction]
-#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, candidate, max_ratio, case_name, candidate_name, impl_name, chunk_size, world, cuts, cp_engine, precision, compute))]
+#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, candidate, max_ratio, case_name, candidate_name, impl_name, chunk_size, world, layout, cuts, cp_engine, precision, compute))]
 #[allow(clippy::too_many_arguments)]
 fn verify<'py>(
     py: Python<'py>,
@@ -303,6 +313,7 @@ fn verify<'py>(
     impl_name: &str,
     chunk_size: usize,
     world: Option<usize>,
+    layout: Option<String>,
     cuts: Option<Vec<usize>>,
     cp_engine: Option<String>,
     precision: Option<String>,
@@ -317,6 +328,7 @@ fn verify<'py>(
         name: impl_name.to_string(),
         chunk_size,
         world,
+        layout: layout_of(layout.as_deref())?,
         cuts,
         cp_engine,
         precision,

@@ -112,6 +112,8 @@ def test_python_side_refusals():
         deltaref.chunk_kda(q, k, v, g, beta, state_v_first=True)
     with pytest.raises(ValueError, match=r"cp: unknown key\(s\) \['ranks'\]"):
         deltaref.chunk_kda(q, k, v, g, beta, cp={"ranks": 2})
+    with pytest.raises(ValueError, match="--layout: .*unknown CP layout `ring`"):
+        deltaref.chunk_kda(q, k, v, g, beta, cp={"world": 1, "layout": "ring"})
     with pytest.raises(ValueError, match="1-D integer array"):
         deltaref.chunk_kda(q, k, v, g, beta, cu_seqlens=np.array([0.0, 24.0]))
     with pytest.raises(ValueError, match="not a float tensor of op kda"):

@@ -210,6 +210,20 @@ pub fn presets() -> Vec<Preset> {
             long_memory(Op::Dplr, vec![1, 256, 1, 8, 8], &[30, 190, 36], 32),
             4,
         ),
+        // FLA's zigzag layout: 4 intervals of 64 tokens, rank 0 holds 0..64
+        // and 192..256; the long middle sequence crosses every interval.
+        Preset {
+            cp: Some(CpLayout::World(2, Layout::Zigzag)),
+            ..long_cp(
+                "cp_kda_long_memory_zigzag_world2",
+                GenSpec {
+                    gate: lb,
+                    use_qk_l2norm_in_kernel: true,
+                    ..long_memory(Op::Kda, vec![1, 256, 1, 1, 16, 8], &[30, 190, 36], 35)
+                },
+                2,
+            )
+        },
         // FLA's forward intermediates stored with the truth, so a port can
         // check its sub-functions one by one (README: "Intermediates").
         Preset {

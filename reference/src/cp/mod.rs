@@ -125,6 +125,15 @@ impl<T: Scalar> RankDiag<T> {
     }
 }
 
+/// The layout the diagnostics come from (zigzag plans have back parts).
+pub fn layout_of<T>(diags: &[RankDiag<T>]) -> Layout {
+    if diags.iter().any(|d| d.meta.back) {
+        Layout::Zigzag
+    } else {
+        Layout::Contiguous
+    }
+}
+
 /// Prints the per-rank table.
 pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
     let norm = |v: &Option<Vec<Array2<T>>>| {
@@ -137,11 +146,7 @@ pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
         })
     };
     let err = |e: Option<f64>| e.map_or("-".to_string(), |e| format!("{e:.2e}"));
-    let layout = if diags.iter().any(|d| d.meta.back) {
-        Layout::Zigzag
-    } else {
-        Layout::Contiguous
-    };
+    let layout = layout_of(diags);
     let mut out = format!(
         "{:<8} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
         "rank",

@@ -143,12 +143,13 @@ fn memory_line(diags: &[deltaref::cp::RankDiag<f64>]) -> String {
             .flat_map(|a| a.iter())
             .fold(0.0f64, |x, v| x.max(v.abs()))
     };
-    let merged: Vec<(usize, f64)> = diags
+    let layout = deltaref::cp::layout_of(diags);
+    let merged: Vec<(String, f64)> = diags
         .iter()
         .filter(|d| d.meta.post_num_ranks > 0)
-        .map(|d| (d.meta.rank, max_abs(&d.m)))
+        .map(|d| (d.meta.label(layout), max_abs(&d.m)))
         .collect();
-    match merged.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1)) {
+    match merged.into_iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
         None => "no rank hands a state on: the merge is not exercised\n".into(),
         Some((r, m)) => format!(
             "max |M| entry over merged ranks: {m:.3e} (rank {r}); {}\n",
