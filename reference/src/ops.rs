@@ -55,9 +55,10 @@ pub fn dplr_naive(k: usize, v: usize) -> OpCount {
 /// Chunked KDA, per chunk of `c` tokens and head.
 ///
 /// Forward: intra (`Aqk` and the `k kᵀ` block: 4C²K; `(I + L)^{-1}` by
-/// substitution: C³; `w`: 2C²K; `u`: 2C²V; nine element-wise `[C, K]` ops),
+/// substitution: C³/3; `w`: 2C²K; `u`: 2C²V; nine element-wise `[C, K]` ops),
 /// then the state pass (`w h`, `qg h`, `kgᵀ v_new`: 6CKV; `Aqk v_new`: 2C²V;
-/// two `[K, V]` ops). Backward recomputes the forward, then: six `[C,K]×[K,V]`
+/// two `[K, V]` ops). Backward recomputes the forward but its readout
+/// (`qg h`, `Aqk v_new`: 2CKV + 2C²V), then: six `[C,K]×[K,V]`
 /// -sized products (12CKV), `dAqk`, `dv_new`, `dAkk`'s `V` half and `dv`
 /// (8C²V), `dAkk`'s `K` half, `dkd` and the intra-block gradients (12C²K),
 /// `dL` through the inverse (4C³), about 30 element-wise `[C, K]` ops and
@@ -73,7 +74,7 @@ pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
         + 2.0 * k * v;
     OpCount {
         forward,
-        backward: forward
+        backward: forward - 2.0 * c * k * v - 2.0 * c * c * v
             + 12.0 * c * k * v
             + 8.0 * c * c * v
             + 12.0 * c * c * k
@@ -85,10 +86,11 @@ pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
 
 /// Chunked DPLR, per chunk of `c` tokens and head.
 ///
-/// Forward: intra (four A blocks: 8C²K; `(I − Aab)^{-1}`: C³; `w`: 2C²K;
+/// Forward: intra (four A blocks: 8C²K; `(I − Aab)^{-1}`: C³/3; `w`: 2C²K;
 /// `u = P (Aak V)`: 4C²V; twelve element-wise `[C, K]` ops), then the state
 /// pass (`w S`, `qg S`, the two state updates: 8CKV; `Aqk V`, `Aqb v2`:
-/// 4C²V; three `[K, V]` ops). Backward recomputes the forward, then: eight
+/// 4C²V; three `[K, V]` ops). Backward recomputes the forward but its
+/// readout (`qg S`, `Aqk V`, `Aqb v2`: 2CKV + 4C²V + CK), then: eight
 /// `CKV` products (16CKV), nine `C²V` products (18C²V), ten `C²K` products
 /// (20C²K), `dAab` through the inverse (4C³), about 40 element-wise
 /// `[C, K]` ops and four `[K, V]` ops.
@@ -102,7 +104,7 @@ pub fn dplr_chunk(c: usize, k: usize, v: usize) -> OpCount {
         + 3.0 * k * v;
     OpCount {
         forward,
-        backward: forward
+        backward: forward - 2.0 * c * k * v - 4.0 * c * c * v - c * k
             + 16.0 * c * k * v
             + 18.0 * c * c * v
             + 20.0 * c * c * k

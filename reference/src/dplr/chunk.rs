@@ -7,6 +7,7 @@
 //! differences of the in-chunk cumulative log-decay, so nothing overflows.
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+use rayon::prelude::*;
 
 use super::{
     DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
@@ -217,17 +218,8 @@ impl Chunk {
             }
             None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
         };
-        // (I − Aab)^{-1} by forward substitution (Aab strictly lower).
-        let mut p = Array2::<T>::eye(c);
-        for i in 1..c {
-            for j in 0..i {
-                let l = aab[[i, j]];
-                if l != T::zero() {
-                    let row = p.row(j).to_owned();
-                    p.row_mut(i).scaled_add(l, &row);
-                }
-            }
-        }
+        // (I − Aab)^{-1} (Aab strictly lower).
+        let p = crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]);
         let ax = &a * &gx.mapv(|v| v.exp());
         let w = p.dot(&ax);
         let u = p.dot(&aak.dot(&v));
@@ -246,9 +238,13 @@ impl Chunk {
     }
 
     pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
-        (0..x.len())
-            .step_by(self.chunk_size)
-            .map(|start| self.intra(x, start, self.chunk_size.min(x.len() - start)))
+        // Independent per chunk: in parallel, collected in chunk order.
+        (0..x.len().div_ceil(self.chunk_size))
+            .into_par_iter()
+            .map(|n| {
+                let start = n * self.chunk_size;
+                self.intra(x, start, self.chunk_size.min(x.len() - start))
+            })
             .collect()
     }
 
@@ -258,20 +254,33 @@ impl Chunk {
         x: &DplrHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
+        self.forward_pass(x, h0, true)
+    }
+
+    /// The forward pass; without `read_out` (what the backward recomputes)
+    /// `o` is left empty, `[0, V]`.
+    fn forward_pass<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        read_out: bool,
+    ) -> ChunkForward<T> {
         let intra = self.intras(x);
         let (kd, vd) = (x.k_dim(), x.v_dim());
         let mut h = Array3::zeros((intra.len(), kd, vd));
         let mut v2 = Array2::zeros((x.len(), vd));
-        let mut o = Array2::zeros((x.len(), vd));
+        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, vd));
         let mut state = h0.to_owned();
         for (n, ch) in intra.iter().enumerate() {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
             let v = rows(&x.v, ch.start, c);
             let v2n = &ch.u + &ch.w.dot(&state);
-            let qg = &rows(&x.q, ch.start, c) * &ch.g_cumsum.mapv(|g| g.exp());
-            o.slice_mut(r)
-                .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&state)));
+            if read_out {
+                let qg = &rows(&x.q, ch.start, c) * &ch.g_cumsum.mapv(|g| g.exp());
+                o.slice_mut(r)
+                    .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&state)));
+            }
             let dl = ch.decay_to_last();
             h.index_axis_mut(Axis(0), n).assign(&state);
             state = &state * &ch.decay_last().insert_axis(Axis(1))
@@ -296,7 +305,7 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_intermediates(x, h0);
+        let fwd = self.forward_pass(x, h0, false);
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let z = || Array2::zeros((l, kd));
         let mut gr = DplrHeadGrads {

@@ -12,6 +12,7 @@
 use std::ops::Mul;
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+use rayon::prelude::*;
 
 use super::{
     KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared,
@@ -228,17 +229,8 @@ impl Chunk {
         };
         mask_lower(&mut aqk, true);
         mask_lower(&mut p, false);
-        // (I + L)^{-1} by forward substitution, L[r, s] = β_r p[r, s].
-        let mut n_inv = Array2::<T>::eye(c);
-        for r in 1..c {
-            for s in 0..r {
-                let l = beta[r] * p[[r, s]];
-                if l != T::zero() {
-                    let row_s = n_inv.row(s).to_owned();
-                    n_inv.row_mut(r).scaled_add(-l, &row_s);
-                }
-            }
-        }
+        // (I + L)^{-1}, L[r, s] = β_r p[r, s].
+        let n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
         let mut akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Akk, &mut akk);
         self.policy.round(Stage::Aqk, &mut aqk);
@@ -267,9 +259,13 @@ impl Chunk {
 
     /// All chunks' intra stages of one head.
     pub fn intras<T: Scalar>(&self, x: &KdaHead<T>) -> Vec<Intra<T>> {
-        (0..x.len())
-            .step_by(self.chunk_size)
-            .map(|start| self.intra(x, start, self.chunk_size.min(x.len() - start)))
+        // Independent per chunk: in parallel, collected in chunk order.
+        (0..x.len().div_ceil(self.chunk_size))
+            .into_par_iter()
+            .map(|n| {
+                let start = n * self.chunk_size;
+                self.intra(x, start, self.chunk_size.min(x.len() - start))
+            })
             .collect()
     }
 
@@ -279,11 +275,22 @@ impl Chunk {
         x: &KdaHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
+        self.forward_pass(x, h0, true)
+    }
+
+    /// The forward pass; without `read_out` (what the backward recomputes)
+    /// `o` is left empty, `[0, V]`.
+    fn forward_pass<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        read_out: bool,
+    ) -> ChunkForward<T> {
         let intra = self.intras(x);
         let (kd, vd) = (x.k_dim(), x.v_dim());
         let mut h = Array3::zeros((intra.len(), kd, vd));
         let mut v_new = Array2::zeros((x.len(), vd));
-        let mut o = Array2::zeros((x.len(), vd));
+        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, vd));
         let mut state = h0.to_owned();
         for (n, ch) in intra.iter().enumerate() {
             let mut hn = state.clone();
@@ -291,8 +298,10 @@ impl Chunk {
             let rows = s![ch.start..ch.start + ch.len(), ..];
             let mut vn = &ch.u - &ch.w.dot(&hn);
             self.policy.round(Stage::VNew, &mut vn);
-            o.slice_mut(rows)
-                .assign(&(ch.qg.dot(&hn) + ch.aqk.dot(&vn)));
+            if read_out {
+                o.slice_mut(rows)
+                    .assign(&(ch.qg.dot(&hn) + ch.aqk.dot(&vn)));
+            }
             state = &state * &ch.decay_last().insert_axis(Axis(1)) + ch.kg.t().dot(&vn);
             v_new.slice_mut(rows).assign(&vn);
             h.index_axis_mut(Axis(0), n).assign(&hn);
@@ -314,7 +323,7 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_intermediates(x, h0);
+        let fwd = self.forward_pass(x, h0, false);
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let mut gr = KdaHeadGrads {
             dq: Array2::zeros((l, kd)),
