@@ -222,7 +222,7 @@ pub fn unit_lower_inverse<T: Scalar>(c: usize, l: impl Fn(usize, usize) -> T) ->
             if coef != T::zero() {
                 let row_s = &above[s * c..s * c + s + 1];
                 for (y, &x) in row_r.iter_mut().zip(row_s) {
-                    *y = *y + coef * x;
+                    *y += coef * x;
                 }
             }
         }
