@@ -336,25 +336,39 @@ impl Chunk {
         let nt = fwd.intra.len();
         let mut dh = Array3::zeros((nt, kd, vd));
         let mut dv_new = Array2::zeros((l, vd));
-        let (mut daqk, mut dakk) = (
-            vec![Array2::zeros((0, 0)); nt],
-            vec![Array2::zeros((0, 0)); nt],
-        );
+        // The state recurrence, chunk by chunk in reverse: it needs only
+        // each chunk's dv_new and its own reads of the state.
         let mut ds = dht.to_owned();
         for (n, ch) in fwd.intra.iter().enumerate().rev() {
             let mut ds_used = ds.clone();
             self.policy.round(Stage::Dh, &mut ds_used);
-            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
-            let out = self.chunk_backward(x, ch, &fwd, n, d_o, &ds_used, &mut gr);
+            let rows = s![ch.start..ch.start + ch.len(), ..];
+            let (dvn, ds_local) = self.state_backward(ch, fwd.v_new.slice(rows), d_o, &ds_used);
             // The state gradient entering the chunk: decayed carry plus this chunk's reads.
-            ds = &ds * &ch.decay_last().insert_axis(Axis(1)) + &out.ds_local;
-            dv_new
-                .slice_mut(s![ch.start..ch.start + ch.len(), ..])
-                .assign(&out.dvn);
-            daqk[n] = out.daqk;
-            dakk[n] = out.dakk;
+            ds = &ds * &ch.decay_last().insert_axis(Axis(1)) + &ds_local;
+            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
+            dv_new.slice_mut(rows).assign(&dvn);
         }
         gr.dh0 = ds;
+        // The rest of each chunk's backward is independent of the others:
+        // in parallel, written back in chunk order.
+        let steps: Vec<ChunkStep<T>> = (0..nt)
+            .into_par_iter()
+            .map(|n| self.chunk_backward(x, &fwd.intra[n], &fwd, n, d_o, dh.view(), dv_new.view()))
+            .collect();
+        let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
+        for (ch, step) in fwd.intra.iter().zip(steps) {
+            let (c, rows) = (ch.len(), s![ch.start..ch.start + ch.len(), ..]);
+            gr.dq.slice_mut(rows).assign(&step.dq);
+            gr.dk.slice_mut(rows).assign(&step.dk);
+            gr.dv.slice_mut(rows).assign(&step.dv);
+            gr.dg.slice_mut(rows).assign(&step.dg);
+            gr.dbeta
+                .slice_mut(s![ch.start..ch.start + c])
+                .assign(&step.dbeta);
+            daqk.push(step.daqk);
+            dakk.push(step.dakk);
+        }
         ChunkBackward {
             dh,
             dv_new,
@@ -364,8 +378,28 @@ impl Chunk {
         }
     }
 
-    /// Backward through one chunk given `ds = ∂L/∂(state at its end)`; writes
-    /// the chunk's token gradients into `gr`.
+    /// The state pass of one chunk's backward given `ds = ∂L/∂(state at its
+    /// end)`: `dv_new [c, V]` and the chunk's own contribution to the state
+    /// gradient entering it, `qgᵀ dO − wᵀ dv_new` `[K, V]`.
+    fn state_backward<T: Scalar>(
+        &self,
+        ch: &Intra<T>,
+        vn: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        ds: &Array2<T>,
+    ) -> (Array2<T>, Array2<T>) {
+        let dout = d_o.slice(s![ch.start..ch.start + ch.len(), ..]);
+        debug_assert_eq!(vn.nrows(), ch.len());
+        // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
+        let mut dvn = ch.aqk.t().dot(&dout) + ch.kg.dot(ds);
+        self.policy.round(Stage::Dv, &mut dvn);
+        let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
+        (dvn, ds_local)
+    }
+
+    /// Backward through chunk `n` given the state gradients at the chunks'
+    /// ends `dh [NT, K, V]` and `dv_new [L, V]` (from the state pass): the
+    /// chunk's token gradients.
     #[allow(clippy::too_many_arguments)]
     fn chunk_backward<T: Scalar>(
         &self,
@@ -374,14 +408,16 @@ impl Chunk {
         fwd: &ChunkForward<T>,
         n: usize,
         d_o: ArrayView2<T>,
-        ds: &Array2<T>,
-        gr: &mut KdaHeadGrads<T>,
+        dh: ndarray::ArrayView3<T>,
+        dv_new: ArrayView2<T>,
     ) -> ChunkStep<T> {
         let c = ch.len();
         let rows = s![ch.start..ch.start + c, ..];
         let h = fwd.h.index_axis(Axis(0), n);
+        let ds = dh.index_axis(Axis(0), n);
         let vn = fwd.v_new.slice(rows);
         let dout = d_o.slice(rows);
+        let dvn = dv_new.slice(rows);
         let decay_last = ch.decay_last();
         // Output: O = qg h + Aqk v_new.
         let dqg = dout.dot(&h.t());
@@ -392,11 +428,8 @@ impl Chunk {
             }
         });
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
-        let mut dvn = ch.aqk.t().dot(&dout) + ch.kg.dot(ds);
-        self.policy.round(Stage::Dv, &mut dvn);
         let dkg = vn.dot(&ds.t());
-        let mut dgamma_last: Array1<T> = (&h * ds).sum_axis(Axis(1)) * &decay_last;
-        let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
+        let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
         let dw = -dvn.dot(&h.t());
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
@@ -407,7 +440,7 @@ impl Chunk {
         let dkd = ch.akk.t().dot(&dw);
         let mut dk = &dkd * &eg;
         let mut dgamma = &dkd * &kd_;
-        gr.dv.slice_mut(rows).assign(&ch.akk.t().dot(du));
+        let dv = ch.akk.t().dot(du);
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
         let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
         let dn = &dakk * &beta.insert_axis(Axis(0));
@@ -434,15 +467,12 @@ impl Chunk {
             let next = dgamma.row(r + 1).to_owned();
             dgamma.row_mut(r).scaled_add(T::one(), &next);
         }
-        gr.dq.slice_mut(rows).assign(&dq);
-        gr.dk.slice_mut(rows).assign(&dk);
-        gr.dg.slice_mut(rows).assign(&dgamma);
-        gr.dbeta
-            .slice_mut(s![ch.start..ch.start + c])
-            .assign(&dbeta);
         ChunkStep {
-            ds_local,
-            dvn,
+            dq,
+            dk,
+            dv,
+            dg: dgamma,
+            dbeta,
             daqk,
             dakk,
         }
@@ -505,11 +535,14 @@ fn mask_lower<T: Scalar>(a: &mut Array2<T>, diagonal: bool) {
     });
 }
 
-/// What one chunk's backward hands back to the recurrence and the caller.
+/// One chunk's token gradients (rows of `dq`, `dk`, `dv`, `dg`, `dbeta`)
+/// and its A-block gradients, `[c, c]` each.
 struct ChunkStep<T> {
-    /// `qgᵀ dO − wᵀ dv_new`: the chunk's own contribution to `∂L/∂h`.
-    ds_local: Array2<T>,
-    dvn: Array2<T>,
+    dq: Array2<T>,
+    dk: Array2<T>,
+    dv: Array2<T>,
+    dg: Array2<T>,
+    dbeta: Array1<T>,
     daqk: Array2<T>,
     dakk: Array2<T>,
 }
