@@ -204,3 +204,28 @@ pub fn check_chunk_size(chunk_size: usize) -> Result<()> {
         ))
     }
 }
+
+/// `(I − L)^{-1}` of a strictly lower triangular `L [c, c]` given by
+/// `l(r, s)` (`s < r`), by forward substitution: row `r` of the result
+/// gains `l(r, s) ·` row `s` for each `s < r` with `l(r, s) ≠ 0`, as
+/// `y + l·x` in that order. Row `s` is zero beyond column `s` (and never
+/// `−0`), so only columns `..= s` are touched: the same bits as adding
+/// whole rows, without the copies. Returns the unit lower triangular `[c, c]`.
+pub fn unit_lower_inverse<T: Scalar>(c: usize, l: impl Fn(usize, usize) -> T) -> Array2<T> {
+    let mut n = Array2::<T>::eye(c);
+    let data = n.as_slice_mut().expect("standard layout");
+    for r in 1..c {
+        let (above, rest) = data.split_at_mut(r * c);
+        let row_r = &mut rest[..c];
+        for s in 0..r {
+            let coef = l(r, s);
+            if coef != T::zero() {
+                let row_s = &above[s * c..s * c + s + 1];
+                for (y, &x) in row_r.iter_mut().zip(row_s) {
+                    *y += coef * x;
+                }
+            }
+        }
+    }
+    n
+}

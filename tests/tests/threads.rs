@@ -87,3 +87,75 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
     };
     assert_eq!(in_pool(1, run_dplr), in_pool(4, run_dplr));
 }
+
+/// The chunked engines run their intra stages and per-chunk backward in
+/// parallel over the chunks of one head: one sequence and one head of many
+/// (partly short) chunks, so the chunks, not the heads, are what is split.
+#[test]
+fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
+    let opts = KdaOptions {
+        output_final_state: true,
+        use_qk_l2norm_in_kernel: true,
+        gate: Gate::LowerBound { lower_bound: -5.0 },
+        ..Default::default()
+    };
+    let g = inputs::kda(&KdaSpec {
+        layout: Layout::varlen(&[150, 7]),
+        h: 1,
+        hv: 1,
+        k: 8,
+        v: 16,
+        opts,
+        initial_state: true,
+        scalar_gate: false,
+        seed: 5,
+    });
+    let run_kda = || {
+        let o = kda::chunk::forward(&g.inputs, &opts, 16).expect("valid");
+        let gr = kda::chunk::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht), 16).expect("valid");
+        bits(&[
+            &o.o,
+            o.final_state.as_ref().unwrap(),
+            &gr.dq,
+            &gr.dk,
+            &gr.dv,
+            &gr.dg,
+            &gr.dbeta,
+            gr.dh0.as_ref().unwrap(),
+        ])
+    };
+    let one = in_pool(1, run_kda);
+    assert_eq!(one, in_pool(3, run_kda));
+    assert_eq!(one, in_pool(4, run_kda));
+
+    let d = inputs::dplr(&DplrSpec {
+        layout: Layout::varlen(&[130, 5]),
+        h: 1,
+        k: 8,
+        v: 16,
+        initial_state: true,
+        seed: 6,
+    });
+    let dopts = DplrOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    let run_dplr = || {
+        let o = dplr::chunk::forward(&d.inputs, &dopts, 16).expect("valid");
+        let gr = dplr::chunk::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht), 16).expect("valid");
+        bits(&[
+            &o.o,
+            o.final_state.as_ref().unwrap(),
+            &gr.dq,
+            &gr.dk,
+            &gr.dv,
+            &gr.da,
+            &gr.db,
+            &gr.dgk,
+            gr.dh0.as_ref().unwrap(),
+        ])
+    };
+    let one = in_pool(1, run_dplr);
+    assert_eq!(one, in_pool(3, run_dplr));
+    assert_eq!(one, in_pool(4, run_dplr));
+}

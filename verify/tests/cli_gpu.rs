@@ -169,11 +169,17 @@ fn bench_times_implementations_with_their_errors() {
         "--json",
     ]);
     assert_eq!(rc, 0, "{err}");
-    let rows: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-    let rows = rows.as_array().expect("array of rows");
+    let json: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let rows = json["rows"].as_array().expect("array of rows");
     assert_eq!(rows.len(), 3);
+    let peak = json["peak_gflops"].as_f64().expect("a measured peak");
+    assert!(peak > 0.0, "{json}");
     for r in rows {
         assert!(r["total_s"].as_f64().expect("seconds") > 0.0);
+        // GFLOP/s for the CPU engines; none for CP (no op count).
+        let cp = r["imp"].as_str().expect("name").starts_with("cp");
+        assert_eq!(r["gflops"].as_f64().is_some(), !cp, "{r}");
+        assert_eq!(r["peak_fraction"].as_f64().is_some(), !cp, "{r}");
         // Every CPU form agrees with the f64 oracle to rounding.
         assert!(
             r["worst_norm_ratio"].as_f64().expect("ratio") < 1e-10,

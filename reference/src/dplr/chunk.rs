@@ -7,6 +7,7 @@
 //! differences of the in-chunk cumulative log-decay, so nothing overflows.
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+use rayon::prelude::*;
 
 use super::{
     DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
@@ -121,6 +122,13 @@ pub struct ChunkBackward<T> {
     pub grads: DplrHeadGrads<T>,
 }
 
+/// One chunk's token gradients: rows of `[dq, dk, da, db, dgk]`, `[c, K]`
+/// each, and of `dv`, `[c, V]`.
+struct ChunkGrads<T> {
+    rows: [Array2<T>; 5],
+    dv: Array2<T>,
+}
+
 /// Rows of `x` for one chunk.
 fn rows<T: Scalar>(x: &Array2<T>, start: usize, c: usize) -> ArrayView2<'_, T> {
     x.slice(s![start..start + c, ..])
@@ -217,17 +225,8 @@ impl Chunk {
             }
             None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
         };
-        // (I − Aab)^{-1} by forward substitution (Aab strictly lower).
-        let mut p = Array2::<T>::eye(c);
-        for i in 1..c {
-            for j in 0..i {
-                let l = aab[[i, j]];
-                if l != T::zero() {
-                    let row = p.row(j).to_owned();
-                    p.row_mut(i).scaled_add(l, &row);
-                }
-            }
-        }
+        // (I − Aab)^{-1} (Aab strictly lower).
+        let p = crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]);
         let ax = &a * &gx.mapv(|v| v.exp());
         let w = p.dot(&ax);
         let u = p.dot(&aak.dot(&v));
@@ -246,9 +245,13 @@ impl Chunk {
     }
 
     pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
-        (0..x.len())
-            .step_by(self.chunk_size)
-            .map(|start| self.intra(x, start, self.chunk_size.min(x.len() - start)))
+        // Independent per chunk: in parallel, collected in chunk order.
+        (0..x.len().div_ceil(self.chunk_size))
+            .into_par_iter()
+            .map(|n| {
+                let start = n * self.chunk_size;
+                self.intra(x, start, self.chunk_size.min(x.len() - start))
+            })
             .collect()
     }
 
@@ -258,20 +261,33 @@ impl Chunk {
         x: &DplrHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
+        self.forward_pass(x, h0, true)
+    }
+
+    /// The forward pass; without `read_out` (what the backward recomputes)
+    /// `o` is left empty, `[0, V]`.
+    fn forward_pass<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        read_out: bool,
+    ) -> ChunkForward<T> {
         let intra = self.intras(x);
         let (kd, vd) = (x.k_dim(), x.v_dim());
         let mut h = Array3::zeros((intra.len(), kd, vd));
         let mut v2 = Array2::zeros((x.len(), vd));
-        let mut o = Array2::zeros((x.len(), vd));
+        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, vd));
         let mut state = h0.to_owned();
         for (n, ch) in intra.iter().enumerate() {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
             let v = rows(&x.v, ch.start, c);
             let v2n = &ch.u + &ch.w.dot(&state);
-            let qg = &rows(&x.q, ch.start, c) * &ch.g_cumsum.mapv(|g| g.exp());
-            o.slice_mut(r)
-                .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&state)));
+            if read_out {
+                let qg = &rows(&x.q, ch.start, c) * &ch.g_cumsum.mapv(|g| g.exp());
+                o.slice_mut(r)
+                    .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&state)));
+            }
             let dl = ch.decay_to_last();
             h.index_axis_mut(Axis(0), n).assign(&state);
             state = &state * &ch.decay_last().insert_axis(Axis(1))
@@ -296,7 +312,7 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_intermediates(x, h0);
+        let fwd = self.forward_pass(x, h0, false);
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let z = || Array2::zeros((l, kd));
         let mut gr = DplrHeadGrads {
@@ -310,16 +326,45 @@ impl Chunk {
         };
         let nt = fwd.intra.len();
         let mut dh = Array3::zeros((nt, kd, vd));
-        let mut da_blocks = Vec::with_capacity(nt);
+        let mut dv2 = Array2::zeros((l, vd));
+        // The state recurrence, chunk by chunk in reverse: it needs only
+        // each chunk's dv2 and its own reads of the state.
         let mut ds = dht.to_owned();
         for (n, ch) in fwd.intra.iter().enumerate().rev() {
             dh.index_axis_mut(Axis(0), n).assign(&ds);
-            let (ds_prev, blocks) = self.chunk_backward(x, ch, &fwd, n, d_o, &ds, &mut gr);
+            let (dv2n, ds_prev) = self.state_backward(x, ch, d_o, &ds);
+            dv2.slice_mut(s![ch.start..ch.start + ch.len(), ..])
+                .assign(&dv2n);
             ds = ds_prev;
+        }
+        gr.dh0 = ds;
+        // The rest of each chunk's backward is independent of the others:
+        // in parallel, written back in chunk order.
+        let steps: Vec<_> = (0..nt)
+            .into_par_iter()
+            .map(|n| {
+                let ch = &fwd.intra[n];
+                let ds = dh.index_axis(Axis(0), n);
+                let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
+                self.chunk_backward(x, ch, &fwd, n, d_o, ds, dv2n)
+            })
+            .collect();
+        let mut da_blocks = Vec::with_capacity(nt);
+        for (ch, (grads, blocks)) in fwd.intra.iter().zip(steps) {
+            let r = s![ch.start..ch.start + ch.len(), ..];
+            let [dq, dk, da, db, dgk] = grads.rows;
+            for (dst, src) in [
+                (&mut gr.dq, dq),
+                (&mut gr.dk, dk),
+                (&mut gr.da, da),
+                (&mut gr.db, db),
+                (&mut gr.dgk, dgk),
+            ] {
+                dst.slice_mut(r).assign(&src);
+            }
+            gr.dv.slice_mut(r).assign(&grads.dv);
             da_blocks.push(blocks);
         }
-        da_blocks.reverse();
-        gr.dh0 = ds;
         ChunkBackward {
             dh,
             da_blocks,
@@ -327,8 +372,30 @@ impl Chunk {
         }
     }
 
-    /// Backward through one chunk given `ds = ∂L/∂(state at its end)`;
-    /// returns `∂L/∂(state entering it)` and the A-block gradients.
+    /// The state pass of one chunk's backward given `ds = ∂L/∂(state at its
+    /// end)`: `dv2 [c, V]` and `∂L/∂(state entering it)` `[K, V]`.
+    fn state_backward<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        ch: &Intra<T>,
+        d_o: ArrayView2<T>,
+        ds: &Array2<T>,
+    ) -> (Array2<T>, Array2<T>) {
+        let (c, st) = (ch.len(), ch.start);
+        let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
+        let dout = d_o.slice(s![st..st + c, ..]);
+        let qg = &q * &ch.g_cumsum.mapv(|g| g.exp());
+        let mut ds_prev = qg.t().dot(&dout) + ds * &ch.decay_last().insert_axis(Axis(1));
+        // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
+        let mut dv2 = ch.aqb.t().dot(&dout);
+        dv2 += &(&b * &ch.decay_to_last()).dot(ds);
+        ds_prev += &ch.w.t().dot(&dv2);
+        (dv2, ds_prev)
+    }
+
+    /// Backward through chunk `n` given `ds = ∂L/∂(state at its end)` and
+    /// `dv2` of its rows (from the state pass): the chunk's token gradients
+    /// and the A-block gradients.
     #[allow(clippy::too_many_arguments)]
     fn chunk_backward<T: Scalar>(
         &self,
@@ -337,9 +404,9 @@ impl Chunk {
         fwd: &ChunkForward<T>,
         n: usize,
         d_o: ArrayView2<T>,
-        ds: &Array2<T>,
-        gr: &mut DplrHeadGrads<T>,
-    ) -> (Array2<T>, [Array2<T>; 4]) {
+        ds: ArrayView2<T>,
+        dv2: ArrayView2<T>,
+    ) -> (ChunkGrads<T>, [Array2<T>; 4]) {
         let (c, st) = (ch.len(), ch.start);
         let r = s![st..st + c, ..];
         let (q, k, a, b, v) = (
@@ -359,23 +426,19 @@ impl Chunk {
         // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h.
         let qg = &q * &eg;
         let dqg = dout.dot(&h.t());
-        let mut ds_prev = qg.t().dot(&dout) + ds * &decay_last.clone().insert_axis(Axis(1));
         let mut daqk = dout.dot(&v.t());
         let mut daqb = dout.dot(&v2.t());
         mask(&mut daqk, |i, j| j <= i);
         mask(&mut daqb, |i, j| j <= i);
         let mut dv = ch.aqk.t().dot(&dout);
-        let mut dv2 = ch.aqb.t().dot(&dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
         let (kgl, bgl) = (&k * &dl, &b * &dl);
-        let mut dgamma_last: Array1<T> = (&h * ds).sum_axis(Axis(1)) * &decay_last;
+        let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
         let dkgl = v.dot(&ds.t());
         let dbgl = v2.dot(&ds.t());
-        dv += &kgl.dot(ds);
-        dv2 += &bgl.dot(ds);
+        dv += &kgl.dot(&ds);
         // v2 = u + w h.
         let dw = dv2.dot(&h.t());
-        ds_prev += &ch.w.t().dot(&dv2);
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = ch.aak.dot(&v);
         let ax = &a * &egx;
@@ -414,17 +477,8 @@ impl Chunk {
             dgamma.row_mut(i).scaled_add(T::one(), &next);
         }
         let dgk = dgamma - dgx;
-        for (dst, src) in [
-            (&mut gr.dq, dq),
-            (&mut gr.dk, dk),
-            (&mut gr.da, da),
-            (&mut gr.db, db),
-            (&mut gr.dgk, dgk),
-        ] {
-            dst.slice_mut(r).assign(&src);
-        }
-        gr.dv.slice_mut(r).assign(&dv);
-        (ds_prev, [daqk, daqb, daab, daak])
+        let rows = [dq, dk, da, db, dgk];
+        (ChunkGrads { rows, dv }, [daqk, daqb, daab, daak])
     }
 
     /// Through the four A blocks (pairwise decays `e^{Γ_i − Γ_j}` for Aqk/Aqb,

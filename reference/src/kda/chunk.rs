@@ -12,6 +12,7 @@
 use std::ops::Mul;
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+use rayon::prelude::*;
 
 use super::{
     KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared,
@@ -228,17 +229,8 @@ impl Chunk {
         };
         mask_lower(&mut aqk, true);
         mask_lower(&mut p, false);
-        // (I + L)^{-1} by forward substitution, L[r, s] = β_r p[r, s].
-        let mut n_inv = Array2::<T>::eye(c);
-        for r in 1..c {
-            for s in 0..r {
-                let l = beta[r] * p[[r, s]];
-                if l != T::zero() {
-                    let row_s = n_inv.row(s).to_owned();
-                    n_inv.row_mut(r).scaled_add(-l, &row_s);
-                }
-            }
-        }
+        // (I + L)^{-1}, L[r, s] = β_r p[r, s].
+        let n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
         let mut akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Akk, &mut akk);
         self.policy.round(Stage::Aqk, &mut aqk);
@@ -267,9 +259,13 @@ impl Chunk {
 
     /// All chunks' intra stages of one head.
     pub fn intras<T: Scalar>(&self, x: &KdaHead<T>) -> Vec<Intra<T>> {
-        (0..x.len())
-            .step_by(self.chunk_size)
-            .map(|start| self.intra(x, start, self.chunk_size.min(x.len() - start)))
+        // Independent per chunk: in parallel, collected in chunk order.
+        (0..x.len().div_ceil(self.chunk_size))
+            .into_par_iter()
+            .map(|n| {
+                let start = n * self.chunk_size;
+                self.intra(x, start, self.chunk_size.min(x.len() - start))
+            })
             .collect()
     }
 
@@ -279,11 +275,22 @@ impl Chunk {
         x: &KdaHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
+        self.forward_pass(x, h0, true)
+    }
+
+    /// The forward pass; without `read_out` (what the backward recomputes)
+    /// `o` is left empty, `[0, V]`.
+    fn forward_pass<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        read_out: bool,
+    ) -> ChunkForward<T> {
         let intra = self.intras(x);
         let (kd, vd) = (x.k_dim(), x.v_dim());
         let mut h = Array3::zeros((intra.len(), kd, vd));
         let mut v_new = Array2::zeros((x.len(), vd));
-        let mut o = Array2::zeros((x.len(), vd));
+        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, vd));
         let mut state = h0.to_owned();
         for (n, ch) in intra.iter().enumerate() {
             let mut hn = state.clone();
@@ -291,8 +298,10 @@ impl Chunk {
             let rows = s![ch.start..ch.start + ch.len(), ..];
             let mut vn = &ch.u - &ch.w.dot(&hn);
             self.policy.round(Stage::VNew, &mut vn);
-            o.slice_mut(rows)
-                .assign(&(ch.qg.dot(&hn) + ch.aqk.dot(&vn)));
+            if read_out {
+                o.slice_mut(rows)
+                    .assign(&(ch.qg.dot(&hn) + ch.aqk.dot(&vn)));
+            }
             state = &state * &ch.decay_last().insert_axis(Axis(1)) + ch.kg.t().dot(&vn);
             v_new.slice_mut(rows).assign(&vn);
             h.index_axis_mut(Axis(0), n).assign(&hn);
@@ -314,7 +323,7 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_intermediates(x, h0);
+        let fwd = self.forward_pass(x, h0, false);
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let mut gr = KdaHeadGrads {
             dq: Array2::zeros((l, kd)),
@@ -327,25 +336,39 @@ impl Chunk {
         let nt = fwd.intra.len();
         let mut dh = Array3::zeros((nt, kd, vd));
         let mut dv_new = Array2::zeros((l, vd));
-        let (mut daqk, mut dakk) = (
-            vec![Array2::zeros((0, 0)); nt],
-            vec![Array2::zeros((0, 0)); nt],
-        );
+        // The state recurrence, chunk by chunk in reverse: it needs only
+        // each chunk's dv_new and its own reads of the state.
         let mut ds = dht.to_owned();
         for (n, ch) in fwd.intra.iter().enumerate().rev() {
             let mut ds_used = ds.clone();
             self.policy.round(Stage::Dh, &mut ds_used);
-            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
-            let out = self.chunk_backward(x, ch, &fwd, n, d_o, &ds_used, &mut gr);
+            let rows = s![ch.start..ch.start + ch.len(), ..];
+            let (dvn, ds_local) = self.state_backward(ch, fwd.v_new.slice(rows), d_o, &ds_used);
             // The state gradient entering the chunk: decayed carry plus this chunk's reads.
-            ds = &ds * &ch.decay_last().insert_axis(Axis(1)) + &out.ds_local;
-            dv_new
-                .slice_mut(s![ch.start..ch.start + ch.len(), ..])
-                .assign(&out.dvn);
-            daqk[n] = out.daqk;
-            dakk[n] = out.dakk;
+            ds = &ds * &ch.decay_last().insert_axis(Axis(1)) + &ds_local;
+            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
+            dv_new.slice_mut(rows).assign(&dvn);
         }
         gr.dh0 = ds;
+        // The rest of each chunk's backward is independent of the others:
+        // in parallel, written back in chunk order.
+        let steps: Vec<ChunkStep<T>> = (0..nt)
+            .into_par_iter()
+            .map(|n| self.chunk_backward(x, &fwd.intra[n], &fwd, n, d_o, dh.view(), dv_new.view()))
+            .collect();
+        let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
+        for (ch, step) in fwd.intra.iter().zip(steps) {
+            let (c, rows) = (ch.len(), s![ch.start..ch.start + ch.len(), ..]);
+            gr.dq.slice_mut(rows).assign(&step.dq);
+            gr.dk.slice_mut(rows).assign(&step.dk);
+            gr.dv.slice_mut(rows).assign(&step.dv);
+            gr.dg.slice_mut(rows).assign(&step.dg);
+            gr.dbeta
+                .slice_mut(s![ch.start..ch.start + c])
+                .assign(&step.dbeta);
+            daqk.push(step.daqk);
+            dakk.push(step.dakk);
+        }
         ChunkBackward {
             dh,
             dv_new,
@@ -355,8 +378,28 @@ impl Chunk {
         }
     }
 
-    /// Backward through one chunk given `ds = ∂L/∂(state at its end)`; writes
-    /// the chunk's token gradients into `gr`.
+    /// The state pass of one chunk's backward given `ds = ∂L/∂(state at its
+    /// end)`: `dv_new [c, V]` and the chunk's own contribution to the state
+    /// gradient entering it, `qgᵀ dO − wᵀ dv_new` `[K, V]`.
+    fn state_backward<T: Scalar>(
+        &self,
+        ch: &Intra<T>,
+        vn: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        ds: &Array2<T>,
+    ) -> (Array2<T>, Array2<T>) {
+        let dout = d_o.slice(s![ch.start..ch.start + ch.len(), ..]);
+        debug_assert_eq!(vn.nrows(), ch.len());
+        // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
+        let mut dvn = ch.aqk.t().dot(&dout) + ch.kg.dot(ds);
+        self.policy.round(Stage::Dv, &mut dvn);
+        let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
+        (dvn, ds_local)
+    }
+
+    /// Backward through chunk `n` given the state gradients at the chunks'
+    /// ends `dh [NT, K, V]` and `dv_new [L, V]` (from the state pass): the
+    /// chunk's token gradients.
     #[allow(clippy::too_many_arguments)]
     fn chunk_backward<T: Scalar>(
         &self,
@@ -365,14 +408,16 @@ impl Chunk {
         fwd: &ChunkForward<T>,
         n: usize,
         d_o: ArrayView2<T>,
-        ds: &Array2<T>,
-        gr: &mut KdaHeadGrads<T>,
+        dh: ndarray::ArrayView3<T>,
+        dv_new: ArrayView2<T>,
     ) -> ChunkStep<T> {
         let c = ch.len();
         let rows = s![ch.start..ch.start + c, ..];
         let h = fwd.h.index_axis(Axis(0), n);
+        let ds = dh.index_axis(Axis(0), n);
         let vn = fwd.v_new.slice(rows);
         let dout = d_o.slice(rows);
+        let dvn = dv_new.slice(rows);
         let decay_last = ch.decay_last();
         // Output: O = qg h + Aqk v_new.
         let dqg = dout.dot(&h.t());
@@ -383,11 +428,8 @@ impl Chunk {
             }
         });
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
-        let mut dvn = ch.aqk.t().dot(&dout) + ch.kg.dot(ds);
-        self.policy.round(Stage::Dv, &mut dvn);
         let dkg = vn.dot(&ds.t());
-        let mut dgamma_last: Array1<T> = (&h * ds).sum_axis(Axis(1)) * &decay_last;
-        let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
+        let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
         let dw = -dvn.dot(&h.t());
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
@@ -398,7 +440,7 @@ impl Chunk {
         let dkd = ch.akk.t().dot(&dw);
         let mut dk = &dkd * &eg;
         let mut dgamma = &dkd * &kd_;
-        gr.dv.slice_mut(rows).assign(&ch.akk.t().dot(du));
+        let dv = ch.akk.t().dot(du);
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
         let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
         let dn = &dakk * &beta.insert_axis(Axis(0));
@@ -425,15 +467,12 @@ impl Chunk {
             let next = dgamma.row(r + 1).to_owned();
             dgamma.row_mut(r).scaled_add(T::one(), &next);
         }
-        gr.dq.slice_mut(rows).assign(&dq);
-        gr.dk.slice_mut(rows).assign(&dk);
-        gr.dg.slice_mut(rows).assign(&dgamma);
-        gr.dbeta
-            .slice_mut(s![ch.start..ch.start + c])
-            .assign(&dbeta);
         ChunkStep {
-            ds_local,
-            dvn,
+            dq,
+            dk,
+            dv,
+            dg: dgamma,
+            dbeta,
             daqk,
             dakk,
         }
@@ -496,11 +535,14 @@ fn mask_lower<T: Scalar>(a: &mut Array2<T>, diagonal: bool) {
     });
 }
 
-/// What one chunk's backward hands back to the recurrence and the caller.
+/// One chunk's token gradients (rows of `dq`, `dk`, `dv`, `dg`, `dbeta`)
+/// and its A-block gradients, `[c, c]` each.
 struct ChunkStep<T> {
-    /// `qgᵀ dO − wᵀ dv_new`: the chunk's own contribution to `∂L/∂h`.
-    ds_local: Array2<T>,
-    dvn: Array2<T>,
+    dq: Array2<T>,
+    dk: Array2<T>,
+    dv: Array2<T>,
+    dg: Array2<T>,
+    dbeta: Array1<T>,
     daqk: Array2<T>,
     dakk: Array2<T>,
 }

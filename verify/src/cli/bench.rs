@@ -1,6 +1,9 @@
 //! `deltaref bench`: wall time of implementations on one case, each next to
 //! its worst norm_ratio against the f64 oracle. GPU rows split forward and
-//! backward device time; CPU rows time forward+backward together.
+//! backward device time; CPU rows time forward+backward together, with the
+//! GFLOP/s that time achieves (ops counted by [`deltaref::ops`]) and its
+//! fraction of the machine's measured mul+add peak
+//! ([`deltaref::ops::peak_gflops`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,10 +11,11 @@ use std::time::Instant;
 
 use clap::Args as ClapArgs;
 use deltaref::gates::Gate;
+use deltaref::ops;
 use deltaref_gpu::Timings;
 use deltaref_verify::case::{Case, CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
-use deltaref_verify::impls::{oracle_truth, Compute, Impl};
+use deltaref_verify::impls::{oracle_truth, Compute, Device, Engine, Impl};
 use deltaref_verify::metrics::norm_ratio;
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::progress::Progress;
@@ -51,8 +55,52 @@ struct Row {
     /// GPU device time of the forward and backward phases (best run).
     forward_s: Option<f64>,
     backward_s: Option<f64>,
+    /// Achieved GFLOP/s of a CPU KDA or DPLR row without CP.
+    gflops: Option<f64>,
+    /// `gflops` over the measured peak.
+    peak_fraction: Option<f64>,
     worst_norm_ratio: f64,
     worst_tensor: String,
+}
+
+/// Seconds the mul+add peak microbenchmark runs for.
+const PEAK_SECONDS: f64 = 0.3;
+
+/// Per-token op count of a naive engine, `(K, V)`.
+type NaiveCount = fn(usize, usize) -> ops::OpCount;
+/// Per-chunk op count of a chunked engine, `(C, K, V)`.
+type ChunkCount = fn(usize, usize, usize) -> ops::OpCount;
+
+/// Ops of one forward+backward of `imp` on `case` ([`deltaref::ops`]): per
+/// token of every (sequence, value head) for the naive engine, per chunk
+/// (the last one of a sequence possibly short) for the chunked one. `None`
+/// for token-shift (no matrix work), CP and GPU rows.
+fn op_count(imp: &Impl, case: &Case) -> Option<f64> {
+    if imp.cp.is_some() || imp.device != Device::Cpu {
+        return None;
+    }
+    let (naive, chunk): (NaiveCount, ChunkCount) = match case.meta.op {
+        Op::Kda => (ops::kda_naive, ops::kda_chunk),
+        Op::Dplr => (ops::dplr_naive, ops::dplr_chunk),
+        Op::TokenShift => return None,
+    };
+    let q = case.tensors.get("q")?.shape();
+    let (kd, vd, heads) = (q[3], case.value_dim(), case.tensors.get("v")?.shape()[2]);
+    let lengths: Vec<usize> = match &case.cu_seqlens {
+        Some(cu) => cu.windows(2).map(|w| (w[1] - w[0]) as usize).collect(),
+        None => vec![q[1]; q[0]],
+    };
+    let per_head: f64 = lengths
+        .iter()
+        .map(|&l| match imp.engine {
+            Engine::Naive => naive(kd, vd).total() * l as f64,
+            Engine::Chunk(c) => (0..l)
+                .step_by(c)
+                .map(|s| chunk(c.min(l - s), kd, vd).total())
+                .sum(),
+        })
+        .sum();
+    Some(per_head * heads as f64)
 }
 
 fn default_case() -> Result<Case, CaseError> {
@@ -112,7 +160,8 @@ fn time(imp: &Impl, case: &Case, path: &std::path::Path, reps: usize) -> Result<
     Ok(best.expect("at least one run"))
 }
 
-fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
+/// The rows, and the measured peak GFLOP/s when a row has an op count.
+fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
     if !(1..=MAX_REPS).contains(&a.reps) {
         return Err(CaseError::Usage(format!(
             "--reps: expected 1 to {MAX_REPS}, got {}",
@@ -135,6 +184,7 @@ fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
     };
     let truth = oracle_truth(&case, &path)?;
     let mut rows = vec![];
+    let mut peak = None;
     let progress = Progress::bar(names.len() as u64, "bench");
     for name in names {
         progress.step(&format!("bench {name}"));
@@ -155,46 +205,70 @@ fn go(a: &Args) -> Result<Vec<Row>, CaseError> {
         let t = time(&imp, &case, &path, a.reps)?;
         progress.inc();
         let (worst_norm_ratio, worst_tensor) = worst(&truth, &t.results);
+        let gflops = op_count(&imp, &case).map(|n| n / t.wall_s / 1e9);
+        if gflops.is_some() && peak.is_none() {
+            peak = Some(ops::peak_gflops(PEAK_SECONDS));
+        }
         rows.push(Row {
             imp: imp.name(),
             total_s: t.wall_s,
             forward_s: t.phases.map(|p| p.forward_s),
             backward_s: t.phases.map(|p| p.backward_s),
+            gflops,
+            peak_fraction: gflops.zip(peak).map(|(g, p)| g / p),
             worst_norm_ratio,
             worst_tensor,
         });
     }
-    Ok(rows)
+    Ok((rows, peak))
 }
 
-fn table(rows: &[Row]) -> String {
+fn table(rows: &[Row], peak: Option<f64>) -> String {
     let ms = |s: Option<f64>| s.map_or("-".to_string(), |s| format!("{:.3}", s * 1e3));
+    let opt =
+        |x: Option<f64>, scale: f64| x.map_or("-".to_string(), |x| format!("{:.1}", x * scale));
     let mut out = format!(
-        "{:<34} {:>12} {:>12} {:>12}  {:>11} {}\n",
-        "impl", "fwd+bwd ms", "fwd dev ms", "bwd dev ms", "worst ratio", "(tensor)"
+        "{:<34} {:>12} {:>12} {:>12} {:>8} {:>7}  {:>11} {}\n",
+        "impl",
+        "fwd+bwd ms",
+        "fwd dev ms",
+        "bwd dev ms",
+        "GFLOP/s",
+        "% peak",
+        "worst ratio",
+        "(tensor)"
     );
     for r in rows {
         out += &format!(
-            "{:<34} {:>12.3} {:>12} {:>12}  {:>11.3e} ({})\n",
+            "{:<34} {:>12.3} {:>12} {:>12} {:>8} {:>7}  {:>11.3e} ({})\n",
             r.imp,
             r.total_s * 1e3,
             ms(r.forward_s),
             ms(r.backward_s),
+            opt(r.gflops, 1.0),
+            opt(r.peak_fraction, 100.0),
             r.worst_norm_ratio,
             r.worst_tensor
         );
     }
     out.push_str("fwd+bwd: best wall time of a whole run (uploads and pre-processing included); dev: GPU stream time of each phase");
+    if let Some(p) = peak {
+        out += &format!(
+            "\nGFLOP/s: mul+add ops counted as in README's Benchmarks section; peak: {p:.1} GFLOP/s measured (f64 mul and add chains, no FMA, {} threads)",
+            rayon::current_num_threads()
+        );
+    }
     out
 }
 
 pub fn run(a: Args) -> ExitCode {
     match go(&a) {
-        Ok(rows) => {
+        Ok((rows, peak)) => {
             if a.json {
-                super::print(&serde_json::to_string_pretty(&rows).expect("rows serialise"));
+                let out = serde_json::json!({ "rows": rows, "peak_gflops": peak });
+                super::print(&serde_json::to_string_pretty(&out).expect("rows serialise"));
             } else {
-                super::print(&table(&rows));
+                super::print(&table(&rows, peak));
             }
             ExitCode::SUCCESS
         }

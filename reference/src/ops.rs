@@ -1,0 +1,171 @@
+//! Multiply and add counts of the engines, for `deltaref bench`'s GFLOP/s.
+//!
+//! Each count is the number of scalar multiplies, adds and subtracts the
+//! engine's code performs (a mul+add pair is 2 ops; exponentials, divisions
+//! and square roots are not counted), for forward and backward (which
+//! recomputes the forward it needs). Only the terms that grow with the
+//! problem are kept: `K·V` per token for the naive forms; `C·K·V`, `C²·K`,
+//! `C²·V`, `C³` and the larger `K·V` and `C·K` terms per chunk of `C` tokens
+//! for the chunked forms; a matrix product `[m, n]·[n, p]` is `2·m·n·p`.
+//! Gates, norms and `O(K + V)` work per token are left out. The test
+//! `tests/tests/op_count.rs` checks these against engines run on a scalar
+//! that counts its own operations.
+
+/// Operations of forward and backward.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpCount {
+    pub forward: f64,
+    pub backward: f64,
+}
+
+impl OpCount {
+    /// Forward plus backward.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward
+    }
+}
+
+/// Naive KDA, per token and head. Forward, per state element: the finish
+/// `S += (βk) rᵀ` (2), the readout `o += q S` (2), the start `S *= e^g` (1)
+/// and `r −= k S` (2). Backward: the checkpoint pass without readout (5),
+/// the replay `S = e·S_prev + (kβ)·r` (3), the start backward (`ds += k dr`,
+/// two dot products, `ds *= e`: 7) and the finish backward (`ds += q do`,
+/// `du += k ds`, two dot products: 8).
+pub fn kda_naive(k: usize, v: usize) -> OpCount {
+    let kv = (k * v) as f64;
+    OpCount {
+        forward: 7.0 * kv,
+        backward: (5.0 + 3.0 + 7.0 + 8.0) * kv,
+    }
+}
+
+/// Naive DPLR, per token and head. Forward, per state element: the finish
+/// `S = e·S + b wᵀ + k vᵀ` (5), the readout (2) and the start `w += a S` (2).
+/// Backward: the checkpoint pass without readout (7), the replay (5), the
+/// start backward (a dot product and `ds = e·ds + a dw`: 5) and the finish
+/// backward (`ds += q do`, `dw += b ds`, `dv += k ds`, four dot products: 14).
+pub fn dplr_naive(k: usize, v: usize) -> OpCount {
+    let kv = (k * v) as f64;
+    OpCount {
+        forward: 9.0 * kv,
+        backward: (7.0 + 5.0 + 5.0 + 14.0) * kv,
+    }
+}
+
+/// Chunked KDA, per chunk of `c` tokens and head.
+///
+/// Forward: intra (`Aqk` and the `k kᵀ` block: 4C²K; `(I + L)^{-1}` by
+/// substitution: C³/3; `w`: 2C²K; `u`: 2C²V; nine element-wise `[C, K]` ops),
+/// then the state pass (`w h`, `qg h`, `kgᵀ v_new`: 6CKV; `Aqk v_new`: 2C²V;
+/// two `[K, V]` ops). Backward recomputes the forward but its readout
+/// (`qg h`, `Aqk v_new`: 2CKV + 2C²V), then: six `[C,K]×[K,V]`
+/// -sized products (12CKV), `dAqk`, `dv_new`, `dAkk`'s `V` half and `dv`
+/// (8C²V), `dAkk`'s `K` half, `dkd` and the intra-block gradients (12C²K),
+/// `dL` through the inverse (4C³), about 30 element-wise `[C, K]` ops and
+/// five `[K, V]` ops.
+pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
+    let (c, k, v) = (c as f64, k as f64, v as f64);
+    let forward = 6.0 * c * c * k
+        + c * c * c
+        + 2.0 * c * c * v
+        + 9.0 * c * k
+        + 6.0 * c * k * v
+        + 2.0 * c * c * v
+        + 2.0 * k * v;
+    OpCount {
+        forward,
+        backward: forward - 2.0 * c * k * v - 2.0 * c * c * v
+            + 12.0 * c * k * v
+            + 8.0 * c * c * v
+            + 12.0 * c * c * k
+            + 4.0 * c * c * c
+            + 30.0 * c * k
+            + 5.0 * k * v,
+    }
+}
+
+/// Chunked DPLR, per chunk of `c` tokens and head.
+///
+/// Forward: intra (four A blocks: 8C²K; `(I − Aab)^{-1}`: C³/3; `w`: 2C²K;
+/// `u = P (Aak V)`: 4C²V; twelve element-wise `[C, K]` ops), then the state
+/// pass (`w S`, `qg S`, the two state updates: 8CKV; `Aqk V`, `Aqb v2`:
+/// 4C²V; three `[K, V]` ops). Backward recomputes the forward but its
+/// readout (`qg S`, `Aqk V`, `Aqb v2`: 2CKV + 4C²V + CK), then: eight
+/// `CKV` products (16CKV), nine `C²V` products (18C²V), ten `C²K` products
+/// (20C²K), `dAab` through the inverse (4C³), about 40 element-wise
+/// `[C, K]` ops and four `[K, V]` ops.
+pub fn dplr_chunk(c: usize, k: usize, v: usize) -> OpCount {
+    let (c, k, v) = (c as f64, k as f64, v as f64);
+    let forward = 10.0 * c * c * k
+        + c * c * c
+        + 8.0 * c * c * v
+        + 12.0 * c * k
+        + 8.0 * c * k * v
+        + 3.0 * k * v;
+    OpCount {
+        forward,
+        backward: forward - 2.0 * c * k * v - 4.0 * c * c * v - c * k
+            + 16.0 * c * k * v
+            + 18.0 * c * c * v
+            + 20.0 * c * c * k
+            + 4.0 * c * c * c
+            + 40.0 * c * k
+            + 4.0 * k * v,
+    }
+}
+
+/// Independent `x = x·m + a` chains per thread, in groups of 4 (one AVX2
+/// register each). LLVM's code for this loop is fragile: 8 groups unroll
+/// into registers (measured fastest here: ~84 GFLOP/s on the 2-core VM);
+/// 16 spill (~65), and counts that are not powers of two stay a loop
+/// through memory (~15).
+const GROUPS: usize = 8;
+
+/// `iters` rounds of `x = x·m + a` over `4 ·` [`GROUPS`] chains, a separate
+/// multiply and add each (2 ops; Rust never fuses them into an FMA), with
+/// the vector width [`crate::simd::dispatch`] gives the engines.
+fn mul_add_chains(iters: u64) -> f64 {
+    crate::simd::dispatch(
+        #[inline(always)]
+        || {
+            let (m, a) = (std::hint::black_box(0.999_f64), std::hint::black_box(1e-3));
+            let mut x = [[std::hint::black_box(0.5_f64); 4]; GROUPS];
+            for _ in 0..iters {
+                for group in x.iter_mut() {
+                    for xi in group.iter_mut() {
+                        *xi = *xi * m + a;
+                    }
+                }
+            }
+            x.iter().flatten().sum()
+        },
+    )
+}
+
+/// Wall seconds of `iters` rounds on every rayon thread at once.
+fn timed_chains(iters: u64) -> f64 {
+    let t = std::time::Instant::now();
+    let sums = rayon::broadcast(|_| mul_add_chains(iters));
+    std::hint::black_box(sums);
+    t.elapsed().as_secs_f64()
+}
+
+/// Runs of [`peak_gflops`]: on a shared machine the best of many short
+/// runs finds the cores free more reliably than one long run.
+const PEAK_RUNS: u32 = 10;
+
+/// The machine's measured mul+add throughput without FMA, in GFLOP/s: the
+/// best of [`PEAK_RUNS`] runs, `seconds` in all, of independent multiply
+/// and add chains on `f64` on every rayon thread (2 ops per `x·m + a`).
+pub fn peak_gflops(seconds: f64) -> f64 {
+    let mut iters = 1u64 << 10;
+    while timed_chains(iters) < 0.005 {
+        iters *= 2;
+    }
+    let per_iter = timed_chains(iters) / iters as f64;
+    let iters = ((seconds / f64::from(PEAK_RUNS) / per_iter) as u64).max(1);
+    let ops = (2 * 4 * GROUPS * rayon::current_num_threads()) as f64 * iters as f64;
+    (0..PEAK_RUNS)
+        .map(|_| ops / timed_chains(iters) / 1e9)
+        .fold(0.0, f64::max)
+}
