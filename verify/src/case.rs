@@ -123,7 +123,14 @@ impl Op {
         }
     }
 
-    /// Output and gradient names (what a candidate provides).
+    /// The forward results: the output and the final state (the first two
+    /// of [`Op::results`]).
+    pub fn forward_results(self) -> &'static [&'static str] {
+        &self.results()[..2]
+    }
+
+    /// Output and gradient names (what a candidate provides), the forward
+    /// results first.
     pub fn results(self) -> &'static [&'static str] {
         match self {
             Op::Kda => &[

@@ -281,11 +281,8 @@ impl Preset {
         c.meta.cp = self.cp.clone();
         c.meta.chunk_size = self.chunk_size;
         if self.intermediates {
-            let req = crate::impls::ImplRequest {
-                name: if self.cp.is_some() { "cp" } else { "chunk" }.into(),
-                ..Default::default()
-            };
-            let (tensors, _) = crate::intermediates::compute(&c, &req.resolve(&c)?)?;
+            let imp = crate::impls::ImplRequest::chunked_for(&c).resolve(&c)?;
+            let (tensors, _) = crate::intermediates::compute(&c, &imp)?;
             for (n, t) in tensors {
                 c.insert(&n, t, Dtype::F64);
             }

@@ -6,7 +6,7 @@ use deltaref::kda::KdaOptions;
 use ndarray::{ArrayD, Axis};
 
 use crate::case::{Case, CaseError, CaseMeta, Dtype, Op};
-use crate::impls::{Compute, Impl};
+use crate::impls::{first_non_finite, Compute, Impl};
 use crate::memory::{self, Problem};
 use crate::progress::Progress;
 
@@ -107,38 +107,21 @@ impl GenSpec {
 
     /// The memory-relevant sizes of the problem.
     fn problem(&self, layout: &Layout, dims: &[usize]) -> Problem {
-        let (b, t, n) = (layout.b, layout.t, layout.n());
-        match self.op {
-            Op::Kda => Problem {
-                op: self.op,
-                b,
-                t,
-                n,
-                h: dims[0],
-                hv: dims[1],
-                k: dims[2],
-                v: dims[3],
-            },
-            Op::Dplr => Problem {
-                op: self.op,
-                b,
-                t,
-                n,
-                h: dims[0],
-                hv: dims[0],
-                k: dims[1],
-                v: dims[2],
-            },
-            Op::TokenShift => Problem {
-                op: self.op,
-                b,
-                t,
-                n,
-                h: 1,
-                hv: 1,
-                k: 1,
-                v: dims[0],
-            },
+        // `dims`: KDA H,HV,K,V; DPLR H,K,V; token-shift D.
+        let (h, hv, k, v) = match self.op {
+            Op::Kda => (dims[0], dims[1], dims[2], dims[3]),
+            Op::Dplr => (dims[0], dims[0], dims[1], dims[2]),
+            Op::TokenShift => (1, 1, 1, dims[0]),
+        };
+        Problem {
+            op: self.op,
+            b: layout.b,
+            t: layout.t,
+            n: layout.n(),
+            h,
+            hv,
+            k,
+            v,
         }
     }
 
@@ -271,15 +254,15 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
         let truth = Impl::NAIVE
             .compute(&case, Compute::F64)
             .map_err(|e| CaseError::Usage(e.to_string()))?;
+        if let Some((n, i, v)) = first_non_finite(&truth) {
+            return Err(CaseError::Usage(format!(
+                "the f64 oracle's `{n}` is non-finite ({v} at flat index {i} of shape {:?}): \
+                 the inputs overflow the recurrence (unstable keys, gates or scale); \
+                 refusing to store a non-finite truth",
+                truth[&n].shape()
+            )));
+        }
         for (n, t) in truth {
-            if let Some((i, v)) = t.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-                return Err(CaseError::Usage(format!(
-                    "the f64 oracle's `{n}` is non-finite ({v} at flat index {i} of shape {:?}): \
-                     the inputs overflow the recurrence (unstable keys, gates or scale); \
-                     refusing to store a non-finite truth",
-                    t.shape()
-                )));
-            }
             case.insert(&n, t, Dtype::F64);
         }
     }

@@ -144,7 +144,7 @@ impl Impl {
     pub fn compute_forward(&self, case: &Case, compute: Compute) -> Result<Tensors, ComputeError> {
         if let Device::Gpu(_) = self.device {
             let mut t = self.compute(case, compute)?;
-            t.retain(|n, _| matches!(n.as_str(), "o" | "final_state" | "y" | "final_cache"));
+            t.retain(|n, _| case.meta.op.forward_results().contains(&n.as_str()));
             return Ok(t);
         }
         Ok(match compute {
@@ -286,6 +286,21 @@ pub struct ImplRequest {
 }
 
 impl ImplRequest {
+    /// The oracle's chunked engine in the case's own layout: CP when the case
+    /// has a `cp` layout, plain chunked otherwise (the structure whose
+    /// intermediates FLA stores, and the noise reference of a candidate).
+    pub fn chunked_for(case: &Case) -> ImplRequest {
+        ImplRequest {
+            name: if case.meta.cp.is_some() {
+                "cp"
+            } else {
+                "chunk"
+            }
+            .into(),
+            ..ImplRequest::default()
+        }
+    }
+
     /// Resolves against a case (whose metadata may carry a CP layout and
     /// chunk size); returns the compute scalar a preset asks for, if any.
     pub fn resolve_with_compute(&self, case: &Case) -> Result<(Impl, Option<Compute>), CaseError> {

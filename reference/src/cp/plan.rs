@@ -290,15 +290,6 @@ impl Plan {
         }
     }
 
-    /// Global token ranges of device rank `r`'s local buffer, in buffer order.
-    pub fn device_ranges(&self, r: usize) -> Vec<(usize, usize)> {
-        self.device_rank(r)
-            .intervals
-            .iter()
-            .map(|&i| (self.ranks[i].start, self.ranks[i].end))
-            .collect()
-    }
-
     /// Interior cut points.
     pub fn cuts(&self) -> &[usize] {
         &self.bounds[1..self.bounds.len() - 1]
@@ -437,7 +428,13 @@ mod tests {
         // Sequence 0 spans intervals 0–1, sequence 1 spans intervals 1–3.
         assert_eq!(chain, vec![(0, 1), (1, 2), (1, 1), (2, 0)]);
         assert_eq!(p.ranks[1].cu_seqlens, vec![0, 144, 256]);
-        assert_eq!(p.device_ranges(0), vec![(0, 256), (768, 1024)]);
+        let r0: Vec<(usize, usize)> = p
+            .device_rank(0)
+            .intervals
+            .iter()
+            .map(|&i| (p.ranks[i].start, p.ranks[i].end))
+            .collect();
+        assert_eq!(r0, vec![(0, 256), (768, 1024)]);
         let r1 = p.device_rank(1);
         assert_eq!(r1.intervals, vec![1, 2]);
         assert_eq!(r1.cu_seqlens, vec![0, 144, 256, 512]);

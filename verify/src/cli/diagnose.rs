@@ -143,15 +143,7 @@ fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseErr
     };
     let (mut req, _) = a.imp.request()?;
     if a.candidate.is_some() {
-        req = ImplRequest {
-            name: if case.meta.cp.is_some() {
-                "cp"
-            } else {
-                "chunk"
-            }
-            .into(),
-            ..ImplRequest::default()
-        };
+        req = ImplRequest::chunked_for(case);
     }
     req.precision = Some(name.clone());
     let (imp, compute) = req.resolve_with_compute(case)?;

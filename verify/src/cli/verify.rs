@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use deltaref_verify::case::Op;
 use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::impls::{oracle_truth, ImplRequest};
 use deltaref_verify::intermediates;
@@ -40,27 +39,6 @@ pub struct Args {
     pub allow_partial: bool,
 }
 
-/// Whether any `--impl` flag differs from its default (`--impl naive` alone
-/// cannot be told from no flag and is accepted).
-fn impl_flags_given(i: &ImplArgs) -> bool {
-    i.imp != "naive"
-        || i.chunk_size.is_some()
-        || i.world.is_some()
-        || i.cuts.is_some()
-        || i.cp_engine.is_some()
-        || i.compute.is_some()
-        || i.precision.is_some()
-        || i.gpu_dtype.is_some()
-}
-
-/// The forward results of `op`: its output and final state.
-fn forward_names(op: Op) -> &'static [&'static str] {
-    match op {
-        Op::TokenShift => &["y", "final_cache"],
-        _ => &["o", "final_state"],
-    }
-}
-
 /// The candidate's intermediates against the oracle's, computed with the
 /// chunked engine in the case's layout (CP when the case has one).
 fn intermediate_rows(
@@ -72,17 +50,22 @@ fn intermediate_rows(
     if held.is_empty() {
         return Ok(vec![]);
     }
-    let req = ImplRequest {
-        name: if case.meta.cp.is_some() {
-            "cp"
-        } else {
-            "chunk"
-        }
-        .into(),
-        ..ImplRequest::default()
-    };
-    let (oracle, chunks) = intermediates::compute(case, &req.resolve(case)?)?;
+    let imp = ImplRequest::chunked_for(case).resolve(case)?;
+    let (oracle, chunks) = intermediates::compute(case, &imp)?;
     Ok(intermediates::compare(&oracle, &held, &chunks, max_ratio))
+}
+
+/// Whether any `--impl` flag differs from its default (`--impl naive` alone
+/// cannot be told from no flag and is accepted).
+fn impl_flags_given(i: &ImplArgs) -> bool {
+    i.imp != "naive"
+        || i.chunk_size.is_some()
+        || i.world.is_some()
+        || i.cuts.is_some()
+        || i.cp_engine.is_some()
+        || i.compute.is_some()
+        || i.precision.is_some()
+        || i.gpu_dtype.is_some()
 }
 
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
@@ -129,7 +112,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             (expected, reference, got, format!("impl:{}", imp.name()))
         }
     };
-    let keep = forward_names(case.meta.op);
+    let keep = case.meta.op.forward_results();
     if a.forward_only {
         expected.retain(|n, _| keep.contains(&n.as_str()));
     }
