@@ -194,6 +194,18 @@ fn refused_flag_combinations_exit_2() {
             "drop them",
         ),
         (
+            vec![
+                "verify",
+                "--case",
+                s(&case),
+                "--candidate",
+                s(&results),
+                "--layout",
+                "zigzag",
+            ],
+            "drop them",
+        ),
+        (
             vec!["verify", "--case", s(&case), "--candidate", s(&other)],
             "candidate op `dplr` differs from the case's `kda`",
         ),

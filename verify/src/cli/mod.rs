@@ -91,6 +91,31 @@ pub struct ImplArgs {
 }
 
 impl ImplArgs {
+    /// Whether any flag differs from its default (`--impl naive` alone cannot
+    /// be told from no flag). Destructured, so a new flag must be counted here.
+    pub fn given(&self) -> bool {
+        let ImplArgs {
+            imp,
+            chunk_size,
+            world,
+            layout,
+            cuts,
+            cp_engine,
+            compute,
+            precision,
+            gpu_dtype,
+        } = self;
+        imp != "naive"
+            || chunk_size.is_some()
+            || world.is_some()
+            || layout.is_some()
+            || cuts.is_some()
+            || cp_engine.is_some()
+            || compute.is_some()
+            || precision.is_some()
+            || gpu_dtype.is_some()
+    }
+
     pub fn request(&self) -> Result<(ImplRequest, Option<Compute>), CaseError> {
         let compute = match self.compute.as_deref() {
             None => None,

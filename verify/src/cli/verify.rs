@@ -55,19 +55,6 @@ fn intermediate_rows(
     Ok(intermediates::compare(&oracle, &held, &chunks, max_ratio))
 }
 
-/// Whether any `--impl` flag differs from its default (`--impl naive` alone
-/// cannot be told from no flag and is accepted).
-fn impl_flags_given(i: &ImplArgs) -> bool {
-    i.imp != "naive"
-        || i.chunk_size.is_some()
-        || i.world.is_some()
-        || i.cuts.is_some()
-        || i.cp_engine.is_some()
-        || i.compute.is_some()
-        || i.precision.is_some()
-        || i.gpu_dtype.is_some()
-}
-
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     super::check_ratio("--max-ratio", a.max_ratio)?;
     let case = Case::read(&a.case)?;
@@ -84,7 +71,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     let mut inter = vec![];
     let (mut expected, reference, got, candidate) = match &a.candidate {
         Some(cpath) => {
-            if impl_flags_given(&a.imp) {
+            if a.imp.given() {
                 return Err(CaseError::Usage(
                     "--impl and its flags choose what to run; with --candidate nothing runs \
                      but the f64 oracle (when the case stores no truth): drop them"
