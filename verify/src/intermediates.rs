@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use crate::case::{Case, CaseError, Inputs, Op};
 use crate::impls::{Device, Engine, Impl};
-use crate::metrics::{max_abs, norm_ratio};
+use crate::metrics;
 use crate::outputs::Tensors;
 
 /// Every intermediate name, FLA's where FLA has one.
@@ -361,8 +361,7 @@ pub fn compare(
             }
             let (rf, cf): (Vec<f64>, Vec<f64>) =
                 (r.iter().copied().collect(), c.iter().copied().collect());
-            let nr = norm_ratio(&rf, &cf);
-            let ma = max_abs(&rf, &cf).0;
+            let cmp = metrics::compare(&rf, &cf, max_ratio);
             let scale = (rf.iter().map(|x| x * x).sum::<f64>() / rf.len().max(1) as f64).sqrt() + 1e-8;
             let bad = |e: f64| e > max_ratio || e.is_nan();
             let first_bad = if PER_RANK.contains(&name.as_str()) {
@@ -395,9 +394,9 @@ pub fn compare(
             };
             let finite = cf.iter().all(|v| v.is_finite());
             IntermediateRow {
-                norm_ratio: Some(nr),
-                max_abs: Some(ma),
-                pass: finite && (ma <= 1e-6 || nr < max_ratio),
+                norm_ratio: Some(cmp.norm_ratio),
+                max_abs: Some(cmp.max_abs),
+                pass: finite && cmp.pass,
                 first_bad,
                 problem: (!finite).then(|| "non-finite values in the candidate".into()),
                 ..base
