@@ -34,15 +34,10 @@ import safetensors
 import safetensors.torch as st
 import torch
 import torch.distributed as dist
-from fla_candidate import kda_options  # same directory: the options map once
+from fla_candidate import GRAD_NAME, TOKEN_INPUTS, kda_options  # same directory
 
-TOKEN_INPUTS = {
-    "kda": ["q", "k", "v", "g", "beta"],
-    "dplr": ["q", "k", "v", "a", "b", "gk"],
-    "token_shift": ["x"],
-}
+# FLA's CP takes no initial state or cache: the parameters are the gate's alone.
 PARAM_INPUTS = {"kda": ["A_log", "dt_bias"], "dplr": [], "token_shift": []}
-GRAD_NAME = {"A_log": "dA_log", "dt_bias": "ddt_bias"}
 # Stored truth and the final-state upstream gradient, dropped from the ran case.
 RESULTS = {
     "o", "final_state", "y", "final_cache", "dq", "dk", "dv", "dg", "dbeta", "dA_log",
