@@ -4,12 +4,15 @@
 
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::kda::chunk::Chunk;
+use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
 use deltaref::precision::{Policy, Stage};
+use deltaref::token_shift::Shift;
 use deltaref::{dplr, kda, Scalar};
 use deltaref_gpu::{GpuImpl, Storage, Timings};
+use ndarray::ArrayD;
 
 use crate::case::{Case, CaseError, CpLayout, Inputs, Op};
-pub use crate::gpu::ComputeError;
+pub use crate::compute::{Compute, ComputeError};
 use crate::outputs::{self, Tensors};
 
 /// The local engine: the naive recurrence or the chunked form.
@@ -40,13 +43,6 @@ pub struct Impl {
     /// Stage rounding of the chunked engine (the CP rounding lives in `cp`).
     pub policy: Policy,
     pub device: Device,
-}
-
-/// The scalar an implementation computes in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compute {
-    F64,
-    F32,
 }
 
 impl Impl {
@@ -156,33 +152,25 @@ impl Impl {
     fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
         let case = self.stored_inputs(case);
         let cp = self.cp.as_ref().map(|(p, o)| (p, o));
-        match case.inputs()? {
-            Inputs::Kda(x) => {
-                let opts = case.meta.kda_options();
-                match &self.engine {
-                    Engine::Naive => {
-                        outputs::kda_forward::<T, _>(&kda::naive::Naive, &x, &opts, cp)
-                    }
-                    Engine::Chunk(c) => {
-                        let e = Chunk::new(*c)?.with_policy(self.policy.clone());
-                        outputs::kda_forward::<T, _>(&e, &x, &opts, cp)
-                    }
-                }
+        match (case.inputs()?, &self.engine) {
+            (Inputs::Kda(x), Engine::Naive) => {
+                outputs::forward_only::<T, _>(&kda::naive::Naive, &x, &case.meta.kda_options(), cp)
             }
-            Inputs::Dplr(x) => {
-                let opts = case.meta.dplr_options();
-                match &self.engine {
-                    Engine::Naive => {
-                        outputs::dplr_forward::<T, _>(&dplr::naive::Naive, &x, &opts, cp)
-                    }
-                    Engine::Chunk(c) => {
-                        outputs::dplr_forward::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, cp)
-                    }
-                }
+            (Inputs::Kda(x), Engine::Chunk(c)) => {
+                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.kda_options(), cp)
             }
-            Inputs::TokenShift(x) => {
-                outputs::token_shift_forward::<T>(&x, self.cp.as_ref().map(|(p, _)| p))
+            (Inputs::Dplr(x), Engine::Naive) => outputs::forward_only::<T, _>(
+                &dplr::naive::Naive,
+                &x,
+                &case.meta.dplr_options(),
+                cp,
+            ),
+            (Inputs::Dplr(x), Engine::Chunk(c)) => {
+                let e = dplr::chunk::Chunk::new(*c)?;
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.dplr_options(), cp)
             }
+            (Inputs::TokenShift(x), _) => outputs::forward_only::<T, _>(&Shift, &x, &(), cp),
         }
     }
 
@@ -201,59 +189,41 @@ impl Impl {
         // The kernel reads its inputs in their storage dtype.
         let case = &*self.stored_inputs(case);
         let (d_o, dht) = case.upstream()?;
-        let dht = dht.as_ref();
-        let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
-        match (case.inputs()?, &self.cp) {
-            (Inputs::Kda(x), cp) => {
-                let opts = case.meta.kda_options();
-                match (&self.engine, cp) {
-                    (Engine::Naive, None) => Ok((
-                        outputs::kda::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Chunk(c), None) => Ok((
-                        outputs::kda::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Naive, Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht, p, o)
-                    }
-                    (Engine::Chunk(c), Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht, p, o)
-                    }
-                }
+        let up = (&d_o, dht.as_ref());
+        match (case.inputs()?, &self.engine) {
+            (Inputs::Kda(x), Engine::Naive) => {
+                self.all(&kda::naive::Naive, &x, &case.meta.kda_options(), up)
             }
-            (Inputs::Dplr(x), cp) => {
-                let opts = case.meta.dplr_options();
-                let naive = &dplr::naive::Naive;
-                match (&self.engine, cp) {
-                    (Engine::Naive, None) => {
-                        Ok((outputs::dplr::<T, _>(naive, &x, &opts, &d_o, dht)?, vec![]))
-                    }
-                    (Engine::Chunk(c), None) => Ok((
-                        outputs::dplr::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Naive, Some((p, o))) => {
-                        outputs::dplr_cp::<T, _>(naive, &x, &opts, &d_o, dht, p, o)
-                    }
-                    (Engine::Chunk(c), Some((p, o))) => outputs::dplr_cp::<T, _>(
-                        &dplr::chunk::Chunk::new(*c)?,
-                        &x,
-                        &opts,
-                        &d_o,
-                        dht,
-                        p,
-                        o,
-                    ),
-                }
+            (Inputs::Kda(x), Engine::Chunk(c)) => {
+                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
+                self.all(&e, &x, &case.meta.kda_options(), up)
             }
-            (Inputs::TokenShift(x), None) => {
-                Ok((outputs::token_shift::<T>(&x, &d_o, dht)?, vec![]))
+            (Inputs::Dplr(x), Engine::Naive) => {
+                self.all(&dplr::naive::Naive, &x, &case.meta.dplr_options(), up)
             }
-            (Inputs::TokenShift(x), Some((p, _))) => {
-                Ok((outputs::token_shift_cp::<T>(&x, &d_o, dht, p)?, vec![]))
+            (Inputs::Dplr(x), Engine::Chunk(c)) => {
+                let e = dplr::chunk::Chunk::new(*c)?;
+                self.all(&e, &x, &case.meta.dplr_options(), up)
             }
+            (Inputs::TokenShift(x), _) => self.all(&Shift, &x, &(), up),
+        }
+    }
+
+    /// Outputs and gradients of `engine`, under simulated CP when asked.
+    #[allow(clippy::type_complexity)]
+    fn all<T: Scalar, E: OpEngine<T>>(
+        &self,
+        engine: &E,
+        x: &<E::Op as Operator<f64>>::Inputs,
+        opts: &<E::Op as OpSpec>::Options,
+        (d_o, dht): (&ArrayD<f64>, Option<&ArrayD<f64>>),
+    ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error>
+    where
+        E::Op: Operator<f64>,
+    {
+        match &self.cp {
+            None => Ok((outputs::all(engine, x, opts, d_o, dht)?, vec![])),
+            Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
         }
     }
 }
@@ -266,11 +236,16 @@ fn world_plan(world: usize, layout: Layout) -> PlanSpec {
     }
 }
 
+/// FLA's chunk size (`chunk_kda`'s `BT`), used when neither the flag nor the case gives one.
+pub const DEFAULT_CHUNK_SIZE: usize = 64;
+
 /// What `--impl` and its flags say, before the case is known.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ImplRequest {
     pub name: String,
-    pub chunk_size: usize,
+    /// The chunked engine's chunk size (default: the case's, else
+    /// [`DEFAULT_CHUNK_SIZE`]).
+    pub chunk_size: Option<usize>,
     pub world: Option<usize>,
     /// FLA's layout of `world` (contiguous unless given).
     pub layout: Option<Layout>,
@@ -344,14 +319,17 @@ impl ImplRequest {
         Ok((req.resolve(case)?, Some(p.compute)))
     }
 
+    /// The chunk size asked for, else the case's, else [`DEFAULT_CHUNK_SIZE`].
+    pub fn chunk_size_for(&self, case: &Case) -> usize {
+        self.chunk_size
+            .or(case.meta.chunk_size)
+            .unwrap_or(DEFAULT_CHUNK_SIZE)
+    }
+
     /// Resolves against a case (whose metadata may carry a CP layout and chunk size).
     pub fn resolve(&self, case: &Case) -> Result<Impl, CaseError> {
         let usage = |m: String| CaseError::Usage(m);
-        let chunk_size = if self.chunk_size == 0 {
-            case.meta.chunk_size.unwrap_or(64)
-        } else {
-            self.chunk_size
-        };
+        let chunk_size = self.chunk_size_for(case);
         let engine_of = |name: &str| match name {
             "naive" => Ok(Engine::Naive),
             "chunk" => Impl::chunk(chunk_size).map(|i| i.engine),
@@ -371,7 +349,7 @@ impl ImplRequest {
             ),
             n => n.strip_prefix("gpu-").unwrap_or(n),
         };
-        if self.chunk_size != 0 && engine_name == "naive" {
+        if self.chunk_size.is_some() && engine_name == "naive" {
             return Err(usage(format!(
                 "--chunk-size applies to the chunked engine; --impl {}{} runs the naive one",
                 self.name,
