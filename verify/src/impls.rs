@@ -128,7 +128,7 @@ impl Impl {
             Compute::F64 => self.compute_in::<f64>(case)?.0,
             Compute::F32 => self.compute_in::<f32>(case)?.0,
         };
-        Ok((t, None))
+        Ok((self.stored_outputs(t), None))
     }
 
     /// Like `compute` in f64, with the per-rank CP diagnostics (empty without CP).
@@ -136,7 +136,8 @@ impl Impl {
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
-        self.compute_in::<f64>(case)
+        let (t, diags) = self.compute_in::<f64>(case)?;
+        Ok((self.stored_outputs(t), diags))
     }
 
     /// The outputs only (`o`/`y` and the final state), without the backward
@@ -147,10 +148,10 @@ impl Impl {
             t.retain(|n, _| case.meta.op.forward_results().contains(&n.as_str()));
             return Ok(t);
         }
-        Ok(match compute {
+        Ok(self.stored_outputs(match compute {
             Compute::F64 => self.forward_in::<f64>(case)?,
             Compute::F32 => self.forward_in::<f32>(case)?,
-        })
+        }))
     }
 
     fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
@@ -175,15 +176,32 @@ impl Impl {
                     Engine::Naive => {
                         outputs::dplr_forward::<T, _>(&dplr::naive::Naive, &x, &opts, cp)
                     }
-                    Engine::Chunk(c) => {
-                        outputs::dplr_forward::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, cp)
-                    }
+                    Engine::Chunk(c) => outputs::dplr_forward::<T, _>(
+                        &dplr::chunk::Chunk::new(*c)?.with_policy(self.policy.clone()),
+                        &x,
+                        &opts,
+                        cp,
+                    ),
                 }
             }
             Inputs::TokenShift(x) => {
                 outputs::token_shift_forward::<T>(&x, self.cp.as_ref().map(|(p, _)| p))
             }
         }
+    }
+
+    /// The results as the kernel hands them back: the output and the
+    /// per-token gradients rounded to the policy's output storage (FLA
+    /// returns them in the token dtype); final states, `dh0`, `dA_log` and
+    /// `ddt_bias` are fp32 and left alone.
+    fn stored_outputs(&self, mut t: Tensors) -> Tensors {
+        if let Some(s) = self.policy.storage(Stage::Outputs) {
+            const FP32: [&str; 5] = ["final_state", "final_cache", "dh0", "dA_log", "ddt_bias"];
+            for (_, x) in t.iter_mut().filter(|(n, _)| !FP32.contains(&n.as_str())) {
+                x.mapv_inplace(|v| s.round_f64(v));
+            }
+        }
+        t
     }
 
     /// The case as the kernel reads it: inputs rounded to the policy's input storage.
@@ -203,6 +221,8 @@ impl Impl {
         let (d_o, dht) = case.upstream()?;
         let dht = dht.as_ref();
         let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
+        let dplr_chunk =
+            |c: usize| dplr::chunk::Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
         match (case.inputs()?, &self.cp) {
             (Inputs::Kda(x), cp) => {
                 let opts = case.meta.kda_options();
@@ -231,21 +251,15 @@ impl Impl {
                         Ok((outputs::dplr::<T, _>(naive, &x, &opts, &d_o, dht)?, vec![]))
                     }
                     (Engine::Chunk(c), None) => Ok((
-                        outputs::dplr::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, &d_o, dht)?,
+                        outputs::dplr::<T, _>(&dplr_chunk(*c)?, &x, &opts, &d_o, dht)?,
                         vec![],
                     )),
                     (Engine::Naive, Some((p, o))) => {
                         outputs::dplr_cp::<T, _>(naive, &x, &opts, &d_o, dht, p, o)
                     }
-                    (Engine::Chunk(c), Some((p, o))) => outputs::dplr_cp::<T, _>(
-                        &dplr::chunk::Chunk::new(*c)?,
-                        &x,
-                        &opts,
-                        &d_o,
-                        dht,
-                        p,
-                        o,
-                    ),
+                    (Engine::Chunk(c), Some((p, o))) => {
+                        outputs::dplr_cp::<T, _>(&dplr_chunk(*c)?, &x, &opts, &d_o, dht, p, o)
+                    }
                 }
             }
             (Inputs::TokenShift(x), None) => {
@@ -332,10 +346,17 @@ impl ImplRequest {
                  token-shift hands on a cached token, not a state, so it cannot apply"
             )));
         }
+        let bare = self.resolve(case)?;
+        let policy = p.policy(crate::presets::Target::of(
+            case.meta.op,
+            case.meta.gate,
+            &bare,
+        ));
+        crate::presets::check(name, &policy, case.meta.op, &bare)?;
         let req = ImplRequest {
-            policy: p.policy.clone(),
+            policy: policy.clone(),
             cp_options: CpOptions {
-                policy: p.policy.clone(),
+                policy,
                 faults: p.faults,
             },
             precision: None,

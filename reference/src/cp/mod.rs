@@ -19,10 +19,20 @@ pub mod token_shift;
 
 use ndarray::{s, Array2, ArrayView2};
 
-use crate::precision::{Policy, Stage};
+use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
 pub use plan::{Layout, Plan, RankMeta};
+
+/// What a precision policy may ask of CP (over any engine) on top of the
+/// engine's own stages: the `M` chain (each product of transitions, in the
+/// merge and inside a chunked engine's transition), `S_ext` and the merged
+/// state.
+pub const FEATURES: &[Feature] = &[
+    Feature::Round(Stage::MChain),
+    Feature::Round(Stage::SExt),
+    Feature::Round(Stage::Merged),
+];
 
 /// What CP needs from an operator, for one piece of a sequence and one head.
 pub trait Local<T: Scalar>: Sync {

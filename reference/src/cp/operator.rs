@@ -88,7 +88,7 @@ macro_rules! cp_operator {
             plan: &PlanSpec,
             cp: &CpOptions,
         ) -> Result<(crate::$m::$Outputs<T>, Vec<RankDiag<T>>)> {
-            let p = crate::$m::Prepared::new(x, opt)?;
+            let p = engine.stored(crate::$m::Prepared::new(x, opt)?);
             let d = p.dims;
             let plan = plan.build(d.b, d.t, x.cu_seqlens.as_deref())?;
             let local = $Local {
@@ -128,7 +128,7 @@ macro_rules! cp_operator {
             plan: &PlanSpec,
             cp: &CpOptions,
         ) -> Result<(crate::$m::$Grads<T>, Vec<RankDiag<T>>)> {
-            let p = crate::$m::Prepared::new(x, opt)?;
+            let p = engine.stored(crate::$m::Prepared::new(x, opt)?);
             let d = p.dims;
             crate::$m::validate_upstream(&d, d_o, dht)?;
             let plan = plan.build(d.b, d.t, x.cu_seqlens.as_deref())?;

@@ -161,6 +161,12 @@ pub trait DplrEngine<T: Scalar>: Sync {
         };
         self.forward(&probe, Array2::eye(kd).view()).1
     }
+
+    /// The pre-processed tensors as this engine reads them (DPLR's kernels
+    /// run no activation of their own: unchanged).
+    fn stored<'a>(&self, p: Prepared<'a, T>) -> Prepared<'a, T> {
+        p
+    }
 }
 
 pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {

@@ -18,7 +18,7 @@ use super::{
     KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared,
 };
 use crate::error::Result;
-use crate::precision::{Policy, Stage};
+use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
 
@@ -42,6 +42,31 @@ impl Chunk {
     /// The same engine with stages rounded per `policy`.
     pub fn with_policy(self, policy: Policy) -> Self {
         Chunk { policy, ..self }
+    }
+
+    /// What a policy may ask of this engine (plus the CP stages when CP runs
+    /// over it, and the inputs/outputs the caller rounds).
+    pub const FEATURES: &'static [Feature] = &[
+        Feature::Round(Stage::Activations),
+        Feature::Round(Stage::GCumsum),
+        Feature::Round(Stage::Akk),
+        Feature::Round(Stage::Aqk),
+        Feature::Round(Stage::W),
+        Feature::Round(Stage::U),
+        Feature::Round(Stage::Gated),
+        Feature::Round(Stage::H),
+        Feature::Round(Stage::VNew),
+        Feature::Round(Stage::Dh),
+        Feature::Round(Stage::Dv),
+        Feature::Round(Stage::BwdOperands),
+        Feature::Exp2,
+        Feature::SafeGate,
+    ];
+
+    /// Rounds `a` to the storage of the backward's low-precision operands.
+    fn operand<T: Scalar>(&self, mut a: Array2<T>) -> Array2<T> {
+        self.policy.round(Stage::BwdOperands, &mut a);
+        a
     }
 }
 
@@ -391,7 +416,8 @@ impl Chunk {
         let dout = d_o.slice(s![ch.start..ch.start + ch.len(), ..]);
         debug_assert_eq!(vn.nrows(), ch.len());
         // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
-        let mut dvn = ch.aqk.t().dot(&dout) + ch.kg.dot(ds);
+        // FLA stores `Aqkᵀ do` (chunk_kda_bwd_dAv) before the state pass adds `kg dh`.
+        let mut dvn = self.operand(ch.aqk.t().dot(&dout)) + ch.kg.dot(ds);
         self.policy.round(Stage::Dv, &mut dvn);
         let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
         (dvn, ds_local)
@@ -430,12 +456,12 @@ impl Chunk {
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
         let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
-        let dw = -dvn.dot(&h.t());
+        let dw = self.operand(-dvn.dot(&h.t()));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
         let eg = ch.g_cumsum.mapv(|v| self.policy.exp(v));
-        let kd_ = &eg * &k;
+        let kd_ = self.operand(&eg * &k);
         let dakk = dw.dot(&kd_.t()) + du.dot(&x.v.slice(rows).t());
         let dkd = ch.akk.t().dot(&dw);
         let mut dk = &dkd * &eg;
@@ -443,8 +469,10 @@ impl Chunk {
         let dv = ch.akk.t().dot(du);
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
         let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
-        let dn = &dakk * &beta.insert_axis(Axis(0));
-        let mut dlow = -ch.n_inv.t().dot(&dn).dot(&ch.n_inv.t());
+        let dn = self.operand(&dakk * &beta.insert_axis(Axis(0)));
+        // FLA casts the masked product to the operand dtype between the two
+        // multiplications by the stored inverse.
+        let mut dlow = -self.operand(ch.n_inv.t().dot(&dn)).dot(&ch.n_inv.t());
         dlow.indexed_iter_mut().for_each(|((r, s), v)| {
             if s >= r {
                 *v = T::zero()
@@ -563,6 +591,12 @@ impl<T: Scalar> KdaEngine<T> for Chunk {
         self.backward_intermediates(x, h0, d_o, dht).grads
     }
 
+    /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in
+    /// the policy's activation storage.
+    fn stored<'a>(&self, p: Prepared<'a, T>) -> Prepared<'a, T> {
+        p.with_stored_activations(&self.policy)
+    }
+
     /// `M = Π M_chunk`, later chunks on the left.
     fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
         let mut m = Array2::eye(x.k_dim());
@@ -581,7 +615,7 @@ pub fn intermediates<T: Scalar>(
     x: &KdaInputs<T>,
     opt: &KdaOptions,
 ) -> Result<Vec<(Segment, usize, ChunkForward<T>)>> {
-    let p = Prepared::new(x, opt)?;
+    let p = Prepared::new(x, opt)?.with_stored_activations(&engine.policy);
     let hv = p.dims.hv;
     Ok(par_pairs(p.segments.len(), hv, |si, h| {
         let seg = p.segments[si];
