@@ -145,10 +145,11 @@ fn tf32_solve(_: Target) -> Policy {
     Policy::exact().with(Stage::Akk, Storage::Tf32)
 }
 
-/// f32 with `w` stored with 2 mantissa bits (e5m2): one deliberately coarse
-/// stage, which `diagnose --bisect` must name first.
-fn coarse_w(_: Target) -> Policy {
-    Policy::exact().with(Stage::W, Storage::E5m2)
+/// `fla-bf16` with `v_new` stored with 2 mantissa bits (e5m2): one stage far
+/// coarser than all the others (and one every result depends on), which
+/// `diagnose --bisect` must name first.
+fn coarse_v_new(t: Target) -> Policy {
+    fla_bf16(t).with(Stage::VNew, Storage::E5m2)
 }
 
 /// All presets.
@@ -182,9 +183,9 @@ pub fn presets() -> Vec<Preset> {
             Compute::F32,
         ),
         mk(
-            "coarse-w",
-            "bisection demo: f32 with w stored in a 2-mantissa-bit format (e5m2), far coarser than anything else",
-            coarse_w,
+            "coarse-v-new",
+            "bisection demo: fla-bf16 with v_new stored in a 2-mantissa-bit format (e5m2), far coarser than every other stage",
+            coarse_v_new,
             none(),
             Compute::F32,
         ),
