@@ -82,7 +82,8 @@ pub enum Stage {
     Inputs,
     /// Γ, the in-chunk cumulative log-decay.
     GCumsum,
-    /// The WY inverse `Akk` (`Tm = (I + L)^{-1} Diag(β)`).
+    /// The WY inverse as FLA stores it (its `Akk`): `(I + L)^{-1}`, before
+    /// β is applied (DPLR: `P = (I − Aab)^{-1}`).
     Akk,
     Aqk,
     W,

@@ -255,13 +255,27 @@ impl Chunk {
         mask_lower(&mut aqk, true);
         mask_lower(&mut p, false);
         // (I + L)^{-1}, L[r, s] = β_r p[r, s].
-        let n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
-        let mut akk = &n_inv * &beta.view().insert_axis(Axis(0));
-        self.policy.round(Stage::Akk, &mut akk);
+        // FLA stores the inverse `(I + L)^{-1}` (its `Akk`) and applies β
+        // when it forms w and u: the stage rounds the inverse.
+        let mut n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
+        self.policy.round(Stage::Akk, &mut n_inv);
+        let akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Aqk, &mut aqk);
         let eg = g_cumsum.mapv(|v| self.policy.exp(v));
-        let mut w = akk.dot(&(&eg * &k));
-        let mut u = akk.dot(&v);
+        let (mut w, mut u) =
+            if self.policy.storage(Stage::W).is_some() || self.policy.storage(Stage::U).is_some() {
+                // FLA (`recompute_w_u_fwd`) multiplies the stored inverse by
+                // `(β k ⊙ 2^g).to(bf16)` and `(β v).to(bf16)`: the operands are
+                // rounded like the stage they form.
+                let bcol = beta.insert_axis(Axis(1));
+                let mut kb = &(&eg * &k) * &bcol;
+                let mut vb = &v * &bcol;
+                self.policy.round(Stage::W, &mut kb);
+                self.policy.round(Stage::U, &mut vb);
+                (n_inv.dot(&kb), n_inv.dot(&vb))
+            } else {
+                (akk.dot(&(&eg * &k)), akk.dot(&v))
+            };
         self.policy.round(Stage::W, &mut w);
         self.policy.round(Stage::U, &mut u);
         let mut qg = &q * &eg;
@@ -455,7 +469,8 @@ impl Chunk {
         });
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
-        let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
+        // FLA sums the bf16 products `b_h * b_dh` (both operands bf16).
+        let mut dgamma_last: Array1<T> = self.operand(&h * &ds).sum_axis(Axis(1)) * &decay_last;
         let dw = self.operand(-dvn.dot(&h.t()));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
