@@ -110,6 +110,11 @@ pub enum Stage {
     /// `k ⊙ exp(Γ)` and the masked `dAkk` between the two products with
     /// `Akk` (FLA `chunk_kda_bwd_kernel_wy_dqkg_fused`).
     BwdOperands,
+    /// The fp32 `tl.dot` operands between different 16-token sub-chunks of
+    /// the intra-chunk backward (`chunk_kda_bwd_kernel_intra`: `dAqk`,
+    /// `dAkk` and the gated q/k), which Triton's default input precision
+    /// rounds to tf32.
+    IntraDots,
     /// The results handed back to the caller: `o` and the per-token
     /// gradients in the token dtype (`o.type_as(q)`, `dq.to(q)`, …);
     /// `final_state`, `dh0`, `dA_log`, `ddt_bias` stay fp32.
@@ -117,7 +122,7 @@ pub enum Stage {
 }
 
 impl Stage {
-    pub const ALL: [Stage; 17] = [
+    pub const ALL: [Stage; 18] = [
         Stage::Inputs,
         Stage::GCumsum,
         Stage::Akk,
@@ -134,6 +139,7 @@ impl Stage {
         Stage::Dv,
         Stage::Activations,
         Stage::BwdOperands,
+        Stage::IntraDots,
         Stage::Outputs,
     ];
 
@@ -155,6 +161,7 @@ impl Stage {
             Stage::Dv => "dv",
             Stage::Activations => "activations",
             Stage::BwdOperands => "bwd-operands",
+            Stage::IntraDots => "intra-dots",
             Stage::Outputs => "outputs",
         }
     }

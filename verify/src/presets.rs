@@ -15,8 +15,8 @@
 //!   base 2 (KDA: `RCP_LN2` scaling, `exp2`);
 //! - KDA `Aqk`, `Akk`: bf16 (`chunk_kda_fwd_intra`: `dtype=k.dtype`; the
 //!   diagonal blocks are solved in fp32, the stored inverse is bf16); DPLR
-//!   `Aqk`, `Aqb` bf16, `Aab`, `Aak` and the inverse fp32 (`chunk_A_fwd`,
-//!   `wy_fast_fwd`);
+//!   `Aqk`, `Aqb` bf16, `Aab`, `Aak` fp32, the inverse solved with fp16
+//!   operands (`chunk_A_fwd`, `wy_fast_fwd`);
 //! - `w`, `u`, `qg`, `kg` (DPLR also `ag`, `bg`): bf16;
 //! - `h`: bf16 (`k.new_empty`), the running state fp32 registers; `v_new`:
 //!   bf16; final state fp32;
@@ -102,11 +102,13 @@ fn fla_bf16(t: Target) -> Policy {
             (Stage::Dh, bf16),
             (Stage::Dv, bf16),
             (Stage::BwdOperands, bf16),
+            (Stage::IntraDots, Storage::Tf32),
         ],
         Op::Dplr => &[
             (Stage::GCumsum, Storage::F32),
             (Stage::Aqk, bf16),
-            (Stage::Akk, Storage::F32),
+            // `wy_fast_fwd`'s solve multiplies fp16 operands (`.to(tl.float16)`).
+            (Stage::Akk, Storage::F16),
             (Stage::W, bf16),
             (Stage::U, bf16),
             (Stage::Gated, bf16),
@@ -330,9 +332,9 @@ mod tests {
             p.policy(t(Op::Kda, false, true)).storage(Stage::MChain),
             Some(Storage::F32)
         );
-        // DPLR stores its WY inverse in fp32 and has no activations.
+        // DPLR solves its WY inverse with fp16 operands and has no activations.
         let dplr = p.policy(t(Op::Dplr, false, false));
-        assert_eq!(dplr.storage(Stage::Akk), Some(Storage::F32));
+        assert_eq!(dplr.storage(Stage::Akk), Some(Storage::F16));
         assert_eq!(dplr.storage(Stage::Activations), None);
         let ts = p.policy(t(Op::TokenShift, false, true)).features();
         assert_eq!(

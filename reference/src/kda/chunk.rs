@@ -59,6 +59,7 @@ impl Chunk {
         Feature::Round(Stage::Dh),
         Feature::Round(Stage::Dv),
         Feature::Round(Stage::BwdOperands),
+        Feature::Round(Stage::IntraDots),
         Feature::Exp2,
         Feature::SafeGate,
     ];
@@ -535,6 +536,9 @@ impl Chunk {
         dk: &mut Array2<T>,
         dgamma: &mut Array2<T>,
     ) {
+        if let Some(st) = self.policy.storage(Stage::IntraDots) {
+            return self.intra_backward_subchunks(st, ch, q, k, daqk, dp, dq, dk, dgamma);
+        }
         if let Some((ep, em)) = self.factors(&ch.g_cumsum) {
             // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
             // Γ_m cancels in every product, so it is held constant.
@@ -563,6 +567,70 @@ impl Chunk {
                     let t = coef * ks * e;
                     dgamma[[r, d]] += t;
                     dgamma[[s, d]] -= t;
+                }
+            }
+        }
+    }
+}
+
+impl Chunk {
+    /// [`Chunk::intra_backward`] in the structure of FLA's
+    /// `chunk_kda_bwd_kernel_intra`: a pair `s < r` in different 16-token
+    /// sub-chunks goes through a `tl.dot` whose fp32 operands (`dAqk`,
+    /// `dAkk`, and the other side's q/k gated to the sub-chunk boundary) are
+    /// rounded to `st`; a pair inside one sub-chunk is element-wise fp32.
+    #[allow(clippy::too_many_arguments)]
+    fn intra_backward_subchunks<T: Scalar>(
+        &self,
+        st: crate::precision::Storage,
+        ch: &Intra<T>,
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+        daqk: &Array2<T>,
+        dp: &Array2<T>,
+        dq: &mut Array2<T>,
+        dk: &mut Array2<T>,
+        dgamma: &mut Array2<T>,
+    ) {
+        const BC: usize = 16;
+        let (c, kd, g) = (ch.len(), k.ncols(), &ch.g_cumsum);
+        let e = |x: T| self.policy.exp(x);
+        for r in 0..c {
+            // Row side (dq, dk of r): anchored at the first row of r's sub-chunk.
+            let first = (r / BC) * BC;
+            // Column side (dk of s): anchored at the last row of s's sub-chunk.
+            for s in 0..=r {
+                let (a, p) = (daqk[[r, s]], dp[[r, s]]);
+                if a == T::zero() && p == T::zero() {
+                    continue;
+                }
+                if s / BC == r / BC {
+                    for d in 0..kd {
+                        let ee = self.pair_decay(g, r, s, d);
+                        let coef = a * q[[r, d]] + p * k[[r, d]];
+                        dq[[r, d]] += a * k[[s, d]] * ee;
+                        dk[[r, d]] += p * k[[s, d]] * ee;
+                        dk[[s, d]] += coef * ee;
+                        let t = coef * k[[s, d]] * ee;
+                        dgamma[[r, d]] += t;
+                        dgamma[[s, d]] -= t;
+                    }
+                    continue;
+                }
+                let last = ((s / BC + 1) * BC).min(c) - 1;
+                let (ar, pr) = (st.round(a), st.round(p));
+                for d in 0..kd {
+                    let kg_s = st.round(k[[s, d]] * e(g[[first, d]] - g[[s, d]]));
+                    let e_r = e(g[[r, d]] - g[[first, d]]);
+                    let (row_q, row_k) = (ar * kg_s * e_r, pr * kg_s * e_r);
+                    dq[[r, d]] += row_q;
+                    dk[[r, d]] += row_k;
+                    dgamma[[r, d]] += q[[r, d]] * row_q + k[[r, d]] * row_k;
+                    let qg_r = st.round(q[[r, d]] * e(g[[r, d]] - g[[last, d]]));
+                    let kg_r = st.round(k[[r, d]] * e(g[[r, d]] - g[[last, d]]));
+                    let col = (ar * qg_r + pr * kg_r) * e(g[[last, d]] - g[[s, d]]);
+                    dk[[s, d]] += col;
+                    dgamma[[s, d]] -= k[[s, d]] * col;
                 }
             }
         }
