@@ -10,9 +10,10 @@ use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
 use rayon::prelude::*;
 
 use super::{
-    DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
+    Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
 };
 use crate::error::Result;
+use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
@@ -56,14 +57,14 @@ impl Chunk {
         Feature::Round(Stage::Dv),
     ];
 
-    fn stored<T: Scalar>(&self, stage: Stage, mut a: Array2<T>) -> Array2<T> {
+    fn as_stored<T: Scalar>(&self, stage: Stage, mut a: Array2<T>) -> Array2<T> {
         self.policy.round(stage, &mut a);
         a
     }
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
     fn gated<T: Scalar>(&self, x: &ArrayView2<T>, decay: &Array2<T>) -> Array2<T> {
-        self.stored(Stage::Gated, x * decay)
+        self.as_stored(Stage::Gated, x * decay)
     }
 }
 
@@ -73,7 +74,7 @@ pub fn forward<T: Scalar>(
     opt: &DplrOptions,
     chunk_size: usize,
 ) -> Result<DplrOutputs<T>> {
-    super::forward(&Chunk::new(chunk_size)?, x, opt)
+    op::forward(&Chunk::new(chunk_size)?, x, opt)
 }
 
 /// `chunk::backward(x, opt, do, dht, C)`.
@@ -84,7 +85,7 @@ pub fn backward<T: Scalar>(
     dht: Option<&ArrayD<T>>,
     chunk_size: usize,
 ) -> Result<DplrGrads<T>> {
-    super::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
+    op::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
 }
 
 /// One chunk's state-independent quantities (rows = the chunk's tokens).
@@ -263,15 +264,18 @@ impl Chunk {
             }
             None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
         };
-        let (aqk, aqb) = (self.stored(Stage::Aqk, aqk), self.stored(Stage::Aqk, aqb));
+        let (aqk, aqb) = (
+            self.as_stored(Stage::Aqk, aqk),
+            self.as_stored(Stage::Aqk, aqb),
+        );
         // (I − Aab)^{-1} (Aab strictly lower).
-        let p = self.stored(
+        let p = self.as_stored(
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        let ax = self.stored(Stage::Gated, &a * &gx.mapv(|v| v.exp()));
-        let w = self.stored(Stage::W, p.dot(&ax));
-        let u = self.stored(Stage::U, p.dot(&aak.dot(&v)));
+        let ax = self.as_stored(Stage::Gated, &a * &gx.mapv(|v| v.exp()));
+        let w = self.as_stored(Stage::W, p.dot(&ax));
+        let u = self.as_stored(Stage::U, p.dot(&aak.dot(&v)));
         Intra {
             start,
             g_cumsum: g,
@@ -324,8 +328,8 @@ impl Chunk {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
             let v = rows(&x.v, ch.start, c);
-            let hn = self.stored(Stage::H, state.clone());
-            let v2n = self.stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
+            let hn = self.as_stored(Stage::H, state.clone());
+            let v2n = self.as_stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
             if read_out {
                 let qg = self.gated(&rows(&x.q, ch.start, c), &ch.g_cumsum.mapv(|g| g.exp()));
                 o.slice_mut(r)
@@ -374,7 +378,7 @@ impl Chunk {
         // each chunk's dv2 and its own reads of the state.
         let mut ds = dht.to_owned();
         for (n, ch) in fwd.intra.iter().enumerate().rev() {
-            let ds_used = self.stored(Stage::Dh, ds.clone());
+            let ds_used = self.as_stored(Stage::Dh, ds.clone());
             dh.index_axis_mut(Axis(0), n).assign(&ds_used);
             let (dv2n, ds_prev) = self.state_backward(x, ch, d_o, &ds, &ds_used);
             dv2.slice_mut(s![ch.start..ch.start + ch.len(), ..])
@@ -435,7 +439,7 @@ impl Chunk {
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = ch.aqb.t().dot(&dout);
         dv2 += &self.gated(&b, &ch.decay_to_last()).dot(ds_used);
-        let dv2 = self.stored(Stage::Dv, dv2);
+        let dv2 = self.as_stored(Stage::Dv, dv2);
         ds_prev += &ch.w.t().dot(&dv2);
         (dv2, ds_prev)
     }
@@ -586,7 +590,9 @@ impl Chunk {
     }
 }
 
-impl<T: Scalar> DplrEngine<T> for Chunk {
+impl<T: Scalar> Engine<T> for Chunk {
+    type Op = Dplr;
+
     fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
         let f = self.forward_intermediates(x, h0);
         (f.o, f.final_state)
@@ -625,7 +631,8 @@ pub fn intermediates<T: Scalar>(
         (
             seg,
             h,
-            engine.forward_intermediates(&p.head(&seg, h), p.initial_state(seg.seq, h).view()),
+            engine
+                .forward_intermediates(&p.head(&seg, h), op::initial_state(&p, seg.seq, h).view()),
         )
     }))
 }
