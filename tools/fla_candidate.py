@@ -19,10 +19,24 @@ as `chunk_kda` applies them): `g_cumsum` (base-2 in-chunk cumsum), `Aqk`, `Akk`
 `u`, `qg`, `kg`, `v_new`, `h`; `deltaref verify` compares each with the
 oracle's and names the first chunk out of band.
 Several case/candidate pairs run in one process (Triton compiles once).
+Each phase (load, forward, backward, intermediates) prints its wall time.
+
+Autotuning cost (measured on a cold H100, fla-core 0.6.0, triton 3.6, with
+tools/fla_fidelity.py): FLA autotunes each kernel once per key, and the keys
+include more than (H, K, V): the gate variant (safe_gate, in-kernel gate or
+none) and T's chunk count too. The first KDA case took 311 s (forward 112 s,
+backward 198 s); a second case with the same key 14 s; each new variant
+60-260 s (K=V=64: 117 s, gate none: 213 s, T=8192: 60 s); the first DPLR
+case 257 s. FLA keeps Triton's autotune results on disk (FLA_CACHE_RESULTS=1,
+its default) next to the compiled kernels in TRITON_CACHE_DIR (default
+~/.triton/cache; 230 MB after those 8 cases, 45 kB of it `*.autotune.json`):
+keep that directory between runs, or carry it to a fresh machine, and a rerun
+skips the autotuning (the compiled kernels too when the whole directory goes).
 """
 
 import argparse
 import json
+import time
 
 import safetensors
 import safetensors.torch as st
@@ -39,6 +53,20 @@ STATE_INPUTS = {
     "token_shift": ["cache"],
 }
 GRAD_NAME = {"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}
+
+
+class Phases:
+    """Prints each phase of a case with its wall time (CUDA synchronised), so a
+    long first call (Triton compile + autotune) is visible as it happens."""
+
+    def __init__(self, case):
+        self.case, self.t = case, time.time()
+
+    def done(self, phase):
+        torch.cuda.synchronize()
+        now = time.time()
+        print(f"  {self.case}: {phase} {now - self.t:.1f} s", flush=True)
+        self.t = now
 
 
 def load(path):
@@ -151,14 +179,18 @@ def kda_intermediates(meta, t, dtype):
 
 
 def candidate(case, out, dtype_name, reps, intermediates=False):
+    ph = Phases(case)
     t, meta = load(case)
+    ph.done("load")
     op = meta["op"]
     first = "x" if op == "token_shift" else "q"
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}.get(
         dtype_name, torch.bfloat16 if t[first].dtype == torch.bfloat16 else torch.float32
     )
     x, p, out_t, last, loss = run(op, meta, t, dtype)
+    ph.done("forward")
     loss.backward()
+    ph.done("backward")
     names = ("y", "final_cache") if op == "token_shift" else ("o", "final_state")
     cand = {names[0]: out_t, names[1]: last}
     cand |= {GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items()}
@@ -167,6 +199,7 @@ def candidate(case, out, dtype_name, reps, intermediates=False):
             raise ValueError("--intermediates captures KDA without CP (chunk_kda_fwd)")
         with torch.no_grad():
             inter = kda_intermediates(meta, t, dtype)
+        ph.done("intermediates")
         cand |= {n: v for n, v in inter.items() if n not in ("o", "final_state")}
     st.save_file({n: v.detach().float().contiguous().cpu() for n, v in cand.items()}, out)
     print(f"FLA {op} ({dtype}): wrote {out}: {', '.join(sorted(cand))}")
@@ -194,7 +227,9 @@ def main():
     if len(a.paths) % 2:
         ap.error("give case/candidate pairs: CASE CAND [CASE CAND ...]")
     failed = 0
-    for case, out in zip(a.paths[::2], a.paths[1::2]):
+    pairs = list(zip(a.paths[::2], a.paths[1::2]))
+    for i, (case, out) in enumerate(pairs):
+        print(f"case {i + 1}/{len(pairs)}: {case}", flush=True)
         try:
             candidate(case, out, a.dtype, a.time, a.intermediates)
         except Exception as e:  # one unsupported case must not hide the others
