@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Compare FLA's measured error with the emulation's (the fidelity table).
 
-    python3 tools/fla_fidelity_compare.py FLA.json --bin target/release/deltaref [--preset fla-bf16] [--out TABLE.md]
-    python3 tools/fla_fidelity_compare.py FLA.json --stored [--preset fla-bf16]
+    python3 tools/fla_fidelity_compare.py [FLA.json] [--bin target/release/deltaref] [--preset fla-bf16] [--out TABLE.md]
+    python3 tools/fla_fidelity_compare.py [FLA.json] --stored [--preset fla-bf16]
 
-FLA.json is `tools/fla_fidelity.py`'s output (the GPU side):
+FLA.json (default: tools/fidelity/fla-0.6.0-h100.json, measured on an H100)
+is `tools/fla_fidelity.py`'s output (the GPU side):
 `{"cases": [{"name", "gen": [args], "fla": <deltaref verify --json report>, ...}]}`.
-With --bin each case is regenerated here (`deltaref gen ARGS --expected`:
+By default each case is regenerated here (`deltaref gen ARGS --expected`:
 deterministic, the same bits as on the GPU machine) and the emulated side is
 computed by that binary: `deltaref run --impl chunk --precision P
 --intermediates` then `deltaref verify --candidate` for KDA (so FLA's forward
@@ -94,9 +95,19 @@ def table(cases, emulated, bar, factor):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("fla_json", help="tools/fla_fidelity.py's output")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--bin", help="deltaref binary computing the emulated side here")
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument(
+        "fla_json",
+        nargs="?",
+        default=os.path.join(here, "fidelity", "fla-0.6.0-h100.json"),
+        help="tools/fla_fidelity.py's output (default: %(default)s)",
+    )
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument(
+        "--bin",
+        default=os.path.join(here, "..", "target", "release", "deltaref"),
+        help="deltaref binary computing the emulated side here (default: %(default)s)",
+    )
     src.add_argument("--stored", action="store_true", help="use the emulated reports stored in the JSON")
     ap.add_argument("--preset", default="fla-bf16")
     ap.add_argument("--bar", type=float, default=5e-3, help="pass/fail bar (FLA's bf16 KCP noise bar)")
