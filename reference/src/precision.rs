@@ -295,6 +295,21 @@ impl Policy {
         }
     }
 
+    /// The in-chunk cumulative sum of `g [c, K]` down the rows, in place;
+    /// with a [`Stage::GCumsum`] storage every partial sum is rounded to it,
+    /// as a kernel accumulating in that dtype does (`tl.cumsum` in fp32).
+    pub fn cumsum_rows<T: Scalar>(&self, g: &mut ndarray::Array2<T>) {
+        match self.storage(Stage::GCumsum).filter(|s| *s != Storage::F64) {
+            Some(s) => {
+                g.mapv_inplace(|x| s.round(x));
+                g.accumulate_axis_inplace(ndarray::Axis(0), |&prev, cur| {
+                    *cur = s.round(*cur + prev)
+                });
+            }
+            None => g.accumulate_axis_inplace(ndarray::Axis(0), |&prev, cur| *cur += prev),
+        }
+    }
+
     /// `exp(x)`, in base 2 when the policy says so.
     pub fn exp<T: Scalar>(&self, x: T) -> T {
         if self.exp2 {
@@ -335,6 +350,28 @@ mod tests {
         // A tie (1.125) goes to even (1.0), 1.375 to 1.5.
         assert_eq!(Storage::E5m2.round_f64(1.125), 1.0);
         assert_eq!(Storage::E5m2.round_f64(1.375), 1.5);
+    }
+
+    #[test]
+    fn cumsum_rounds_every_partial_sum_to_the_stage_storage() {
+        let g = ndarray::arr2(&[[1.0f64], [1e-9], [1e-9], [0.5]]);
+        let mut exact = g.clone();
+        Policy::exact().cumsum_rows(&mut exact);
+        let (a, b) = (1.0 + 1e-9, 1.0 + 1e-9 + 1e-9);
+        assert_eq!(exact, ndarray::arr2(&[[1.0], [a], [b], [b + 0.5]]));
+        // In f32 each 1e-9 step is lost against 1.
+        let mut f32_ = g.clone();
+        Policy::exact()
+            .with(Stage::GCumsum, Storage::F32)
+            .cumsum_rows(&mut f32_);
+        assert_eq!(f32_, ndarray::arr2(&[[1.0], [1.0], [1.0], [1.5]]));
+        // With 2 mantissa bits 1 + 0.125 ties to 1 at every step, so the
+        // sum stays 1; rounding only the exact sums would give 1.25 last.
+        let mut coarse = ndarray::arr2(&[[1.0f64], [0.125], [0.125]]);
+        Policy::exact()
+            .with(Stage::GCumsum, Storage::E5m2)
+            .cumsum_rows(&mut coarse);
+        assert_eq!(coarse, ndarray::arr2(&[[1.0], [1.0], [1.0]]));
     }
 
     #[test]

@@ -264,7 +264,7 @@ fn bisect_names_the_coarse_stage_first() {
         assert!(first["share"].as_f64().unwrap() > 0.9, "{t}");
         // Made exact, v_new's error goes away: the rest is bf16 noise.
         assert!(
-            first["without"].as_f64().unwrap() < 0.2 * t["full"].as_f64().unwrap(),
+            first["without"].as_f64().unwrap() < 0.3 * t["full"].as_f64().unwrap(),
             "{t}"
         );
     }

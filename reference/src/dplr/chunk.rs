@@ -243,8 +243,7 @@ impl Chunk {
             rows(&x.v, start, c),
         );
         let mut g = rows(&x.gk, start, c).to_owned();
-        g.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
-        self.policy.round(Stage::GCumsum, &mut g);
+        self.policy.cumsum_rows(&mut g);
         let gx = &g - &rows(&x.gk, start, c);
         let (aqk, aqb, aab, aak) = match factors(&g, &gx) {
             Some(f) => {

@@ -239,8 +239,7 @@ impl Chunk {
         let (q, k, v) = (x.q.slice(rows), x.k.slice(rows), x.v.slice(rows));
         let beta = x.beta.slice(s![start..start + c]);
         let mut g_cumsum = x.g.slice(rows).to_owned();
-        g_cumsum.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
-        self.policy.round(Stage::GCumsum, &mut g_cumsum);
+        self.policy.cumsum_rows(&mut g_cumsum);
         let (mut aqk, mut p) = match self.factors(&g_cumsum) {
             Some((ep, em)) => {
                 // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix products.
