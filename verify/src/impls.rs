@@ -5,14 +5,14 @@
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::kda::chunk::Chunk;
 use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
-use deltaref::precision::{Policy, Stage};
+use deltaref::precision::{Feature, Policy, Stage};
 use deltaref::token_shift::Shift;
 use deltaref::{dplr, kda, Scalar};
 use deltaref_gpu::{GpuImpl, Storage, Timings};
 use ndarray::ArrayD;
 
 use crate::case::{Case, CaseError, CpLayout, Inputs, Op};
-pub use crate::gpu::ComputeError;
+pub use crate::compute::{Compute, ComputeError};
 use crate::outputs::{self, Tensors};
 
 /// The local engine: the naive recurrence or the chunked form.
@@ -43,13 +43,6 @@ pub struct Impl {
     /// Stage rounding of the chunked engine (the CP rounding lives in `cp`).
     pub policy: Policy,
     pub device: Device,
-}
-
-/// The scalar an implementation computes in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compute {
-    F64,
-    F32,
 }
 
 impl Impl {
@@ -328,9 +321,9 @@ impl ImplRequest {
         let policy = p.policy(crate::presets::Target::of(
             case.meta.op,
             case.meta.gate,
-            &bare,
+            bare.cp.is_some(),
         ));
-        crate::presets::check(name, &policy, case.meta.op, &bare)?;
+        check_policy(name, &policy, case.meta.op, &bare)?;
         let req = ImplRequest {
             policy: policy.clone(),
             cp_options: CpOptions {
@@ -473,6 +466,50 @@ fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
         ));
     }
     Ok(())
+}
+
+/// What a policy may ask of `imp` on `op`: the inputs and outputs (the
+/// driver rounds them for every CPU engine), the engine's own stages, and
+/// CP's stages under CP. The GPU kernels have their own precisions: nothing.
+pub fn supported(op: Op, imp: &Impl) -> Vec<Feature> {
+    if let Device::Gpu(_) = imp.device {
+        return vec![];
+    }
+    let mut f = vec![
+        Feature::Round(Stage::Inputs),
+        Feature::Round(Stage::Outputs),
+    ];
+    match (op, &imp.engine) {
+        (Op::Kda, Engine::Chunk(_)) => f.extend(deltaref::kda::chunk::Chunk::FEATURES),
+        (Op::Dplr, Engine::Chunk(_)) => f.extend(deltaref::dplr::chunk::Chunk::FEATURES),
+        _ => {}
+    }
+    if imp.cp.is_some() && op != Op::TokenShift {
+        f.extend(deltaref::cp::FEATURES);
+    }
+    f
+}
+
+/// Refuses `policy` (of preset `name`) on `imp` when it asks for a feature
+/// the engine does not implement: naming the feature and the engine.
+pub fn check_policy(name: &str, policy: &Policy, op: Op, imp: &Impl) -> Result<(), CaseError> {
+    let have = supported(op, imp);
+    let Some(missing) = policy.features().into_iter().find(|f| !have.contains(f)) else {
+        return Ok(());
+    };
+    let list = |f: &[Feature]| f.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ");
+    Err(CaseError::Usage(format!(
+        "--precision {name} rounds `{}`, which the {} engine `{}` does not implement \
+         (it implements: {}); nothing would change there, so this is refused",
+        missing.name(),
+        op.name(),
+        imp.name(),
+        if have.is_empty() {
+            "nothing".to_string()
+        } else {
+            list(&have)
+        },
+    )))
 }
 
 /// The first non-finite value of `results`: `(tensor, flat index, value)`.

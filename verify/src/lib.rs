@@ -1,5 +1,6 @@
 pub mod bisect;
 pub mod case;
+pub mod compute;
 pub mod diagnose;
 pub mod fd;
 pub mod files;

@@ -2,8 +2,8 @@
 //! known failure modes of SPEC §9 as switches. Each preset is a stage-by-stage
 //! storage policy per operator ([`Preset::policy`]: the one place that says
 //! what preset X rounds for op Y), the compute scalar, and CP fault
-//! injections. [`check`] refuses a preset asking for a stage the chosen
-//! engine does not implement, instead of silently ignoring it.
+//! injections. What each engine can round is `impls::supported`; a preset
+//! asking for more is refused (`impls::check_policy`), never silently ignored.
 //!
 //! `fla-bf16` follows fla-core 0.6.0's source for bf16 token inputs (the
 //! stage → tensor → dtype → file table is in debug.md, "FLA's bf16 storage"):
@@ -33,10 +33,10 @@
 
 use deltaref::cp::Faults;
 use deltaref::gates::Gate;
-use deltaref::precision::{Feature, Policy, Stage, Storage};
+use deltaref::precision::{Policy, Stage, Storage};
 
-use crate::case::{CaseError, Op};
-use crate::impls::{Compute, Device, Engine, Impl};
+use crate::case::Op;
+use crate::compute::Compute;
 
 /// What a preset's rounding depends on: the operator and FLA's path for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,12 +56,12 @@ impl Target {
         cp: false,
     };
 
-    /// The target of `imp` on a case of `op` with gate `gate`.
-    pub fn of(op: Op, gate: Gate, imp: &Impl) -> Target {
+    /// The target of a case of `op` with gate `gate`, under CP or not.
+    pub fn of(op: Op, gate: Gate, cp: bool) -> Target {
         Target {
             op,
             safe_gate: op == Op::Kda && matches!(gate, Gate::LowerBound { .. }),
-            cp: imp.cp.is_some(),
+            cp,
         }
     }
 }
@@ -251,50 +251,6 @@ pub fn without_fault(name: &str) -> &str {
     }
 }
 
-/// What a policy may ask of `imp` on `op`: the inputs and outputs (the
-/// driver rounds them for every CPU engine), the engine's own stages, and
-/// CP's stages under CP. The GPU kernels have their own precisions: nothing.
-pub fn supported(op: Op, imp: &Impl) -> Vec<Feature> {
-    if let Device::Gpu(_) = imp.device {
-        return vec![];
-    }
-    let mut f = vec![
-        Feature::Round(Stage::Inputs),
-        Feature::Round(Stage::Outputs),
-    ];
-    match (op, &imp.engine) {
-        (Op::Kda, Engine::Chunk(_)) => f.extend(deltaref::kda::chunk::Chunk::FEATURES),
-        (Op::Dplr, Engine::Chunk(_)) => f.extend(deltaref::dplr::chunk::Chunk::FEATURES),
-        _ => {}
-    }
-    if imp.cp.is_some() && op != Op::TokenShift {
-        f.extend(deltaref::cp::FEATURES);
-    }
-    f
-}
-
-/// Refuses `policy` (of preset `name`) on `imp` when it asks for a feature
-/// the engine does not implement: naming the feature and the engine.
-pub fn check(name: &str, policy: &Policy, op: Op, imp: &Impl) -> Result<(), CaseError> {
-    let have = supported(op, imp);
-    let Some(missing) = policy.features().into_iter().find(|f| !have.contains(f)) else {
-        return Ok(());
-    };
-    let list = |f: &[Feature]| f.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ");
-    Err(CaseError::Usage(format!(
-        "--precision {name} rounds `{}`, which the {} engine `{}` does not implement \
-         (it implements: {}); nothing would change there, so this is refused",
-        missing.name(),
-        op.name(),
-        imp.name(),
-        if have.is_empty() {
-            "nothing".to_string()
-        } else {
-            list(&have)
-        },
-    )))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,6 +274,8 @@ mod tests {
         assert_eq!(without_fault("drop-merged-state"), "exact");
         assert_eq!(without_fault("fla-bf16"), "fla-bf16");
     }
+
+    use deltaref::precision::Feature;
 
     #[test]
     fn fla_bf16_rounds_per_operator() {
