@@ -108,7 +108,10 @@ pub enum Stage {
     /// The backward's low-precision `tl.dot` operands that are not stored
     /// tensors: `Aqkᵀ·do` before the state pass adds to it, `−dw`,
     /// `k ⊙ exp(Γ)` and the masked `dAkk` between the two products with
-    /// `Akk` (FLA `chunk_kda_bwd_kernel_wy_dqkg_fused`).
+    /// `Akk`, the products `h·dh` of the decay gradient (FLA
+    /// `chunk_kda_bwd_kernel_wy_dqkg_fused`); DPLR: the gated tensors'
+    /// gradients `dqg`, `dkg`, `dbg`, `dw`, `dag` (`chunk_dplr_bwd_o`,
+    /// `chunk_dplr_bwd_wy`).
     BwdOperands,
     /// The fp32 `tl.dot` operands between different 16-token sub-chunks of
     /// the intra-chunk backward (`chunk_kda_bwd_kernel_intra`: `dAqk`,

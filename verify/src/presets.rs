@@ -116,6 +116,7 @@ fn fla_bf16(t: Target) -> Policy {
             (Stage::VNew, bf16),
             (Stage::Dh, bf16),
             (Stage::Dv, bf16),
+            (Stage::BwdOperands, bf16),
         ],
     };
     for &(s, d) in stages {

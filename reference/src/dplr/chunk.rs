@@ -55,6 +55,7 @@ impl Chunk {
         Feature::Round(Stage::VNew),
         Feature::Round(Stage::Dh),
         Feature::Round(Stage::Dv),
+        Feature::Round(Stage::BwdOperands),
     ];
 
     fn as_stored<T: Scalar>(&self, stage: Stage, mut a: Array2<T>) -> Array2<T> {
@@ -475,7 +476,9 @@ impl Chunk {
         let decay_last = ch.decay_last();
         // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h.
         let qg = self.gated(&q, &eg);
-        let dqg = dout.dot(&h.t());
+        // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
+        // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
+        let dqg = self.as_stored(Stage::BwdOperands, dout.dot(&h.t()));
         let mut daqk = dout.dot(&v.t());
         let mut daqb = dout.dot(&v2.t());
         mask(&mut daqk, |i, j| j <= i);
@@ -484,11 +487,11 @@ impl Chunk {
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
         let (kgl, bgl) = (self.gated(&k, &dl), self.gated(&b, &dl));
         let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
-        let dkgl = v.dot(&ds.t());
-        let dbgl = v2.dot(&ds.t());
+        let dkgl = self.as_stored(Stage::BwdOperands, v.dot(&ds.t()));
+        let dbgl = self.as_stored(Stage::BwdOperands, v2.dot(&ds.t()));
         dv += &kgl.dot(&ds);
         // v2 = u + w h.
-        let dw = dv2.dot(&h.t());
+        let dw = self.as_stored(Stage::BwdOperands, dv2.dot(&h.t()));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = ch.aak.dot(&v);
         let ax = self.gated(&a, &egx);
@@ -497,7 +500,7 @@ impl Chunk {
         let mut daak = dz.dot(&v.t());
         mask(&mut daak, |i, j| j < i);
         dv += &ch.aak.t().dot(&dz);
-        let dax = ch.p.t().dot(&dw);
+        let dax = self.as_stored(Stage::BwdOperands, ch.p.t().dot(&dw));
         let mut daab = ch.p.t().dot(&dp).dot(&ch.p.t());
         mask(&mut daab, |i, j| j < i);
         let mut da = &dax * &egx;
