@@ -63,7 +63,7 @@ fn gpu_flag_misuse_is_a_usage_error() {
                 "--gpu-dtype",
                 "f16",
             ],
-            "expected f32 or bf16",
+            "[possible values: f32, bf16]",
         ),
         (
             vec!["run", "--case", k, "--impl", "gpu-naive", "--world", "2"],
