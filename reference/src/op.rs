@@ -159,6 +159,18 @@ pub trait Engine<T: Scalar>: Sync {
         let (probe, k) = <Self::Op as Operator<T>>::probe(x);
         self.forward(&probe, Array2::eye(k).view()).1
     }
+
+    /// The pre-processed inputs as this engine's kernels read them back
+    /// (rounded per its precision policy); unchanged by default.
+    fn stored<'a>(
+        &self,
+        p: <Self::Op as Operator<T>>::Prepared<'a>,
+    ) -> <Self::Op as Operator<T>>::Prepared<'a>
+    where
+        T: 'a,
+    {
+        p
+    }
 }
 
 /// The initial state of sequence `seq`, head `h` (zeros when none was given).
@@ -176,7 +188,7 @@ pub fn forward<T: Scalar, E: Engine<T>>(
     x: &<E::Op as Operator<T>>::Inputs,
     opt: &<E::Op as OpSpec>::Options,
 ) -> Result<<E::Op as Operator<T>>::Outputs> {
-    let p = E::Op::prepare(x, opt)?;
+    let p = engine.stored(E::Op::prepare(x, opt)?);
     let d = p.shape();
     let segments = p.segments();
     let results = par_pairs(segments.len(), d.heads, |si, h| {
@@ -203,7 +215,7 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     d_o: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<<E::Op as Operator<T>>::Grads> {
-    let p = E::Op::prepare(x, opt)?;
+    let p = engine.stored(E::Op::prepare(x, opt)?);
     let d = p.shape();
     E::Op::validate_upstream(&p, d_o, dht)?;
     let d_o = E::Op::upstream_view(d_o);

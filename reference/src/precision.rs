@@ -17,6 +17,9 @@ pub enum Storage {
     F16,
     /// TF32: 10 explicit mantissa bits (a tensor-core input rounding).
     Tf32,
+    /// 2 explicit mantissa bits, fp8 e5m2's rounding (the exponent range is
+    /// not clamped): a deliberately coarse stage for bisection tests.
+    E5m2,
 }
 
 impl Storage {
@@ -27,6 +30,7 @@ impl Storage {
             "bf16" => Some(Storage::Bf16),
             "f16" => Some(Storage::F16),
             "tf32" => Some(Storage::Tf32),
+            "e5m2" => Some(Storage::E5m2),
             _ => None,
         }
     }
@@ -38,6 +42,7 @@ impl Storage {
             Storage::Bf16 => "bf16",
             Storage::F16 => "f16",
             Storage::Tf32 => "tf32",
+            Storage::E5m2 => "e5m2",
         }
     }
 
@@ -52,6 +57,12 @@ impl Storage {
                 let b = (x as f32).to_bits();
                 let lsb = (b >> 13) & 1;
                 f32::from_bits((b.wrapping_add(0x0FFF + lsb)) & !0x1FFF) as f64
+            }
+            Storage::E5m2 => {
+                // Round f64's 52-bit mantissa to 2 bits, nearest even.
+                let b = x.to_bits();
+                let lsb = (b >> 50) & 1;
+                f64::from_bits(b.wrapping_add((1 << 49) - 1 + lsb) & !((1u64 << 50) - 1))
             }
         }
     }
@@ -71,7 +82,8 @@ pub enum Stage {
     Inputs,
     /// Γ, the in-chunk cumulative log-decay.
     GCumsum,
-    /// The WY inverse `Akk` (`Tm = (I + L)^{-1} Diag(β)`).
+    /// The WY inverse as FLA stores it (its `Akk`): `(I + L)^{-1}`, before
+    /// β is applied (DPLR: `P = (I − Aab)^{-1}`).
     Akk,
     Aqk,
     W,
@@ -89,10 +101,31 @@ pub enum Stage {
     /// State gradients `dh`.
     Dh,
     Dv,
+    /// The pre-processing outputs the kernels read: q/k after the in-kernel
+    /// l2norm and β after the in-kernel sigmoid (FLA's `l2norm_fwd` and
+    /// `fused_beta_sigmoid` return the input dtype).
+    Activations,
+    /// The backward's low-precision `tl.dot` operands that are not stored
+    /// tensors: `Aqkᵀ·do` before the state pass adds to it, `−dw`,
+    /// `k ⊙ exp(Γ)` and the masked `dAkk` between the two products with
+    /// `Akk`, the products `h·dh` of the decay gradient (FLA
+    /// `chunk_kda_bwd_kernel_wy_dqkg_fused`); DPLR: the gated tensors'
+    /// gradients `dqg`, `dkg`, `dbg`, `dw`, `dag` (`chunk_dplr_bwd_o`,
+    /// `chunk_dplr_bwd_wy`).
+    BwdOperands,
+    /// The fp32 `tl.dot` operands between different 16-token sub-chunks of
+    /// the intra-chunk backward (`chunk_kda_bwd_kernel_intra`: `dAqk`,
+    /// `dAkk` and the gated q/k), which Triton's default input precision
+    /// rounds to tf32.
+    IntraDots,
+    /// The results handed back to the caller: `o` and the per-token
+    /// gradients in the token dtype (`o.type_as(q)`, `dq.to(q)`, …);
+    /// `final_state`, `dh0`, `dA_log`, `ddt_bias` stay fp32.
+    Outputs,
 }
 
 impl Stage {
-    pub const ALL: [Stage; 14] = [
+    pub const ALL: [Stage; 18] = [
         Stage::Inputs,
         Stage::GCumsum,
         Stage::Akk,
@@ -107,6 +140,10 @@ impl Stage {
         Stage::Merged,
         Stage::Dh,
         Stage::Dv,
+        Stage::Activations,
+        Stage::BwdOperands,
+        Stage::IntraDots,
+        Stage::Outputs,
     ];
 
     pub fn name(self) -> &'static str {
@@ -125,6 +162,36 @@ impl Stage {
             Stage::Merged => "merged",
             Stage::Dh => "dh",
             Stage::Dv => "dv",
+            Stage::Activations => "activations",
+            Stage::BwdOperands => "bwd-operands",
+            Stage::IntraDots => "intra-dots",
+            Stage::Outputs => "outputs",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Stage> {
+        Stage::ALL.into_iter().find(|st| st.name() == s)
+    }
+}
+
+/// One thing a policy asks of an engine: a stage rounded, or an arithmetic
+/// variant. Engines declare the features they implement; a policy asking
+/// for one the engine lacks is refused rather than silently ignored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Feature {
+    Round(Stage),
+    /// `exp` as `exp2(x·log2 e)`.
+    Exp2,
+    /// The safe-gate sub-chunk factorisation of `exp(Γ_r − Γ_c)`.
+    SafeGate,
+}
+
+impl Feature {
+    pub fn name(self) -> &'static str {
+        match self {
+            Feature::Round(s) => s.name(),
+            Feature::Exp2 => "exp2",
+            Feature::SafeGate => "safe-gate",
         }
     }
 }
@@ -163,6 +230,49 @@ impl Policy {
             && !self.safe_gate_midpoint
     }
 
+    /// What this policy asks of an engine: every stage with a storage other
+    /// than f64, then the arithmetic variants, in [`Stage::ALL`] order.
+    pub fn features(&self) -> Vec<Feature> {
+        let mut f: Vec<Feature> = Stage::ALL
+            .into_iter()
+            .filter(|s| self.storage(*s).is_some_and(|d| d != Storage::F64))
+            .map(Feature::Round)
+            .collect();
+        f.extend(self.exp2.then_some(Feature::Exp2));
+        f.extend(self.safe_gate_midpoint.then_some(Feature::SafeGate));
+        f
+    }
+
+    /// The same policy with `feature` made exact (its stage kept in the
+    /// compute scalar, or the variant off).
+    pub fn without(&self, feature: Feature) -> Policy {
+        let mut p = self.clone();
+        match feature {
+            Feature::Round(s) => p.stages.retain(|(st, _)| *st != s),
+            Feature::Exp2 => p.exp2 = false,
+            Feature::SafeGate => p.safe_gate_midpoint = false,
+        }
+        p
+    }
+
+    /// Only `feature` of this policy (everything else exact).
+    pub fn only(&self, feature: Feature) -> Policy {
+        let mut p = Policy::exact();
+        match feature {
+            Feature::Round(s) => {
+                p.stages = self
+                    .stages
+                    .iter()
+                    .filter(|(st, _)| *st == s)
+                    .copied()
+                    .collect()
+            }
+            Feature::Exp2 => p.exp2 = self.exp2,
+            Feature::SafeGate => p.safe_gate_midpoint = self.safe_gate_midpoint,
+        }
+        p
+    }
+
     pub fn storage(&self, stage: Stage) -> Option<Storage> {
         self.stages
             .iter()
@@ -185,6 +295,21 @@ impl Policy {
     ) {
         if let Some(s) = self.storage(stage).filter(|s| *s != Storage::F64) {
             a.mapv_inplace(|x| s.round(x));
+        }
+    }
+
+    /// The in-chunk cumulative sum of `g [c, K]` down the rows, in place;
+    /// with a [`Stage::GCumsum`] storage every partial sum is rounded to it,
+    /// as a kernel accumulating in that dtype does (`tl.cumsum` in fp32).
+    pub fn cumsum_rows<T: Scalar>(&self, g: &mut ndarray::Array2<T>) {
+        match self.storage(Stage::GCumsum).filter(|s| *s != Storage::F64) {
+            Some(s) => {
+                g.mapv_inplace(|x| s.round(x));
+                g.accumulate_axis_inplace(ndarray::Axis(0), |&prev, cur| {
+                    *cur = s.round(*cur + prev)
+                });
+            }
+            None => g.accumulate_axis_inplace(ndarray::Axis(0), |&prev, cur| *cur += prev),
         }
     }
 
@@ -220,6 +345,36 @@ mod tests {
             Storage::Tf32.round_f64(1.0 + 3.0 * 2f64.powi(-11)),
             1.0 + 2f64.powi(-9)
         );
+        // e5m2 keeps 2 mantissa bits: 1.25 and 1.5 survive, 1.1 goes to 1.
+        assert_eq!(Storage::E5m2.round_f64(1.25), 1.25);
+        assert_eq!(Storage::E5m2.round_f64(-1.5), -1.5);
+        assert_eq!(Storage::E5m2.round_f64(1.1), 1.0);
+        assert_eq!(Storage::E5m2.round_f64(1.2), 1.25);
+        // A tie (1.125) goes to even (1.0), 1.375 to 1.5.
+        assert_eq!(Storage::E5m2.round_f64(1.125), 1.0);
+        assert_eq!(Storage::E5m2.round_f64(1.375), 1.5);
+    }
+
+    #[test]
+    fn cumsum_rounds_every_partial_sum_to_the_stage_storage() {
+        let g = ndarray::arr2(&[[1.0f64], [1e-9], [1e-9], [0.5]]);
+        let mut exact = g.clone();
+        Policy::exact().cumsum_rows(&mut exact);
+        let (a, b) = (1.0 + 1e-9, 1.0 + 1e-9 + 1e-9);
+        assert_eq!(exact, ndarray::arr2(&[[1.0], [a], [b], [b + 0.5]]));
+        // In f32 each 1e-9 step is lost against 1.
+        let mut f32_ = g.clone();
+        Policy::exact()
+            .with(Stage::GCumsum, Storage::F32)
+            .cumsum_rows(&mut f32_);
+        assert_eq!(f32_, ndarray::arr2(&[[1.0], [1.0], [1.0], [1.5]]));
+        // With 2 mantissa bits 1 + 0.125 ties to 1 at every step, so the
+        // sum stays 1; rounding only the exact sums would give 1.25 last.
+        let mut coarse = ndarray::arr2(&[[1.0f64], [0.125], [0.125]]);
+        Policy::exact()
+            .with(Stage::GCumsum, Storage::E5m2)
+            .cumsum_rows(&mut coarse);
+        assert_eq!(coarse, ndarray::arr2(&[[1.0], [1.0], [1.0]]));
     }
 
     #[test]

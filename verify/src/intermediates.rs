@@ -135,7 +135,9 @@ pub fn compute(case: &Case, imp: &Impl) -> Result<(Tensors, Vec<ChunkPos>), Case
         unreachable!("op checked above")
     };
     let opts = case.meta.kda_options();
-    let p = kda::Prepared::new(&x, &opts).map_err(invalid)?;
+    let p = kda::Prepared::new(&x, &opts)
+        .map_err(invalid)?
+        .with_stored_activations(&imp.policy);
     let engine = Chunk::new(c)
         .map_err(invalid)?
         .with_policy(imp.policy.clone());

@@ -1,3 +1,4 @@
+pub mod bisect;
 pub mod case;
 pub mod compute;
 pub mod diagnose;

@@ -1,109 +1,211 @@
 //! Named precision presets: what a kernel stores in which dtype, and the
 //! known failure modes of SPEC §9 as switches. Each preset is a stage-by-stage
-//! storage policy, the compute scalar, and CP fault injections.
+//! storage policy per operator ([`Preset::policy`]: the one place that says
+//! what preset X rounds for op Y), the compute scalar, and CP fault
+//! injections. What each engine can round is `impls::supported`; a preset
+//! asking for more is refused (`impls::check_policy`), never silently ignored.
 //!
-//! `fla-bf16` follows FLA's source (fla-core, `fla/ops/kda/`, `fla/ops/common/`,
-//! `fla/ops/cp/`) for bf16 inputs:
-//! - inputs q, k, v, beta, do, dht in bf16 (the gate output g is fp32);
-//! - `g_cumsum`: fp32 (`chunk_local_cumsum(..., output_dtype=torch.float)`),
-//!   exp in base 2 (`RCP_LN2` scaling, `exp2`);
-//! - `Aqk`, `Akk`: `torch.empty(..., dtype=k.dtype)` → bf16 (the diagonal
-//!   blocks are solved in fp32, the stored inverse is bf16);
-//! - `w`, `u`, `qg`, `kg`: `recompute_w_u_fwd` allocates `k.dtype`/`v` → bf16;
-//! - `h`: `k.new_empty(B, NT, HV, K, V)` → bf16; the running state is fp32
-//!   registers; `v_new`: `empty_like(u)` → bf16; final state fp32;
-//! - backward `dh`: `q.new_empty(...)` → bf16; `dv`: bf16;
+//! `fla-bf16` follows fla-core 0.6.0's source for bf16 token inputs (the
+//! stage → tensor → dtype → file table is in debug.md, "FLA's bf16 storage"):
+//! - inputs q, k, v, g, beta, do in bf16; `A_log`, `dt_bias`, `dht`,
+//!   `initial_state` fp32;
+//! - activations: q/k after the in-kernel l2norm (`l2norm_fwd`) and β after
+//!   the in-kernel sigmoid in bf16;
+//! - `g_cumsum`: fp32 (`chunk_local_cumsum`/`kda_gate_chunk_cumsum`), exp in
+//!   base 2 (KDA: `RCP_LN2` scaling, `exp2`);
+//! - KDA `Aqk`, `Akk`: bf16 (`chunk_kda_fwd_intra`: `dtype=k.dtype`; the
+//!   diagonal blocks are solved in fp32, the stored inverse is bf16); DPLR
+//!   `Aqk`, `Aqb` bf16, `Aab`, `Aak` fp32, the inverse solved with fp16
+//!   operands (`chunk_A_fwd`, `wy_fast_fwd`);
+//! - `w`, `u`, `qg`, `kg` (DPLR also `ag`, `bg`): bf16;
+//! - `h`: bf16 (`k.new_empty`), the running state fp32 registers; `v_new`:
+//!   bf16; final state fp32;
+//! - backward `dh`, `dv`: bf16; KDA's backward casts `Aqkᵀ do`, `−dw`,
+//!   `k ⊙ exp(Γ)` and the masked `dAkk` to bf16 for its `tl.dot`s;
+//! - outputs: `o` and the token gradients in bf16 (`o.type_as(q)`,
+//!   `dq.to(q)`, …); `dA_log`, `ddt_bias`, `dh0` fp32;
 //! - CP: the `M` chain accumulates in fp32 (`tl.dot(b_m_i.to(tl.float32), …)`),
 //!   `S_ext` and the merged state in fp32;
-//! - `safe_gate`: exp(Γ_r − Γ_c) through the sub-chunk midpoint.
+//! - `safe_gate` (KDA with `--gate lowerbound`): exp(Γ_r − Γ_c) through the
+//!   16-token sub-chunk anchor.
 //!
 //! Everything else computes in fp32 (the kernels' `tl.float32` accumulators).
 
 use deltaref::cp::Faults;
+use deltaref::gates::Gate;
 use deltaref::precision::{Policy, Stage, Storage};
 
+use crate::case::Op;
 use crate::compute::Compute;
 
+/// What a preset's rounding depends on: the operator and FLA's path for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub op: Op,
+    /// KDA with a lower-bound gate: FLA runs `safe_gate=True`.
+    pub safe_gate: bool,
+    /// Under CP (the M chain, S_ext and the merged state exist).
+    pub cp: bool,
+}
+
+impl Target {
+    /// A plain KDA target (no safe gate, no CP).
+    pub const KDA: Target = Target {
+        op: Op::Kda,
+        safe_gate: false,
+        cp: false,
+    };
+
+    /// The target of a case of `op` with gate `gate`, under CP or not.
+    pub fn of(op: Op, gate: Gate, cp: bool) -> Target {
+        Target {
+            op,
+            safe_gate: op == Op::Kda && matches!(gate, Gate::LowerBound { .. }),
+            cp,
+        }
+    }
+}
+
 /// A named emulation setting.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Preset {
     pub name: &'static str,
     pub about: &'static str,
-    pub policy: Policy,
+    rounding: fn(Target) -> Policy,
     pub faults: Faults,
     pub compute: Compute,
 }
 
-fn fla_bf16() -> Policy {
-    let mut p = Policy {
-        exp2: true,
-        safe_gate_midpoint: true,
-        ..Policy::exact()
-    };
-    for (stage, storage) in [
-        (Stage::Inputs, Storage::Bf16),
-        (Stage::GCumsum, Storage::F32),
-        (Stage::Aqk, Storage::Bf16),
-        (Stage::Akk, Storage::Bf16),
-        (Stage::W, Storage::Bf16),
-        (Stage::U, Storage::Bf16),
-        (Stage::Gated, Storage::Bf16),
-        (Stage::H, Storage::Bf16),
-        (Stage::VNew, Storage::Bf16),
-        (Stage::MChain, Storage::F32),
-        (Stage::SExt, Storage::F32),
-        (Stage::Merged, Storage::F32),
-        (Stage::Dh, Storage::Bf16),
-        (Stage::Dv, Storage::Bf16),
-    ] {
-        p = p.with(stage, storage);
+impl Preset {
+    /// What this preset rounds for `target`.
+    pub fn policy(&self, target: Target) -> Policy {
+        (self.rounding)(target)
     }
-    p
 }
 
-fn fault(f: Faults) -> (Policy, Faults, Compute) {
-    (Policy::exact(), f, Compute::F64)
+/// FLA's bf16 kernels for `t` (see the module docs).
+fn fla_bf16(t: Target) -> Policy {
+    let bf16 = Storage::Bf16;
+    let mut p = Policy::exact().with(Stage::Inputs, bf16);
+    let stages: &[(Stage, Storage)] = match t.op {
+        Op::TokenShift => &[],
+        Op::Kda => &[
+            (Stage::Activations, bf16),
+            (Stage::GCumsum, Storage::F32),
+            (Stage::Aqk, bf16),
+            (Stage::Akk, bf16),
+            (Stage::W, bf16),
+            (Stage::U, bf16),
+            (Stage::Gated, bf16),
+            (Stage::H, bf16),
+            (Stage::VNew, bf16),
+            (Stage::Dh, bf16),
+            (Stage::Dv, bf16),
+            (Stage::BwdOperands, bf16),
+            (Stage::IntraDots, Storage::Tf32),
+        ],
+        Op::Dplr => &[
+            (Stage::GCumsum, Storage::F32),
+            (Stage::Aqk, bf16),
+            // `wy_fast_fwd`'s solve multiplies fp16 operands (`.to(tl.float16)`).
+            (Stage::Akk, Storage::F16),
+            (Stage::W, bf16),
+            (Stage::U, bf16),
+            (Stage::Gated, bf16),
+            (Stage::H, bf16),
+            (Stage::VNew, bf16),
+            (Stage::Dh, bf16),
+            (Stage::Dv, bf16),
+            (Stage::BwdOperands, bf16),
+        ],
+    };
+    for &(s, d) in stages {
+        p = p.with(s, d);
+    }
+    if t.cp && t.op != Op::TokenShift {
+        for s in [Stage::MChain, Stage::SExt, Stage::Merged] {
+            p = p.with(s, Storage::F32);
+        }
+    }
+    p.exp2 = t.op == Op::Kda;
+    p.safe_gate_midpoint = t.safe_gate;
+    p.with(Stage::Outputs, bf16)
+}
+
+fn exact(_: Target) -> Policy {
+    Policy::exact()
+}
+
+fn mchain_bf16(t: Target) -> Policy {
+    fla_bf16(Target { cp: true, ..t }).with(Stage::MChain, Storage::Bf16)
+}
+
+fn akk_bf16(_: Target) -> Policy {
+    Policy::exact().with(Stage::Akk, Storage::Bf16)
+}
+
+fn tf32_solve(_: Target) -> Policy {
+    Policy::exact().with(Stage::Akk, Storage::Tf32)
+}
+
+/// `fla-bf16` with `v_new` stored with 2 mantissa bits (e5m2): one stage far
+/// coarser than all the others (and one every result depends on), which
+/// `diagnose --bisect` must name first.
+fn coarse_v_new(t: Target) -> Policy {
+    fla_bf16(t).with(Stage::VNew, Storage::E5m2)
 }
 
 /// All presets.
 pub fn presets() -> Vec<Preset> {
-    let f32_ = || Policy::exact();
-    let mk = |name, about, (policy, faults, compute): (Policy, Faults, Compute)| Preset {
+    let mk = |name, about, rounding: fn(Target) -> Policy, faults, compute| Preset {
         name,
         about,
-        policy,
+        rounding,
         faults,
         compute,
     };
+    let none = Faults::default;
+    let fault = |name, about, f: Faults| mk(name, about, exact, f, Compute::F64);
     vec![
-        mk("exact", "the f64 oracle: no rounding", (Policy::exact(), Faults::default(), Compute::F64)),
-        mk("f32", "the same algorithm in f32, nothing stored in lower precision", (f32_(), Faults::default(), Compute::F32)),
-        mk("fla-bf16", "FLA's bf16 chunk kernels, stage by stage (see module docs)", (fla_bf16(), Faults::default(), Compute::F32)),
+        mk("exact", "the f64 oracle: no rounding", exact, none(), Compute::F64),
+        mk("f32", "the same algorithm in f32, nothing stored in lower precision", exact, none(), Compute::F32),
+        mk("fla-bf16", "FLA's bf16 chunk kernels, stage by stage (see module docs / debug.md)", fla_bf16, none(), Compute::F32),
         mk(
             "fla-bf16-mchain-bf16",
             "failure mode 1: fla-bf16 with the CP transition chain M multiplied in bf16",
-            (fla_bf16().with(Stage::MChain, Storage::Bf16), Faults::default(), Compute::F32),
+            mchain_bf16,
+            none(),
+            Compute::F32,
         ),
-        mk("akk-bf16", "failure mode 2: f32, but the WY inverse Akk stored in bf16", (f32_().with(Stage::Akk, Storage::Bf16), Faults::default(), Compute::F32)),
+        mk("akk-bf16", "failure mode 2: f32, but the WY inverse Akk stored in bf16", akk_bf16, none(), Compute::F32),
         mk(
             "tf32-solve",
             "failure mode 3: f32, but the triangular solve's result carries tf32 (10-bit) precision instead of tf32x3",
-            (f32_().with(Stage::Akk, Storage::Tf32), Faults::default(), Compute::F32),
+            tf32_solve,
+            none(),
+            Compute::F32,
         ),
         mk(
+            "coarse-v-new",
+            "bisection demo: fla-bf16 with v_new stored in a 2-mantissa-bit format (e5m2), far coarser than every other stage",
+            coarse_v_new,
+            none(),
+            Compute::F32,
+        ),
+        fault(
             "drop-merged-state",
             "failure mode 4: the merged CP initial state dropped before the backward recompute",
-            fault(Faults { drop_merged_state_in_backward: true, ..Faults::default() }),
+            Faults { drop_merged_state_in_backward: true, ..Faults::default() },
         ),
-        mk(
+        fault(
             "partial-merge-v",
             "failure mode 5: the merge covers only the first half of V (a stale block size)",
-            fault(Faults { merge_v_limit: Some(usize::MAX), ..Faults::default() }),
+            Faults { merge_v_limit: Some(usize::MAX), ..Faults::default() },
         ),
-        mk(
+        fault(
             "wrong-preprocess",
             "failure mode 6: the pre-process runs on the rank's first local sequence instead of its last",
-            fault(Faults { preprocess_first_piece: true, ..Faults::default() }),
+            Faults { preprocess_first_piece: true, ..Faults::default() },
         ),
     ]
 }
@@ -158,7 +260,10 @@ mod tests {
     fn a_fault_goes_on_top_of_a_precision() {
         let p = find("fla-bf16+partial-merge-v", 8).expect("combines");
         let base = find("fla-bf16", 8).unwrap();
-        assert_eq!((p.policy, p.compute), (base.policy, base.compute));
+        assert_eq!(
+            (p.policy(Target::KDA), p.compute),
+            (base.policy(Target::KDA), base.compute)
+        );
         assert_eq!(p.faults.merge_v_limit, Some(4));
         assert!(find("fla-bf16+akk-bf16", 8).is_none(), "not a fault");
         assert!(
@@ -169,5 +274,34 @@ mod tests {
         assert_eq!(without_fault("fla-bf16+partial-merge-v"), "fla-bf16");
         assert_eq!(without_fault("drop-merged-state"), "exact");
         assert_eq!(without_fault("fla-bf16"), "fla-bf16");
+    }
+
+    use deltaref::precision::Feature;
+
+    #[test]
+    fn fla_bf16_rounds_per_operator() {
+        let p = find("fla-bf16", 8).unwrap();
+        let t = |op, safe_gate, cp| Target { op, safe_gate, cp };
+        let kda = p.policy(t(Op::Kda, true, false));
+        assert!(kda.exp2 && kda.safe_gate_midpoint);
+        assert_eq!(kda.storage(Stage::Akk), Some(Storage::Bf16));
+        assert_eq!(kda.storage(Stage::MChain), None, "no M chain without CP");
+        assert!(!p.policy(t(Op::Kda, false, false)).safe_gate_midpoint);
+        assert_eq!(
+            p.policy(t(Op::Kda, false, true)).storage(Stage::MChain),
+            Some(Storage::F32)
+        );
+        // DPLR solves its WY inverse with fp16 operands and has no activations.
+        let dplr = p.policy(t(Op::Dplr, false, false));
+        assert_eq!(dplr.storage(Stage::Akk), Some(Storage::F16));
+        assert_eq!(dplr.storage(Stage::Activations), None);
+        let ts = p.policy(t(Op::TokenShift, false, true)).features();
+        assert_eq!(
+            ts,
+            vec![
+                Feature::Round(Stage::Inputs),
+                Feature::Round(Stage::Outputs)
+            ]
+        );
     }
 }

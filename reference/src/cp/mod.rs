@@ -17,12 +17,22 @@ use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
 
 use crate::error::Result;
 use crate::op::{Engine, OpSpec, Operator, Prepared as _};
-use crate::precision::{Policy, Stage};
+use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor;
 use crate::varlen::{par_pairs, Segment};
 use plan::PlanSpec;
 pub use plan::{Layout, Plan, RankMeta};
+
+/// What a precision policy may ask of CP (over any engine) on top of the
+/// engine's own stages: the `M` chain (each product of transitions, in the
+/// merge and inside a chunked engine's transition), `S_ext` and the merged
+/// state.
+pub const FEATURES: &[Feature] = &[
+    Feature::Round(Stage::MChain),
+    Feature::Round(Stage::SExt),
+    Feature::Round(Stage::Merged),
+];
 
 /// One problem seen piece by piece: the pre-processed inputs, the engine
 /// and, for backward, the upstream gradients.
@@ -101,7 +111,7 @@ pub fn forward<T: Scalar, E: Engine<T>>(
     plan: &PlanSpec,
     cp: &CpOptions,
 ) -> Result<(<E::Op as Operator<T>>::Outputs, Vec<RankDiag<T>>)> {
-    let p = E::Op::prepare(x, opt)?;
+    let p = engine.stored(E::Op::prepare(x, opt)?);
     let d = p.shape();
     let plan = plan.build(d.b, d.t, E::Op::cu_seqlens(x))?;
     let local = Local::<T, E> {
@@ -138,7 +148,7 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     plan: &PlanSpec,
     cp: &CpOptions,
 ) -> Result<(<E::Op as Operator<T>>::Grads, Vec<RankDiag<T>>)> {
-    let p = E::Op::prepare(x, opt)?;
+    let p = engine.stored(E::Op::prepare(x, opt)?);
     let d = p.shape();
     E::Op::validate_upstream(&p, d_o, dht)?;
     let plan = plan.build(d.b, d.t, E::Op::cu_seqlens(x))?;

@@ -14,20 +14,58 @@ use super::{
 };
 use crate::error::Result;
 use crate::op::{self, Engine, Prepared as _};
+use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
 
 /// The chunked engine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Chunk {
     pub chunk_size: usize,
+    pub policy: Policy,
 }
 
 impl Chunk {
     /// Chunk sizes of FLA's kernels: 16, 32 or 64.
     pub fn new(chunk_size: usize) -> Result<Self> {
         crate::tensor::check_chunk_size(chunk_size)?;
-        Ok(Chunk { chunk_size })
+        Ok(Chunk {
+            chunk_size,
+            policy: Policy::exact(),
+        })
+    }
+
+    /// The same engine with stages rounded per `policy`.
+    pub fn with_policy(self, policy: Policy) -> Self {
+        Chunk { policy, ..self }
+    }
+
+    /// What a policy may ask of this engine (FLA `chunk_dplr_delta_rule`'s
+    /// stored tensors): `Aqk` covers `Aqk` and `Aqb`, `Akk` the WY inverse
+    /// `P`, `qg/kg` the gated `qg`, `kg`, `ag`, `bg`, `v_new` FLA's `v_new`
+    /// (`v2` here).
+    pub const FEATURES: &'static [Feature] = &[
+        Feature::Round(Stage::GCumsum),
+        Feature::Round(Stage::Akk),
+        Feature::Round(Stage::Aqk),
+        Feature::Round(Stage::W),
+        Feature::Round(Stage::U),
+        Feature::Round(Stage::Gated),
+        Feature::Round(Stage::H),
+        Feature::Round(Stage::VNew),
+        Feature::Round(Stage::Dh),
+        Feature::Round(Stage::Dv),
+        Feature::Round(Stage::BwdOperands),
+    ];
+
+    fn as_stored<T: Scalar>(&self, stage: Stage, mut a: Array2<T>) -> Array2<T> {
+        self.policy.round(stage, &mut a);
+        a
+    }
+
+    /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
+    fn gated<T: Scalar>(&self, x: &ArrayView2<T>, decay: &Array2<T>) -> Array2<T> {
+        self.as_stored(Stage::Gated, x * decay)
     }
 }
 
@@ -206,7 +244,7 @@ impl Chunk {
             rows(&x.v, start, c),
         );
         let mut g = rows(&x.gk, start, c).to_owned();
-        g.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
+        self.policy.cumsum_rows(&mut g);
         let gx = &g - &rows(&x.gk, start, c);
         let (aqk, aqb, aab, aak) = match factors(&g, &gx) {
             Some(f) => {
@@ -226,11 +264,18 @@ impl Chunk {
             }
             None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
         };
+        let (aqk, aqb) = (
+            self.as_stored(Stage::Aqk, aqk),
+            self.as_stored(Stage::Aqk, aqb),
+        );
         // (I − Aab)^{-1} (Aab strictly lower).
-        let p = crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]);
-        let ax = &a * &gx.mapv(|v| v.exp());
-        let w = p.dot(&ax);
-        let u = p.dot(&aak.dot(&v));
+        let p = self.as_stored(
+            Stage::Akk,
+            crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
+        );
+        let ax = self.as_stored(Stage::Gated, &a * &gx.mapv(|v| v.exp()));
+        let w = self.as_stored(Stage::W, p.dot(&ax));
+        let u = self.as_stored(Stage::U, p.dot(&aak.dot(&v)));
         Intra {
             start,
             g_cumsum: g,
@@ -283,17 +328,18 @@ impl Chunk {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
             let v = rows(&x.v, ch.start, c);
-            let v2n = &ch.u + &ch.w.dot(&state);
+            let hn = self.as_stored(Stage::H, state.clone());
+            let v2n = self.as_stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
             if read_out {
-                let qg = &rows(&x.q, ch.start, c) * &ch.g_cumsum.mapv(|g| g.exp());
+                let qg = self.gated(&rows(&x.q, ch.start, c), &ch.g_cumsum.mapv(|g| g.exp()));
                 o.slice_mut(r)
-                    .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&state)));
+                    .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&hn)));
             }
             let dl = ch.decay_to_last();
-            h.index_axis_mut(Axis(0), n).assign(&state);
+            h.index_axis_mut(Axis(0), n).assign(&hn);
             state = &state * &ch.decay_last().insert_axis(Axis(1))
-                + (&rows(&x.k, ch.start, c) * &dl).t().dot(&v)
-                + (&rows(&x.b, ch.start, c) * &dl).t().dot(&v2n);
+                + self.gated(&rows(&x.k, ch.start, c), &dl).t().dot(&v)
+                + self.gated(&rows(&x.b, ch.start, c), &dl).t().dot(&v2n);
             v2.slice_mut(r).assign(&v2n);
         }
         ChunkForward {
@@ -332,8 +378,9 @@ impl Chunk {
         // each chunk's dv2 and its own reads of the state.
         let mut ds = dht.to_owned();
         for (n, ch) in fwd.intra.iter().enumerate().rev() {
-            dh.index_axis_mut(Axis(0), n).assign(&ds);
-            let (dv2n, ds_prev) = self.state_backward(x, ch, d_o, &ds);
+            let ds_used = self.as_stored(Stage::Dh, ds.clone());
+            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
+            let (dv2n, ds_prev) = self.state_backward(x, ch, d_o, &ds, &ds_used);
             dv2.slice_mut(s![ch.start..ch.start + ch.len(), ..])
                 .assign(&dv2n);
             ds = ds_prev;
@@ -374,22 +421,25 @@ impl Chunk {
     }
 
     /// The state pass of one chunk's backward given `ds = ∂L/∂(state at its
-    /// end)`: `dv2 [c, V]` and `∂L/∂(state entering it)` `[K, V]`.
+    /// end)` (carried in the compute scalar) and `ds_used`, the same as FLA
+    /// stores it (`dh`): `dv2 [c, V]` and `∂L/∂(state entering it)` `[K, V]`.
     fn state_backward<T: Scalar>(
         &self,
         x: &DplrHead<T>,
         ch: &Intra<T>,
         d_o: ArrayView2<T>,
         ds: &Array2<T>,
+        ds_used: &Array2<T>,
     ) -> (Array2<T>, Array2<T>) {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
-        let qg = &q * &ch.g_cumsum.mapv(|g| g.exp());
+        let qg = self.gated(&q, &ch.g_cumsum.mapv(|g| g.exp()));
         let mut ds_prev = qg.t().dot(&dout) + ds * &ch.decay_last().insert_axis(Axis(1));
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = ch.aqb.t().dot(&dout);
-        dv2 += &(&b * &ch.decay_to_last()).dot(ds);
+        dv2 += &self.gated(&b, &ch.decay_to_last()).dot(ds_used);
+        let dv2 = self.as_stored(Stage::Dv, dv2);
         ds_prev += &ch.w.t().dot(&dv2);
         (dv2, ds_prev)
     }
@@ -425,30 +475,32 @@ impl Chunk {
         let dl = ch.decay_to_last();
         let decay_last = ch.decay_last();
         // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h.
-        let qg = &q * &eg;
-        let dqg = dout.dot(&h.t());
+        let qg = self.gated(&q, &eg);
+        // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
+        // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
+        let dqg = self.as_stored(Stage::BwdOperands, dout.dot(&h.t()));
         let mut daqk = dout.dot(&v.t());
         let mut daqb = dout.dot(&v2.t());
         mask(&mut daqk, |i, j| j <= i);
         mask(&mut daqb, |i, j| j <= i);
         let mut dv = ch.aqk.t().dot(&dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
-        let (kgl, bgl) = (&k * &dl, &b * &dl);
+        let (kgl, bgl) = (self.gated(&k, &dl), self.gated(&b, &dl));
         let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
-        let dkgl = v.dot(&ds.t());
-        let dbgl = v2.dot(&ds.t());
+        let dkgl = self.as_stored(Stage::BwdOperands, v.dot(&ds.t()));
+        let dbgl = self.as_stored(Stage::BwdOperands, v2.dot(&ds.t()));
         dv += &kgl.dot(&ds);
         // v2 = u + w h.
-        let dw = dv2.dot(&h.t());
+        let dw = self.as_stored(Stage::BwdOperands, dv2.dot(&h.t()));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = ch.aak.dot(&v);
-        let ax = &a * &egx;
+        let ax = self.gated(&a, &egx);
         let dp = dv2.dot(&zv.t()) + dw.dot(&ax.t());
         let dz = ch.p.t().dot(&dv2);
         let mut daak = dz.dot(&v.t());
         mask(&mut daak, |i, j| j < i);
         dv += &ch.aak.t().dot(&dz);
-        let dax = ch.p.t().dot(&dw);
+        let dax = self.as_stored(Stage::BwdOperands, ch.p.t().dot(&dw));
         let mut daab = ch.p.t().dot(&dp).dot(&ch.p.t());
         mask(&mut daab, |i, j| j < i);
         let mut da = &dax * &egx;
@@ -563,6 +615,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         let mut m = Array2::eye(x.k_dim());
         for ch in self.intras(x) {
             m = ch.transition(rows(&x.b, ch.start, ch.len())).dot(&m);
+            self.policy.round(Stage::MChain, &mut m);
         }
         m
     }

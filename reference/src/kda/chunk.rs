@@ -17,7 +17,7 @@ use rayon::prelude::*;
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
 use crate::op::{self, Engine, Prepared as _};
-use crate::precision::{Policy, Stage};
+use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
 
@@ -41,6 +41,32 @@ impl Chunk {
     /// The same engine with stages rounded per `policy`.
     pub fn with_policy(self, policy: Policy) -> Self {
         Chunk { policy, ..self }
+    }
+
+    /// What a policy may ask of this engine (plus the CP stages when CP runs
+    /// over it, and the inputs/outputs the caller rounds).
+    pub const FEATURES: &'static [Feature] = &[
+        Feature::Round(Stage::Activations),
+        Feature::Round(Stage::GCumsum),
+        Feature::Round(Stage::Akk),
+        Feature::Round(Stage::Aqk),
+        Feature::Round(Stage::W),
+        Feature::Round(Stage::U),
+        Feature::Round(Stage::Gated),
+        Feature::Round(Stage::H),
+        Feature::Round(Stage::VNew),
+        Feature::Round(Stage::Dh),
+        Feature::Round(Stage::Dv),
+        Feature::Round(Stage::BwdOperands),
+        Feature::Round(Stage::IntraDots),
+        Feature::Exp2,
+        Feature::SafeGate,
+    ];
+
+    /// Rounds `a` to the storage of the backward's low-precision operands.
+    fn operand<T: Scalar>(&self, mut a: Array2<T>) -> Array2<T> {
+        self.policy.round(Stage::BwdOperands, &mut a);
+        a
     }
 }
 
@@ -213,8 +239,7 @@ impl Chunk {
         let (q, k, v) = (x.q.slice(rows), x.k.slice(rows), x.v.slice(rows));
         let beta = x.beta.slice(s![start..start + c]);
         let mut g_cumsum = x.g.slice(rows).to_owned();
-        g_cumsum.accumulate_axis_inplace(Axis(0), |&prev, cur| *cur += prev);
-        self.policy.round(Stage::GCumsum, &mut g_cumsum);
+        self.policy.cumsum_rows(&mut g_cumsum);
         let (mut aqk, mut p) = match self.factors(&g_cumsum) {
             Some((ep, em)) => {
                 // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix products.
@@ -229,13 +254,27 @@ impl Chunk {
         mask_lower(&mut aqk, true);
         mask_lower(&mut p, false);
         // (I + L)^{-1}, L[r, s] = β_r p[r, s].
-        let n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
-        let mut akk = &n_inv * &beta.view().insert_axis(Axis(0));
-        self.policy.round(Stage::Akk, &mut akk);
+        // FLA stores the inverse `(I + L)^{-1}` (its `Akk`) and applies β
+        // when it forms w and u: the stage rounds the inverse.
+        let mut n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
+        self.policy.round(Stage::Akk, &mut n_inv);
+        let akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Aqk, &mut aqk);
         let eg = g_cumsum.mapv(|v| self.policy.exp(v));
-        let mut w = akk.dot(&(&eg * &k));
-        let mut u = akk.dot(&v);
+        let (mut w, mut u) =
+            if self.policy.storage(Stage::W).is_some() || self.policy.storage(Stage::U).is_some() {
+                // FLA (`recompute_w_u_fwd`) multiplies the stored inverse by
+                // `(β k ⊙ 2^g).to(bf16)` and `(β v).to(bf16)`: the operands are
+                // rounded like the stage they form.
+                let bcol = beta.insert_axis(Axis(1));
+                let mut kb = &(&eg * &k) * &bcol;
+                let mut vb = &v * &bcol;
+                self.policy.round(Stage::W, &mut kb);
+                self.policy.round(Stage::U, &mut vb);
+                (n_inv.dot(&kb), n_inv.dot(&vb))
+            } else {
+                (akk.dot(&(&eg * &k)), akk.dot(&v))
+            };
         self.policy.round(Stage::W, &mut w);
         self.policy.round(Stage::U, &mut u);
         let mut qg = &q * &eg;
@@ -390,7 +429,8 @@ impl Chunk {
         let dout = d_o.slice(s![ch.start..ch.start + ch.len(), ..]);
         debug_assert_eq!(vn.nrows(), ch.len());
         // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
-        let mut dvn = ch.aqk.t().dot(&dout) + ch.kg.dot(ds);
+        // FLA stores `Aqkᵀ do` (chunk_kda_bwd_dAv) before the state pass adds `kg dh`.
+        let mut dvn = self.operand(ch.aqk.t().dot(&dout)) + ch.kg.dot(ds);
         self.policy.round(Stage::Dv, &mut dvn);
         let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
         (dvn, ds_local)
@@ -428,13 +468,14 @@ impl Chunk {
         });
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
-        let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
-        let dw = -dvn.dot(&h.t());
+        // FLA sums the bf16 products `b_h * b_dh` (both operands bf16).
+        let mut dgamma_last: Array1<T> = self.operand(&h * &ds).sum_axis(Axis(1)) * &decay_last;
+        let dw = self.operand(-dvn.dot(&h.t()));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
         let eg = ch.g_cumsum.mapv(|v| self.policy.exp(v));
-        let kd_ = &eg * &k;
+        let kd_ = self.operand(&eg * &k);
         let dakk = dw.dot(&kd_.t()) + du.dot(&x.v.slice(rows).t());
         let dkd = ch.akk.t().dot(&dw);
         let mut dk = &dkd * &eg;
@@ -442,8 +483,10 @@ impl Chunk {
         let dv = ch.akk.t().dot(du);
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
         let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
-        let dn = &dakk * &beta.insert_axis(Axis(0));
-        let mut dlow = -ch.n_inv.t().dot(&dn).dot(&ch.n_inv.t());
+        let dn = self.operand(&dakk * &beta.insert_axis(Axis(0)));
+        // FLA casts the masked product to the operand dtype between the two
+        // multiplications by the stored inverse.
+        let mut dlow = -self.operand(ch.n_inv.t().dot(&dn)).dot(&ch.n_inv.t());
         dlow.indexed_iter_mut().for_each(|((r, s), v)| {
             if s >= r {
                 *v = T::zero()
@@ -491,6 +534,9 @@ impl Chunk {
         dk: &mut Array2<T>,
         dgamma: &mut Array2<T>,
     ) {
+        if let Some(st) = self.policy.storage(Stage::IntraDots) {
+            return self.intra_backward_subchunks(st, ch, q, k, daqk, dp, dq, dk, dgamma);
+        }
         if let Some((ep, em)) = self.factors(&ch.g_cumsum) {
             // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
             // Γ_m cancels in every product, so it is held constant.
@@ -519,6 +565,70 @@ impl Chunk {
                     let t = coef * ks * e;
                     dgamma[[r, d]] += t;
                     dgamma[[s, d]] -= t;
+                }
+            }
+        }
+    }
+}
+
+impl Chunk {
+    /// [`Chunk::intra_backward`] in the structure of FLA's
+    /// `chunk_kda_bwd_kernel_intra`: a pair `s < r` in different 16-token
+    /// sub-chunks goes through a `tl.dot` whose fp32 operands (`dAqk`,
+    /// `dAkk`, and the other side's q/k gated to the sub-chunk boundary) are
+    /// rounded to `st`; a pair inside one sub-chunk is element-wise fp32.
+    #[allow(clippy::too_many_arguments)]
+    fn intra_backward_subchunks<T: Scalar>(
+        &self,
+        st: crate::precision::Storage,
+        ch: &Intra<T>,
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+        daqk: &Array2<T>,
+        dp: &Array2<T>,
+        dq: &mut Array2<T>,
+        dk: &mut Array2<T>,
+        dgamma: &mut Array2<T>,
+    ) {
+        const BC: usize = 16;
+        let (c, kd, g) = (ch.len(), k.ncols(), &ch.g_cumsum);
+        let e = |x: T| self.policy.exp(x);
+        for r in 0..c {
+            // Row side (dq, dk of r): anchored at the first row of r's sub-chunk.
+            let first = (r / BC) * BC;
+            // Column side (dk of s): anchored at the last row of s's sub-chunk.
+            for s in 0..=r {
+                let (a, p) = (daqk[[r, s]], dp[[r, s]]);
+                if a == T::zero() && p == T::zero() {
+                    continue;
+                }
+                if s / BC == r / BC {
+                    for d in 0..kd {
+                        let ee = self.pair_decay(g, r, s, d);
+                        let coef = a * q[[r, d]] + p * k[[r, d]];
+                        dq[[r, d]] += a * k[[s, d]] * ee;
+                        dk[[r, d]] += p * k[[s, d]] * ee;
+                        dk[[s, d]] += coef * ee;
+                        let t = coef * k[[s, d]] * ee;
+                        dgamma[[r, d]] += t;
+                        dgamma[[s, d]] -= t;
+                    }
+                    continue;
+                }
+                let last = ((s / BC + 1) * BC).min(c) - 1;
+                let (ar, pr) = (st.round(a), st.round(p));
+                for d in 0..kd {
+                    let kg_s = st.round(k[[s, d]] * e(g[[first, d]] - g[[s, d]]));
+                    let e_r = e(g[[r, d]] - g[[first, d]]);
+                    let (row_q, row_k) = (ar * kg_s * e_r, pr * kg_s * e_r);
+                    dq[[r, d]] += row_q;
+                    dk[[r, d]] += row_k;
+                    dgamma[[r, d]] += q[[r, d]] * row_q + k[[r, d]] * row_k;
+                    let qg_r = st.round(q[[r, d]] * e(g[[r, d]] - g[[last, d]]));
+                    let kg_r = st.round(k[[r, d]] * e(g[[r, d]] - g[[last, d]]));
+                    let col = (ar * qg_r + pr * kg_r) * e(g[[last, d]] - g[[s, d]]);
+                    dk[[s, d]] += col;
+                    dgamma[[s, d]] -= k[[s, d]] * col;
                 }
             }
         }
@@ -564,6 +674,15 @@ impl<T: Scalar> Engine<T> for Chunk {
         self.backward_intermediates(x, h0, d_o, dht).grads
     }
 
+    /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in
+    /// the policy's activation storage.
+    fn stored<'a>(&self, p: Prepared<'a, T>) -> Prepared<'a, T>
+    where
+        T: 'a,
+    {
+        p.with_stored_activations(&self.policy)
+    }
+
     /// `M = Π M_chunk`, later chunks on the left.
     fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
         let mut m = Array2::eye(x.k_dim());
@@ -582,7 +701,7 @@ pub fn intermediates<T: Scalar>(
     x: &KdaInputs<T>,
     opt: &KdaOptions,
 ) -> Result<Vec<(Segment, usize, ChunkForward<T>)>> {
-    let p = Prepared::new(x, opt)?;
+    let p = Prepared::new(x, opt)?.with_stored_activations(&engine.policy);
     let hv = p.dims.hv;
     Ok(par_pairs(p.segments.len(), hv, |si, h| {
         let seg = p.segments[si];

@@ -17,6 +17,7 @@ use ndarray::{
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
 use crate::op::{self, OpSpec, Operator, Shape};
+use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
@@ -321,9 +322,28 @@ pub struct Prepared<'a, T> {
     pub beta: Array3<T>,
     /// `[N, HV, K, V]`
     pub h0: Option<ArrayView4<'a, T>>,
+    /// The options it was prepared with (which in-kernel activations ran).
+    pub opt: KdaOptions,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
+    /// The activations' outputs (q/k after an in-kernel l2norm, β after an
+    /// in-kernel sigmoid) rounded per `policy`'s [`Stage::Activations`]
+    /// storage, as a kernel that writes them to memory reads them back.
+    pub fn with_stored_activations(mut self, policy: &Policy) -> Self {
+        let Some(s) = policy.storage(Stage::Activations) else {
+            return self;
+        };
+        if self.opt.use_qk_l2norm_in_kernel {
+            self.q = CowArray::from(self.q.mapv(|x| s.round(x)));
+            self.k = CowArray::from(self.k.mapv(|x| s.round(x)));
+        }
+        if self.opt.use_beta_sigmoid_in_kernel {
+            self.beta.mapv_inplace(|x| s.round(x));
+        }
+        self
+    }
+
     /// Validates `x` and applies l2norm, scale, gate and beta sigmoid.
     pub fn new(x: &'a KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
         let dims = validate(x, opt)?;
@@ -359,6 +379,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             g,
             beta,
             h0: x.initial_state.as_ref().map(tensor::view4),
+            opt: *opt,
         })
     }
 }

@@ -6,11 +6,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use deltaref_verify::bisect::{self, Bisection};
 use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::case::{Dtype, Op};
 use deltaref_verify::diagnose::{diagnose_with_noise, plot, Diagnosis, NoiseReference, TokenMap};
 use deltaref_verify::files::destination;
-use deltaref_verify::impls::{oracle_truth, Compute, Engine, ImplRequest, DEFAULT_CHUNK_SIZE};
+use deltaref_verify::impls::{
+    oracle_truth, Compute, Engine, Impl, ImplRequest, DEFAULT_CHUNK_SIZE,
+};
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::presets;
 use deltaref_verify::progress::Progress;
@@ -45,6 +48,53 @@ pub struct Args {
     /// Accept a case whose stored truth covers only some outputs and gradients.
     #[arg(long)]
     pub allow_partial: bool,
+    /// Break the --precision preset's error down by stage: each stage made
+    /// exact in turn and each stage alone rounded; per tensor the share of
+    /// the error each stage drives, largest first, and a one-line conclusion.
+    #[arg(long)]
+    pub bisect: bool,
+}
+
+/// The truth: stored results, else the f64 oracle on the inputs `imp` reads.
+fn truth(a: &Args, case: &Case, imp: &Impl) -> Result<Tensors, CaseError> {
+    let stored = case.results();
+    if !stored.is_empty() {
+        return Ok(stored);
+    }
+    let truth_case = match imp.policy.storage(deltaref::precision::Stage::Inputs) {
+        Some(s) => case.with_rounded_inputs(|x| s.round_f64(x)),
+        None => case.clone(),
+    };
+    oracle_truth(&truth_case, &a.case)
+}
+
+/// `--bisect`: the preset's error by stage.
+fn go_bisect(a: &Args) -> Result<Bisection, CaseError> {
+    let usage = |m: &str| Err(CaseError::Usage(m.into()));
+    let Some(preset) = &a.imp.precision else {
+        return usage(
+            "--bisect breaks a --precision preset's error down by stage: give --precision",
+        );
+    };
+    if a.candidate.is_some() || a.plot.is_some() || a.noise != "auto" {
+        return usage("--bisect computes its own runs: drop --candidate, --plot and --noise");
+    }
+    let case = Case::read(&a.case)?;
+    let (imp, compute) = a.imp.resolve(&case)?;
+    if imp.policy.features().is_empty() {
+        return Err(CaseError::Usage(format!(
+            "--precision {preset} rounds no stage: nothing to bisect"
+        )));
+    }
+    let reference = truth(a, &case, &imp)?;
+    imp.check_memory(&case)?;
+    let _p = Progress::spinner(&format!(
+        "bisecting --precision {preset}: {} runs of impl:{}",
+        bisect::runs(&imp.policy),
+        imp.name()
+    ));
+    bisect::bisect(preset, &imp, &reference, |i| i.compute(&case, compute))
+        .map_err(CaseError::computing(&a.case))
 }
 
 fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
@@ -53,17 +103,7 @@ fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
     let plot_path = a.plot.as_deref().map(destination).transpose()?;
     let invalid = CaseError::computing(&a.case);
     let (imp, compute) = a.imp.resolve(&case)?;
-    // The truth: stored results, else the f64 oracle on the inputs the candidate saw.
-    let stored = case.results();
-    let truth_case = match imp.policy.storage(deltaref::precision::Stage::Inputs) {
-        Some(s) if stored.is_empty() => case.with_rounded_inputs(|x| s.round_f64(x)),
-        _ => case.clone(),
-    };
-    let reference = if stored.is_empty() {
-        oracle_truth(&truth_case, &a.case)?
-    } else {
-        stored
-    };
+    let reference = truth(a, &case, &imp)?;
     let candidate = match &a.candidate {
         Some(p) => Case::read_candidate_for(p, &case)?.results(),
         None => {
@@ -154,6 +194,24 @@ fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseErr
 }
 
 pub fn run(a: Args) -> ExitCode {
+    if a.bisect {
+        return match go_bisect(&a) {
+            Ok(b) => {
+                if a.json {
+                    super::print(&serde_json::to_string_pretty(&b).expect("bisection serialises"));
+                } else {
+                    super::print(&b.to_string());
+                }
+                // Like verify: fail when the full preset's error is out of band.
+                if b.tensors.iter().all(|t| t.full <= a.band) {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                }
+            }
+            Err(e) => fail(&e),
+        };
+    }
     match go(&a) {
         Ok((d, problems)) => {
             if a.json {

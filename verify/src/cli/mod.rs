@@ -81,8 +81,8 @@ pub struct ImplArgs {
     #[arg(long, value_enum)]
     pub compute: Option<Compute>,
     /// Emulate a precision preset or inject a CP fault (exact, f32, fla-bf16,
-    /// fla-bf16-mchain-bf16, akk-bf16, tf32-solve, drop-merged-state,
-    /// partial-merge-v, wrong-preprocess).
+    /// fla-bf16-mchain-bf16, akk-bf16, tf32-solve, coarse-v-new,
+    /// drop-merged-state, partial-merge-v, wrong-preprocess).
     #[arg(long)]
     pub precision: Option<String>,
     /// gpu-*: store the inputs as f32 or bf16 (default: the case's input dtype).
