@@ -10,7 +10,9 @@
 
 use ndarray::{s, Array2, Array3, ArrayD, Ix3};
 
-use super::{validate_upstream, ConvGrads, ConvInputs, ConvOptions, ConvOutputs, GradAccumulator, Prepared};
+use super::{
+    validate_upstream, ConvGrads, ConvInputs, ConvOptions, ConvOutputs, GradAccumulator, Prepared,
+};
 use crate::cp::plan::{Plan, PlanSpec};
 use crate::error::Result;
 use crate::scalar::Scalar;
@@ -43,7 +45,10 @@ fn window<T: Scalar>(p: &Prepared<T>, plan: &Plan, seg: &Segment) -> Array2<T> {
     let seq_start = plan.cu_seqlens[seg.seq] as usize;
     let h0 = p.initial_window(seg.seq);
     let mut win = Array2::zeros((p.dims.w, p.dims.d));
-    for (j, src) in window_sources(seg, seq_start, p.dims.w).into_iter().enumerate() {
+    for (j, src) in window_sources(seg, seq_start, p.dims.w)
+        .into_iter()
+        .enumerate()
+    {
         match src {
             Source::State(c) => win.row_mut(j).assign(&h0.row(c)),
             Source::Token(t) => win.row_mut(j).assign(&p.x.slice(s![0, t, ..])),
@@ -67,10 +72,9 @@ pub fn forward<T: Scalar>(
     let plan = plan.build(d.b, d.t, x.cu_seqlens.as_deref())?;
     let mut y = Array3::zeros((d.b, d.t, d.d));
     // Sequences without tokens keep their initial state.
-    let mut ht = p
-        .h0
-        .map(|h| h.to_owned())
-        .unwrap_or_else(|| Array3::zeros((d.n, d.d, d.w)));
+    let mut ht =
+        p.h0.map(|h| h.to_owned())
+            .unwrap_or_else(|| Array3::zeros((d.n, d.d, d.w)));
     for rm in &plan.ranks {
         for seg in &rm.pieces {
             let (ys, last) = p.piece_forward(seg, window(&p, &plan, seg).view());
@@ -106,7 +110,9 @@ pub fn backward<T: Scalar>(
     if let Some(dht) = &dht {
         for seq in 0..d.n {
             if plan.cu_seqlens[seq] == plan.cu_seqlens[seq + 1] {
-                acc.dh0.slice_mut(s![seq, .., ..]).assign(&dht.slice(s![seq, .., ..]));
+                acc.dh0
+                    .slice_mut(s![seq, .., ..])
+                    .assign(&dht.slice(s![seq, .., ..]));
             }
         }
     }

@@ -199,7 +199,11 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             dims,
             segments,
             x: v3(&x.x),
-            weight: x.weight.view().into_dimensionality::<Ix2>().expect("validated"),
+            weight: x
+                .weight
+                .view()
+                .into_dimensionality::<Ix2>()
+                .expect("validated"),
             bias: x
                 .bias
                 .as_ref()
@@ -236,7 +240,15 @@ impl<'a, T: Scalar> Prepared<'a, T> {
         dy: ArrayView2<T>,
         dlast: ArrayView2<T>,
     ) -> PieceGrads<T> {
-        piece_backward(self.tokens(seg), window, self.weight, self.bias, self.act, dy, dlast)
+        piece_backward(
+            self.tokens(seg),
+            window,
+            self.weight,
+            self.bias,
+            self.act,
+            dy,
+            dlast,
+        )
     }
 }
 
@@ -268,7 +280,7 @@ fn pre_activation<T: Scalar>(
         for i in 0..w {
             let xm = ext(&x, &window, t + 1 + i);
             for c in 0..d {
-                zt[c] = zt[c] + weight[[c, i]] * xm[c];
+                zt[c] += weight[[c, i]] * xm[c];
             }
         }
         if let Some(b) = &bias {
@@ -343,8 +355,8 @@ pub fn piece_backward<T: Scalar>(
             let m = t + 1 + i;
             let xm = ext(&x, &window, m);
             for c in 0..d {
-                dext[[m, c]] = dext[[m, c]] + weight[[c, i]] * dzt[c];
-                dweight[[c, i]] = dweight[[c, i]] + dzt[c] * xm[c];
+                dext[[m, c]] += weight[[c, i]] * dzt[c];
+                dweight[[c, i]] += dzt[c] * xm[c];
             }
         }
     }
@@ -371,7 +383,8 @@ pub fn forward<T: Scalar>(x: &ConvInputs<T>, opt: &ConvOptions) -> Result<ConvOu
     let mut y = Array3::zeros((d.b, d.t, d.d));
     let mut ht = Array3::zeros((d.n, d.d, d.w));
     for (seg, (ys, last)) in p.segments.iter().zip(&results) {
-        y.slice_mut(s![seg.batch, seg.start..seg.end, ..]).assign(ys);
+        y.slice_mut(s![seg.batch, seg.start..seg.end, ..])
+            .assign(ys);
         ht.slice_mut(s![seg.seq, .., ..]).assign(&last.t());
     }
     Ok(ConvOutputs {
@@ -408,7 +421,9 @@ pub fn backward<T: Scalar>(
     let mut acc = GradAccumulator::new(&d);
     for (seg, g) in p.segments.iter().zip(&results) {
         acc.add_piece(seg, g);
-        acc.dh0.slice_mut(s![seg.seq, .., ..]).assign(&g.dwindow.t());
+        acc.dh0
+            .slice_mut(s![seg.seq, .., ..])
+            .assign(&g.dwindow.t());
     }
     Ok(acc.finish(x))
 }

@@ -102,7 +102,7 @@ pub struct GdnGrads<T> {
 }
 
 /// `[N, HV, a, b]` → `[N, HV, b, a]` (the `state_v_first` layout swap).
-fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
+pub fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
     let mut t = s.view();
     t.swap_axes(2, 3);
     t.as_standard_layout().into_owned()
@@ -124,7 +124,12 @@ fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
     let (b, t, kd) = (qs[0], qs[1], qs[3]);
     let vs = expect_rank("v", "B,T,HV,V", &x.v)?;
     let (hv, vd) = (vs[2], vs[3]);
-    expect_shape("g", "[B,T,HV] (one log-space gate per head)", &[b, t, hv], x.g.shape())?;
+    expect_shape(
+        "g",
+        "[B,T,HV] (one log-space gate per head)",
+        &[b, t, hv],
+        x.g.shape(),
+    )?;
     if opt.use_gate_in_kernel {
         let a = x.a_log.as_ref().ok_or_else(|| {
             Error::missing(
@@ -274,7 +279,10 @@ pub fn backward<T: Scalar, E: KdaEngine<T>>(
 }
 
 /// `dht` in `[N, HV, K, V]`; a `state_v_first` `dht` must be rank 4 to swap.
-fn upstream_state<T: Scalar>(opt: &GdnOptions, dht: Option<&ArrayD<T>>) -> Result<Option<ArrayD<T>>> {
+fn upstream_state<T: Scalar>(
+    opt: &GdnOptions,
+    dht: Option<&ArrayD<T>>,
+) -> Result<Option<ArrayD<T>>> {
     dht.map(|d| {
         if opt.state_v_first && d.ndim() != 4 {
             return Err(Error::shape("dht", "[N,HV,V,K] (state_v_first)", d.shape()));
