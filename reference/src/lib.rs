@@ -15,6 +15,7 @@ pub mod gates;
 pub mod gdn;
 pub mod inputs;
 pub mod kda;
+pub mod op;
 pub mod ops;
 pub mod precision;
 pub mod rng;

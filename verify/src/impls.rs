@@ -4,9 +4,12 @@
 
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::kda::chunk::Chunk;
+use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
 use deltaref::precision::{Policy, Stage};
+use deltaref::token_shift::Shift;
 use deltaref::{dplr, kda, Scalar};
 use deltaref_gpu::{GpuImpl, Storage, Timings};
+use ndarray::ArrayD;
 
 use crate::case::{Case, CaseError, CpLayout, Inputs, Op};
 pub use crate::gpu::ComputeError;
@@ -156,33 +159,25 @@ impl Impl {
     fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
         let case = self.stored_inputs(case);
         let cp = self.cp.as_ref().map(|(p, o)| (p, o));
-        match case.inputs()? {
-            Inputs::Kda(x) => {
-                let opts = case.meta.kda_options();
-                match &self.engine {
-                    Engine::Naive => {
-                        outputs::kda_forward::<T, _>(&kda::naive::Naive, &x, &opts, cp)
-                    }
-                    Engine::Chunk(c) => {
-                        let e = Chunk::new(*c)?.with_policy(self.policy.clone());
-                        outputs::kda_forward::<T, _>(&e, &x, &opts, cp)
-                    }
-                }
+        match (case.inputs()?, &self.engine) {
+            (Inputs::Kda(x), Engine::Naive) => {
+                outputs::forward_only::<T, _>(&kda::naive::Naive, &x, &case.meta.kda_options(), cp)
             }
-            Inputs::Dplr(x) => {
-                let opts = case.meta.dplr_options();
-                match &self.engine {
-                    Engine::Naive => {
-                        outputs::dplr_forward::<T, _>(&dplr::naive::Naive, &x, &opts, cp)
-                    }
-                    Engine::Chunk(c) => {
-                        outputs::dplr_forward::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, cp)
-                    }
-                }
+            (Inputs::Kda(x), Engine::Chunk(c)) => {
+                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.kda_options(), cp)
             }
-            Inputs::TokenShift(x) => {
-                outputs::token_shift_forward::<T>(&x, self.cp.as_ref().map(|(p, _)| p))
+            (Inputs::Dplr(x), Engine::Naive) => outputs::forward_only::<T, _>(
+                &dplr::naive::Naive,
+                &x,
+                &case.meta.dplr_options(),
+                cp,
+            ),
+            (Inputs::Dplr(x), Engine::Chunk(c)) => {
+                let e = dplr::chunk::Chunk::new(*c)?;
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.dplr_options(), cp)
             }
+            (Inputs::TokenShift(x), _) => outputs::forward_only::<T, _>(&Shift, &x, &(), cp),
         }
     }
 
@@ -201,59 +196,41 @@ impl Impl {
         // The kernel reads its inputs in their storage dtype.
         let case = &*self.stored_inputs(case);
         let (d_o, dht) = case.upstream()?;
-        let dht = dht.as_ref();
-        let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
-        match (case.inputs()?, &self.cp) {
-            (Inputs::Kda(x), cp) => {
-                let opts = case.meta.kda_options();
-                match (&self.engine, cp) {
-                    (Engine::Naive, None) => Ok((
-                        outputs::kda::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Chunk(c), None) => Ok((
-                        outputs::kda::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Naive, Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht, p, o)
-                    }
-                    (Engine::Chunk(c), Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht, p, o)
-                    }
-                }
+        let up = (&d_o, dht.as_ref());
+        match (case.inputs()?, &self.engine) {
+            (Inputs::Kda(x), Engine::Naive) => {
+                self.all(&kda::naive::Naive, &x, &case.meta.kda_options(), up)
             }
-            (Inputs::Dplr(x), cp) => {
-                let opts = case.meta.dplr_options();
-                let naive = &dplr::naive::Naive;
-                match (&self.engine, cp) {
-                    (Engine::Naive, None) => {
-                        Ok((outputs::dplr::<T, _>(naive, &x, &opts, &d_o, dht)?, vec![]))
-                    }
-                    (Engine::Chunk(c), None) => Ok((
-                        outputs::dplr::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Naive, Some((p, o))) => {
-                        outputs::dplr_cp::<T, _>(naive, &x, &opts, &d_o, dht, p, o)
-                    }
-                    (Engine::Chunk(c), Some((p, o))) => outputs::dplr_cp::<T, _>(
-                        &dplr::chunk::Chunk::new(*c)?,
-                        &x,
-                        &opts,
-                        &d_o,
-                        dht,
-                        p,
-                        o,
-                    ),
-                }
+            (Inputs::Kda(x), Engine::Chunk(c)) => {
+                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
+                self.all(&e, &x, &case.meta.kda_options(), up)
             }
-            (Inputs::TokenShift(x), None) => {
-                Ok((outputs::token_shift::<T>(&x, &d_o, dht)?, vec![]))
+            (Inputs::Dplr(x), Engine::Naive) => {
+                self.all(&dplr::naive::Naive, &x, &case.meta.dplr_options(), up)
             }
-            (Inputs::TokenShift(x), Some((p, _))) => {
-                Ok((outputs::token_shift_cp::<T>(&x, &d_o, dht, p)?, vec![]))
+            (Inputs::Dplr(x), Engine::Chunk(c)) => {
+                let e = dplr::chunk::Chunk::new(*c)?;
+                self.all(&e, &x, &case.meta.dplr_options(), up)
             }
+            (Inputs::TokenShift(x), _) => self.all(&Shift, &x, &(), up),
+        }
+    }
+
+    /// Outputs and gradients of `engine`, under simulated CP when asked.
+    #[allow(clippy::type_complexity)]
+    fn all<T: Scalar, E: OpEngine<T>>(
+        &self,
+        engine: &E,
+        x: &<E::Op as Operator<f64>>::Inputs,
+        opts: &<E::Op as OpSpec>::Options,
+        (d_o, dht): (&ArrayD<f64>, Option<&ArrayD<f64>>),
+    ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error>
+    where
+        E::Op: Operator<f64>,
+    {
+        match &self.cp {
+            None => Ok((outputs::all(engine, x, opts, d_o, dht)?, vec![])),
+            Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
         }
     }
 }
