@@ -6,8 +6,9 @@
 mod common;
 
 use common::{assert_close, assert_close_opt, check_grad, dot};
-use deltaref::conv::{self, cp, Activation, ConvGrads, ConvInputs, ConvOptions};
+use deltaref::conv::{self, Activation, ConvGrads, ConvInputs, ConvOptions, Direct};
 use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::{self, CpOptions};
 use deltaref::error::Error;
 use deltaref::inputs::{self, ConvSpec, Layout};
 use ndarray::{s, Array3, ArrayD, Axis, Ix2, Ix3};
@@ -60,7 +61,7 @@ fn cp_equals_non_cp_for_any_cut() {
         let b = conv::backward(x, &opt, &g.d_o, Some(&g.dht)).unwrap();
         for plan in &plans {
             let tag = format!("{plan} W={w} bias={bias} h0={h0} {act:?}");
-            let fc = cp::forward(x, &opt, plan).unwrap();
+            let (fc, _) = cp::forward(&Direct, x, &opt, plan, &CpOptions::default()).unwrap();
             assert_close(&format!("{tag} y"), &f.y, &fc.y, 1e-10);
             assert_close_opt(
                 &format!("{tag} final_state"),
@@ -68,7 +69,16 @@ fn cp_equals_non_cp_for_any_cut() {
                 &fc.final_state,
                 1e-10,
             );
-            let bc = cp::backward(x, &opt, &g.d_o, Some(&g.dht), plan).unwrap();
+            let (bc, _) = cp::backward(
+                &Direct,
+                x,
+                &opt,
+                &g.d_o,
+                Some(&g.dht),
+                plan,
+                &CpOptions::default(),
+            )
+            .unwrap();
             assert_grads(&tag, &b, &bc, 1e-10);
         }
     }
@@ -304,6 +314,7 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
     .expect_err("dht [N,D,W]");
     assert!(e.to_string().contains("dht"), "{e}");
     let e = cp::forward(
+        &Direct,
         &ConvInputs {
             x: ArrayD::zeros(vec![2, 3, 6]),
             cu_seqlens: None,
@@ -312,7 +323,35 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
         },
         &opt,
         &PlanSpec::World(2),
+        &CpOptions::default(),
     )
     .expect_err("CP needs B = 1");
     assert!(matches!(e, Error::Partition(_)), "{e}");
+}
+
+#[test]
+fn bit_identical_for_any_thread_count() {
+    let g = inputs::conv(&spec(Layout::varlen(&[30, 1, 29]), 4, true, true, 12));
+    let opt = options(Activation::Silu);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let b = conv::backward(&g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
+            let (c, _) = cp::backward(
+                &Direct,
+                &g.inputs,
+                &opt,
+                &g.d_o,
+                Some(&g.dht),
+                &PlanSpec::World(3),
+                &CpOptions::default(),
+            )
+            .unwrap();
+            (b.dx, b.dweight, b.dh0, c.dx, c.dweight)
+        })
+    };
+    assert_eq!(run(1), run(3));
 }

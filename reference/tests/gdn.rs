@@ -7,11 +7,14 @@ mod common;
 use common::{assert_close, assert_close_opt, check_grad, dot};
 use deltaref::cp::intra::{plan_spec, IntraParams};
 use deltaref::cp::plan::PlanSpec;
-use deltaref::cp::CpOptions;
+use deltaref::cp::{self, CpOptions};
 use deltaref::error::Error;
-use deltaref::gdn::{self, GdnGrads, GdnInputs, GdnOptions, GdnOutputs};
+use deltaref::gdn::{self, GdnGrads, GdnInputs, GdnOptions, GdnOutputs, OnKda};
 use deltaref::inputs::{self, GdnSpec, Layout};
 use deltaref::kda::{chunk::Chunk, naive::Naive};
+use deltaref::op;
+
+const NAIVE: OnKda<Naive> = OnKda(Naive);
 use ndarray::{s, Array2, Array4, ArrayD, Ix3, Ix4};
 
 fn spec(layout: Layout, opts: GdnOptions, seed: u64) -> GdnSpec {
@@ -85,23 +88,22 @@ fn naive_chunk_cp_and_intra_agree_in_f64() {
     let layout = Layout::varlen(&[37, 0, 1, 50, 20]);
     let cuts = PlanSpec::Cuts(vec![5, 38, 40, 70, 90]);
     let world = PlanSpec::World(3);
-    let chunk = Chunk::new(16).unwrap();
+    let chunk = OnKda(Chunk::new(16).unwrap());
     let cp = CpOptions::default();
     for (i, opt) in option_sets().into_iter().enumerate() {
         let g = inputs::gdn(&spec(layout.clone(), opt, 10 + i as u64));
         let x = &g.inputs;
         let tag = format!("{opt:?}");
-        let f_naive = gdn::forward(&Naive, x, &opt).unwrap();
-        let f_chunk = gdn::forward(&chunk, x, &opt).unwrap();
+        let f_naive = op::forward(&NAIVE, x, &opt).unwrap();
+        let f_chunk = op::forward(&chunk, x, &opt).unwrap();
         assert_outputs(&format!("chunk {tag}"), &f_naive, &f_chunk, 1e-10);
-        let b_naive = gdn::backward(&Naive, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
-        let b_chunk = gdn::backward(&chunk, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
+        let b_naive = op::backward(&NAIVE, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
+        let b_chunk = op::backward(&chunk, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
         assert_grads(&format!("chunk {tag}"), &b_naive, &b_chunk, 1e-10);
         for plan in [&cuts, &world] {
-            let (f, _) = gdn::forward_cp(&chunk, x, &opt, plan, &cp).unwrap();
+            let (f, _) = cp::forward(&chunk, x, &opt, plan, &cp).unwrap();
             assert_outputs(&format!("cp {plan} {tag}"), &f_naive, &f, 1e-10);
-            let (b, _) =
-                gdn::backward_cp(&Naive, x, &opt, &g.d_o, Some(&g.dht), plan, &cp).unwrap();
+            let (b, _) = cp::backward(&NAIVE, x, &opt, &g.d_o, Some(&g.dht), plan, &cp).unwrap();
             assert_grads(&format!("cp {plan} {tag}"), &b_naive, &b, 1e-10);
         }
         let intra = IntraParams {
@@ -114,7 +116,7 @@ fn naive_chunk_cp_and_intra_agree_in_f64() {
             matches!(&spec, PlanSpec::Cuts(c) if !c.is_empty()),
             "intra-card splits: {spec}"
         );
-        let (f, _) = gdn::forward_cp(&chunk, x, &opt, &spec, &cp).unwrap();
+        let (f, _) = cp::forward(&chunk, x, &opt, &spec, &cp).unwrap();
         assert_outputs(&format!("intra-card {tag}"), &f_naive, &f, 1e-10);
     }
 }
@@ -170,7 +172,7 @@ fn matches_the_scalar_gate_recurrence() {
     };
     let g = inputs::gdn(&spec(Layout::batch(2, 23), opt, 3));
     let (o, ht) = direct_gdn(&g.inputs, 5f64.powf(-0.5));
-    let f = gdn::forward(&Chunk::new(16).unwrap(), &g.inputs, &opt).unwrap();
+    let f = op::forward(&OnKda(Chunk::new(16).unwrap()), &g.inputs, &opt).unwrap();
     assert_close("o", &o.into_dyn(), &f.o, 1e-12);
     assert_close(
         "final_state",
@@ -193,8 +195,8 @@ fn state_v_first_is_the_transposed_layout() {
     let g = inputs::gdn(&spec(Layout::varlen(&[9, 14]), kv, 4));
     let mut x = g.inputs.clone();
     x.initial_state = x.initial_state.map(|s| gdn::swap_state(&s));
-    let a = gdn::forward(&Naive, &g.inputs, &kv).unwrap();
-    let b = gdn::forward(&Naive, &x, &vk).unwrap();
+    let a = op::forward(&NAIVE, &g.inputs, &kv).unwrap();
+    let b = op::forward(&NAIVE, &x, &vk).unwrap();
     assert_eq!(a.o, b.o);
     assert_eq!(
         gdn::swap_state(a.final_state.as_ref().unwrap()),
@@ -207,7 +209,7 @@ fn state_v_first_is_the_transposed_layout() {
 }
 
 fn loss(x: &GdnInputs<f64>, opt: &GdnOptions, d_o: &ArrayD<f64>, dht: &ArrayD<f64>) -> f64 {
-    let f = gdn::forward(&Naive, x, opt).unwrap();
+    let f = op::forward(&NAIVE, x, opt).unwrap();
     dot(&f.o, d_o) + dot(f.final_state.as_ref().unwrap(), dht)
 }
 
@@ -221,7 +223,7 @@ fn finite_differences_every_gradient() {
         };
         let g = inputs::gdn(&s);
         let x = &g.inputs;
-        let gr = gdn::backward(&Naive, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
+        let gr = op::backward(&NAIVE, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
         let l = |x: GdnInputs<f64>| loss(&x, &opt, &g.d_o, &g.dht);
         let tag = |n: &str| format!("{n} ({opt:?})");
         check_grad(&tag("dq"), Some(&gr.dq), &x.q, |t| {
@@ -294,22 +296,22 @@ fn finite_differences_every_gradient() {
 fn f32_close_to_f64() {
     for opt in option_sets() {
         let g = inputs::gdn(&spec(Layout::varlen(&[30, 41]), opt, 7));
-        let chunk = Chunk::new(16).unwrap();
-        let f64_ = gdn::forward(&chunk, &g.inputs, &opt).unwrap();
+        let chunk = OnKda(Chunk::new(16).unwrap());
+        let f64_ = op::forward(&chunk, &g.inputs, &opt).unwrap();
         let x32 = g.inputs.cast::<f32>();
-        let f32_ = gdn::forward(&chunk, &x32, &opt).unwrap();
+        let f32_ = op::forward(&chunk, &x32, &opt).unwrap();
         let up = |a: &ArrayD<f32>| a.mapv(f64::from);
         assert_close("f32 o", &f64_.o, &up(&f32_.o), 1e-5);
-        let b64 = gdn::backward(&chunk, &g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
+        let b64 = op::backward(&chunk, &g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
         let (do32, dht32) = (g.d_o.mapv(|v| v as f32), g.dht.mapv(|v| v as f32));
-        let b32 = gdn::backward(&chunk, &x32, &opt, &do32, Some(&dht32)).unwrap();
+        let b32 = op::backward(&chunk, &x32, &opt, &do32, Some(&dht32)).unwrap();
         assert_close("f32 dg", &b64.dg, &up(&b32.dg), 1e-4);
         assert_close("f32 dq", &b64.dq, &up(&b32.dq), 1e-4);
     }
 }
 
 fn expect_err(x: &GdnInputs<f64>, opt: &GdnOptions, tensor: &str) -> Error {
-    let e = gdn::forward(&Naive, x, opt).expect_err("must be refused");
+    let e = op::forward(&NAIVE, x, opt).expect_err("must be refused");
     let msg = e.to_string();
     assert!(
         msg.contains(tensor),
@@ -371,9 +373,9 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
         Error::Shape { .. }
     ));
     x.initial_state = Some(ArrayD::zeros(vec![2, 4, 3, 5]));
-    gdn::forward(&Naive, &x, &vfirst).expect("the V-first layout is accepted");
-    let e = gdn::backward(
-        &Naive,
+    op::forward(&NAIVE, &x, &vfirst).expect("the V-first layout is accepted");
+    let e = op::backward(
+        &NAIVE,
         &x,
         &vfirst,
         &ArrayD::zeros(vec![1, 7, 4, 3]),
@@ -381,4 +383,32 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
     )
     .expect_err("dht of the wrong rank");
     assert!(e.to_string().contains("dht"), "{e}");
+}
+
+#[test]
+fn bit_identical_for_any_thread_count() {
+    let opt = option_sets()[1];
+    let g = inputs::gdn(&spec(Layout::varlen(&[33, 2, 40]), opt, 8));
+    let chunk = OnKda(Chunk::new(16).unwrap());
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let b = op::backward(&chunk, &g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
+            let (c, _) = cp::backward(
+                &chunk,
+                &g.inputs,
+                &opt,
+                &g.d_o,
+                Some(&g.dht),
+                &PlanSpec::World(3),
+                &CpOptions::default(),
+            )
+            .unwrap();
+            (b.dq, b.dg, b.da_log, c.dk, c.dh0)
+        })
+    };
+    assert_eq!(run(1), run(3));
 }

@@ -8,19 +8,27 @@
 //! (so a sequence shorter than `W` keeps part of its initial state, and one
 //! without tokens passes it through). `act` is the identity or SiLU.
 //!
-//! The engine works on one sequence (or CP piece) at a time with its window
-//! `[W, D]` (time-major rows of `X`'s prefix); [`cp`] runs the same engine
-//! rank by rank.
+//! Under the operator contract ([`crate::op`]) the window is the state: one
+//! head, `[K, V] = [W, D]` (time-major rows of `X`'s prefix). The state
+//! recurrence "drop the oldest row, append the token" is linear in
+//! `(state, x)`, so the generic CP hands windows from rank to rank through
+//! the transition `M` (a shift, zero once a piece has `W` tokens): a rank
+//! gets the `W` tokens before its cut from however many earlier ranks hold
+//! them (FLA's `causal_conv1d_cp` sends the previous rank's last `W − 1` and
+//! needs at least that many tokens per rank), and in backward the window's
+//! gradient flows back to those tokens.
 
-pub mod cp;
-
-use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Ix1, Ix2, Ix3};
+use ndarray::{
+    s, Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix1,
+    Ix2, Ix3,
+};
 
 use crate::error::{Error, Result};
 use crate::gates::sigmoid;
+use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
-use crate::varlen::{self, par_pairs, Segment};
+use crate::varlen::{self, Segment};
 
 /// The activation applied to the convolution (FLA `activation`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -176,29 +184,46 @@ pub fn validate_upstream<T: Scalar>(
     Ok(())
 }
 
-/// Validated inputs as fixed-rank views, shared by the forms.
-pub(crate) struct Prepared<'a, T> {
+/// Validated inputs as the contract's one-head tensors: `x [B, T, 1, D]`,
+/// the initial state as windows `[N, 1, W, D]`.
+#[derive(Clone, Debug)]
+pub struct Prepared<'a, T> {
     pub dims: ConvDims,
     pub segments: Vec<Segment>,
-    /// `[B, T, D]`
-    pub x: ndarray::ArrayView3<'a, T>,
+    pub x: ArrayView4<'a, T>,
     /// `[D, W]`
     pub weight: ArrayView2<'a, T>,
     /// `[D]`
     pub bias: Option<ArrayView1<'a, T>>,
-    /// `[N, D, W]`
-    pub h0: Option<ndarray::ArrayView3<'a, T>>,
+    pub h0: Option<ArrayView4<'a, T>>,
     pub act: Activation,
+}
+
+fn view3<T: Scalar>(a: &ArrayD<T>) -> ArrayView3<'_, T> {
+    a.view().into_dimensionality::<Ix3>().expect("validated")
+}
+
+/// A `[N, D, W]` state as `[N, 1, W, D]` windows (a view).
+fn window_view<T: Scalar>(a: &ArrayD<T>) -> ArrayView4<'_, T> {
+    let mut v = view3(a).insert_axis(Axis(1));
+    v.swap_axes(2, 3);
+    v
+}
+
+/// `[N, 1, W, D]` windows as the `[N, D, W]` state.
+fn state_of<T: Scalar>(w: Array4<T>) -> ArrayD<T> {
+    let mut s = w.index_axis_move(Axis(1), 0);
+    s.swap_axes(1, 2);
+    s.as_standard_layout().into_owned().into_dyn()
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
     pub fn new(x: &'a ConvInputs<T>, opt: &ConvOptions) -> Result<Self> {
         let (dims, segments) = validate(x)?;
-        let v3 = |a: &'a ArrayD<T>| a.view().into_dimensionality::<Ix3>().expect("validated");
         Ok(Prepared {
             dims,
             segments,
-            x: v3(&x.x),
+            x: view3(&x.x).insert_axis(Axis(2)),
             weight: x
                 .weight
                 .view()
@@ -208,48 +233,54 @@ impl<'a, T: Scalar> Prepared<'a, T> {
                 .bias
                 .as_ref()
                 .map(|b| b.view().into_dimensionality::<Ix1>().expect("validated")),
-            h0: x.initial_state.as_ref().map(v3),
+            h0: x.initial_state.as_ref().map(window_view),
             act: opt.activation,
         })
     }
+}
 
-    /// The window `[W, D]` (time-major) before sequence `seq`: its initial
-    /// state transposed, or zeros.
-    pub fn initial_window(&self, seq: usize) -> Array2<T> {
-        match &self.h0 {
-            Some(h0) => h0.slice(s![seq, .., ..]).t().to_owned(),
-            None => Array2::zeros((self.dims.w, self.dims.d)),
+impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
+    type Head = ConvHead<T>;
+
+    fn shape(&self) -> Shape {
+        let d = self.dims;
+        Shape {
+            b: d.b,
+            t: d.t,
+            n: d.n,
+            heads: 1,
+            k: d.w,
+            v: d.d,
         }
     }
 
-    /// Tokens `[L, D]` of `seg`.
-    pub fn tokens(&self, seg: &Segment) -> ArrayView2<'_, T> {
-        self.x.slice(s![seg.batch, seg.start..seg.end, ..])
+    fn segments(&self) -> &[Segment] {
+        &self.segments
     }
 
-    /// One piece forward from its window `[W, D]`.
-    pub fn piece_forward(&self, seg: &Segment, window: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        piece_forward(self.tokens(seg), window, self.weight, self.bias, self.act)
+    fn head(&self, seg: &Segment, h: usize) -> ConvHead<T> {
+        ConvHead {
+            x: tensor::gather(&self.x, seg, h),
+            weight: self.weight.to_owned(),
+            bias: self.bias.map(|b| b.to_owned()),
+            act: self.act,
+        }
     }
 
-    /// One piece backward; see [`piece_backward`].
-    pub fn piece_backward(
-        &self,
-        seg: &Segment,
-        window: ArrayView2<T>,
-        dy: ArrayView2<T>,
-        dlast: ArrayView2<T>,
-    ) -> PieceGrads<T> {
-        piece_backward(
-            self.tokens(seg),
-            window,
-            self.weight,
-            self.bias,
-            self.act,
-            dy,
-            dlast,
-        )
+    fn h0(&self) -> Option<ArrayView4<'_, T>> {
+        self.h0.as_ref().map(|h| h.view())
     }
+}
+
+/// One sequence (or CP piece): tokens `x [L, D]` and the parameters.
+#[derive(Clone, Debug)]
+pub struct ConvHead<T> {
+    pub x: Array2<T>,
+    /// `[D, W]`
+    pub weight: Array2<T>,
+    /// `[D]`
+    pub bias: Option<Array1<T>>,
+    pub act: Activation,
 }
 
 /// Row `m` of the extended sequence `X = [window; x]`.
@@ -372,25 +403,156 @@ pub fn piece_backward<T: Scalar>(
     }
 }
 
-/// Forward over every sequence (in parallel; each sequence independent).
-pub fn forward<T: Scalar>(x: &ConvInputs<T>, opt: &ConvOptions) -> Result<ConvOutputs<T>> {
-    let p = Prepared::new(x, opt)?;
-    let d = p.dims;
-    let results = par_pairs(p.segments.len(), 1, |si, _| {
-        let seg = &p.segments[si];
-        p.piece_forward(seg, p.initial_window(seg.seq).view())
-    });
-    let mut y = Array3::zeros((d.b, d.t, d.d));
-    let mut ht = Array3::zeros((d.n, d.d, d.w));
-    for (seg, (ys, last)) in p.segments.iter().zip(&results) {
-        y.slice_mut(s![seg.batch, seg.start..seg.end, ..])
-            .assign(ys);
-        ht.slice_mut(s![seg.seq, .., ..]).assign(&last.t());
+/// The one engine: the convolution written out, token by token.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Direct;
+
+impl<T: Scalar> Engine<T> for Direct {
+    type Op = CausalConv1d;
+
+    /// `(y [L, D], last window [W, D])` from the window `h0 [W, D]`.
+    fn forward(&self, x: &ConvHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        let bias = x.bias.as_ref().map(|b| b.view());
+        piece_forward(x.x.view(), h0, x.weight.view(), bias, x.act)
     }
-    Ok(ConvOutputs {
-        y: y.into_dyn(),
-        final_state: opt.output_final_state.then(|| ht.into_dyn()),
-    })
+
+    fn backward(
+        &self,
+        x: &ConvHead<T>,
+        h0: ArrayView2<T>,
+        dy: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> PieceGrads<T> {
+        let bias = x.bias.as_ref().map(|b| b.view());
+        piece_backward(x.x.view(), h0, x.weight.view(), bias, x.act, dy, dht)
+    }
+}
+
+/// Causal conv1d, FLA's `fla.modules.causal_conv1d.causal_conv1d`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CausalConv1d;
+
+impl OpSpec for CausalConv1d {
+    const NAME: &'static str = "causal_conv1d";
+    const INPUTS: &'static [&'static str] = &["x", "weight", "bias", "initial_state"];
+    const OUTPUTS: &'static [&'static str] = &["y", "final_state"];
+    const UPSTREAM: &'static [&'static str] = &["dy", "dht"];
+    const GRADS: &'static [&'static str] = &["dx", "dweight", "dbias", "dh0"];
+    type Options = ConvOptions;
+
+    fn all_outputs(opt: &ConvOptions) -> ConvOptions {
+        ConvOptions {
+            output_final_state: true,
+            ..*opt
+        }
+    }
+}
+
+impl<T: Scalar> Operator<T> for CausalConv1d {
+    type Inputs = ConvInputs<T>;
+    type Outputs = ConvOutputs<T>;
+    type Grads = ConvGrads<T>;
+    type Head = ConvHead<T>;
+    type HeadGrads = PieceGrads<T>;
+    type Prepared<'a>
+        = Prepared<'a, T>
+    where
+        T: 'a;
+
+    fn prepare<'a>(x: &'a ConvInputs<T>, opt: &ConvOptions) -> Result<Prepared<'a, T>> {
+        Prepared::new(x, opt)
+    }
+
+    fn cu_seqlens(x: &ConvInputs<T>) -> Option<&[i64]> {
+        x.cu_seqlens.as_deref()
+    }
+
+    fn validate_upstream(
+        p: &Prepared<'_, T>,
+        dy: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        validate_upstream(&p.dims, dy, dht)
+    }
+
+    fn upstream_view(dy: &ArrayD<T>) -> ArrayView4<'_, T> {
+        view3(dy).insert_axis(Axis(2))
+    }
+
+    fn dht_view<'d>(_: &ConvOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
+        window_view(dht)
+    }
+
+    /// The window recurrence does not read the weight: with `K = W` zero
+    /// columns of x, the final window from `I [W, W]` is the shift `M`.
+    fn probe(x: &ConvHead<T>) -> (ConvHead<T>, usize) {
+        let w = x.weight.ncols();
+        let probe = ConvHead {
+            x: Array2::zeros((x.x.nrows(), w)),
+            weight: Array2::zeros((w, w)),
+            bias: None,
+            act: Activation::None,
+        };
+        (probe, w)
+    }
+
+    fn outputs(opt: &ConvOptions, o: Array4<T>, final_state: Array4<T>) -> ConvOutputs<T> {
+        ConvOutputs {
+            y: o.index_axis_move(Axis(2), 0).into_dyn(),
+            final_state: opt.output_final_state.then(|| state_of(final_state)),
+        }
+    }
+
+    /// `dweight`, `dbias`: the pieces' shares summed in piece order.
+    fn grads(
+        x: &ConvInputs<T>,
+        _: &ConvOptions,
+        p: &Prepared<'_, T>,
+        pieces: &[(Segment, usize, &PieceGrads<T>)],
+        dh0: Array4<T>,
+    ) -> ConvGrads<T> {
+        let d = p.dims;
+        let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, g.dx.view()));
+        let dx = tensor::assemble((d.b, d.t, 1, d.d), blocks);
+        let mut dweight = Array2::zeros((d.d, d.w));
+        let mut dbias = Array1::zeros(d.d);
+        for (_, _, g) in pieces {
+            dweight += &g.dweight;
+            dbias += &g.dbias;
+        }
+        ConvGrads {
+            dx: dx.index_axis_move(Axis(2), 0).into_dyn(),
+            dweight: dweight.into_dyn(),
+            dbias: x.bias.as_ref().map(|_| dbias.into_dyn()),
+            dh0: x.initial_state.as_ref().map(|_| state_of(dh0)),
+        }
+    }
+
+    fn output_tensors(out: &ConvOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![Some(&out.y), out.final_state.as_ref()]
+    }
+
+    fn grad_tensors(gr: &ConvGrads<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![
+            Some(&gr.dx),
+            Some(&gr.dweight),
+            gr.dbias.as_ref(),
+            gr.dh0.as_ref(),
+        ]
+    }
+
+    fn head_dh0(g: &PieceGrads<T>) -> &Array2<T> {
+        &g.dwindow
+    }
+
+    fn narrow(x: &ConvInputs<f64>) -> ConvInputs<T> {
+        x.cast()
+    }
+}
+
+/// Forward over every sequence.
+pub fn forward<T: Scalar>(x: &ConvInputs<T>, opt: &ConvOptions) -> Result<ConvOutputs<T>> {
+    op::forward(&Direct, x, opt)
 }
 
 /// Backward of `Σ y·dy + Σ final_state·dht` (`dht` zero when `None`).
@@ -400,68 +562,5 @@ pub fn backward<T: Scalar>(
     dy: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<ConvGrads<T>> {
-    let p = Prepared::new(x, opt)?;
-    let d = p.dims;
-    validate_upstream(&d, dy, dht)?;
-    let dy = dy.view().into_dimensionality::<Ix3>().expect("validated");
-    let dht = dht.map(|a| a.view().into_dimensionality::<Ix3>().expect("validated"));
-    let results = par_pairs(p.segments.len(), 1, |si, _| {
-        let seg = &p.segments[si];
-        let dlast = match &dht {
-            Some(a) => a.slice(s![seg.seq, .., ..]).t().to_owned(),
-            None => Array2::zeros((d.w, d.d)),
-        };
-        p.piece_backward(
-            seg,
-            p.initial_window(seg.seq).view(),
-            dy.slice(s![seg.batch, seg.start..seg.end, ..]),
-            dlast.view(),
-        )
-    });
-    let mut acc = GradAccumulator::new(&d);
-    for (seg, g) in p.segments.iter().zip(&results) {
-        acc.add_piece(seg, g);
-        acc.dh0
-            .slice_mut(s![seg.seq, .., ..])
-            .assign(&g.dwindow.t());
-    }
-    Ok(acc.finish(x))
-}
-
-/// Sums per-piece gradients in piece order (thread-count independent).
-pub(crate) struct GradAccumulator<T> {
-    pub dx: Array3<T>,
-    pub dweight: Array2<T>,
-    pub dbias: Array1<T>,
-    /// `[N, D, W]`
-    pub dh0: Array3<T>,
-}
-
-impl<T: Scalar> GradAccumulator<T> {
-    pub fn new(d: &ConvDims) -> Self {
-        GradAccumulator {
-            dx: Array3::zeros((d.b, d.t, d.d)),
-            dweight: Array2::zeros((d.d, d.w)),
-            dbias: Array1::zeros(d.d),
-            dh0: Array3::zeros((d.n, d.d, d.w)),
-        }
-    }
-
-    /// Token gradients of `seg` and its share of `dweight`, `dbias`.
-    pub fn add_piece(&mut self, seg: &Segment, g: &PieceGrads<T>) {
-        self.dx
-            .slice_mut(s![seg.batch, seg.start..seg.end, ..])
-            .assign(&g.dx);
-        self.dweight += &g.dweight;
-        self.dbias += &g.dbias;
-    }
-
-    pub fn finish(self, x: &ConvInputs<T>) -> ConvGrads<T> {
-        ConvGrads {
-            dx: self.dx.into_dyn(),
-            dweight: self.dweight.into_dyn(),
-            dbias: x.bias.as_ref().map(|_| self.dbias.into_dyn()),
-            dh0: x.initial_state.as_ref().map(|_| self.dh0.into_dyn()),
-        }
-    }
+    op::backward(&Direct, x, opt, dy, dht)
 }

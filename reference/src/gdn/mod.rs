@@ -4,23 +4,27 @@
 //! `S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
 //!
 //! GDN is KDA with the gate broadcast over K (SPEC §3): `Diag(exp g_t 1_K) =
-//! exp(g_t) I`, so every KDA engine (naive, chunked, CP, intra-card, with its
-//! precision policy) computes GDN exactly, and since `g_t[d] = g_t` for every
-//! `d`, `∂L/∂g_t = Σ_d ∂L/∂g_t[d]` (KDA's scalar-gate path sums its per-key
-//! gate gradient over K). This module only adds what GDN has of its own:
+//! exp(g_t) I`, so every KDA engine (naive, chunked, with its precision
+//! policy) computes a GDN piece exactly: [`Gdn`]'s per-piece tensors are
+//! KDA's ([`KdaHead`], the gate repeated over K) and [`OnKda`] runs a KDA
+//! engine as a GDN engine. Since `g_t[d] = g_t` for every `d`,
+//! `∂L/∂g_t = Σ_d ∂L/∂g_t[d]`: KDA's chain rule with a scalar gate sums its
+//! per-key gate gradient over K. This module adds what GDN has of its own:
 //! the per-head in-kernel gate `−exp(A_log[h])·softplus(g + dt_bias[h])`
 //! (`dt_bias [HV]`, not KDA's `[HV·K]`) and the `state_v_first` state layout
-//! `[N, HV, V, K]`.
+//! `[N, HV, V, K]`. The drivers, CP and intra-card come from [`crate::op`].
 
-use ndarray::{Array1, Array3, ArrayD, Axis, Ix3, Zip};
+use ndarray::{s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, Ix3, Zip};
 
-use crate::cp::plan::PlanSpec;
-use crate::cp::{kda as cp_kda, CpOptions, RankDiag};
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
-use crate::kda::{self, KdaEngine, KdaGrads, KdaInputs, KdaOptions, KdaOutputs};
+use crate::kda::{
+    self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, PreparedGrads,
+};
+use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
+use crate::varlen::Segment;
 
 /// GDN inputs in FLA's layout.
 #[derive(Clone, Debug)]
@@ -219,13 +223,6 @@ pub fn to_kda<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<(KdaInput
     Ok((kx, kopt))
 }
 
-fn outputs_from_kda<T: Scalar>(o: KdaOutputs<T>, opt: &GdnOptions) -> GdnOutputs<T> {
-    GdnOutputs {
-        o: o.o,
-        final_state: o.final_state.map(|s| kv_layout(opt, &s)),
-    }
-}
-
 /// Chains KDA's gradients (decay `dg [B, T, HV]`, states in `[K, V]`) back to
 /// GDN's inputs: through the in-kernel gate and the state layout.
 fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions) -> GdnGrads<T> {
@@ -253,71 +250,256 @@ fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions)
     }
 }
 
-/// Forward with any KDA engine (naive or chunked) over every (sequence, value head).
-pub fn forward<T: Scalar, E: KdaEngine<T>>(
-    engine: &E,
-    x: &GdnInputs<T>,
-    opt: &GdnOptions,
-) -> Result<GdnOutputs<T>> {
-    let (kx, kopt) = to_kda(x, opt)?;
-    Ok(outputs_from_kda(kda::forward(engine, &kx, &kopt)?, opt))
+/// Validated GDN inputs after FLA's fused pre-processing (l2norm, gate,
+/// beta sigmoid), states in `[N, HV, K, V]`.
+#[derive(Clone, Debug)]
+pub struct Prepared<'a, T> {
+    pub dims: KdaDims,
+    pub scale: f64,
+    pub segments: Vec<Segment>,
+    /// `[B, T, H, K]`, l2-normalised if asked.
+    pub q: Array4<T>,
+    /// `[B, T, H, K]`, l2-normalised if asked.
+    pub k: Array4<T>,
+    /// `[B, T, HV, V]`
+    pub v: ArrayView4<'a, T>,
+    /// `[B, T, HV]` log-space decay.
+    pub g: Array3<T>,
+    /// `[B, T, HV]`
+    pub beta: Array3<T>,
+    /// `[N, HV, K, V]`
+    pub h0: Option<Array4<T>>,
+    /// States are `[N, HV, V, K]` in the public tensors.
+    pub state_v_first: bool,
+    /// The KDA problem it was prepared as (for the chain rule).
+    kda: (KdaInputs<T>, KdaOptions),
 }
 
-/// Backward of `Σ o·do + Σ final_state·dht`: `do [B, T, HV, V]`, `dht`
-/// shaped like `final_state` (zero when `None`).
-pub fn backward<T: Scalar, E: KdaEngine<T>>(
-    engine: &E,
-    x: &GdnInputs<T>,
-    opt: &GdnOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<GdnGrads<T>> {
-    let (kx, kopt) = to_kda(x, opt)?;
-    let dht = upstream_state(opt, dht)?;
-    let g = kda::backward(engine, &kx, &kopt, d_o, dht.as_ref())?;
-    Ok(grads_from_kda(g, x, opt))
+impl<'a, T: Scalar> Prepared<'a, T> {
+    pub fn new(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Self> {
+        let (kx, kopt) = to_kda(x, opt)?;
+        let kp = kda::Prepared::new(&kx, &kopt)?;
+        let g =
+            kx.g.view()
+                .into_dimensionality::<Ix3>()
+                .expect("validated")
+                .to_owned();
+        let (dims, scale, segments) = (kp.dims, kp.scale, kp.segments.clone());
+        let (q, k, beta) = (kp.q.into_owned(), kp.k.into_owned(), kp.beta);
+        let h0 = kx.initial_state.as_ref().map(tensor::to4);
+        Ok(Prepared {
+            dims,
+            scale,
+            segments,
+            q,
+            k,
+            v: tensor::view4(&x.v),
+            g,
+            beta,
+            h0,
+            state_v_first: opt.state_v_first,
+            kda: (kx, kopt),
+        })
+    }
 }
 
-/// `dht` in `[N, HV, K, V]`; a `state_v_first` `dht` must be rank 4 to swap.
-fn upstream_state<T: Scalar>(
-    opt: &GdnOptions,
-    dht: Option<&ArrayD<T>>,
-) -> Result<Option<ArrayD<T>>> {
-    dht.map(|d| {
-        if opt.state_v_first && d.ndim() != 4 {
-            return Err(Error::shape("dht", "[N,HV,V,K] (state_v_first)", d.shape()));
+impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
+    type Head = KdaHead<T>;
+
+    fn shape(&self) -> Shape {
+        let d = self.dims;
+        Shape {
+            b: d.b,
+            t: d.t,
+            n: d.n,
+            heads: d.hv,
+            k: d.k,
+            v: d.v,
         }
-        Ok(kv_layout(opt, d))
-    })
-    .transpose()
+    }
+
+    fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// Head `hv` of `seg` as KDA's per-piece tensors: q/k from q/k head
+    /// `hv / G` (GVA), q times `scale`, the scalar gate repeated over K.
+    fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
+        let hq = hv / self.dims.groups();
+        let scale = T::c(self.scale);
+        let g = self.g.slice(s![seg.batch, seg.start..seg.end, hv]);
+        KdaHead {
+            q: tensor::gather(&self.q, seg, hq).mapv_into(|e| e * scale),
+            k: tensor::gather(&self.k, seg, hq),
+            v: tensor::gather(&self.v, seg, hv),
+            g: Array2::from_shape_fn((seg.len(), self.dims.k), |(t, _)| g[t]),
+            beta: self
+                .beta
+                .slice(s![seg.batch, seg.start..seg.end, hv])
+                .to_owned(),
+        }
+    }
+
+    fn h0(&self) -> Option<ArrayView4<'_, T>> {
+        self.h0.as_ref().map(|h| h.view())
+    }
 }
 
-/// CP forward (SPEC §6) through KDA's CP driver: the same outputs as
-/// [`forward`], computed rank by rank; also the per-rank diagnostics.
-pub fn forward_cp<T: Scalar, E: KdaEngine<T>>(
-    engine: &E,
-    x: &GdnInputs<T>,
-    opt: &GdnOptions,
-    plan: &PlanSpec,
-    cp: &CpOptions,
-) -> Result<(GdnOutputs<T>, Vec<RankDiag<T>>)> {
-    let (kx, kopt) = to_kda(x, opt)?;
-    let (o, diags) = cp_kda::forward(engine, &kx, &kopt, plan, cp)?;
-    Ok((outputs_from_kda(o, opt), diags))
+/// A KDA engine (`kda::naive::Naive`, `kda::chunk::Chunk`) computing GDN pieces.
+#[derive(Clone, Debug, Default)]
+pub struct OnKda<E>(pub E);
+
+impl<T: Scalar, E: Engine<T, Op = Kda>> Engine<T> for OnKda<E> {
+    type Op = Gdn;
+
+    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        self.0.forward(x, h0)
+    }
+
+    fn backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> KdaHeadGrads<T> {
+        self.0.backward(x, h0, d_o, dht)
+    }
+
+    fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
+        self.0.transition(x)
+    }
 }
 
-/// CP backward: the same gradients as [`backward`], computed rank by rank.
-pub fn backward_cp<T: Scalar, E: KdaEngine<T>>(
-    engine: &E,
-    x: &GdnInputs<T>,
-    opt: &GdnOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-    plan: &PlanSpec,
-    cp: &CpOptions,
-) -> Result<(GdnGrads<T>, Vec<RankDiag<T>>)> {
-    let (kx, kopt) = to_kda(x, opt)?;
-    let dht = upstream_state(opt, dht)?;
-    let (g, diags) = cp_kda::backward(engine, &kx, &kopt, d_o, dht.as_ref(), plan, cp)?;
-    Ok((grads_from_kda(g, x, opt), diags))
+/// GDN, FLA's `chunk_gated_delta_rule` / `naive_recurrent_gated_delta_rule`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Gdn;
+
+impl OpSpec for Gdn {
+    const NAME: &'static str = "gdn";
+    const INPUTS: &'static [&'static str] = &[
+        "q",
+        "k",
+        "v",
+        "g",
+        "beta",
+        "A_log",
+        "dt_bias",
+        "initial_state",
+    ];
+    const OUTPUTS: &'static [&'static str] = &["o", "final_state"];
+    const UPSTREAM: &'static [&'static str] = &["do", "dht"];
+    const GRADS: &'static [&'static str] =
+        &["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"];
+    type Options = GdnOptions;
+
+    fn all_outputs(opt: &GdnOptions) -> GdnOptions {
+        GdnOptions {
+            output_final_state: true,
+            ..*opt
+        }
+    }
+}
+
+impl<T: Scalar> Operator<T> for Gdn {
+    type Inputs = GdnInputs<T>;
+    type Outputs = GdnOutputs<T>;
+    type Grads = GdnGrads<T>;
+    type Head = KdaHead<T>;
+    type HeadGrads = KdaHeadGrads<T>;
+    type Prepared<'a>
+        = Prepared<'a, T>
+    where
+        T: 'a;
+
+    fn prepare<'a>(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Prepared<'a, T>> {
+        Prepared::new(x, opt)
+    }
+
+    fn cu_seqlens(x: &GdnInputs<T>) -> Option<&[i64]> {
+        x.cu_seqlens.as_deref()
+    }
+
+    fn validate_upstream(
+        p: &Prepared<'_, T>,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        let d = p.dims;
+        expect_shape("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o.shape())?;
+        check_finite("do", d_o)?;
+        if let Some(dht) = dht {
+            let (dims, want) = if p.state_v_first {
+                ("[N,HV,V,K] (state_v_first)", [d.n, d.hv, d.v, d.k])
+            } else {
+                ("[N,HV,K,V]", [d.n, d.hv, d.k, d.v])
+            };
+            expect_shape("dht", dims, &want, dht.shape())?;
+            check_finite("dht", dht)?;
+        }
+        Ok(())
+    }
+
+    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
+        tensor::view4(d_o)
+    }
+
+    fn dht_view<'d>(opt: &GdnOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
+        let mut v = tensor::view4(dht);
+        if opt.state_v_first {
+            v.swap_axes(2, 3);
+        }
+        v
+    }
+
+    fn probe(x: &KdaHead<T>) -> (KdaHead<T>, usize) {
+        <Kda as Operator<T>>::probe(x)
+    }
+
+    fn outputs(opt: &GdnOptions, o: Array4<T>, final_state: Array4<T>) -> GdnOutputs<T> {
+        GdnOutputs {
+            o: o.into_dyn(),
+            final_state: opt
+                .output_final_state
+                .then(|| kv_layout(opt, &final_state.into_dyn())),
+        }
+    }
+
+    fn grads(
+        x: &GdnInputs<T>,
+        opt: &GdnOptions,
+        p: &Prepared<'_, T>,
+        pieces: &[(Segment, usize, &KdaHeadGrads<T>)],
+        dh0: Array4<T>,
+    ) -> GdnGrads<T> {
+        let (kx, kopt) = &p.kda;
+        let kp = kda::Prepared::new(kx, kopt).expect("validated by prepare");
+        let g = PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(kx, kopt, &kp);
+        grads_from_kda(g, x, opt)
+    }
+
+    fn output_tensors(out: &GdnOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![Some(&out.o), out.final_state.as_ref()]
+    }
+
+    fn grad_tensors(gr: &GdnGrads<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![
+            Some(&gr.dq),
+            Some(&gr.dk),
+            Some(&gr.dv),
+            Some(&gr.dg),
+            Some(&gr.dbeta),
+            gr.da_log.as_ref(),
+            gr.ddt_bias.as_ref(),
+            gr.dh0.as_ref(),
+        ]
+    }
+
+    fn head_dh0(g: &KdaHeadGrads<T>) -> &Array2<T> {
+        &g.dh0
+    }
+
+    fn narrow(x: &GdnInputs<f64>) -> GdnInputs<T> {
+        x.cast()
+    }
 }
