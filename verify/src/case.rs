@@ -7,10 +7,13 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
+use deltaref::conv::{Activation, CausalConv1d, ConvInputs, ConvOptions};
 use deltaref::cp::Layout;
 use deltaref::dplr::{DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
+use deltaref::gdn::{Gdn, GdnInputs, GdnOptions};
 use deltaref::kda::{KdaInputs, KdaOptions};
+use deltaref::op::Operator;
 use deltaref::token_shift::TokenShiftInputs;
 use half::{bf16, f16};
 use ndarray::{ArrayD, IxDyn};
@@ -70,30 +73,51 @@ impl CaseError {
     }
 }
 
-/// The three operators.
+/// The operators.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     Kda,
     Dplr,
     TokenShift,
+    /// FLA's gated delta rule.
+    Gdn,
+    /// FLA's `causal_conv1d`.
+    CausalConv1d,
 }
 
 impl Op {
+    pub const ALL: [Op; 5] = [Op::Kda, Op::Dplr, Op::TokenShift, Op::Gdn, Op::CausalConv1d];
+
     pub fn name(self) -> &'static str {
         match self {
             Op::Kda => "kda",
             Op::Dplr => "dplr",
             Op::TokenShift => "token_shift",
+            Op::Gdn => "gdn",
+            Op::CausalConv1d => "causal_conv1d",
         }
     }
 
     pub fn parse(s: &str) -> Option<Op> {
-        match s {
-            "kda" => Some(Op::Kda),
-            "dplr" => Some(Op::Dplr),
-            "token_shift" => Some(Op::TokenShift),
-            _ => None,
+        Op::ALL.into_iter().find(|op| op.name() == s)
+    }
+
+    /// The first token input (`x` or `q`): where B and T are read.
+    pub fn first_input(self) -> &'static str {
+        match self {
+            Op::TokenShift | Op::CausalConv1d => "x",
+            _ => "q",
         }
+    }
+
+    /// Whether the state is a delta-rule state `[K, V]` per value head.
+    pub fn has_heads(self) -> bool {
+        !matches!(self, Op::TokenShift | Op::CausalConv1d)
+    }
+
+    /// `kda, dplr, …` for error messages.
+    pub fn names() -> String {
+        Op::ALL.map(Op::name).join(", ")
     }
 
     /// Input tensor names (FLA's), including the integer `cu_seqlens`.
@@ -112,6 +136,18 @@ impl Op {
             ],
             Op::Dplr => &["q", "k", "v", "a", "b", "gk", "initial_state", "cu_seqlens"],
             Op::TokenShift => &["x", "cache", "cu_seqlens"],
+            Op::Gdn => &[
+                "q",
+                "k",
+                "v",
+                "g",
+                "beta",
+                "A_log",
+                "dt_bias",
+                "initial_state",
+                "cu_seqlens",
+            ],
+            Op::CausalConv1d => &["x", "weight", "bias", "initial_state", "cu_seqlens"],
         }
     }
 
@@ -119,6 +155,7 @@ impl Op {
     pub fn upstream(self) -> &'static [&'static str] {
         match self {
             Op::TokenShift => &["dy", "dfinal_cache"],
+            Op::CausalConv1d => &["dy", "dht"],
             _ => &["do", "dht"],
         }
     }
@@ -133,7 +170,7 @@ impl Op {
     /// results first.
     pub fn results(self) -> &'static [&'static str] {
         match self {
-            Op::Kda => &[
+            Op::Kda | Op::Gdn => &[
                 "o",
                 "final_state",
                 "dq",
@@ -157,6 +194,7 @@ impl Op {
                 "dh0",
             ],
             Op::TokenShift => &["y", "final_cache", "dx", "dcache"],
+            Op::CausalConv1d => &["y", "final_state", "dx", "dweight", "dbias", "dh0"],
         }
     }
 
@@ -247,6 +285,10 @@ pub struct CaseMeta {
     pub gate: Gate,
     pub use_beta_sigmoid_in_kernel: bool,
     pub allow_neg_eigval: bool,
+    /// GDN: states are `[N, HV, V, K]`.
+    pub state_v_first: bool,
+    /// Causal conv1d.
+    pub activation: Activation,
     pub chunk_size: Option<usize>,
     pub cp: Option<CpLayout>,
     pub seed: Option<u64>,
@@ -264,6 +306,8 @@ impl CaseMeta {
             gate: Gate::None,
             use_beta_sigmoid_in_kernel: false,
             allow_neg_eigval: false,
+            state_v_first: false,
+            activation: Activation::None,
             chunk_size: None,
             cp: None,
             seed: None,
@@ -280,6 +324,27 @@ impl CaseMeta {
             gate: self.gate,
             use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
             allow_neg_eigval: self.allow_neg_eigval,
+        }
+    }
+
+    /// GDN's options; its in-kernel gate is `gate == Gate::Kda`
+    /// (`use_gate_in_kernel` in the case file).
+    pub fn gdn_options(&self) -> GdnOptions {
+        GdnOptions {
+            scale: self.scale,
+            output_final_state: true,
+            use_qk_l2norm_in_kernel: self.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel: self.gate == Gate::Kda,
+            use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: self.allow_neg_eigval,
+            state_v_first: self.state_v_first,
+        }
+    }
+
+    pub fn conv_options(&self) -> ConvOptions {
+        ConvOptions {
+            activation: self.activation,
+            output_final_state: true,
         }
     }
 
@@ -311,6 +376,23 @@ impl CaseMeta {
                 self.use_beta_sigmoid_in_kernel.into(),
             );
             m.insert("allow_neg_eigval".into(), self.allow_neg_eigval.into());
+        }
+        if self.op == Op::Gdn {
+            for (key, on) in [
+                ("use_qk_l2norm_in_kernel", self.use_qk_l2norm_in_kernel),
+                ("use_gate_in_kernel", self.gate == Gate::Kda),
+                (
+                    "use_beta_sigmoid_in_kernel",
+                    self.use_beta_sigmoid_in_kernel,
+                ),
+                ("allow_neg_eigval", self.allow_neg_eigval),
+                ("state_v_first", self.state_v_first),
+            ] {
+                m.insert(key.into(), on.into());
+            }
+        }
+        if self.op == Op::CausalConv1d {
+            m.insert("activation".into(), self.activation.name().into());
         }
         if let Some(c) = self.chunk_size {
             m.insert("chunk_size".into(), c.into());
@@ -352,31 +434,40 @@ impl CaseMeta {
         let op_name = m.get("op").ok_or("`case` has no `op` key")?;
         let op_name = op_name.as_str().ok_or("key `op`: expected a string")?;
         let op = Op::parse(op_name).ok_or_else(|| {
-            format!("key `op`: unknown op \"{op_name}\" (expected kda, dplr or token_shift)")
+            format!(
+                "key `op`: unknown op \"{op_name}\" (expected one of {})",
+                Op::names()
+            )
         })?;
         let mut meta = CaseMeta::new(op);
         let mut gate_name: Option<String> = None;
         let mut lower_bound: Option<f64> = None;
+        let mut gdn_gate = false;
         for (key, val) in &m {
-            let kda_only = |ok: bool| {
-                if ok {
+            let only = |ops: &[Op]| {
+                if ops.contains(&op) {
                     Ok(())
                 } else {
                     Err(format!(
-                        "key `{key}`: only applies to op kda, not {}",
+                        "key `{key}`: only applies to op {}, not {}",
+                        ops.iter()
+                            .map(|o| o.name())
+                            .collect::<Vec<_>>()
+                            .join(" or "),
                         op.name()
                     ))
                 }
             };
+            let delta = [Op::Kda, Op::Gdn];
             match key.as_str() {
                 "op" => {}
                 "scale" => meta.scale = Some(num(key, val)?),
                 "use_qk_l2norm_in_kernel" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&delta)?;
                     meta.use_qk_l2norm_in_kernel = boolean(key, val)?;
                 }
                 "gate" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&[Op::Kda])?;
                     gate_name = Some(
                         val.as_str()
                             .ok_or(format!("key `{key}`: expected a string"))?
@@ -384,16 +475,32 @@ impl CaseMeta {
                     );
                 }
                 "lower_bound" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&[Op::Kda])?;
                     lower_bound = Some(num(key, val)?);
                 }
                 "use_beta_sigmoid_in_kernel" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&delta)?;
                     meta.use_beta_sigmoid_in_kernel = boolean(key, val)?;
                 }
                 "allow_neg_eigval" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&delta)?;
                     meta.allow_neg_eigval = boolean(key, val)?;
+                }
+                "use_gate_in_kernel" => {
+                    only(&[Op::Gdn])?;
+                    gdn_gate = boolean(key, val)?;
+                }
+                "state_v_first" => {
+                    only(&[Op::Gdn])?;
+                    meta.state_v_first = boolean(key, val)?;
+                }
+                "activation" => {
+                    only(&[Op::CausalConv1d])?;
+                    let s = val
+                        .as_str()
+                        .ok_or(format!("key `{key}`: expected a string"))?;
+                    meta.activation =
+                        Activation::parse(s).map_err(|e| format!("key `{key}`: {e}"))?;
                 }
                 "chunk_size" => meta.chunk_size = Some(uint(key, val)? as usize),
                 "cp" => meta.cp = Some(cp_layout(val)?),
@@ -417,6 +524,7 @@ impl CaseMeta {
             }
         }
         meta.gate = match (gate_name.as_deref(), lower_bound) {
+            (None, None) if gdn_gate => Gate::Kda,
             (None | Some("none"), None) => Gate::None,
             (Some("kda"), None) => Gate::Kda,
             (Some("lowerbound"), Some(lb)) => Gate::LowerBound { lower_bound: lb },
@@ -508,6 +616,8 @@ pub enum Inputs {
     Kda(KdaInputs<f64>),
     Dplr(DplrInputs<f64>),
     TokenShift(TokenShiftInputs<f64>),
+    Gdn(GdnInputs<f64>),
+    CausalConv1d(ConvInputs<f64>),
 }
 
 impl Case {
@@ -570,6 +680,24 @@ impl Case {
                 cache: self.get("cache"),
                 cu_seqlens: cu,
             }),
+            Op::Gdn => Inputs::Gdn(GdnInputs {
+                q: self.need("q")?,
+                k: self.need("k")?,
+                v: self.need("v")?,
+                g: self.need("g")?,
+                beta: self.need("beta")?,
+                a_log: self.get("A_log"),
+                dt_bias: self.get("dt_bias"),
+                initial_state: self.get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::CausalConv1d => Inputs::CausalConv1d(ConvInputs {
+                x: self.need("x")?,
+                weight: self.need("weight")?,
+                bias: self.get("bias"),
+                initial_state: self.get("initial_state"),
+                cu_seqlens: cu,
+            }),
         })
     }
 
@@ -605,10 +733,9 @@ impl Case {
 
     /// The value dimension (V; D for token-shift), 0 if the inputs are absent.
     pub fn value_dim(&self) -> usize {
-        let name = if self.meta.op == Op::TokenShift {
-            "x"
-        } else {
-            "v"
+        let name = match self.meta.op {
+            Op::TokenShift | Op::CausalConv1d => "x",
+            _ => "v",
         };
         self.tensors
             .get(name)
@@ -628,6 +755,16 @@ impl Case {
             Inputs::Dplr(x) => {
                 let d = deltaref::dplr::validate(&x, &self.meta.dplr_options())?;
                 deltaref::dplr::validate_upstream(&d, &d_o, dht.as_ref())?;
+            }
+            Inputs::Gdn(x) => {
+                let opts = self.meta.gdn_options();
+                let p = <Gdn as Operator<f64>>::prepare(&x, &opts)?;
+                <Gdn as Operator<f64>>::validate_upstream(&p, &d_o, dht.as_ref())?;
+            }
+            Inputs::CausalConv1d(x) => {
+                let opts = self.meta.conv_options();
+                let p = <CausalConv1d as Operator<f64>>::prepare(&x, &opts)?;
+                <CausalConv1d as Operator<f64>>::validate_upstream(&p, &d_o, dht.as_ref())?;
             }
             Inputs::TokenShift(x) => {
                 let (d, _) = deltaref::token_shift::validate(&x)?;
@@ -673,6 +810,7 @@ impl Case {
                 "ddt_bias" => has("dt_bias"),
                 "dh0" => has("initial_state"),
                 "dcache" => has("cache"),
+                "dbias" => has("bias"),
                 _ => true,
             })
             .collect()
