@@ -434,7 +434,7 @@ pub struct CausalConv1d;
 
 impl OpSpec for CausalConv1d {
     const NAME: &'static str = "causal_conv1d";
-    const INPUTS: &'static [&'static str] = &["x", "weight", "bias", "initial_state"];
+    const INPUTS: &'static [&'static str] = &["x", "weight", "bias", "initial_state", "cu_seqlens"];
     const OUTPUTS: &'static [&'static str] = &["y", "final_state"];
     const UPSTREAM: &'static [&'static str] = &["dy", "dht"];
     const GRADS: &'static [&'static str] = &["dx", "dweight", "dbias", "dh0"];

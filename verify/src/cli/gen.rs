@@ -72,8 +72,13 @@ pub struct Args {
 
 fn spec(a: &Args) -> Result<GenSpec, CaseError> {
     let usage = |m: String| CaseError::Usage(m);
-    let op = Op::parse(&a.op)
-        .ok_or_else(|| usage(format!("--op: unknown op `{}` ({})", a.op, Op::names())))?;
+    let op = Op::parse(&a.op).ok_or_else(|| {
+        usage(format!(
+            "--op: unknown op `{}` ({})",
+            a.op,
+            Op::names_list()
+        ))
+    })?;
     let gate = match a.gate.as_str() {
         "lowerbound" => Gate::LowerBound {
             lower_bound: a.lower_bound.unwrap_or(-5.0),
