@@ -4,12 +4,15 @@
     python3 tools/fla_candidate.py CASE.safetensors CAND.safetensors [CASE CAND ...] [--dtype bf16|f32] [--time N] [--intermediates]
     deltaref verify --case CASE.safetensors --candidate CAND.safetensors
 
-KDA runs `chunk_kda`, DPLR `chunk_dplr_delta_rule`, token-shift
-`fla.modules.token_shift`, with the options of the case's `case` metadata.
+KDA runs `chunk_kda`, DPLR `chunk_dplr_delta_rule`, GDN
+`chunk_gated_delta_rule`, token-shift `fla.modules.token_shift`, causal conv1d
+`fla.modules.causal_conv1d.causal_conv1d` (Triton backend), with the options
+of the case's `case` metadata.
 Token inputs (and `do`/`dy`) go in the chosen dtype (default: the dtype the
 case stores `q`/`x` in, bf16 or else f32); `A_log`, `dt_bias`,
-`initial_state` and `dht` in fp32, as FLA requires. The loss is the case's:
-Σ o·do + Σ final_state·dht (token-shift: Σ y·dy + Σ final_cache·dfinal_cache).
+`initial_state` and `dht` in fp32, as FLA requires (conv: `weight`, `bias`
+too). The loss is the case's: Σ o·do + Σ final_state·dht (token-shift:
+Σ y·dy + Σ final_cache·dfinal_cache; conv: Σ y·dy + Σ final_state·dht).
 With --time N it also prints FLA's best forward and backward time over N runs.
 With --intermediates (KDA, no CP) the candidate also holds FLA's own forward
 intermediates, from `fla.ops.kda.chunk_fwd.chunk_kda_fwd(...,
@@ -45,13 +48,20 @@ import torch
 TOKEN_INPUTS = {
     "kda": ["q", "k", "v", "g", "beta"],
     "dplr": ["q", "k", "v", "a", "b", "gk"],
+    "gdn": ["q", "k", "v", "g", "beta"],
     "token_shift": ["x"],
+    "causal_conv1d": ["x"],
 }
 STATE_INPUTS = {
     "kda": ["A_log", "dt_bias", "initial_state"],
     "dplr": ["initial_state"],
+    "gdn": ["A_log", "dt_bias", "initial_state"],
     "token_shift": ["cache"],
+    "causal_conv1d": ["weight", "bias", "initial_state"],
 }
+# (main output, final state) and their upstream gradients, where not o/final_state and do/dht.
+RESULT_NAMES = {"token_shift": ("y", "final_cache"), "causal_conv1d": ("y", "final_state")}
+UPSTREAM_NAMES = {"token_shift": ("dy", "dfinal_cache"), "causal_conv1d": ("dy", "dht")}
 GRAD_NAME = {"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}
 
 
@@ -104,6 +114,38 @@ def forward(op, meta, x, p, cu):
             output_final_state=True,
             cu_seqlens=cu,
         )
+    if op == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        chunk = {"chunk_size": meta["chunk_size"]} if "chunk_size" in meta else {}
+        return chunk_gated_delta_rule(
+            **x,
+            scale=meta.get("scale"),
+            initial_state=p.get("initial_state"),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=meta.get("use_qk_l2norm_in_kernel", False),
+            use_beta_sigmoid_in_kernel=meta.get("use_beta_sigmoid_in_kernel", False),
+            allow_neg_eigval=meta.get("allow_neg_eigval", False),
+            state_v_first=meta.get("state_v_first", False),
+            cu_seqlens=cu,
+            use_gate_in_kernel=meta.get("use_gate_in_kernel", False),
+            A_log=p.get("A_log"),
+            dt_bias=p.get("dt_bias"),
+            **chunk,
+        )
+    if op == "causal_conv1d":
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        act = meta.get("activation", "none")
+        return causal_conv1d(
+            x=x["x"],
+            weight=p["weight"],
+            bias=p.get("bias"),
+            initial_state=p.get("initial_state"),
+            output_final_state=True,
+            activation=None if act == "none" else act,
+            cu_seqlens=cu,
+        )
     if op == "dplr":
         from fla.ops.generalized_delta_rule.dplr import chunk_dplr_delta_rule
 
@@ -127,7 +169,7 @@ def run(op, meta, t, dtype):
         p["cache"] = t["cache"].to(dtype).requires_grad_()
     cu = t.get("cu_seqlens")
     out, last = forward(op, meta, x, p, cu)
-    d_out, d_last = ("dy", "dfinal_cache") if op == "token_shift" else ("do", "dht")
+    d_out, d_last = UPSTREAM_NAMES.get(op, ("do", "dht"))
     loss = (out.float() * t[d_out].to(dtype).float()).sum()
     if d_last in t:
         loss = loss + (last.float() * t[d_last].float()).sum()
@@ -183,7 +225,7 @@ def candidate(case, out, dtype_name, reps, intermediates=False):
     t, meta = load(case)
     ph.done("load")
     op = meta["op"]
-    first = "x" if op == "token_shift" else "q"
+    first = TOKEN_INPUTS[op][0]
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}.get(
         dtype_name, torch.bfloat16 if t[first].dtype == torch.bfloat16 else torch.float32
     )
@@ -191,7 +233,7 @@ def candidate(case, out, dtype_name, reps, intermediates=False):
     ph.done("forward")
     loss.backward()
     ph.done("backward")
-    names = ("y", "final_cache") if op == "token_shift" else ("o", "final_state")
+    names = RESULT_NAMES.get(op, ("o", "final_state"))
     cand = {names[0]: out_t, names[1]: last}
     cand |= {GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items()}
     if intermediates:

@@ -3,8 +3,10 @@
 
 use ndarray::{Array, ArrayD, IxDyn};
 
+use crate::conv::ConvInputs;
 use crate::dplr::DplrInputs;
 use crate::gates::{self, Gate};
+use crate::gdn::{GdnInputs, GdnOptions};
 use crate::kda::{KdaInputs, KdaOptions};
 use crate::rng::Stream;
 use crate::token_shift::TokenShiftInputs;
@@ -411,5 +413,112 @@ pub fn token_shift_in(s: &TokenShiftSpec, regime: Regime) -> Generated<TokenShif
         },
         d_o: normal(s.seed, "dy", &[b, t, s.d]),
         dht: normal(s.seed, "dfinal_cache", &[n, s.d]),
+    }
+}
+
+/// What a generated GDN problem contains.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GdnSpec {
+    pub layout: Layout,
+    pub h: usize,
+    pub hv: usize,
+    pub k: usize,
+    pub v: usize,
+    pub opts: GdnOptions,
+    pub initial_state: bool,
+    pub seed: u64,
+}
+
+/// GDN inputs in FLA's test draws ([`Regime::FlaTest`]).
+pub fn gdn(s: &GdnSpec) -> Generated<GdnInputs<f64>> {
+    gdn_in(s, Regime::FlaTest)
+}
+
+/// GDN inputs drawn in `regime`: KDA's scalar-gate draws (the same named
+/// streams, the in-kernel gate drawn as KDA's `kda` gate), with `dt_bias`
+/// per head (`[HV]`) and the states in the `state_v_first` layout when asked.
+pub fn gdn_in(s: &GdnSpec, regime: Regime) -> Generated<GdnInputs<f64>> {
+    let o = &s.opts;
+    let gate = if o.use_gate_in_kernel {
+        Gate::Kda
+    } else {
+        Gate::None
+    };
+    let kspec = KdaSpec {
+        layout: s.layout.clone(),
+        h: s.h,
+        hv: s.hv,
+        k: s.k,
+        v: s.v,
+        opts: KdaOptions {
+            gate,
+            use_qk_l2norm_in_kernel: o.use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel: o.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: o.allow_neg_eigval,
+            ..KdaOptions::default()
+        },
+        initial_state: s.initial_state,
+        scalar_gate: true,
+        seed: s.seed,
+    };
+    let g = kda_in(&kspec, regime);
+    let state = |a: ArrayD<f64>| {
+        if o.state_v_first {
+            crate::gdn::swap_state(&a)
+        } else {
+            a
+        }
+    };
+    let dt_bias_map = gate_maps(regime, gate).2;
+    let x = g.inputs;
+    Generated {
+        inputs: GdnInputs {
+            q: x.q,
+            k: x.k,
+            v: x.v,
+            g: x.g,
+            beta: x.beta,
+            a_log: x.a_log,
+            dt_bias: o.use_gate_in_kernel.then(|| {
+                channel_tensor(s.seed, "dt_bias", &[s.hv], 1, |x, h| {
+                    dt_bias_map(x, regime.slow(s.seed, h * s.k))
+                })
+            }),
+            initial_state: x.initial_state.map(state),
+            cu_seqlens: x.cu_seqlens,
+        },
+        d_o: g.d_o,
+        dht: state(g.dht),
+    }
+}
+
+/// What a generated causal conv1d problem contains.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConvSpec {
+    pub layout: Layout,
+    pub d: usize,
+    /// Kernel width.
+    pub w: usize,
+    pub bias: bool,
+    pub initial_state: bool,
+    pub seed: u64,
+}
+
+/// Causal conv1d inputs as FLA's tests draw them: x, weight, bias,
+/// initial_state, dy and dht normal.
+pub fn conv(s: &ConvSpec) -> Generated<ConvInputs<f64>> {
+    let (b, t, n) = (s.layout.b, s.layout.t, s.layout.n());
+    Generated {
+        inputs: ConvInputs {
+            x: normal(s.seed, "x", &[b, t, s.d]),
+            weight: normal(s.seed, "weight", &[s.d, s.w]),
+            bias: s.bias.then(|| normal(s.seed, "bias", &[s.d])),
+            initial_state: s
+                .initial_state
+                .then(|| normal(s.seed, "initial_state", &[n, s.d, s.w])),
+            cu_seqlens: s.layout.cu_seqlens(),
+        },
+        d_o: normal(s.seed, "dy", &[b, t, s.d]),
+        dht: normal(s.seed, "dht", &[n, s.d, s.w]),
     }
 }

@@ -7,10 +7,12 @@
 //! (sequences and the parallel pair runner), [`tensor`] (checks, gather/scatter),
 //! [`sweep`] (what the naive engines share), [`simd`] (runtime AVX2 dispatch).
 
+pub mod conv;
 pub mod cp;
 pub mod dplr;
 pub mod error;
 pub mod gates;
+pub mod gdn;
 pub mod inputs;
 pub mod kda;
 pub mod op;

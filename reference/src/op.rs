@@ -103,8 +103,9 @@ pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
     ) -> Result<()>;
     /// The validated output gradient as `[B, T, heads, V]`.
     fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T>;
-    /// The validated final-state gradient as `[N, heads, K, V]`.
-    fn dht_view(dht: &ArrayD<T>) -> ArrayView4<'_, T>;
+    /// The validated final-state gradient as `[N, heads, K, V]` (`opt`
+    /// says its layout, e.g. GDN's `state_v_first`).
+    fn dht_view<'d>(opt: &Self::Options, dht: &'d ArrayD<T>) -> ArrayView4<'d, T>;
     /// `(the piece with its value-like input replaced by K zero columns, K)`:
     /// run from `S_0 = I [K, K]`, its final state is the transition `M`.
     fn probe(x: &Self::Head) -> (Self::Head, usize);
@@ -219,7 +220,7 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     let d = p.shape();
     E::Op::validate_upstream(&p, d_o, dht)?;
     let d_o = E::Op::upstream_view(d_o);
-    let dht = dht.map(E::Op::dht_view);
+    let dht = dht.map(|a| E::Op::dht_view(opt, a));
     let segments = p.segments();
     let results = par_pairs(segments.len(), d.heads, |si, h| {
         let seg = &segments[si];

@@ -240,7 +240,7 @@ impl<T: Scalar> Operator<T> for TokenShift {
         view3(dy).insert_axis(Axis(2))
     }
 
-    fn dht_view(dfinal_cache: &ArrayD<T>) -> ArrayView4<'_, T> {
+    fn dht_view<'d>(_: &(), dfinal_cache: &'d ArrayD<T>) -> ArrayView4<'d, T> {
         state_view(dfinal_cache)
     }
 

@@ -8,10 +8,12 @@
 //! f32 close to f64, central finite differences of every gradient, and
 //! results bit-identical for 1 and 3 rayon threads (plain and CP).
 
+use deltaref::conv::{Activation, CausalConv1d, ConvOptions, Direct};
 use deltaref::cp::{self, plan::PlanSpec, CpOptions};
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
-use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, TokenShiftSpec};
+use deltaref::gdn::{Gdn, GdnOptions, OnKda};
+use deltaref::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{self, Kda, KdaOptions};
 use deltaref::op::{self, Engine, Operator};
 use deltaref::rng::Stream;
@@ -151,6 +153,84 @@ impl Registered for TokenShift {
     ) -> Vec<(&'static str, &mut ArrayD<f64>)> {
         let mut t = vec![("x", &mut x.x)];
         t.extend(x.cache.as_mut().map(|a| ("cache", a)));
+        t
+    }
+}
+
+impl Registered for Gdn {
+    type Naive = OnKda<kda::naive::Naive>;
+
+    fn problem() -> Problem<Gdn> {
+        let opt = GdnOptions {
+            output_final_state: true,
+            use_qk_l2norm_in_kernel: true,
+            use_gate_in_kernel: true,
+            use_beta_sigmoid_in_kernel: true,
+            state_v_first: true,
+            ..Default::default()
+        };
+        let g = inputs::gdn(&GdnSpec {
+            layout: Layout::varlen(&LENGTHS),
+            h: 2,
+            hv: 4,
+            k: 8,
+            v: 6,
+            opts: opt,
+            initial_state: true,
+            seed: 14,
+        });
+        Problem {
+            x: g.inputs,
+            opt,
+            d_o: g.d_o,
+            dht: g.dht,
+        }
+    }
+
+    fn tensors_mut(x: &mut deltaref::gdn::GdnInputs<f64>) -> Vec<(&'static str, &mut ArrayD<f64>)> {
+        let mut t = vec![
+            ("q", &mut x.q),
+            ("k", &mut x.k),
+            ("v", &mut x.v),
+            ("g", &mut x.g),
+            ("beta", &mut x.beta),
+        ];
+        t.extend(x.a_log.as_mut().map(|a| ("A_log", a)));
+        t.extend(x.dt_bias.as_mut().map(|a| ("dt_bias", a)));
+        t.extend(x.initial_state.as_mut().map(|a| ("initial_state", a)));
+        t
+    }
+}
+
+impl Registered for CausalConv1d {
+    type Naive = Direct;
+
+    fn problem() -> Problem<CausalConv1d> {
+        let g = inputs::conv(&ConvSpec {
+            layout: Layout::varlen(&LENGTHS),
+            d: 5,
+            w: 4,
+            bias: true,
+            initial_state: true,
+            seed: 15,
+        });
+        Problem {
+            x: g.inputs,
+            opt: ConvOptions {
+                activation: Activation::Silu,
+                output_final_state: true,
+            },
+            d_o: g.d_o,
+            dht: g.dht,
+        }
+    }
+
+    fn tensors_mut(
+        x: &mut deltaref::conv::ConvInputs<f64>,
+    ) -> Vec<(&'static str, &mut ArrayD<f64>)> {
+        let mut t = vec![("x", &mut x.x), ("weight", &mut x.weight)];
+        t.extend(x.bias.as_mut().map(|a| ("bias", a)));
+        t.extend(x.initial_state.as_mut().map(|a| ("initial_state", a)));
         t
     }
 }
@@ -360,4 +440,7 @@ testgen! {
     dplr_naive: Dplr, dplr::naive::Naive;
     dplr_chunk16: Dplr, dplr::chunk::Chunk::new(16).expect("valid");
     token_shift: TokenShift, Shift;
+    gdn_naive: Gdn, OnKda(kda::naive::Naive);
+    gdn_chunk16: Gdn, OnKda(kda::chunk::Chunk::new(16).expect("valid"));
+    causal_conv1d: CausalConv1d, Direct;
 }

@@ -250,6 +250,24 @@ pub fn presets() -> Vec<Preset> {
                 2,
             )
         },
+        p(
+            "gdn_varlen_gate_l2norm",
+            GenSpec {
+                shape: Some(vec![1, 60, 1, 2, 8, 8]),
+                gate: Gate::Kda,
+                use_qk_l2norm_in_kernel: true,
+                ..varlen(Op::Gdn, &[25, 0, 1, 34], 40)
+            },
+        ),
+        p(
+            "causal_conv1d_varlen_silu_bias",
+            GenSpec {
+                shape: Some(vec![1, 32, 16, 4]),
+                activation: deltaref::conv::Activation::Silu,
+                bias: true,
+                ..varlen(Op::CausalConv1d, &[10, 0, 2, 20], 41)
+            },
+        ),
     ]
 }
 

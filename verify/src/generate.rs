@@ -1,7 +1,11 @@
 //! `deltaref gen`: deterministic cases with FLA-test-like inputs.
 
+use deltaref::conv::Activation;
 use deltaref::gates::Gate;
-use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, Regime, TokenShiftSpec};
+use deltaref::gdn::GdnOptions;
+use deltaref::inputs::{
+    self, ConvSpec, DplrSpec, GdnSpec, Generated, KdaSpec, Layout, Regime, TokenShiftSpec,
+};
 use deltaref::kda::KdaOptions;
 use ndarray::{ArrayD, Axis};
 
@@ -14,7 +18,8 @@ use crate::progress::Progress;
 #[derive(Clone, Debug, PartialEq)]
 pub struct GenSpec {
     pub op: Op,
-    /// KDA `B,T,H,HV,K,V`; DPLR `B,T,H,K,V`; token-shift `B,T,D`.
+    /// KDA, GDN `B,T,H,HV,K,V`; DPLR `B,T,H,K,V`; token-shift `B,T,D`;
+    /// causal conv1d `B,T,D,W`.
     pub shape: Option<Vec<usize>>,
     /// Varlen sequence lengths: then B = 1 and T = Σ lengths.
     pub lengths: Option<Vec<usize>>,
@@ -24,6 +29,12 @@ pub struct GenSpec {
     pub use_beta_sigmoid_in_kernel: bool,
     pub allow_neg_eigval: bool,
     pub initial_state: bool,
+    /// GDN: states in `[N, HV, V, K]`.
+    pub state_v_first: bool,
+    /// Causal conv1d.
+    pub activation: Activation,
+    /// Causal conv1d: store a bias.
+    pub bias: bool,
     pub scale: Option<f64>,
     pub dtype: Dtype,
     /// Store the float64 outputs and gradients too.
@@ -48,6 +59,9 @@ impl GenSpec {
             use_beta_sigmoid_in_kernel: false,
             allow_neg_eigval: false,
             initial_state: false,
+            state_v_first: false,
+            activation: Activation::None,
+            bias: false,
             scale: None,
             dtype: Dtype::F64,
             expected: false,
@@ -62,6 +76,8 @@ impl GenSpec {
             Op::Kda => (&[2, 64, 2, 4, 16, 16], "B,T,H,HV,K,V"),
             Op::Dplr => (&[2, 64, 2, 16, 16], "B,T,H,K,V"),
             Op::TokenShift => (&[2, 64, 32], "B,T,D"),
+            Op::Gdn => (&[2, 64, 2, 4, 16, 16], "B,T,H,HV,K,V"),
+            Op::CausalConv1d => (&[2, 64, 32, 4], "B,T,D,W"),
         };
         let shape = self.shape.clone().unwrap_or_else(|| default.to_vec());
         if shape.len() != default.len() {
@@ -107,9 +123,10 @@ impl GenSpec {
 
     /// The memory-relevant sizes of the problem.
     fn problem(&self, layout: &Layout, dims: &[usize]) -> Problem {
-        // `dims`: KDA H,HV,K,V; DPLR H,K,V; token-shift D.
+        // `dims`: KDA, GDN H,HV,K,V; DPLR H,K,V; token-shift D; conv D,W.
         let (h, hv, k, v) = match self.op {
-            Op::Kda => (dims[0], dims[1], dims[2], dims[3]),
+            Op::Kda | Op::Gdn => (dims[0], dims[1], dims[2], dims[3]),
+            Op::CausalConv1d => (1, 1, dims[1], dims[0]),
             Op::Dplr => (dims[0], dims[0], dims[1], dims[2]),
             Op::TokenShift => (1, 1, 1, dims[0]),
         };
@@ -128,11 +145,15 @@ impl GenSpec {
     pub fn meta(&self) -> CaseMeta {
         let mut m = CaseMeta::new(self.op);
         m.scale = self.scale;
-        if self.op == Op::Kda {
+        if matches!(self.op, Op::Kda | Op::Gdn) {
             m.use_qk_l2norm_in_kernel = self.use_qk_l2norm_in_kernel;
             m.gate = self.gate;
             m.use_beta_sigmoid_in_kernel = self.use_beta_sigmoid_in_kernel;
             m.allow_neg_eigval = self.allow_neg_eigval;
+        }
+        m.state_v_first = self.op == Op::Gdn && self.state_v_first;
+        if self.op == Op::CausalConv1d {
+            m.activation = self.activation;
         }
         m.seed = Some(self.seed);
         m.dtype = Some(self.dtype);
@@ -245,6 +266,60 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             );
             let named = vec![("x", Some(&g.inputs.x)), ("cache", g.inputs.cache.as_ref())];
             put_all(&mut case, &g, named, ["dy", "dfinal_cache"], dt);
+        }
+        Op::Gdn => {
+            let s = GdnSpec {
+                layout,
+                h: dims[0],
+                hv: dims[1],
+                k: dims[2],
+                v: dims[3],
+                opts: GdnOptions {
+                    scale: spec.scale,
+                    output_final_state: true,
+                    use_qk_l2norm_in_kernel: spec.use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel: spec.gate == Gate::Kda,
+                    use_beta_sigmoid_in_kernel: spec.use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval: spec.allow_neg_eigval,
+                    state_v_first: spec.state_v_first,
+                },
+                initial_state: spec.initial_state,
+                seed: spec.seed,
+            };
+            let mut g = inputs::gdn_in(&s, spec.regime);
+            if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
+                g.inputs.k = unit_norm(&g.inputs.k);
+            }
+            let x = &g.inputs;
+            let named = vec![
+                ("q", Some(&x.q)),
+                ("k", Some(&x.k)),
+                ("v", Some(&x.v)),
+                ("g", Some(&x.g)),
+                ("beta", Some(&x.beta)),
+                ("A_log", x.a_log.as_ref()),
+                ("dt_bias", x.dt_bias.as_ref()),
+                ("initial_state", x.initial_state.as_ref()),
+            ];
+            put_all(&mut case, &g, named, ["do", "dht"], dt);
+        }
+        Op::CausalConv1d => {
+            let g = inputs::conv(&ConvSpec {
+                layout,
+                d: dims[0],
+                w: dims[1],
+                bias: spec.bias,
+                initial_state: spec.initial_state,
+                seed: spec.seed,
+            });
+            let x = &g.inputs;
+            let named = vec![
+                ("x", Some(&x.x)),
+                ("weight", Some(&x.weight)),
+                ("bias", x.bias.as_ref()),
+                ("initial_state", x.initial_state.as_ref()),
+            ];
+            put_all(&mut case, &g, named, ["dy", "dht"], dt);
         }
     }
     case.validate()

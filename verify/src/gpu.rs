@@ -10,7 +10,7 @@ use deltaref::token_shift::{TokenShift, TokenShiftInputs};
 use deltaref_gpu::{Gpu, GpuError, GpuImpl, Storage, Timings};
 use ndarray::ArrayD;
 
-use crate::case::{Case, Dtype, Inputs, Op};
+use crate::case::{Case, Dtype, Inputs};
 pub use crate::compute::ComputeError;
 use crate::outputs::{self, Tensors};
 
@@ -27,12 +27,7 @@ pub fn device() -> Result<&'static Gpu, GpuError> {
 
 /// The storage a case's inputs imply: bf16 when they are stored as bf16.
 pub fn case_storage(case: &Case) -> Storage {
-    let first = if case.meta.op == Op::TokenShift {
-        "x"
-    } else {
-        "q"
-    };
-    match case.dtypes.get(first) {
+    match case.dtypes.get(case.meta.op.first_input()) {
         Some(Dtype::Bf16) => Storage::Bf16,
         _ => Storage::F32,
     }
@@ -129,5 +124,14 @@ pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeErr
         Inputs::Kda(x) => kda(imp, &x, &case.meta.kda_options(), &d_o, dht.as_ref()),
         Inputs::Dplr(x) => dplr(imp, &x, &case.meta.dplr_options(), &d_o, dht.as_ref()),
         Inputs::TokenShift(x) => token_shift(imp, &x, &d_o, dht.as_ref()),
+        Inputs::Gdn(_) | Inputs::CausalConv1d(_) => {
+            Err(ComputeError::Input(deltaref::Error::option(
+                "impl",
+                format!(
+                    "no GPU kernels for op {} yet: use a CPU implementation (naive, chunk, cp)",
+                    case.meta.op.name()
+                ),
+            )))
+        }
     }
 }

@@ -2,7 +2,9 @@
 //! gradients (`--impl`). Every implementation returns the same name → tensor
 //! map, so any two can be compared.
 
+use deltaref::conv::Direct;
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
+use deltaref::gdn::OnKda;
 use deltaref::kda::chunk::Chunk;
 use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
 use deltaref::precision::{Feature, Policy, Stage};
@@ -172,6 +174,17 @@ impl Impl {
                 outputs::forward_only::<T, _>(&e, &x, &case.meta.dplr_options(), cp)
             }
             (Inputs::TokenShift(x), _) => outputs::forward_only::<T, _>(&Shift, &x, &(), cp),
+            (Inputs::Gdn(x), Engine::Naive) => {
+                let e = OnKda(kda::naive::Naive);
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.gdn_options(), cp)
+            }
+            (Inputs::Gdn(x), Engine::Chunk(c)) => {
+                let e = OnKda(Chunk::new(*c)?.with_policy(self.policy.clone()));
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.gdn_options(), cp)
+            }
+            (Inputs::CausalConv1d(x), _) => {
+                outputs::forward_only::<T, _>(&Direct, &x, &case.meta.conv_options(), cp)
+            }
         }
     }
 
@@ -221,6 +234,14 @@ impl Impl {
                 self.all(&e, &x, &case.meta.dplr_options(), up)
             }
             (Inputs::TokenShift(x), _) => self.all(&Shift, &x, &(), up),
+            (Inputs::Gdn(x), Engine::Naive) => {
+                self.all(&OnKda(kda::naive::Naive), &x, &case.meta.gdn_options(), up)
+            }
+            (Inputs::Gdn(x), Engine::Chunk(c)) => {
+                let e = OnKda(Chunk::new(*c)?.with_policy(self.policy.clone()));
+                self.all(&e, &x, &case.meta.gdn_options(), up)
+            }
+            (Inputs::CausalConv1d(x), _) => self.all(&Direct, &x, &case.meta.conv_options(), up),
         }
     }
 
@@ -465,8 +486,15 @@ impl ImplRequest {
     }
 }
 
-/// The GPU has chunked kernels for KDA only (token-shift has no engine).
+/// The GPU has chunked kernels for KDA only (token-shift has no engine),
+/// and none yet for GDN and causal conv1d.
 fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
+    if matches!(op, Op::Gdn | Op::CausalConv1d) {
+        return Err(CaseError::Usage(format!(
+            "no GPU kernels for op {} yet: use a CPU implementation (naive, chunk, cp)",
+            op.name()
+        )));
+    }
     if op == Op::Dplr && *engine != Engine::Naive {
         return Err(CaseError::Usage(
             "the GPU has naive DPLR kernels only: use gpu-naive, or gpu-cp --cp-engine naive"
@@ -488,11 +516,12 @@ pub fn supported(op: Op, imp: &Impl) -> Vec<Feature> {
         Feature::Round(Stage::Outputs),
     ];
     match (op, &imp.engine) {
-        (Op::Kda, Engine::Chunk(_)) => f.extend(deltaref::kda::chunk::Chunk::FEATURES),
+        // GDN runs KDA's chunked engine (`gdn::OnKda`).
+        (Op::Kda | Op::Gdn, Engine::Chunk(_)) => f.extend(deltaref::kda::chunk::Chunk::FEATURES),
         (Op::Dplr, Engine::Chunk(_)) => f.extend(deltaref::dplr::chunk::Chunk::FEATURES),
         _ => {}
     }
-    if imp.cp.is_some() && op != Op::TokenShift {
+    if imp.cp.is_some() && op.is_delta_rule() {
         f.extend(deltaref::cp::FEATURES);
     }
     f

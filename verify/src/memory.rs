@@ -145,7 +145,8 @@ impl Problem {
             ..
         } = *self;
         match self.op {
-            Op::Kda => sum_of_products(&[
+            // GDN: the scalar gate is broadcast over K inside (KDA's pieces).
+            Op::Kda | Op::Gdn => sum_of_products(&[
                 &[2, b, t, h, k],
                 &[2, b, t, hv, v],
                 &[b, t, hv, k],
@@ -155,6 +156,8 @@ impl Problem {
             ]),
             Op::Dplr => sum_of_products(&[&[5, b, t, h, k], &[2, b, t, h, v], &[2, n, h, k, v]]),
             Op::TokenShift => sum_of_products(&[&[2, b, t, v], &[2, n, v]]),
+            // x, dy; weight [D, W] and bias; initial_state, dht [N, D, W] (k = W, v = D).
+            Op::CausalConv1d => sum_of_products(&[&[2, b, t, v], &[v, k + 1], &[2, n, k, v]]),
         }
     }
 
@@ -195,7 +198,7 @@ impl Problem {
         let shape = |n: &str| case.tensors.get(n).map(|t| t.shape().to_vec());
         let op = case.meta.op;
         let (first, value) = match op {
-            Op::TokenShift => ("x", "x"),
+            Op::TokenShift | Op::CausalConv1d => ("x", "x"),
             _ => ("q", "v"),
         };
         let q = shape(first).unwrap_or_default();
@@ -215,6 +218,16 @@ impl Problem {
                 h: 1,
                 hv: 1,
                 k: 1,
+                v: at(&q, 2),
+            },
+            Op::CausalConv1d => Problem {
+                op,
+                b,
+                t: at(&q, 1),
+                n,
+                h: 1,
+                hv: 1,
+                k: shape("weight").map_or(1, |w| at(&w, 1)),
                 v: at(&q, 2),
             },
             _ => Problem {

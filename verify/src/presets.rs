@@ -88,8 +88,10 @@ fn fla_bf16(t: Target) -> Policy {
     let bf16 = Storage::Bf16;
     let mut p = Policy::exact().with(Stage::Inputs, bf16);
     let stages: &[(Stage, Storage)] = match t.op {
-        Op::TokenShift => &[],
-        Op::Kda => &[
+        Op::TokenShift | Op::CausalConv1d => &[],
+        // GDN runs KDA's engines with the gate repeated over K, and FLA's
+        // `chunk_gated_delta_rule` stores the same intermediates in bf16.
+        Op::Kda | Op::Gdn => &[
             (Stage::Activations, bf16),
             (Stage::GCumsum, Storage::F32),
             (Stage::Aqk, bf16),
@@ -122,12 +124,13 @@ fn fla_bf16(t: Target) -> Policy {
     for &(s, d) in stages {
         p = p.with(s, d);
     }
-    if t.cp && t.op != Op::TokenShift {
+    if t.cp && t.op.is_delta_rule() {
         for s in [Stage::MChain, Stage::SExt, Stage::Merged] {
             p = p.with(s, Storage::F32);
         }
     }
-    p.exp2 = t.op == Op::Kda;
+    // KDA's and GDN's chunk kernels use exp2 on a base-2 cumsum; DPLR's exp.
+    p.exp2 = matches!(t.op, Op::Kda | Op::Gdn);
     p.safe_gate_midpoint = t.safe_gate;
     p.with(Stage::Outputs, bf16)
 }

@@ -156,7 +156,7 @@ pub fn backward<T: Scalar, E: Engine<T>>(
         p: &p,
         engine,
         d_o: Some(E::Op::upstream_view(d_o)),
-        dht: dht.map(E::Op::dht_view),
+        dht: dht.map(|a| E::Op::dht_view(opt, a)),
     };
     let b = run_backward(&local, &plan, cp);
     let pieces: Vec<_> = b.grads.iter().map(|(seg, h, g)| (*seg, *h, g)).collect();
@@ -555,7 +555,13 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         let rm = &plan.ranks[r];
         rm.continues().then(|| {
             let seg = rm.pieces[0];
-            let mut ds_ext = local.backward(&seg, h, zero.view(), zero.view()).1;
+            // From the merged state the forward used: dS_ext does not depend
+            // on it for outputs linear in the state (the delta rules), but it
+            // does for conv1d's SiLU.
+            let h0 = merged_fwd[r]
+                .as_ref()
+                .map_or_else(|| zero.clone(), |m| m[h].clone());
+            let mut ds_ext = local.backward(&seg, h, h0.view(), zero.view()).1;
             opt.policy.round(Stage::SExt, &mut ds_ext);
             (ds_ext, local.transition(&seg, h))
         })

@@ -300,7 +300,7 @@ impl<T: Scalar> Operator<T> for Dplr {
         tensor::view4(d_o)
     }
 
-    fn dht_view(dht: &ArrayD<T>) -> ArrayView4<'_, T> {
+    fn dht_view<'d>(_: &DplrOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
         tensor::view4(dht)
     }
 

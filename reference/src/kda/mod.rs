@@ -487,7 +487,7 @@ impl<T: Scalar> Operator<T> for Kda {
         tensor::view4(d_o)
     }
 
-    fn dht_view(dht: &ArrayD<T>) -> ArrayView4<'_, T> {
+    fn dht_view<'d>(_: &KdaOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
         tensor::view4(dht)
     }
 

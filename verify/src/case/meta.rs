@@ -1,9 +1,11 @@
 //! The `case` metadata entry: the op (with its FLA tensor names from the
 //! operator contract) and its options under FLA's names, to and from JSON.
 
+use deltaref::conv::{Activation, CausalConv1d, ConvOptions};
 use deltaref::cp::Layout;
 use deltaref::dplr::{Dplr, DplrOptions};
 use deltaref::gates::Gate;
+use deltaref::gdn::{Gdn, GdnOptions};
 use deltaref::kda::{Kda, KdaOptions};
 use deltaref::op::OpSpec;
 use deltaref::token_shift::TokenShift;
@@ -11,12 +13,16 @@ use serde_json::{Map, Value};
 
 use super::Dtype;
 
-/// The three operators.
+/// The operators.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     Kda,
     Dplr,
     TokenShift,
+    /// FLA's gated delta rule.
+    Gdn,
+    /// FLA's `causal_conv1d`.
+    CausalConv1d,
 }
 
 /// An operator's names, as its contract declares them ([`OpSpec`]).
@@ -41,14 +47,37 @@ impl Names {
 }
 
 impl Op {
-    pub const ALL: [Op; 3] = [Op::Kda, Op::Dplr, Op::TokenShift];
+    pub const ALL: [Op; 5] = [Op::Kda, Op::Dplr, Op::TokenShift, Op::Gdn, Op::CausalConv1d];
+
+    /// A delta rule (KDA, DPLR, GDN): its CP carries `(S_ext, M)` and
+    /// merges; token-shift and the conv pass their last tokens instead.
+    pub fn is_delta_rule(self) -> bool {
+        matches!(self, Op::Kda | Op::Dplr | Op::Gdn)
+    }
 
     fn names(self) -> Names {
         match self {
             Op::Kda => Names::of::<Kda>(),
             Op::Dplr => Names::of::<Dplr>(),
             Op::TokenShift => Names::of::<TokenShift>(),
+            Op::Gdn => Names::of::<Gdn>(),
+            Op::CausalConv1d => Names::of::<CausalConv1d>(),
         }
+    }
+
+    /// `kda, dplr, …` for error messages.
+    pub fn names_list() -> String {
+        Op::ALL.map(Op::name).join(", ")
+    }
+
+    /// The first token input (`x` or `q`): where B and T are read.
+    pub fn first_input(self) -> &'static str {
+        self.inputs()[0]
+    }
+
+    /// Whether the state is a delta-rule state `[K, V]` per value head.
+    pub fn has_heads(self) -> bool {
+        !matches!(self, Op::TokenShift | Op::CausalConv1d)
     }
 
     pub fn name(self) -> &'static str {
@@ -109,6 +138,10 @@ pub struct CaseMeta {
     pub gate: Gate,
     pub use_beta_sigmoid_in_kernel: bool,
     pub allow_neg_eigval: bool,
+    /// GDN: states are `[N, HV, V, K]`.
+    pub state_v_first: bool,
+    /// Causal conv1d.
+    pub activation: Activation,
     pub chunk_size: Option<usize>,
     pub cp: Option<CpLayout>,
     pub seed: Option<u64>,
@@ -126,6 +159,8 @@ impl CaseMeta {
             gate: Gate::None,
             use_beta_sigmoid_in_kernel: false,
             allow_neg_eigval: false,
+            state_v_first: false,
+            activation: Activation::None,
             chunk_size: None,
             cp: None,
             seed: None,
@@ -142,6 +177,27 @@ impl CaseMeta {
             gate: self.gate,
             use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
             allow_neg_eigval: self.allow_neg_eigval,
+        }
+    }
+
+    /// GDN's options; its in-kernel gate is `gate == Gate::Kda`
+    /// (`use_gate_in_kernel` in the case file).
+    pub fn gdn_options(&self) -> GdnOptions {
+        GdnOptions {
+            scale: self.scale,
+            output_final_state: true,
+            use_qk_l2norm_in_kernel: self.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel: self.gate == Gate::Kda,
+            use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: self.allow_neg_eigval,
+            state_v_first: self.state_v_first,
+        }
+    }
+
+    pub fn conv_options(&self) -> ConvOptions {
+        ConvOptions {
+            activation: self.activation,
+            output_final_state: true,
         }
     }
 
@@ -173,6 +229,23 @@ impl CaseMeta {
                 self.use_beta_sigmoid_in_kernel.into(),
             );
             m.insert("allow_neg_eigval".into(), self.allow_neg_eigval.into());
+        }
+        if self.op == Op::Gdn {
+            for (key, on) in [
+                ("use_qk_l2norm_in_kernel", self.use_qk_l2norm_in_kernel),
+                ("use_gate_in_kernel", self.gate == Gate::Kda),
+                (
+                    "use_beta_sigmoid_in_kernel",
+                    self.use_beta_sigmoid_in_kernel,
+                ),
+                ("allow_neg_eigval", self.allow_neg_eigval),
+                ("state_v_first", self.state_v_first),
+            ] {
+                m.insert(key.into(), on.into());
+            }
+        }
+        if self.op == Op::CausalConv1d {
+            m.insert("activation".into(), self.activation.name().into());
         }
         if let Some(c) = self.chunk_size {
             m.insert("chunk_size".into(), c.into());
@@ -214,31 +287,40 @@ impl CaseMeta {
         let op_name = m.get("op").ok_or("`case` has no `op` key")?;
         let op_name = op_name.as_str().ok_or("key `op`: expected a string")?;
         let op = Op::parse(op_name).ok_or_else(|| {
-            format!("key `op`: unknown op \"{op_name}\" (expected kda, dplr or token_shift)")
+            format!(
+                "key `op`: unknown op \"{op_name}\" (expected one of {})",
+                Op::names_list()
+            )
         })?;
         let mut meta = CaseMeta::new(op);
         let mut gate_name: Option<String> = None;
         let mut lower_bound: Option<f64> = None;
+        let mut gdn_gate = false;
         for (key, val) in &m {
-            let kda_only = |ok: bool| {
-                if ok {
+            let only = |ops: &[Op]| {
+                if ops.contains(&op) {
                     Ok(())
                 } else {
                     Err(format!(
-                        "key `{key}`: only applies to op kda, not {}",
+                        "key `{key}`: only applies to op {}, not {}",
+                        ops.iter()
+                            .map(|o| o.name())
+                            .collect::<Vec<_>>()
+                            .join(" or "),
                         op.name()
                     ))
                 }
             };
+            let delta = [Op::Kda, Op::Gdn];
             match key.as_str() {
                 "op" => {}
                 "scale" => meta.scale = Some(num(key, val)?),
                 "use_qk_l2norm_in_kernel" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&delta)?;
                     meta.use_qk_l2norm_in_kernel = boolean(key, val)?;
                 }
                 "gate" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&[Op::Kda])?;
                     gate_name = Some(
                         val.as_str()
                             .ok_or(format!("key `{key}`: expected a string"))?
@@ -246,16 +328,32 @@ impl CaseMeta {
                     );
                 }
                 "lower_bound" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&[Op::Kda])?;
                     lower_bound = Some(num(key, val)?);
                 }
                 "use_beta_sigmoid_in_kernel" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&delta)?;
                     meta.use_beta_sigmoid_in_kernel = boolean(key, val)?;
                 }
                 "allow_neg_eigval" => {
-                    kda_only(op == Op::Kda)?;
+                    only(&delta)?;
                     meta.allow_neg_eigval = boolean(key, val)?;
+                }
+                "use_gate_in_kernel" => {
+                    only(&[Op::Gdn])?;
+                    gdn_gate = boolean(key, val)?;
+                }
+                "state_v_first" => {
+                    only(&[Op::Gdn])?;
+                    meta.state_v_first = boolean(key, val)?;
+                }
+                "activation" => {
+                    only(&[Op::CausalConv1d])?;
+                    let s = val
+                        .as_str()
+                        .ok_or(format!("key `{key}`: expected a string"))?;
+                    meta.activation =
+                        Activation::parse(s).map_err(|e| format!("key `{key}`: {e}"))?;
                 }
                 "chunk_size" => meta.chunk_size = Some(uint(key, val)? as usize),
                 "cp" => meta.cp = Some(cp_layout(val)?),
@@ -279,6 +377,7 @@ impl CaseMeta {
             }
         }
         meta.gate = match (gate_name.as_deref(), lower_bound) {
+            (None, None) if gdn_gate => Gate::Kda,
             (None | Some("none"), None) => Gate::None,
             (Some("kda"), None) => Gate::Kda,
             (Some("lowerbound"), Some(lb)) => Gate::LowerBound { lower_bound: lb },

@@ -14,8 +14,11 @@ mod meta;
 
 use std::collections::BTreeMap;
 
+use deltaref::conv::{CausalConv1d, ConvInputs};
 use deltaref::dplr::DplrInputs;
+use deltaref::gdn::{Gdn, GdnInputs};
 use deltaref::kda::KdaInputs;
+use deltaref::op::Operator;
 use deltaref::token_shift::TokenShiftInputs;
 use ndarray::ArrayD;
 
@@ -40,6 +43,8 @@ pub enum Inputs {
     Kda(KdaInputs<f64>),
     Dplr(DplrInputs<f64>),
     TokenShift(TokenShiftInputs<f64>),
+    Gdn(GdnInputs<f64>),
+    CausalConv1d(ConvInputs<f64>),
 }
 
 impl Case {
@@ -102,6 +107,24 @@ impl Case {
                 cache: self.get("cache"),
                 cu_seqlens: cu,
             }),
+            Op::Gdn => Inputs::Gdn(GdnInputs {
+                q: self.need("q")?,
+                k: self.need("k")?,
+                v: self.need("v")?,
+                g: self.need("g")?,
+                beta: self.need("beta")?,
+                a_log: self.get("A_log"),
+                dt_bias: self.get("dt_bias"),
+                initial_state: self.get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::CausalConv1d => Inputs::CausalConv1d(ConvInputs {
+                x: self.need("x")?,
+                weight: self.need("weight")?,
+                bias: self.get("bias"),
+                initial_state: self.get("initial_state"),
+                cu_seqlens: cu,
+            }),
         })
     }
 
@@ -137,10 +160,9 @@ impl Case {
 
     /// The value dimension (V; D for token-shift), 0 if the inputs are absent.
     pub fn value_dim(&self) -> usize {
-        let name = if self.meta.op == Op::TokenShift {
-            "x"
-        } else {
-            "v"
+        let name = match self.meta.op {
+            Op::TokenShift | Op::CausalConv1d => "x",
+            _ => "v",
         };
         self.tensors
             .get(name)
@@ -160,6 +182,16 @@ impl Case {
             Inputs::Dplr(x) => {
                 let d = deltaref::dplr::validate(&x, &self.meta.dplr_options())?;
                 deltaref::dplr::validate_upstream(&d, &d_o, dht.as_ref())?;
+            }
+            Inputs::Gdn(x) => {
+                let opts = self.meta.gdn_options();
+                let p = <Gdn as Operator<f64>>::prepare(&x, &opts)?;
+                <Gdn as Operator<f64>>::validate_upstream(&p, &d_o, dht.as_ref())?;
+            }
+            Inputs::CausalConv1d(x) => {
+                let opts = self.meta.conv_options();
+                let p = <CausalConv1d as Operator<f64>>::prepare(&x, &opts)?;
+                <CausalConv1d as Operator<f64>>::validate_upstream(&p, &d_o, dht.as_ref())?;
             }
             Inputs::TokenShift(x) => {
                 let (d, _) = deltaref::token_shift::validate(&x)?;
@@ -205,6 +237,7 @@ impl Case {
                 "ddt_bias" => has("dt_bias"),
                 "dh0" => has("initial_state"),
                 "dcache" => has("cache"),
+                "dbias" => has("bias"),
                 _ => true,
             })
             .collect()

@@ -80,9 +80,10 @@ fn op_count(imp: &Impl, case: &Case) -> Option<f64> {
         return None;
     }
     let (naive, chunk): (NaiveCount, ChunkCount) = match case.meta.op {
-        Op::Kda => (ops::kda_naive, ops::kda_chunk),
+        // GDN runs KDA's engines on its pieces.
+        Op::Kda | Op::Gdn => (ops::kda_naive, ops::kda_chunk),
         Op::Dplr => (ops::dplr_naive, ops::dplr_chunk),
-        Op::TokenShift => return None,
+        Op::TokenShift | Op::CausalConv1d => return None,
     };
     let q = case.tensors.get("q")?.shape();
     let (kd, vd, heads) = (q[3], case.value_dim(), case.tensors.get("v")?.shape()[2]);

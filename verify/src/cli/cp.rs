@@ -173,6 +173,8 @@ fn seq_len(inputs: &deltaref_verify::case::Inputs) -> usize {
         Inputs::Kda(x) => x.q.shape()[1],
         Inputs::Dplr(x) => x.q.shape()[1],
         Inputs::TokenShift(x) => x.x.shape()[1],
+        Inputs::CausalConv1d(x) => x.x.shape()[1],
+        Inputs::Gdn(x) => x.q.shape()[1],
     }
 }
 

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref_verify::bisect::{self, Bisection};
+use deltaref_verify::case::Dtype;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::case::{Dtype, Op};
 use deltaref_verify::diagnose::{diagnose_with_noise, plot, Diagnosis, NoiseReference, TokenMap};
 use deltaref_verify::files::destination;
 use deltaref_verify::impls::{
@@ -125,11 +125,7 @@ fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
         .problems();
     let (b, t) = case
         .tensors
-        .get(if case.meta.op == deltaref_verify::case::Op::TokenShift {
-            "x"
-        } else {
-            "q"
-        })
+        .get(case.meta.op.first_input())
         .map(|x| (x.shape()[0], x.shape()[1]))
         .unwrap_or((1, 0));
     let cuts = match &imp.cp {
@@ -146,7 +142,7 @@ fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
     };
     let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), &cuts, chunk);
     let noise = noise_run(a, &case)?;
-    let v_dim = (case.meta.op != Op::TokenShift).then(|| case.value_dim());
+    let v_dim = case.meta.op.has_heads().then(|| case.value_dim());
     let d = diagnose_with_noise(
         &reference,
         &candidate,
@@ -166,14 +162,7 @@ fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
 
 /// The noise reference's name and results, if any (see `--noise`).
 fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseError> {
-    let bf16_inputs = || {
-        let first = if case.meta.op == Op::TokenShift {
-            "x"
-        } else {
-            "q"
-        };
-        case.dtypes.get(first) == Some(&Dtype::Bf16)
-    };
+    let bf16_inputs = || case.dtypes.get(case.meta.op.first_input()) == Some(&Dtype::Bf16);
     let name = match (a.noise.as_str(), &a.imp.precision, &a.candidate) {
         ("none", _, _) => return Ok(None),
         ("auto", Some(p), None) => presets::without_fault(p).to_string(),

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use deltaref::conv::Activation;
 use deltaref::gates::Gate;
 use deltaref::inputs::Regime;
 use deltaref_verify::case::{CaseError, Dtype, Op};
@@ -13,10 +14,10 @@ use super::{fail, list};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    /// kda, dplr or token_shift
+    /// kda, dplr, token_shift, gdn or causal_conv1d
     #[arg(long)]
     pub op: String,
-    /// KDA B,T,H,HV,K,V; DPLR B,T,H,K,V; token-shift B,T,D. With --lengths, B = 1 and T = Σ lengths (B,T may be given only if they agree).
+    /// KDA, GDN B,T,H,HV,K,V; DPLR B,T,H,K,V; token-shift B,T,D; causal_conv1d B,T,D,W. With --lengths, B = 1 and T = Σ lengths (B,T may be given only if they agree).
     #[arg(long)]
     pub shape: Option<String>,
     /// Varlen sequence lengths, e.g. 37,1,64,128 (packed, B = 1).
@@ -24,7 +25,7 @@ pub struct Args {
     pub lengths: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// KDA in-kernel gate: none, kda or lowerbound.
+    /// KDA in-kernel gate: none, kda or lowerbound. GDN: kda sets use_gate_in_kernel (−exp(A_log)·softplus(g + dt_bias)).
     #[arg(long, default_value = "none")]
     pub gate: String,
     /// Lower bound of the lowerbound gate (default -5, FLA's recommended value; FLA accepts [-5, 0)).
@@ -42,6 +43,15 @@ pub struct Args {
     /// Store an initial state (token-shift: a cache).
     #[arg(long)]
     pub initial_state: bool,
+    /// GDN state_v_first: states stored as [N,HV,V,K].
+    #[arg(long)]
+    pub state_v_first: bool,
+    /// causal_conv1d activation: none, silu (or swish).
+    #[arg(long, default_value = "none")]
+    pub activation: String,
+    /// causal_conv1d: store a bias [D].
+    #[arg(long)]
+    pub bias: bool,
     /// Attention scale (default K^-0.5).
     #[arg(long)]
     pub scale: Option<f64>,
@@ -64,8 +74,9 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
     let usage = |m: String| CaseError::Usage(m);
     let op = Op::parse(&a.op).ok_or_else(|| {
         usage(format!(
-            "--op: unknown op `{}` (kda, dplr, token_shift)",
-            a.op
+            "--op: unknown op `{}` ({})",
+            a.op,
+            Op::names_list()
         ))
     })?;
     let gate = match a.gate.as_str() {
@@ -88,9 +99,31 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
     if a.lower_bound.is_some() && !matches!(gate, Gate::LowerBound { .. }) {
         return Err(usage("--lower-bound needs --gate lowerbound".into()));
     }
-    if op != Op::Kda && (gate != Gate::None || a.l2norm || a.beta_sigmoid || a.allow_neg_eigval) {
+    let delta = matches!(op, Op::Kda | Op::Gdn);
+    if !delta && (gate != Gate::None || a.l2norm || a.beta_sigmoid || a.allow_neg_eigval) {
         return Err(usage(
-            "--gate, --l2norm, --beta-sigmoid and --allow-neg-eigval only apply to --op kda".into(),
+            "--gate, --l2norm, --beta-sigmoid and --allow-neg-eigval only apply to --op kda or gdn"
+                .into(),
+        ));
+    }
+    if op == Op::Gdn && !matches!(gate, Gate::None | Gate::Kda) {
+        return Err(usage(
+            "--op gdn: FLA's GDN gate is --gate kda (use_gate_in_kernel) or none".into(),
+        ));
+    }
+    if a.state_v_first && op != Op::Gdn {
+        return Err(usage("--state-v-first only applies to --op gdn".into()));
+    }
+    let activation =
+        Activation::parse(&a.activation).map_err(|e| usage(format!("--activation: {e}")))?;
+    if op != Op::CausalConv1d && (a.bias || activation != Activation::None) {
+        return Err(usage(
+            "--bias and --activation only apply to --op causal_conv1d".into(),
+        ));
+    }
+    if op == Op::CausalConv1d && a.regime != "fla-test" {
+        return Err(usage(
+            "--regime: causal_conv1d draws FLA's test inputs only (fla-test)".into(),
         ));
     }
     Ok(GenSpec {
@@ -106,6 +139,9 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
         use_beta_sigmoid_in_kernel: a.beta_sigmoid,
         allow_neg_eigval: a.allow_neg_eigval,
         initial_state: a.initial_state,
+        state_v_first: a.state_v_first,
+        activation,
+        bias: a.bias,
         scale: a.scale,
         dtype: Dtype::parse(&a.dtype).ok_or_else(|| {
             usage(format!(

@@ -1,0 +1,506 @@
+//! GDN, FLA's gated delta rule (`chunk_gated_delta_rule`,
+//! `naive_recurrent_gated_delta_rule`): per value head, with one scalar
+//! log-space gate `g_t` per token,
+//! `S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ`, `o_t = S_tᵀ (scale·q_t)`.
+//!
+//! GDN is KDA with the gate broadcast over K (SPEC §3): `Diag(exp g_t 1_K) =
+//! exp(g_t) I`, so every KDA engine (naive, chunked, with its precision
+//! policy) computes a GDN piece exactly: [`Gdn`]'s per-piece tensors are
+//! KDA's ([`KdaHead`], the gate repeated over K) and [`OnKda`] runs a KDA
+//! engine as a GDN engine. Since `g_t[d] = g_t` for every `d`,
+//! `∂L/∂g_t = Σ_d ∂L/∂g_t[d]`: KDA's chain rule with a scalar gate sums its
+//! per-key gate gradient over K. This module adds what GDN has of its own:
+//! the per-head in-kernel gate `−exp(A_log[h])·softplus(g + dt_bias[h])`
+//! (`dt_bias [HV]`, not KDA's `[HV·K]`) and the `state_v_first` state layout
+//! `[N, HV, V, K]`. The drivers, CP and intra-card come from [`crate::op`].
+
+use ndarray::{s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, Ix3, Zip};
+
+use crate::error::{Error, Result};
+use crate::gates::{self, Gate};
+use crate::kda::{
+    self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, PreparedGrads,
+};
+use crate::op::{self, Engine, OpSpec, Operator, Shape};
+use crate::scalar::Scalar;
+use crate::tensor::{self, check_finite, expect_rank, expect_shape};
+use crate::varlen::Segment;
+
+/// GDN inputs in FLA's layout.
+#[derive(Clone, Debug)]
+pub struct GdnInputs<T> {
+    /// `[B, T, H, K]`
+    pub q: ArrayD<T>,
+    /// `[B, T, H, K]`
+    pub k: ArrayD<T>,
+    /// `[B, T, HV, V]`, HV a multiple of H (GVA)
+    pub v: ArrayD<T>,
+    /// `[B, T, HV]` log-space decay, or the raw gate input with
+    /// `use_gate_in_kernel`.
+    pub g: ArrayD<T>,
+    /// `[B, T, HV]` (a logit with `use_beta_sigmoid_in_kernel`)
+    pub beta: ArrayD<T>,
+    /// `[HV]`, the in-kernel gate's decay rate
+    pub a_log: Option<ArrayD<T>>,
+    /// `[HV]`, the in-kernel gate's bias
+    pub dt_bias: Option<ArrayD<T>>,
+    /// `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`)
+    pub initial_state: Option<ArrayD<T>>,
+    /// `[N + 1]`, varlen mode (B = 1)
+    pub cu_seqlens: Option<Vec<i64>>,
+}
+
+impl<T: Scalar> GdnInputs<T> {
+    /// The same inputs in another scalar.
+    pub fn cast<U: Scalar>(&self) -> GdnInputs<U> {
+        GdnInputs {
+            q: tensor::cast(&self.q),
+            k: tensor::cast(&self.k),
+            v: tensor::cast(&self.v),
+            g: tensor::cast(&self.g),
+            beta: tensor::cast(&self.beta),
+            a_log: tensor::cast_opt(&self.a_log),
+            dt_bias: tensor::cast_opt(&self.dt_bias),
+            initial_state: tensor::cast_opt(&self.initial_state),
+            cu_seqlens: self.cu_seqlens.clone(),
+        }
+    }
+}
+
+/// FLA `chunk_gated_delta_rule` options (names as in FLA 0.6.0).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct GdnOptions {
+    /// Defaults to `K^-0.5`.
+    pub scale: Option<f64>,
+    pub output_final_state: bool,
+    pub use_qk_l2norm_in_kernel: bool,
+    /// `g` is raw: the decay is `−exp(A_log[h])·softplus(g + dt_bias[h])`.
+    pub use_gate_in_kernel: bool,
+    /// `β = sigmoid(beta)` (FLA's default is `False`: beta is used as given).
+    pub use_beta_sigmoid_in_kernel: bool,
+    /// `β = 2·sigmoid(beta)`; needs `use_beta_sigmoid_in_kernel`.
+    pub allow_neg_eigval: bool,
+    /// States (`initial_state`, `final_state`, `dh0`, `dht`) are `[N, HV, V, K]`.
+    pub state_v_first: bool,
+}
+
+/// `o [B, T, HV, V]`, `final_state` (state layout) when asked for.
+#[derive(Clone, Debug)]
+pub struct GdnOutputs<T> {
+    pub o: ArrayD<T>,
+    pub final_state: Option<ArrayD<T>>,
+}
+
+/// Gradients, each shaped like its input; `None` where the input was absent.
+#[derive(Clone, Debug)]
+pub struct GdnGrads<T> {
+    pub dq: ArrayD<T>,
+    pub dk: ArrayD<T>,
+    pub dv: ArrayD<T>,
+    /// `[B, T, HV]`, with respect to `g` as passed (raw with the in-kernel gate).
+    pub dg: ArrayD<T>,
+    pub dbeta: ArrayD<T>,
+    pub da_log: Option<ArrayD<T>>,
+    pub ddt_bias: Option<ArrayD<T>>,
+    pub dh0: Option<ArrayD<T>>,
+}
+
+/// `[N, HV, a, b]` → `[N, HV, b, a]` (the `state_v_first` layout swap).
+pub fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
+    let mut t = s.view();
+    t.swap_axes(2, 3);
+    t.as_standard_layout().into_owned()
+}
+
+/// Swaps a state-shaped tensor between GDN's layout and KDA's `[N, HV, K, V]`.
+fn kv_layout<T: Scalar>(opt: &GdnOptions, s: &ArrayD<T>) -> ArrayD<T> {
+    if opt.state_v_first {
+        swap_state(s)
+    } else {
+        s.clone()
+    }
+}
+
+/// Checks what KDA's validation cannot see: `g` is one scalar per head, the
+/// gate parameters are per head, and the `state_v_first` state shape.
+fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
+    let qs = expect_rank("q", "B,T,H,K", &x.q)?;
+    let (b, t, kd) = (qs[0], qs[1], qs[3]);
+    let vs = expect_rank("v", "B,T,HV,V", &x.v)?;
+    let (hv, vd) = (vs[2], vs[3]);
+    expect_shape(
+        "g",
+        "[B,T,HV] (one log-space gate per head)",
+        &[b, t, hv],
+        x.g.shape(),
+    )?;
+    if opt.use_gate_in_kernel {
+        let a = x.a_log.as_ref().ok_or_else(|| {
+            Error::missing(
+                "A_log",
+                "use_gate_in_kernel computes −exp(A_log)·softplus(g + dt_bias): A_log [HV] is required",
+            )
+        })?;
+        expect_shape("A_log", "[HV]", &[hv], a.shape())?;
+        check_finite("A_log", a)?;
+        if let Some(d) = &x.dt_bias {
+            expect_shape("dt_bias", "[HV]", &[hv], d.shape())?;
+            check_finite("dt_bias", d)?;
+        }
+    } else if x.a_log.is_some() || x.dt_bias.is_some() {
+        return Err(Error::option(
+            "use_gate_in_kernel",
+            "A_log/dt_bias were given but use_gate_in_kernel is false (g is already the decay)",
+        ));
+    }
+    if let (Some(h0), true) = (&x.initial_state, opt.state_v_first) {
+        let n = match &x.cu_seqlens {
+            Some(cu) => cu.len().saturating_sub(1),
+            None => b,
+        };
+        expect_shape(
+            "initial_state",
+            "[N,HV,V,K] (state_v_first)",
+            &[n, hv, vd, kd],
+            h0.shape(),
+        )?;
+    }
+    Ok(())
+}
+
+/// The per-head decay `−exp(A_log[h])·softplus(g + dt_bias[h])` `[B, T, HV]`
+/// and its partial derivatives `(∂/∂g, ∂/∂A_log)`, element by element.
+fn in_kernel_gate<T: Scalar>(x: &GdnInputs<T>) -> (Array3<T>, Array3<T>, Array3<T>) {
+    let g = x.g.view().into_dimensionality::<Ix3>().expect("validated");
+    let a_log: Vec<T> = x.a_log.iter().flatten().copied().collect();
+    let bias: Option<Vec<T>> = x.dt_bias.as_ref().map(|d| d.iter().copied().collect());
+    let mut out = (
+        Array3::zeros(g.raw_dim()),
+        Array3::zeros(g.raw_dim()),
+        Array3::zeros(g.raw_dim()),
+    );
+    Zip::indexed(&mut out.0)
+        .and(&mut out.1)
+        .and(&mut out.2)
+        .and(&g)
+        .for_each(|(_, _, h), gd, dx, da, &raw| {
+            let shifted = raw + bias.as_ref().map_or(T::zero(), |b| b[h]);
+            (*gd, *dx, *da) = gates::gate_eval(Gate::Kda, shifted, Some(a_log[h]));
+        });
+    out
+}
+
+/// The KDA problem that computes this GDN problem: the decay evaluated (in
+/// kernel gate), the scalar gate left `[B, T, HV]` for KDA to broadcast, the
+/// state in `[N, HV, K, V]`.
+pub fn to_kda<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<(KdaInputs<T>, KdaOptions)> {
+    validate(x, opt)?;
+    let g = if opt.use_gate_in_kernel {
+        check_finite("g", &x.g)?;
+        in_kernel_gate(x).0.into_dyn()
+    } else {
+        x.g.clone()
+    };
+    let kx = KdaInputs {
+        q: x.q.clone(),
+        k: x.k.clone(),
+        v: x.v.clone(),
+        g,
+        beta: x.beta.clone(),
+        a_log: None,
+        dt_bias: None,
+        initial_state: x.initial_state.as_ref().map(|s| kv_layout(opt, s)),
+        cu_seqlens: x.cu_seqlens.clone(),
+    };
+    let kopt = KdaOptions {
+        scale: opt.scale,
+        output_final_state: opt.output_final_state,
+        use_qk_l2norm_in_kernel: opt.use_qk_l2norm_in_kernel,
+        gate: Gate::None,
+        use_beta_sigmoid_in_kernel: opt.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval: opt.allow_neg_eigval,
+    };
+    Ok((kx, kopt))
+}
+
+/// Chains KDA's gradients (decay `dg [B, T, HV]`, states in `[K, V]`) back to
+/// GDN's inputs: through the in-kernel gate and the state layout.
+fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions) -> GdnGrads<T> {
+    let (dg, da_log, ddt_bias) = if opt.use_gate_in_kernel {
+        let ddecay = g.dg.into_dimensionality::<Ix3>().expect("[B,T,HV]");
+        let (_, dgate_dx, dgate_da) = in_kernel_gate(x);
+        let dg = &ddecay * &dgate_dx;
+        // Serial sums in index order: the result does not depend on threads.
+        let per_head = |a: &Array3<T>| a.sum_axis(Axis(0)).sum_axis(Axis(0));
+        let da: Array1<T> = per_head(&(&ddecay * &dgate_da));
+        let ddt = x.dt_bias.as_ref().map(|_| per_head(&dg).into_dyn());
+        (dg.into_dyn(), Some(da.into_dyn()), ddt)
+    } else {
+        (g.dg, None, None)
+    };
+    GdnGrads {
+        dq: g.dq,
+        dk: g.dk,
+        dv: g.dv,
+        dg,
+        dbeta: g.dbeta,
+        da_log,
+        ddt_bias,
+        dh0: g.dh0.map(|s| kv_layout(opt, &s)),
+    }
+}
+
+/// Validated GDN inputs after FLA's fused pre-processing (l2norm, gate,
+/// beta sigmoid), states in `[N, HV, K, V]`.
+#[derive(Clone, Debug)]
+pub struct Prepared<'a, T> {
+    pub dims: KdaDims,
+    pub scale: f64,
+    pub segments: Vec<Segment>,
+    /// `[B, T, H, K]`, l2-normalised if asked.
+    pub q: Array4<T>,
+    /// `[B, T, H, K]`, l2-normalised if asked.
+    pub k: Array4<T>,
+    /// `[B, T, HV, V]`
+    pub v: ArrayView4<'a, T>,
+    /// `[B, T, HV]` log-space decay.
+    pub g: Array3<T>,
+    /// `[B, T, HV]`
+    pub beta: Array3<T>,
+    /// `[N, HV, K, V]`
+    pub h0: Option<Array4<T>>,
+    /// States are `[N, HV, V, K]` in the public tensors.
+    pub state_v_first: bool,
+    /// The KDA problem it was prepared as (for the chain rule).
+    kda: (KdaInputs<T>, KdaOptions),
+}
+
+impl<'a, T: Scalar> Prepared<'a, T> {
+    pub fn new(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Self> {
+        let (kx, kopt) = to_kda(x, opt)?;
+        let kp = kda::Prepared::new(&kx, &kopt)?;
+        let g =
+            kx.g.view()
+                .into_dimensionality::<Ix3>()
+                .expect("validated")
+                .to_owned();
+        let (dims, scale, segments) = (kp.dims, kp.scale, kp.segments.clone());
+        let (q, k, beta) = (kp.q.into_owned(), kp.k.into_owned(), kp.beta);
+        let h0 = kx.initial_state.as_ref().map(tensor::to4);
+        Ok(Prepared {
+            dims,
+            scale,
+            segments,
+            q,
+            k,
+            v: tensor::view4(&x.v),
+            g,
+            beta,
+            h0,
+            state_v_first: opt.state_v_first,
+            kda: (kx, kopt),
+        })
+    }
+}
+
+impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
+    type Head = KdaHead<T>;
+
+    fn shape(&self) -> Shape {
+        let d = self.dims;
+        Shape {
+            b: d.b,
+            t: d.t,
+            n: d.n,
+            heads: d.hv,
+            k: d.k,
+            v: d.v,
+        }
+    }
+
+    fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// Head `hv` of `seg` as KDA's per-piece tensors: q/k from q/k head
+    /// `hv / G` (GVA), q times `scale`, the scalar gate repeated over K.
+    fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
+        let hq = hv / self.dims.groups();
+        let scale = T::c(self.scale);
+        let g = self.g.slice(s![seg.batch, seg.start..seg.end, hv]);
+        KdaHead {
+            q: tensor::gather(&self.q, seg, hq).mapv_into(|e| e * scale),
+            k: tensor::gather(&self.k, seg, hq),
+            v: tensor::gather(&self.v, seg, hv),
+            g: Array2::from_shape_fn((seg.len(), self.dims.k), |(t, _)| g[t]),
+            beta: self
+                .beta
+                .slice(s![seg.batch, seg.start..seg.end, hv])
+                .to_owned(),
+        }
+    }
+
+    fn h0(&self) -> Option<ArrayView4<'_, T>> {
+        self.h0.as_ref().map(|h| h.view())
+    }
+}
+
+/// A KDA engine (`kda::naive::Naive`, `kda::chunk::Chunk`) computing GDN pieces.
+#[derive(Clone, Debug, Default)]
+pub struct OnKda<E>(pub E);
+
+impl<T: Scalar, E: Engine<T, Op = Kda>> Engine<T> for OnKda<E> {
+    type Op = Gdn;
+
+    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        self.0.forward(x, h0)
+    }
+
+    fn backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> KdaHeadGrads<T> {
+        self.0.backward(x, h0, d_o, dht)
+    }
+
+    fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
+        self.0.transition(x)
+    }
+}
+
+/// GDN, FLA's `chunk_gated_delta_rule` / `naive_recurrent_gated_delta_rule`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Gdn;
+
+impl OpSpec for Gdn {
+    const NAME: &'static str = "gdn";
+    const INPUTS: &'static [&'static str] = &[
+        "q",
+        "k",
+        "v",
+        "g",
+        "beta",
+        "A_log",
+        "dt_bias",
+        "initial_state",
+        "cu_seqlens",
+    ];
+    const OUTPUTS: &'static [&'static str] = &["o", "final_state"];
+    const UPSTREAM: &'static [&'static str] = &["do", "dht"];
+    const GRADS: &'static [&'static str] =
+        &["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"];
+    type Options = GdnOptions;
+
+    fn all_outputs(opt: &GdnOptions) -> GdnOptions {
+        GdnOptions {
+            output_final_state: true,
+            ..*opt
+        }
+    }
+}
+
+impl<T: Scalar> Operator<T> for Gdn {
+    type Inputs = GdnInputs<T>;
+    type Outputs = GdnOutputs<T>;
+    type Grads = GdnGrads<T>;
+    type Head = KdaHead<T>;
+    type HeadGrads = KdaHeadGrads<T>;
+    type Prepared<'a>
+        = Prepared<'a, T>
+    where
+        T: 'a;
+
+    fn prepare<'a>(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Prepared<'a, T>> {
+        Prepared::new(x, opt)
+    }
+
+    fn cu_seqlens(x: &GdnInputs<T>) -> Option<&[i64]> {
+        x.cu_seqlens.as_deref()
+    }
+
+    fn validate_upstream(
+        p: &Prepared<'_, T>,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        let d = p.dims;
+        expect_shape("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o.shape())?;
+        check_finite("do", d_o)?;
+        if let Some(dht) = dht {
+            let (dims, want) = if p.state_v_first {
+                ("[N,HV,V,K] (state_v_first)", [d.n, d.hv, d.v, d.k])
+            } else {
+                ("[N,HV,K,V]", [d.n, d.hv, d.k, d.v])
+            };
+            expect_shape("dht", dims, &want, dht.shape())?;
+            check_finite("dht", dht)?;
+        }
+        Ok(())
+    }
+
+    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
+        tensor::view4(d_o)
+    }
+
+    fn dht_view<'d>(opt: &GdnOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
+        let mut v = tensor::view4(dht);
+        if opt.state_v_first {
+            v.swap_axes(2, 3);
+        }
+        v
+    }
+
+    fn probe(x: &KdaHead<T>) -> (KdaHead<T>, usize) {
+        <Kda as Operator<T>>::probe(x)
+    }
+
+    fn outputs(opt: &GdnOptions, o: Array4<T>, final_state: Array4<T>) -> GdnOutputs<T> {
+        GdnOutputs {
+            o: o.into_dyn(),
+            final_state: opt
+                .output_final_state
+                .then(|| kv_layout(opt, &final_state.into_dyn())),
+        }
+    }
+
+    fn grads(
+        x: &GdnInputs<T>,
+        opt: &GdnOptions,
+        p: &Prepared<'_, T>,
+        pieces: &[(Segment, usize, &KdaHeadGrads<T>)],
+        dh0: Array4<T>,
+    ) -> GdnGrads<T> {
+        let (kx, kopt) = &p.kda;
+        let kp = kda::Prepared::new(kx, kopt).expect("validated by prepare");
+        let g = PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(kx, kopt, &kp);
+        grads_from_kda(g, x, opt)
+    }
+
+    fn output_tensors(out: &GdnOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![Some(&out.o), out.final_state.as_ref()]
+    }
+
+    fn grad_tensors(gr: &GdnGrads<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![
+            Some(&gr.dq),
+            Some(&gr.dk),
+            Some(&gr.dv),
+            Some(&gr.dg),
+            Some(&gr.dbeta),
+            gr.da_log.as_ref(),
+            gr.ddt_bias.as_ref(),
+            gr.dh0.as_ref(),
+        ]
+    }
+
+    fn head_dh0(g: &KdaHeadGrads<T>) -> &Array2<T> {
+        &g.dh0
+    }
+
+    fn narrow(x: &GdnInputs<f64>) -> GdnInputs<T> {
+        x.cast()
+    }
+}
