@@ -125,8 +125,8 @@ impl Impl {
             return Ok((t, Some(timings)));
         }
         let t = match compute {
-            Compute::F64 => self.compute_in::<f64>(case)?.0,
-            Compute::F32 => self.compute_in::<f32>(case)?.0,
+            Compute::F64 => self.compute_in::<f64>(case, false)?.0,
+            Compute::F32 => self.compute_in::<f32>(case, false)?.0,
         };
         Ok((t, None))
     }
@@ -136,7 +136,7 @@ impl Impl {
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
-        self.compute_in::<f64>(case)
+        self.compute_in::<f64>(case, true)
     }
 
     /// The outputs only (`o`/`y` and the final state), without the backward
@@ -155,7 +155,8 @@ impl Impl {
 
     fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
         let case = self.stored_inputs(case);
-        let cp = self.cp.as_ref().map(|(p, o)| (p, o));
+        let cp = self.cp_without_references();
+        let cp = cp.as_ref().map(|(p, o)| (p, o));
         match case.inputs()? {
             Inputs::Kda(x) => {
                 let opts = case.meta.kda_options();
@@ -194,16 +195,35 @@ impl Impl {
         }
     }
 
+    /// The CP plan and options without the per-rank table's non-CP
+    /// reference runs (results only: they would cost world/2 extra passes).
+    fn cp_without_references(&self) -> Option<(PlanSpec, CpOptions)> {
+        self.cp.as_ref().map(|(p, o)| {
+            let o = CpOptions {
+                skip_reference_runs: true,
+                ..o.clone()
+            };
+            (p.clone(), o)
+        })
+    }
+
+    /// `diags`: the per-rank table is wanted, non-CP references included.
     fn compute_in<T: Scalar>(
         &self,
         case: &Case,
+        diags: bool,
     ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error> {
+        let cp = if diags {
+            self.cp.clone()
+        } else {
+            self.cp_without_references()
+        };
         // The kernel reads its inputs in their storage dtype.
         let case = &*self.stored_inputs(case);
         let (d_o, dht) = case.upstream()?;
         let dht = dht.as_ref();
         let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
-        match (case.inputs()?, &self.cp) {
+        match (case.inputs()?, &cp) {
             (Inputs::Kda(x), cp) => {
                 let opts = case.meta.kda_options();
                 match (&self.engine, cp) {
@@ -337,6 +357,7 @@ impl ImplRequest {
             cp_options: CpOptions {
                 policy: p.policy.clone(),
                 faults: p.faults,
+                skip_reference_runs: false,
             },
             precision: None,
             ..self.clone()

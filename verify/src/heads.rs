@@ -1,0 +1,313 @@
+//! Long cases in bounded memory: KDA and DPLR heads never mix (every engine,
+//! naive, chunk or CP, runs each (sequence, head) pair on its own), so a
+//! large case file is verified one block of query/key heads at a time. Each
+//! block is read straight from the file (only its slice of every tensor,
+//! still in the stored dtype), widened to f64, computed and compared, and
+//! the metrics accumulate per tensor ([`Accum`]); the whole case is never
+//! in memory. With GVA a block holds its q/k heads' value heads (HV/H each).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+use serde_json::{Map, Value};
+
+use crate::case::{Case, CaseError};
+use crate::metrics::Accum;
+use crate::outputs::Tensors;
+use crate::report::VerifyRow;
+
+/// Files smaller than this are read whole (the usual path, same bits).
+pub const STREAM_MIN_BYTES: u64 = 64 << 20;
+/// Stored bytes one head block aims at (at least one head per block).
+const BLOCK_BYTES: u64 = 256 << 20;
+/// Bytes read from the file per system call when gathering a slice.
+const READ_BYTES: usize = 8 << 20;
+
+/// The axis that holds the heads of a KDA or DPLR tensor, by name; its
+/// length is a multiple of H (H, HV = G·H, or HV·K for `dt_bias`).
+fn head_axis(name: &str) -> Option<usize> {
+    match name {
+        "q" | "k" | "v" | "g" | "beta" | "a" | "b" | "gk" | "do" | "o" | "dq" | "dk" | "dv"
+        | "dg" | "dbeta" | "da" | "db" | "dgk" => Some(2),
+        "initial_state" | "final_state" | "dht" | "dh0" => Some(1),
+        "A_log" | "dA_log" | "dt_bias" | "ddt_bias" => Some(0),
+        _ => None,
+    }
+}
+
+/// One tensor of the file.
+struct Entry {
+    name: String,
+    dtype: StDtype,
+    size: usize,
+    shape: Vec<usize>,
+    /// Absolute file offset of its first byte.
+    begin: u64,
+}
+
+/// A case file opened for reading head block by head block.
+pub struct HeadFile {
+    path: PathBuf,
+    file: File,
+    metadata: HashMap<String, String>,
+    tensors: Vec<Entry>,
+    /// Query/key heads H.
+    heads: usize,
+    per_block: usize,
+}
+
+impl HeadFile {
+    /// Opens `path` for head-block reading when that pays and is safe: a KDA
+    /// or DPLR case of at least `min_bytes` with H ≥ 2 whose tensors all
+    /// have a head axis. `None` means "read it whole", which also reports
+    /// every framing or shape error in the usual words.
+    pub fn open(path: &Path, min_bytes: u64) -> Result<Option<HeadFile>, CaseError> {
+        let Ok(file) = File::open(path) else {
+            return Ok(None);
+        };
+        let Ok(len) = file.metadata().map(|m| m.len()) else {
+            return Ok(None);
+        };
+        if len < min_bytes.max(8) {
+            return Ok(None);
+        }
+        let mut n = [0u8; 8];
+        if file.read_exact_at(&mut n, 0).is_err() {
+            return Ok(None);
+        }
+        let n = u64::from_le_bytes(n);
+        if n > 100_000_000 || n > len - 8 {
+            return Ok(None);
+        }
+        let mut header = vec![0u8; n as usize];
+        if file.read_exact_at(&mut header, 8).is_err() {
+            return Ok(None);
+        }
+        Ok(Self::from_header(path, file, &header, 8 + n, len))
+    }
+
+    fn from_header(
+        path: &Path,
+        file: File,
+        header: &[u8],
+        data_start: u64,
+        len: u64,
+    ) -> Option<HeadFile> {
+        let map: Map<String, Value> = serde_json::from_slice(header).ok()?;
+        let mut metadata = HashMap::new();
+        let mut tensors = vec![];
+        for (name, v) in &map {
+            if name == "__metadata__" {
+                for (k, x) in v.as_object()? {
+                    metadata.insert(k.clone(), x.as_str()?.to_string());
+                }
+                continue;
+            }
+            let dtype: StDtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
+            let shape: Vec<usize> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
+            let off: [u64; 2] = serde_json::from_value(v.get("data_offsets")?.clone()).ok()?;
+            if dtype.bitsize() % 8 != 0 {
+                return None;
+            }
+            let size = dtype.bitsize() / 8;
+            let bytes = shape
+                .iter()
+                .try_fold(size as u64, |a, &d| a.checked_mul(d as u64))?;
+            let begin = data_start.checked_add(off[0])?;
+            if off[1].checked_sub(off[0])? != bytes || begin.checked_add(bytes)? > len {
+                return None;
+            }
+            tensors.push(Entry {
+                name: name.clone(),
+                dtype,
+                size,
+                shape,
+                begin,
+            });
+        }
+        let meta = serde_json::from_str::<Value>(metadata.get("case")?).ok()?;
+        if !matches!(meta.get("op")?.as_str()?, "kda" | "dplr") {
+            return None;
+        }
+        let heads = *tensors.iter().find(|e| e.name == "q")?.shape.get(2)?;
+        let fits = |e: &Entry| match head_axis(&e.name) {
+            Some(a) => e.shape.get(a).is_some_and(|&l| l > 0 && l % heads == 0),
+            None => e.name == "cu_seqlens",
+        };
+        if heads < 2 || !tensors.iter().all(fits) {
+            return None;
+        }
+        let per_head = (len - data_start) / heads as u64;
+        let per_block = (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize;
+        Some(HeadFile {
+            path: path.to_path_buf(),
+            file,
+            metadata,
+            tensors,
+            heads,
+            per_block,
+        })
+    }
+
+    /// Query/key heads H of the case.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// The head blocks, in order, covering `0..H`.
+    pub fn blocks(&self) -> Vec<Range<usize>> {
+        (0..self.heads)
+            .step_by(self.per_block)
+            .map(|h| h..(h + self.per_block).min(self.heads))
+            .collect()
+    }
+
+    /// The case restricted to query/key heads `heads` (and their value
+    /// heads): parsed and validated as a case file of its own.
+    pub fn read(&self, heads: &Range<usize>) -> Result<Case, CaseError> {
+        let what = format!(
+            "{} (heads {}..{})",
+            self.path.display(),
+            heads.start,
+            heads.end
+        );
+        let io = |e: std::io::Error| CaseError::Format {
+            path: what.clone(),
+            why: format!("reading: {e}"),
+        };
+        let mut bufs = vec![];
+        for e in &self.tensors {
+            let (shape, bytes) = match head_axis(&e.name) {
+                None => {
+                    let n = e.shape.first().copied().unwrap_or(1);
+                    (e.shape.clone(), self.slice(e, 0, n, 0..n).map_err(io)?)
+                }
+                Some(a) => {
+                    let per = e.shape[a] / self.heads;
+                    let units = heads.start * per..heads.end * per;
+                    let mut shape = e.shape.clone();
+                    shape[a] = units.len();
+                    (shape, self.slice(e, a, e.shape[a], units).map_err(io)?)
+                }
+            };
+            bufs.push((e.name.clone(), e.dtype, shape, bytes));
+        }
+        let views = bufs
+            .iter()
+            .map(|(n, d, s, b)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
+            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>();
+        let bytes = views
+            .and_then(|v| safetensors::tensor::serialize(v, Some(self.metadata.clone())))
+            .map_err(|e| CaseError::Format {
+                path: what.clone(),
+                why: e.to_string(),
+            })?;
+        drop(bufs);
+        Case::from_bytes(&bytes, &what)
+    }
+
+    /// The bytes of `units` along axis `a` (of length `len`) of tensor `e`.
+    fn slice(
+        &self,
+        e: &Entry,
+        a: usize,
+        len: usize,
+        units: Range<usize>,
+    ) -> std::io::Result<Vec<u8>> {
+        let inner: usize = e.shape.iter().skip(a + 1).product::<usize>() * e.size;
+        let outer: usize = e.shape.iter().take(a).product();
+        let row = len * inner;
+        let (skip, take) = (units.start * inner, units.len() * inner);
+        let mut out = Vec::with_capacity(outer * take);
+        let rows_per_read = (READ_BYTES / row.max(1)).max(1);
+        let mut buf = vec![];
+        for first in (0..outer).step_by(rows_per_read) {
+            let n = rows_per_read.min(outer - first);
+            buf.resize(n * row, 0);
+            self.file
+                .read_exact_at(&mut buf, e.begin + (first * row) as u64)?;
+            for r in buf.chunks_exact(row) {
+                out.extend_from_slice(&r[skip..skip + take]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// `(full shape, flat index in the full tensor)` of a head block's
+    /// tensor `name` of shape `block`: heads `heads` of the whole case.
+    fn place(
+        &self,
+        name: &str,
+        block: &[usize],
+        heads: &Range<usize>,
+    ) -> Option<(Vec<usize>, impl Fn(usize) -> usize)> {
+        let a = head_axis(name)?;
+        let per = block.get(a)? / heads.len();
+        let mut full = block.to_vec();
+        full[a] = per * self.heads;
+        let inner: usize = block.iter().skip(a + 1).product();
+        let (lb, lf, off) = (block[a] * inner, full[a] * inner, heads.start * per * inner);
+        Some((full, move |i: usize| {
+            (i / lb.max(1)) * lf + off + i % lb.max(1)
+        }))
+    }
+}
+
+/// Per-tensor comparisons accumulated over head blocks.
+#[derive(Default)]
+pub struct BlockRows {
+    rows: BTreeMap<String, (Vec<usize>, Result<Accum, String>)>,
+}
+
+impl BlockRows {
+    /// Adds one head block: `expected` against `got`, both of that block.
+    pub fn add(
+        &mut self,
+        file: &HeadFile,
+        heads: &Range<usize>,
+        expected: &Tensors,
+        got: &Tensors,
+    ) -> Result<(), CaseError> {
+        for (name, r) in expected {
+            let (full, at) = file.place(name, r.shape(), heads).ok_or_else(|| {
+                CaseError::Usage(format!(
+                    "{}: `{name}` has no head axis: verify this case whole",
+                    file.path.display()
+                ))
+            })?;
+            let entry = self
+                .rows
+                .entry(name.clone())
+                .or_insert_with(|| (full, Ok(Accum::default())));
+            let Ok(acc) = &mut entry.1 else { continue };
+            match got.get(name) {
+                None => entry.1 = Err("missing from the candidate".into()),
+                Some(c) if c.shape() != r.shape() => {
+                    entry.1 = Err(format!(
+                        "candidate shape {:?} in heads {}..{}",
+                        c.shape(),
+                        heads.start,
+                        heads.end
+                    ))
+                }
+                Some(c) => acc.add(r.iter().copied().zip(c.iter().copied()), at),
+            }
+        }
+        Ok(())
+    }
+
+    /// One row per tensor, in name order (as [`crate::report::VerifyReport::new`]).
+    pub fn rows(self, max_ratio: f64) -> Vec<VerifyRow> {
+        self.rows
+            .into_iter()
+            .map(|(name, (shape, acc))| match acc {
+                Ok(acc) => VerifyRow::from_accum(&name, &shape, &acc, max_ratio),
+                Err(problem) => VerifyRow::problem(&name, &shape, problem),
+            })
+            .collect()
+    }
+}
