@@ -542,35 +542,7 @@ impl Case {
 
     /// The inputs, as the reference crate takes them (not yet validated).
     pub fn inputs(&self) -> Result<Inputs, deltaref::Error> {
-        let cu = self.cu_seqlens.clone();
-        Ok(match self.meta.op {
-            Op::Kda => Inputs::Kda(KdaInputs {
-                q: self.need("q")?,
-                k: self.need("k")?,
-                v: self.need("v")?,
-                g: self.need("g")?,
-                beta: self.need("beta")?,
-                a_log: self.get("A_log"),
-                dt_bias: self.get("dt_bias"),
-                initial_state: self.get("initial_state"),
-                cu_seqlens: cu,
-            }),
-            Op::Dplr => Inputs::Dplr(DplrInputs {
-                q: self.need("q")?,
-                k: self.need("k")?,
-                v: self.need("v")?,
-                a: self.need("a")?,
-                b: self.need("b")?,
-                gk: self.need("gk")?,
-                initial_state: self.get("initial_state"),
-                cu_seqlens: cu,
-            }),
-            Op::TokenShift => Inputs::TokenShift(TokenShiftInputs {
-                x: self.need("x")?,
-                cache: self.get("cache"),
-                cu_seqlens: cu,
-            }),
-        })
+        self.assemble(|n| self.tensors.get(n).cloned())
     }
 
     /// The upstream gradients `(do, dht)` (`(dy, dfinal_cache)`); `do` is required.
@@ -579,6 +551,63 @@ impl Case {
             unreachable!("two upstream names per op")
         };
         Ok((self.need(d_o)?, self.get(dht)))
+    }
+
+    /// The inputs and the upstream gradients `(do, dht)`, moved out of the
+    /// case instead of copied (a long case holds one set of them, not two).
+    pub fn into_inputs(
+        mut self,
+    ) -> Result<(Inputs, ArrayD<f64>, Option<ArrayD<f64>>), deltaref::Error> {
+        let (d_o, dht) = self.upstream()?;
+        let [d_o_name, dht_name] = self.meta.op.upstream() else {
+            unreachable!("two upstream names per op")
+        };
+        self.tensors.remove(*d_o_name);
+        self.tensors.remove(*dht_name);
+        let mut t = std::mem::take(&mut self.tensors);
+        Ok((self.assemble(|n| t.remove(n))?, d_o, dht))
+    }
+
+    /// The inputs from `get` (a tensor by name, `None` when absent).
+    fn assemble(
+        &self,
+        mut get: impl FnMut(&str) -> Option<ArrayD<f64>>,
+    ) -> Result<Inputs, deltaref::Error> {
+        let op = self.meta.op;
+        let mut need = |name: &str| {
+            get(name).ok_or_else(|| {
+                deltaref::Error::missing(name, format!("required input of op {}", op.name()))
+            })
+        };
+        let cu = self.cu_seqlens.clone();
+        Ok(match op {
+            Op::Kda => Inputs::Kda(KdaInputs {
+                q: need("q")?,
+                k: need("k")?,
+                v: need("v")?,
+                g: need("g")?,
+                beta: need("beta")?,
+                a_log: get("A_log"),
+                dt_bias: get("dt_bias"),
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::Dplr => Inputs::Dplr(DplrInputs {
+                q: need("q")?,
+                k: need("k")?,
+                v: need("v")?,
+                a: need("a")?,
+                b: need("b")?,
+                gk: need("gk")?,
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::TokenShift => Inputs::TokenShift(TokenShiftInputs {
+                x: need("x")?,
+                cache: get("cache"),
+                cu_seqlens: cu,
+            }),
+        })
     }
 
     /// The stored outputs and gradients (empty for a fixture without them).

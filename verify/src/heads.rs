@@ -12,10 +12,10 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype as StDtype, TensorView};
+use safetensors::tensor::Dtype as StDtype;
 use serde_json::{Map, Value};
 
-use crate::case::{Case, CaseError};
+use crate::case::{Case, CaseError, Op};
 use crate::metrics::Accum;
 use crate::outputs::Tensors;
 use crate::report::VerifyRow;
@@ -53,6 +53,7 @@ struct Entry {
 pub struct HeadFile {
     path: PathBuf,
     file: File,
+    op: Op,
     metadata: HashMap<String, String>,
     tensors: Vec<Entry>,
     /// Query/key heads H.
@@ -130,9 +131,7 @@ impl HeadFile {
             });
         }
         let meta = serde_json::from_str::<Value>(metadata.get("case")?).ok()?;
-        if !matches!(meta.get("op")?.as_str()?, "kda" | "dplr") {
-            return None;
-        }
+        let op = Op::parse(meta.get("op")?.as_str()?).filter(|&op| op != Op::TokenShift)?;
         let heads = *tensors.iter().find(|e| e.name == "q")?.shape.get(2)?;
         let fits = |e: &Entry| match head_axis(&e.name) {
             Some(a) => e.shape.get(a).is_some_and(|&l| l > 0 && l % heads == 0),
@@ -146,6 +145,7 @@ impl HeadFile {
         Some(HeadFile {
             path: path.to_path_buf(),
             file,
+            op,
             metadata,
             tensors,
             heads,
@@ -167,74 +167,154 @@ impl HeadFile {
     }
 
     /// The case restricted to query/key heads `heads` (and their value
-    /// heads): parsed and validated as a case file of its own.
-    pub fn read(&self, heads: &Range<usize>) -> Result<Case, CaseError> {
+    /// heads) without its stored results: parsed and validated as a case
+    /// file of its own.
+    pub fn read_inputs(&self, heads: &Range<usize>) -> Result<Case, CaseError> {
+        let (bytes, what) = self.block_file(heads, |n| !self.is_result(n))?;
+        Case::from_bytes(&bytes, &what)
+    }
+
+    /// Whether the file stores any result (output or gradient).
+    pub fn has_results(&self) -> bool {
+        self.tensors.iter().any(|e| self.is_result(&e.name))
+    }
+
+    /// The stored results of heads `heads`, checked as a case's are:
+    /// shaped as `shapes` (from the same block's inputs,
+    /// [`Case::result_shape`]) says, and finite.
+    pub fn read_results(
+        &self,
+        heads: &Range<usize>,
+        shapes: &BTreeMap<String, Vec<usize>>,
+    ) -> Result<Tensors, CaseError> {
+        let (bytes, what) = self.block_file(heads, |n| self.is_result(n))?;
+        let results = Case::candidate_from_bytes(&bytes, &what, self.op)?.tensors;
+        let invalid = |source| CaseError::Invalid {
+            path: what.clone(),
+            source,
+        };
+        for (name, x) in &results {
+            if let Some(want) = shapes.get(name) {
+                deltaref::tensor::expect_shape(name, "(as its input counterpart)", want, x.shape())
+                    .map_err(invalid)?;
+            }
+            deltaref::tensor::check_finite(name, x).map_err(invalid)?;
+        }
+        Ok(results)
+    }
+
+    fn is_result(&self, name: &str) -> bool {
+        self.op.results().contains(&name)
+    }
+
+    /// A safetensors file (bytes, and its name for errors) holding heads
+    /// `heads` of the tensors `keep` accepts; `cu_seqlens` always.
+    fn block_file(
+        &self,
+        heads: &Range<usize>,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<(Vec<u8>, String), CaseError> {
         let what = format!(
             "{} (heads {}..{})",
             self.path.display(),
             heads.start,
             heads.end
         );
-        let io = |e: std::io::Error| CaseError::Format {
+        let fail = |why: String| CaseError::Format {
             path: what.clone(),
-            why: format!("reading: {e}"),
+            why,
         };
-        let mut bufs = vec![];
-        for e in &self.tensors {
-            let (shape, bytes) = match head_axis(&e.name) {
+        // The header first (names, dtypes, block shapes, offsets), then the
+        // data gathered straight into place: one buffer, no second copy.
+        let mut header = Map::new();
+        let meta: Map<String, Value> = self
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
+            .collect();
+        header.insert("__metadata__".into(), Value::Object(meta));
+        let mut parts = vec![];
+        let mut offset = 0usize;
+        for e in self
+            .tensors
+            .iter()
+            .filter(|e| keep(&e.name) || e.name == "cu_seqlens")
+        {
+            let (a, len, units) = match head_axis(&e.name) {
                 None => {
                     let n = e.shape.first().copied().unwrap_or(1);
-                    (e.shape.clone(), self.slice(e, 0, n, 0..n).map_err(io)?)
+                    (0, n, 0..n)
                 }
                 Some(a) => {
                     let per = e.shape[a] / self.heads;
-                    let units = heads.start * per..heads.end * per;
-                    let mut shape = e.shape.clone();
-                    shape[a] = units.len();
-                    (shape, self.slice(e, a, e.shape[a], units).map_err(io)?)
+                    (a, e.shape[a], heads.start * per..heads.end * per)
                 }
             };
-            bufs.push((e.name.clone(), e.dtype, shape, bytes));
+            let mut shape = e.shape.clone();
+            if let Some(x) = shape.get_mut(a) {
+                *x = units.len();
+            }
+            let bytes = shape.iter().product::<usize>() * e.size;
+            header.insert(
+                e.name.clone(),
+                serde_json::json!({
+                    "dtype": e.dtype,
+                    "shape": shape,
+                    "data_offsets": [offset, offset + bytes],
+                }),
+            );
+            parts.push((e, a, len, units, offset..offset + bytes));
+            offset += bytes;
         }
-        let views = bufs
-            .iter()
-            .map(|(n, d, s, b)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
-            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>();
-        let bytes = views
-            .and_then(|v| safetensors::tensor::serialize(v, Some(self.metadata.clone())))
-            .map_err(|e| CaseError::Format {
-                path: what.clone(),
-                why: e.to_string(),
-            })?;
-        drop(bufs);
-        Case::from_bytes(&bytes, &what)
+        let mut text =
+            serde_json::to_string(&Value::Object(header)).map_err(|e| fail(e.to_string()))?;
+        // safetensors aligns the data to 8 bytes with trailing spaces.
+        while (text.len() + 8) % 8 != 0 {
+            text.push(' ');
+        }
+        let start = 8 + text.len();
+        let mut out = vec![0u8; start + offset];
+        out[..8].copy_from_slice(&(text.len() as u64).to_le_bytes());
+        out[8..start].copy_from_slice(text.as_bytes());
+        for (e, a, len, units, range) in parts {
+            self.gather(
+                e,
+                a,
+                len,
+                units,
+                &mut out[start + range.start..start + range.end],
+            )
+            .map_err(|err| fail(format!("reading `{}`: {err}", e.name)))?;
+        }
+        Ok((out, what))
     }
 
-    /// The bytes of `units` along axis `a` (of length `len`) of tensor `e`.
-    fn slice(
+    /// Gathers `units` along axis `a` (of length `len`) of tensor `e` into `out`.
+    fn gather(
         &self,
         e: &Entry,
         a: usize,
         len: usize,
         units: Range<usize>,
-    ) -> std::io::Result<Vec<u8>> {
+        out: &mut [u8],
+    ) -> std::io::Result<()> {
         let inner: usize = e.shape.iter().skip(a + 1).product::<usize>() * e.size;
         let outer: usize = e.shape.iter().take(a).product();
         let row = len * inner;
         let (skip, take) = (units.start * inner, units.len() * inner);
-        let mut out = Vec::with_capacity(outer * take);
         let rows_per_read = (READ_BYTES / row.max(1)).max(1);
         let mut buf = vec![];
+        let mut dst = out.chunks_exact_mut(take.max(1));
         for first in (0..outer).step_by(rows_per_read) {
             let n = rows_per_read.min(outer - first);
             buf.resize(n * row, 0);
             self.file
                 .read_exact_at(&mut buf, e.begin + (first * row) as u64)?;
-            for r in buf.chunks_exact(row) {
-                out.extend_from_slice(&r[skip..skip + take]);
+            for (r, d) in buf.chunks_exact(row.max(1)).zip(&mut dst) {
+                d.copy_from_slice(&r[skip..skip + take]);
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// `(full shape, flat index in the full tensor)` of a head block's

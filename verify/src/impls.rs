@@ -2,6 +2,8 @@
 //! gradients (`--impl`). Every implementation returns the same name → tensor
 //! map, so any two can be compared.
 
+use std::borrow::Cow;
+
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::kda::chunk::Chunk;
 use deltaref::precision::{Policy, Stage};
@@ -125,8 +127,8 @@ impl Impl {
             return Ok((t, Some(timings)));
         }
         let t = match compute {
-            Compute::F64 => self.compute_in::<f64>(case, false)?.0,
-            Compute::F32 => self.compute_in::<f32>(case, false)?.0,
+            Compute::F64 => self.compute_in::<f64>(Cow::Borrowed(case), false)?.0,
+            Compute::F32 => self.compute_in::<f32>(Cow::Borrowed(case), false)?.0,
         };
         Ok((t, None))
     }
@@ -136,7 +138,19 @@ impl Impl {
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
-        self.compute_in::<f64>(case, true)
+        self.compute_in::<f64>(Cow::Borrowed(case), true)
+    }
+
+    /// Like `compute`, consuming the case: its inputs move into the engine
+    /// instead of being copied (a long case's head block holds one set).
+    pub fn compute_owned(&self, case: Case, compute: Compute) -> Result<Tensors, ComputeError> {
+        if let Device::Gpu(_) = self.device {
+            return self.compute(&case, compute);
+        }
+        Ok(match compute {
+            Compute::F64 => self.compute_in::<f64>(Cow::Owned(case), false)?.0,
+            Compute::F32 => self.compute_in::<f32>(Cow::Owned(case), false)?.0,
+        })
     }
 
     /// The outputs only (`o`/`y` and the final state), without the backward
@@ -188,10 +202,10 @@ impl Impl {
     }
 
     /// The case as the kernel reads it: inputs rounded to the policy's input storage.
-    fn stored_inputs<'a>(&self, case: &'a Case) -> std::borrow::Cow<'a, Case> {
+    fn stored_inputs<'a>(&self, case: &'a Case) -> Cow<'a, Case> {
         match self.policy.storage(Stage::Inputs) {
-            Some(s) => std::borrow::Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
-            None => std::borrow::Cow::Borrowed(case),
+            Some(s) => Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
+            None => Cow::Borrowed(case),
         }
     }
 
@@ -210,7 +224,7 @@ impl Impl {
     /// `diags`: the per-rank table is wanted, non-CP references included.
     fn compute_in<T: Scalar>(
         &self,
-        case: &Case,
+        case: Cow<'_, Case>,
         diags: bool,
     ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error> {
         let cp = if diags {
@@ -219,13 +233,23 @@ impl Impl {
             self.cp_without_references()
         };
         // The kernel reads its inputs in their storage dtype.
-        let case = &*self.stored_inputs(case);
-        let (d_o, dht) = case.upstream()?;
+        let case = match self.policy.storage(Stage::Inputs) {
+            Some(s) => Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
+            None => case,
+        };
+        let meta = case.meta.clone();
+        let (inputs, d_o, dht) = match case {
+            Cow::Owned(c) => c.into_inputs()?,
+            Cow::Borrowed(c) => {
+                let (d_o, dht) = c.upstream()?;
+                (c.inputs()?, d_o, dht)
+            }
+        };
         let dht = dht.as_ref();
         let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
-        match (case.inputs()?, &cp) {
+        match (inputs, &cp) {
             (Inputs::Kda(x), cp) => {
-                let opts = case.meta.kda_options();
+                let opts = meta.kda_options();
                 match (&self.engine, cp) {
                     (Engine::Naive, None) => Ok((
                         outputs::kda::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht)?,
@@ -236,15 +260,15 @@ impl Impl {
                         vec![],
                     )),
                     (Engine::Naive, Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht, p, o)
+                        outputs::kda_cp::<T, _>(&kda::naive::Naive, x, &opts, d_o, dht, p, o)
                     }
                     (Engine::Chunk(c), Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht, p, o)
+                        outputs::kda_cp::<T, _>(&chunk(*c)?, x, &opts, d_o, dht, p, o)
                     }
                 }
             }
             (Inputs::Dplr(x), cp) => {
-                let opts = case.meta.dplr_options();
+                let opts = meta.dplr_options();
                 let naive = &dplr::naive::Naive;
                 match (&self.engine, cp) {
                     (Engine::Naive, None) => {
@@ -255,13 +279,13 @@ impl Impl {
                         vec![],
                     )),
                     (Engine::Naive, Some((p, o))) => {
-                        outputs::dplr_cp::<T, _>(naive, &x, &opts, &d_o, dht, p, o)
+                        outputs::dplr_cp::<T, _>(naive, x, &opts, d_o, dht, p, o)
                     }
                     (Engine::Chunk(c), Some((p, o))) => outputs::dplr_cp::<T, _>(
                         &dplr::chunk::Chunk::new(*c)?,
-                        &x,
+                        x,
                         &opts,
-                        &d_o,
+                        d_o,
                         dht,
                         p,
                         o,

@@ -135,14 +135,17 @@ pub fn token_shift<T: Scalar>(
 /// which include the forward ones).
 pub fn kda_cp<T: Scalar, E: KdaEngine<T>>(
     engine: &E,
-    x: &KdaInputs<f64>,
+    x: KdaInputs<f64>,
     opts: &KdaOptions,
-    d_o: &ArrayD<f64>,
+    d_o: ArrayD<f64>,
     dht: Option<&ArrayD<f64>>,
     plan: &PlanSpec,
     cpo: &CpOptions,
 ) -> Result<(Tensors, Vec<RankDiag<T>>)> {
+    // Taken by value so that a long case is held once (in `T`), not twice.
     let xt = x.cast::<T>();
+    drop(x);
+    let d_o = cast(&d_o);
     let opts = KdaOptions {
         output_final_state: true,
         ..*opts
@@ -152,7 +155,7 @@ pub fn kda_cp<T: Scalar, E: KdaEngine<T>>(
         engine,
         &xt,
         &opts,
-        &cast(d_o),
+        &d_o,
         dht.map(cast::<f64, T>).as_ref(),
         plan,
         cpo,
@@ -163,14 +166,17 @@ pub fn kda_cp<T: Scalar, E: KdaEngine<T>>(
 /// DPLR under simulated CP, with the per-rank diagnostics.
 pub fn dplr_cp<T: Scalar, E: DplrEngine<T>>(
     engine: &E,
-    x: &DplrInputs<f64>,
+    x: DplrInputs<f64>,
     opts: &DplrOptions,
-    d_o: &ArrayD<f64>,
+    d_o: ArrayD<f64>,
     dht: Option<&ArrayD<f64>>,
     plan: &PlanSpec,
     cpo: &CpOptions,
 ) -> Result<(Tensors, Vec<RankDiag<T>>)> {
+    // Taken by value so that a long case is held once (in `T`), not twice.
     let xt = x.cast::<T>();
+    drop(x);
+    let d_o = cast(&d_o);
     let opts = DplrOptions {
         output_final_state: true,
         ..*opts
@@ -180,7 +186,7 @@ pub fn dplr_cp<T: Scalar, E: DplrEngine<T>>(
         engine,
         &xt,
         &opts,
-        &cast(d_o),
+        &d_o,
         dht.map(cast::<f64, T>).as_ref(),
         plan,
         cpo,

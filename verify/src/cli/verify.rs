@@ -1,11 +1,13 @@
 //! `deltaref verify`: compare a candidate (or an implementation) with a
 //! case's expected tensors (or the oracle's recomputation).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use deltaref_verify::case::{Case, CaseError};
+
+use deltaref_verify::case::{Case, CaseError, Op};
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
 use deltaref_verify::impls::{oracle_truth, ImplRequest};
 use deltaref_verify::intermediates;
@@ -105,7 +107,13 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             (expected, reference, got, format!("impl:{}", imp.name()))
         }
     };
-    let unchecked = select(a, &case, &mut expected, &got);
+    let unchecked = select(
+        a,
+        case.meta.op,
+        case.expected_results(),
+        &mut expected,
+        &got,
+    );
     let report = VerifyReport::new(
         &a.case.display().to_string(),
         &reference,
@@ -119,13 +127,18 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
 
 /// Applies `--forward-only` and `--allow-partial` to `expected` (against
 /// `got`) and returns the names left unchecked.
-fn select(a: &Args, case: &Case, expected: &mut Tensors, got: &Tensors) -> Vec<String> {
-    let keep = case.meta.op.forward_results();
+fn select(
+    a: &Args,
+    op: Op,
+    results: Vec<&'static str>,
+    expected: &mut Tensors,
+    got: &Tensors,
+) -> Vec<String> {
+    let keep = op.forward_results();
     if a.forward_only {
         expected.retain(|n, _| keep.contains(&n.as_str()));
     }
-    let mut unchecked: Vec<String> = case
-        .expected_results()
+    let mut unchecked: Vec<String> = results
         .into_iter()
         .filter(|n| !expected.contains_key(*n) && (!a.forward_only || keep.contains(n)))
         .map(String::from)
@@ -163,29 +176,31 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<VerifyReport, CaseError> {
     for heads in &blocks {
         let of = format!("heads {}..{} of {}", heads.start, heads.end, file.heads());
         bar.step(&format!("{of}: reading"));
-        let mut case = file.read(heads)?;
+        let case = file.read_inputs(heads)?;
         let (imp, compute) = a.imp.resolve(&case)?;
         imp.check_memory(&case)?;
-        // Moved out, not copied: the stored truth is the largest part of the block.
-        let stored: Tensors = case
-            .meta
-            .op
+        let (op, results) = (case.meta.op, case.expected_results());
+        let shapes: BTreeMap<String, Vec<usize>> = op
             .results()
             .iter()
-            .filter_map(|n| case.tensors.remove_entry(*n))
+            .filter_map(|&n| Some((n.to_string(), case.result_shape(n)?)))
             .collect();
-        let (mut expected, reference) = if stored.is_empty() {
-            bar.step(&format!("{of}: computing the f64 oracle"));
-            (oracle_truth(&case, &a.case)?, "impl:naive (f64 oracle)")
+        let oracle = if file.has_results() {
+            None
         } else {
-            (stored, "case file")
+            bar.step(&format!("{of}: computing the f64 oracle"));
+            Some(oracle_truth(&case, &a.case)?)
         };
         bar.step(&format!("{of}: computing impl:{}", imp.name()));
         let got = imp
-            .compute(&case, compute)
+            .compute_owned(case, compute)
             .map_err(CaseError::computing(&a.case))?;
-        let unchecked = select(a, &case, &mut expected, &got);
-        drop(case);
+        // The stored truth is read only now, so it never shares memory with the computation's buffers.
+        let (mut expected, reference) = match oracle {
+            Some(t) => (t, "impl:naive (f64 oracle)"),
+            None => (file.read_results(heads, &shapes)?, "case file"),
+        };
+        let unchecked = select(a, op, results, &mut expected, &got);
         rows.add(file, heads, &expected, &got)?;
         names.get_or_insert((reference, format!("impl:{}", imp.name()), unchecked));
         bar.inc();
