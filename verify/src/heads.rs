@@ -391,3 +391,109 @@ impl BlockRows {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::case::Dtype;
+    use crate::generate::{generate, GenSpec};
+    use crate::impls::{Compute, Impl};
+    use crate::report::VerifyReport;
+    use deltaref::gates::Gate;
+
+    /// A case file with stored truth: KDA with GVA (H = 3, HV = 6), gates,
+    /// an initial state and three sequences, so that every head axis occurs.
+    fn kda_file(dir: &Path, dtype: Dtype) -> PathBuf {
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.lengths = Some(vec![5, 40, 19]);
+        spec.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+        spec.gate = Gate::Kda;
+        spec.initial_state = true;
+        spec.expected = true;
+        spec.dtype = dtype;
+        let path = dir.join("kda.safetensors");
+        generate(&spec).unwrap().write(&path).unwrap();
+        path
+    }
+
+    fn with_blocks(file: HeadFile, per_block: usize) -> HeadFile {
+        HeadFile { per_block, ..file }
+    }
+
+    /// The chunked engine against the stored truth, whole and by head blocks of two.
+    #[test]
+    fn head_blocks_give_the_whole_cases_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        for dtype in [Dtype::F64, Dtype::Bf16] {
+            let path = kda_file(dir.path(), dtype);
+            let imp = Impl::chunk(16).unwrap();
+            let case = Case::read(&path).unwrap();
+            let got = imp.compute(&case, Compute::F64).unwrap();
+            let whole = VerifyReport::new("", "", "", &case.results(), &got, 5e-3).rows;
+
+            let file = with_blocks(HeadFile::open(&path, 0).unwrap().unwrap(), 2);
+            assert_eq!(file.blocks(), vec![0..2, 2..3]);
+            let mut rows = BlockRows::default();
+            for heads in file.blocks() {
+                let block = file.read_inputs(&heads).unwrap();
+                let shapes = Op::Kda
+                    .results()
+                    .iter()
+                    .filter_map(|&n| Some((n.to_string(), block.result_shape(n)?)))
+                    .collect();
+                let got = imp.compute_owned(block, Compute::F64).unwrap();
+                let expected = file.read_results(&heads, &shapes).unwrap();
+                rows.add(&file, &heads, &expected, &got).unwrap();
+            }
+            let rows = rows.rows(5e-3);
+            assert_eq!(rows.len(), whole.len());
+            assert_eq!(rows.len(), 10, "o, final_state and 8 gradients");
+            for (r, w) in rows.iter().zip(&whole) {
+                assert_eq!(
+                    (&r.tensor, &r.shape, &r.argmax),
+                    (&w.tensor, &w.shape, &w.argmax)
+                );
+                assert_eq!((r.max_abs, r.pass), (w.max_abs, w.pass), "{}", r.tensor);
+                let (a, b) = (r.norm_ratio.unwrap(), w.norm_ratio.unwrap());
+                assert!((a - b).abs() <= 1e-12 * b.abs(), "{}: {a} vs {b}", r.tensor);
+            }
+        }
+    }
+
+    #[test]
+    fn small_token_shift_or_single_head_files_are_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert!(HeadFile::open(&path, size + 1).unwrap().is_none());
+        assert!(HeadFile::open(&path, size).unwrap().is_some());
+        let mut spec = GenSpec::new(Op::TokenShift);
+        spec.expected = true;
+        let ts = dir.path().join("ts.safetensors");
+        generate(&spec).unwrap().write(&ts).unwrap();
+        assert!(HeadFile::open(&ts, 0).unwrap().is_none());
+        let mut spec = GenSpec::new(Op::Dplr);
+        spec.shape = Some(vec![1, 32, 1, 8, 8]);
+        let one = dir.path().join("one.safetensors");
+        generate(&spec).unwrap().write(&one).unwrap();
+        assert!(HeadFile::open(&one, 0).unwrap().is_none());
+    }
+
+    /// A stored truth that is not finite is refused by name, as for a whole case.
+    #[test]
+    fn a_non_finite_stored_result_in_a_block_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let mut case = Case::read(&path).unwrap();
+        let mut dq = case.tensors["dq"].clone();
+        dq[[0, 50, 2, 3]] = f64::NAN;
+        case.tensors.insert("dq".into(), dq);
+        case.write(&path).unwrap();
+        let file = with_blocks(HeadFile::open(&path, 0).unwrap().unwrap(), 1);
+        let block = file.read_inputs(&(2..3)).unwrap();
+        let shapes = [("dq".to_string(), block.result_shape("dq").unwrap())].into();
+        let e = file.read_results(&(2..3), &shapes).unwrap_err().to_string();
+        assert!(e.contains("heads 2..3") && e.contains("dq"), "{e}");
+        assert!(file.read_results(&(0..1), &shapes).is_ok());
+    }
+}
