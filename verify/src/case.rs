@@ -15,8 +15,8 @@ use deltaref::kda::{KdaInputs, KdaOptions};
 use deltaref::token_shift::TokenShiftInputs;
 use half::{bf16, f16};
 use ndarray::{ArrayD, IxDyn};
-use safetensors::View;
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use safetensors::View;
 use serde_json::{Map, Value};
 use thiserror::Error;
 
@@ -756,7 +756,10 @@ impl Case {
         views.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
         crate::files::write_atomic_with(path, |tmp| {
             // `create_new` never follows a link planted at the temporary name.
-            let f = std::fs::File::options().write(true).create_new(true).open(tmp)?;
+            let f = std::fs::File::options()
+                .write(true)
+                .create_new(true)
+                .open(tmp)?;
             let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
             w.write_all(&head)?;
             for (_, v) in &views {
@@ -986,7 +989,11 @@ impl safetensors::View for Encoded<'_> {
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
         match self {
             Encoded::Float(x, dt, _) => dt.encode(x).into(),
-            Encoded::Int(cu, _) => cu.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into(),
+            Encoded::Int(cu, _) => cu
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
         }
     }
     fn data_len(&self) -> usize {

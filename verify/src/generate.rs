@@ -254,8 +254,14 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
         .map_err(|e| CaseError::Usage(e.to_string()))?;
     if spec.expected {
         progress.step("computing the f64 truth");
-        let truth = Impl::NAIVE
-            .compute(&case, Compute::F64)
+        // A long case's truth is computed a few heads at a time (same
+        // values; one per thread keeps every core busy): only those heads'
+        // engine buffers are live, not every head's.
+        let naive = |c: Case| Impl::NAIVE.compute_owned(c, Compute::F64);
+        let truth = (problem.compute_bytes(None) > crate::heads::STREAM_MIN_BYTES)
+            .then(|| crate::heads::compute_by_blocks(&case, rayon::current_num_threads(), naive))
+            .flatten()
+            .unwrap_or_else(|| Impl::NAIVE.compute(&case, Compute::F64))
             .map_err(|e| CaseError::Usage(e.to_string()))?;
         if let Some((n, i, v)) = first_non_finite(&truth) {
             return Err(CaseError::Usage(format!(

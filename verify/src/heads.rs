@@ -12,6 +12,7 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use safetensors::tensor::Dtype as StDtype;
 use serde_json::{Map, Value};
 
@@ -335,6 +336,54 @@ impl HeadFile {
             (i / lb.max(1)) * lf + off + i % lb.max(1)
         }))
     }
+}
+
+/// `f` (a computation of a case's outputs and gradients) run on `case`
+/// one block of `per_block` query/key heads at a time, the blocks' results
+/// placed into whole tensors: the same values as one run on the whole case,
+/// since heads never mix, with one block's buffers live instead of all.
+/// KDA and DPLR only (`None` for token-shift or a tensor without a head axis).
+pub fn compute_by_blocks<E>(
+    case: &Case,
+    per_block: usize,
+    mut f: impl FnMut(Case) -> Result<Tensors, E>,
+) -> Option<Result<Tensors, E>> {
+    let heads = *case.tensors.get("q")?.shape().get(2)?;
+    let all_split = case.tensors.iter().all(|(n, x)| {
+        head_axis(n).is_some_and(|a| x.shape().get(a).is_some_and(|&l| l % heads == 0))
+    });
+    if case.meta.op == Op::TokenShift || !all_split || per_block == 0 {
+        return None;
+    }
+    let mut whole = Tensors::new();
+    for h0 in (0..heads).step_by(per_block) {
+        let h = h0..(h0 + per_block).min(heads);
+        let mut block = Case::new(case.meta.clone());
+        block.cu_seqlens = case.cu_seqlens.clone();
+        block.dtypes = case.dtypes.clone();
+        for (name, x) in &case.tensors {
+            let a = head_axis(name).expect("checked");
+            let per = x.shape()[a] / heads;
+            let part = x.slice_axis(Axis(a), Slice::from(h.start * per..h.end * per));
+            block.tensors.insert(name.clone(), part.to_owned());
+        }
+        let got = match f(block) {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e)),
+        };
+        for (name, part) in got {
+            let a = head_axis(&name).expect("results have a head axis");
+            let per = part.shape()[a] / h.len();
+            let full = whole.entry(name).or_insert_with(|| {
+                let mut shape = part.shape().to_vec();
+                shape[a] = per * heads;
+                ArrayD::zeros(IxDyn(&shape))
+            });
+            full.slice_axis_mut(Axis(a), Slice::from(h.start * per..h.end * per))
+                .assign(&part);
+        }
+    }
+    Some(Ok(whole))
 }
 
 /// Per-tensor comparisons accumulated over head blocks.
