@@ -532,7 +532,7 @@ impl Case {
     }
 
     fn get(&self, name: &str) -> Option<ArrayD<f64>> {
-        self.tensors.get(name).cloned()
+        self.tensors.get(name).map(deltaref::tensor::cast)
     }
 
     fn need(&self, name: &str) -> Result<ArrayD<f64>, deltaref::Error> {
@@ -546,7 +546,8 @@ impl Case {
 
     /// The inputs, as the reference crate takes them (not yet validated).
     pub fn inputs(&self) -> Result<Inputs, deltaref::Error> {
-        self.assemble(|n| self.tensors.get(n).cloned())
+        // `cast` to f64 is a copy, made on every core for a long tensor.
+        self.assemble(|n| self.get(n))
     }
 
     /// The upstream gradients `(do, dht)` (`(dy, dfinal_cache)`); `do` is required.
