@@ -2,7 +2,7 @@
 //! K=V=128 (issue 20: chunk at least as fast as naive), with the GFLOP/s of
 //! each ([`deltaref::ops`]'s counts) and its fraction of the measured
 //! no-FMA mul+add peak.
-//! Run: `cargo bench -p deltaref-reference --bench chunk`.
+//! Run: `cargo bench -p deltaref --bench chunk`.
 
 mod common;
 

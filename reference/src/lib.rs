@@ -13,6 +13,7 @@ pub mod error;
 pub mod gates;
 pub mod inputs;
 pub mod kda;
+pub mod op;
 pub mod ops;
 pub mod precision;
 pub mod rng;

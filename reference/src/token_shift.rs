@@ -1,13 +1,18 @@
 //! Token-shift (SPEC §5): `y_t = x_{t−1} − x_t` per sequence, `x_{−1}` being
 //! `cache[n]` (or 0). `final_cache[n]` is the sequence's last token; for a
 //! zero-length sequence it passes `cache[n]` (or 0) through unchanged, like a
-//! recurrent state over no tokens.
+//! recurrent state over no tokens. Under the operator contract the cache is
+//! the state (`[1, D]` per sequence, one head), so CP hands the previous
+//! rank's last token over like any other state.
 
-use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView3, Ix2, Ix3};
+use ndarray::{
+    Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix2, Ix3,
+};
 
 use crate::error::{Error, Result};
+use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
-use crate::tensor::{check_finite, expect_rank, expect_shape};
+use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
 
 #[derive(Clone, Debug)]
@@ -69,74 +74,233 @@ pub fn validate<T: Scalar>(x: &TokenShiftInputs<T>) -> Result<(TokenShiftDims, V
     Ok((TokenShiftDims { b, t, d, n }, segs))
 }
 
-/// The token before `seg` (cache row or zeros).
-fn before<T: Scalar>(cache: Option<&Array2<T>>, seg: &Segment, d: usize) -> Array1<T> {
-    cache.map_or_else(|| Array1::zeros(d), |c| c.row(seg.seq).to_owned())
+/// Validated inputs as one-head tensors: `x [B, T, 1, D]`, `cache [N, 1, 1, D]`
+/// (the cache is the state, `K = 1`, `V = D`).
+#[derive(Clone, Debug)]
+pub struct Prepared<'a, T> {
+    pub dims: TokenShiftDims,
+    pub segments: Vec<Segment>,
+    pub x: ArrayView4<'a, T>,
+    pub cache: Option<ArrayView4<'a, T>>,
 }
 
-/// `y_t = x_{t−1} − x_t` over `seg`, `x_{start−1} = prev`; returns the last
-/// token (`prev` for an empty segment).
-pub(crate) fn shift_segment<T: Scalar>(
-    x: ArrayView3<T>,
-    y: &mut Array3<T>,
-    seg: &Segment,
-    mut prev: Array1<T>,
-) -> Array1<T> {
-    for t in seg.start..seg.end {
-        let cur = x.slice(s![seg.batch, t, ..]);
-        y.slice_mut(s![seg.batch, t, ..]).assign(&(&prev - &cur));
-        prev = cur.to_owned();
+impl<'a, T: Scalar> Prepared<'a, T> {
+    pub fn new(x: &'a TokenShiftInputs<T>) -> Result<Self> {
+        let (dims, segments) = validate(x)?;
+        Ok(Prepared {
+            dims,
+            segments,
+            x: view3(&x.x).insert_axis(Axis(2)),
+            cache: x.cache.as_ref().map(state_view),
+        })
     }
-    prev
 }
 
-/// Backward of `shift_segment`: `carry` is the gradient of the segment's last
-/// token from outside (`dfinal_cache`); returns the gradient of `prev`.
-pub(crate) fn shift_segment_backward<T: Scalar>(
-    dy: ArrayView3<T>,
-    dx: &mut Array3<T>,
-    seg: &Segment,
-    mut carry: Array1<T>,
-) -> Array1<T> {
-    for t in (seg.start..seg.end).rev() {
-        let dyt: ArrayView1<T> = dy.slice(s![seg.batch, t, ..]);
-        dx.slice_mut(s![seg.batch, t, ..]).assign(&(&carry - &dyt));
-        carry = dyt.to_owned();
-    }
-    carry
+/// `[N, D]` as the `[N, 1, 1, D]` state.
+fn state_view<T: Scalar>(a: &ArrayD<T>) -> ArrayView4<'_, T> {
+    a.view()
+        .into_dimensionality::<Ix2>()
+        .expect("validated")
+        .insert_axis(Axis(1))
+        .insert_axis(Axis(1))
 }
 
-/// As 2-D / 3-D views (validated shapes).
+/// As a 3-D view (validated shape).
 fn view3<T: Scalar>(a: &ArrayD<T>) -> ArrayView3<'_, T> {
     a.view().into_dimensionality::<Ix3>().expect("validated")
 }
 
-fn owned2<T: Scalar>(a: &ArrayD<T>) -> Array2<T> {
-    a.view()
-        .into_dimensionality::<Ix2>()
-        .expect("validated")
-        .to_owned()
+impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
+    type Head = TokenShiftHead<T>;
+
+    fn shape(&self) -> Shape {
+        let d = self.dims;
+        Shape {
+            b: d.b,
+            t: d.t,
+            n: d.n,
+            heads: 1,
+            k: 1,
+            v: d.d,
+        }
+    }
+
+    fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    fn head(&self, seg: &Segment, h: usize) -> TokenShiftHead<T> {
+        TokenShiftHead {
+            x: tensor::gather(&self.x, seg, h),
+        }
+    }
+
+    fn h0(&self) -> Option<ArrayView4<'_, T>> {
+        self.cache.as_ref().map(|c| c.view())
+    }
+}
+
+/// The tokens of one sequence (or CP piece): `x [L, D]`.
+#[derive(Clone, Debug)]
+pub struct TokenShiftHead<T> {
+    pub x: Array2<T>,
+}
+
+/// `dx [L, D]` and the gradient of the token before the piece, `dcache [1, D]`.
+#[derive(Clone, Debug)]
+pub struct TokenShiftHeadGrads<T> {
+    pub dx: Array2<T>,
+    pub dcache: Array2<T>,
+}
+
+/// The one engine: `y_t = x_{t−1} − x_t`, the state being the last token.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Shift;
+
+impl<T: Scalar> Engine<T> for Shift {
+    type Op = TokenShift;
+
+    fn forward(&self, x: &TokenShiftHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        let mut prev = h0.row(0).to_owned();
+        let mut y = Array2::zeros(x.x.raw_dim());
+        for (cur, mut yt) in x.x.rows().into_iter().zip(y.rows_mut()) {
+            yt.assign(&(&prev - &cur));
+            prev = cur.to_owned();
+        }
+        (y, prev.insert_axis(Axis(0)))
+    }
+
+    /// `dx_t = dy_{t+1} − dy_t`, `dy_L` being `dht` (the last token's
+    /// gradient from outside); `dcache = dy_0`.
+    fn backward(
+        &self,
+        x: &TokenShiftHead<T>,
+        _h0: ArrayView2<T>,
+        dy: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> TokenShiftHeadGrads<T> {
+        let mut carry = dht.row(0).to_owned();
+        let mut dx = Array2::zeros(x.x.raw_dim());
+        for t in (0..x.x.nrows()).rev() {
+            let dyt: ArrayView1<T> = dy.row(t);
+            dx.row_mut(t).assign(&(&carry - &dyt));
+            carry = dyt.to_owned();
+        }
+        TokenShiftHeadGrads {
+            dx,
+            dcache: carry.insert_axis(Axis(0)),
+        }
+    }
+}
+
+/// Token-shift, FLA's `fla.modules.token_shift`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TokenShift;
+
+impl OpSpec for TokenShift {
+    const NAME: &'static str = "token_shift";
+    const INPUTS: &'static [&'static str] = &["x", "cache"];
+    const OUTPUTS: &'static [&'static str] = &["y", "final_cache"];
+    const UPSTREAM: &'static [&'static str] = &["dy", "dfinal_cache"];
+    const GRADS: &'static [&'static str] = &["dx", "dcache"];
+    /// FLA's token shift takes no options beyond its tensors.
+    type Options = ();
+
+    fn all_outputs(_: &()) {}
+}
+
+impl<T: Scalar> Operator<T> for TokenShift {
+    type Inputs = TokenShiftInputs<T>;
+    type Outputs = TokenShiftOutputs<T>;
+    type Grads = TokenShiftGrads<T>;
+    type Head = TokenShiftHead<T>;
+    type HeadGrads = TokenShiftHeadGrads<T>;
+    type Prepared<'a>
+        = Prepared<'a, T>
+    where
+        T: 'a;
+
+    fn prepare<'a>(x: &'a TokenShiftInputs<T>, _: &()) -> Result<Prepared<'a, T>> {
+        Prepared::new(x)
+    }
+
+    fn cu_seqlens(x: &TokenShiftInputs<T>) -> Option<&[i64]> {
+        x.cu_seqlens.as_deref()
+    }
+
+    fn validate_upstream(
+        p: &Prepared<'_, T>,
+        dy: &ArrayD<T>,
+        dfinal_cache: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        validate_upstream(&p.dims, dy, dfinal_cache)
+    }
+
+    fn upstream_view(dy: &ArrayD<T>) -> ArrayView4<'_, T> {
+        view3(dy).insert_axis(Axis(2))
+    }
+
+    fn dht_view(dfinal_cache: &ArrayD<T>) -> ArrayView4<'_, T> {
+        state_view(dfinal_cache)
+    }
+
+    fn probe(x: &TokenShiftHead<T>) -> (TokenShiftHead<T>, usize) {
+        let probe = TokenShiftHead {
+            x: Array2::zeros((x.x.nrows(), 1)),
+        };
+        (probe, 1)
+    }
+
+    fn outputs(_: &(), o: Array4<T>, final_state: Array4<T>) -> TokenShiftOutputs<T> {
+        TokenShiftOutputs {
+            y: o.index_axis_move(Axis(2), 0).into_dyn(),
+            final_cache: final_state
+                .index_axis_move(Axis(1), 0)
+                .index_axis_move(Axis(1), 0)
+                .into_dyn(),
+        }
+    }
+
+    fn grads(
+        x: &TokenShiftInputs<T>,
+        _: &(),
+        p: &Prepared<'_, T>,
+        pieces: &[(Segment, usize, &TokenShiftHeadGrads<T>)],
+        dh0: Array4<T>,
+    ) -> TokenShiftGrads<T> {
+        let d = p.dims;
+        let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, g.dx.view()));
+        let dx = tensor::assemble((d.b, d.t, 1, d.d), blocks);
+        TokenShiftGrads {
+            dx: dx.index_axis_move(Axis(2), 0).into_dyn(),
+            dcache: x.cache.as_ref().map(|_| {
+                dh0.index_axis_move(Axis(1), 0)
+                    .index_axis_move(Axis(1), 0)
+                    .into_dyn()
+            }),
+        }
+    }
+
+    fn output_tensors(out: &TokenShiftOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![Some(&out.y), Some(&out.final_cache)]
+    }
+
+    fn grad_tensors(gr: &TokenShiftGrads<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![Some(&gr.dx), gr.dcache.as_ref()]
+    }
+
+    fn head_dh0(g: &TokenShiftHeadGrads<T>) -> &Array2<T> {
+        &g.dcache
+    }
+
+    fn narrow(x: &TokenShiftInputs<f64>) -> TokenShiftInputs<T> {
+        x.cast()
+    }
 }
 
 /// Forward over every sequence.
 pub fn forward<T: Scalar>(x: &TokenShiftInputs<T>) -> Result<TokenShiftOutputs<T>> {
-    let (dims, segs) = validate(x)?;
-    let cache = x.cache.as_ref().map(owned2);
-    let mut y = Array3::zeros((dims.b, dims.t, dims.d));
-    let mut final_cache = Array2::zeros((dims.n, dims.d));
-    for seg in &segs {
-        let last = shift_segment(
-            view3(&x.x),
-            &mut y,
-            seg,
-            before(cache.as_ref(), seg, dims.d),
-        );
-        final_cache.row_mut(seg.seq).assign(&last);
-    }
-    Ok(TokenShiftOutputs {
-        y: y.into_dyn(),
-        final_cache: final_cache.into_dyn(),
-    })
+    op::forward(&Shift, x, &())
 }
 
 /// Validates `dy [B,T,D]` and `dfinal_cache [N,D]`.
@@ -160,18 +324,5 @@ pub fn backward<T: Scalar>(
     dy: &ArrayD<T>,
     dfinal_cache: Option<&ArrayD<T>>,
 ) -> Result<TokenShiftGrads<T>> {
-    let (dims, segs) = validate(x)?;
-    validate_upstream(&dims, dy, dfinal_cache)?;
-    let dfc = dfinal_cache.map(owned2);
-    let mut dx = Array3::zeros((dims.b, dims.t, dims.d));
-    let mut dcache = Array2::zeros((dims.n, dims.d));
-    for seg in &segs {
-        let carry = before(dfc.as_ref(), seg, dims.d);
-        let d_prev = shift_segment_backward(view3(dy), &mut dx, seg, carry);
-        dcache.row_mut(seg.seq).assign(&d_prev);
-    }
-    Ok(TokenShiftGrads {
-        dx: dx.into_dyn(),
-        dcache: x.cache.as_ref().map(|_| dcache.into_dyn()),
-    })
+    op::backward(&Shift, x, &(), dy, dfinal_cache)
 }

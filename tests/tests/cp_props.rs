@@ -7,12 +7,12 @@
 use deltaref::cp::intra::{compute_subseq_len, split_points, IntraParams};
 use deltaref::cp::plan::PlanSpec;
 use deltaref::cp::{self, CpOptions};
-use deltaref::dplr::DplrEngine;
-use deltaref::dplr::{self, DplrOptions};
+use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
-use deltaref::kda::{self, chunk::Chunk, naive::Naive, KdaEngine, KdaOptions};
-use deltaref::token_shift;
+use deltaref::kda::{self, chunk::Chunk, naive::Naive, Kda, KdaOptions};
+use deltaref::op::{self, Engine, Prepared as _};
+use deltaref::token_shift::{self, Shift};
 use deltaref::varlen::Segment;
 use deltaref_tests::ratio;
 use ndarray::ArrayD;
@@ -207,7 +207,7 @@ proptest! {
             close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
             merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
                 let seg = Segment { seq, batch: 0, start: a, end: at };
-                Naive.forward(&p.head(&seg, h), p.initial_state(seq, h).view()).1
+                Naive.forward(&p.head(&seg, h), op::initial_state(&p, seq, h).view()).1
             })?;
             let (gr, diags) = e.cp_bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
             let want = kda::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
@@ -244,7 +244,7 @@ proptest! {
         let p = dplr::Prepared::new(&x.inputs, &opts).unwrap();
         merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
             let seg = Segment { seq, batch: 0, start: a, end: at };
-            dplr::naive::Naive.forward(&p.head(&seg, h), p.initial_state(seq, h).view()).1
+            dplr::naive::Naive.forward(&p.head(&seg, h), op::initial_state(&p, seq, h).view()).1
         })?;
         let (gr, diags) = engine.bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
         let want = dplr::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
@@ -260,11 +260,23 @@ proptest! {
     fn token_shift_cp_equals_non_cp((layout, plan) in layout_and_plan(), dim in 1usize..5, cache in any::<bool>(), seed in 0u64..1000, regime in regimes()) {
         let x = inputs::token_shift_in(&TokenShiftSpec { layout, d: dim, cache, seed }, regime);
         let full = token_shift::forward(&x.inputs).unwrap();
-        let got = cp::token_shift::forward(&x.inputs, &plan).unwrap();
+        let got = cp::forward(&Shift, &x.inputs, &(), &plan, &CpOptions::default())
+            .unwrap()
+            .0;
         prop_assert_eq!(&full.y, &got.y);
         prop_assert_eq!(&full.final_cache, &got.final_cache);
         let want = token_shift::backward(&x.inputs, &x.d_o, Some(&x.dht)).unwrap();
-        let got = cp::token_shift::backward(&x.inputs, &x.d_o, Some(&x.dht), &plan).unwrap();
+        let got = cp::backward(
+            &Shift,
+            &x.inputs,
+            &(),
+            &x.d_o,
+            Some(&x.dht),
+            &plan,
+            &CpOptions::default(),
+        )
+        .unwrap()
+        .0;
         close("dx", &want.dx, &got.dx)?;
         prop_assert_eq!(want.dcache.is_some(), got.dcache.is_some());
         if let (Some(a), Some(b)) = (&want.dcache, &got.dcache) { close("dcache", a, b)?; }
@@ -385,7 +397,7 @@ trait DplrCp {
     ) -> (dplr::DplrGrads<f64>, Vec<cp::RankDiag<f64>>);
 }
 
-impl<E: dplr::DplrEngine<f64>> DplrCp for E {
+impl<E: Engine<f64, Op = Dplr>> DplrCp for E {
     fn fwd(
         &self,
         x: &dplr::DplrInputs<f64>,
@@ -393,7 +405,7 @@ impl<E: dplr::DplrEngine<f64>> DplrCp for E {
         p: &PlanSpec,
         c: &CpOptions,
     ) -> (dplr::DplrOutputs<f64>, Vec<cp::RankDiag<f64>>) {
-        cp::dplr::forward(self, x, o, p, c).expect("valid")
+        cp::forward(self, x, o, p, c).expect("valid")
     }
     fn bwd(
         &self,
@@ -404,7 +416,7 @@ impl<E: dplr::DplrEngine<f64>> DplrCp for E {
         p: &PlanSpec,
         c: &CpOptions,
     ) -> (dplr::DplrGrads<f64>, Vec<cp::RankDiag<f64>>) {
-        cp::dplr::backward(self, x, o, d_o, Some(dht), p, c).expect("valid")
+        cp::backward(self, x, o, d_o, Some(dht), p, c).expect("valid")
     }
 }
 
@@ -429,7 +441,7 @@ trait KdaEngineDyn {
     ) -> (kda::KdaGrads<f64>, Vec<cp::RankDiag<f64>>);
 }
 
-impl<E: KdaEngine<f64>> KdaEngineDyn for E {
+impl<E: Engine<f64, Op = Kda>> KdaEngineDyn for E {
     fn cp_fwd(
         &self,
         x: &kda::KdaInputs<f64>,
@@ -437,7 +449,7 @@ impl<E: KdaEngine<f64>> KdaEngineDyn for E {
         p: &PlanSpec,
         c: &CpOptions,
     ) -> (kda::KdaOutputs<f64>, Vec<cp::RankDiag<f64>>) {
-        cp::kda::forward(self, x, o, p, c).expect("valid")
+        cp::forward(self, x, o, p, c).expect("valid")
     }
     fn cp_bwd(
         &self,
@@ -448,7 +460,7 @@ impl<E: KdaEngine<f64>> KdaEngineDyn for E {
         p: &PlanSpec,
         c: &CpOptions,
     ) -> (kda::KdaGrads<f64>, Vec<cp::RankDiag<f64>>) {
-        cp::kda::backward(self, x, o, d_o, Some(dht), p, c).expect("valid")
+        cp::backward(self, x, o, d_o, Some(dht), p, c).expect("valid")
     }
 }
 
@@ -544,7 +556,7 @@ fn fla_debug_guide_example() {
         );
         for h in 0..2 {
             let state = Naive
-                .forward(&p.head(&head, h), p.initial_state(1, h).view())
+                .forward(&p.head(&head, h), op::initial_state(&p, 1, h).view())
                 .1;
             let d = max_diff(&diags[1].merged_h0.as_ref().unwrap()[h], &state);
             assert!(d <= 1e-12, "{name} head {h}: merged h0 off by {d:e}");
@@ -599,7 +611,7 @@ fn bad_cp_plans_are_rejected() {
         scalar_gate: false,
         seed: 1,
     });
-    let e = cp::kda::forward(
+    let e = cp::forward(
         &Naive,
         &x.inputs,
         &KdaOptions::default(),
@@ -629,7 +641,7 @@ fn bad_cp_plans_are_rejected() {
         PlanSpec::Cuts(vec![10]),
     ] {
         assert!(
-            cp::kda::forward(
+            cp::forward(
                 &Naive,
                 &y.inputs,
                 &KdaOptions::default(),
@@ -688,7 +700,7 @@ fn intra_card_split_follows_flas_rule_and_matches_non_cp() {
     };
     let x = inputs::kda(&spec);
     let plan = deltaref::cp::intra::plan_spec(&[0, 300, 310, 510], &q).unwrap();
-    let (o, _) = cp::kda::forward(
+    let (o, _) = cp::forward(
         &Chunk::new(64).unwrap(),
         &x.inputs,
         &opts,
@@ -756,9 +768,9 @@ proptest! {
         let x = inputs::kda(&spec);
         let plan = deltaref::cp::intra::plan_spec(&cu, &p).unwrap();
         let (o, _) = if chunk {
-            cp::kda::forward(&Chunk::new(cs).unwrap(), &x.inputs, &opts, &plan, &CpOptions::default())
+            cp::forward(&Chunk::new(cs).unwrap(), &x.inputs, &opts, &plan, &CpOptions::default())
         } else {
-            cp::kda::forward(&Naive, &x.inputs, &opts, &plan, &CpOptions::default())
+            cp::forward(&Naive, &x.inputs, &opts, &plan, &CpOptions::default())
         }
         .unwrap();
         let full = kda::naive::forward(&x.inputs, &opts).unwrap();

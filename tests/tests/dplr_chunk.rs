@@ -5,8 +5,9 @@
 
 use deltaref::dplr::chunk::Chunk;
 use deltaref::dplr::naive::Naive;
-use deltaref::dplr::{DplrEngine, DplrHead, DplrOptions, Prepared};
+use deltaref::dplr::{Dplr, DplrHead, DplrOptions, Prepared};
 use deltaref::inputs::{self, DplrSpec, Layout};
+use deltaref::op::{self, Engine, Prepared as _};
 use deltaref_tests::{assert_maps_close, ratio};
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::{s, Array2, ArrayD, IxDyn};
@@ -22,9 +23,9 @@ fn spec(layout: Layout, seed: u64) -> DplrSpec {
     }
 }
 
-fn all(engine: &impl DplrEngine<f64>, s: &DplrSpec) -> Tensors {
+fn all(engine: &impl Engine<f64, Op = Dplr>, s: &DplrSpec) -> Tensors {
     let g = inputs::dplr(s);
-    outputs::dplr::<f64, _>(
+    outputs::all::<f64, _>(
         engine,
         &g.inputs,
         &DplrOptions::default(),
@@ -56,7 +57,7 @@ fn chunk_matches_naive_for_every_chunk_size_and_layout() {
 fn head(s: &DplrSpec) -> (DplrHead<f64>, Array2<f64>) {
     let g = inputs::dplr(s);
     let p = Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
-    (p.head(&p.segments[0], 1), p.initial_state(0, 1))
+    (p.head(&p.segments[0], 1), op::initial_state(&p, 0, 1))
 }
 
 fn prefix(x: &DplrHead<f64>, n: usize) -> DplrHead<f64> {
@@ -102,10 +103,9 @@ fn strong_decay_does_not_overflow() {
     let mut steep = g.clone();
     steep.inputs.gk = ArrayD::from_elem(IxDyn(g.inputs.gk.shape()), -20.0);
     let opts20 = DplrOptions::default();
-    let want =
-        outputs::dplr::<f64, _>(&Naive, &steep.inputs, &opts20, &steep.d_o, Some(&steep.dht))
-            .unwrap();
-    let got20 = outputs::dplr::<f64, _>(
+    let want = outputs::all::<f64, _>(&Naive, &steep.inputs, &opts20, &steep.d_o, Some(&steep.dht))
+        .unwrap();
+    let got20 = outputs::all::<f64, _>(
         &Chunk::new(64).unwrap(),
         &steep.inputs,
         &opts20,
@@ -115,12 +115,11 @@ fn strong_decay_does_not_overflow() {
     .unwrap();
     assert_maps_close("decay -20", &want, &got20, 1e-10);
     let opts = DplrOptions::default();
-    let reference =
-        outputs::dplr::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let reference = outputs::all::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     let chunk = Chunk::new(64).unwrap();
-    let got = outputs::dplr::<f64, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let got = outputs::all::<f64, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     assert_maps_close("gk = -5", &reference, &got, 1e-10);
-    let single = outputs::dplr::<f32, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let single = outputs::all::<f32, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     for (name, t) in &single {
         assert!(t.iter().all(|v| v.is_finite()), "f32 {name} has Inf/NaN");
     }
@@ -135,9 +134,8 @@ fn f32_chunk_is_within_flas_band_of_f64_naive() {
     };
     let g = inputs::dplr(&s);
     let opts = DplrOptions::default();
-    let reference =
-        outputs::dplr::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
-    let single = outputs::dplr::<f32, _>(
+    let reference = outputs::all::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let single = outputs::all::<f32, _>(
         &Chunk::new(64).unwrap(),
         &g.inputs,
         &opts,

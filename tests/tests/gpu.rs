@@ -10,10 +10,11 @@
 use std::sync::{Mutex, OnceLock};
 
 use deltaref::cp::plan::PlanSpec;
-use deltaref::dplr::{self, DplrOptions};
+use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, TokenShiftSpec};
-use deltaref::kda::{self, KdaInputs, KdaOptions};
+use deltaref::kda::{self, Kda, KdaInputs, KdaOptions};
+use deltaref::token_shift::{Shift, TokenShift};
 use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl, Storage};
 use deltaref_tests::ratio;
 use deltaref_verify::outputs::{self, Tensors};
@@ -125,11 +126,14 @@ fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = tok_round(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
-    let truth = outputs::kda::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))
+    let truth = outputs::all::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))
         .expect("valid inputs");
     let run = deltaref_gpu::kda::run(gpu, &x, &spec.opts, &d_o, Some(&dht), imp)
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
-    (truth, outputs::kda_map(&run.outputs, &run.grads))
+    (
+        truth,
+        outputs::map::<f64, Kda>(&run.outputs, Some(&run.grads)),
+    )
 }
 
 #[cfg_attr(
@@ -307,7 +311,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         x.initial_state = x.initial_state.as_ref().map(round_f32);
         let d_o = tok_round(&g.d_o, storage);
         let dht = round_f32(&g.dht);
-        let truth = outputs::dplr::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))
+        let truth = outputs::all::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))
             .expect("valid");
         for cp in [
             None,
@@ -323,7 +327,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
                 &imp(Engine::Naive, cp.clone(), storage),
             )
             .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
-            let got = outputs::dplr_map(&run.outputs, &run.grads);
+            let got = outputs::map::<f64, Dplr>(&run.outputs, Some(&run.grads));
             check(&format!("dplr {storage:?} cp={cp:?}"), &truth, &got, tol);
         }
     }
@@ -343,7 +347,8 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
         seed: 10,
     };
     let g = inputs::token_shift(&spec);
-    let truth = outputs::token_shift::<f64>(&g.inputs, &g.d_o, Some(&g.dht)).expect("valid");
+    let truth =
+        outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht)).expect("valid");
     for cp in [
         None,
         Some(PlanSpec::World(4)),
@@ -357,7 +362,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
             &imp(Engine::Naive, cp.clone(), Storage::F32),
         )
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
-        let got = outputs::token_shift_map(&run.outputs, &run.grads);
+        let got = outputs::map::<f64, TokenShift>(&run.outputs, Some(&run.grads));
         // One f32 rounding of the inputs and one subtraction: ≤ 1e-7.
         check(&format!("token-shift f32 cp={cp:?}"), &truth, &got, 1e-7);
     }

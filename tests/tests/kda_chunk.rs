@@ -7,7 +7,8 @@ use deltaref::gates::Gate;
 use deltaref::inputs::{self, KdaSpec, Layout};
 use deltaref::kda::chunk::Chunk;
 use deltaref::kda::naive::Naive;
-use deltaref::kda::{KdaEngine, KdaHead, KdaOptions, Prepared};
+use deltaref::kda::{Kda, KdaHead, KdaOptions, Prepared};
+use deltaref::op::{self, Engine, Prepared as _};
 use deltaref_tests::{assert_maps_close, ratio};
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::{s, Array2, ArrayD, IxDyn};
@@ -26,9 +27,9 @@ fn spec(layout: Layout, opts: KdaOptions, seed: u64) -> KdaSpec {
     }
 }
 
-fn all(engine: &impl KdaEngine<f64>, s: &KdaSpec) -> Tensors {
+fn all(engine: &impl Engine<f64, Op = Kda>, s: &KdaSpec) -> Tensors {
     let g = inputs::kda(s);
-    outputs::kda::<f64, _>(engine, &g.inputs, &s.opts, &g.d_o, Some(&g.dht)).expect("valid")
+    outputs::all::<f64, _>(engine, &g.inputs, &s.opts, &g.d_o, Some(&g.dht)).expect("valid")
 }
 
 #[test]
@@ -62,7 +63,7 @@ fn head(s: &KdaSpec, seq: usize, hv: usize) -> (KdaHead<f64>, Array2<f64>) {
     let g = inputs::kda(s);
     let p = Prepared::new(&g.inputs, &s.opts).unwrap();
     let seg = p.segments[seq];
-    (p.head(&seg, hv), p.initial_state(seg.seq, hv))
+    (p.head(&seg, hv), op::initial_state(&p, seg.seq, hv))
 }
 
 fn prefix(x: &KdaHead<f64>, n: usize) -> KdaHead<f64> {
@@ -134,9 +135,9 @@ fn gates_at_the_lower_bound_do_not_overflow() {
     let mut steep = g.clone();
     steep.inputs.g = ArrayD::from_elem(IxDyn(g.inputs.g.shape()), -20.0);
     let opts20 = opts;
-    let want = outputs::kda::<f64, _>(&Naive, &steep.inputs, &opts20, &steep.d_o, Some(&steep.dht))
+    let want = outputs::all::<f64, _>(&Naive, &steep.inputs, &opts20, &steep.d_o, Some(&steep.dht))
         .unwrap();
-    let got20 = outputs::kda::<f64, _>(
+    let got20 = outputs::all::<f64, _>(
         &Chunk::new(64).unwrap(),
         &steep.inputs,
         &opts20,
@@ -145,17 +146,20 @@ fn gates_at_the_lower_bound_do_not_overflow() {
     )
     .unwrap();
     assert_maps_close("decay -20", &want, &got20, 1e-10);
-    let reference = outputs::kda::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let reference = outputs::all::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     let chunk = Chunk::new(64).unwrap();
-    let got = outputs::kda::<f64, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let got = outputs::all::<f64, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     assert_maps_close("g = -5", &reference, &got, 1e-10);
-    let single = outputs::kda::<f32, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let single = outputs::all::<f32, _>(&chunk, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     for (name, t) in &single {
         assert!(t.iter().all(|v| v.is_finite()), "f32 {name} has Inf/NaN");
     }
     let x32 = g.inputs.cast::<f32>();
     let p = Prepared::new(&x32, &opts).unwrap();
-    let f = chunk.forward_intermediates(&p.head(&p.segments[0], 0), p.initial_state(0, 0).view());
+    let f = chunk.forward_intermediates(
+        &p.head(&p.segments[0], 0),
+        op::initial_state(&p, 0, 0).view(),
+    );
     for ch in &f.intra {
         for a in [&ch.akk, &ch.aqk, &ch.w, &ch.u, &ch.qg, &ch.kg] {
             assert!(a.iter().all(|v| v.is_finite()));
@@ -176,8 +180,8 @@ fn f32_chunk_is_within_flas_band_of_f64_naive() {
         ..spec(Layout::varlen(&[200, 56]), opts, 6)
     };
     let g = inputs::kda(&s);
-    let reference = outputs::kda::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
-    let single = outputs::kda::<f32, _>(
+    let reference = outputs::all::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+    let single = outputs::all::<f32, _>(
         &Chunk::new(64).unwrap(),
         &g.inputs,
         &opts,

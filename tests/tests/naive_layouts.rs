@@ -1,9 +1,10 @@
 //! The naive engines read a head's tensors row by row; a head whose arrays
 //! (and `do`) are column-major gives the same bits as a row-major one.
 
-use deltaref::dplr::{self, DplrEngine, DplrHead, DplrOptions};
+use deltaref::dplr::{self, DplrHead, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
-use deltaref::kda::{self, KdaEngine, KdaHead, KdaOptions};
+use deltaref::kda::{self, KdaHead, KdaOptions};
+use deltaref::op::{self, Engine, Prepared as _};
 use ndarray::{Array2, ShapeBuilder};
 
 fn column_major(a: &Array2<f64>) -> Array2<f64> {
@@ -47,7 +48,7 @@ fn kda_naive_does_not_depend_on_memory_layout() {
         g: column_major(&x.g),
         beta: x.beta.clone(),
     };
-    let h0 = p.initial_state(0, 0);
+    let h0 = op::initial_state(&p, 0, 0);
     let (d_o, dht) = upstream(37, 6, 5);
     let n = kda::naive::Naive;
     let (o, s) = n.forward(&x, h0.view());
@@ -82,7 +83,7 @@ fn dplr_naive_does_not_depend_on_memory_layout() {
         gk: column_major(&x.gk),
         v: column_major(&x.v),
     };
-    let h0 = p.initial_state(0, 0);
+    let h0 = op::initial_state(&p, 0, 0);
     let (d_o, dht) = upstream(37, 6, 5);
     let n = dplr::naive::Naive;
     let (o, s) = n.forward(&x, h0.view());

@@ -4,9 +4,9 @@
 
 use std::sync::OnceLock;
 
-use deltaref::dplr::{DplrInputs, DplrOptions};
-use deltaref::kda::{KdaInputs, KdaOptions};
-use deltaref::token_shift::TokenShiftInputs;
+use deltaref::dplr::{Dplr, DplrInputs, DplrOptions};
+use deltaref::kda::{Kda, KdaInputs, KdaOptions};
+use deltaref::token_shift::{TokenShift, TokenShiftInputs};
 use deltaref_gpu::{Gpu, GpuError, GpuImpl, Storage, Timings};
 use ndarray::ArrayD;
 use thiserror::Error;
@@ -106,7 +106,10 @@ pub fn kda(
     dht: Option<&ArrayD<f64>>,
 ) -> Result<(Tensors, Timings), ComputeError> {
     let r = deltaref_gpu::kda::run(device()?, x, opts, d_o, dht, imp)?;
-    Ok((outputs::kda_map(&r.outputs, &r.grads), r.timings))
+    Ok((
+        outputs::map::<f64, Kda>(&r.outputs, Some(&r.grads)),
+        r.timings,
+    ))
 }
 
 /// DPLR outputs and gradients on the GPU.
@@ -118,7 +121,10 @@ pub fn dplr(
     dht: Option<&ArrayD<f64>>,
 ) -> Result<(Tensors, Timings), ComputeError> {
     let r = deltaref_gpu::dplr::run(device()?, x, opts, d_o, dht, imp)?;
-    Ok((outputs::dplr_map(&r.outputs, &r.grads), r.timings))
+    Ok((
+        outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads)),
+        r.timings,
+    ))
 }
 
 /// Token-shift outputs and gradients on the GPU.
@@ -129,7 +135,10 @@ pub fn token_shift(
     dfinal_cache: Option<&ArrayD<f64>>,
 ) -> Result<(Tensors, Timings), ComputeError> {
     let r = deltaref_gpu::token_shift::run(device()?, x, dy, dfinal_cache, imp)?;
-    Ok((outputs::token_shift_map(&r.outputs, &r.grads), r.timings))
+    Ok((
+        outputs::map::<f64, TokenShift>(&r.outputs, Some(&r.grads)),
+        r.timings,
+    ))
 }
 
 /// A case's results on the GPU.

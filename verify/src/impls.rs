@@ -6,9 +6,12 @@ use std::borrow::Cow;
 
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::kda::chunk::Chunk;
+use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
 use deltaref::precision::{Policy, Stage};
+use deltaref::token_shift::Shift;
 use deltaref::{dplr, kda, Scalar};
 use deltaref_gpu::{GpuImpl, Storage, Timings};
+use ndarray::ArrayD;
 
 use crate::case::{Case, CaseError, CpLayout, Inputs, Op};
 pub use crate::gpu::ComputeError;
@@ -171,41 +174,33 @@ impl Impl {
         let case = self.stored_inputs(case);
         let cp = self.cp_without_references();
         let cp = cp.as_ref().map(|(p, o)| (p, o));
-        match case.inputs()? {
-            Inputs::Kda(x) => {
-                let opts = case.meta.kda_options();
-                match &self.engine {
-                    Engine::Naive => {
-                        outputs::kda_forward::<T, _>(&kda::naive::Naive, &x, &opts, cp)
-                    }
-                    Engine::Chunk(c) => {
-                        let e = Chunk::new(*c)?.with_policy(self.policy.clone());
-                        outputs::kda_forward::<T, _>(&e, &x, &opts, cp)
-                    }
-                }
+        match (case.inputs()?, &self.engine) {
+            (Inputs::Kda(x), Engine::Naive) => {
+                outputs::forward_only::<T, _>(&kda::naive::Naive, &x, &case.meta.kda_options(), cp)
             }
-            Inputs::Dplr(x) => {
-                let opts = case.meta.dplr_options();
-                match &self.engine {
-                    Engine::Naive => {
-                        outputs::dplr_forward::<T, _>(&dplr::naive::Naive, &x, &opts, cp)
-                    }
-                    Engine::Chunk(c) => {
-                        outputs::dplr_forward::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, cp)
-                    }
-                }
+            (Inputs::Kda(x), Engine::Chunk(c)) => {
+                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.kda_options(), cp)
             }
-            Inputs::TokenShift(x) => {
-                outputs::token_shift_forward::<T>(&x, self.cp.as_ref().map(|(p, _)| p))
+            (Inputs::Dplr(x), Engine::Naive) => outputs::forward_only::<T, _>(
+                &dplr::naive::Naive,
+                &x,
+                &case.meta.dplr_options(),
+                cp,
+            ),
+            (Inputs::Dplr(x), Engine::Chunk(c)) => {
+                let e = dplr::chunk::Chunk::new(*c)?;
+                outputs::forward_only::<T, _>(&e, &x, &case.meta.dplr_options(), cp)
             }
+            (Inputs::TokenShift(x), _) => outputs::forward_only::<T, _>(&Shift, &x, &(), cp),
         }
     }
 
     /// The case as the kernel reads it: inputs rounded to the policy's input storage.
-    fn stored_inputs<'a>(&self, case: &'a Case) -> Cow<'a, Case> {
+    fn stored_inputs<'a>(&self, case: &'a Case) -> std::borrow::Cow<'a, Case> {
         match self.policy.storage(Stage::Inputs) {
-            Some(s) => Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
-            None => Cow::Borrowed(case),
+            Some(s) => std::borrow::Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
+            None => std::borrow::Cow::Borrowed(case),
         }
     }
 
@@ -238,6 +233,7 @@ impl Impl {
             None => case,
         };
         let meta = case.meta.clone();
+        // An owned case hands its tensors over; a borrowed one is copied.
         let (inputs, d_o, dht) = match case {
             Cow::Owned(c) => c.into_inputs()?,
             Cow::Borrowed(c) => {
@@ -245,60 +241,43 @@ impl Impl {
                 (c.inputs()?, d_o, dht)
             }
         };
-        let dht = dht.as_ref();
-        let chunk = |c: usize| Chunk::new(c).map(|e| e.with_policy(self.policy.clone()));
-        match (inputs, &cp) {
-            (Inputs::Kda(x), cp) => {
-                let opts = meta.kda_options();
-                match (&self.engine, cp) {
-                    (Engine::Naive, None) => Ok((
-                        outputs::kda::<T, _>(&kda::naive::Naive, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Chunk(c), None) => Ok((
-                        outputs::kda::<T, _>(&chunk(*c)?, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Naive, Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&kda::naive::Naive, x, &opts, d_o, dht, p, o)
-                    }
-                    (Engine::Chunk(c), Some((p, o))) => {
-                        outputs::kda_cp::<T, _>(&chunk(*c)?, x, &opts, d_o, dht, p, o)
-                    }
-                }
+        let up = (d_o, dht.as_ref());
+        let cp = cp.as_ref();
+        match (inputs, &self.engine) {
+            (Inputs::Kda(x), Engine::Naive) => {
+                all(&kda::naive::Naive, x, &meta.kda_options(), up, cp)
             }
-            (Inputs::Dplr(x), cp) => {
-                let opts = meta.dplr_options();
-                let naive = &dplr::naive::Naive;
-                match (&self.engine, cp) {
-                    (Engine::Naive, None) => {
-                        Ok((outputs::dplr::<T, _>(naive, &x, &opts, &d_o, dht)?, vec![]))
-                    }
-                    (Engine::Chunk(c), None) => Ok((
-                        outputs::dplr::<T, _>(&dplr::chunk::Chunk::new(*c)?, &x, &opts, &d_o, dht)?,
-                        vec![],
-                    )),
-                    (Engine::Naive, Some((p, o))) => {
-                        outputs::dplr_cp::<T, _>(naive, x, &opts, d_o, dht, p, o)
-                    }
-                    (Engine::Chunk(c), Some((p, o))) => outputs::dplr_cp::<T, _>(
-                        &dplr::chunk::Chunk::new(*c)?,
-                        x,
-                        &opts,
-                        d_o,
-                        dht,
-                        p,
-                        o,
-                    ),
-                }
+            (Inputs::Kda(x), Engine::Chunk(c)) => {
+                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
+                all(&e, x, &meta.kda_options(), up, cp)
             }
-            (Inputs::TokenShift(x), None) => {
-                Ok((outputs::token_shift::<T>(&x, &d_o, dht)?, vec![]))
+            (Inputs::Dplr(x), Engine::Naive) => {
+                all(&dplr::naive::Naive, x, &meta.dplr_options(), up, cp)
             }
-            (Inputs::TokenShift(x), Some((p, _))) => {
-                Ok((outputs::token_shift_cp::<T>(&x, &d_o, dht, p)?, vec![]))
+            (Inputs::Dplr(x), Engine::Chunk(c)) => {
+                let e = dplr::chunk::Chunk::new(*c)?;
+                all(&e, x, &meta.dplr_options(), up, cp)
             }
+            (Inputs::TokenShift(x), _) => all(&Shift, x, &(), up, cp),
         }
+    }
+}
+
+/// Outputs and gradients of `engine`, under simulated CP when asked.
+#[allow(clippy::type_complexity)]
+fn all<T: Scalar, E: OpEngine<T>>(
+    engine: &E,
+    x: <E::Op as Operator<f64>>::Inputs,
+    opts: &<E::Op as OpSpec>::Options,
+    (d_o, dht): (ArrayD<f64>, Option<&ArrayD<f64>>),
+    cp: Option<&(PlanSpec, CpOptions)>,
+) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error>
+where
+    E::Op: Operator<f64>,
+{
+    match cp {
+        None => Ok((outputs::all(engine, &x, opts, &d_o, dht)?, vec![])),
+        Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
     }
 }
 

@@ -21,6 +21,7 @@
 use deltaref::cp::RankDiag;
 use deltaref::kda;
 use deltaref::kda::chunk::Chunk;
+use deltaref::op::{self, Prepared as _};
 use deltaref::varlen::{par_pairs, Segment};
 use ndarray::{s, Array2, ArrayD, IxDyn};
 use serde::Serialize;
@@ -177,7 +178,7 @@ fn piece_h0(
             .iter()
             .any(|s| s.seq == seg.seq && s.start == seg.start) =>
         {
-            p.initial_state(seg.seq, h)
+            op::initial_state(p, seg.seq, h)
         }
         _ => ndarray::Array2::zeros((p.dims.k, p.dims.v)),
     }

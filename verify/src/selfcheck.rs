@@ -10,7 +10,7 @@ use deltaref::dplr::{DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{KdaInputs, KdaOptions};
-use deltaref::token_shift::TokenShiftInputs;
+use deltaref::token_shift::{Shift, TokenShiftInputs};
 use deltaref::{dplr, kda, Result};
 use ndarray::ArrayD;
 use serde::Serialize;
@@ -352,14 +352,14 @@ fn token_shift_fd(report: &mut Report) -> Result<()> {
 fn precision_rows(report: &mut Report) -> Result<()> {
     let check = "naive f32 vs naive f64";
     let (spec, g) = kda_case(&LENGTHS, 16, 16);
-    let exact = outputs::kda::<f64, _>(
+    let exact = outputs::all::<f64, _>(
         &kda::naive::Naive,
         &g.inputs,
         &spec.opts,
         &g.d_o,
         Some(&g.dht),
     )?;
-    let single = outputs::kda::<f32, _>(
+    let single = outputs::all::<f32, _>(
         &kda::naive::Naive,
         &g.inputs,
         &spec.opts,
@@ -371,14 +371,14 @@ fn precision_rows(report: &mut Report) -> Result<()> {
     let (_, g) = dplr_case(&LENGTHS, 16, 16);
     let opts = DplrOptions::default();
     let exact =
-        outputs::dplr::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+        outputs::all::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
     let single =
-        outputs::dplr::<f32, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+        outputs::all::<f32, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
     report.compare_maps(check, "dplr", &exact, &single, F32_TOL);
 
     let g = token_shift_case(&LENGTHS);
-    let exact = outputs::token_shift::<f64>(&g.inputs, &g.d_o, Some(&g.dht))?;
-    let single = outputs::token_shift::<f32>(&g.inputs, &g.d_o, Some(&g.dht))?;
+    let exact = outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht))?;
+    let single = outputs::all::<f32, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht))?;
     report.compare_maps(check, "token_shift", &exact, &single, F32_TOL);
     Ok(())
 }
@@ -386,7 +386,7 @@ fn precision_rows(report: &mut Report) -> Result<()> {
 /// The chunked form against the naive recurrence, both in f64.
 fn chunk_rows(report: &mut Report) -> Result<()> {
     let (spec, g) = kda_case(&LENGTHS, 16, 16);
-    let naive = outputs::kda::<f64, _>(
+    let naive = outputs::all::<f64, _>(
         &kda::naive::Naive,
         &g.inputs,
         &spec.opts,
@@ -395,7 +395,7 @@ fn chunk_rows(report: &mut Report) -> Result<()> {
     )?;
     for c in [16, 64] {
         let chunk = kda::chunk::Chunk::new(c)?;
-        let got = outputs::kda::<f64, _>(&chunk, &g.inputs, &spec.opts, &g.d_o, Some(&g.dht))?;
+        let got = outputs::all::<f64, _>(&chunk, &g.inputs, &spec.opts, &g.d_o, Some(&g.dht))?;
         report.compare_maps(
             &format!("chunk C={c} vs naive (f64)"),
             "kda",
@@ -407,8 +407,8 @@ fn chunk_rows(report: &mut Report) -> Result<()> {
     let (_, g) = dplr_case(&LENGTHS, 16, 16);
     let opts = DplrOptions::default();
     let naive =
-        outputs::dplr::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    let got = outputs::dplr::<f64, _>(
+        outputs::all::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    let got = outputs::all::<f64, _>(
         &dplr::chunk::Chunk::new(32)?,
         &g.inputs,
         &opts,
@@ -424,7 +424,7 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     let cpo = CpOptions::default();
     let cuts = PlanSpec::Cuts(vec![20, 38, 90]);
     let (spec, g) = kda_case(&LENGTHS, 16, 16);
-    let naive = outputs::kda::<f64, _>(
+    let naive = outputs::all::<f64, _>(
         &kda::naive::Naive,
         &g.inputs,
         &spec.opts,
@@ -432,7 +432,7 @@ fn cp_rows(report: &mut Report) -> Result<()> {
         Some(&g.dht),
     )?;
     let chunk = kda::chunk::Chunk::new(16)?;
-    let (got, _) = outputs::kda_cp::<f64, _>(
+    let (got, _) = outputs::all_cp::<f64, _>(
         &chunk,
         g.inputs.clone(),
         &spec.opts,
@@ -448,7 +448,7 @@ fn cp_rows(report: &mut Report) -> Result<()> {
         &got,
         EXACT_TOL,
     );
-    let (got, _) = outputs::kda_cp::<f64, _>(
+    let (got, _) = outputs::all_cp::<f64, _>(
         &kda::naive::Naive,
         g.inputs.clone(),
         &spec.opts,
@@ -468,8 +468,8 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     let (_, g) = dplr_case(&LENGTHS, 16, 16);
     let opts = DplrOptions::default();
     let naive =
-        outputs::dplr::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    let (got, _) = outputs::dplr_cp::<f64, _>(
+        outputs::all::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
+    let (got, _) = outputs::all_cp::<f64, _>(
         &dplr::naive::Naive,
         g.inputs.clone(),
         &opts,
@@ -486,7 +486,7 @@ fn cp_rows(report: &mut Report) -> Result<()> {
         EXACT_TOL,
     );
     let chunk = dplr::chunk::Chunk::new(16)?;
-    let (got, _) = outputs::dplr_cp::<f64, _>(
+    let (got, _) = outputs::all_cp::<f64, _>(
         &chunk,
         g.inputs.clone(),
         &opts,
@@ -504,8 +504,17 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     );
 
     let g = token_shift_case(&LENGTHS);
-    let plain = outputs::token_shift::<f64>(&g.inputs, &g.d_o, Some(&g.dht))?;
-    let got = outputs::token_shift_cp::<f64>(&g.inputs, &g.d_o, Some(&g.dht), &cuts)?;
+    let plain = outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht))?;
+    let got = outputs::all_cp::<f64, _>(
+        &Shift,
+        g.inputs.clone(),
+        &(),
+        g.d_o.clone(),
+        Some(&g.dht),
+        &cuts,
+        &CpOptions::default(),
+    )?
+    .0;
     report.compare_maps(
         "cp cuts=20,38,90 vs non-CP",
         "token_shift",
@@ -528,7 +537,7 @@ fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
         let x = gpu::stored_kda(&g.inputs, storage);
         let d_o = gpu::stored(&g.d_o, storage);
         let dht = gpu::stored(&g.dht, Storage::F32);
-        let truth = outputs::kda::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))?;
+        let truth = outputs::all::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))?;
         let tol = gpu_tol(storage);
         for (engine, cp) in [
             (GpuEngine::Naive, None),
@@ -552,7 +561,7 @@ fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
         let x = gpu::stored_dplr(&g.inputs, storage);
         let d_o = gpu::stored(&g.d_o, storage);
         let dht = gpu::stored(&g.dht, Storage::F32);
-        let truth = outputs::dplr::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))?;
+        let truth = outputs::all::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))?;
         for cp in [None, Some(cuts.clone())] {
             let imp = GpuImpl {
                 engine: GpuEngine::Naive,
@@ -574,7 +583,7 @@ fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
         ..g.inputs.clone()
     };
     let dy = gpu::stored(&g.d_o, Storage::F32);
-    let truth = outputs::token_shift::<f64>(&x, &dy, Some(&g.dht))?;
+    let truth = outputs::all::<f64, _>(&Shift, &x, &(), &dy, Some(&g.dht))?;
     for cp in [None, Some(cuts)] {
         let imp = GpuImpl {
             engine: GpuEngine::Naive,

@@ -4,39 +4,65 @@
 //! all-gather, each merges the chain of its first sequence's earlier ranks,
 //! and recomputes. Backward mirrors it with `(dS_ext, Mᵀ)`.
 //!
-//! The driver is generic over [`Local`], one (piece, head) at a time, so the
-//! same code runs KDA and DPLR with any engine (naive, chunked). Beyond FLA,
+//! The driver is generic over the operator contract ([`crate::op`]), one
+//! (piece, head) at a time, so the same code runs every operator with any
+//! engine (naive, chunked). Beyond FLA,
 //! `initial_state` and `final_state` are allowed: the first rank of a
 //! sequence starts from its initial state.
 
-#[macro_use]
-mod operator;
-pub mod dplr;
 pub mod intra;
-pub mod kda;
 pub mod plan;
-pub mod token_shift;
 
-use ndarray::{s, Array2, ArrayView2};
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
 
+use crate::error::Result;
+use crate::op::{Engine, OpSpec, Operator, Prepared as _};
 use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
+use crate::tensor;
 use crate::varlen::{par_pairs, Segment};
+use plan::PlanSpec;
 pub use plan::{Layout, Plan, RankMeta};
 
-/// What CP needs from an operator, for one piece of a sequence and one head.
-pub trait Local<T: Scalar>: Sync {
-    /// Per-(piece, head) token gradients.
-    type Grads: Send;
-    fn heads(&self) -> usize;
+/// One problem seen piece by piece: the pre-processed inputs, the engine
+/// and, for backward, the upstream gradients.
+struct Local<'p, 'a, T: Scalar + 'a, E: Engine<T>> {
+    p: &'p <E::Op as Operator<T>>::Prepared<'a>,
+    engine: &'p E,
+    /// `[B, T, heads, V]`
+    d_o: Option<ArrayView4<'p, T>>,
+    /// `[N, heads, K, V]`
+    dht: Option<ArrayView4<'p, T>>,
+}
+
+impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
+    fn heads(&self) -> usize {
+        self.p.shape().heads
+    }
+
     /// `(K, V)` of the state.
-    fn state_dims(&self) -> (usize, usize);
+    fn state_dims(&self) -> (usize, usize) {
+        let sh = self.p.shape();
+        (sh.k, sh.v)
+    }
+
     /// The global initial state of sequence `seq`, if one was given.
-    fn initial_state(&self, seq: usize, h: usize) -> Option<Array2<T>>;
+    fn initial_state(&self, seq: usize, h: usize) -> Option<Array2<T>> {
+        self.p.h0().map(|a| a.slice(s![seq, h, .., ..]).to_owned())
+    }
+
     /// The global final-state gradient of sequence `seq`, if one was given.
-    fn dht(&self, seq: usize, h: usize) -> Option<Array2<T>>;
+    fn dht(&self, seq: usize, h: usize) -> Option<Array2<T>> {
+        self.dht
+            .as_ref()
+            .map(|a| a.slice(s![seq, h, .., ..]).to_owned())
+    }
+
     /// `(o [L, V], S_L [K, V])`.
-    fn forward(&self, seg: &Segment, h: usize, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>);
+    fn forward(&self, seg: &Segment, h: usize, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        self.engine.forward(&self.p.head(seg, h), h0)
+    }
+
     /// `(token gradients, dh0)` given the state gradient `dht` at the piece's end.
     fn backward(
         &self,
@@ -44,9 +70,95 @@ pub trait Local<T: Scalar>: Sync {
         h: usize,
         h0: ArrayView2<T>,
         dht: ArrayView2<T>,
-    ) -> (Self::Grads, Array2<T>);
+    ) -> (HeadGrads<T, E>, Array2<T>) {
+        let d_o = self.d_o.as_ref().expect("backward needs do");
+        let g = self.engine.backward(
+            &self.p.head(seg, h),
+            h0,
+            tensor::gather(d_o, seg, h).view(),
+            dht,
+        );
+        let dh0 = E::Op::head_dh0(&g).clone();
+        (g, dh0)
+    }
+
     /// `M [K, K]` of the piece.
-    fn transition(&self, seg: &Segment, h: usize) -> Array2<T>;
+    fn transition(&self, seg: &Segment, h: usize) -> Array2<T> {
+        self.engine.transition(&self.p.head(seg, h))
+    }
+}
+
+/// The per-piece gradients of engine `E`.
+type HeadGrads<T, E> = <<E as Engine<T>>::Op as Operator<T>>::HeadGrads;
+
+/// CP forward: the same outputs as [`crate::op::forward`], computed rank by
+/// rank over `plan`, with the per-rank diagnostics.
+#[allow(clippy::type_complexity)]
+pub fn forward<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: &<E::Op as Operator<T>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    plan: &PlanSpec,
+    cp: &CpOptions,
+) -> Result<(<E::Op as Operator<T>>::Outputs, Vec<RankDiag<T>>)> {
+    let p = E::Op::prepare(x, opt)?;
+    let d = p.shape();
+    let plan = plan.build(d.b, d.t, E::Op::cu_seqlens(x))?;
+    let local = Local::<T, E> {
+        p: &p,
+        engine,
+        d_o: None,
+        dht: None,
+    };
+    let f = run_forward(&local, &plan, cp);
+    let mut o = Array4::zeros((d.b, d.t, d.heads, d.v));
+    for (seg, h, oh) in &f.o {
+        tensor::scatter(&mut o, seg, *h, oh.view());
+    }
+    // Sequences without tokens keep their initial state.
+    let mut ht = p
+        .h0()
+        .map(|h0| h0.to_owned())
+        .unwrap_or_else(|| Array4::zeros((d.n, d.heads, d.k, d.v)));
+    for (seq, h, st) in &f.final_states {
+        ht.slice_mut(s![*seq, *h, .., ..]).assign(st);
+    }
+    Ok((E::Op::outputs(opt, o, ht), f.diags))
+}
+
+/// CP backward: the same gradients as [`crate::op::backward`], computed rank
+/// by rank over `plan`, with the per-rank diagnostics (forward's included).
+#[allow(clippy::type_complexity)]
+pub fn backward<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: &<E::Op as Operator<T>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    plan: &PlanSpec,
+    cp: &CpOptions,
+) -> Result<(<E::Op as Operator<T>>::Grads, Vec<RankDiag<T>>)> {
+    let p = E::Op::prepare(x, opt)?;
+    let d = p.shape();
+    E::Op::validate_upstream(&p, d_o, dht)?;
+    let plan = plan.build(d.b, d.t, E::Op::cu_seqlens(x))?;
+    let local = Local::<T, E> {
+        p: &p,
+        engine,
+        d_o: Some(E::Op::upstream_view(d_o)),
+        dht: dht.map(E::Op::dht_view),
+    };
+    let b = run_backward(&local, &plan, cp);
+    let pieces: Vec<_> = b.grads.iter().map(|(seg, h, g)| (*seg, *h, g)).collect();
+    // A sequence without tokens passes its final-state gradient straight to h0.
+    let mut dh0 = local
+        .dht
+        .map(|a| a.to_owned())
+        .unwrap_or_else(|| Array4::zeros((d.n, d.heads, d.k, d.v)));
+    for (seq, h, g) in &b.dh0 {
+        dh0.slice_mut(s![*seq, *h, .., ..]).assign(g);
+    }
+    Ok((E::Op::grads(x, opt, &p, &pieces, dh0), b.diags))
 }
 
 /// Deliberate faults from FLA's history (SPEC §9, 4–6), to see what they do.
@@ -230,8 +342,8 @@ struct PreProcess<T> {
 
 /// Per-rank pre-process `(S_ext, M)` per head, on the last (or, under fault
 /// 6, the first) local piece with a zero initial state.
-fn preprocess<T: Scalar, L: Local<T>>(
-    local: &L,
+fn preprocess<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
     plan: &Plan,
     opt: &CpOptions,
 ) -> Vec<PreProcess<T>> {
@@ -262,8 +374,8 @@ fn preprocess<T: Scalar, L: Local<T>>(
 }
 
 /// The merged initial state of each continuing rank's first piece, per head.
-fn merge_forward<T: Scalar, L: Local<T>>(
-    local: &L,
+fn merge_forward<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
     plan: &Plan,
     pre: &[PreProcess<T>],
     opt: &CpOptions,
@@ -301,8 +413,8 @@ fn merge_forward<T: Scalar, L: Local<T>>(
 
 /// The initial state a piece runs from: merged (continuing first piece),
 /// the sequence's own initial state (its first piece), else zeros.
-fn piece_h0<T: Scalar, L: Local<T>>(
-    local: &L,
+fn piece_h0<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
     plan: &Plan,
     p: &PieceRef,
     h: usize,
@@ -325,7 +437,7 @@ fn piece_h0<T: Scalar, L: Local<T>>(
 
 /// Result of a CP forward: per (piece, head) outputs in plan order, and the
 /// final state of every sequence that has tokens.
-pub struct CpForward<T> {
+struct CpForward<T> {
     /// `(piece, head, o [L, V])`.
     pub o: Vec<(Segment, usize, Array2<T>)>,
     /// `(seq, head, final state)` from the piece ending each sequence.
@@ -334,8 +446,8 @@ pub struct CpForward<T> {
 }
 
 /// The non-CP state at token `at` of sequence `seq` (a prefix run).
-fn reference_state<T: Scalar, L: Local<T>>(
-    local: &L,
+fn reference_state<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
     plan: &Plan,
     seq: usize,
     at: usize,
@@ -361,7 +473,11 @@ fn reference_state<T: Scalar, L: Local<T>>(
 }
 
 /// CP forward over `plan`.
-pub fn forward<T: Scalar, L: Local<T>>(local: &L, plan: &Plan, opt: &CpOptions) -> CpForward<T> {
+fn run_forward<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
+    plan: &Plan,
+    opt: &CpOptions,
+) -> CpForward<T> {
     let pre = preprocess(local, plan, opt);
     let merged = merge_forward(local, plan, &pre, opt);
     let ps = pieces(plan);
@@ -409,7 +525,7 @@ pub fn forward<T: Scalar, L: Local<T>>(local: &L, plan: &Plan, opt: &CpOptions) 
 
 /// Result of a CP backward: per (piece, head) token gradients, `dh0` of every
 /// sequence's first piece, and the diagnostics (forward and backward).
-pub struct CpBackward<T, G> {
+struct CpBackward<T, G> {
     pub grads: Vec<(Segment, usize, G)>,
     /// `(seq, head, dh0)`.
     pub dh0: Vec<(usize, usize, Array2<T>)>,
@@ -417,14 +533,14 @@ pub struct CpBackward<T, G> {
 }
 
 /// CP backward over `plan` (the loss's upstream gradients live in `local`).
-pub fn backward<T: Scalar, L: Local<T>>(
-    local: &L,
+fn run_backward<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
     plan: &Plan,
     opt: &CpOptions,
-) -> CpBackward<T, L::Grads> {
+) -> CpBackward<T, HeadGrads<T, E>> {
     let (kd, vd) = local.state_dims();
     let heads = local.heads();
-    let fwd = forward(local, plan, opt);
+    let fwd = run_forward(local, plan, opt);
     let merged_fwd: Vec<Option<Vec<Array2<T>>>> =
         fwd.diags.iter().map(|d| d.merged_h0.clone()).collect();
     let zero = Array2::<T>::zeros((kd, vd));
@@ -515,8 +631,8 @@ pub fn backward<T: Scalar, L: Local<T>>(
 
 /// The non-CP gradient of the state at the end of `rm`'s last piece: the
 /// rest of its sequence run backward from the global `dht`.
-fn reference_dht<T: Scalar, L: Local<T>>(
-    local: &L,
+fn reference_dht<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
     plan: &Plan,
     rm: &RankMeta,
     h: usize,

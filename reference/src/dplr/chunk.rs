@@ -10,9 +10,10 @@ use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
 use rayon::prelude::*;
 
 use super::{
-    DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
+    Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
 };
 use crate::error::Result;
+use crate::op::{self, Engine, Prepared as _};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
 
@@ -36,7 +37,7 @@ pub fn forward<T: Scalar>(
     opt: &DplrOptions,
     chunk_size: usize,
 ) -> Result<DplrOutputs<T>> {
-    super::forward(&Chunk::new(chunk_size)?, x, opt)
+    op::forward(&Chunk::new(chunk_size)?, x, opt)
 }
 
 /// `chunk::backward(x, opt, do, dht, C)`.
@@ -47,7 +48,7 @@ pub fn backward<T: Scalar>(
     dht: Option<&ArrayD<T>>,
     chunk_size: usize,
 ) -> Result<DplrGrads<T>> {
-    super::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
+    op::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
 }
 
 /// One chunk's state-independent quantities (rows = the chunk's tokens).
@@ -539,7 +540,9 @@ impl Chunk {
     }
 }
 
-impl<T: Scalar> DplrEngine<T> for Chunk {
+impl<T: Scalar> Engine<T> for Chunk {
+    type Op = Dplr;
+
     fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
         let f = self.forward_intermediates(x, h0);
         (f.o, f.final_state)
@@ -577,7 +580,8 @@ pub fn intermediates<T: Scalar>(
         (
             seg,
             h,
-            engine.forward_intermediates(&p.head(&seg, h), p.initial_state(seg.seq, h).view()),
+            engine
+                .forward_intermediates(&p.head(&seg, h), op::initial_state(&p, seg.seq, h).view()),
         )
     }))
 }

@@ -3,20 +3,21 @@
 //! FLA's naive calls `a` "alpha" and `b` "beta"; `a_tᵀ S_{t−1}` uses the
 //! undecayed previous state.
 //!
-//! Shared pieces as for KDA: tensors, validation, the pair driver; the
-//! engines (`naive`, `chunk`) see one head of one sequence.
+//! Shared pieces as for KDA: tensors, validation, [`Dplr`] (its side of the
+//! operator contract, [`crate::op`]); the engines (`naive`, `chunk`) see one head of one sequence.
 
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
+use ndarray::{Array2, Array4, ArrayD, ArrayView4};
 
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::op::{self, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
-use crate::varlen::{self, par_pairs, Segment};
+use crate::varlen::{self, Segment};
 
 /// DPLR inputs in FLA's layout (`chunk_dplr_delta_rule`).
 #[derive(Clone, Debug)]
@@ -137,32 +138,6 @@ pub struct DplrHeadGrads<T> {
     pub dh0: Array2<T>,
 }
 
-/// A way of computing one DPLR head.
-pub trait DplrEngine<T: Scalar>: Sync {
-    /// Returns `(o [L, V], S_L [K, V])` from `S_0 = h0`.
-    fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>);
-
-    /// Gradients of `Σ o·d_o + Σ S_L·dht`.
-    fn backward(
-        &self,
-        x: &DplrHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> DplrHeadGrads<T>;
-
-    /// `M [K, K]` with `S_L = M S_0 + S_L|_{S_0 = 0}`: the recurrence run with
-    /// `v = 0` from `S_0 = I`.
-    fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
-        let kd = x.k_dim();
-        let probe = DplrHead {
-            v: Array2::zeros((x.len(), kd)),
-            ..x.clone()
-        };
-        self.forward(&probe, Array2::eye(kd).view()).1
-    }
-}
-
 pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
     let qs = expect_rank("q", "B,T,H,K", &x.q)?;
     let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
@@ -235,9 +210,29 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             h0: x.initial_state.as_ref().map(tensor::view4),
         })
     }
+}
+
+impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
+    type Head = DplrHead<T>;
+
+    fn shape(&self) -> Shape {
+        let d = self.dims;
+        Shape {
+            b: d.b,
+            t: d.t,
+            n: d.n,
+            heads: d.h,
+            k: d.k,
+            v: d.v,
+        }
+    }
+
+    fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
 
     /// Head `h` of `seg`, `q` times `scale`.
-    pub fn head(&self, seg: &Segment, h: usize) -> DplrHead<T> {
+    fn head(&self, seg: &Segment, h: usize) -> DplrHead<T> {
         DplrHead {
             q: tensor::gather(&self.q, seg, h).mapv_into(|e| e * T::c(self.scale)),
             k: tensor::gather(&self.k, seg, h),
@@ -248,38 +243,118 @@ impl<'a, T: Scalar> Prepared<'a, T> {
         }
     }
 
-    pub fn initial_state(&self, seq: usize, h: usize) -> Array2<T> {
-        match &self.h0 {
-            Some(h0) => h0.slice(s![seq, h, .., ..]).to_owned(),
-            None => Array2::zeros((self.dims.k, self.dims.v)),
+    fn h0(&self) -> Option<ArrayView4<'_, T>> {
+        self.h0.as_ref().map(|h0| h0.view())
+    }
+}
+
+/// DPLR, FLA's `chunk_dplr_delta_rule` / `fused_recurrent_dplr_delta_rule`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Dplr;
+
+impl OpSpec for Dplr {
+    const NAME: &'static str = "dplr";
+    const INPUTS: &'static [&'static str] = &["q", "k", "v", "a", "b", "gk", "initial_state"];
+    const OUTPUTS: &'static [&'static str] = &["o", "final_state"];
+    const UPSTREAM: &'static [&'static str] = &["do", "dht"];
+    const GRADS: &'static [&'static str] = &["dq", "dk", "dv", "da", "db", "dgk", "dh0"];
+    type Options = DplrOptions;
+
+    fn all_outputs(opt: &DplrOptions) -> DplrOptions {
+        DplrOptions {
+            output_final_state: true,
+            ..*opt
         }
     }
 }
 
-pub fn forward<T: Scalar, E: DplrEngine<T>>(
-    engine: &E,
-    x: &DplrInputs<T>,
-    opt: &DplrOptions,
-) -> Result<DplrOutputs<T>> {
-    let p = Prepared::new(x, opt)?;
-    let d = p.dims;
-    let results = par_pairs(p.segments.len(), d.h, |si, h| {
-        let seg = &p.segments[si];
-        engine.forward(&p.head(seg, h), p.initial_state(seg.seq, h).view())
-    });
-    let mut o = Array4::zeros((d.b, d.t, d.h, d.v));
-    let mut ht = Array4::zeros((d.n, d.h, d.k, d.v));
-    for (i, (oh, sh)) in results.iter().enumerate() {
-        let (seg, h) = (&p.segments[i / d.h], i % d.h);
-        tensor::scatter(&mut o, seg, h, oh.view());
-        ht.slice_mut(s![seg.seq, h, .., ..]).assign(sh);
+impl<T: Scalar> Operator<T> for Dplr {
+    type Inputs = DplrInputs<T>;
+    type Outputs = DplrOutputs<T>;
+    type Grads = DplrGrads<T>;
+    type Head = DplrHead<T>;
+    type HeadGrads = DplrHeadGrads<T>;
+    type Prepared<'a>
+        = Prepared<'a, T>
+    where
+        T: 'a;
+
+    fn prepare<'a>(x: &'a DplrInputs<T>, opt: &DplrOptions) -> Result<Prepared<'a, T>> {
+        Prepared::new(x, opt)
     }
-    Ok(DplrOutputs {
-        o: o.into_dyn(),
-        final_state: opt.output_final_state.then(|| ht.into_dyn()),
-    })
+
+    fn cu_seqlens(x: &DplrInputs<T>) -> Option<&[i64]> {
+        x.cu_seqlens.as_deref()
+    }
+
+    fn validate_upstream(
+        p: &Prepared<'_, T>,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        validate_upstream(&p.dims, d_o, dht)
+    }
+
+    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
+        tensor::view4(d_o)
+    }
+
+    fn dht_view(dht: &ArrayD<T>) -> ArrayView4<'_, T> {
+        tensor::view4(dht)
+    }
+
+    fn probe(x: &DplrHead<T>) -> (DplrHead<T>, usize) {
+        let kd = x.k_dim();
+        let probe = DplrHead {
+            v: Array2::zeros((x.len(), kd)),
+            ..x.clone()
+        };
+        (probe, kd)
+    }
+
+    fn outputs(opt: &DplrOptions, o: Array4<T>, final_state: Array4<T>) -> DplrOutputs<T> {
+        DplrOutputs {
+            o: o.into_dyn(),
+            final_state: opt.output_final_state.then(|| final_state.into_dyn()),
+        }
+    }
+
+    fn grads(
+        x: &DplrInputs<T>,
+        opt: &DplrOptions,
+        p: &Prepared<'_, T>,
+        pieces: &[(Segment, usize, &DplrHeadGrads<T>)],
+        dh0: Array4<T>,
+    ) -> DplrGrads<T> {
+        PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(x, opt, p)
+    }
+
+    fn output_tensors(out: &DplrOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![Some(&out.o), out.final_state.as_ref()]
+    }
+
+    fn grad_tensors(gr: &DplrGrads<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![
+            Some(&gr.dq),
+            Some(&gr.dk),
+            Some(&gr.dv),
+            Some(&gr.da),
+            Some(&gr.db),
+            Some(&gr.dgk),
+            gr.dh0.as_ref(),
+        ]
+    }
+
+    fn head_dh0(g: &DplrHeadGrads<T>) -> &Array2<T> {
+        &g.dh0
+    }
+
+    fn narrow(x: &DplrInputs<f64>) -> DplrInputs<T> {
+        x.cast()
+    }
 }
 
+/// Validates the upstream gradients `do [B,T,H,V]` and `dht [N,H,K,V]`.
 pub fn validate_upstream<T: Scalar>(
     d: &DplrDims,
     d_o: &ArrayD<T>,
@@ -292,43 +367,6 @@ pub fn validate_upstream<T: Scalar>(
         check_finite("dht", dht)?;
     }
     Ok(())
-}
-
-pub fn backward<T: Scalar, E: DplrEngine<T>>(
-    engine: &E,
-    x: &DplrInputs<T>,
-    opt: &DplrOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<DplrGrads<T>> {
-    let p = Prepared::new(x, opt)?;
-    let d = p.dims;
-    validate_upstream(&d, d_o, dht)?;
-    let d_o = tensor::view4(d_o);
-    let dht = dht.map(tensor::view4);
-    let results = par_pairs(p.segments.len(), d.h, |si, h| {
-        let seg = &p.segments[si];
-        let dht_h = match &dht {
-            Some(a) => a.slice(s![seg.seq, h, .., ..]).to_owned(),
-            None => Array2::zeros((d.k, d.v)),
-        };
-        engine.backward(
-            &p.head(seg, h),
-            p.initial_state(seg.seq, h).view(),
-            tensor::gather(&d_o, seg, h).view(),
-            dht_h.view(),
-        )
-    });
-    let pieces: Vec<_> = results
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (p.segments[i / d.h], i % d.h, r))
-        .collect();
-    let mut pg = PreparedGrads::from_pieces(&d, &pieces);
-    for (seg, h, r) in &pieces {
-        pg.dh0.slice_mut(s![seg.seq, *h, .., ..]).assign(&r.dh0);
-    }
-    Ok(pg.chain(x, opt, &p))
 }
 
 /// Picks one per-token gradient out of a head's gradients.
@@ -348,8 +386,12 @@ pub struct PreparedGrads<T> {
 
 impl<T: Scalar> PreparedGrads<T> {
     /// The per-token gradients of `(segment, head, gradients)` pieces, one
-    /// tensor per parallel task; `dh0` is left zero for the caller.
-    pub fn from_pieces(d: &DplrDims, pieces: &[(Segment, usize, &DplrHeadGrads<T>)]) -> Self {
+    /// tensor per parallel task, and `dh0 [N, H, K, V]`.
+    pub fn from_pieces(
+        d: &DplrDims,
+        pieces: &[(Segment, usize, &DplrHeadGrads<T>)],
+        dh0: Array4<T>,
+    ) -> Self {
         let grads: [(PickGrad<T>, usize); 6] = [
             (|g| &g.dq, d.k),
             (|g| &g.dk, d.k),
@@ -373,7 +415,7 @@ impl<T: Scalar> PreparedGrads<T> {
             da,
             db,
             dgk,
-            dh0: Array4::zeros((d.n, d.h, d.k, d.v)),
+            dh0,
         }
     }
 

@@ -15,8 +15,9 @@
 
 use ndarray::{Array2, ArrayD, ArrayView2, CowArray, Ix2};
 
-use super::{DplrEngine, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs};
+use super::{Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs};
 use crate::error::Result;
+use crate::op::{self, Engine};
 use crate::scalar::Scalar;
 use crate::simd;
 use crate::sweep::{quad, reverse_blocks, row, row_mut, run_tokens, state, TILE};
@@ -26,7 +27,7 @@ use crate::tensor::{dot, DotSum};
 pub struct Naive;
 
 pub fn forward<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrOutputs<T>> {
-    super::forward(&Naive, x, opt)
+    op::forward(&Naive, x, opt)
 }
 
 pub fn backward<T: Scalar>(
@@ -35,7 +36,7 @@ pub fn backward<T: Scalar>(
     d_o: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<DplrGrads<T>> {
-    super::backward(&Naive, x, opt, d_o, dht)
+    op::backward(&Naive, x, opt, d_o, dht)
 }
 
 /// What a sweep does to row `i` of the state: the finish of token `t − 1`
@@ -259,7 +260,9 @@ impl<'a, T: Scalar> Tokens<'a, T> {
     }
 }
 
-impl<T: Scalar> DplrEngine<T> for Naive {
+impl<T: Scalar> Engine<T> for Naive {
+    type Op = Dplr;
+
     fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
         simd::dispatch(
             #[inline(always)]

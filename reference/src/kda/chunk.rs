@@ -14,10 +14,9 @@ use std::ops::Mul;
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
 use rayon::prelude::*;
 
-use super::{
-    KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared,
-};
+use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
+use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::varlen::{par_pairs, Segment};
@@ -51,7 +50,7 @@ pub fn forward<T: Scalar>(
     opt: &KdaOptions,
     chunk_size: usize,
 ) -> Result<KdaOutputs<T>> {
-    super::forward(&Chunk::new(chunk_size)?, x, opt)
+    op::forward(&Chunk::new(chunk_size)?, x, opt)
 }
 
 /// `chunk::backward(x, opt, do, dht, C)`.
@@ -62,7 +61,7 @@ pub fn backward<T: Scalar>(
     dht: Option<&ArrayD<T>>,
     chunk_size: usize,
 ) -> Result<KdaGrads<T>> {
-    super::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
+    op::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
 }
 
 /// One chunk's state-independent quantities (rows = the chunk's tokens).
@@ -547,7 +546,9 @@ struct ChunkStep<T> {
     dakk: Array2<T>,
 }
 
-impl<T: Scalar> KdaEngine<T> for Chunk {
+impl<T: Scalar> Engine<T> for Chunk {
+    type Op = Kda;
+
     fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
         let f = self.forward_intermediates(x, h0);
         (f.o, f.final_state)
@@ -588,7 +589,8 @@ pub fn intermediates<T: Scalar>(
         (
             seg,
             h,
-            engine.forward_intermediates(&p.head(&seg, h), p.initial_state(seg.seq, h).view()),
+            engine
+                .forward_intermediates(&p.head(&seg, h), op::initial_state(&p, seg.seq, h).view()),
         )
     }))
 }

@@ -3,23 +3,23 @@
 //!
 //! This module owns what every form shares: the public tensors and options,
 //! validation, the pre-processing FLA fuses into its kernels (l2norm, scale,
-//! gate, beta sigmoid) and its backward, and the driver that runs an
-//! [`KdaEngine`] over every (sequence, value head) pair. The engines
-//! (`naive`, `chunk`) only see one head of one sequence.
+//! gate, beta sigmoid) and its backward, and [`Kda`], its side of the
+//! operator contract ([`crate::op`]). The engines (`naive`, `chunk`) only see
+//! one head of one sequence.
 
 pub mod chunk;
 pub mod naive;
 
 use ndarray::{
-    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Ix4,
-    IxDyn,
+    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView4, Axis, CowArray, Ix3, Ix4, IxDyn,
 };
 
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
+use crate::op::{self, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
-use crate::varlen::{self, par_pairs, Segment};
+use crate::varlen::{self, Segment};
 
 /// KDA inputs in FLA's layout (see SPEC §2).
 #[derive(Clone, Debug)]
@@ -163,34 +163,6 @@ pub struct KdaHeadGrads<T> {
     pub dbeta: Array1<T>,
     /// `[K, V]`
     pub dh0: Array2<T>,
-}
-
-/// A way of computing one head: the naive recurrence or the chunked form.
-pub trait KdaEngine<T: Scalar>: Sync {
-    /// Returns `(o [L, V], S_L [K, V])` from `S_0 = h0 [K, V]`.
-    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>);
-
-    /// Gradients of `Σ o·d_o + Σ S_L·dht` (`d_o [L, V]`, `dht [K, V]`).
-    fn backward(
-        &self,
-        x: &KdaHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> KdaHeadGrads<T>;
-
-    /// The transition `M [K, K]` with `S_L = M S_0 + S_L|_{S_0 = 0}`.
-    ///
-    /// Default: the state recurrence is linear in `(S, v)`, so running it with
-    /// `v = 0` from `S_0 = I` (K columns in place of V) yields `M`.
-    fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
-        let kd = x.k_dim();
-        let probe = KdaHead {
-            v: Array2::zeros((x.len(), kd)),
-            ..x.clone()
-        };
-        self.forward(&probe, Array2::eye(kd).view()).1
-    }
 }
 
 /// Validates inputs and options; returns the problem sizes.
@@ -389,10 +361,30 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             h0: x.initial_state.as_ref().map(tensor::view4),
         })
     }
+}
+
+impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
+    type Head = KdaHead<T>;
+
+    fn shape(&self) -> Shape {
+        let d = self.dims;
+        Shape {
+            b: d.b,
+            t: d.t,
+            n: d.n,
+            heads: d.hv,
+            k: d.k,
+            v: d.v,
+        }
+    }
+
+    fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
 
     /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA); q is
     /// multiplied by `scale`.
-    pub fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
+    fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
         let hq = hv / self.dims.groups();
         let scale = T::c(self.scale);
         KdaHead {
@@ -407,12 +399,125 @@ impl<'a, T: Scalar> Prepared<'a, T> {
         }
     }
 
-    /// The initial state of sequence `seq`, head `hv` (zeros when none given).
-    pub fn initial_state(&self, seq: usize, hv: usize) -> Array2<T> {
-        match &self.h0 {
-            Some(h0) => h0.slice(s![seq, hv, .., ..]).to_owned(),
-            None => Array2::zeros((self.dims.k, self.dims.v)),
+    fn h0(&self) -> Option<ArrayView4<'_, T>> {
+        self.h0.as_ref().map(|h0| h0.view())
+    }
+}
+
+/// KDA, FLA's `chunk_kda` / `fused_recurrent_kda`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Kda;
+
+impl OpSpec for Kda {
+    const NAME: &'static str = "kda";
+    const INPUTS: &'static [&'static str] = &[
+        "q",
+        "k",
+        "v",
+        "g",
+        "beta",
+        "A_log",
+        "dt_bias",
+        "initial_state",
+    ];
+    const OUTPUTS: &'static [&'static str] = &["o", "final_state"];
+    const UPSTREAM: &'static [&'static str] = &["do", "dht"];
+    const GRADS: &'static [&'static str] =
+        &["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"];
+    type Options = KdaOptions;
+
+    fn all_outputs(opt: &KdaOptions) -> KdaOptions {
+        KdaOptions {
+            output_final_state: true,
+            ..*opt
         }
+    }
+}
+
+impl<T: Scalar> Operator<T> for Kda {
+    type Inputs = KdaInputs<T>;
+    type Outputs = KdaOutputs<T>;
+    type Grads = KdaGrads<T>;
+    type Head = KdaHead<T>;
+    type HeadGrads = KdaHeadGrads<T>;
+    type Prepared<'a>
+        = Prepared<'a, T>
+    where
+        T: 'a;
+
+    fn prepare<'a>(x: &'a KdaInputs<T>, opt: &KdaOptions) -> Result<Prepared<'a, T>> {
+        Prepared::new(x, opt)
+    }
+
+    fn cu_seqlens(x: &KdaInputs<T>) -> Option<&[i64]> {
+        x.cu_seqlens.as_deref()
+    }
+
+    fn validate_upstream(
+        p: &Prepared<'_, T>,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        validate_upstream(&p.dims, d_o, dht)
+    }
+
+    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
+        tensor::view4(d_o)
+    }
+
+    fn dht_view(dht: &ArrayD<T>) -> ArrayView4<'_, T> {
+        tensor::view4(dht)
+    }
+
+    fn probe(x: &KdaHead<T>) -> (KdaHead<T>, usize) {
+        let kd = x.k_dim();
+        let probe = KdaHead {
+            v: Array2::zeros((x.len(), kd)),
+            ..x.clone()
+        };
+        (probe, kd)
+    }
+
+    fn outputs(opt: &KdaOptions, o: Array4<T>, final_state: Array4<T>) -> KdaOutputs<T> {
+        KdaOutputs {
+            o: o.into_dyn(),
+            final_state: opt.output_final_state.then(|| final_state.into_dyn()),
+        }
+    }
+
+    fn grads(
+        x: &KdaInputs<T>,
+        opt: &KdaOptions,
+        p: &Prepared<'_, T>,
+        pieces: &[(Segment, usize, &KdaHeadGrads<T>)],
+        dh0: Array4<T>,
+    ) -> KdaGrads<T> {
+        PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(x, opt, p)
+    }
+
+    fn output_tensors(out: &KdaOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![Some(&out.o), out.final_state.as_ref()]
+    }
+
+    fn grad_tensors(gr: &KdaGrads<T>) -> Vec<Option<&ArrayD<T>>> {
+        vec![
+            Some(&gr.dq),
+            Some(&gr.dk),
+            Some(&gr.dv),
+            Some(&gr.dg),
+            Some(&gr.dbeta),
+            gr.da_log.as_ref(),
+            gr.ddt_bias.as_ref(),
+            gr.dh0.as_ref(),
+        ]
+    }
+
+    fn head_dh0(g: &KdaHeadGrads<T>) -> &Array2<T> {
+        &g.dh0
+    }
+
+    fn narrow(x: &KdaInputs<f64>) -> KdaInputs<T> {
+        x.cast()
     }
 }
 
@@ -449,31 +554,6 @@ fn gate_terms<'a, T: Scalar>(
     (CowArray::from(g), Some((dx, da)))
 }
 
-/// Runs `engine` forward over every (sequence, value head) pair.
-pub fn forward<T: Scalar, E: KdaEngine<T>>(
-    engine: &E,
-    x: &KdaInputs<T>,
-    opt: &KdaOptions,
-) -> Result<KdaOutputs<T>> {
-    let p = Prepared::new(x, opt)?;
-    let d = p.dims;
-    let results = par_pairs(p.segments.len(), d.hv, |si, hv| {
-        let seg = &p.segments[si];
-        engine.forward(&p.head(seg, hv), p.initial_state(seg.seq, hv).view())
-    });
-    let mut o = Array4::zeros((d.b, d.t, d.hv, d.v));
-    let mut ht = Array4::zeros((d.n, d.hv, d.k, d.v));
-    for (i, (oh, sh)) in results.iter().enumerate() {
-        let (seg, hv) = (&p.segments[i / d.hv], i % d.hv);
-        tensor::scatter(&mut o, seg, hv, oh.view());
-        ht.slice_mut(s![seg.seq, hv, .., ..]).assign(sh);
-    }
-    Ok(KdaOutputs {
-        o: o.into_dyn(),
-        final_state: opt.output_final_state.then(|| ht.into_dyn()),
-    })
-}
-
 /// Validates the upstream gradients `do [B,T,HV,V]` and `dht [N,HV,K,V]`.
 pub fn validate_upstream<T: Scalar>(
     d: &KdaDims,
@@ -487,45 +567,6 @@ pub fn validate_upstream<T: Scalar>(
         check_finite("dht", dht)?;
     }
     Ok(())
-}
-
-/// Runs `engine` backward over every pair and chains through the pre-processing.
-/// `dht` is the gradient of the final state (zero when `None`).
-pub fn backward<T: Scalar, E: KdaEngine<T>>(
-    engine: &E,
-    x: &KdaInputs<T>,
-    opt: &KdaOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<KdaGrads<T>> {
-    let p = Prepared::new(x, opt)?;
-    let d = p.dims;
-    validate_upstream(&d, d_o, dht)?;
-    let d_o = tensor::view4(d_o);
-    let dht = dht.map(tensor::view4);
-    let results = par_pairs(p.segments.len(), d.hv, |si, hv| {
-        let seg = &p.segments[si];
-        let dht_h = match &dht {
-            Some(a) => a.slice(s![seg.seq, hv, .., ..]).to_owned(),
-            None => Array2::zeros((d.k, d.v)),
-        };
-        engine.backward(
-            &p.head(seg, hv),
-            p.initial_state(seg.seq, hv).view(),
-            tensor::gather(&d_o, seg, hv).view(),
-            dht_h.view(),
-        )
-    });
-    let pieces: Vec<_> = results
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (p.segments[i / d.hv], i % d.hv, r))
-        .collect();
-    let mut pg = PreparedGrads::from_pieces(&d, &pieces);
-    for (seg, hv, r) in &pieces {
-        pg.dh0.slice_mut(s![seg.seq, *hv, .., ..]).assign(&r.dh0);
-    }
-    Ok(pg.chain(x, opt, &p))
 }
 
 /// Gradients with respect to [`Prepared`]'s tensors, per value head.
@@ -547,9 +588,12 @@ pub struct PreparedGrads<T> {
 
 impl<T: Scalar> PreparedGrads<T> {
     /// The per-token gradients of `(segment, value head, gradients)` pieces,
-    /// one tensor per parallel task; `dh0` is left zero for the caller (in
-    /// CP it belongs to the rank holding the sequence's start).
-    pub fn from_pieces(d: &KdaDims, pieces: &[(Segment, usize, &KdaHeadGrads<T>)]) -> Self {
+    /// one tensor per parallel task, and `dh0 [N, HV, K, V]`.
+    pub fn from_pieces(
+        d: &KdaDims,
+        pieces: &[(Segment, usize, &KdaHeadGrads<T>)],
+        dh0: Array4<T>,
+    ) -> Self {
         let tokens = |grad: fn(&KdaHeadGrads<T>) -> &Array2<T>, width: usize| {
             let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, grad(g).view()));
             tensor::assemble((d.b, d.t, d.hv, width), blocks)
@@ -570,7 +614,7 @@ impl<T: Scalar> PreparedGrads<T> {
             dv,
             dg,
             dbeta,
-            dh0: Array4::zeros((d.n, d.hv, d.k, d.v)),
+            dh0,
         }
     }
 

@@ -19,8 +19,9 @@
 
 use ndarray::{Array1, Array2, ArrayD, ArrayView2, CowArray, Ix2};
 
-use super::{KdaEngine, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
+use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
 use crate::error::Result;
+use crate::op::{self, Engine};
 use crate::scalar::Scalar;
 use crate::simd;
 use crate::sweep::{quad, reverse_blocks, row, row_mut, run_tokens, state, TILE};
@@ -32,7 +33,7 @@ pub struct Naive;
 
 /// `forward(&Naive, …)`: outputs `o [B,T,HV,V]` and optionally `final_state`.
 pub fn forward<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaOutputs<T>> {
-    super::forward(&Naive, x, opt)
+    op::forward(&Naive, x, opt)
 }
 
 /// `backward(&Naive, …)`: all gradients from `do` and optional `dht`.
@@ -42,7 +43,7 @@ pub fn backward<T: Scalar>(
     d_o: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<KdaGrads<T>> {
-    super::backward(&Naive, x, opt, d_o, dht)
+    op::backward(&Naive, x, opt, d_o, dht)
 }
 
 /// What a sweep does to row `i` of the state: the finish of token `t − 1`
@@ -237,7 +238,9 @@ impl<'a, T: Scalar> Tokens<'a, T> {
     }
 }
 
-impl<T: Scalar> KdaEngine<T> for Naive {
+impl<T: Scalar> Engine<T> for Naive {
+    type Op = Kda;
+
     fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
         simd::dispatch(
             #[inline(always)]

@@ -1,0 +1,254 @@
+//! The operator contract: what KDA, DPLR and token-shift (and any new
+//! operator) declare, and the drivers written once over it.
+//!
+//! An operator is a marker type (e.g. [`crate::kda::Kda`]) implementing
+//! [`OpSpec`] (FLA's name and tensor names, declared once and read by case
+//! files, result maps, generation and the GPU side) and [`Operator`] (its
+//! public tensors, its pre-processing into per-(sequence, head) pieces, and how
+//! per-head results assemble into full tensors). Every operator has the same
+//! per-piece shape: a recurrent state `[K, V]` per (sequence, head), outputs
+//! `[L, V]` per piece, a state entering and leaving each piece. An [`Engine`]
+//! computes one piece (forward, backward, and the state transition `M` that
+//! context parallel needs). The drivers ([`forward`], [`backward`]) run an
+//! engine over every (sequence, head) pair with rayon, results in pair order,
+//! so the bits do not depend on the thread count; [`crate::cp::forward`] and
+//! [`crate::cp::backward`] run the same engine rank by rank.
+//!
+//! # Adding an operator
+//! 1. A folder `src/<op>/` with `mod.rs` holding the public tensors
+//!    (`Inputs`, `Options`, `Outputs`, `Grads` in FLA's layout), validation,
+//!    a `Prepared` (validated inputs after FLA's fused pre-processing) that
+//!    implements [`Prepared`], a per-piece `Head` and `HeadGrads`, and a
+//!    marker type implementing [`OpSpec`] and [`Operator`].
+//! 2. One file per engine (`naive.rs`, `chunk.rs`), each a type implementing
+//!    [`Engine`] with `type Op = <marker>`. Override [`Engine::transition`]
+//!    only when the engine has a cheaper way than the default probe run.
+//! 3. Register the module in `lib.rs`. The drivers, CP, thread determinism
+//!    and the result maps come for free.
+
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
+
+use crate::error::Result;
+use crate::scalar::Scalar;
+use crate::tensor;
+use crate::varlen::{par_pairs, Segment};
+
+/// What an operator is called, FLA's way; the single source of its names.
+pub trait OpSpec {
+    /// The case-file / CLI name (`"kda"`, `"dplr"`, `"token_shift"`).
+    const NAME: &'static str;
+    /// Input tensors, FLA's argument names, in FLA's argument order.
+    const INPUTS: &'static [&'static str];
+    /// Forward results, in the order of [`Operator::output_tensors`].
+    const OUTPUTS: &'static [&'static str];
+    /// Upstream gradients of the outputs, in the order of `OUTPUTS`.
+    const UPSTREAM: &'static [&'static str];
+    /// Gradients, in the order of [`Operator::grad_tensors`].
+    const GRADS: &'static [&'static str];
+    /// FLA's keyword options (one type for every scalar).
+    type Options: Clone + Sync;
+
+    /// `opt` asking for every output (the final state too), for comparisons.
+    fn all_outputs(opt: &Self::Options) -> Self::Options;
+}
+
+/// Sizes the drivers need: `B`, `T`, `N` sequences, state-carrying heads,
+/// state `[K, V]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub b: usize,
+    pub t: usize,
+    pub n: usize,
+    pub heads: usize,
+    pub k: usize,
+    pub v: usize,
+}
+
+/// Validated inputs, ready to cut into pieces.
+pub trait Prepared<T: Scalar>: Sync {
+    /// One piece of one head, the only thing an engine sees.
+    type Head: Clone + Send + Sync;
+    fn shape(&self) -> Shape;
+    /// Whole sequences of the batch (CP cuts them further).
+    fn segments(&self) -> &[Segment];
+    /// Rows `seg.start..seg.end` of head `h`, pre-processed.
+    fn head(&self, seg: &Segment, h: usize) -> Self::Head;
+    /// `[N, heads, K, V]`, when an initial state was given.
+    fn h0(&self) -> Option<ArrayView4<'_, T>>;
+}
+
+/// An operator in scalar `T`: its public tensors and how they map to and
+/// from per-(sequence, head) pieces.
+pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
+    type Inputs: Clone + Sync;
+    type Outputs;
+    type Grads;
+    /// One piece of one head (see [`Prepared::head`]).
+    type Head: Clone + Send + Sync;
+    /// Gradients of one piece with respect to its `Head` and `h0`.
+    type HeadGrads: Send + Sync;
+    type Prepared<'a>: Prepared<T, Head = Self::Head>
+    where
+        T: 'a;
+
+    /// Validates `x` and applies FLA's fused pre-processing.
+    fn prepare<'a>(x: &'a Self::Inputs, opt: &Self::Options) -> Result<Self::Prepared<'a>>;
+    fn cu_seqlens(x: &Self::Inputs) -> Option<&[i64]>;
+    /// Checks the upstream gradients against the problem's shape.
+    fn validate_upstream(
+        p: &Self::Prepared<'_>,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()>;
+    /// The validated output gradient as `[B, T, heads, V]`.
+    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T>;
+    /// The validated final-state gradient as `[N, heads, K, V]`.
+    fn dht_view(dht: &ArrayD<T>) -> ArrayView4<'_, T>;
+    /// `(the piece with its value-like input replaced by K zero columns, K)`:
+    /// run from `S_0 = I [K, K]`, its final state is the transition `M`.
+    fn probe(x: &Self::Head) -> (Self::Head, usize);
+    /// Public outputs from `o [B, T, heads, V]` and `final_state [N, heads, K, V]`.
+    fn outputs(opt: &Self::Options, o: Array4<T>, final_state: Array4<T>) -> Self::Outputs;
+    /// Public gradients from per-(piece, head) gradients and `dh0 [N, heads, K, V]`
+    /// (the chain rule through the pre-processing happens here).
+    fn grads(
+        x: &Self::Inputs,
+        opt: &Self::Options,
+        p: &Self::Prepared<'_>,
+        pieces: &[(Segment, usize, &Self::HeadGrads)],
+        dh0: Array4<T>,
+    ) -> Self::Grads;
+    /// The outputs, aligned with [`OpSpec::OUTPUTS`] (`None` where absent).
+    fn output_tensors(out: &Self::Outputs) -> Vec<Option<&ArrayD<T>>>;
+    /// The gradients, aligned with [`OpSpec::GRADS`] (`None` where absent).
+    fn grad_tensors(gr: &Self::Grads) -> Vec<Option<&ArrayD<T>>>;
+    /// `dh0 [K, V]` of a piece's gradients.
+    fn head_dh0(g: &Self::HeadGrads) -> &Array2<T>;
+    /// f64 inputs narrowed to `T` (the oracle's truth is f64).
+    fn narrow(x: &<Self as Operator<f64>>::Inputs) -> <Self as Operator<T>>::Inputs
+    where
+        Self: Operator<f64>;
+}
+
+/// A way of computing one piece of one head of operator `Op`.
+pub trait Engine<T: Scalar>: Sync {
+    type Op: Operator<T>;
+
+    /// Returns `(o [L, V], S_L [K, V])` from `S_0 = h0 [K, V]`.
+    fn forward(
+        &self,
+        x: &<Self::Op as Operator<T>>::Head,
+        h0: ArrayView2<T>,
+    ) -> (Array2<T>, Array2<T>);
+
+    /// Gradients of `Σ o·d_o + Σ S_L·dht` (`d_o [L, V]`, `dht [K, V]`).
+    fn backward(
+        &self,
+        x: &<Self::Op as Operator<T>>::Head,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> <Self::Op as Operator<T>>::HeadGrads;
+
+    /// The transition `M [K, K]` with `S_L = M S_0 + S_L|_{S_0 = 0}`.
+    ///
+    /// Default: the state recurrence is linear in `(S, v)`, so running it with
+    /// `v = 0` from `S_0 = I` (K columns in place of V) yields `M`.
+    fn transition(&self, x: &<Self::Op as Operator<T>>::Head) -> Array2<T> {
+        let (probe, k) = <Self::Op as Operator<T>>::probe(x);
+        self.forward(&probe, Array2::eye(k).view()).1
+    }
+}
+
+/// The initial state of sequence `seq`, head `h` (zeros when none was given).
+pub fn initial_state<T: Scalar, P: Prepared<T>>(p: &P, seq: usize, h: usize) -> Array2<T> {
+    let sh = p.shape();
+    match p.h0() {
+        Some(h0) => h0.slice(s![seq, h, .., ..]).to_owned(),
+        None => Array2::zeros((sh.k, sh.v)),
+    }
+}
+
+/// Runs `engine` forward over every (sequence, head) pair.
+pub fn forward<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: &<E::Op as Operator<T>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+) -> Result<<E::Op as Operator<T>>::Outputs> {
+    let p = E::Op::prepare(x, opt)?;
+    let d = p.shape();
+    let segments = p.segments();
+    let results = par_pairs(segments.len(), d.heads, |si, h| {
+        let seg = &segments[si];
+        engine.forward(&p.head(seg, h), initial_state(&p, seg.seq, h).view())
+    });
+    let mut o = Array4::zeros((d.b, d.t, d.heads, d.v));
+    let mut ht = Array4::zeros((d.n, d.heads, d.k, d.v));
+    for (i, (oh, sh)) in results.iter().enumerate() {
+        let (seg, h) = (&segments[i / d.heads], i % d.heads);
+        tensor::scatter(&mut o, seg, h, oh.view());
+        ht.slice_mut(s![seg.seq, h, .., ..]).assign(sh);
+    }
+    Ok(E::Op::outputs(opt, o, ht))
+}
+
+/// Runs `engine` backward over every pair and chains through the
+/// pre-processing. `d_o` is shaped like the main output, `dht` like the
+/// final state (zero when `None`).
+pub fn backward<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: &<E::Op as Operator<T>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+) -> Result<<E::Op as Operator<T>>::Grads> {
+    let p = E::Op::prepare(x, opt)?;
+    let d = p.shape();
+    E::Op::validate_upstream(&p, d_o, dht)?;
+    let d_o = E::Op::upstream_view(d_o);
+    let dht = dht.map(E::Op::dht_view);
+    let segments = p.segments();
+    let results = par_pairs(segments.len(), d.heads, |si, h| {
+        let seg = &segments[si];
+        let dht_h = match &dht {
+            Some(a) => a.slice(s![seg.seq, h, .., ..]).to_owned(),
+            None => Array2::zeros((d.k, d.v)),
+        };
+        engine.backward(
+            &p.head(seg, h),
+            initial_state(&p, seg.seq, h).view(),
+            tensor::gather(&d_o, seg, h).view(),
+            dht_h.view(),
+        )
+    });
+    let mut dh0 = Array4::zeros((d.n, d.heads, d.k, d.v));
+    let pieces: Vec<_> = results
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let (seg, h) = (segments[i / d.heads], i % d.heads);
+            dh0.slice_mut(s![seg.seq, h, .., ..])
+                .assign(E::Op::head_dh0(g));
+            (seg, h, g)
+        })
+        .collect();
+    Ok(E::Op::grads(x, opt, &p, &pieces, dh0))
+}
+
+/// Every output and gradient under FLA's names ([`OpSpec`]), skipping absent ones.
+pub fn named<'r, T: Scalar, O: Operator<T>>(
+    out: &'r O::Outputs,
+    gr: Option<&'r O::Grads>,
+) -> Vec<(&'static str, &'r ArrayD<T>)> {
+    let outs = O::output_tensors(out);
+    debug_assert_eq!(outs.len(), O::OUTPUTS.len(), "{}: OUTPUTS", O::NAME);
+    let mut all: Vec<_> = O::OUTPUTS.iter().copied().zip(outs).collect();
+    if let Some(gr) = gr {
+        let grads = O::grad_tensors(gr);
+        debug_assert_eq!(grads.len(), O::GRADS.len(), "{}: GRADS", O::NAME);
+        all.extend(O::GRADS.iter().copied().zip(grads));
+    }
+    all.into_iter()
+        .filter_map(|(name, t)| t.map(|t| (name, t)))
+        .collect()
+}
