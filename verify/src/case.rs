@@ -505,6 +505,9 @@ pub struct Case {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+/// A case's inputs with its upstream gradients `(do, dht)`, owned.
+pub type OwnedInputs = (Inputs, ArrayD<f64>, Option<ArrayD<f64>>);
+
 /// The inputs of a case as the reference crate's types.
 pub enum Inputs {
     Kda(KdaInputs<f64>),
@@ -560,9 +563,7 @@ impl Case {
 
     /// The inputs and the upstream gradients `(do, dht)`, moved out of the
     /// case instead of copied (a long case holds one set of them, not two).
-    pub fn into_inputs(
-        mut self,
-    ) -> Result<(Inputs, ArrayD<f64>, Option<ArrayD<f64>>), deltaref::Error> {
+    pub fn into_inputs(mut self) -> Result<OwnedInputs, deltaref::Error> {
         let (d_o, dht) = self.upstream()?;
         let [d_o_name, dht_name] = self.meta.op.upstream() else {
             unreachable!("two upstream names per op")

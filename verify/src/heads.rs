@@ -112,7 +112,7 @@ impl HeadFile {
             let dtype: StDtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
             let shape: Vec<usize> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
             let off: [u64; 2] = serde_json::from_value(v.get("data_offsets")?.clone()).ok()?;
-            if dtype.bitsize() % 8 != 0 {
+            if !dtype.bitsize().is_multiple_of(8) {
                 return None;
             }
             let size = dtype.bitsize() / 8;
