@@ -564,12 +564,13 @@ impl Case {
     /// The inputs and the upstream gradients `(do, dht)`, moved out of the
     /// case instead of copied (a long case holds one set of them, not two).
     pub fn into_inputs(mut self) -> Result<OwnedInputs, deltaref::Error> {
-        let (d_o, dht) = self.upstream()?;
-        let [d_o_name, dht_name] = self.meta.op.upstream() else {
+        let [d_o, dht] = self.meta.op.upstream() else {
             unreachable!("two upstream names per op")
         };
-        self.tensors.remove(*d_o_name);
-        self.tensors.remove(*dht_name);
+        let d_o = self.tensors.remove(*d_o).ok_or_else(|| {
+            deltaref::Error::missing(d_o, format!("required input of op {}", self.meta.op.name()))
+        })?;
+        let dht = self.tensors.remove(*dht);
         let mut t = std::mem::take(&mut self.tensors);
         Ok((self.assemble(|n| t.remove(n))?, d_o, dht))
     }
