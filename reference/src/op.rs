@@ -37,7 +37,8 @@ use crate::varlen::{par_pairs, Segment};
 pub trait OpSpec {
     /// The case-file / CLI name (`"kda"`, `"dplr"`, `"token_shift"`).
     const NAME: &'static str;
-    /// Input tensors, FLA's argument names, in FLA's argument order.
+    /// Input tensors, FLA's argument names, in FLA's argument order
+    /// (`cu_seqlens`, an integer tensor, last).
     const INPUTS: &'static [&'static str];
     /// Forward results, in the order of [`Operator::output_tensors`].
     const OUTPUTS: &'static [&'static str];

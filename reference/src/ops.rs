@@ -8,7 +8,7 @@
 //! `C²·V`, `C³` and the larger `K·V` and `C·K` terms per chunk of `C` tokens
 //! for the chunked forms; a matrix product `[m, n]·[n, p]` is `2·m·n·p`.
 //! Gates, norms and `O(K + V)` work per token are left out. The test
-//! `tests/tests/op_count.rs` checks these against engines run on a scalar
+//! `reference/tests/op_count.rs` checks these against engines run on a scalar
 //! that counts its own operations.
 
 /// Operations of forward and backward.

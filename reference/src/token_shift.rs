@@ -199,7 +199,7 @@ pub struct TokenShift;
 
 impl OpSpec for TokenShift {
     const NAME: &'static str = "token_shift";
-    const INPUTS: &'static [&'static str] = &["x", "cache"];
+    const INPUTS: &'static [&'static str] = &["x", "cache", "cu_seqlens"];
     const OUTPUTS: &'static [&'static str] = &["y", "final_cache"];
     const UPSTREAM: &'static [&'static str] = &["dy", "dfinal_cache"];
     const GRADS: &'static [&'static str] = &["dx", "dcache"];

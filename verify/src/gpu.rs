@@ -9,29 +9,10 @@ use deltaref::kda::{Kda, KdaInputs, KdaOptions};
 use deltaref::token_shift::{TokenShift, TokenShiftInputs};
 use deltaref_gpu::{Gpu, GpuError, GpuImpl, Storage, Timings};
 use ndarray::ArrayD;
-use thiserror::Error;
 
 use crate::case::{Case, Dtype, Inputs, Op};
+pub use crate::compute::ComputeError;
 use crate::outputs::{self, Tensors};
-
-/// Why an implementation produced no results.
-#[derive(Debug, Error)]
-pub enum ComputeError {
-    /// Invalid inputs (the oracle's validation, shared by every implementation).
-    #[error(transparent)]
-    Input(#[from] deltaref::Error),
-    #[error("GPU: {0}")]
-    Gpu(GpuError),
-}
-
-impl From<GpuError> for ComputeError {
-    fn from(e: GpuError) -> Self {
-        match e {
-            GpuError::Input(i) => ComputeError::Input(i),
-            other => ComputeError::Gpu(other),
-        }
-    }
-}
 
 /// The process's GPU (device 0), opened once; a failed probe is retried on
 /// the next call and its error returned.

@@ -14,7 +14,7 @@ use deltaref_gpu::{GpuImpl, Storage, Timings};
 use ndarray::ArrayD;
 
 use crate::case::{Case, CaseError, CpLayout, Inputs, Op};
-pub use crate::gpu::ComputeError;
+pub use crate::compute::{Compute, ComputeError};
 use crate::outputs::{self, Tensors};
 
 /// The local engine: the naive recurrence or the chunked form.
@@ -45,13 +45,6 @@ pub struct Impl {
     /// Stage rounding of the chunked engine (the CP rounding lives in `cp`).
     pub policy: Policy,
     pub device: Device,
-}
-
-/// The scalar an implementation computes in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Compute {
-    F64,
-    F32,
 }
 
 impl Impl {

@@ -1,4 +1,5 @@
 pub mod case;
+pub mod compute;
 pub mod diagnose;
 pub mod fd;
 pub mod files;

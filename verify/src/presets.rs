@@ -22,7 +22,7 @@
 use deltaref::cp::Faults;
 use deltaref::precision::{Policy, Stage, Storage};
 
-use crate::impls::Compute;
+use crate::compute::Compute;
 
 /// A named emulation setting.
 #[derive(Clone, Debug, PartialEq)]

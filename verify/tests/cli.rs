@@ -94,7 +94,7 @@ fn perturbed_and_low_precision_candidates() {
     // A bf16 candidate (the case has no stored truth: compared with the oracle).
     let mut c = Case::read(&cand).unwrap();
     for name in c.meta.op.results() {
-        if let Some(t) = c.tensors.get(*name).cloned() {
+        if let Some(t) = c.tensors.get(name).cloned() {
             c.insert(name, t, Dtype::Bf16);
         }
     }

@@ -162,8 +162,8 @@ fn diagnose_fails_where_verify_fails() {
     });
     let empty = variant("empty.safetensors", &|c| {
         for n in c.meta.op.results() {
-            c.tensors.remove(*n);
-            c.dtypes.remove(*n);
+            c.tensors.remove(n);
+            c.dtypes.remove(n);
         }
     });
     for (cand, why) in [
@@ -566,9 +566,9 @@ fn partial_truth_is_listed_and_fails_unless_allowed() {
     // The case keeps only `o`; the candidate's gradients are garbage.
     let mut c = Case::read(&case).unwrap();
     for n in c.meta.op.results() {
-        if *n != "o" {
-            c.tensors.remove(*n);
-            c.dtypes.remove(*n);
+        if n != "o" {
+            c.tensors.remove(n);
+            c.dtypes.remove(n);
         }
     }
     c.write(&case).unwrap();

@@ -254,7 +254,8 @@ pub struct Dplr;
 
 impl OpSpec for Dplr {
     const NAME: &'static str = "dplr";
-    const INPUTS: &'static [&'static str] = &["q", "k", "v", "a", "b", "gk", "initial_state"];
+    const INPUTS: &'static [&'static str] =
+        &["q", "k", "v", "a", "b", "gk", "initial_state", "cu_seqlens"];
     const OUTPUTS: &'static [&'static str] = &["o", "final_state"];
     const UPSTREAM: &'static [&'static str] = &["do", "dht"];
     const GRADS: &'static [&'static str] = &["dq", "dk", "dv", "da", "db", "dgk", "dh0"];

@@ -419,6 +419,7 @@ impl OpSpec for Kda {
         "A_log",
         "dt_bias",
         "initial_state",
+        "cu_seqlens",
     ];
     const OUTPUTS: &'static [&'static str] = &["o", "final_state"];
     const UPSTREAM: &'static [&'static str] = &["do", "dht"];

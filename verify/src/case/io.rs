@@ -1,0 +1,434 @@
+//! Case files on disk: safetensors framing, decoding and encoding, the
+//! checks that run before the parser sizes anything, candidates.
+
+use std::fmt;
+use std::io::Write;
+use std::path::Path;
+
+use half::{bf16, f16};
+use ndarray::{ArrayD, IxDyn};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use safetensors::View;
+use serde_json::{Map, Value};
+
+use super::{Case, CaseError, CaseMeta, Dtype, Op};
+
+/// A case tensor as safetensors writes it, encoded when its bytes are asked for.
+enum Encoded<'a> {
+    Float(&'a ArrayD<f64>, Dtype, StDtype),
+    Int(&'a [i64], Vec<usize>),
+}
+
+/// A tensor's dtype and shape without its bytes (to build the header alone).
+struct HeaderOnly<'a, 'b>(&'a Encoded<'b>);
+
+impl safetensors::View for HeaderOnly<'_, '_> {
+    fn dtype(&self) -> StDtype {
+        self.0.dtype()
+    }
+    fn shape(&self) -> &[usize] {
+        self.0.shape()
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&[])
+    }
+    fn data_len(&self) -> usize {
+        self.0.data_len()
+    }
+}
+
+impl safetensors::View for Encoded<'_> {
+    fn dtype(&self) -> StDtype {
+        match self {
+            Encoded::Float(_, _, d) => *d,
+            Encoded::Int(..) => StDtype::I64,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        match self {
+            Encoded::Float(x, ..) => x.shape(),
+            Encoded::Int(_, s) => s,
+        }
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self {
+            Encoded::Float(x, dt, _) => dt.encode(x).into(),
+            Encoded::Int(cu, _) => cu
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
+        }
+    }
+    fn data_len(&self) -> usize {
+        match self {
+            Encoded::Float(x, _, d) => x.len() * d.bitsize() / 8,
+            Encoded::Int(cu, _) => cu.len() * 8,
+        }
+    }
+}
+
+impl Case {
+    /// The safetensors bytes of the case (deterministic).
+    pub fn to_bytes(&self) -> Result<Vec<u8>, CaseError> {
+        safetensors::tensor::serialize(self.views(), Some(self.meta_map())).map_err(|e| {
+            CaseError::Format {
+                path: "(in memory)".into(),
+                why: e.to_string(),
+            }
+        })
+    }
+
+    /// Writes the case atomically: a temporary file next to `path`, then
+    /// rename. The bytes are [`Case::to_bytes`]'s, each tensor encoded only
+    /// as it is written (a long case is never in memory twice).
+    pub fn write(&self, path: &Path) -> Result<(), CaseError> {
+        let mut views = self.views();
+        // safetensors' own serialisation, tensors without their bytes: the
+        // length prefix and the header.
+        let header = views.iter().map(|(n, v)| (n.clone(), HeaderOnly(v)));
+        let head = safetensors::tensor::serialize(header, Some(self.meta_map())).map_err(|e| {
+            CaseError::Format {
+                path: path.display().to_string(),
+                why: e.to_string(),
+            }
+        })?;
+        // Then the bytes in safetensors' order: dtype alignment down, then name.
+        views.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
+        crate::files::write_atomic_with(path, |tmp| {
+            // `create_new` never follows a link planted at the temporary name.
+            let f = std::fs::File::options()
+                .write(true)
+                .create_new(true)
+                .open(tmp)?;
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+            w.write_all(&head)?;
+            for (_, v) in &views {
+                w.write_all(&v.data())?;
+            }
+            w.flush()
+        })
+    }
+
+    /// The `case` metadata entry of the file.
+    fn meta_map(&self) -> std::collections::HashMap<String, String> {
+        std::collections::HashMap::from([("case".to_string(), self.meta.to_json().to_string())])
+    }
+
+    /// The file's tensors, encoded on demand.
+    fn views(&self) -> Vec<(String, Encoded<'_>)> {
+        let mut views: Vec<(String, Encoded)> = self
+            .tensors
+            .iter()
+            .map(|(n, x)| {
+                let dt = self.dtypes.get(n).copied().unwrap_or(Dtype::F64);
+                (n.clone(), Encoded::Float(x, dt, dt.st()))
+            })
+            .collect();
+        if let Some(cu) = &self.cu_seqlens {
+            views.push(("cu_seqlens".into(), Encoded::Int(cu, vec![cu.len()])));
+        }
+        views
+    }
+
+    /// Reads and validates a case file.
+    pub fn read(path: &Path) -> Result<Case, CaseError> {
+        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        Case::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// Parses a case from the bytes of a safetensors file (`what` names it in errors).
+    pub fn from_bytes(bytes: &[u8], what: &str) -> Result<Case, CaseError> {
+        let case = Case::parse(bytes, what, None)?;
+        case.validate().map_err(|e| CaseError::Invalid {
+            path: what.to_string(),
+            source: e,
+        })?;
+        Ok(case)
+    }
+
+    /// Reads a candidate: the outputs and gradients a port produced for a
+    /// case of op `op`. See [`Case::candidate_from_bytes`].
+    pub fn read_candidate(path: &Path, op: Op) -> Result<Case, CaseError> {
+        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        Case::candidate_from_bytes(&bytes, &path.display().to_string(), op)
+    }
+
+    /// Reads a candidate for `case`: as [`Case::read_candidate`], and when
+    /// the candidate states `case` metadata, every option it states that
+    /// changes the math (scale, l2norm, gate, lower bound, beta sigmoid,
+    /// negative eigenvalues; `op` is checked by the parser) must agree with
+    /// the case's: else an error naming the differing keys (CP layout, chunk
+    /// size, seed and dtype may differ).
+    pub fn read_candidate_for(path: &Path, case: &Case) -> Result<Case, CaseError> {
+        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        let what = path.display().to_string();
+        let cand = Case::candidate_from_bytes(&bytes, &what, case.meta.op)?;
+        let stated: Vec<String> = SafeTensors::read_metadata(&bytes)
+            .ok()
+            .and_then(|(_, m)| m.metadata().as_ref()?.get("case").cloned())
+            .and_then(|text| serde_json::from_str::<Map<String, Value>>(&text).ok())
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        let differ = case.math_options_differing(&cand.meta, &stated);
+        if !differ.is_empty() {
+            return Err(CaseError::Metadata {
+                path: what,
+                why: format!(
+                    "the candidate's `case` states other options than the case: {}",
+                    differ.join(", ")
+                ),
+            });
+        }
+        Ok(cand)
+    }
+
+    /// `key (case X, candidate Y)` for every math option `stated` by the
+    /// candidate that differs from the case's (a port may state only some).
+    fn math_options_differing(&self, other: &CaseMeta, stated: &[String]) -> Vec<String> {
+        const MATH: [&str; 6] = [
+            "scale",
+            "use_qk_l2norm_in_kernel",
+            "gate",
+            "lower_bound",
+            "use_beta_sigmoid_in_kernel",
+            "allow_neg_eigval",
+        ];
+        let k = self
+            .tensors
+            .get("q")
+            .and_then(|q| q.shape().last().copied());
+        let with_scale = |m: &CaseMeta| {
+            let mut j = m.to_json();
+            if let (Some(k), None, Value::Object(o)) = (k, m.scale, &mut j) {
+                o.insert("scale".into(), (k as f64).powf(-0.5).into());
+            }
+            j
+        };
+        let (a, b) = (with_scale(&self.meta), with_scale(other));
+        MATH.iter()
+            .filter(|key| stated.iter().any(|s| s == *key) && a.get(**key) != b.get(**key))
+            .map(|key| {
+                let show = |v: Option<&Value>| v.map_or("absent".to_string(), Value::to_string);
+                format!(
+                    "{key} (case {}, candidate {})",
+                    show(a.get(*key)),
+                    show(b.get(*key))
+                )
+            })
+            .collect()
+    }
+
+    /// Parses a candidate. Unlike a case it needs no inputs (a port saves
+    /// only what it computed), its `case` metadata is optional (when present
+    /// its `op` must be `op`), and non-finite values are kept: a NaN in a
+    /// port's output is a failed comparison, not an unreadable file. Framing,
+    /// tensor names and dtypes are checked as for a case; shapes are checked
+    /// by the comparison, tensor by tensor.
+    pub fn candidate_from_bytes(bytes: &[u8], what: &str, op: Op) -> Result<Case, CaseError> {
+        Case::parse(bytes, what, Some(op))
+    }
+
+    /// Framing, metadata, names and dtypes, without the cross-tensor
+    /// validation. `candidate_of`: a candidate for a case of this op (its
+    /// metadata is then optional but must name this op).
+    fn parse(bytes: &[u8], what: &str, candidate_of: Option<Op>) -> Result<Case, CaseError> {
+        let fmt_err = |why: String| CaseError::Format {
+            path: what.to_string(),
+            why,
+        };
+        check_header_length(bytes).map_err(fmt_err)?;
+        reject_duplicate_names(bytes).map_err(fmt_err)?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| fmt_err(describe(&e)))?;
+        let (_, md) = SafeTensors::read_metadata(bytes).map_err(|e| fmt_err(describe(&e)))?;
+        let meta_err = |why: String| CaseError::Metadata {
+            path: what.to_string(),
+            why,
+        };
+        let text = md.metadata().as_ref().and_then(|m| m.get("case"));
+        let meta = match (text, candidate_of) {
+            (Some(text), _) => CaseMeta::from_json(text).map_err(meta_err)?,
+            (None, Some(op)) => CaseMeta::new(op),
+            (None, None) => {
+                return Err(meta_err(
+                    "no `case` entry in the metadata (expected {\"op\": ...})".into(),
+                ))
+            }
+        };
+        if let Some(op) = candidate_of.filter(|&op| op != meta.op) {
+            return Err(meta_err(format!(
+                "candidate op `{}` differs from the case's `{}`",
+                meta.op.name(),
+                op.name()
+            )));
+        }
+        let mut case = Case::new(meta);
+        let mut names: Vec<(String, TensorView)> = st.tensors();
+        names.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, view) in names {
+            let terr = |why: String| CaseError::Tensor {
+                path: what.to_string(),
+                tensor: name.clone(),
+                why,
+            };
+            if !case.meta.op.knows(&name) {
+                return Err(terr(format!("not a tensor of op {}", case.meta.op.name())));
+            }
+            if name == "cu_seqlens" {
+                case.cu_seqlens = Some(decode_cu_seqlens(&view).map_err(terr)?);
+                continue;
+            }
+            let (values, dt) = decode(&view).map_err(terr)?;
+            let arr = ArrayD::from_shape_vec(IxDyn(view.shape()), values)
+                .map_err(|e| terr(e.to_string()))?;
+            case.tensors.insert(name.clone(), arr);
+            case.dtypes.insert(name, dt);
+        }
+        Ok(case)
+    }
+}
+
+pub use crate::files::write_atomic;
+
+/// What reading a case costs per stored byte: the bytes, the f64 tensors
+/// and a validation copy for an f64 file (a bf16 file widens more; the
+/// command's compute estimate, from the shapes, covers that).
+const READ_WIDEN: u64 = 4;
+
+/// `cu_seqlens`: a 1-D int64 tensor.
+fn decode_cu_seqlens(view: &TensorView) -> Result<Vec<i64>, String> {
+    if view.dtype() != StDtype::I64 || view.shape().len() != 1 {
+        return Err(format!(
+            "must be a 1-D int64 tensor, got {:?} {:?}",
+            view.dtype(),
+            view.shape()
+        ));
+    }
+    Ok(view
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// Float tensors only; integer dtypes are refused by name.
+fn decode(view: &TensorView) -> Result<(Vec<f64>, Dtype), String> {
+    let d = view.data();
+    Ok(match view.dtype() {
+        StDtype::F64 => (
+            d.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().expect("8")))
+                .collect(),
+            Dtype::F64,
+        ),
+        StDtype::F32 => (
+            d.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4")) as f64)
+                .collect(),
+            Dtype::F32,
+        ),
+        StDtype::BF16 => (
+            d.chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            Dtype::Bf16,
+        ),
+        StDtype::F16 => (
+            d.chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
+                .collect(),
+            Dtype::F16,
+        ),
+        other => {
+            return Err(format!(
+                "dtype {other:?} is not a supported float type (F64, F32, BF16 or F16)"
+            ))
+        }
+    })
+}
+
+fn describe(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => "file too short for the 8-byte header length (truncated?)".into(),
+        E::InvalidHeaderLength => "header length is larger than the file (truncated?)".into(),
+        E::HeaderTooLarge => "header length is implausibly large".into(),
+        E::InvalidHeaderDeserialization(j) => format!("header is not valid JSON: {j}"),
+        E::MetadataIncompleteBuffer => {
+            "tensor data is shorter than the header says (truncated?)".into()
+        }
+        E::TensorInvalidInfo => "a tensor's dtype and shape do not match its byte length".into(),
+        other => other.to_string(),
+    }
+}
+
+/// The 8-byte header length must fit in the file (checked before the
+/// parser sizes anything by it).
+fn check_header_length(bytes: &[u8]) -> Result<(), String> {
+    let Some(n) = bytes.get(..8) else {
+        return Err(format!(
+            "file too short for the 8-byte header length ({} bytes; truncated?)",
+            bytes.len()
+        ));
+    };
+    let n = u64::from_le_bytes(n.try_into().expect("8 bytes"));
+    let room = bytes.len() as u64 - 8;
+    // The safetensors parser's own bound on a header.
+    const MAX_HEADER: u64 = 100_000_000;
+    if n > MAX_HEADER {
+        return Err(format!(
+            "header length {n} is implausibly large (at most {MAX_HEADER} bytes)"
+        ));
+    }
+    if n > room {
+        return Err(format!(
+            "header length {n} is larger than the file ({room} bytes after it; truncated?)"
+        ));
+    }
+    Ok(())
+}
+
+/// JSON objects silently keep the last of duplicate keys; a case must not.
+fn reject_duplicate_names(bytes: &[u8]) -> Result<(), String> {
+    struct Keys(Vec<String>);
+    impl<'de> serde::Deserialize<'de> for Keys {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = Keys;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut m: A,
+                ) -> Result<Keys, A::Error> {
+                    let mut keys = Vec::new();
+                    while let Some((k, _)) = m.next_entry::<String, serde::de::IgnoredAny>()? {
+                        keys.push(k);
+                    }
+                    Ok(Keys(keys))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    // Framing errors are reported by the safetensors parser itself.
+    let Some(n) = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8")) as usize)
+    else {
+        return Ok(());
+    };
+    let Some(header) = bytes.get(8..8usize.saturating_add(n)) else {
+        return Ok(());
+    };
+    let Ok(Keys(mut keys)) = serde_json::from_slice::<Keys>(header) else {
+        return Ok(());
+    };
+    keys.sort();
+    match keys.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(format!("duplicate tensor name `{}` in the header", w[0])),
+        None => Ok(()),
+    }
+}

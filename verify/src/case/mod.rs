@@ -1,0 +1,263 @@
+//! Case files (SPEC §8): one case = one safetensors file holding FLA-named
+//! tensors and a `case` metadata entry (a JSON object with `op` and FLA's
+//! option names). Reading validates everything and never panics; writing is
+//! atomic (temporary file + rename, see [`crate::files`]).
+//!
+//! Split by job: [`error`] (what can go wrong), [`meta`] (the `case`
+//! metadata and the ops' names), [`dtype`] (storage dtypes), [`io`] (files,
+//! framing, candidates); this module holds the case in memory.
+
+mod dtype;
+mod error;
+mod io;
+mod meta;
+
+use std::collections::BTreeMap;
+
+use deltaref::dplr::DplrInputs;
+use deltaref::kda::KdaInputs;
+use deltaref::token_shift::TokenShiftInputs;
+use ndarray::ArrayD;
+
+use crate::outputs::Tensors;
+pub use dtype::Dtype;
+pub use error::CaseError;
+pub use io::write_atomic;
+pub use meta::{CaseMeta, CpLayout, Op};
+
+/// One case in memory: metadata, float tensors (widened to f64) and their
+/// stored dtypes, and `cu_seqlens`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    pub meta: CaseMeta,
+    pub tensors: Tensors,
+    pub dtypes: BTreeMap<String, Dtype>,
+    pub cu_seqlens: Option<Vec<i64>>,
+}
+
+/// A case's inputs with its upstream gradients `(do, dht)`, owned.
+pub type OwnedInputs = (Inputs, ArrayD<f64>, Option<ArrayD<f64>>);
+
+/// The inputs of a case as the reference crate's types.
+pub enum Inputs {
+    Kda(KdaInputs<f64>),
+    Dplr(DplrInputs<f64>),
+    TokenShift(TokenShiftInputs<f64>),
+}
+
+impl Case {
+    pub fn new(meta: CaseMeta) -> Self {
+        Case {
+            meta,
+            tensors: Tensors::new(),
+            dtypes: BTreeMap::new(),
+            cu_seqlens: None,
+        }
+    }
+
+    /// Adds a float tensor stored as `dtype` (its values are rounded to it).
+    pub fn insert(&mut self, name: &str, mut x: ArrayD<f64>, dtype: Dtype) {
+        if dtype != Dtype::F64 {
+            x.mapv_inplace(|v| dtype.round(v));
+        }
+        self.tensors.insert(name.to_string(), x);
+        self.dtypes.insert(name.to_string(), dtype);
+    }
+
+    fn get(&self, name: &str) -> Option<ArrayD<f64>> {
+        self.tensors.get(name).map(deltaref::tensor::cast)
+    }
+
+    fn need(&self, name: &str) -> Result<ArrayD<f64>, deltaref::Error> {
+        self.get(name).ok_or_else(|| {
+            deltaref::Error::missing(
+                name,
+                format!("required input of op {}", self.meta.op.name()),
+            )
+        })
+    }
+
+    /// The inputs, as the reference crate takes them (not yet validated).
+    pub fn inputs(&self) -> Result<Inputs, deltaref::Error> {
+        // `cast` to f64 is a copy, made on every core for a long tensor.
+        self.assemble(|n| self.get(n))
+    }
+
+    /// The upstream gradients `(do, dht)` (`(dy, dfinal_cache)`); `do` is required.
+    pub fn upstream(&self) -> Result<(ArrayD<f64>, Option<ArrayD<f64>>), deltaref::Error> {
+        let [d_o, dht] = self.meta.op.upstream() else {
+            unreachable!("two upstream names per op")
+        };
+        Ok((self.need(d_o)?, self.get(dht)))
+    }
+
+    /// The inputs and the upstream gradients `(do, dht)`, moved out of the
+    /// case instead of copied (a long case holds one set of them, not two).
+    pub fn into_inputs(mut self) -> Result<OwnedInputs, deltaref::Error> {
+        let [d_o, dht] = self.meta.op.upstream() else {
+            unreachable!("two upstream names per op")
+        };
+        let d_o = self.tensors.remove(*d_o).ok_or_else(|| {
+            deltaref::Error::missing(d_o, format!("required input of op {}", self.meta.op.name()))
+        })?;
+        let dht = self.tensors.remove(*dht);
+        let mut t = std::mem::take(&mut self.tensors);
+        Ok((self.assemble(|n| t.remove(n))?, d_o, dht))
+    }
+
+    /// The inputs from `get` (a tensor by name, `None` when absent).
+    fn assemble(
+        &self,
+        mut get: impl FnMut(&str) -> Option<ArrayD<f64>>,
+    ) -> Result<Inputs, deltaref::Error> {
+        let op = self.meta.op;
+        let mut need = |name: &str| {
+            get(name).ok_or_else(|| {
+                deltaref::Error::missing(name, format!("required input of op {}", op.name()))
+            })
+        };
+        let cu = self.cu_seqlens.clone();
+        Ok(match op {
+            Op::Kda => Inputs::Kda(KdaInputs {
+                q: need("q")?,
+                k: need("k")?,
+                v: need("v")?,
+                g: need("g")?,
+                beta: need("beta")?,
+                a_log: get("A_log"),
+                dt_bias: get("dt_bias"),
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::Dplr => Inputs::Dplr(DplrInputs {
+                q: need("q")?,
+                k: need("k")?,
+                v: need("v")?,
+                a: need("a")?,
+                b: need("b")?,
+                gk: need("gk")?,
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::TokenShift => Inputs::TokenShift(TokenShiftInputs {
+                x: need("x")?,
+                cache: get("cache"),
+                cu_seqlens: cu,
+            }),
+        })
+    }
+
+    /// The stored outputs and gradients (empty for a fixture without them).
+    pub fn results(&self) -> Tensors {
+        self.tensors
+            .iter()
+            .filter(|(k, _)| self.meta.op.results().contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// A copy whose inputs and upstream gradients went through `round`
+    /// (stored results are kept as they are).
+    pub fn with_rounded_inputs(&self, round: impl Fn(f64) -> f64) -> Case {
+        let mut c = self.clone();
+        let op = self.meta.op;
+        for (name, t) in c.tensors.iter_mut() {
+            if op.inputs().contains(&name.as_str()) || op.upstream().contains(&name.as_str()) {
+                t.mapv_inplace(&round);
+            }
+        }
+        c
+    }
+
+    /// The value dimension (V; D for token-shift), 0 if the inputs are absent.
+    pub fn value_dim(&self) -> usize {
+        let name = if self.meta.op == Op::TokenShift {
+            "x"
+        } else {
+            "v"
+        };
+        self.tensors
+            .get(name)
+            .and_then(|t| t.shape().last().copied())
+            .unwrap_or(0)
+    }
+
+    /// Checks inputs, upstream gradients and stored results for consistency
+    /// with the reference crate's validation.
+    pub fn validate(&self) -> Result<(), deltaref::Error> {
+        let (d_o, dht) = self.upstream()?;
+        match self.inputs()? {
+            Inputs::Kda(x) => {
+                let d = deltaref::kda::validate(&x, &self.meta.kda_options())?;
+                deltaref::kda::validate_upstream(&d, &d_o, dht.as_ref())?;
+            }
+            Inputs::Dplr(x) => {
+                let d = deltaref::dplr::validate(&x, &self.meta.dplr_options())?;
+                deltaref::dplr::validate_upstream(&d, &d_o, dht.as_ref())?;
+            }
+            Inputs::TokenShift(x) => {
+                let (d, _) = deltaref::token_shift::validate(&x)?;
+                deltaref::tensor::expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], d_o.shape())?;
+                if let Some(h) = &dht {
+                    deltaref::tensor::expect_shape(
+                        "dfinal_cache",
+                        "[N,D]",
+                        &[d.n, d.d],
+                        h.shape(),
+                    )?;
+                }
+            }
+        }
+        for (name, x) in self.results() {
+            if let Some(want) = self.result_shape(&name) {
+                deltaref::tensor::expect_shape(
+                    &name,
+                    "(as its input counterpart)",
+                    &want,
+                    x.shape(),
+                )?;
+            }
+            deltaref::tensor::check_finite(&name, &x)?;
+        }
+        for (name, x) in crate::intermediates::stored(self) {
+            deltaref::tensor::check_finite(&name, &x)?;
+        }
+        Ok(())
+    }
+
+    /// The outputs and gradients the oracle computes for this case: every
+    /// result name, less the gradients of optional inputs it lacks.
+    pub fn expected_results(&self) -> Vec<&'static str> {
+        let has = |n: &str| self.tensors.contains_key(n);
+        self.meta
+            .op
+            .results()
+            .iter()
+            .copied()
+            .filter(|&n| match n {
+                "dA_log" => has("A_log"),
+                "ddt_bias" => has("dt_bias"),
+                "dh0" => has("initial_state"),
+                "dcache" => has("cache"),
+                _ => true,
+            })
+            .collect()
+    }
+
+    /// The shape a result must have: a gradient is shaped like its input,
+    /// `o`/`y` like `do`/`dy`, a final state like `dht` when present.
+    pub fn result_shape(&self, name: &str) -> Option<Vec<usize>> {
+        let like = |n: &str| self.tensors.get(n).map(|t| t.shape().to_vec());
+        match name {
+            "o" => like("do"),
+            "y" => like("dy"),
+            "final_state" => like("dht").or_else(|| like("initial_state")),
+            "final_cache" => like("dfinal_cache").or_else(|| like("cache")),
+            "dh0" => like("initial_state"),
+            "dcache" => like("cache"),
+            "dA_log" => like("A_log"),
+            "ddt_bias" => like("dt_bias"),
+            d => like(d.strip_prefix('d')?),
+        }
+    }
+}
