@@ -156,7 +156,7 @@ def _impl_args(
             name = "cp"
     return dict(
         impl_name=name,
-        chunk_size=int(chunk_size or 0),
+        chunk_size=None if chunk_size is None else int(chunk_size),
         world=None if world is None else int(world),
         layout=layout,
         cuts=cuts,

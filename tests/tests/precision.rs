@@ -90,7 +90,7 @@ fn run(
 ) -> (Tensors, Impl) {
     let req = ImplRequest {
         name: imp.into(),
-        chunk_size: 16,
+        chunk_size: Some(16),
         cuts,
         cp_engine: Some("chunk".into()).filter(|_| imp == "cp"),
         precision: precision.map(String::from),

@@ -5,8 +5,8 @@
 use deltaref_gpu::GpuError;
 use thiserror::Error;
 
-/// The scalar an implementation computes in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The scalar an implementation computes in (`--compute f64|f32`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Compute {
     F64,
     F32,

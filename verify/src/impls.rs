@@ -282,11 +282,16 @@ fn world_plan(world: usize, layout: Layout) -> PlanSpec {
     }
 }
 
+/// FLA's chunk size (`chunk_kda`'s `BT`), used when neither the flag nor the case gives one.
+pub const DEFAULT_CHUNK_SIZE: usize = 64;
+
 /// What `--impl` and its flags say, before the case is known.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ImplRequest {
     pub name: String,
-    pub chunk_size: usize,
+    /// The chunked engine's chunk size (default: the case's, else
+    /// [`DEFAULT_CHUNK_SIZE`]).
+    pub chunk_size: Option<usize>,
     pub world: Option<usize>,
     /// FLA's layout of `world` (contiguous unless given).
     pub layout: Option<Layout>,
@@ -361,14 +366,17 @@ impl ImplRequest {
         Ok((req.resolve(case)?, Some(p.compute)))
     }
 
+    /// The chunk size asked for, else the case's, else [`DEFAULT_CHUNK_SIZE`].
+    pub fn chunk_size_for(&self, case: &Case) -> usize {
+        self.chunk_size
+            .or(case.meta.chunk_size)
+            .unwrap_or(DEFAULT_CHUNK_SIZE)
+    }
+
     /// Resolves against a case (whose metadata may carry a CP layout and chunk size).
     pub fn resolve(&self, case: &Case) -> Result<Impl, CaseError> {
         let usage = |m: String| CaseError::Usage(m);
-        let chunk_size = if self.chunk_size == 0 {
-            case.meta.chunk_size.unwrap_or(64)
-        } else {
-            self.chunk_size
-        };
+        let chunk_size = self.chunk_size_for(case);
         let engine_of = |name: &str| match name {
             "naive" => Ok(Engine::Naive),
             "chunk" => Impl::chunk(chunk_size).map(|i| i.engine),
@@ -388,7 +396,7 @@ impl ImplRequest {
             ),
             n => n.strip_prefix("gpu-").unwrap_or(n),
         };
-        if self.chunk_size != 0 && engine_name == "naive" {
+        if self.chunk_size.is_some() && engine_name == "naive" {
             return Err(usage(format!(
                 "--chunk-size applies to the chunked engine; --impl {}{} runs the naive one",
                 self.name,

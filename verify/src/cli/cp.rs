@@ -10,7 +10,7 @@ use clap::Args as ClapArgs;
 use deltaref::cp::intra::{self, IntraParams};
 use deltaref::cp::table;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::impls::{oracle_truth, Compute};
+use deltaref_verify::impls::{oracle_truth, Compute, DEFAULT_CHUNK_SIZE};
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
@@ -81,11 +81,7 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
         let params = IntraParams {
             num_sms: a.num_sms,
             num_heads: a.num_heads.unwrap_or_else(|| value_heads(&case)),
-            chunk_size: if req.chunk_size == 0 {
-                64
-            } else {
-                req.chunk_size
-            },
+            chunk_size: req.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE),
             max_splits: a.max_splits,
             subseq_len: a.subseq_len,
         };

@@ -10,7 +10,7 @@ use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::case::{Dtype, Op};
 use deltaref_verify::diagnose::{diagnose_with_noise, plot, Diagnosis, NoiseReference, TokenMap};
 use deltaref_verify::files::destination;
-use deltaref_verify::impls::{oracle_truth, Compute, Engine, ImplRequest};
+use deltaref_verify::impls::{oracle_truth, Compute, Engine, ImplRequest, DEFAULT_CHUNK_SIZE};
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::presets;
 use deltaref_verify::progress::Progress;
@@ -102,7 +102,7 @@ fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
     };
     let chunk = match imp.engine {
         Engine::Chunk(c) => c,
-        Engine::Naive => case.meta.chunk_size.unwrap_or(64),
+        Engine::Naive => case.meta.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE),
     };
     let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), &cuts, chunk);
     let noise = noise_run(a, &case)?;

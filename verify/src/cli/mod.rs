@@ -62,32 +62,89 @@ pub struct ImplArgs {
     #[arg(long = "impl", default_value = "naive")]
     pub imp: String,
     /// Chunk size of the chunked engine: 16, 32 or 64 (default: the case's `chunk_size`, else 64).
-    #[arg(long)]
+    #[arg(long, value_parser = chunk_size)]
     pub chunk_size: Option<usize>,
     /// CP: FLA's equal split over N ranks (T must divide).
     #[arg(long)]
     pub world: Option<usize>,
     /// CP: FLA's layout of --world: contiguous (rank r holds slice r) or
     /// zigzag (2W equal intervals, rank r holds r and 2W−1−r).
-    #[arg(long)]
-    pub layout: Option<String>,
+    #[arg(long, value_enum)]
+    pub layout: Option<LayoutArg>,
     /// CP: interior cut positions, e.g. 300,512,700.
     #[arg(long)]
     pub cuts: Option<String>,
     /// CP: local engine, naive or chunk (default chunk).
-    #[arg(long)]
-    pub cp_engine: Option<String>,
+    #[arg(long, value_enum)]
+    pub cp_engine: Option<CpEngineArg>,
     /// Compute in f64 (the oracle) or f32 (same code, single precision); default f64, or the preset's.
-    #[arg(long)]
-    pub compute: Option<String>,
+    #[arg(long, value_enum)]
+    pub compute: Option<Compute>,
     /// Emulate a precision preset or inject a CP fault (exact, f32, fla-bf16,
     /// fla-bf16-mchain-bf16, akk-bf16, tf32-solve, drop-merged-state,
     /// partial-merge-v, wrong-preprocess).
     #[arg(long)]
     pub precision: Option<String>,
     /// gpu-*: store the inputs as f32 or bf16 (default: the case's input dtype).
-    #[arg(long)]
-    pub gpu_dtype: Option<String>,
+    #[arg(long, value_enum)]
+    pub gpu_dtype: Option<GpuDtype>,
+}
+
+/// `--chunk-size`: one of the chunk sizes FLA's kernels use.
+fn chunk_size(s: &str) -> Result<usize, String> {
+    let c: usize = s
+        .parse()
+        .map_err(|_| format!("expected 16, 32 or 64, got `{s}`"))?;
+    deltaref::tensor::check_chunk_size(c).map_err(|_| format!("expected 16, 32 or 64, got {c}"))?;
+    Ok(c)
+}
+
+/// `--layout`: FLA's CP layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LayoutArg {
+    Contiguous,
+    Zigzag,
+}
+
+impl From<LayoutArg> for Layout {
+    fn from(l: LayoutArg) -> Layout {
+        match l {
+            LayoutArg::Contiguous => Layout::Contiguous,
+            LayoutArg::Zigzag => Layout::Zigzag,
+        }
+    }
+}
+
+/// `--cp-engine`: the local engine of each rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CpEngineArg {
+    Naive,
+    Chunk,
+}
+
+impl CpEngineArg {
+    fn name(self) -> &'static str {
+        match self {
+            CpEngineArg::Naive => "naive",
+            CpEngineArg::Chunk => "chunk",
+        }
+    }
+}
+
+/// `--gpu-dtype`: how the GPU kernels store their inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum GpuDtype {
+    F32,
+    Bf16,
+}
+
+impl From<GpuDtype> for Storage {
+    fn from(d: GpuDtype) -> Storage {
+        match d {
+            GpuDtype::F32 => Storage::F32,
+            GpuDtype::Bf16 => Storage::Bf16,
+        }
+    }
 }
 
 impl ImplArgs {
@@ -117,16 +174,7 @@ impl ImplArgs {
     }
 
     pub fn request(&self) -> Result<(ImplRequest, Option<Compute>), CaseError> {
-        let compute = match self.compute.as_deref() {
-            None => None,
-            Some("f64") => Some(Compute::F64),
-            Some("f32") => Some(Compute::F32),
-            Some(c) => {
-                return Err(CaseError::Usage(format!(
-                    "--compute: expected f64 or f32, got `{c}`"
-                )))
-            }
-        };
+        let compute = self.compute;
         if compute.is_some() && self.imp.starts_with("gpu-") {
             return Err(CaseError::Usage(
                 "--compute picks the oracle's scalar; the GPU kernels compute in f32 \
@@ -134,38 +182,18 @@ impl ImplArgs {
                     .into(),
             ));
         }
-        if self.chunk_size == Some(0) {
-            return Err(CaseError::Usage(
-                "--chunk-size: expected 16, 32 or 64, got 0".into(),
-            ));
-        }
-        let gpu_dtype = match self.gpu_dtype.as_deref() {
-            None => None,
-            Some("f32") => Some(Storage::F32),
-            Some("bf16") => Some(Storage::Bf16),
-            Some(d) => {
-                return Err(CaseError::Usage(format!(
-                    "--gpu-dtype: expected f32 or bf16, got `{d}`"
-                )))
-            }
-        };
         let req = ImplRequest {
             name: self.imp.clone(),
-            gpu_dtype,
-            chunk_size: self.chunk_size.unwrap_or(0),
+            gpu_dtype: self.gpu_dtype.map(Storage::from),
+            chunk_size: self.chunk_size,
             world: self.world,
-            layout: self
-                .layout
-                .as_deref()
-                .map(Layout::parse)
-                .transpose()
-                .map_err(|e| CaseError::Usage(format!("--layout: {e}")))?,
+            layout: self.layout.map(Layout::from),
             cuts: self
                 .cuts
                 .as_deref()
                 .map(|c| list("--cuts", c))
                 .transpose()?,
-            cp_engine: self.cp_engine.clone(),
+            cp_engine: self.cp_engine.map(|e| e.name().to_string()),
             precision: self.precision.clone(),
             ..ImplRequest::default()
         };
