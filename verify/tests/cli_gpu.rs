@@ -63,7 +63,8 @@ fn gpu_flag_misuse_is_a_usage_error() {
                 "--gpu-dtype",
                 "f16",
             ],
-            "expected f32 or bf16",
+            // clap's wording: flag, value and the allowed values.
+            "invalid value 'f16' for '--gpu-dtype <GPU_DTYPE>'",
         ),
         (
             vec!["run", "--case", k, "--impl", "gpu-naive", "--world", "2"],
