@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -15,6 +16,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use ndarray::{ArrayD, IxDyn};
+use rayon::prelude::*;
 
 use crate::error::{GpuError, Result};
 use crate::kernels::{prep_defines, Defines, Source, PREP};
@@ -45,11 +47,22 @@ pub struct Gpu {
     arch: String,
     name: String,
     modules: Mutex<HashMap<(&'static str, Defines), Arc<CudaModule>>>,
+    /// Nanoseconds spent in [`Gpu::load`] (compiling or loading modules).
+    compile_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for Gpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Gpu({}, {})", self.name, self.arch)
+    }
+}
+
+/// `x`'s elements in row-major order through `f`, on every core (a long
+/// case's tensors have 10⁸ elements: one core spends seconds on them).
+fn convert<T: Send>(x: &ArrayD<f64>, f: impl Fn(f64) -> T + Sync) -> Vec<T> {
+    match x.as_slice() {
+        Some(s) => s.par_iter().with_min_len(1 << 16).map(|&v| f(v)).collect(),
+        None => x.iter().map(|&v| f(v)).collect(),
     }
 }
 
@@ -87,6 +100,7 @@ impl Gpu {
             arch: format!("compute_{major}{minor}"),
             name,
             modules: Mutex::new(HashMap::new()),
+            compile_ns: AtomicU64::new(0),
         })
     }
 
@@ -131,6 +145,19 @@ impl Gpu {
     /// Loads a module from the PTX disk cache, or compiles it (and caches
     /// it); a cached file the driver rejects is replaced by a fresh build.
     fn load(&self, source: &Source, defines: Defines) -> Result<Arc<CudaModule>> {
+        let t = Instant::now();
+        let m = self.load_untimed(source, defines);
+        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.compile_ns.fetch_add(ns, Ordering::Relaxed);
+        m
+    }
+
+    /// Seconds spent loading or compiling modules since the device was opened.
+    pub fn compile_seconds(&self) -> f64 {
+        self.compile_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    fn load_untimed(&self, source: &Source, defines: Defines) -> Result<Arc<CudaModule>> {
         let what = || format!("loading module `{}`", source.name);
         let cache = PtxCache::open();
         if let Some(ptx) = cache
@@ -243,10 +270,7 @@ impl Gpu {
         Ok(match s {
             Storage::F32 => Input::F32(self.upload_f32(what, x)?),
             Storage::Bf16 => {
-                let bits: Vec<u16> = x
-                    .iter()
-                    .map(|&v| half::bf16::from_f64(v).to_bits())
-                    .collect();
+                let bits = convert(x, |v| half::bf16::from_f64(v).to_bits());
                 Input::Bf16(self.upload(what, &bits)?)
             }
         })
@@ -254,8 +278,7 @@ impl Gpu {
 
     /// Uploads a tensor as f32 (states, gate parameters, upstream state gradients).
     pub(crate) fn upload_f32(&self, what: &str, x: &ArrayD<f64>) -> Result<CudaSlice<f32>> {
-        let v: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-        self.upload(what, &v)
+        self.upload(what, &convert(x, |v| v as f32))
     }
 
     /// Copies a result `[shape]` back as f64, first rounded in place to
@@ -276,10 +299,12 @@ impl Gpu {
             self.launch(b, "round_store", elementwise(n))?;
         }
         let host = self.download(what, &t, n)?;
-        Ok(
-            ArrayD::from_shape_vec(IxDyn(shape), host.into_iter().map(f64::from).collect())
-                .expect("shape matches the buffer"),
-        )
+        let wide: Vec<f64> = host
+            .par_iter()
+            .with_min_len(1 << 16)
+            .map(|&v| f64::from(v))
+            .collect();
+        Ok(ArrayD::from_shape_vec(IxDyn(shape), wide).expect("shape matches the buffer"))
     }
 
     /// Free and total device memory in bytes.

@@ -302,6 +302,7 @@ pub fn run(
         timings: Timings {
             forward_s,
             backward_s,
+            ..Timings::default()
         },
     })
 }

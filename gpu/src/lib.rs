@@ -55,11 +55,19 @@ pub struct GpuImpl {
 }
 
 /// Seconds of device work (stream drained around each phase; uploads,
-/// pre-processing and copies back excluded).
+/// pre-processing and copies back excluded), and of the host work around it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Timings {
     pub forward_s: f64,
     pub backward_s: f64,
+    /// Checking the inputs, converting them to the storage dtype, copying
+    /// them to the device and the pre-processing kernels (KDA).
+    pub upload_s: f64,
+    /// Gradient chain kernels, copies back and the widening to f64 (KDA).
+    pub download_s: f64,
+    /// Compiling (or loading from the PTX cache) kernel modules during the
+    /// run; part of the phase that first needed them.
+    pub compile_s: f64,
 }
 
 /// What a GPU run returns: outputs, gradients and timings.

@@ -159,6 +159,7 @@ pub fn run(
         timings: Timings {
             forward_s,
             backward_s,
+            ..Timings::default()
         },
     })
 }

@@ -130,8 +130,23 @@ pub fn assemble<'a, T: Scalar>(
 
 /// Converts between scalars (through `f64`: exact widening, rounded narrowing).
 pub fn cast<T: Scalar, U: Scalar>(x: &ArrayD<T>) -> ArrayD<U> {
-    x.mapv(|v| U::c(v.f64()))
+    // A long case's tensors hold 10⁸ values: convert them on every core.
+    match x.as_slice() {
+        Some(s) if s.len() >= PAR_CAST => {
+            use rayon::prelude::*;
+            let v = s
+                .par_iter()
+                .with_min_len(1 << 16)
+                .map(|v| U::c(v.f64()))
+                .collect();
+            ArrayD::from_shape_vec(x.raw_dim(), v).expect("same element count")
+        }
+        _ => x.mapv(|v| U::c(v.f64())),
+    }
 }
+
+/// Elements from which [`cast`] runs in parallel.
+const PAR_CAST: usize = 1 << 20;
 
 /// `cast` over an optional tensor.
 pub fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>> {

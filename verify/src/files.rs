@@ -91,6 +91,20 @@ pub fn destination(path: &Path) -> Result<PathBuf, CaseError> {
 /// partial file. Existing non-regular destinations are refused; symlinks are
 /// written through (see [`destination`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CaseError> {
+    write_atomic_with(path, |tmp| {
+        // `create_new` never follows a link planted at the temporary name.
+        let mut f = File::options().write(true).create_new(true).open(tmp)?;
+        f.write_all(bytes)
+    })
+}
+
+/// [`write_atomic`] where `write` creates and fills the temporary file at
+/// the path it is given (a writer that streams, e.g. tensor by tensor). It
+/// must not follow a link planted there (create it new, or rename onto it).
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Result<(), CaseError> {
     let target = destination(path)?;
     let dir = target
         .parent()
@@ -105,16 +119,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CaseError> {
         std::process::id(),
         TEMP_SERIAL.fetch_add(1, Ordering::Relaxed)
     ));
-    // `create_new` never follows a link planted at the temporary name.
-    let mut f = File::options()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(|e| write_err(path, e))?;
     register(&tmp);
     let result = (|| {
-        f.write_all(bytes)?;
-        f.sync_all()?;
+        write(&tmp)?;
+        File::open(&tmp)?.sync_all()?;
         pause_for_tests();
         std::fs::rename(&tmp, &target)
     })();

@@ -3,9 +3,7 @@
 use deltaref::conv::Activation;
 use deltaref::gates::Gate;
 use deltaref::gdn::GdnOptions;
-use deltaref::inputs::{
-    self, ConvSpec, DplrSpec, GdnSpec, Generated, KdaSpec, Layout, Regime, TokenShiftSpec,
-};
+use deltaref::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
 use deltaref::kda::KdaOptions;
 use ndarray::{ArrayD, Axis};
 
@@ -163,20 +161,18 @@ impl GenSpec {
     }
 }
 
-fn put_all<I>(
+/// Moves the named tensors and the upstream gradients into `case`.
+fn put_all(
     case: &mut Case,
-    g: &Generated<I>,
-    named: Vec<(&str, Option<&ArrayD<f64>>)>,
-    upstream: [&str; 2],
+    named: Vec<(&str, Option<ArrayD<f64>>)>,
+    upstream: [(&str, ArrayD<f64>); 2],
     dtype: Dtype,
 ) {
-    for (n, t) in named {
+    for (n, t) in named.into_iter().chain(upstream.map(|(n, t)| (n, Some(t)))) {
         if let Some(t) = t {
-            case.insert(n, t.clone(), dtype);
+            case.insert(n, t, dtype);
         }
     }
-    case.insert(upstream[0], g.d_o.clone(), dtype);
-    case.insert(upstream[1], g.dht.clone(), dtype);
 }
 
 /// Generates a case; with `expected`, the f64 truth is computed from the
@@ -219,18 +215,18 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
                 g.inputs.k = unit_norm(&g.inputs.k);
             }
-            let x = &g.inputs;
+            let x = g.inputs;
             let named = vec![
-                ("q", Some(&x.q)),
-                ("k", Some(&x.k)),
-                ("v", Some(&x.v)),
-                ("g", Some(&x.g)),
-                ("beta", Some(&x.beta)),
-                ("A_log", x.a_log.as_ref()),
-                ("dt_bias", x.dt_bias.as_ref()),
-                ("initial_state", x.initial_state.as_ref()),
+                ("q", Some(x.q)),
+                ("k", Some(x.k)),
+                ("v", Some(x.v)),
+                ("g", Some(x.g)),
+                ("beta", Some(x.beta)),
+                ("A_log", x.a_log),
+                ("dt_bias", x.dt_bias),
+                ("initial_state", x.initial_state),
             ];
-            put_all(&mut case, &g, named, ["do", "dht"], dt);
+            put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
         }
         Op::Dplr => {
             let s = DplrSpec {
@@ -242,17 +238,17 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
                 seed: spec.seed,
             };
             let g = inputs::dplr_in(&s, spec.regime);
-            let x = &g.inputs;
+            let x = g.inputs;
             let named = vec![
-                ("q", Some(&x.q)),
-                ("k", Some(&x.k)),
-                ("v", Some(&x.v)),
-                ("a", Some(&x.a)),
-                ("b", Some(&x.b)),
-                ("gk", Some(&x.gk)),
-                ("initial_state", x.initial_state.as_ref()),
+                ("q", Some(x.q)),
+                ("k", Some(x.k)),
+                ("v", Some(x.v)),
+                ("a", Some(x.a)),
+                ("b", Some(x.b)),
+                ("gk", Some(x.gk)),
+                ("initial_state", x.initial_state),
             ];
-            put_all(&mut case, &g, named, ["do", "dht"], dt);
+            put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
         }
         Op::TokenShift => {
             let g = inputs::token_shift_in(
@@ -264,8 +260,13 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
                 },
                 spec.regime,
             );
-            let named = vec![("x", Some(&g.inputs.x)), ("cache", g.inputs.cache.as_ref())];
-            put_all(&mut case, &g, named, ["dy", "dfinal_cache"], dt);
+            let named = vec![("x", Some(g.inputs.x)), ("cache", g.inputs.cache)];
+            put_all(
+                &mut case,
+                named,
+                [("dy", g.d_o), ("dfinal_cache", g.dht)],
+                dt,
+            );
         }
         Op::Gdn => {
             let s = GdnSpec {
@@ -290,18 +291,18 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
                 g.inputs.k = unit_norm(&g.inputs.k);
             }
-            let x = &g.inputs;
+            let x = g.inputs;
             let named = vec![
-                ("q", Some(&x.q)),
-                ("k", Some(&x.k)),
-                ("v", Some(&x.v)),
-                ("g", Some(&x.g)),
-                ("beta", Some(&x.beta)),
-                ("A_log", x.a_log.as_ref()),
-                ("dt_bias", x.dt_bias.as_ref()),
-                ("initial_state", x.initial_state.as_ref()),
+                ("q", Some(x.q)),
+                ("k", Some(x.k)),
+                ("v", Some(x.v)),
+                ("g", Some(x.g)),
+                ("beta", Some(x.beta)),
+                ("A_log", x.a_log),
+                ("dt_bias", x.dt_bias),
+                ("initial_state", x.initial_state),
             ];
-            put_all(&mut case, &g, named, ["do", "dht"], dt);
+            put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
         }
         Op::CausalConv1d => {
             let g = inputs::conv(&ConvSpec {
@@ -312,22 +313,28 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
                 initial_state: spec.initial_state,
                 seed: spec.seed,
             });
-            let x = &g.inputs;
+            let x = g.inputs;
             let named = vec![
-                ("x", Some(&x.x)),
-                ("weight", Some(&x.weight)),
-                ("bias", x.bias.as_ref()),
-                ("initial_state", x.initial_state.as_ref()),
+                ("x", Some(x.x)),
+                ("weight", Some(x.weight)),
+                ("bias", x.bias),
+                ("initial_state", x.initial_state),
             ];
-            put_all(&mut case, &g, named, ["dy", "dht"], dt);
+            put_all(&mut case, named, [("dy", g.d_o), ("dht", g.dht)], dt);
         }
     }
     case.validate()
         .map_err(|e| CaseError::Usage(e.to_string()))?;
     if spec.expected {
         progress.step("computing the f64 truth");
-        let truth = Impl::NAIVE
-            .compute(&case, Compute::F64)
+        // A long case's truth is computed a few heads at a time (same
+        // values; one per thread keeps every core busy): only those heads'
+        // engine buffers are live, not every head's.
+        let naive = |c: Case| Impl::NAIVE.compute_owned(c, Compute::F64);
+        let truth = (problem.compute_bytes(None) > crate::heads::STREAM_MIN_BYTES)
+            .then(|| crate::heads::compute_by_blocks(&case, rayon::current_num_threads(), naive))
+            .flatten()
+            .unwrap_or_else(|| Impl::NAIVE.compute(&case, Compute::F64))
             .map_err(|e| CaseError::Usage(e.to_string()))?;
         if let Some((n, i, v)) = first_non_finite(&truth) {
             return Err(CaseError::Usage(format!(

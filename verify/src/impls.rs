@@ -2,6 +2,8 @@
 //! gradients (`--impl`). Every implementation returns the same name → tensor
 //! map, so any two can be compared.
 
+use std::borrow::Cow;
+
 use deltaref::conv::Direct;
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
 use deltaref::gdn::OnKda;
@@ -123,8 +125,8 @@ impl Impl {
             return Ok((t, Some(timings)));
         }
         let t = match compute {
-            Compute::F64 => self.compute_in::<f64>(case)?.0,
-            Compute::F32 => self.compute_in::<f32>(case)?.0,
+            Compute::F64 => self.compute_in::<f64>(Cow::Borrowed(case), false)?.0,
+            Compute::F32 => self.compute_in::<f32>(Cow::Borrowed(case), false)?.0,
         };
         Ok((self.stored_outputs(t), None))
     }
@@ -134,8 +136,20 @@ impl Impl {
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
-        let (t, diags) = self.compute_in::<f64>(case)?;
+        let (t, diags) = self.compute_in::<f64>(Cow::Borrowed(case), true)?;
         Ok((self.stored_outputs(t), diags))
+    }
+
+    /// Like `compute`, consuming the case: its inputs move into the engine
+    /// instead of being copied (a long case's head block holds one set).
+    pub fn compute_owned(&self, case: Case, compute: Compute) -> Result<Tensors, ComputeError> {
+        if let Device::Gpu(_) = self.device {
+            return self.compute(&case, compute);
+        }
+        Ok(self.stored_outputs(match compute {
+            Compute::F64 => self.compute_in::<f64>(Cow::Owned(case), false)?.0,
+            Compute::F32 => self.compute_in::<f32>(Cow::Owned(case), false)?.0,
+        }))
     }
 
     /// The outputs only (`o`/`y` and the final state), without the backward
@@ -153,8 +167,9 @@ impl Impl {
     }
 
     fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
-        let case = self.stored_inputs(case);
-        let cp = self.cp.as_ref().map(|(p, o)| (p, o));
+        let case = self.stored_inputs(Cow::Borrowed(case));
+        let cp = self.cp_without_references();
+        let cp = cp.as_ref().map(|(p, o)| (p, o));
         match (case.inputs()?, &self.engine) {
             (Inputs::Kda(x), Engine::Naive) => {
                 outputs::forward_only::<T, _>(&kda::naive::Naive, &x, &case.meta.kda_options(), cp)
@@ -203,64 +218,91 @@ impl Impl {
     }
 
     /// The case as the kernel reads it: inputs rounded to the policy's input storage.
-    fn stored_inputs<'a>(&self, case: &'a Case) -> std::borrow::Cow<'a, Case> {
+    fn stored_inputs<'a>(&self, case: Cow<'a, Case>) -> Cow<'a, Case> {
         match self.policy.storage(Stage::Inputs) {
-            Some(s) => std::borrow::Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
-            None => std::borrow::Cow::Borrowed(case),
+            Some(s) => Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
+            None => case,
         }
     }
 
+    /// The CP plan and options without the per-rank table's non-CP
+    /// reference runs (results only: they would cost world/2 extra passes).
+    fn cp_without_references(&self) -> Option<(PlanSpec, CpOptions)> {
+        self.cp.as_ref().map(|(p, o)| {
+            let o = CpOptions {
+                skip_reference_runs: true,
+                ..o.clone()
+            };
+            (p.clone(), o)
+        })
+    }
+
+    /// `diags`: the per-rank table is wanted, non-CP references included.
     fn compute_in<T: Scalar>(
         &self,
-        case: &Case,
+        case: Cow<'_, Case>,
+        diags: bool,
     ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error> {
-        // The kernel reads its inputs in their storage dtype.
-        let case = &*self.stored_inputs(case);
-        let (d_o, dht) = case.upstream()?;
-        let up = (&d_o, dht.as_ref());
-        match (case.inputs()?, &self.engine) {
+        let cp = if diags {
+            self.cp.clone()
+        } else {
+            self.cp_without_references()
+        };
+        let case = self.stored_inputs(case);
+        let meta = case.meta.clone();
+        // An owned case hands its tensors over; a borrowed one is copied.
+        let (inputs, d_o, dht) = match case {
+            Cow::Owned(c) => c.into_inputs()?,
+            Cow::Borrowed(c) => {
+                let (d_o, dht) = c.upstream()?;
+                (c.inputs()?, d_o, dht)
+            }
+        };
+        let up = (d_o, dht.as_ref());
+        let cp = cp.as_ref();
+        match (inputs, &self.engine) {
             (Inputs::Kda(x), Engine::Naive) => {
-                self.all(&kda::naive::Naive, &x, &case.meta.kda_options(), up)
+                all(&kda::naive::Naive, x, &meta.kda_options(), up, cp)
             }
             (Inputs::Kda(x), Engine::Chunk(c)) => {
                 let e = Chunk::new(*c)?.with_policy(self.policy.clone());
-                self.all(&e, &x, &case.meta.kda_options(), up)
+                all(&e, x, &meta.kda_options(), up, cp)
             }
             (Inputs::Dplr(x), Engine::Naive) => {
-                self.all(&dplr::naive::Naive, &x, &case.meta.dplr_options(), up)
+                all(&dplr::naive::Naive, x, &meta.dplr_options(), up, cp)
             }
             (Inputs::Dplr(x), Engine::Chunk(c)) => {
                 let e = dplr::chunk::Chunk::new(*c)?.with_policy(self.policy.clone());
-                self.all(&e, &x, &case.meta.dplr_options(), up)
+                all(&e, x, &meta.dplr_options(), up, cp)
             }
-            (Inputs::TokenShift(x), _) => self.all(&Shift, &x, &(), up),
+            (Inputs::TokenShift(x), _) => all(&Shift, x, &(), up, cp),
             (Inputs::Gdn(x), Engine::Naive) => {
-                self.all(&OnKda(kda::naive::Naive), &x, &case.meta.gdn_options(), up)
+                all(&OnKda(kda::naive::Naive), x, &meta.gdn_options(), up, cp)
             }
             (Inputs::Gdn(x), Engine::Chunk(c)) => {
                 let e = OnKda(Chunk::new(*c)?.with_policy(self.policy.clone()));
-                self.all(&e, &x, &case.meta.gdn_options(), up)
+                all(&e, x, &meta.gdn_options(), up, cp)
             }
-            (Inputs::CausalConv1d(x), _) => self.all(&Direct, &x, &case.meta.conv_options(), up),
+            (Inputs::CausalConv1d(x), _) => all(&Direct, x, &meta.conv_options(), up, cp),
         }
     }
+}
 
-    /// Outputs and gradients of `engine`, under simulated CP when asked.
-    #[allow(clippy::type_complexity)]
-    fn all<T: Scalar, E: OpEngine<T>>(
-        &self,
-        engine: &E,
-        x: &<E::Op as Operator<f64>>::Inputs,
-        opts: &<E::Op as OpSpec>::Options,
-        (d_o, dht): (&ArrayD<f64>, Option<&ArrayD<f64>>),
-    ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error>
-    where
-        E::Op: Operator<f64>,
-    {
-        match &self.cp {
-            None => Ok((outputs::all(engine, x, opts, d_o, dht)?, vec![])),
-            Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
-        }
+/// Outputs and gradients of `engine`, under simulated CP when asked.
+#[allow(clippy::type_complexity)]
+fn all<T: Scalar, E: OpEngine<T>>(
+    engine: &E,
+    x: <E::Op as Operator<f64>>::Inputs,
+    opts: &<E::Op as OpSpec>::Options,
+    (d_o, dht): (ArrayD<f64>, Option<&ArrayD<f64>>),
+    cp: Option<&(PlanSpec, CpOptions)>,
+) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error>
+where
+    E::Op: Operator<f64>,
+{
+    match cp {
+        None => Ok((outputs::all(engine, &x, opts, &d_o, dht)?, vec![])),
+        Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
     }
 }
 
@@ -355,6 +397,7 @@ impl ImplRequest {
             cp_options: CpOptions {
                 policy,
                 faults: p.faults,
+                skip_reference_runs: false,
             },
             precision: None,
             ..self.clone()

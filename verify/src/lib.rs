@@ -7,6 +7,7 @@ pub mod files;
 pub mod fixtures;
 pub mod generate;
 pub mod gpu;
+pub mod heads;
 pub mod impls;
 pub mod intermediates;
 pub mod memory;

@@ -6,34 +6,92 @@ use serde::Serialize;
 /// NaN anywhere gives NaN (a failure under every threshold).
 pub fn norm_ratio(reference: &[f64], x: &[f64]) -> f64 {
     assert_eq!(reference.len(), x.len(), "norm_ratio: lengths differ");
-    if reference.is_empty() {
-        return 0.0;
-    }
-    let n = reference.len() as f64;
-    let err: f64 = reference
-        .iter()
-        .zip(x)
-        .map(|(r, v)| (r - v) * (r - v))
-        .sum::<f64>()
-        / n;
-    let base: f64 = reference.iter().map(|r| r * r).sum::<f64>() / n;
-    err.sqrt() / (base.sqrt() + 1e-8)
+    let mut a = Accum::default();
+    a.add(reference.iter().copied().zip(x.iter().copied()), |i| i);
+    a.norm_ratio()
 }
 
 /// `max |ref − x|` and its flat index; NaN wins (reported as NaN at its index).
 pub fn max_abs(reference: &[f64], x: &[f64]) -> (f64, usize) {
     assert_eq!(reference.len(), x.len(), "max_abs: lengths differ");
-    let mut best = (0.0f64, 0usize);
-    for (i, (r, v)) in reference.iter().zip(x).enumerate() {
-        let d = (r - v).abs();
-        if d.is_nan() {
-            return (f64::NAN, i);
-        }
-        if d > best.0 {
-            best = (d, i);
+    let mut a = Accum::default();
+    a.add(reference.iter().copied().zip(x.iter().copied()), |i| i);
+    (a.max_abs, a.argmax)
+}
+
+/// FLA's metrics accumulated over pieces of one tensor (a long case is
+/// compared head block by head block, never whole): sums of squares, the
+/// largest difference and its flat index in the whole tensor. Fed one piece
+/// in flat order it gives the bits of a whole-tensor pass.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Accum {
+    n: usize,
+    err: f64,
+    base: f64,
+    pub max_abs: f64,
+    /// Flat index (in the whole tensor) of `max_abs`: the smallest on ties.
+    pub argmax: usize,
+    /// Whether the candidate side held a NaN or an infinity.
+    pub non_finite: bool,
+}
+
+impl Default for Accum {
+    fn default() -> Self {
+        // -0.0 is the start of Rust's `f64` sum: the same bits as `.sum()`.
+        Accum {
+            n: 0,
+            err: -0.0,
+            base: -0.0,
+            max_abs: 0.0,
+            argmax: 0,
+            non_finite: false,
         }
     }
-    best
+}
+
+impl Accum {
+    /// Adds `(ref, x)` pairs; `full(i)` maps the piece's `i`-th pair to its
+    /// flat index in the whole tensor (increasing with `i`).
+    pub fn add(&mut self, pairs: impl Iterator<Item = (f64, f64)>, full: impl Fn(usize) -> usize) {
+        for (i, (r, v)) in pairs.enumerate() {
+            let d = (r - v).abs();
+            self.n += 1;
+            self.err += (r - v) * (r - v);
+            self.base += r * r;
+            self.non_finite |= !v.is_finite();
+            if self.max_abs.is_nan() {
+                if d.is_nan() && full(i) < self.argmax {
+                    self.argmax = full(i);
+                }
+                continue;
+            }
+            let j = full(i);
+            if d.is_nan() || d > self.max_abs || (d == self.max_abs && d > 0.0 && j < self.argmax) {
+                self.max_abs = d;
+                self.argmax = j;
+            }
+        }
+    }
+
+    pub fn norm_ratio(&self) -> f64 {
+        if self.n == 0 {
+            return 0.0;
+        }
+        let n = self.n as f64;
+        (self.err / n).sqrt() / ((self.base / n).sqrt() + 1e-8)
+    }
+
+    /// FLA `assert_close`'s verdict on everything added.
+    pub fn comparison(&self, ratio: f64) -> Comparison {
+        let nr = self.norm_ratio();
+        let ma = self.max_abs;
+        Comparison {
+            norm_ratio: nr,
+            max_abs: ma,
+            argmax: self.argmax,
+            pass: !nr.is_nan() && !ma.is_nan() && (ma <= 1e-6 || nr < ratio),
+        }
+    }
 }
 
 /// The comparison of one tensor.
@@ -49,15 +107,10 @@ pub struct Comparison {
 /// FLA `assert_close` semantics: pass when `max_abs ≤ 1e-6`, else when
 /// `norm_ratio < ratio`; NaN never passes.
 pub fn compare(reference: &[f64], x: &[f64], ratio: f64) -> Comparison {
-    let nr = norm_ratio(reference, x);
-    let (ma, argmax) = max_abs(reference, x);
-    let pass = !nr.is_nan() && !ma.is_nan() && (ma <= 1e-6 || nr < ratio);
-    Comparison {
-        norm_ratio: nr,
-        max_abs: ma,
-        argmax,
-        pass,
-    }
+    assert_eq!(reference.len(), x.len(), "compare: lengths differ");
+    let mut a = Accum::default();
+    a.add(reference.iter().copied().zip(x.iter().copied()), |i| i);
+    a.comparison(ratio)
 }
 
 /// FLA's `assert_close(prefix, ref, tri, ratio)` as a `Result`: the error
@@ -116,5 +169,28 @@ mod tests {
         let c = compare(&[1.0, 1.0], &[1.1, 1.0], 5e-3);
         assert!(!c.pass);
         assert_eq!(c.argmax, 0);
+    }
+
+    #[test]
+    fn pieces_in_any_order_give_the_whole_tensors_verdict() {
+        let r = [1.0, -2.0, 3.0, 0.5, 4.0, -1.0];
+        let x = [1.5, -2.0, 2.5, 0.5, 4.0, f64::NAN];
+        let whole = compare(&r[..5], &x[..5], 1e-3);
+        // Rows 3.. then rows ..3 of a [2, 3] tensor: ties (0.5 at 0 and 2) keep the first index.
+        let mut a = Accum::default();
+        a.add(r[3..5].iter().copied().zip(x[3..5].iter().copied()), |i| {
+            3 + i
+        });
+        a.add(r[..3].iter().copied().zip(x[..3].iter().copied()), |i| i);
+        let c = a.comparison(1e-3);
+        assert_eq!((c.max_abs, c.argmax, c.pass), (0.5, 0, false));
+        assert!((c.norm_ratio - whole.norm_ratio).abs() < 1e-15);
+        assert!(!a.non_finite);
+        let mut a = Accum::default();
+        a.add(r[5..].iter().copied().zip(x[5..].iter().copied()), |i| {
+            5 + i
+        });
+        a.add(r[..5].iter().copied().zip(x[..5].iter().copied()), |i| i);
+        assert!(a.max_abs.is_nan() && a.argmax == 5 && a.non_finite);
     }
 }

@@ -52,9 +52,9 @@ where
 /// (backward's, which include the forward ones).
 pub fn all_cp<T: Scalar, E: Engine<T>>(
     engine: &E,
-    x: &<E::Op as Operator<f64>>::Inputs,
+    x: <E::Op as Operator<f64>>::Inputs,
     opts: &<E::Op as OpSpec>::Options,
-    d_o: &ArrayD<f64>,
+    d_o: ArrayD<f64>,
     dht: Option<&ArrayD<f64>>,
     plan: &PlanSpec,
     cpo: &CpOptions,
@@ -62,14 +62,17 @@ pub fn all_cp<T: Scalar, E: Engine<T>>(
 where
     E::Op: Operator<f64>,
 {
-    let xt = <E::Op as Operator<T>>::narrow(x);
+    // Taken by value so that a long case is held once (in `T`), not twice.
+    let xt = <E::Op as Operator<T>>::narrow(&x);
+    drop(x);
+    let d_o = cast(&d_o);
     let opts = E::Op::all_outputs(opts);
     let (out, _) = cp::forward(engine, &xt, &opts, plan, cpo)?;
     let (gr, diags) = cp::backward(
         engine,
         &xt,
         &opts,
-        &cast(d_o),
+        &d_o,
         dht.map(cast::<f64, T>).as_ref(),
         plan,
         cpo,

@@ -6,7 +6,7 @@ use ndarray::ArrayD;
 use serde::Serialize;
 
 use crate::intermediates::IntermediateRow;
-use crate::metrics::compare;
+use crate::metrics::Accum;
 use crate::outputs::Tensors;
 
 /// One tensor's comparison; `missing` when the candidate lacks it.
@@ -57,41 +57,47 @@ fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
 }
 
 fn row(name: &str, r: &ArrayD<f64>, c: Option<&ArrayD<f64>>, max_ratio: f64) -> VerifyRow {
-    let base = VerifyRow {
-        tensor: name.to_string(),
-        shape: r.shape().to_vec(),
-        norm_ratio: None,
-        max_abs: None,
-        argmax: None,
-        pass: false,
-        problem: None,
-    };
     match c {
-        None => VerifyRow {
-            problem: Some("missing from the candidate".into()),
-            ..base
-        },
-        Some(c) if c.shape() != r.shape() => VerifyRow {
-            problem: Some(format!("candidate shape {:?}", c.shape())),
-            ..base
-        },
+        None => VerifyRow::problem(name, r.shape(), "missing from the candidate".into()),
+        Some(c) if c.shape() != r.shape() => {
+            VerifyRow::problem(name, r.shape(), format!("candidate shape {:?}", c.shape()))
+        }
         Some(c) => {
-            let (rf, cf): (Vec<f64>, Vec<f64>) =
-                (r.iter().copied().collect(), c.iter().copied().collect());
-            let cmp = compare(&rf, &cf, max_ratio);
+            let mut acc = Accum::default();
+            acc.add(r.iter().copied().zip(c.iter().copied()), |i| i);
+            VerifyRow::from_accum(name, r.shape(), &acc, max_ratio)
+        }
+    }
+}
+
+impl VerifyRow {
+    /// A failed row without numbers (missing tensor, shape mismatch).
+    pub fn problem(name: &str, shape: &[usize], problem: String) -> VerifyRow {
+        VerifyRow {
+            tensor: name.to_string(),
+            shape: shape.to_vec(),
+            norm_ratio: None,
+            max_abs: None,
+            argmax: None,
+            pass: false,
+            problem: Some(problem),
+        }
+    }
+
+    /// The row of a tensor of `shape` whose pieces all went into `acc`.
+    pub fn from_accum(name: &str, shape: &[usize], acc: &Accum, max_ratio: f64) -> VerifyRow {
+        let cmp = acc.comparison(max_ratio);
+        VerifyRow {
+            tensor: name.to_string(),
+            shape: shape.to_vec(),
+            norm_ratio: Some(cmp.norm_ratio),
+            max_abs: Some(cmp.max_abs),
+            argmax: Some(unravel(cmp.argmax, shape)),
+            pass: cmp.pass,
             // JSON has no NaN or Inf (serde writes null): say it in words.
-            let problem = cf
-                .iter()
-                .any(|v| !v.is_finite())
-                .then(|| "non-finite values in the candidate".to_string());
-            VerifyRow {
-                norm_ratio: Some(cmp.norm_ratio),
-                max_abs: Some(cmp.max_abs),
-                argmax: Some(unravel(cmp.argmax, r.shape())),
-                pass: cmp.pass,
-                problem,
-                ..base
-            }
+            problem: acc
+                .non_finite
+                .then(|| "non-finite values in the candidate".to_string()),
         }
     }
 }
@@ -110,6 +116,17 @@ impl VerifyReport {
             .iter()
             .map(|(n, r)| row(n, r, got.get(n), max_ratio))
             .collect();
+        VerifyReport::from_rows(case, reference, candidate, rows, max_ratio)
+    }
+
+    /// A report over rows already compared (a long case, head block by head block).
+    pub fn from_rows(
+        case: &str,
+        reference: &str,
+        candidate: &str,
+        rows: Vec<VerifyRow>,
+        max_ratio: f64,
+    ) -> Self {
         VerifyReport {
             case: case.to_string(),
             reference: reference.to_string(),

@@ -434,9 +434,9 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     let chunk = kda::chunk::Chunk::new(16)?;
     let (got, _) = outputs::all_cp::<f64, _>(
         &chunk,
-        &g.inputs,
+        g.inputs.clone(),
         &spec.opts,
-        &g.d_o,
+        g.d_o.clone(),
         Some(&g.dht),
         &PlanSpec::World(2),
         &cpo,
@@ -450,9 +450,9 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     );
     let (got, _) = outputs::all_cp::<f64, _>(
         &kda::naive::Naive,
-        &g.inputs,
+        g.inputs.clone(),
         &spec.opts,
-        &g.d_o,
+        g.d_o.clone(),
         Some(&g.dht),
         &cuts,
         &cpo,
@@ -471,9 +471,9 @@ fn cp_rows(report: &mut Report) -> Result<()> {
         outputs::all::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
     let (got, _) = outputs::all_cp::<f64, _>(
         &dplr::naive::Naive,
-        &g.inputs,
+        g.inputs.clone(),
         &opts,
-        &g.d_o,
+        g.d_o.clone(),
         Some(&g.dht),
         &cuts,
         &cpo,
@@ -488,9 +488,9 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     let chunk = dplr::chunk::Chunk::new(16)?;
     let (got, _) = outputs::all_cp::<f64, _>(
         &chunk,
-        &g.inputs,
+        g.inputs.clone(),
         &opts,
-        &g.d_o,
+        g.d_o.clone(),
         Some(&g.dht),
         &PlanSpec::World(2),
         &cpo,
@@ -507,9 +507,9 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     let plain = outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht))?;
     let got = outputs::all_cp::<f64, _>(
         &Shift,
-        &g.inputs,
+        g.inputs.clone(),
         &(),
-        &g.d_o,
+        g.d_o.clone(),
         Some(&g.dht),
         &cuts,
         &CpOptions::default(),

@@ -366,11 +366,18 @@ pub fn run(
     dht: Option<&ArrayD<f64>>,
     imp: &GpuImpl,
 ) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
+    let compiled = gpu.compile_seconds();
+    let t = std::time::Instant::now();
     let p = Problem::new(gpu, x, opts, d_o, dht, imp.storage)?;
-    match imp.engine {
+    gpu.sync("KDA inputs")?;
+    let upload_s = t.elapsed().as_secs_f64();
+    let mut run = match imp.engine {
         Engine::Naive => run_with(&naive::Naive { p: &p }, &p, x, imp),
         Engine::Chunk(c) => run_with(&chunk::Chunked::new(&p, c)?, &p, x, imp),
-    }
+    }?;
+    run.timings.upload_s = upload_s;
+    run.timings.compile_s = gpu.compile_seconds() - compiled;
+    Ok(run)
 }
 
 fn run_with<R: Recurrence<Grads = Grads>>(
@@ -399,6 +406,7 @@ fn run_with<R: Recurrence<Grads = Grads>>(
         };
         Ok((g, dh0))
     })?;
+    let t = std::time::Instant::now();
     let grads = p.chain(grads, dh0, x)?;
     let outputs = KdaOutputs {
         o: gpu.fetch("o", o, x.v.shape(), Some(p.storage))?,
@@ -411,6 +419,8 @@ fn run_with<R: Recurrence<Grads = Grads>>(
         timings: Timings {
             forward_s,
             backward_s,
+            download_s: t.elapsed().as_secs_f64(),
+            ..Timings::default()
         },
     })
 }

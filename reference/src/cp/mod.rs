@@ -189,6 +189,10 @@ pub struct CpOptions {
     /// Rounds `S_ext`, the merged state and the merge's `M·S` products (`M` chain).
     pub policy: Policy,
     pub faults: Faults,
+    /// Leave out the per-rank table's non-CP references (`reference_h0`,
+    /// `reference_dht`): a prefix or suffix run of the sequence per rank,
+    /// about world/2 extra passes over it, that the outputs never need.
+    pub skip_reference_runs: bool,
 }
 
 /// Per-rank diagnostics, per head where a state is involved.
@@ -511,7 +515,7 @@ fn run_forward<T: Scalar, E: Engine<T>>(
             s_ext,
             m,
             merged_h0: mh.clone(),
-            reference_h0: rm.continues().then(|| {
+            reference_h0: (rm.continues() && !opt.skip_reference_runs).then(|| {
                 (0..heads)
                     .map(|h| reference_state(local, plan, rm.pieces[0].seq, rm.start, h))
                     .collect()
@@ -632,7 +636,7 @@ fn run_backward<T: Scalar, E: Engine<T>>(
             );
         }
         d.merged_dht = merged_dht[r].clone();
-        d.reference_dht = rm.continued().then(|| {
+        d.reference_dht = (rm.continued() && !opt.skip_reference_runs).then(|| {
             (0..heads)
                 .map(|h| reference_dht(local, plan, rm, h))
                 .collect()

@@ -2,49 +2,133 @@
 //! checks that run before the parser sizes anything, candidates.
 
 use std::fmt;
+use std::io::Write;
 use std::path::Path;
 
 use half::{bf16, f16};
 use ndarray::{ArrayD, IxDyn};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use safetensors::View;
 use serde_json::{Map, Value};
 
 use super::{Case, CaseError, CaseMeta, Dtype, Op};
 
+/// A case tensor as safetensors writes it, encoded when its bytes are asked for.
+enum Encoded<'a> {
+    Float(&'a ArrayD<f64>, Dtype, StDtype),
+    Int(&'a [i64], Vec<usize>),
+}
+
+/// A tensor's dtype and shape without its bytes (to build the header alone).
+struct HeaderOnly<'a, 'b>(&'a Encoded<'b>);
+
+impl safetensors::View for HeaderOnly<'_, '_> {
+    fn dtype(&self) -> StDtype {
+        self.0.dtype()
+    }
+    fn shape(&self) -> &[usize] {
+        self.0.shape()
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&[])
+    }
+    fn data_len(&self) -> usize {
+        self.0.data_len()
+    }
+}
+
+impl safetensors::View for Encoded<'_> {
+    fn dtype(&self) -> StDtype {
+        match self {
+            Encoded::Float(_, _, d) => *d,
+            Encoded::Int(..) => StDtype::I64,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        match self {
+            Encoded::Float(x, ..) => x.shape(),
+            Encoded::Int(_, s) => s,
+        }
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self {
+            Encoded::Float(x, dt, _) => dt.encode(x).into(),
+            Encoded::Int(cu, _) => cu
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
+        }
+    }
+    fn data_len(&self) -> usize {
+        match self {
+            Encoded::Float(x, _, d) => x.len() * d.bitsize() / 8,
+            Encoded::Int(cu, _) => cu.len() * 8,
+        }
+    }
+}
+
 impl Case {
     /// The safetensors bytes of the case (deterministic).
     pub fn to_bytes(&self) -> Result<Vec<u8>, CaseError> {
-        let fmt = |e: safetensors::SafeTensorError| CaseError::Format {
-            path: "(in memory)".into(),
-            why: e.to_string(),
-        };
-        let mut bufs: Vec<(String, Vec<u8>, Vec<usize>, StDtype)> = self
+        safetensors::tensor::serialize(self.views(), Some(self.meta_map())).map_err(|e| {
+            CaseError::Format {
+                path: "(in memory)".into(),
+                why: e.to_string(),
+            }
+        })
+    }
+
+    /// Writes the case atomically: a temporary file next to `path`, then
+    /// rename. The bytes are [`Case::to_bytes`]'s, each tensor encoded only
+    /// as it is written (a long case is never in memory twice).
+    pub fn write(&self, path: &Path) -> Result<(), CaseError> {
+        let mut views = self.views();
+        // safetensors' own serialisation, tensors without their bytes: the
+        // length prefix and the header.
+        let header = views.iter().map(|(n, v)| (n.clone(), HeaderOnly(v)));
+        let head = safetensors::tensor::serialize(header, Some(self.meta_map())).map_err(|e| {
+            CaseError::Format {
+                path: path.display().to_string(),
+                why: e.to_string(),
+            }
+        })?;
+        // Then the bytes in safetensors' order: dtype alignment down, then name.
+        views.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
+        crate::files::write_atomic_with(path, |tmp| {
+            // `create_new` never follows a link planted at the temporary name.
+            let f = std::fs::File::options()
+                .write(true)
+                .create_new(true)
+                .open(tmp)?;
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+            w.write_all(&head)?;
+            for (_, v) in &views {
+                w.write_all(&v.data())?;
+            }
+            w.flush()
+        })
+    }
+
+    /// The `case` metadata entry of the file.
+    fn meta_map(&self) -> std::collections::HashMap<String, String> {
+        std::collections::HashMap::from([("case".to_string(), self.meta.to_json().to_string())])
+    }
+
+    /// The file's tensors, encoded on demand.
+    fn views(&self) -> Vec<(String, Encoded<'_>)> {
+        let mut views: Vec<(String, Encoded)> = self
             .tensors
             .iter()
             .map(|(n, x)| {
                 let dt = self.dtypes.get(n).copied().unwrap_or(Dtype::F64);
-                (n.clone(), dt.encode(x), x.shape().to_vec(), dt.st())
+                (n.clone(), Encoded::Float(x, dt, dt.st()))
             })
             .collect();
         if let Some(cu) = &self.cu_seqlens {
-            let bytes = cu.iter().flat_map(|v| v.to_le_bytes()).collect();
-            bufs.push(("cu_seqlens".into(), bytes, vec![cu.len()], StDtype::I64));
+            views.push(("cu_seqlens".into(), Encoded::Int(cu, vec![cu.len()])));
         }
-        let views: Vec<(String, TensorView)> = bufs
-            .iter()
-            .map(|(n, b, s, d)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
-            .collect::<Result<_, safetensors::SafeTensorError>>()
-            .map_err(fmt)?;
-        let meta = std::collections::HashMap::from([(
-            "case".to_string(),
-            self.meta.to_json().to_string(),
-        )]);
-        safetensors::tensor::serialize(views, Some(meta)).map_err(fmt)
-    }
-
-    /// Writes the case atomically: a temporary file next to `path`, then rename.
-    pub fn write(&self, path: &Path) -> Result<(), CaseError> {
-        write_atomic(path, &self.to_bytes()?)
+        views
     }
 
     /// Reads and validates a case file.

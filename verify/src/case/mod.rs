@@ -38,6 +38,9 @@ pub struct Case {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+/// A case's inputs with its upstream gradients `(do, dht)`, owned.
+pub type OwnedInputs = (Inputs, ArrayD<f64>, Option<ArrayD<f64>>);
+
 /// The inputs of a case as the reference crate's types.
 pub enum Inputs {
     Kda(KdaInputs<f64>),
@@ -58,14 +61,16 @@ impl Case {
     }
 
     /// Adds a float tensor stored as `dtype` (its values are rounded to it).
-    pub fn insert(&mut self, name: &str, x: ArrayD<f64>, dtype: Dtype) {
-        self.tensors
-            .insert(name.to_string(), x.mapv(|v| dtype.round(v)));
+    pub fn insert(&mut self, name: &str, mut x: ArrayD<f64>, dtype: Dtype) {
+        if dtype != Dtype::F64 {
+            x.mapv_inplace(|v| dtype.round(v));
+        }
+        self.tensors.insert(name.to_string(), x);
         self.dtypes.insert(name.to_string(), dtype);
     }
 
     fn get(&self, name: &str) -> Option<ArrayD<f64>> {
-        self.tensors.get(name).cloned()
+        self.tensors.get(name).map(deltaref::tensor::cast)
     }
 
     fn need(&self, name: &str) -> Result<ArrayD<f64>, deltaref::Error> {
@@ -79,53 +84,8 @@ impl Case {
 
     /// The inputs, as the reference crate takes them (not yet validated).
     pub fn inputs(&self) -> Result<Inputs, deltaref::Error> {
-        let cu = self.cu_seqlens.clone();
-        Ok(match self.meta.op {
-            Op::Kda => Inputs::Kda(KdaInputs {
-                q: self.need("q")?,
-                k: self.need("k")?,
-                v: self.need("v")?,
-                g: self.need("g")?,
-                beta: self.need("beta")?,
-                a_log: self.get("A_log"),
-                dt_bias: self.get("dt_bias"),
-                initial_state: self.get("initial_state"),
-                cu_seqlens: cu,
-            }),
-            Op::Dplr => Inputs::Dplr(DplrInputs {
-                q: self.need("q")?,
-                k: self.need("k")?,
-                v: self.need("v")?,
-                a: self.need("a")?,
-                b: self.need("b")?,
-                gk: self.need("gk")?,
-                initial_state: self.get("initial_state"),
-                cu_seqlens: cu,
-            }),
-            Op::TokenShift => Inputs::TokenShift(TokenShiftInputs {
-                x: self.need("x")?,
-                cache: self.get("cache"),
-                cu_seqlens: cu,
-            }),
-            Op::Gdn => Inputs::Gdn(GdnInputs {
-                q: self.need("q")?,
-                k: self.need("k")?,
-                v: self.need("v")?,
-                g: self.need("g")?,
-                beta: self.need("beta")?,
-                a_log: self.get("A_log"),
-                dt_bias: self.get("dt_bias"),
-                initial_state: self.get("initial_state"),
-                cu_seqlens: cu,
-            }),
-            Op::CausalConv1d => Inputs::CausalConv1d(ConvInputs {
-                x: self.need("x")?,
-                weight: self.need("weight")?,
-                bias: self.get("bias"),
-                initial_state: self.get("initial_state"),
-                cu_seqlens: cu,
-            }),
-        })
+        // `cast` to f64 is a copy, made on every core for a long tensor.
+        self.assemble(|n| self.get(n))
     }
 
     /// The upstream gradients `(do, dht)` (`(dy, dfinal_cache)`); `do` is required.
@@ -134,6 +94,80 @@ impl Case {
             unreachable!("two upstream names per op")
         };
         Ok((self.need(d_o)?, self.get(dht)))
+    }
+
+    /// The inputs and the upstream gradients `(do, dht)`, moved out of the
+    /// case instead of copied (a long case holds one set of them, not two).
+    pub fn into_inputs(mut self) -> Result<OwnedInputs, deltaref::Error> {
+        let [d_o, dht] = self.meta.op.upstream() else {
+            unreachable!("two upstream names per op")
+        };
+        let d_o = self.tensors.remove(*d_o).ok_or_else(|| {
+            deltaref::Error::missing(d_o, format!("required input of op {}", self.meta.op.name()))
+        })?;
+        let dht = self.tensors.remove(*dht);
+        let mut t = std::mem::take(&mut self.tensors);
+        Ok((self.assemble(|n| t.remove(n))?, d_o, dht))
+    }
+
+    /// The inputs from `get` (a tensor by name, `None` when absent).
+    fn assemble(
+        &self,
+        mut get: impl FnMut(&str) -> Option<ArrayD<f64>>,
+    ) -> Result<Inputs, deltaref::Error> {
+        let op = self.meta.op;
+        let mut need = |name: &str| {
+            get(name).ok_or_else(|| {
+                deltaref::Error::missing(name, format!("required input of op {}", op.name()))
+            })
+        };
+        let cu = self.cu_seqlens.clone();
+        Ok(match op {
+            Op::Kda => Inputs::Kda(KdaInputs {
+                q: need("q")?,
+                k: need("k")?,
+                v: need("v")?,
+                g: need("g")?,
+                beta: need("beta")?,
+                a_log: get("A_log"),
+                dt_bias: get("dt_bias"),
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::Dplr => Inputs::Dplr(DplrInputs {
+                q: need("q")?,
+                k: need("k")?,
+                v: need("v")?,
+                a: need("a")?,
+                b: need("b")?,
+                gk: need("gk")?,
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::TokenShift => Inputs::TokenShift(TokenShiftInputs {
+                x: need("x")?,
+                cache: get("cache"),
+                cu_seqlens: cu,
+            }),
+            Op::Gdn => Inputs::Gdn(GdnInputs {
+                q: need("q")?,
+                k: need("k")?,
+                v: need("v")?,
+                g: need("g")?,
+                beta: need("beta")?,
+                a_log: get("A_log"),
+                dt_bias: get("dt_bias"),
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+            Op::CausalConv1d => Inputs::CausalConv1d(ConvInputs {
+                x: need("x")?,
+                weight: need("weight")?,
+                bias: get("bias"),
+                initial_state: get("initial_state"),
+                cu_seqlens: cu,
+            }),
+        })
     }
 
     /// The stored outputs and gradients (empty for a fixture without them).

@@ -55,6 +55,10 @@ struct Row {
     /// GPU device time of the forward and backward phases (best run).
     forward_s: Option<f64>,
     backward_s: Option<f64>,
+    /// GPU rows: host seconds of the best run, by part (see [`Timings`]).
+    upload_s: Option<f64>,
+    download_s: Option<f64>,
+    compile_s: Option<f64>,
     /// Achieved GFLOP/s of a CPU KDA or DPLR row without CP.
     gflops: Option<f64>,
     /// `gflops` over the measured peak.
@@ -215,6 +219,9 @@ fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
             total_s: t.wall_s,
             forward_s: t.phases.map(|p| p.forward_s),
             backward_s: t.phases.map(|p| p.backward_s),
+            upload_s: t.phases.map(|p| p.upload_s),
+            download_s: t.phases.map(|p| p.download_s),
+            compile_s: t.phases.map(|p| p.compile_s),
             gflops,
             peak_fraction: gflops.zip(peak).map(|(g, p)| g / p),
             worst_norm_ratio,
@@ -251,6 +258,29 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
             r.worst_norm_ratio,
             r.worst_tensor
         );
+    }
+    for r in rows {
+        // KDA runs time their host parts; other ops leave them zero.
+        if let (Some(f), Some(b), Some(u @ 0.0..), Some(d), Some(c)) = (
+            r.forward_s,
+            r.backward_s,
+            r.upload_s.filter(|&u| u > 0.0),
+            r.download_s,
+            r.compile_s,
+        ) {
+            // What the phases leave: reading the case's tensors into the run's inputs.
+            let other = r.total_s - f - b - u - d;
+            out += &format!(
+                "{} host: {:.1} ms = upload {:.1} + download {:.1} + case copies {:.1} (device {:.1} ms; compile {:.1} ms inside fwd/bwd)\n",
+                r.imp,
+                (r.total_s - f - b) * 1e3,
+                u * 1e3,
+                d * 1e3,
+                other * 1e3,
+                (f + b) * 1e3,
+                c * 1e3
+            );
+        }
     }
     out.push_str("fwd+bwd: best wall time of a whole run (uploads and pre-processing included); dev: GPU stream time of each phase");
     if let Some(p) = peak {

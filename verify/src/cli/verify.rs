@@ -1,11 +1,14 @@
 //! `deltaref verify`: compare a candidate (or an implementation) with a
 //! case's expected tensors (or the oracle's recomputation).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use deltaref_verify::case::{Case, CaseError};
+
+use deltaref_verify::case::{Case, CaseError, Op};
+use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
 use deltaref_verify::impls::{oracle_truth, ImplRequest};
 use deltaref_verify::intermediates;
 use deltaref_verify::outputs::Tensors;
@@ -57,6 +60,11 @@ fn intermediate_rows(
 
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     super::check_ratio("--max-ratio", a.max_ratio)?;
+    if a.candidate.is_none() {
+        if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)? {
+            return streamed(a, &file);
+        }
+    }
     let case = Case::read(&a.case)?;
     let stored = case.results();
     // Without stored truth every comparison is against the f64 oracle.
@@ -99,12 +107,38 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             (expected, reference, got, format!("impl:{}", imp.name()))
         }
     };
-    let keep = case.meta.op.forward_results();
+    let unchecked = select(
+        a,
+        case.meta.op,
+        case.expected_results(),
+        &mut expected,
+        &got,
+    );
+    let report = VerifyReport::new(
+        &a.case.display().to_string(),
+        &reference,
+        &candidate,
+        &expected,
+        &got,
+        a.max_ratio,
+    );
+    Ok(finish(a, report.with_intermediates(inter), unchecked))
+}
+
+/// Applies `--forward-only` and `--allow-partial` to `expected` (against
+/// `got`) and returns the names left unchecked.
+fn select(
+    a: &Args,
+    op: Op,
+    results: Vec<&'static str>,
+    expected: &mut Tensors,
+    got: &Tensors,
+) -> Vec<String> {
+    let keep = op.forward_results();
     if a.forward_only {
         expected.retain(|n, _| keep.contains(&n.as_str()));
     }
-    let mut unchecked: Vec<String> = case
-        .expected_results()
+    let mut unchecked: Vec<String> = results
         .into_iter()
         .filter(|n| !expected.contains_key(*n) && (!a.forward_only || keep.contains(n)))
         .map(String::from)
@@ -120,21 +154,67 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             unchecked.push(n);
         }
     }
-    let report = VerifyReport::new(
-        &a.case.display().to_string(),
-        &reference,
-        &candidate,
-        &expected,
-        &got,
-        a.max_ratio,
-    )
-    .with_intermediates(inter)
-    .with_unchecked(unchecked, a.allow_partial);
-    Ok(if a.forward_only {
+    unchecked
+}
+
+fn finish(a: &Args, report: VerifyReport, unchecked: Vec<String>) -> VerifyReport {
+    let report = report.with_unchecked(unchecked, a.allow_partial);
+    if a.forward_only {
         report.forward_only()
     } else {
         report
-    })
+    }
+}
+
+/// `verify --impl` of a large case, one head block at a time (see
+/// [`HeadFile`]): the same report as a whole-case run, in bounded memory.
+fn streamed(a: &Args, file: &HeadFile) -> Result<VerifyReport, CaseError> {
+    let blocks = file.blocks();
+    let bar = Progress::bar(blocks.len() as u64, "head blocks");
+    let mut rows = BlockRows::default();
+    let mut names = None;
+    for heads in &blocks {
+        let of = format!("heads {}..{} of {}", heads.start, heads.end, file.heads());
+        bar.step(&format!("{of}: reading"));
+        let case = file.read_inputs(heads)?;
+        let (imp, compute) = a.imp.resolve(&case)?;
+        imp.check_memory(&case)?;
+        let (op, results) = (case.meta.op, case.expected_results());
+        let shapes: BTreeMap<String, Vec<usize>> = op
+            .results()
+            .iter()
+            .filter_map(|&n| Some((n.to_string(), case.result_shape(n)?)))
+            .collect();
+        let oracle = if file.has_results() {
+            None
+        } else {
+            bar.step(&format!("{of}: computing the f64 oracle"));
+            Some(oracle_truth(&case, &a.case)?)
+        };
+        bar.step(&format!("{of}: computing impl:{}", imp.name()));
+        let got = imp
+            .compute_owned(case, compute)
+            .map_err(CaseError::computing(&a.case))?;
+        // The stored truth is read only now, so it never shares memory with the computation's buffers.
+        let (mut expected, reference) = match oracle {
+            Some(t) => (t, "impl:naive (f64 oracle)"),
+            None => (file.read_results(heads, &shapes)?, "case file"),
+        };
+        let unchecked = select(a, op, results, &mut expected, &got);
+        rows.add(file, heads, &expected, &got)?;
+        names.get_or_insert((reference, format!("impl:{}", imp.name()), unchecked));
+        bar.inc();
+    }
+    drop(bar);
+    let (reference, candidate, unchecked) = names.expect("H ≥ 2: at least one block");
+    let report = VerifyReport::from_rows(
+        &a.case.display().to_string(),
+        reference,
+        &candidate,
+        rows.rows(a.max_ratio),
+        a.max_ratio,
+    );
+    Ok(finish(a, report, unchecked))
 }
 
 pub fn run(a: Args) -> ExitCode {

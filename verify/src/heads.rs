@@ -1,0 +1,548 @@
+//! Long cases in bounded memory: KDA and DPLR heads never mix (every engine,
+//! naive, chunk or CP, runs each (sequence, head) pair on its own), so a
+//! large case file is verified one block of query/key heads at a time. Each
+//! block is read straight from the file (only its slice of every tensor,
+//! still in the stored dtype), widened to f64, computed and compared, and
+//! the metrics accumulate per tensor ([`Accum`]); the whole case is never
+//! in memory. With GVA a block holds its q/k heads' value heads (HV/H each).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use ndarray::{ArrayD, Axis, IxDyn, Slice};
+use safetensors::tensor::Dtype as StDtype;
+use serde_json::{Map, Value};
+
+use crate::case::{Case, CaseError, Op};
+use crate::metrics::Accum;
+use crate::outputs::Tensors;
+use crate::report::VerifyRow;
+
+/// Files smaller than this are read whole (the usual path, same bits).
+pub const STREAM_MIN_BYTES: u64 = 64 << 20;
+/// Stored bytes one head block aims at (at least one head per block).
+const BLOCK_BYTES: u64 = 256 << 20;
+/// Bytes read from the file per system call when gathering a slice.
+const READ_BYTES: usize = 8 << 20;
+
+/// The axis that holds the heads of a KDA or DPLR tensor, by name; its
+/// length is a multiple of H (H, HV = G·H, or HV·K for `dt_bias`).
+fn head_axis(name: &str) -> Option<usize> {
+    match name {
+        "q" | "k" | "v" | "g" | "beta" | "a" | "b" | "gk" | "do" | "o" | "dq" | "dk" | "dv"
+        | "dg" | "dbeta" | "da" | "db" | "dgk" => Some(2),
+        "initial_state" | "final_state" | "dht" | "dh0" => Some(1),
+        "A_log" | "dA_log" | "dt_bias" | "ddt_bias" => Some(0),
+        _ => None,
+    }
+}
+
+/// One tensor of the file.
+struct Entry {
+    name: String,
+    dtype: StDtype,
+    size: usize,
+    shape: Vec<usize>,
+    /// Absolute file offset of its first byte.
+    begin: u64,
+}
+
+/// A case file opened for reading head block by head block.
+pub struct HeadFile {
+    path: PathBuf,
+    file: File,
+    op: Op,
+    metadata: HashMap<String, String>,
+    tensors: Vec<Entry>,
+    /// Query/key heads H.
+    heads: usize,
+    per_block: usize,
+}
+
+impl HeadFile {
+    /// Opens `path` for head-block reading when that pays and is safe: a KDA
+    /// or DPLR case of at least `min_bytes` with H ≥ 2 whose tensors all
+    /// have a head axis. `None` means "read it whole", which also reports
+    /// every framing or shape error in the usual words.
+    pub fn open(path: &Path, min_bytes: u64) -> Result<Option<HeadFile>, CaseError> {
+        let Ok(file) = File::open(path) else {
+            return Ok(None);
+        };
+        let Ok(len) = file.metadata().map(|m| m.len()) else {
+            return Ok(None);
+        };
+        if len < min_bytes.max(8) {
+            return Ok(None);
+        }
+        let mut n = [0u8; 8];
+        if file.read_exact_at(&mut n, 0).is_err() {
+            return Ok(None);
+        }
+        let n = u64::from_le_bytes(n);
+        if n > 100_000_000 || n > len - 8 {
+            return Ok(None);
+        }
+        let mut header = vec![0u8; n as usize];
+        if file.read_exact_at(&mut header, 8).is_err() {
+            return Ok(None);
+        }
+        Ok(Self::from_header(path, file, &header, 8 + n, len))
+    }
+
+    fn from_header(
+        path: &Path,
+        file: File,
+        header: &[u8],
+        data_start: u64,
+        len: u64,
+    ) -> Option<HeadFile> {
+        let map: Map<String, Value> = serde_json::from_slice(header).ok()?;
+        let mut metadata = HashMap::new();
+        let mut tensors = vec![];
+        for (name, v) in &map {
+            if name == "__metadata__" {
+                for (k, x) in v.as_object()? {
+                    metadata.insert(k.clone(), x.as_str()?.to_string());
+                }
+                continue;
+            }
+            let dtype: StDtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
+            let shape: Vec<usize> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
+            let off: [u64; 2] = serde_json::from_value(v.get("data_offsets")?.clone()).ok()?;
+            if !dtype.bitsize().is_multiple_of(8) {
+                return None;
+            }
+            let size = dtype.bitsize() / 8;
+            let bytes = shape
+                .iter()
+                .try_fold(size as u64, |a, &d| a.checked_mul(d as u64))?;
+            let begin = data_start.checked_add(off[0])?;
+            if off[1].checked_sub(off[0])? != bytes || begin.checked_add(bytes)? > len {
+                return None;
+            }
+            tensors.push(Entry {
+                name: name.clone(),
+                dtype,
+                size,
+                shape,
+                begin,
+            });
+        }
+        let meta = serde_json::from_str::<Value>(metadata.get("case")?).ok()?;
+        let op = Op::parse(meta.get("op")?.as_str()?).filter(|&op| op != Op::TokenShift)?;
+        let heads = *tensors.iter().find(|e| e.name == "q")?.shape.get(2)?;
+        let fits = |e: &Entry| match head_axis(&e.name) {
+            Some(a) => e.shape.get(a).is_some_and(|&l| l > 0 && l % heads == 0),
+            None => e.name == "cu_seqlens",
+        };
+        if heads < 2 || !tensors.iter().all(fits) {
+            return None;
+        }
+        let per_head = (len - data_start) / heads as u64;
+        let per_block = (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize;
+        Some(HeadFile {
+            path: path.to_path_buf(),
+            file,
+            op,
+            metadata,
+            tensors,
+            heads,
+            per_block,
+        })
+    }
+
+    /// Query/key heads H of the case.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// The head blocks, in order, covering `0..H`.
+    pub fn blocks(&self) -> Vec<Range<usize>> {
+        (0..self.heads)
+            .step_by(self.per_block)
+            .map(|h| h..(h + self.per_block).min(self.heads))
+            .collect()
+    }
+
+    /// The case restricted to query/key heads `heads` (and their value
+    /// heads) without its stored results: parsed and validated as a case
+    /// file of its own.
+    pub fn read_inputs(&self, heads: &Range<usize>) -> Result<Case, CaseError> {
+        let (bytes, what) = self.block_file(heads, |n| !self.is_result(n))?;
+        Case::from_bytes(&bytes, &what)
+    }
+
+    /// Whether the file stores any result (output or gradient).
+    pub fn has_results(&self) -> bool {
+        self.tensors.iter().any(|e| self.is_result(&e.name))
+    }
+
+    /// The stored results of heads `heads`, checked as a case's are:
+    /// shaped as `shapes` (from the same block's inputs,
+    /// [`Case::result_shape`]) says, and finite.
+    pub fn read_results(
+        &self,
+        heads: &Range<usize>,
+        shapes: &BTreeMap<String, Vec<usize>>,
+    ) -> Result<Tensors, CaseError> {
+        let (bytes, what) = self.block_file(heads, |n| self.is_result(n))?;
+        let results = Case::candidate_from_bytes(&bytes, &what, self.op)?.tensors;
+        let invalid = |source| CaseError::Invalid {
+            path: what.clone(),
+            source,
+        };
+        for (name, x) in &results {
+            if let Some(want) = shapes.get(name) {
+                deltaref::tensor::expect_shape(name, "(as its input counterpart)", want, x.shape())
+                    .map_err(invalid)?;
+            }
+            deltaref::tensor::check_finite(name, x).map_err(invalid)?;
+        }
+        Ok(results)
+    }
+
+    fn is_result(&self, name: &str) -> bool {
+        self.op.results().contains(&name)
+    }
+
+    /// A safetensors file (bytes, and its name for errors) holding heads
+    /// `heads` of the tensors `keep` accepts; `cu_seqlens` always.
+    fn block_file(
+        &self,
+        heads: &Range<usize>,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<(Vec<u8>, String), CaseError> {
+        let what = format!(
+            "{} (heads {}..{})",
+            self.path.display(),
+            heads.start,
+            heads.end
+        );
+        let fail = |why: String| CaseError::Format {
+            path: what.clone(),
+            why,
+        };
+        // The header first (names, dtypes, block shapes, offsets), then the
+        // data gathered straight into place: one buffer, no second copy.
+        let mut header = Map::new();
+        let meta: Map<String, Value> = self
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
+            .collect();
+        header.insert("__metadata__".into(), Value::Object(meta));
+        let mut parts = vec![];
+        let mut offset = 0usize;
+        for e in self
+            .tensors
+            .iter()
+            .filter(|e| keep(&e.name) || e.name == "cu_seqlens")
+        {
+            let (a, len, units) = match head_axis(&e.name) {
+                None => {
+                    let n = e.shape.first().copied().unwrap_or(1);
+                    (0, n, 0..n)
+                }
+                Some(a) => {
+                    let per = e.shape[a] / self.heads;
+                    (a, e.shape[a], heads.start * per..heads.end * per)
+                }
+            };
+            let mut shape = e.shape.clone();
+            if let Some(x) = shape.get_mut(a) {
+                *x = units.len();
+            }
+            let bytes = shape.iter().product::<usize>() * e.size;
+            header.insert(
+                e.name.clone(),
+                serde_json::json!({
+                    "dtype": e.dtype,
+                    "shape": shape,
+                    "data_offsets": [offset, offset + bytes],
+                }),
+            );
+            parts.push((e, a, len, units, offset..offset + bytes));
+            offset += bytes;
+        }
+        let mut text =
+            serde_json::to_string(&Value::Object(header)).map_err(|e| fail(e.to_string()))?;
+        // safetensors aligns the data to 8 bytes with trailing spaces.
+        while (text.len() + 8) % 8 != 0 {
+            text.push(' ');
+        }
+        let start = 8 + text.len();
+        let mut out = vec![0u8; start + offset];
+        out[..8].copy_from_slice(&(text.len() as u64).to_le_bytes());
+        out[8..start].copy_from_slice(text.as_bytes());
+        for (e, a, len, units, range) in parts {
+            self.gather(
+                e,
+                a,
+                len,
+                units,
+                &mut out[start + range.start..start + range.end],
+            )
+            .map_err(|err| fail(format!("reading `{}`: {err}", e.name)))?;
+        }
+        Ok((out, what))
+    }
+
+    /// Gathers `units` along axis `a` (of length `len`) of tensor `e` into `out`.
+    fn gather(
+        &self,
+        e: &Entry,
+        a: usize,
+        len: usize,
+        units: Range<usize>,
+        out: &mut [u8],
+    ) -> std::io::Result<()> {
+        let inner: usize = e.shape.iter().skip(a + 1).product::<usize>() * e.size;
+        let outer: usize = e.shape.iter().take(a).product();
+        let row = len * inner;
+        let (skip, take) = (units.start * inner, units.len() * inner);
+        let rows_per_read = (READ_BYTES / row.max(1)).max(1);
+        let mut buf = vec![];
+        let mut dst = out.chunks_exact_mut(take.max(1));
+        for first in (0..outer).step_by(rows_per_read) {
+            let n = rows_per_read.min(outer - first);
+            buf.resize(n * row, 0);
+            self.file
+                .read_exact_at(&mut buf, e.begin + (first * row) as u64)?;
+            for (r, d) in buf.chunks_exact(row.max(1)).zip(&mut dst) {
+                d.copy_from_slice(&r[skip..skip + take]);
+            }
+        }
+        Ok(())
+    }
+
+    /// `(full shape, flat index in the full tensor)` of a head block's
+    /// tensor `name` of shape `block`: heads `heads` of the whole case.
+    fn place(
+        &self,
+        name: &str,
+        block: &[usize],
+        heads: &Range<usize>,
+    ) -> Option<(Vec<usize>, impl Fn(usize) -> usize)> {
+        let a = head_axis(name)?;
+        let per = block.get(a)? / heads.len();
+        let mut full = block.to_vec();
+        full[a] = per * self.heads;
+        let inner: usize = block.iter().skip(a + 1).product();
+        let (lb, lf, off) = (block[a] * inner, full[a] * inner, heads.start * per * inner);
+        Some((full, move |i: usize| {
+            (i / lb.max(1)) * lf + off + i % lb.max(1)
+        }))
+    }
+}
+
+/// `f` (a computation of a case's outputs and gradients) run on `case`
+/// one block of `per_block` query/key heads at a time, the blocks' results
+/// placed into whole tensors: the same values as one run on the whole case,
+/// since heads never mix, with one block's buffers live instead of all.
+/// KDA and DPLR only (`None` for token-shift or a tensor without a head axis).
+pub fn compute_by_blocks<E>(
+    case: &Case,
+    per_block: usize,
+    mut f: impl FnMut(Case) -> Result<Tensors, E>,
+) -> Option<Result<Tensors, E>> {
+    let heads = *case.tensors.get("q")?.shape().get(2)?;
+    let all_split = case.tensors.iter().all(|(n, x)| {
+        head_axis(n).is_some_and(|a| x.shape().get(a).is_some_and(|&l| l % heads == 0))
+    });
+    if case.meta.op == Op::TokenShift || !all_split || per_block == 0 {
+        return None;
+    }
+    let mut whole = Tensors::new();
+    for h0 in (0..heads).step_by(per_block) {
+        let h = h0..(h0 + per_block).min(heads);
+        let mut block = Case::new(case.meta.clone());
+        block.cu_seqlens = case.cu_seqlens.clone();
+        block.dtypes = case.dtypes.clone();
+        for (name, x) in &case.tensors {
+            let a = head_axis(name).expect("checked");
+            let per = x.shape()[a] / heads;
+            let part = x.slice_axis(Axis(a), Slice::from(h.start * per..h.end * per));
+            block.tensors.insert(name.clone(), part.to_owned());
+        }
+        let got = match f(block) {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e)),
+        };
+        for (name, part) in got {
+            let a = head_axis(&name).expect("results have a head axis");
+            let per = part.shape()[a] / h.len();
+            let full = whole.entry(name).or_insert_with(|| {
+                let mut shape = part.shape().to_vec();
+                shape[a] = per * heads;
+                ArrayD::zeros(IxDyn(&shape))
+            });
+            full.slice_axis_mut(Axis(a), Slice::from(h.start * per..h.end * per))
+                .assign(&part);
+        }
+    }
+    Some(Ok(whole))
+}
+
+/// Per-tensor comparisons accumulated over head blocks.
+#[derive(Default)]
+pub struct BlockRows {
+    rows: BTreeMap<String, (Vec<usize>, Result<Accum, String>)>,
+}
+
+impl BlockRows {
+    /// Adds one head block: `expected` against `got`, both of that block.
+    pub fn add(
+        &mut self,
+        file: &HeadFile,
+        heads: &Range<usize>,
+        expected: &Tensors,
+        got: &Tensors,
+    ) -> Result<(), CaseError> {
+        for (name, r) in expected {
+            let (full, at) = file.place(name, r.shape(), heads).ok_or_else(|| {
+                CaseError::Usage(format!(
+                    "{}: `{name}` has no head axis: verify this case whole",
+                    file.path.display()
+                ))
+            })?;
+            let entry = self
+                .rows
+                .entry(name.clone())
+                .or_insert_with(|| (full, Ok(Accum::default())));
+            let Ok(acc) = &mut entry.1 else { continue };
+            match got.get(name) {
+                None => entry.1 = Err("missing from the candidate".into()),
+                Some(c) if c.shape() != r.shape() => {
+                    entry.1 = Err(format!(
+                        "candidate shape {:?} in heads {}..{}",
+                        c.shape(),
+                        heads.start,
+                        heads.end
+                    ))
+                }
+                Some(c) => acc.add(r.iter().copied().zip(c.iter().copied()), at),
+            }
+        }
+        Ok(())
+    }
+
+    /// One row per tensor, in name order (as [`crate::report::VerifyReport::new`]).
+    pub fn rows(self, max_ratio: f64) -> Vec<VerifyRow> {
+        self.rows
+            .into_iter()
+            .map(|(name, (shape, acc))| match acc {
+                Ok(acc) => VerifyRow::from_accum(&name, &shape, &acc, max_ratio),
+                Err(problem) => VerifyRow::problem(&name, &shape, problem),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::case::Dtype;
+    use crate::generate::{generate, GenSpec};
+    use crate::impls::{Compute, Impl};
+    use crate::report::VerifyReport;
+    use deltaref::gates::Gate;
+
+    /// A case file with stored truth: KDA with GVA (H = 3, HV = 6), gates,
+    /// an initial state and three sequences, so that every head axis occurs.
+    fn kda_file(dir: &Path, dtype: Dtype) -> PathBuf {
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.lengths = Some(vec![5, 40, 19]);
+        spec.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+        spec.gate = Gate::Kda;
+        spec.initial_state = true;
+        spec.expected = true;
+        spec.dtype = dtype;
+        let path = dir.join("kda.safetensors");
+        generate(&spec).unwrap().write(&path).unwrap();
+        path
+    }
+
+    fn with_blocks(file: HeadFile, per_block: usize) -> HeadFile {
+        HeadFile { per_block, ..file }
+    }
+
+    /// The chunked engine against the stored truth, whole and by head blocks of two.
+    #[test]
+    fn head_blocks_give_the_whole_cases_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        for dtype in [Dtype::F64, Dtype::Bf16] {
+            let path = kda_file(dir.path(), dtype);
+            let imp = Impl::chunk(16).unwrap();
+            let case = Case::read(&path).unwrap();
+            let got = imp.compute(&case, Compute::F64).unwrap();
+            let whole = VerifyReport::new("", "", "", &case.results(), &got, 5e-3).rows;
+
+            let file = with_blocks(HeadFile::open(&path, 0).unwrap().unwrap(), 2);
+            assert_eq!(file.blocks(), vec![0..2, 2..3]);
+            let mut rows = BlockRows::default();
+            for heads in file.blocks() {
+                let block = file.read_inputs(&heads).unwrap();
+                let shapes = Op::Kda
+                    .results()
+                    .iter()
+                    .filter_map(|&n| Some((n.to_string(), block.result_shape(n)?)))
+                    .collect();
+                let got = imp.compute_owned(block, Compute::F64).unwrap();
+                let expected = file.read_results(&heads, &shapes).unwrap();
+                rows.add(&file, &heads, &expected, &got).unwrap();
+            }
+            let rows = rows.rows(5e-3);
+            assert_eq!(rows.len(), whole.len());
+            assert_eq!(rows.len(), 10, "o, final_state and 8 gradients");
+            for (r, w) in rows.iter().zip(&whole) {
+                assert_eq!(
+                    (&r.tensor, &r.shape, &r.argmax),
+                    (&w.tensor, &w.shape, &w.argmax)
+                );
+                assert_eq!((r.max_abs, r.pass), (w.max_abs, w.pass), "{}", r.tensor);
+                let (a, b) = (r.norm_ratio.unwrap(), w.norm_ratio.unwrap());
+                assert!((a - b).abs() <= 1e-12 * b.abs(), "{}: {a} vs {b}", r.tensor);
+            }
+        }
+    }
+
+    #[test]
+    fn small_token_shift_or_single_head_files_are_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert!(HeadFile::open(&path, size + 1).unwrap().is_none());
+        assert!(HeadFile::open(&path, size).unwrap().is_some());
+        let mut spec = GenSpec::new(Op::TokenShift);
+        spec.expected = true;
+        let ts = dir.path().join("ts.safetensors");
+        generate(&spec).unwrap().write(&ts).unwrap();
+        assert!(HeadFile::open(&ts, 0).unwrap().is_none());
+        let mut spec = GenSpec::new(Op::Dplr);
+        spec.shape = Some(vec![1, 32, 1, 8, 8]);
+        let one = dir.path().join("one.safetensors");
+        generate(&spec).unwrap().write(&one).unwrap();
+        assert!(HeadFile::open(&one, 0).unwrap().is_none());
+    }
+
+    /// A stored truth that is not finite is refused by name, as for a whole case.
+    #[test]
+    fn a_non_finite_stored_result_in_a_block_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let mut case = Case::read(&path).unwrap();
+        let mut dq = case.tensors["dq"].clone();
+        dq[[0, 50, 2, 3]] = f64::NAN;
+        case.tensors.insert("dq".into(), dq);
+        case.write(&path).unwrap();
+        let file = with_blocks(HeadFile::open(&path, 0).unwrap().unwrap(), 1);
+        let block = file.read_inputs(&(2..3)).unwrap();
+        let shapes = [("dq".to_string(), block.result_shape("dq").unwrap())].into();
+        let e = file.read_results(&(2..3), &shapes).unwrap_err().to_string();
+        assert!(e.contains("heads 2..3") && e.contains("dq"), "{e}");
+        assert!(file.read_results(&(0..1), &shapes).is_ok());
+    }
+}
