@@ -3,7 +3,9 @@
 use deltaref::conv::Activation;
 use deltaref::gates::Gate;
 use deltaref::gdn::GdnOptions;
-use deltaref::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
+use deltaref::inputs::{
+    self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec,
+};
 use deltaref::kda::KdaOptions;
 use ndarray::{ArrayD, Axis};
 

@@ -132,7 +132,10 @@ impl HeadFile {
             });
         }
         let meta = serde_json::from_str::<Value>(metadata.get("case")?).ok()?;
-        let op = Op::parse(meta.get("op")?.as_str()?).filter(|&op| op != Op::TokenShift)?;
+        // Only KDA's and DPLR's tensor layouts are known here (GDN's gate is
+        // [B, T, H], the conv has channels, not heads): the rest load whole.
+        let op =
+            Op::parse(meta.get("op")?.as_str()?).filter(|&op| matches!(op, Op::Kda | Op::Dplr))?;
         let heads = *tensors.iter().find(|e| e.name == "q")?.shape.get(2)?;
         let fits = |e: &Entry| match head_axis(&e.name) {
             Some(a) => e.shape.get(a).is_some_and(|&l| l > 0 && l % heads == 0),
@@ -352,7 +355,7 @@ pub fn compute_by_blocks<E>(
     let all_split = case.tensors.iter().all(|(n, x)| {
         head_axis(n).is_some_and(|a| x.shape().get(a).is_some_and(|&l| l % heads == 0))
     });
-    if case.meta.op == Op::TokenShift || !all_split || per_block == 0 {
+    if !matches!(case.meta.op, Op::Kda | Op::Dplr) || !all_split || per_block == 0 {
         return None;
     }
     let mut whole = Tensors::new();
