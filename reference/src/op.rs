@@ -101,11 +101,16 @@ pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
         d_o: &ArrayD<T>,
         dht: Option<&ArrayD<T>>,
     ) -> Result<()>;
-    /// The validated output gradient as `[B, T, heads, V]`.
-    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T>;
+    /// The validated output gradient as `[B, T, heads, V]` (by default it
+    /// is stored so).
+    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
+        crate::tensor::view4(d_o)
+    }
     /// The validated final-state gradient as `[N, heads, K, V]` (`opt`
-    /// says its layout, e.g. GDN's `state_v_first`).
-    fn dht_view<'d>(opt: &Self::Options, dht: &'d ArrayD<T>) -> ArrayView4<'d, T>;
+    /// says its layout, e.g. GDN's `state_v_first`; by default it is stored so).
+    fn dht_view<'d>(_opt: &Self::Options, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
+        crate::tensor::view4(dht)
+    }
     /// `(the piece with its value-like input replaced by K zero columns, K)`:
     /// run from `S_0 = I [K, K]`, its final state is the transition `M`.
     fn probe(x: &Self::Head) -> (Self::Head, usize);

@@ -296,14 +296,6 @@ impl<T: Scalar> Operator<T> for Dplr {
         validate_upstream(&p.dims, d_o, dht)
     }
 
-    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
-        tensor::view4(d_o)
-    }
-
-    fn dht_view<'d>(_: &DplrOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
-        tensor::view4(dht)
-    }
-
     fn probe(x: &DplrHead<T>) -> (DplrHead<T>, usize) {
         let kd = x.k_dim();
         let probe = DplrHead {

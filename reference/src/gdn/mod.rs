@@ -441,10 +441,6 @@ impl<T: Scalar> Operator<T> for Gdn {
         Ok(())
     }
 
-    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
-        tensor::view4(d_o)
-    }
-
     fn dht_view<'d>(opt: &GdnOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
         let mut v = tensor::view4(dht);
         if opt.state_v_first {

@@ -483,14 +483,6 @@ impl<T: Scalar> Operator<T> for Kda {
         validate_upstream(&p.dims, d_o, dht)
     }
 
-    fn upstream_view(d_o: &ArrayD<T>) -> ArrayView4<'_, T> {
-        tensor::view4(d_o)
-    }
-
-    fn dht_view<'d>(_: &KdaOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
-        tensor::view4(dht)
-    }
-
     fn probe(x: &KdaHead<T>) -> (KdaHead<T>, usize) {
         let kd = x.k_dim();
         let probe = KdaHead {
