@@ -14,6 +14,10 @@ import deltaref
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = sorted((REPO / "fixtures").glob("*.safetensors"))
+# The package has FLA-named functions for these ops only; GDN and causal
+# conv1d cases go through `Case.run` / `deltaref.verify` like the CLI.
+FLA_FUNCTION_OPS = ("kda", "dplr", "token_shift")
+FUNCTION_FIXTURES = [p for p in FIXTURES if deltaref.read_case(p).op in FLA_FUNCTION_OPS]
 
 
 def cli_path() -> Path:

@@ -5,10 +5,14 @@
 
 use std::fmt;
 
+use deltaref::conv::{Activation, ConvOptions, Direct};
 use deltaref::cp::{plan::PlanSpec, CpOptions};
 use deltaref::dplr::{DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
-use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
+use deltaref::gdn::{GdnOptions, OnKda};
+use deltaref::inputs::{
+    self, ConvSpec, DplrSpec, GdnSpec, Generated, KdaSpec, Layout, TokenShiftSpec,
+};
 use deltaref::kda::{KdaInputs, KdaOptions};
 use deltaref::token_shift::{Shift, TokenShiftInputs};
 use deltaref::{dplr, kda, Result};
@@ -525,6 +529,73 @@ fn cp_rows(report: &mut Report) -> Result<()> {
     Ok(())
 }
 
+/// GDN (in-kernel gate, l2norm, GVA, varlen, initial state) and causal
+/// conv1d (SiLU, bias, W = 4, varlen, initial state): chunk and CP against
+/// the naive f64 oracle, and the naive form in f32.
+fn gdn_conv_rows(report: &mut Report) -> Result<()> {
+    let cpo = CpOptions::default();
+    let spec = GdnSpec {
+        layout: Layout::varlen(&LENGTHS),
+        h: 1,
+        hv: 2,
+        k: 16,
+        v: 16,
+        opts: GdnOptions {
+            output_final_state: true,
+            use_qk_l2norm_in_kernel: true,
+            use_gate_in_kernel: true,
+            ..Default::default()
+        },
+        initial_state: true,
+        seed: 2027,
+    };
+    let g = inputs::gdn(&spec);
+    let (x, o, d_o, dht) = (&g.inputs, &spec.opts, &g.d_o, Some(&g.dht));
+    let naive = OnKda(kda::naive::Naive);
+    let exact = outputs::all::<f64, _>(&naive, x, o, d_o, dht)?;
+    let chunk = OnKda(kda::chunk::Chunk::new(16)?);
+    let got = outputs::all::<f64, _>(&chunk, x, o, d_o, dht)?;
+    report.compare_maps("chunk C=16 vs naive (f64)", "gdn", &exact, &got, EXACT_TOL);
+    let world = PlanSpec::World(2);
+    let (got, _) = outputs::all_cp::<f64, _>(&chunk, x.clone(), o, d_o.clone(), dht, &world, &cpo)?;
+    report.compare_maps(
+        "cp world=2 (chunk C=16) vs naive",
+        "gdn",
+        &exact,
+        &got,
+        EXACT_TOL,
+    );
+    let single = outputs::all::<f32, _>(&naive, x, o, d_o, dht)?;
+    report.compare_maps("naive f32 vs naive f64", "gdn", &exact, &single, F32_TOL);
+
+    let g = inputs::conv(&ConvSpec {
+        layout: Layout::varlen(&LENGTHS),
+        d: 6,
+        w: 4,
+        bias: true,
+        initial_state: true,
+        seed: 2028,
+    });
+    let o = &ConvOptions {
+        activation: Activation::Silu,
+        output_final_state: true,
+    };
+    let (x, d_o, dht) = (&g.inputs, &g.d_o, Some(&g.dht));
+    let exact = outputs::all::<f64, _>(&Direct, x, o, d_o, dht)?;
+    let cuts = PlanSpec::Cuts(vec![20, 38, 90]);
+    let (got, _) = outputs::all_cp::<f64, _>(&Direct, x.clone(), o, d_o.clone(), dht, &cuts, &cpo)?;
+    report.compare_maps(
+        "cp cuts=20,38,90 vs non-CP",
+        "causal_conv1d",
+        &exact,
+        &got,
+        EXACT_TOL,
+    );
+    let single = outputs::all::<f32, _>(&Direct, x, o, d_o, dht)?;
+    report.compare_maps("f32 vs f64", "causal_conv1d", &exact, &single, F32_TOL);
+    Ok(())
+}
+
 /// The GPU kernels against the f64 oracle on the inputs they read (f32 and
 /// bf16 storage), plain and under CP. `Err` says why they cannot run here.
 fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
@@ -633,6 +704,7 @@ pub fn run() -> Result<Report> {
     precision_rows(&mut report)?;
     chunk_rows(&mut report)?;
     cp_rows(&mut report)?;
+    gdn_conv_rows(&mut report)?;
     let mut gpu_report = Report::default();
     match gpu_rows(&mut gpu_report) {
         Ok(()) => report.rows.extend(gpu_report.rows),
