@@ -15,7 +15,7 @@ use deltaref::{dplr, kda, Scalar};
 use deltaref_gpu::{GpuImpl, Storage, Timings};
 use ndarray::ArrayD;
 
-use crate::case::{Case, CaseError, CpLayout, Inputs, Op};
+use crate::case::{Case, CaseError, CaseMeta, CpLayout, Inputs, Op};
 pub use crate::compute::{Compute, ComputeError};
 use crate::outputs::{self, Tensors};
 
@@ -170,36 +170,39 @@ impl Impl {
         let case = self.stored_inputs(Cow::Borrowed(case));
         let cp = self.cp_without_references();
         let cp = cp.as_ref().map(|(p, o)| (p, o));
-        match (case.inputs()?, &self.engine) {
-            (Inputs::Kda(x), Engine::Naive) => {
-                outputs::forward_only::<T, _>(&kda::naive::Naive, &x, &case.meta.kda_options(), cp)
-            }
+        self.on_engine::<T, _>(case.inputs()?, &case.meta, Forward { cp })
+    }
+
+    /// Runs `job` on the engine this implementation names for the case's op:
+    /// the one place that maps (op, engine) to an engine value.
+    fn on_engine<T: Scalar, J: OnEngine<T>>(
+        &self,
+        inputs: Inputs,
+        meta: &CaseMeta,
+        job: J,
+    ) -> Result<J::Out, deltaref::Error> {
+        match (inputs, &self.engine) {
+            (Inputs::Kda(x), Engine::Naive) => job.run(&kda::naive::Naive, x, &meta.kda_options()),
             (Inputs::Kda(x), Engine::Chunk(c)) => {
                 let e = Chunk::new(*c)?.with_policy(self.policy.clone());
-                outputs::forward_only::<T, _>(&e, &x, &case.meta.kda_options(), cp)
+                job.run(&e, x, &meta.kda_options())
             }
-            (Inputs::Dplr(x), Engine::Naive) => outputs::forward_only::<T, _>(
-                &dplr::naive::Naive,
-                &x,
-                &case.meta.dplr_options(),
-                cp,
-            ),
+            (Inputs::Dplr(x), Engine::Naive) => {
+                job.run(&dplr::naive::Naive, x, &meta.dplr_options())
+            }
             (Inputs::Dplr(x), Engine::Chunk(c)) => {
                 let e = dplr::chunk::Chunk::new(*c)?.with_policy(self.policy.clone());
-                outputs::forward_only::<T, _>(&e, &x, &case.meta.dplr_options(), cp)
+                job.run(&e, x, &meta.dplr_options())
             }
-            (Inputs::TokenShift(x), _) => outputs::forward_only::<T, _>(&Shift, &x, &(), cp),
+            (Inputs::TokenShift(x), _) => job.run(&Shift, x, &()),
             (Inputs::Gdn(x), Engine::Naive) => {
-                let e = OnKda(kda::naive::Naive);
-                outputs::forward_only::<T, _>(&e, &x, &case.meta.gdn_options(), cp)
+                job.run(&OnKda(kda::naive::Naive), x, &meta.gdn_options())
             }
             (Inputs::Gdn(x), Engine::Chunk(c)) => {
                 let e = OnKda(Chunk::new(*c)?.with_policy(self.policy.clone()));
-                outputs::forward_only::<T, _>(&e, &x, &case.meta.gdn_options(), cp)
+                job.run(&e, x, &meta.gdn_options())
             }
-            (Inputs::CausalConv1d(x), _) => {
-                outputs::forward_only::<T, _>(&Direct, &x, &case.meta.conv_options(), cp)
-            }
+            (Inputs::CausalConv1d(x), _) => job.run(&Direct, x, &meta.conv_options()),
         }
     }
 
@@ -258,51 +261,72 @@ impl Impl {
                 (c.inputs()?, d_o, dht)
             }
         };
-        let up = (d_o, dht.as_ref());
-        let cp = cp.as_ref();
-        match (inputs, &self.engine) {
-            (Inputs::Kda(x), Engine::Naive) => {
-                all(&kda::naive::Naive, x, &meta.kda_options(), up, cp)
-            }
-            (Inputs::Kda(x), Engine::Chunk(c)) => {
-                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
-                all(&e, x, &meta.kda_options(), up, cp)
-            }
-            (Inputs::Dplr(x), Engine::Naive) => {
-                all(&dplr::naive::Naive, x, &meta.dplr_options(), up, cp)
-            }
-            (Inputs::Dplr(x), Engine::Chunk(c)) => {
-                let e = dplr::chunk::Chunk::new(*c)?.with_policy(self.policy.clone());
-                all(&e, x, &meta.dplr_options(), up, cp)
-            }
-            (Inputs::TokenShift(x), _) => all(&Shift, x, &(), up, cp),
-            (Inputs::Gdn(x), Engine::Naive) => {
-                all(&OnKda(kda::naive::Naive), x, &meta.gdn_options(), up, cp)
-            }
-            (Inputs::Gdn(x), Engine::Chunk(c)) => {
-                let e = OnKda(Chunk::new(*c)?.with_policy(self.policy.clone()));
-                all(&e, x, &meta.gdn_options(), up, cp)
-            }
-            (Inputs::CausalConv1d(x), _) => all(&Direct, x, &meta.conv_options(), up, cp),
+        let job = Backward {
+            up: (d_o, dht.as_ref()),
+            cp: cp.as_ref(),
+        };
+        self.on_engine(inputs, &meta, job)
+    }
+}
+
+/// Work to run on one engine, generic over its type ([`Impl::on_engine`]).
+trait OnEngine<T: Scalar> {
+    type Out;
+    fn run<E: OpEngine<T>>(
+        self,
+        engine: &E,
+        x: <E::Op as Operator<f64>>::Inputs,
+        opts: &<E::Op as OpSpec>::Options,
+    ) -> Result<Self::Out, deltaref::Error>
+    where
+        E::Op: Operator<f64>;
+}
+
+/// Outputs and gradients for the upstream gradients `(do, dht)`, under
+/// simulated CP when asked (with the per-rank diagnostics).
+struct Backward<'a> {
+    up: (ArrayD<f64>, Option<&'a ArrayD<f64>>),
+    cp: Option<&'a (PlanSpec, CpOptions)>,
+}
+
+impl<T: Scalar> OnEngine<T> for Backward<'_> {
+    type Out = (Tensors, Vec<RankDiag<T>>);
+
+    fn run<E: OpEngine<T>>(
+        self,
+        engine: &E,
+        x: <E::Op as Operator<f64>>::Inputs,
+        opts: &<E::Op as OpSpec>::Options,
+    ) -> Result<Self::Out, deltaref::Error>
+    where
+        E::Op: Operator<f64>,
+    {
+        let (d_o, dht) = self.up;
+        match self.cp {
+            None => Ok((outputs::all(engine, &x, opts, &d_o, dht)?, vec![])),
+            Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
         }
     }
 }
 
-/// Outputs and gradients of `engine`, under simulated CP when asked.
-#[allow(clippy::type_complexity)]
-fn all<T: Scalar, E: OpEngine<T>>(
-    engine: &E,
-    x: <E::Op as Operator<f64>>::Inputs,
-    opts: &<E::Op as OpSpec>::Options,
-    (d_o, dht): (ArrayD<f64>, Option<&ArrayD<f64>>),
-    cp: Option<&(PlanSpec, CpOptions)>,
-) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error>
-where
-    E::Op: Operator<f64>,
-{
-    match cp {
-        None => Ok((outputs::all(engine, &x, opts, &d_o, dht)?, vec![])),
-        Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
+/// The outputs alone (no backward pass), under simulated CP when asked.
+struct Forward<'a> {
+    cp: Option<(&'a PlanSpec, &'a CpOptions)>,
+}
+
+impl<T: Scalar> OnEngine<T> for Forward<'_> {
+    type Out = Tensors;
+
+    fn run<E: OpEngine<T>>(
+        self,
+        engine: &E,
+        x: <E::Op as Operator<f64>>::Inputs,
+        opts: &<E::Op as OpSpec>::Options,
+    ) -> Result<Tensors, deltaref::Error>
+    where
+        E::Op: Operator<f64>,
+    {
+        outputs::forward_only::<T, _>(engine, &x, opts, self.cp)
     }
 }
 
