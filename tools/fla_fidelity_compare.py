@@ -25,20 +25,11 @@ at 5e-3 (--bar); otherwise what is off. Exit status 0 when every row is ok,
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-
-def deltaref(binary, *args):
-    r = subprocess.run([binary, *args], capture_output=True, text=True)
-    if r.returncode not in (0, 1):  # 1 = a tensor failed: still a report
-        raise RuntimeError(f"deltaref {' '.join(args)} exited {r.returncode}: {r.stderr.strip()}")
-    return r.stdout
-
-
-def verify(binary, case, *args):
-    return json.loads(deltaref(binary, "verify", "--case", case, "--json", "-q", *args))
+# The deltaref runner of the GPU side (stdlib only at import: no torch needed).
+from fla_fidelity import deltaref, report  # same directory
 
 
 def emulate(binary, gen, preset, scratch):
@@ -46,10 +37,10 @@ def emulate(binary, gen, preset, scratch):
     case = os.path.join(scratch, "case.safetensors")
     deltaref(binary, "gen", *gen, "--expected", "-q", "--out", case)
     if gen[gen.index("--op") + 1] != "kda":
-        return verify(binary, case, "--impl", "chunk", "--precision", preset)
+        return report(binary, case, "--impl", "chunk", "--precision", preset)
     cand = os.path.join(scratch, "emulated.safetensors")
     deltaref(binary, "run", "--case", case, "--impl", "chunk", "--precision", preset, "-q", "--intermediates", cand)
-    return verify(binary, case, "--candidate", cand)
+    return report(binary, case, "--candidate", cand)
 
 
 def ratios(report):
