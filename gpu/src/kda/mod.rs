@@ -14,7 +14,9 @@ use deltaref::varlen;
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
-use crate::device::{arg_in, arg_opt, elementwise, Gpu, Input, Storage};
+use deltaref::Dtype;
+
+use crate::device::{arg_in, arg_opt, elementwise, Gpu, Input};
 use crate::error::Result;
 use crate::kernels::{check_sizes, prep_defines, Defines, PREP};
 use crate::{Engine, GpuImpl, Run, Timings};
@@ -25,7 +27,7 @@ const _: () = assert!(L2NORM_EPS == 1e-6, "prep.cu hard-codes FLA's l2norm eps")
 pub(crate) struct Problem<'g> {
     pub gpu: &'g Gpu,
     pub d: KdaDims,
-    pub storage: Storage,
+    pub storage: Dtype,
     opts: KdaOptions,
     scale: f32,
     raw_q: Input,
@@ -100,7 +102,7 @@ impl<'g> Problem<'g> {
         opts: &KdaOptions,
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
-        storage: Storage,
+        storage: Dtype,
     ) -> Result<Problem<'g>> {
         let d = oracle::validate(x, opts)?;
         oracle::validate_upstream(&d, d_o, dht)?;

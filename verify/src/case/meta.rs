@@ -362,8 +362,11 @@ impl CaseMeta {
                     let s = val
                         .as_str()
                         .ok_or(format!("key `{key}`: expected a string"))?;
-                    meta.dtype =
-                        Some(Dtype::parse(s).ok_or(format!("key `{key}`: unknown dtype \"{s}\""))?);
+                    meta.dtype = Some(Dtype::parse_among(
+                        s,
+                        &format!("key `{key}`"),
+                        &Dtype::CASE_FILE,
+                    )?);
                 }
                 "regime" => {
                     let s = val

@@ -23,7 +23,7 @@ use deltaref::token_shift::TokenShiftInputs;
 use ndarray::ArrayD;
 
 use crate::outputs::Tensors;
-pub use dtype::Dtype;
+pub use deltaref::Dtype;
 pub use error::CaseError;
 pub use io::write_atomic;
 pub use meta::{CaseMeta, CpLayout, Op};
