@@ -2,8 +2,10 @@
 //!
 //! Each count is the number of scalar multiplies, adds and subtracts the
 //! engine's code performs (a mul+add pair is 2 ops; exponentials, divisions
-//! and square roots are not counted), for forward and backward (which
-//! recomputes the forward it needs). Only the terms that grow with the
+//! and square roots are not counted), for the forward and for what the
+//! backward adds to it in one forward+backward run
+//! ([`crate::op::forward_backward`], which `deltaref verify` and `bench`
+//! use). Only the terms that grow with the
 //! problem are kept: `K·V` per token for the naive forms; `C·K·V`, `C²·K`,
 //! `C²·V`, `C³` and the larger `K·V` and `C·K` terms per chunk of `C` tokens
 //! for the chunked forms; a matrix product `[m, n]·[n, p]` is `2·m·n·p`.
@@ -15,6 +17,10 @@
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct OpCount {
     pub forward: f64,
+    /// What the backward adds after the forward in a forward+backward run.
+    /// A backward run alone does more: the naive one its checkpoint pass
+    /// (5·K·V per token, counted here too: the naive engines run it either
+    /// way), the chunked one the forward without its readout.
     pub backward: f64,
 }
 
@@ -57,8 +63,7 @@ pub fn dplr_naive(k: usize, v: usize) -> OpCount {
 /// Forward: intra (`Aqk` and the `k kᵀ` block: 4C²K; `(I + L)^{-1}` by
 /// substitution: C³/3; `w`: 2C²K; `u`: 2C²V; nine element-wise `[C, K]` ops),
 /// then the state pass (`w h`, `qg h`, `kgᵀ v_new`: 6CKV; `Aqk v_new`: 2C²V;
-/// two `[K, V]` ops). Backward recomputes the forward but its readout
-/// (`qg h`, `Aqk v_new`: 2CKV + 2C²V), then: six `[C,K]×[K,V]`
+/// two `[K, V]` ops). Backward, from the forward's intermediates: six `[C,K]×[K,V]`
 /// -sized products (12CKV), `dAqk`, `dv_new`, `dAkk`'s `V` half and `dv`
 /// (8C²V), `dAkk`'s `K` half, `dkd` and the intra-block gradients (12C²K),
 /// `dL` through the inverse (4C³), about 30 element-wise `[C, K]` ops and
@@ -74,8 +79,7 @@ pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
         + 2.0 * k * v;
     OpCount {
         forward,
-        backward: forward - 2.0 * c * k * v - 2.0 * c * c * v
-            + 12.0 * c * k * v
+        backward: 12.0 * c * k * v
             + 8.0 * c * c * v
             + 12.0 * c * c * k
             + 4.0 * c * c * c
@@ -89,8 +93,8 @@ pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
 /// Forward: intra (four A blocks: 8C²K; `(I − Aab)^{-1}`: C³/3; `w`: 2C²K;
 /// `u = P (Aak V)`: 4C²V; twelve element-wise `[C, K]` ops), then the state
 /// pass (`w S`, `qg S`, the two state updates: 8CKV; `Aqk V`, `Aqb v2`:
-/// 4C²V; three `[K, V]` ops). Backward recomputes the forward but its
-/// readout (`qg S`, `Aqk V`, `Aqb v2`: 2CKV + 4C²V + CK), then: eight
+/// 4C²V; three `[K, V]` ops). Backward, from the forward's
+/// intermediates: eight
 /// `CKV` products (16CKV), nine `C²V` products (18C²V), ten `C²K` products
 /// (20C²K), `dAab` through the inverse (4C³), about 40 element-wise
 /// `[C, K]` ops and four `[K, V]` ops.
@@ -104,8 +108,7 @@ pub fn dplr_chunk(c: usize, k: usize, v: usize) -> OpCount {
         + 3.0 * k * v;
     OpCount {
         forward,
-        backward: forward - 2.0 * c * k * v - 4.0 * c * c * v - c * k
-            + 16.0 * c * k * v
+        backward: 16.0 * c * k * v
             + 18.0 * c * c * v
             + 20.0 * c * c * k
             + 4.0 * c * c * c

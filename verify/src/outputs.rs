@@ -37,8 +37,7 @@ where
 {
     let xt = <E::Op as Operator<T>>::narrow(x);
     let opts = E::Op::all_outputs(opts);
-    let out = op::forward(engine, &xt, &opts)?;
-    let gr = op::backward(
+    let (out, gr) = op::forward_backward(
         engine,
         &xt,
         &opts,

@@ -359,7 +359,17 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_pass(x, h0, false);
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht)
+    }
+
+    /// The backward pass given the forward's intermediates `fwd`.
+    fn backward_from<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        fwd: &ChunkForward<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let z = || Array2::zeros((l, kd));
         let mut gr = DplrHeadGrads {
@@ -394,7 +404,7 @@ impl Chunk {
                 let ch = &fwd.intra[n];
                 let ds = dh.index_axis(Axis(0), n);
                 let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
-                self.chunk_backward(x, ch, &fwd, n, d_o, ds, dv2n)
+                self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
             })
             .collect();
         let mut da_blocks = Vec::with_capacity(nt);
@@ -608,6 +618,19 @@ impl<T: Scalar> Engine<T> for Chunk {
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
         self.backward_intermediates(x, h0, d_o, dht).grads
+    }
+
+    /// One forward pass (with its readout) serves the backward too.
+    fn forward_backward(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
+        let fwd = self.forward_pass(x, h0, true);
+        let grads = self.backward_from(x, &fwd, d_o, dht).grads;
+        ((fwd.o, fwd.final_state), grads)
     }
 
     /// `M = Π M_chunk`, later chunks on the left.

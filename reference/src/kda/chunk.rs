@@ -361,7 +361,17 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_pass(x, h0, false);
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht)
+    }
+
+    /// The backward pass given the forward's intermediates `fwd`.
+    fn backward_from<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        fwd: &ChunkForward<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let mut gr = KdaHeadGrads {
             dq: Array2::zeros((l, kd)),
@@ -392,7 +402,7 @@ impl Chunk {
         // in parallel, written back in chunk order.
         let steps: Vec<ChunkStep<T>> = (0..nt)
             .into_par_iter()
-            .map(|n| self.chunk_backward(x, &fwd.intra[n], &fwd, n, d_o, dh.view(), dv_new.view()))
+            .map(|n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view()))
             .collect();
         let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
         for (ch, step) in fwd.intra.iter().zip(steps) {
@@ -672,6 +682,19 @@ impl<T: Scalar> Engine<T> for Chunk {
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
         self.backward_intermediates(x, h0, d_o, dht).grads
+    }
+
+    /// One forward pass (with its readout) serves the backward too.
+    fn forward_backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
+        let fwd = self.forward_pass(x, h0, true);
+        let grads = self.backward_from(x, &fwd, d_o, dht).grads;
+        ((fwd.o, fwd.final_state), grads)
     }
 
     /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in
