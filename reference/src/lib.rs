@@ -24,6 +24,7 @@ pub mod simd;
 pub mod sweep;
 pub mod tensor;
 pub mod token_shift;
+pub mod tri;
 pub mod varlen;
 
 pub use error::{Error, Result};

@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
+use crate::tri;
 use crate::varlen::{par_pairs, Segment};
 
 /// The chunked engine.
@@ -250,11 +251,14 @@ impl Chunk {
             Some(f) => {
                 // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
                 let (qa, ax, kb, bb) = (&q * &f.ep, &a * &f.exp_, &k * &f.em, &b * &f.em);
+                // Only the lower triangles are used.
+                let lower =
+                    |x: &Array2<T>, y: &Array2<T>| tri::dot_t_lower(x.view(), y.view(), false);
                 let mut blocks = [
-                    qa.dot(&kb.t()),
-                    qa.dot(&bb.t()),
-                    ax.dot(&bb.t()),
-                    ax.dot(&kb.t()),
+                    lower(&qa, &kb),
+                    lower(&qa, &bb),
+                    lower(&ax, &bb),
+                    lower(&ax, &kb),
                 ];
                 for (i, blk) in blocks.iter_mut().enumerate() {
                     mask(blk, |r, c| if i < 2 { c <= r } else { c < r });
@@ -274,8 +278,11 @@ impl Chunk {
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
         let ax = self.as_stored(Stage::Gated, &a * &gx.mapv(|v| v.exp()));
-        let w = self.as_stored(Stage::W, p.dot(&ax));
-        let u = self.as_stored(Stage::U, p.dot(&aak.dot(&v)));
+        let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
+        let u = self.as_stored(
+            Stage::U,
+            tri::lower_dot(p.view(), tri::lower_dot(aak.view(), v).view()),
+        );
         Intra {
             start,
             g_cumsum: g,
@@ -332,8 +339,11 @@ impl Chunk {
             let v2n = self.as_stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
             if read_out {
                 let qg = self.gated(&rows(&x.q, ch.start, c), &ch.g_cumsum.mapv(|g| g.exp()));
-                o.slice_mut(r)
-                    .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&hn)));
+                o.slice_mut(r).assign(
+                    &(tri::lower_dot(ch.aqk.view(), v)
+                        + tri::lower_dot(ch.aqb.view(), v2n.view())
+                        + qg.dot(&hn)),
+                );
             }
             let dl = ch.decay_to_last();
             h.index_axis_mut(Axis(0), n).assign(&hn);
@@ -447,7 +457,7 @@ impl Chunk {
         let qg = self.gated(&q, &ch.g_cumsum.mapv(|g| g.exp()));
         let mut ds_prev = qg.t().dot(&dout) + ds * &ch.decay_last().insert_axis(Axis(1));
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
-        let mut dv2 = ch.aqb.t().dot(&dout);
+        let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
         dv2 += &self.gated(&b, &ch.decay_to_last()).dot(ds_used);
         let dv2 = self.as_stored(Stage::Dv, dv2);
         ds_prev += &ch.w.t().dot(&dv2);
@@ -489,11 +499,11 @@ impl Chunk {
         // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
         let dqg = self.as_stored(Stage::BwdOperands, dout.dot(&h.t()));
-        let mut daqk = dout.dot(&v.t());
-        let mut daqb = dout.dot(&v2.t());
+        let mut daqk = tri::dot_t_lower(dout, v, false);
+        let mut daqb = tri::dot_t_lower(dout, v2, false);
         mask(&mut daqk, |i, j| j <= i);
         mask(&mut daqb, |i, j| j <= i);
-        let mut dv = ch.aqk.t().dot(&dout);
+        let mut dv = tri::lower_t_dot(ch.aqk.view(), dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
         let (kgl, bgl) = (self.gated(&k, &dl), self.gated(&b, &dl));
         let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
@@ -503,15 +513,21 @@ impl Chunk {
         // v2 = u + w h.
         let dw = self.as_stored(Stage::BwdOperands, dv2.dot(&h.t()));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
-        let zv = ch.aak.dot(&v);
+        let zv = tri::lower_dot(ch.aak.view(), v);
         let ax = self.gated(&a, &egx);
-        let dp = dv2.dot(&zv.t()) + dw.dot(&ax.t());
-        let dz = ch.p.t().dot(&dv2);
-        let mut daak = dz.dot(&v.t());
+        // Only dP's strict lower triangle reaches dAab (P is unit lower triangular).
+        let dp =
+            tri::dot_t_lower(dv2, zv.view(), false) + tri::dot_t_lower(dw.view(), ax.view(), false);
+        let dz = tri::lower_t_dot(ch.p.view(), dv2);
+        let mut daak = tri::dot_t_lower(dz.view(), v, false);
         mask(&mut daak, |i, j| j < i);
-        dv += &ch.aak.t().dot(&dz);
-        let dax = self.as_stored(Stage::BwdOperands, ch.p.t().dot(&dw));
-        let mut daab = ch.p.t().dot(&dp).dot(&ch.p.t());
+        dv += &tri::lower_t_dot(ch.aak.view(), dz.view());
+        let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));
+        let mut daab = tri::dot_t_lower(
+            tri::lower_t_dot(ch.p.view(), dp.view()).view(),
+            ch.p.view(),
+            true,
+        );
         mask(&mut daab, |i, j| j < i);
         let mut da = &dax * &egx;
         let mut dgx = &dax * &ax;
@@ -560,10 +576,14 @@ impl Chunk {
         if let Some(f) = factors(g, gx) {
             // Γ_m cancels in every product, so it is held constant.
             let (qa, ax, kb, bb) = (q * &f.ep, a * &f.exp_, k * &f.em, b * &f.em);
-            let dqa = daqk.dot(&kb) + daqb.dot(&bb);
-            let dax = daab.dot(&bb) + daak.dot(&kb);
-            let dkb = daqk.t().dot(&qa) + daak.t().dot(&ax);
-            let dbb = daqb.t().dot(&qa) + daab.t().dot(&ax);
+            let (l, lt) = (
+                |x: &Array2<T>, y: &Array2<T>| tri::lower_dot(x.view(), y.view()),
+                |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
+            );
+            let dqa = l(daqk, &kb) + l(daqb, &bb);
+            let dax = l(daab, &bb) + l(daak, &kb);
+            let dkb = lt(daqk, &qa) + lt(daak, &ax);
+            let dbb = lt(daqb, &qa) + lt(daab, &ax);
             *dq += &(&dqa * &f.ep);
             *da += &(&dax * &f.exp_);
             *dk += &(&dkb * &f.em);
