@@ -66,8 +66,7 @@ where
     drop(x);
     let d_o = cast(&d_o);
     let opts = E::Op::all_outputs(opts);
-    let (out, _) = cp::forward(engine, &xt, &opts, plan, cpo)?;
-    let (gr, diags) = cp::backward(
+    let (out, gr, diags) = cp::forward_backward(
         engine,
         &xt,
         &opts,
