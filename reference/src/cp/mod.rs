@@ -708,10 +708,7 @@ fn run_backward<T: Scalar, E: Engine<T>>(
     let runs = par_pairs(ps.len(), heads, |i, h| {
         let p = &ps[i];
         let rm = &plan.ranks[p.rank];
-        let mut h0 = piece_h0(local, plan, p, h, &merged_fwd);
-        if opt.faults.drop_merged_state_in_backward && p.first && rm.continues() {
-            h0 = zero.clone();
-        }
+        let h0 = piece_h0(local, plan, p, h, &merged_fwd);
         let dht = if p.last && rm.continued() {
             merged_dht[p.rank].as_ref().expect("merged")[h].clone()
         } else if p.seg.end == seq_bounds(plan, p.seg.seq).1 {
@@ -719,7 +716,12 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         } else {
             zero.clone()
         };
-        if with_outputs {
+        // Fault 4 leaves the forward intact and recomputes the backward from zeros.
+        if opt.faults.drop_merged_state_in_backward && p.first && rm.continues() {
+            let f = with_outputs.then(|| local.forward(&p.seg, h, h0.view()));
+            let (g, d) = local.backward(&p.seg, h, zero.view(), dht.view());
+            (f, g, d)
+        } else if with_outputs {
             let (f, g, d) = local.forward_backward(&p.seg, h, h0.view(), dht.view());
             (Some(f), g, d)
         } else {
