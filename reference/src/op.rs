@@ -9,10 +9,11 @@
 //! per-piece shape: a recurrent state `[K, V]` per (sequence, head), outputs
 //! `[L, V]` per piece, a state entering and leaving each piece. An [`Engine`]
 //! computes one piece (forward, backward, and the state transition `M` that
-//! context parallel needs). The drivers ([`forward`], [`backward`]) run an
-//! engine over every (sequence, head) pair with rayon, results in pair order,
-//! so the bits do not depend on the thread count; [`crate::cp::forward`] and
-//! [`crate::cp::backward`] run the same engine rank by rank.
+//! context parallel needs). The drivers ([`forward`], [`backward`],
+//! [`forward_backward`]) run an engine over every (sequence, head) pair with
+//! rayon, results in pair order, so the bits do not depend on the thread
+//! count; [`crate::cp::forward`], [`crate::cp::backward`] and
+//! [`crate::cp::forward_backward`] run the same engine rank by rank.
 //!
 //! # Adding an operator
 //! 1. A folder `src/<op>/` with `mod.rs` holding the public tensors
