@@ -169,7 +169,8 @@ pub struct ChunkBackward<T> {
     pub dv_new: Array2<T>,
     /// Per chunk, `[c, c]`.
     pub daqk: Vec<Array2<T>>,
-    /// Per chunk, gradient of `Akk`, `[c, c]`.
+    /// Per chunk, gradient of `Akk`, `[c, c]`: its lower triangle (with the
+    /// diagonal), zeros above, where `Akk` has no entries.
     pub dakk: Vec<Array2<T>>,
     pub grads: KdaHeadGrads<T>,
 }
