@@ -1,8 +1,9 @@
-//! Chunked vs naive forward+backward, f64, B=1 T=1024 H=4 at K=V=64 and
-//! K=V=128 (issue 20: chunk at least as fast as naive), with the GFLOP/s of
-//! each ([`deltaref::ops`]'s counts) and its fraction of the measured
-//! no-FMA mul+add peak.
-//! Run: `cargo bench -p deltaref --bench chunk`.
+//! Chunked vs naive forward+backward (one [`deltaref::op::forward_backward`]
+//! run each), f64, B=1 T=1024 H=4 at K=V=64, 128 and 256 and chunk sizes
+//! 16, 32 and 64 (issue 20: chunk at least as fast as naive), with the
+//! GFLOP/s of each ([`deltaref::ops`]'s counts) and its fraction of the
+//! measured no-FMA mul+add peak.
+//! Run: `cargo bench -p deltaref --bench chunk` (`-- 64` for one K=V).
 
 mod common;
 
@@ -11,20 +12,26 @@ use common::best_of;
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
+use deltaref::op;
 use deltaref::ops::{self, OpCount};
 
 const REPS: usize = 5;
+const CHUNK_SIZES: [usize; 3] = [16, 32, 64];
 
 fn main() {
     let (t, h) = (1024, 4);
+    // `cargo bench` passes `--bench`; a number picks one K=V.
+    let only: Option<usize> = std::env::args().skip(1).find_map(|a| a.parse().ok());
     println!(
         "forward+backward, f64, B=1 T={t} H={h}, {} rayon threads, best of {REPS}",
         rayon::current_num_threads()
     );
     let peak = ops::peak_gflops(1.0);
     println!("peak (f64 mul+add chains, no FMA): {peak:.1} GFLOP/s");
-    for kd in [64, 128] {
-        bench(t, h, kd, peak);
+    for kd in [64, 128, 256] {
+        if only.is_none_or(|o| o == kd) {
+            bench(t, h, kd, peak);
+        }
     }
 }
 
@@ -32,23 +39,23 @@ fn main() {
 fn rate(name: &str, secs: f64, ops: f64, peak: f64) -> String {
     let g = ops / secs / 1e9;
     format!(
-        "{name} {:7.2} ms {g:5.1} GFLOP/s {:4.0}%",
+        "{name:<12} {:7.2} ms {g:5.1} GFLOP/s {:4.0}%",
         secs * 1e3,
         100.0 * g / peak
     )
 }
 
-/// Ops of one forward+backward over `h` heads of `t` tokens.
-fn counts(t: usize, h: usize, c: usize, naive: OpCount, chunk: OpCount) -> (f64, f64) {
-    let heads = h as f64;
-    (
-        naive.total() * (t * h) as f64,
-        chunk.total() * (t / c) as f64 * heads,
-    )
+/// Ops of one forward+backward over `h` heads of `t` tokens, naive form.
+fn naive_ops(t: usize, h: usize, naive: OpCount) -> f64 {
+    naive.total() * (t * h) as f64
+}
+
+/// The same for the chunked form with chunks of `c`.
+fn chunk_ops(t: usize, h: usize, c: usize, chunk: OpCount) -> f64 {
+    chunk.total() * (t / c) as f64 * h as f64
 }
 
 fn bench(t: usize, h: usize, kd: usize, peak: f64) {
-    const C: usize = 64;
     let opts = KdaOptions {
         output_final_state: true,
         ..Default::default()
@@ -64,20 +71,31 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
         scalar_gate: false,
         seed: 0,
     });
-    let naive = best_of(REPS, || {
-        kda::naive::forward(&g.inputs, &opts).expect("valid");
-        kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+    let run = |e: &dyn Fn()| best_of(REPS, e);
+    let naive = run(&|| {
+        op::forward_backward(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))
+            .expect("valid");
     });
-    let chunk = best_of(REPS, || {
-        kda::chunk::forward(&g.inputs, &opts, C).expect("valid");
-        kda::chunk::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht), C).expect("valid");
-    });
-    let (n_ops, c_ops) = counts(t, h, C, ops::kda_naive(kd, kd), ops::kda_chunk(C, kd, kd));
     println!(
-        "K=V={kd:<4} kda   {}   {}",
-        rate("naive", naive, n_ops, peak),
-        rate("chunk(C=64)", chunk, c_ops, peak)
+        "K=V={kd:<4} kda   {}",
+        rate(
+            "naive",
+            naive,
+            naive_ops(t, h, ops::kda_naive(kd, kd)),
+            peak
+        )
     );
+    for c in CHUNK_SIZES {
+        let engine = kda::chunk::Chunk::new(c).expect("valid");
+        let secs = run(&|| {
+            op::forward_backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+        });
+        let n = chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd));
+        println!(
+            "K=V={kd:<4} kda   {}",
+            rate(&format!("chunk(C={c})"), secs, n, peak)
+        );
+    }
     let d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
@@ -90,18 +108,28 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
         output_final_state: true,
         ..Default::default()
     };
-    let naive = best_of(REPS, || {
-        dplr::naive::forward(&d.inputs, &dopts).expect("valid");
-        dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+    let naive = run(&|| {
+        op::forward_backward(&dplr::naive::Naive, &d.inputs, &dopts, &d.d_o, Some(&d.dht))
+            .expect("valid");
     });
-    let chunk = best_of(REPS, || {
-        dplr::chunk::forward(&d.inputs, &dopts, C).expect("valid");
-        dplr::chunk::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht), C).expect("valid");
-    });
-    let (n_ops, c_ops) = counts(t, h, C, ops::dplr_naive(kd, kd), ops::dplr_chunk(C, kd, kd));
     println!(
-        "K=V={kd:<4} dplr  {}   {}",
-        rate("naive", naive, n_ops, peak),
-        rate("chunk(C=64)", chunk, c_ops, peak)
+        "K=V={kd:<4} dplr  {}",
+        rate(
+            "naive",
+            naive,
+            naive_ops(t, h, ops::dplr_naive(kd, kd)),
+            peak
+        )
     );
+    for c in CHUNK_SIZES {
+        let engine = dplr::chunk::Chunk::new(c).expect("valid");
+        let secs = run(&|| {
+            op::forward_backward(&engine, &d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+        });
+        let n = chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd));
+        println!(
+            "K=V={kd:<4} dplr  {}",
+            rate(&format!("chunk(C={c})"), secs, n, peak)
+        );
+    }
 }

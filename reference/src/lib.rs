@@ -25,6 +25,7 @@ pub mod simd;
 pub mod sweep;
 pub mod tensor;
 pub mod token_shift;
+pub mod tri;
 pub mod varlen;
 
 pub use dtype::Dtype;

@@ -9,10 +9,11 @@
 //! per-piece shape: a recurrent state `[K, V]` per (sequence, head), outputs
 //! `[L, V]` per piece, a state entering and leaving each piece. An [`Engine`]
 //! computes one piece (forward, backward, and the state transition `M` that
-//! context parallel needs). The drivers ([`forward`], [`backward`]) run an
-//! engine over every (sequence, head) pair with rayon, results in pair order,
-//! so the bits do not depend on the thread count; [`crate::cp::forward`] and
-//! [`crate::cp::backward`] run the same engine rank by rank.
+//! context parallel needs). The drivers ([`forward`], [`backward`],
+//! [`forward_backward`]) run an engine over every (sequence, head) pair with
+//! rayon, results in pair order, so the bits do not depend on the thread
+//! count; [`crate::cp::forward`], [`crate::cp::backward`] and
+//! [`crate::cp::forward_backward`] run the same engine rank by rank.
 //!
 //! # Adding an operator
 //! 1. A folder `src/<op>/` with `mod.rs` holding the public tensors
@@ -157,6 +158,21 @@ pub trait Engine<T: Scalar>: Sync {
         dht: ArrayView2<T>,
     ) -> <Self::Op as Operator<T>>::HeadGrads;
 
+    /// [`Engine::forward`] and [`Engine::backward`] of one piece in one call:
+    /// `((o [L, V], S_L [K, V]), gradients)`, the same bits as the two
+    /// calls. An engine whose backward recomputes its forward overrides this
+    /// to keep the forward's intermediates instead.
+    #[allow(clippy::type_complexity)]
+    fn forward_backward(
+        &self,
+        x: &<Self::Op as Operator<T>>::Head,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), <Self::Op as Operator<T>>::HeadGrads) {
+        (self.forward(x, h0), self.backward(x, h0, d_o, dht))
+    }
+
     /// The transition `M [K, K]` with `S_L = M S_0 + S_L|_{S_0 = 0}`.
     ///
     /// Default: the state recurrence is linear in `(S, v)`, so running it with
@@ -195,12 +211,21 @@ pub fn forward<T: Scalar, E: Engine<T>>(
     opt: &<E::Op as OpSpec>::Options,
 ) -> Result<<E::Op as Operator<T>>::Outputs> {
     let p = engine.stored(E::Op::prepare(x, opt)?);
-    let d = p.shape();
     let segments = p.segments();
-    let results = par_pairs(segments.len(), d.heads, |si, h| {
+    let results = par_pairs(segments.len(), p.shape().heads, |si, h| {
         let seg = &segments[si];
         engine.forward(&p.head(seg, h), initial_state(&p, seg.seq, h).view())
     });
+    Ok(assemble_outputs::<T, E::Op>(&p, opt, &results))
+}
+
+/// Public outputs from per-pair `(o [L, V], S_L [K, V])` in pair order.
+fn assemble_outputs<T: Scalar, O: Operator<T>>(
+    p: &O::Prepared<'_>,
+    opt: &O::Options,
+    results: &[(Array2<T>, Array2<T>)],
+) -> O::Outputs {
+    let (d, segments) = (p.shape(), p.segments());
     let mut o = Array4::zeros((d.b, d.t, d.heads, d.v));
     let mut ht = Array4::zeros((d.n, d.heads, d.k, d.v));
     for (i, (oh, sh)) in results.iter().enumerate() {
@@ -208,7 +233,7 @@ pub fn forward<T: Scalar, E: Engine<T>>(
         tensor::scatter(&mut o, seg, h, oh.view());
         ht.slice_mut(s![seg.seq, h, .., ..]).assign(sh);
     }
-    Ok(E::Op::outputs(opt, o, ht))
+    O::outputs(opt, o, ht)
 }
 
 /// Runs `engine` backward over every pair and chains through the
@@ -222,36 +247,91 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     dht: Option<&ArrayD<T>>,
 ) -> Result<<E::Op as Operator<T>>::Grads> {
     let p = engine.stored(E::Op::prepare(x, opt)?);
+    let results = per_pair_upstream::<T, E::Op, _, _>(&p, opt, d_o, dht, |head, h0, d_o, dht| {
+        engine.backward(head, h0, d_o, dht)
+    })?;
+    Ok(assemble_grads::<T, E::Op>(x, opt, &p, &results))
+}
+
+/// [`forward`] and [`backward`] in one run, the same bits; an engine that
+/// overrides [`Engine::forward_backward`] skips its backward's recompute
+/// of the forward. Returns `(outputs, gradients)`.
+#[allow(clippy::type_complexity)]
+pub fn forward_backward<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: &<E::Op as Operator<T>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+) -> Result<(
+    <E::Op as Operator<T>>::Outputs,
+    <E::Op as Operator<T>>::Grads,
+)> {
+    let p = engine.stored(E::Op::prepare(x, opt)?);
+    let results = per_pair_upstream::<T, E::Op, _, _>(&p, opt, d_o, dht, |head, h0, d_o, dht| {
+        engine.forward_backward(head, h0, d_o, dht)
+    })?;
+    let (fwd, grads): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+    Ok((
+        assemble_outputs::<T, E::Op>(&p, opt, &fwd),
+        assemble_grads::<T, E::Op>(x, opt, &p, &grads),
+    ))
+}
+
+/// `f(head, h0, d_o [L, V], dht [K, V])` over every pair, in pair order,
+/// after checking the upstream gradients.
+fn per_pair_upstream<T, O, R, F>(
+    p: &O::Prepared<'_>,
+    opt: &O::Options,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    f: F,
+) -> Result<Vec<R>>
+where
+    T: Scalar,
+    O: Operator<T>,
+    R: Send,
+    F: Fn(&O::Head, ArrayView2<T>, ArrayView2<T>, ArrayView2<T>) -> R + Sync + Send,
+{
     let d = p.shape();
-    E::Op::validate_upstream(&p, d_o, dht)?;
-    let d_o = E::Op::upstream_view(d_o);
-    let dht = dht.map(|a| E::Op::dht_view(opt, a));
+    O::validate_upstream(p, d_o, dht)?;
+    let d_o = O::upstream_view(d_o);
+    let dht = dht.map(|a| O::dht_view(opt, a));
     let segments = p.segments();
-    let results = par_pairs(segments.len(), d.heads, |si, h| {
+    Ok(par_pairs(segments.len(), d.heads, |si, h| {
         let seg = &segments[si];
         let dht_h = match &dht {
             Some(a) => a.slice(s![seg.seq, h, .., ..]).to_owned(),
             None => Array2::zeros((d.k, d.v)),
         };
-        engine.backward(
+        f(
             &p.head(seg, h),
-            initial_state(&p, seg.seq, h).view(),
+            initial_state(p, seg.seq, h).view(),
             tensor::gather(&d_o, seg, h).view(),
             dht_h.view(),
         )
-    });
+    }))
+}
+
+/// Public gradients from per-pair gradients in pair order.
+fn assemble_grads<T: Scalar, O: Operator<T>>(
+    x: &O::Inputs,
+    opt: &O::Options,
+    p: &O::Prepared<'_>,
+    results: &[O::HeadGrads],
+) -> O::Grads {
+    let (d, segments) = (p.shape(), p.segments());
     let mut dh0 = Array4::zeros((d.n, d.heads, d.k, d.v));
     let pieces: Vec<_> = results
         .iter()
         .enumerate()
         .map(|(i, g)| {
             let (seg, h) = (segments[i / d.heads], i % d.heads);
-            dh0.slice_mut(s![seg.seq, h, .., ..])
-                .assign(E::Op::head_dh0(g));
+            dh0.slice_mut(s![seg.seq, h, .., ..]).assign(O::head_dh0(g));
             (seg, h, g)
         })
         .collect();
-    Ok(E::Op::grads(x, opt, &p, &pieces, dh0))
+    O::grads(x, opt, p, &pieces, dh0)
 }
 
 /// Every output and gradient under FLA's names ([`OpSpec`]), skipping absent ones.

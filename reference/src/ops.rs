@@ -2,8 +2,10 @@
 //!
 //! Each count is the number of scalar multiplies, adds and subtracts the
 //! engine's code performs (a mul+add pair is 2 ops; exponentials, divisions
-//! and square roots are not counted), for forward and backward (which
-//! recomputes the forward it needs). Only the terms that grow with the
+//! and square roots are not counted), for the forward and for what the
+//! backward adds to it in one forward+backward run
+//! ([`crate::op::forward_backward`], which `deltaref verify` and `bench`
+//! use). Only the terms that grow with the
 //! problem are kept: `K·V` per token for the naive forms; `C·K·V`, `C²·K`,
 //! `C²·V`, `C³` and the larger `K·V` and `C·K` terms per chunk of `C` tokens
 //! for the chunked forms; a matrix product `[m, n]·[n, p]` is `2·m·n·p`.
@@ -11,10 +13,16 @@
 //! `reference/tests/op_count.rs` checks these against engines run on a scalar
 //! that counts its own operations.
 
+use crate::tri;
+
 /// Operations of forward and backward.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct OpCount {
     pub forward: f64,
+    /// What the backward adds after the forward in a forward+backward run.
+    /// A backward run alone does more: the naive one its checkpoint pass
+    /// (5·K·V per token, counted here too: the naive engines run it either
+    /// way), the chunked one the forward without its readout.
     pub backward: f64,
 }
 
@@ -54,61 +62,64 @@ pub fn dplr_naive(k: usize, v: usize) -> OpCount {
 
 /// Chunked KDA, per chunk of `c` tokens and head.
 ///
-/// Forward: intra (`Aqk` and the `k kᵀ` block: 4C²K; `(I + L)^{-1}` by
-/// substitution: C³/3; `w`: 2C²K; `u`: 2C²V; nine element-wise `[C, K]` ops),
-/// then the state pass (`w h`, `qg h`, `kgᵀ v_new`: 6CKV; `Aqk v_new`: 2C²V;
-/// two `[K, V]` ops). Backward recomputes the forward but its readout
-/// (`qg h`, `Aqk v_new`: 2CKV + 2C²V), then: six `[C,K]×[K,V]`
-/// -sized products (12CKV), `dAqk`, `dv_new`, `dAkk`'s `V` half and `dv`
-/// (8C²V), `dAkk`'s `K` half, `dkd` and the intra-block gradients (12C²K),
-/// `dL` through the inverse (4C³), about 30 element-wise `[C, K]` ops and
-/// five `[K, V]` ops.
+/// Products with a triangular `[C, C]` factor, or of which only the lower
+/// triangle is used, skip the blocks above the diagonal ([`crate::tri`]):
+/// `f =` [`tri::fraction`]`(C)` of the full product's work (5/8 at C = 64),
+/// `f2 =` [`tri::fraction_both`]`(C)` when both factors are triangular.
+///
+/// Forward: intra (`Aqk` and the `k kᵀ` block: 4C²K·f; `(I + L)^{-1}` by
+/// substitution: C³/3; `w`: 2C²K·f; `u`: 2C²V·f; nine element-wise `[C, K]`
+/// ops), then the state pass (`w h`, `qg h`, `kgᵀ v_new`: 6CKV; `Aqk v_new`:
+/// 2C²V·f; two `[K, V]` ops). Backward, from the forward's intermediates:
+/// six `[C,K]×[K,V]`-sized products (12CKV), `dAqk`, `dv_new`, `dAkk`'s `V`
+/// half and `dv` (8C²V·f), `dAkk`'s `K` half, `dkd` and the intra-block
+/// gradients (12C²K·f), `dL` through the inverse (2C³·f + 2C³·f2), about
+/// 30 element-wise `[C, K]` ops and five `[K, V]` ops.
 pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
+    let (f, f2) = (tri::fraction(c), tri::fraction_both(c));
     let (c, k, v) = (c as f64, k as f64, v as f64);
-    let forward = 6.0 * c * c * k
+    let forward = 6.0 * c * c * k * f
         + c * c * c
-        + 2.0 * c * c * v
+        + 4.0 * c * c * v * f
         + 9.0 * c * k
         + 6.0 * c * k * v
-        + 2.0 * c * c * v
         + 2.0 * k * v;
     OpCount {
         forward,
-        backward: forward - 2.0 * c * k * v - 2.0 * c * c * v
-            + 12.0 * c * k * v
-            + 8.0 * c * c * v
-            + 12.0 * c * c * k
-            + 4.0 * c * c * c
+        backward: 12.0 * c * k * v
+            + 8.0 * c * c * v * f
+            + 12.0 * c * c * k * f
+            + 2.0 * c * c * c * (f + f2)
             + 30.0 * c * k
             + 5.0 * k * v,
     }
 }
 
-/// Chunked DPLR, per chunk of `c` tokens and head.
+/// Chunked DPLR, per chunk of `c` tokens and head, with `f` and `f2` as in
+/// [`kda_chunk`].
 ///
-/// Forward: intra (four A blocks: 8C²K; `(I − Aab)^{-1}`: C³/3; `w`: 2C²K;
-/// `u = P (Aak V)`: 4C²V; twelve element-wise `[C, K]` ops), then the state
-/// pass (`w S`, `qg S`, the two state updates: 8CKV; `Aqk V`, `Aqb v2`:
-/// 4C²V; three `[K, V]` ops). Backward recomputes the forward but its
-/// readout (`qg S`, `Aqk V`, `Aqb v2`: 2CKV + 4C²V + CK), then: eight
-/// `CKV` products (16CKV), nine `C²V` products (18C²V), ten `C²K` products
-/// (20C²K), `dAab` through the inverse (4C³), about 40 element-wise
-/// `[C, K]` ops and four `[K, V]` ops.
+/// Forward: intra (four A blocks: 8C²K·f; `(I − Aab)^{-1}`: C³/3; `w`:
+/// 2C²K·f; `u = P (Aak V)`: 4C²V·f; twelve element-wise `[C, K]` ops), then
+/// the state pass (`w S`, `qg S`, the two state updates: 8CKV; `Aqk V`,
+/// `Aqb v2`: 4C²V·f; three `[K, V]` ops). Backward, from the forward's
+/// intermediates: eight `CKV` products (16CKV), nine `C²V` products
+/// (18C²V·f), ten `C²K` products (20C²K·f), `dAab` through the inverse
+/// (2C³·f + 2C³·f2), about 40 element-wise `[C, K]` ops and four `[K, V]` ops.
 pub fn dplr_chunk(c: usize, k: usize, v: usize) -> OpCount {
+    let (f, f2) = (tri::fraction(c), tri::fraction_both(c));
     let (c, k, v) = (c as f64, k as f64, v as f64);
-    let forward = 10.0 * c * c * k
+    let forward = 10.0 * c * c * k * f
         + c * c * c
-        + 8.0 * c * c * v
+        + 8.0 * c * c * v * f
         + 12.0 * c * k
         + 8.0 * c * k * v
         + 3.0 * k * v;
     OpCount {
         forward,
-        backward: forward - 2.0 * c * k * v - 4.0 * c * c * v - c * k
-            + 16.0 * c * k * v
-            + 18.0 * c * c * v
-            + 20.0 * c * c * k
-            + 4.0 * c * c * c
+        backward: 16.0 * c * k * v
+            + 18.0 * c * c * v * f
+            + 20.0 * c * c * k * f
+            + 2.0 * c * c * c * (f + f2)
             + 40.0 * c * k
             + 4.0 * k * v,
     }

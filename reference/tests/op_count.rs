@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
+use deltaref::op;
 use deltaref::ops;
 use deltaref::scalar::Scalar;
 use num_traits::{Float, FromPrimitive, Num, NumCast, One, ToPrimitive, Zero};
@@ -200,7 +201,8 @@ fn count(f: impl FnOnce()) -> u64 {
     OPS.load(AtOrd::SeqCst)
 }
 
-/// Counted ops of the naive and chunked engines, forward+backward, for one
+/// Counted ops of the naive and chunked engines, one forward+backward run
+/// ([`op::forward_backward`]), for one
 /// head of `t` tokens: `(kda naive, kda chunk, dplr naive, dplr chunk)`.
 fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
     let opts = KdaOptions {
@@ -224,12 +226,11 @@ fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
         deltaref::tensor::cast(&g.dht),
     );
     let kn = count(|| {
-        kda::naive::forward(&x, &opts).unwrap();
-        kda::naive::backward(&x, &opts, &d_o, Some(&dht)).unwrap();
+        op::forward_backward(&kda::naive::Naive, &x, &opts, &d_o, Some(&dht)).unwrap();
     });
+    let chunk = kda::chunk::Chunk::new(c).unwrap();
     let kc = count(|| {
-        kda::chunk::forward(&x, &opts, c).unwrap();
-        kda::chunk::backward(&x, &opts, &d_o, Some(&dht), c).unwrap();
+        op::forward_backward(&chunk, &x, &opts, &d_o, Some(&dht)).unwrap();
     });
     let d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
@@ -249,12 +250,11 @@ fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
         deltaref::tensor::cast(&d.dht),
     );
     let dn = count(|| {
-        dplr::naive::forward(&x, &dopts).unwrap();
-        dplr::naive::backward(&x, &dopts, &d_o, Some(&dht)).unwrap();
+        op::forward_backward(&dplr::naive::Naive, &x, &dopts, &d_o, Some(&dht)).unwrap();
     });
+    let chunk = dplr::chunk::Chunk::new(c).unwrap();
     let dc = count(|| {
-        dplr::chunk::forward(&x, &dopts, c).unwrap();
-        dplr::chunk::backward(&x, &dopts, &d_o, Some(&dht), c).unwrap();
+        op::forward_backward(&chunk, &x, &dopts, &d_o, Some(&dht)).unwrap();
     });
     [kn, kc, dn, dc]
 }

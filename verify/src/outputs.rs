@@ -37,8 +37,7 @@ where
 {
     let xt = <E::Op as Operator<T>>::narrow(x);
     let opts = E::Op::all_outputs(opts);
-    let out = op::forward(engine, &xt, &opts)?;
-    let gr = op::backward(
+    let (out, gr) = op::forward_backward(
         engine,
         &xt,
         &opts,
@@ -67,8 +66,7 @@ where
     drop(x);
     let d_o = cast(&d_o);
     let opts = E::Op::all_outputs(opts);
-    let (out, _) = cp::forward(engine, &xt, &opts, plan, cpo)?;
-    let (gr, diags) = cp::backward(
+    let (out, gr, diags) = cp::forward_backward(
         engine,
         &xt,
         &opts,

@@ -92,6 +92,26 @@ impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
         (g, dh0)
     }
 
+    /// [`Local::forward`] and [`Local::backward`] in one engine call.
+    #[allow(clippy::type_complexity)]
+    fn forward_backward(
+        &self,
+        seg: &Segment,
+        h: usize,
+        h0: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), HeadGrads<T, E>, Array2<T>) {
+        let d_o = self.d_o.as_ref().expect("backward needs do");
+        let (fwd, g) = self.engine.forward_backward(
+            &self.p.head(seg, h),
+            h0,
+            tensor::gather(d_o, seg, h).view(),
+            dht,
+        );
+        let dh0 = E::Op::head_dh0(&g).clone();
+        (fwd, g, dh0)
+    }
+
     /// `M [K, K]` of the piece.
     fn transition(&self, seg: &Segment, h: usize) -> Array2<T> {
         self.engine.transition(&self.p.head(seg, h))
@@ -121,8 +141,19 @@ pub fn forward<T: Scalar, E: Engine<T>>(
         dht: None,
     };
     let f = run_forward(&local, &plan, cp);
+    Ok((outputs::<T, E>(&p, opt, &f.o, &f.final_states), f.diags))
+}
+
+/// The public outputs from per-(piece, head) outputs and the final states.
+fn outputs<T: Scalar, E: Engine<T>>(
+    p: &<E::Op as Operator<T>>::Prepared<'_>,
+    opt: &<E::Op as OpSpec>::Options,
+    pieces: &[(Segment, usize, Array2<T>)],
+    final_states: &[(usize, usize, Array2<T>)],
+) -> <E::Op as Operator<T>>::Outputs {
+    let d = p.shape();
     let mut o = Array4::zeros((d.b, d.t, d.heads, d.v));
-    for (seg, h, oh) in &f.o {
+    for (seg, h, oh) in pieces {
         tensor::scatter(&mut o, seg, *h, oh.view());
     }
     // Sequences without tokens keep their initial state.
@@ -130,10 +161,10 @@ pub fn forward<T: Scalar, E: Engine<T>>(
         .h0()
         .map(|h0| h0.to_owned())
         .unwrap_or_else(|| Array4::zeros((d.n, d.heads, d.k, d.v)));
-    for (seq, h, st) in &f.final_states {
+    for (seq, h, st) in final_states {
         ht.slice_mut(s![*seq, *h, .., ..]).assign(st);
     }
-    Ok((E::Op::outputs(opt, o, ht), f.diags))
+    E::Op::outputs(opt, o, ht)
 }
 
 /// CP backward: the same gradients as [`crate::op::backward`], computed rank
@@ -148,6 +179,47 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     plan: &PlanSpec,
     cp: &CpOptions,
 ) -> Result<(<E::Op as Operator<T>>::Grads, Vec<RankDiag<T>>)> {
+    let (_, grads, diags) = backward_run(engine, x, opt, d_o, dht, plan, cp, false)?;
+    Ok((grads, diags))
+}
+
+/// [`forward`] and [`backward`] in one run, the same bits: each piece's
+/// forward and backward are one [`Engine::forward_backward`] call, so the CP
+/// forward is not run twice. Returns `(outputs, gradients, diagnostics)`.
+#[allow(clippy::type_complexity)]
+pub fn forward_backward<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: &<E::Op as Operator<T>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    plan: &PlanSpec,
+    cp: &CpOptions,
+) -> Result<(
+    <E::Op as Operator<T>>::Outputs,
+    <E::Op as Operator<T>>::Grads,
+    Vec<RankDiag<T>>,
+)> {
+    let (out, grads, diags) = backward_run(engine, x, opt, d_o, dht, plan, cp, true)?;
+    Ok((out.expect("asked for the outputs"), grads, diags))
+}
+
+/// The CP backward, with the outputs too when `with_outputs`.
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+fn backward_run<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: &<E::Op as Operator<T>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    plan: &PlanSpec,
+    cp: &CpOptions,
+    with_outputs: bool,
+) -> Result<(
+    Option<<E::Op as Operator<T>>::Outputs>,
+    <E::Op as Operator<T>>::Grads,
+    Vec<RankDiag<T>>,
+)> {
     let p = engine.stored(E::Op::prepare(x, opt)?);
     let d = p.shape();
     E::Op::validate_upstream(&p, d_o, dht)?;
@@ -158,7 +230,10 @@ pub fn backward<T: Scalar, E: Engine<T>>(
         d_o: Some(E::Op::upstream_view(d_o)),
         dht: dht.map(|a| E::Op::dht_view(opt, a)),
     };
-    let b = run_backward(&local, &plan, cp);
+    let b = run_backward(&local, &plan, cp, with_outputs);
+    let out = b
+        .outputs
+        .map(|(o, final_states)| outputs::<T, E>(&p, opt, &o, &final_states));
     let pieces: Vec<_> = b.grads.iter().map(|(seg, h, g)| (*seg, *h, g)).collect();
     // A sequence without tokens passes its final-state gradient straight to h0.
     let mut dh0 = local
@@ -168,7 +243,7 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     for (seq, h, g) in &b.dh0 {
         dh0.slice_mut(s![*seq, *h, .., ..]).assign(g);
     }
-    Ok((E::Op::grads(x, opt, &p, &pieces, dh0), b.diags))
+    Ok((out, E::Op::grads(x, opt, &p, &pieces, dh0), b.diags))
 }
 
 /// Deliberate faults from FLA's history (SPEC §9, 4–6), to see what they do.
@@ -488,14 +563,34 @@ fn run_forward<T: Scalar, E: Engine<T>>(
     plan: &Plan,
     opt: &CpOptions,
 ) -> CpForward<T> {
-    let pre = preprocess(local, plan, opt);
-    let merged = merge_forward(local, plan, &pre, opt);
+    let diags = merged_states(local, plan, opt);
+    let merged: Vec<_> = diags.iter().map(|d| d.merged_h0.clone()).collect();
     let ps = pieces(plan);
-    let heads = local.heads();
-    let runs = par_pairs(ps.len(), heads, |i, h| {
+    let runs = par_pairs(ps.len(), local.heads(), |i, h| {
         let p = &ps[i];
         local.forward(&p.seg, h, piece_h0(local, plan, p, h, &merged).view())
     });
+    let (o, final_states) = piece_outputs(plan, &ps, local.heads(), runs);
+    CpForward {
+        o,
+        final_states,
+        diags,
+    }
+}
+
+/// Per-(piece, head) outputs `(piece, head, o)` in plan order and the final
+/// state of every sequence ending in a piece, from the pieces' forward
+/// results `(o, S_L)` in pair order.
+#[allow(clippy::type_complexity)]
+fn piece_outputs<T: Scalar>(
+    plan: &Plan,
+    ps: &[PieceRef],
+    heads: usize,
+    runs: Vec<(Array2<T>, Array2<T>)>,
+) -> (
+    Vec<(Segment, usize, Array2<T>)>,
+    Vec<(usize, usize, Array2<T>)>,
+) {
     let mut o = Vec::with_capacity(runs.len());
     let mut final_states = vec![];
     for (i, (oh, sh)) in runs.into_iter().enumerate() {
@@ -505,8 +600,20 @@ fn run_forward<T: Scalar, E: Engine<T>>(
         }
         o.push((p.seg, h, oh));
     }
-    let diags = plan
-        .ranks
+    (o, final_states)
+}
+
+/// The forward's pre-process and merge: the per-rank diagnostics, with the
+/// merged initial state of each continuing rank's first piece.
+fn merged_states<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
+    plan: &Plan,
+    opt: &CpOptions,
+) -> Vec<RankDiag<T>> {
+    let pre = preprocess(local, plan, opt);
+    let merged = merge_forward(local, plan, &pre, opt);
+    let heads = local.heads();
+    plan.ranks
         .iter()
         .zip(pre)
         .zip(&merged)
@@ -525,34 +632,37 @@ fn run_forward<T: Scalar, E: Engine<T>>(
             merged_dht: None,
             reference_dht: None,
         })
-        .collect();
-    CpForward {
-        o,
-        final_states,
-        diags,
-    }
+        .collect()
 }
 
 /// Result of a CP backward: per (piece, head) token gradients, `dh0` of every
 /// sequence's first piece, and the diagnostics (forward and backward).
 struct CpBackward<T, G> {
+    /// The forward's per-piece outputs and final states, when asked for.
+    #[allow(clippy::type_complexity)]
+    pub outputs: Option<(
+        Vec<(Segment, usize, Array2<T>)>,
+        Vec<(usize, usize, Array2<T>)>,
+    )>,
     pub grads: Vec<(Segment, usize, G)>,
     /// `(seq, head, dh0)`.
     pub dh0: Vec<(usize, usize, Array2<T>)>,
     pub diags: Vec<RankDiag<T>>,
 }
 
-/// CP backward over `plan` (the loss's upstream gradients live in `local`).
+/// CP backward over `plan` (the loss's upstream gradients live in `local`);
+/// with `with_outputs` each piece's backward also returns its forward.
 fn run_backward<T: Scalar, E: Engine<T>>(
     local: &Local<T, E>,
     plan: &Plan,
     opt: &CpOptions,
+    with_outputs: bool,
 ) -> CpBackward<T, HeadGrads<T, E>> {
     let (kd, vd) = local.state_dims();
     let heads = local.heads();
-    let fwd = run_forward(local, plan, opt);
+    let fwd_diags = merged_states(local, plan, opt);
     let merged_fwd: Vec<Option<Vec<Array2<T>>>> =
-        fwd.diags.iter().map(|d| d.merged_h0.clone()).collect();
+        fwd_diags.iter().map(|d| d.merged_h0.clone()).collect();
     let zero = Array2::<T>::zeros((kd, vd));
     // dS_ext and M of each continuing rank's first piece.
     let first = par_pairs(plan.world(), heads, |r, h| {
@@ -598,10 +708,7 @@ fn run_backward<T: Scalar, E: Engine<T>>(
     let runs = par_pairs(ps.len(), heads, |i, h| {
         let p = &ps[i];
         let rm = &plan.ranks[p.rank];
-        let mut h0 = piece_h0(local, plan, p, h, &merged_fwd);
-        if opt.faults.drop_merged_state_in_backward && p.first && rm.continues() {
-            h0 = zero.clone();
-        }
+        let h0 = piece_h0(local, plan, p, h, &merged_fwd);
         let dht = if p.last && rm.continued() {
             merged_dht[p.rank].as_ref().expect("merged")[h].clone()
         } else if p.seg.end == seq_bounds(plan, p.seg.seq).1 {
@@ -609,18 +716,32 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         } else {
             zero.clone()
         };
-        local.backward(&p.seg, h, h0.view(), dht.view())
+        // Fault 4 leaves the forward intact and recomputes the backward from zeros.
+        if opt.faults.drop_merged_state_in_backward && p.first && rm.continues() {
+            let f = with_outputs.then(|| local.forward(&p.seg, h, h0.view()));
+            let (g, d) = local.backward(&p.seg, h, zero.view(), dht.view());
+            (f, g, d)
+        } else if with_outputs {
+            let (f, g, d) = local.forward_backward(&p.seg, h, h0.view(), dht.view());
+            (Some(f), g, d)
+        } else {
+            let (g, d) = local.backward(&p.seg, h, h0.view(), dht.view());
+            (None, g, d)
+        }
     });
     let mut grads = Vec::with_capacity(runs.len());
     let mut dh0 = vec![];
-    for (i, (g, d)) in runs.into_iter().enumerate() {
+    let mut fwd_runs = Vec::with_capacity(if with_outputs { runs.len() } else { 0 });
+    for (i, (f, g, d)) in runs.into_iter().enumerate() {
+        fwd_runs.extend(f);
         let (p, h) = (&ps[i / heads], i % heads);
         if p.seg.start == seq_bounds(plan, p.seg.seq).0 {
             dh0.push((p.seg.seq, h, d));
         }
         grads.push((p.seg, h, g));
     }
-    let mut diags = fwd.diags;
+    let outputs = with_outputs.then(|| piece_outputs(plan, &ps, heads, fwd_runs));
+    let mut diags = fwd_diags;
     for (r, d) in diags.iter_mut().enumerate() {
         let rm = &plan.ranks[r];
         if rm.continues() {
@@ -642,7 +763,12 @@ fn run_backward<T: Scalar, E: Engine<T>>(
                 .collect()
         });
     }
-    CpBackward { grads, dh0, diags }
+    CpBackward {
+        outputs,
+        grads,
+        dh0,
+        diags,
+    }
 }
 
 /// The non-CP gradient of the state at the end of `rm`'s last piece: the

@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
+use crate::tri;
 use crate::varlen::{par_pairs, Segment};
 
 /// The chunked engine.
@@ -106,6 +107,13 @@ pub struct Intra<T> {
     /// `w = P (exp(Γx) ⊙ A)`, `[c, K]`; `u = P (Aak V)`, `[c, V]`.
     pub w: Array2<T>,
     pub u: Array2<T>,
+    /// `exp(Γ)`, `exp(Γx)` and `exp(Γ_last − Γ)`, `[c, K]` each (kept for
+    /// the state pass and the backward).
+    pub exp_g: Array2<T>,
+    pub exp_gx: Array2<T>,
+    pub exp_to_last: Array2<T>,
+    /// [`factors`] of Γ and Γx, kept for the backward.
+    factors: Option<Factors<T>>,
 }
 
 impl<T: Scalar> Intra<T> {
@@ -121,17 +129,9 @@ impl<T: Scalar> Intra<T> {
         self.g_cumsum.row(self.len() - 1).mapv(|v| v.exp())
     }
 
-    /// `exp(Γ_last − Γ)`, `[c, K]`.
-    fn decay_to_last(&self) -> Array2<T> {
-        let last = self.g_cumsum.row(self.len() - 1);
-        Array2::from_shape_fn(self.g_cumsum.raw_dim(), |(r, d)| {
-            (last[d] - self.g_cumsum[[r, d]]).exp()
-        })
-    }
-
     /// `M_chunk = Diag(exp Γ_last) + (B ⊙ exp(Γ_last − Γ))ᵀ w`, `[K, K]`.
     pub fn transition(&self, b: ArrayView2<T>) -> Array2<T> {
-        let mut m = (&b * &self.decay_to_last()).t().dot(&self.w);
+        let mut m = (&b * &self.exp_to_last).t().dot(&self.w);
         for (d, e) in self.decay_last().iter().enumerate() {
             m[[d, d]] += *e;
         }
@@ -168,6 +168,12 @@ struct ChunkGrads<T> {
     dv: Array2<T>,
 }
 
+/// `exp(Γ_last − Γ)` for Γ `[c, K]`, `[c, K]` (at most 1: no overflow).
+fn exp_to_last<T: Scalar>(g: &Array2<T>) -> Array2<T> {
+    let last = g.row(g.nrows() - 1);
+    Array2::from_shape_fn(g.raw_dim(), |(r, d)| (last[d] - g[[r, d]]).exp())
+}
+
 /// Rows of `x` for one chunk.
 fn rows<T: Scalar>(x: &Array2<T>, start: usize, c: usize) -> ArrayView2<'_, T> {
     x.slice(s![start..start + c, ..])
@@ -182,6 +188,7 @@ fn mask<T: Scalar>(a: &mut Array2<T>, keep: impl Fn(usize, usize) -> bool) {
 }
 
 /// `exp(Γ − Γ_m)`, `exp(Γx − Γ_m)`, `exp(Γ_m − Γ)` through the chunk's middle row.
+#[derive(Clone, Debug)]
 struct Factors<T> {
     ep: Array2<T>,
     exp_: Array2<T>,
@@ -246,15 +253,19 @@ impl Chunk {
         let mut g = rows(&x.gk, start, c).to_owned();
         self.policy.cumsum_rows(&mut g);
         let gx = &g - &rows(&x.gk, start, c);
-        let (aqk, aqb, aab, aak) = match factors(&g, &gx) {
+        let factors = factors(&g, &gx);
+        let (aqk, aqb, aab, aak) = match &factors {
             Some(f) => {
                 // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
                 let (qa, ax, kb, bb) = (&q * &f.ep, &a * &f.exp_, &k * &f.em, &b * &f.em);
+                // Only the lower triangles are used.
+                let lower =
+                    |x: &Array2<T>, y: &Array2<T>| tri::dot_t_lower(x.view(), y.view(), false);
                 let mut blocks = [
-                    qa.dot(&kb.t()),
-                    qa.dot(&bb.t()),
-                    ax.dot(&bb.t()),
-                    ax.dot(&kb.t()),
+                    lower(&qa, &kb),
+                    lower(&qa, &bb),
+                    lower(&ax, &bb),
+                    lower(&ax, &kb),
                 ];
                 for (i, blk) in blocks.iter_mut().enumerate() {
                     mask(blk, |r, c| if i < 2 { c <= r } else { c < r });
@@ -273,12 +284,15 @@ impl Chunk {
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        let ax = self.as_stored(Stage::Gated, &a * &gx.mapv(|v| v.exp()));
-        let w = self.as_stored(Stage::W, p.dot(&ax));
-        let u = self.as_stored(Stage::U, p.dot(&aak.dot(&v)));
+        let exp_gx = gx.mapv(|v| v.exp());
+        let ax = self.as_stored(Stage::Gated, &a * &exp_gx);
+        let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
+        let u = self.as_stored(
+            Stage::U,
+            tri::lower_dot(p.view(), tri::lower_dot(aak.view(), v).view()),
+        );
         Intra {
             start,
-            g_cumsum: g,
             gx_cumsum: gx,
             aqk,
             aqb,
@@ -287,6 +301,11 @@ impl Chunk {
             p,
             w,
             u,
+            exp_g: g.mapv(|v| v.exp()),
+            exp_gx,
+            exp_to_last: exp_to_last(&g),
+            factors,
+            g_cumsum: g,
         }
     }
 
@@ -331,15 +350,18 @@ impl Chunk {
             let hn = self.as_stored(Stage::H, state.clone());
             let v2n = self.as_stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
             if read_out {
-                let qg = self.gated(&rows(&x.q, ch.start, c), &ch.g_cumsum.mapv(|g| g.exp()));
-                o.slice_mut(r)
-                    .assign(&(ch.aqk.dot(&v) + ch.aqb.dot(&v2n) + qg.dot(&hn)));
+                let qg = self.gated(&rows(&x.q, ch.start, c), &ch.exp_g);
+                o.slice_mut(r).assign(
+                    &(tri::lower_dot(ch.aqk.view(), v)
+                        + tri::lower_dot(ch.aqb.view(), v2n.view())
+                        + qg.dot(&hn)),
+                );
             }
-            let dl = ch.decay_to_last();
+            let dl = &ch.exp_to_last;
             h.index_axis_mut(Axis(0), n).assign(&hn);
             state = &state * &ch.decay_last().insert_axis(Axis(1))
-                + self.gated(&rows(&x.k, ch.start, c), &dl).t().dot(&v)
-                + self.gated(&rows(&x.b, ch.start, c), &dl).t().dot(&v2n);
+                + self.gated(&rows(&x.k, ch.start, c), dl).t().dot(&v)
+                + self.gated(&rows(&x.b, ch.start, c), dl).t().dot(&v2n);
             v2.slice_mut(r).assign(&v2n);
         }
         ChunkForward {
@@ -359,7 +381,17 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_pass(x, h0, false);
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht)
+    }
+
+    /// The backward pass given the forward's intermediates `fwd`.
+    fn backward_from<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        fwd: &ChunkForward<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let z = || Array2::zeros((l, kd));
         let mut gr = DplrHeadGrads {
@@ -394,7 +426,7 @@ impl Chunk {
                 let ch = &fwd.intra[n];
                 let ds = dh.index_axis(Axis(0), n);
                 let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
-                self.chunk_backward(x, ch, &fwd, n, d_o, ds, dv2n)
+                self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
             })
             .collect();
         let mut da_blocks = Vec::with_capacity(nt);
@@ -434,11 +466,11 @@ impl Chunk {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
-        let qg = self.gated(&q, &ch.g_cumsum.mapv(|g| g.exp()));
+        let qg = self.gated(&q, &ch.exp_g);
         let mut ds_prev = qg.t().dot(&dout) + ds * &ch.decay_last().insert_axis(Axis(1));
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
-        let mut dv2 = ch.aqb.t().dot(&dout);
-        dv2 += &self.gated(&b, &ch.decay_to_last()).dot(ds_used);
+        let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
+        dv2 += &self.gated(&b, &ch.exp_to_last).dot(ds_used);
         let dv2 = self.as_stored(Stage::Dv, dv2);
         ds_prev += &ch.w.t().dot(&dv2);
         (dv2, ds_prev)
@@ -470,22 +502,20 @@ impl Chunk {
         let h = fwd.h.index_axis(Axis(0), n);
         let v2 = fwd.v2.slice(r);
         let dout = d_o.slice(r);
-        let eg = ch.g_cumsum.mapv(|g| g.exp());
-        let egx = ch.gx_cumsum.mapv(|g| g.exp());
-        let dl = ch.decay_to_last();
+        let (eg, egx, dl) = (&ch.exp_g, &ch.exp_gx, &ch.exp_to_last);
         let decay_last = ch.decay_last();
         // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h.
-        let qg = self.gated(&q, &eg);
+        let qg = self.gated(&q, eg);
         // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
         let dqg = self.as_stored(Stage::BwdOperands, dout.dot(&h.t()));
-        let mut daqk = dout.dot(&v.t());
-        let mut daqb = dout.dot(&v2.t());
+        let mut daqk = tri::dot_t_lower(dout, v, false);
+        let mut daqb = tri::dot_t_lower(dout, v2, false);
         mask(&mut daqk, |i, j| j <= i);
         mask(&mut daqb, |i, j| j <= i);
-        let mut dv = ch.aqk.t().dot(&dout);
+        let mut dv = tri::lower_t_dot(ch.aqk.view(), dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
-        let (kgl, bgl) = (self.gated(&k, &dl), self.gated(&b, &dl));
+        let (kgl, bgl) = (self.gated(&k, dl), self.gated(&b, dl));
         let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
         let dkgl = self.as_stored(Stage::BwdOperands, v.dot(&ds.t()));
         let dbgl = self.as_stored(Stage::BwdOperands, v2.dot(&ds.t()));
@@ -493,23 +523,29 @@ impl Chunk {
         // v2 = u + w h.
         let dw = self.as_stored(Stage::BwdOperands, dv2.dot(&h.t()));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
-        let zv = ch.aak.dot(&v);
-        let ax = self.gated(&a, &egx);
-        let dp = dv2.dot(&zv.t()) + dw.dot(&ax.t());
-        let dz = ch.p.t().dot(&dv2);
-        let mut daak = dz.dot(&v.t());
+        let zv = tri::lower_dot(ch.aak.view(), v);
+        let ax = self.gated(&a, egx);
+        // Only dP's strict lower triangle reaches dAab (P is unit lower triangular).
+        let dp =
+            tri::dot_t_lower(dv2, zv.view(), false) + tri::dot_t_lower(dw.view(), ax.view(), false);
+        let dz = tri::lower_t_dot(ch.p.view(), dv2);
+        let mut daak = tri::dot_t_lower(dz.view(), v, false);
         mask(&mut daak, |i, j| j < i);
-        dv += &ch.aak.t().dot(&dz);
-        let dax = self.as_stored(Stage::BwdOperands, ch.p.t().dot(&dw));
-        let mut daab = ch.p.t().dot(&dp).dot(&ch.p.t());
+        dv += &tri::lower_t_dot(ch.aak.view(), dz.view());
+        let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));
+        let mut daab = tri::dot_t_lower(
+            tri::lower_t_dot(ch.p.view(), dp.view()).view(),
+            ch.p.view(),
+            true,
+        );
         mask(&mut daab, |i, j| j < i);
-        let mut da = &dax * &egx;
+        let mut da = &dax * egx;
         let mut dgx = &dax * &ax;
         // qg, kgl, bgl.
-        let mut dq = &dqg * &eg;
+        let mut dq = &dqg * eg;
         let mut dgamma = &dqg * &qg;
-        let mut dk = &dkgl * &dl;
-        let mut db = &dbgl * &dl;
+        let mut dk = &dkgl * dl;
+        let mut db = &dbgl * dl;
         for t in [&dkgl * &kgl, &dbgl * &bgl] {
             dgamma -= &t;
             dgamma_last += &t.sum_axis(Axis(0));
@@ -547,13 +583,17 @@ impl Chunk {
         dgx: &mut Array2<T>,
     ) {
         let (g, gx) = (&ch.g_cumsum, &ch.gx_cumsum);
-        if let Some(f) = factors(g, gx) {
+        if let Some(f) = &ch.factors {
             // Γ_m cancels in every product, so it is held constant.
             let (qa, ax, kb, bb) = (q * &f.ep, a * &f.exp_, k * &f.em, b * &f.em);
-            let dqa = daqk.dot(&kb) + daqb.dot(&bb);
-            let dax = daab.dot(&bb) + daak.dot(&kb);
-            let dkb = daqk.t().dot(&qa) + daak.t().dot(&ax);
-            let dbb = daqb.t().dot(&qa) + daab.t().dot(&ax);
+            let (l, lt) = (
+                |x: &Array2<T>, y: &Array2<T>| tri::lower_dot(x.view(), y.view()),
+                |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
+            );
+            let dqa = l(daqk, &kb) + l(daqb, &bb);
+            let dax = l(daab, &bb) + l(daak, &kb);
+            let dkb = lt(daqk, &qa) + lt(daak, &ax);
+            let dbb = lt(daqb, &qa) + lt(daab, &ax);
             *dq += &(&dqa * &f.ep);
             *da += &(&dax * &f.exp_);
             *dk += &(&dkb * &f.em);
@@ -608,6 +648,19 @@ impl<T: Scalar> Engine<T> for Chunk {
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
         self.backward_intermediates(x, h0, d_o, dht).grads
+    }
+
+    /// One forward pass (with its readout) serves the backward too.
+    fn forward_backward(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
+        let fwd = self.forward_pass(x, h0, true);
+        let grads = self.backward_from(x, &fwd, d_o, dht).grads;
+        ((fwd.o, fwd.final_state), grads)
     }
 
     /// `M = Π M_chunk`, later chunks on the left.

@@ -366,6 +366,16 @@ impl<T: Scalar, E: Engine<T, Op = Kda>> Engine<T> for OnKda<E> {
         self.0.backward(x, h0, d_o, dht)
     }
 
+    fn forward_backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
+        self.0.forward_backward(x, h0, d_o, dht)
+    }
+
     fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
         self.0.transition(x)
     }

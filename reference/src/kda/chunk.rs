@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
+use crate::tri;
 use crate::varlen::{par_pairs, Segment};
 
 /// The chunked engine.
@@ -113,6 +114,12 @@ pub struct Intra<T> {
     pub qg: Array2<T>,
     /// `K ⊙ exp(Γ_last − Γ)`, `[c, K]`.
     pub kg: Array2<T>,
+    /// `exp(Γ)` and `exp(Γ_last − Γ)`, `[c, K]` each, unrounded (kept for
+    /// the backward).
+    pub exp_g: Array2<T>,
+    pub exp_to_last: Array2<T>,
+    /// [`Chunk::factors`] of Γ, kept for the backward.
+    pub factors: Option<(Array2<T>, Array2<T>)>,
 }
 
 impl<T: Scalar> Intra<T> {
@@ -162,7 +169,8 @@ pub struct ChunkBackward<T> {
     pub dv_new: Array2<T>,
     /// Per chunk, `[c, c]`.
     pub daqk: Vec<Array2<T>>,
-    /// Per chunk, gradient of `Akk`, `[c, c]`.
+    /// Per chunk, gradient of `Akk`, `[c, c]`: its lower triangle (with the
+    /// diagonal), zeros above, where `Akk` has no entries.
     pub dakk: Vec<Array2<T>>,
     pub grads: KdaHeadGrads<T>,
 }
@@ -240,13 +248,15 @@ impl Chunk {
         let beta = x.beta.slice(s![start..start + c]);
         let mut g_cumsum = x.g.slice(rows).to_owned();
         self.policy.cumsum_rows(&mut g_cumsum);
-        let (mut aqk, mut p) = match self.factors(&g_cumsum) {
+        let factors = self.factors(&g_cumsum);
+        let (mut aqk, mut p) = match &factors {
             Some((ep, em)) => {
-                // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix products.
-                let km = &k * &em;
+                // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix
+                // products, of which only the lower triangles are used.
+                let km = &k * em;
                 (
-                    q.to_owned().mul(&ep).dot(&km.t()),
-                    k.to_owned().mul(&ep).dot(&km.t()),
+                    tri::dot_t_lower(q.to_owned().mul(ep).view(), km.view(), false),
+                    tri::dot_t_lower(k.to_owned().mul(ep).view(), km.view(), false),
                 )
             }
             None => self.pair_products(&g_cumsum, q, k),
@@ -271,14 +281,21 @@ impl Chunk {
                 let mut vb = &v * &bcol;
                 self.policy.round(Stage::W, &mut kb);
                 self.policy.round(Stage::U, &mut vb);
-                (n_inv.dot(&kb), n_inv.dot(&vb))
+                (
+                    tri::lower_dot(n_inv.view(), kb.view()),
+                    tri::lower_dot(n_inv.view(), vb.view()),
+                )
             } else {
-                (akk.dot(&(&eg * &k)), akk.dot(&v))
+                (
+                    tri::lower_dot(akk.view(), (&eg * &k).view()),
+                    tri::lower_dot(akk.view(), v),
+                )
             };
         self.policy.round(Stage::W, &mut w);
         self.policy.round(Stage::U, &mut u);
         let mut qg = &q * &eg;
-        let mut kg = &k * &self.decay_to_last(&g_cumsum);
+        let exp_to_last = self.decay_to_last(&g_cumsum);
+        let mut kg = &k * &exp_to_last;
         self.policy.round(Stage::Gated, &mut qg);
         self.policy.round(Stage::Gated, &mut kg);
         Intra {
@@ -292,6 +309,9 @@ impl Chunk {
             u,
             qg,
             kg,
+            exp_g: eg,
+            exp_to_last,
+            factors,
         }
     }
 
@@ -338,7 +358,7 @@ impl Chunk {
             self.policy.round(Stage::VNew, &mut vn);
             if read_out {
                 o.slice_mut(rows)
-                    .assign(&(ch.qg.dot(&hn) + ch.aqk.dot(&vn)));
+                    .assign(&(ch.qg.dot(&hn) + tri::lower_dot(ch.aqk.view(), vn.view())));
             }
             state = &state * &ch.decay_last().insert_axis(Axis(1)) + ch.kg.t().dot(&vn);
             v_new.slice_mut(rows).assign(&vn);
@@ -361,7 +381,17 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let fwd = self.forward_pass(x, h0, false);
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht)
+    }
+
+    /// The backward pass given the forward's intermediates `fwd`.
+    fn backward_from<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        fwd: &ChunkForward<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let mut gr = KdaHeadGrads {
             dq: Array2::zeros((l, kd)),
@@ -392,7 +422,7 @@ impl Chunk {
         // in parallel, written back in chunk order.
         let steps: Vec<ChunkStep<T>> = (0..nt)
             .into_par_iter()
-            .map(|n| self.chunk_backward(x, &fwd.intra[n], &fwd, n, d_o, dh.view(), dv_new.view()))
+            .map(|n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view()))
             .collect();
         let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
         for (ch, step) in fwd.intra.iter().zip(steps) {
@@ -430,7 +460,7 @@ impl Chunk {
         debug_assert_eq!(vn.nrows(), ch.len());
         // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
         // FLA stores `Aqkᵀ do` (chunk_kda_bwd_dAv) before the state pass adds `kg dh`.
-        let mut dvn = self.operand(ch.aqk.t().dot(&dout)) + ch.kg.dot(ds);
+        let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout)) + ch.kg.dot(ds);
         self.policy.round(Stage::Dv, &mut dvn);
         let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
         (dvn, ds_local)
@@ -460,12 +490,8 @@ impl Chunk {
         let decay_last = ch.decay_last();
         // Output: O = qg h + Aqk v_new.
         let dqg = dout.dot(&h.t());
-        let mut daqk = dout.dot(&vn.t());
-        daqk.indexed_iter_mut().for_each(|((r, s), v)| {
-            if s > r {
-                *v = T::zero()
-            }
-        });
+        let mut daqk = tri::dot_t_lower(dout, vn, false);
+        mask_lower(&mut daqk, true);
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
         // FLA sums the bf16 products `b_h * b_dh` (both operands bf16).
@@ -474,19 +500,27 @@ impl Chunk {
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
-        let eg = ch.g_cumsum.mapv(|v| self.policy.exp(v));
-        let kd_ = self.operand(&eg * &k);
-        let dakk = dw.dot(&kd_.t()) + du.dot(&x.v.slice(rows).t());
-        let dkd = ch.akk.t().dot(&dw);
-        let mut dk = &dkd * &eg;
+        let eg = &ch.exp_g;
+        let kd_ = self.operand(eg * &k);
+        // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
+        let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false)
+            + tri::dot_t_lower(du.view(), x.v.slice(rows), false);
+        mask_lower(&mut dakk, true);
+        let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
+        let mut dk = &dkd * eg;
         let mut dgamma = &dkd * &kd_;
-        let dv = ch.akk.t().dot(du);
+        let dv = tri::lower_t_dot(ch.akk.view(), du.view());
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
         let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
         let dn = self.operand(&dakk * &beta.insert_axis(Axis(0)));
         // FLA casts the masked product to the operand dtype between the two
         // multiplications by the stored inverse.
-        let mut dlow = -self.operand(ch.n_inv.t().dot(&dn)).dot(&ch.n_inv.t());
+        let mut dlow = -tri::dot_t_lower(
+            self.operand(tri::lower_t_dot(ch.n_inv.view(), dn.view()))
+                .view(),
+            ch.n_inv.view(),
+            true,
+        );
         dlow.indexed_iter_mut().for_each(|((r, s), v)| {
             if s >= r {
                 *v = T::zero()
@@ -496,9 +530,9 @@ impl Chunk {
         let dp = &dlow * &beta.insert_axis(Axis(1));
         // qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ).
         let q = x.q.slice(rows);
-        let mut dq = &dqg * &eg;
+        let mut dq = &dqg * eg;
         dgamma += &(&dqg * &ch.qg);
-        dk += &(&dkg * &self.decay_to_last(&ch.g_cumsum));
+        dk += &(&dkg * &ch.exp_to_last);
         let dkg_kg = &dkg * &ch.kg;
         dgamma -= &dkg_kg;
         dgamma_last += &dkg_kg.sum_axis(Axis(0));
@@ -537,14 +571,18 @@ impl Chunk {
         if let Some(st) = self.policy.storage(Stage::IntraDots) {
             return self.intra_backward_subchunks(st, ch, q, k, daqk, dp, dq, dk, dgamma);
         }
-        if let Some((ep, em)) = self.factors(&ch.g_cumsum) {
+        if let Some((ep, em)) = &ch.factors {
             // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
             // Γ_m cancels in every product, so it is held constant.
-            let (a, b, cc) = (q.to_owned() * &ep, k.to_owned() * &em, k.to_owned() * &ep);
-            let (da, dc) = (daqk.dot(&b), dp.dot(&b));
-            let db = daqk.t().dot(&a) + dp.t().dot(&cc);
-            *dq += &(&da * &ep);
-            *dk += &(&dc * &ep + &db * &em);
+            let (a, b, cc) = (q.to_owned() * ep, k.to_owned() * em, k.to_owned() * ep);
+            let (da, dc) = (
+                tri::lower_dot(daqk.view(), b.view()),
+                tri::lower_dot(dp.view(), b.view()),
+            );
+            let db =
+                tri::lower_t_dot(daqk.view(), a.view()) + tri::lower_t_dot(dp.view(), cc.view());
+            *dq += &(&da * ep);
+            *dk += &(&dc * ep + &db * em);
             *dgamma += &(&da * &a + &dc * &cc - &db * &b);
             return;
         }
@@ -672,6 +710,19 @@ impl<T: Scalar> Engine<T> for Chunk {
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
         self.backward_intermediates(x, h0, d_o, dht).grads
+    }
+
+    /// One forward pass (with its readout) serves the backward too.
+    fn forward_backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
+        let fwd = self.forward_pass(x, h0, true);
+        let grads = self.backward_from(x, &fwd, d_o, dht).grads;
+        ((fwd.o, fwd.final_state), grads)
     }
 
     /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in

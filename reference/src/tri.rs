@@ -1,0 +1,159 @@
+//! Matrix products of the chunked engines where a `[C, C]` factor is
+//! lower triangular or only the lower triangle of the result is used,
+//! done in blocks of [`BLOCK`] rows so that the blocks of zeros (or of
+//! unwanted results) are never multiplied: about `(C + BLOCK) / (2C)` of
+//! the full product's work ([`fraction`]).
+//!
+//! Each element is the same sum, in the same order, as in the full
+//! product, less terms `0·y` on the zero side of the triangle (always at
+//! the start or the end of the sum); with finite values `x + 0·y` is `x`
+//! and `0 + x` is `x`, so the results have the full product's bits.
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{s, Array2, ArrayView2};
+
+use crate::scalar::Scalar;
+
+/// Rows per block. 16 is FLA's sub-chunk and keeps the blocks large enough
+/// for the matrix-product kernel (4 blocks at C = 64).
+pub const BLOCK: usize = 16;
+
+/// Work of a blocked triangular product relative to the full product, for
+/// `c` rows: `(nb + 1) / (2 nb)` with `nb = ⌈c / BLOCK⌉` blocks.
+pub fn fraction(c: usize) -> f64 {
+    let nb = c.div_ceil(BLOCK) as f64;
+    (nb + 1.0) / (2.0 * nb)
+}
+
+/// Work of [`dot_t_lower`] with `b_lower` relative to the full product:
+/// `Σ i² / nb³` over the blocks `i = 1..=nb`, `(nb+1)(2nb+1) / (6nb²)`.
+pub fn fraction_both(c: usize) -> f64 {
+    let nb = c.div_ceil(BLOCK) as f64;
+    (nb + 1.0) * (2.0 * nb + 1.0) / (6.0 * nb * nb)
+}
+
+/// Row blocks `(r0, r1)` of `c` rows.
+fn blocks(c: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..c)
+        .step_by(BLOCK)
+        .map(move |r0| (r0, (r0 + BLOCK).min(c)))
+}
+
+/// `a b` for a lower triangular `a [C, C]` (zeros above the diagonal) and
+/// `b [C, N]`: row block `r0..r1` reads `a`'s columns `..r1` only.
+/// Returns `[C, N]`.
+pub fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
+    let mut out = Array2::zeros((a.nrows(), b.ncols()));
+    for (r0, r1) in blocks(a.nrows()) {
+        general_mat_mul(
+            T::one(),
+            &a.slice(s![r0..r1, ..r1]),
+            &b.slice(s![..r1, ..]),
+            T::zero(),
+            &mut out.slice_mut(s![r0..r1, ..]),
+        );
+    }
+    out
+}
+
+/// `aᵀ b` for a lower triangular `a [C, C]` and `b [C, N]`: row block
+/// `r0..r1` of the result reads rows `r0..` of `a` and `b` only.
+/// Returns `[C, N]`.
+pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
+    let mut out = Array2::zeros((a.ncols(), b.ncols()));
+    for (r0, r1) in blocks(a.ncols()) {
+        general_mat_mul(
+            T::one(),
+            &a.slice(s![r0.., r0..r1]).t(),
+            &b.slice(s![r0.., ..]),
+            T::zero(),
+            &mut out.slice_mut(s![r0..r1, ..]),
+        );
+    }
+    out
+}
+
+/// The blocks on and below the diagonal of `a bᵀ` (`a [C, N]`, `b [C, N]`);
+/// the blocks above stay zero and the diagonal blocks are whole (the caller
+/// masks what it does not use). With `b_lower` (`b [C, C]` lower triangular)
+/// the sums stop at the block's end. Returns `[C, C]`.
+pub fn dot_t_lower<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, b_lower: bool) -> Array2<T> {
+    let c = a.nrows();
+    let mut out = Array2::zeros((c, b.nrows()));
+    for (r0, r1) in blocks(c) {
+        let inner = if b_lower { r1 } else { a.ncols() };
+        general_mat_mul(
+            T::one(),
+            &a.slice(s![r0..r1, ..inner]),
+            &b.slice(s![..r1, ..inner]).t(),
+            T::zero(),
+            &mut out.slice_mut(s![r0..r1, ..r1]),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Stream;
+
+    /// `[r, c]` of normal draws (stream `name`), lower triangular (with the
+    /// diagonal) when `lower`.
+    fn draw(name: &str, r: usize, c: usize, lower: bool) -> Array2<f64> {
+        let x = Array2::from_shape_vec((r, c), Stream::new(11, name).normals(r * c)).unwrap();
+        if lower {
+            lower_part(x)
+        } else {
+            x
+        }
+    }
+
+    fn lower_part(mut a: Array2<f64>) -> Array2<f64> {
+        a.indexed_iter_mut().for_each(|((i, j), v)| {
+            if j > i {
+                *v = 0.0
+            }
+        });
+        a
+    }
+
+    fn same_bits(a: &Array2<f64>, b: &Array2<f64>) -> bool {
+        a.shape() == b.shape() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    #[test]
+    fn blocked_products_have_the_full_products_bits() {
+        for (c, n) in [(16, 8), (32, 64), (64, 48), (40, 24), (7, 5)] {
+            let l = draw("l", c, c, true);
+            let b = draw("b", c, n, false);
+            let a = draw("a", c, n, false);
+            assert!(
+                same_bits(&lower_dot(l.view(), b.view()), &l.dot(&b)),
+                "{c} {n}"
+            );
+            assert!(same_bits(&lower_t_dot(l.view(), b.view()), &l.t().dot(&b)));
+            let full = lower_part(a.dot(&b.t()));
+            assert!(same_bits(
+                &lower_part(dot_t_lower(a.view(), b.view(), false)),
+                &full
+            ));
+            let x = draw("x", c, c, false);
+            let full = lower_part(x.dot(&l.t()));
+            assert!(same_bits(
+                &lower_part(dot_t_lower(x.view(), l.view(), true)),
+                &full
+            ));
+        }
+    }
+
+    #[test]
+    fn the_fraction_counts_the_blocks() {
+        assert_eq!(fraction(16), 1.0);
+        assert_eq!(fraction(32), 0.75);
+        assert_eq!(fraction(64), 0.625);
+        assert_eq!(fraction_both(16), 1.0);
+        assert_eq!(fraction_both(32), 0.625);
+        assert_eq!(fraction_both(64), 0.46875);
+    }
+}

@@ -1,0 +1,111 @@
+//! One forward+backward run ([`op::forward_backward`], [`cp::forward_backward`])
+//! gives the same bits as the separate forward and backward runs, for every
+//! engine (the chunked ones keep their forward's intermediates instead of
+//! recomputing them).
+
+use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::{self, CpOptions};
+use deltaref::dplr::{self, DplrOptions};
+use deltaref::gates::Gate;
+use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
+use deltaref::kda::{self, KdaOptions};
+use deltaref::op::{self, Engine, OpSpec, Operator};
+use ndarray::ArrayD;
+
+/// Panics unless both lists hold the same tensors, bit for bit.
+fn assert_same_bits(what: &str, a: &[(&str, &ArrayD<f64>)], b: &[(&str, &ArrayD<f64>)]) {
+    assert_eq!(
+        a.iter().map(|t| t.0).collect::<Vec<_>>(),
+        b.iter().map(|t| t.0).collect::<Vec<_>>(),
+        "{what}: tensor names"
+    );
+    for ((name, x), (_, y)) in a.iter().zip(b) {
+        assert_eq!(x.shape(), y.shape(), "{what}: {name} shape");
+        let differ = x
+            .iter()
+            .zip(y.iter())
+            .filter(|(p, q)| p.to_bits() != q.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{what}: {name} differs in {differ} elements");
+    }
+}
+
+/// `op::forward_backward` against `op::forward` then `op::backward`, and
+/// the CP forms over three unequal ranks against `cp::forward` then
+/// `cp::backward`.
+fn check<E: Engine<f64>>(
+    what: &str,
+    engine: &E,
+    x: &<E::Op as Operator<f64>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<f64>,
+    dht: &ArrayD<f64>,
+) {
+    let out = op::forward(engine, x, opt).expect("valid");
+    let gr = op::backward(engine, x, opt, d_o, Some(dht)).expect("valid");
+    let (out1, gr1) = op::forward_backward(engine, x, opt, d_o, Some(dht)).expect("valid");
+    assert_same_bits(
+        what,
+        &op::named::<f64, E::Op>(&out, Some(&gr)),
+        &op::named::<f64, E::Op>(&out1, Some(&gr1)),
+    );
+    let (plan, cpo) = (PlanSpec::Cuts(vec![70, 200]), CpOptions::default());
+    let (out, _) = cp::forward(engine, x, opt, &plan, &cpo).expect("valid");
+    let (gr, _) = cp::backward(engine, x, opt, d_o, Some(dht), &plan, &cpo).expect("valid");
+    let (out1, gr1, _) =
+        cp::forward_backward(engine, x, opt, d_o, Some(dht), &plan, &cpo).expect("valid");
+    assert_same_bits(
+        &format!("{what} under CP"),
+        &op::named::<f64, E::Op>(&out, Some(&gr)),
+        &op::named::<f64, E::Op>(&out1, Some(&gr1)),
+    );
+}
+
+#[test]
+fn kda_forward_backward_has_the_separate_runs_bits() {
+    let opts = KdaOptions {
+        output_final_state: true,
+        use_qk_l2norm_in_kernel: true,
+        gate: Gate::LowerBound { lower_bound: -5.0 },
+        ..Default::default()
+    };
+    let g = inputs::kda(&KdaSpec {
+        layout: Layout::varlen(&[150, 106]),
+        h: 2,
+        hv: 2,
+        k: 32,
+        v: 16,
+        opts,
+        initial_state: true,
+        scalar_gate: false,
+        seed: 5,
+    });
+    let (x, d_o, dht) = (&g.inputs, &g.d_o, &g.dht);
+    check("kda naive", &kda::naive::Naive, x, &opts, d_o, dht);
+    for c in [16, 32, 64] {
+        let chunk = kda::chunk::Chunk::new(c).expect("valid");
+        check(&format!("kda chunk C={c}"), &chunk, x, &opts, d_o, dht);
+    }
+}
+
+#[test]
+fn dplr_forward_backward_has_the_separate_runs_bits() {
+    let opts = DplrOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    let g = inputs::dplr(&DplrSpec {
+        layout: Layout::varlen(&[150, 106]),
+        h: 2,
+        k: 32,
+        v: 16,
+        initial_state: true,
+        seed: 6,
+    });
+    let (x, d_o, dht) = (&g.inputs, &g.d_o, &g.dht);
+    check("dplr naive", &dplr::naive::Naive, x, &opts, d_o, dht);
+    for c in [16, 32, 64] {
+        let chunk = dplr::chunk::Chunk::new(c).expect("valid");
+        check(&format!("dplr chunk C={c}"), &chunk, x, &opts, d_o, dht);
+    }
+}
