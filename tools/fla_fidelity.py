@@ -69,6 +69,13 @@ CASES = [
 ]
 
 
+def fla_chunk_size(gen):
+    """The --chunk-size of FLA's kernel for a case: `chunk_dplr_delta_rule`
+    defaults to 16 (64 only with a safe lower bound); KDA's is the oracle's
+    default, 64."""
+    return ["--chunk-size", "16"] if gen[gen.index("--op") + 1] == "dplr" else []
+
+
 def say(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -103,7 +110,7 @@ def one_case(a, name, gen):
     res = {"name": name, "gen": gen, "fla": report(a.bin, case, "--candidate", cand), "emulated": {}}
     for preset in a.presets.split(","):
         t0 = time.time()
-        res["emulated"][preset] = report(a.bin, case, "--impl", "chunk", "--precision", preset)
+        res["emulated"][preset] = report(a.bin, case, "--impl", "chunk", *fla_chunk_size(gen), "--precision", preset)
         seconds[f"emulated {preset}"] = time.time() - t0
     res["seconds"] = seconds
     for path in (case, cand):

@@ -73,6 +73,29 @@ impl Storage {
             _ => T::c(self.round_f64(x.f64())),
         }
     }
+
+    /// `Σ xs` as a GPU reduction accumulating in this storage: each lane
+    /// sums `per_lane` neighbouring values serially, then the lanes' partial
+    /// sums combine by butterfly (lane `i` with lane `i + n/2`, `n` halving),
+    /// every partial sum rounded. Returns 0 for no terms.
+    pub fn lane_sum<T: Scalar>(self, xs: &[T], per_lane: usize) -> T {
+        let serial = |run: &[T]| {
+            run.iter()
+                .skip(1)
+                .fold(run[0], |acc, &x| self.round(acc + x))
+        };
+        let mut parts: Vec<T> = xs.chunks(per_lane.max(1)).map(serial).collect();
+        while parts.len() > 1 {
+            let n = parts.len().div_ceil(2);
+            parts = (0..n)
+                .map(|i| match parts.get(i + n) {
+                    Some(&other) => self.round(parts[i] + other),
+                    None => parts[i],
+                })
+                .collect();
+        }
+        parts.first().copied().unwrap_or_else(T::zero)
+    }
 }
 
 /// The stages a chunked/CP kernel stores (FLA's names).
@@ -113,6 +136,12 @@ pub enum Stage {
     /// gradients `dqg`, `dkg`, `dbg`, `dw`, `dag` (`chunk_dplr_bwd_o`,
     /// `chunk_dplr_bwd_wy`).
     BwdOperands,
+    /// The sums `Σ_v h·dh` of the decay gradient: FLA's `tl.sum(b_h * b_dh,
+    /// axis=0)` reduces bf16 products in bf16 (Triton's `tl.sum` keeps a
+    /// float input's dtype) over each block of 64 values (`BV`), 8 lanes of
+    /// 8 values ([`Storage::lane_sum`]); the blocks then add into an fp32
+    /// accumulator (`chunk_kda_bwd_kernel_wy_dqkg_fused`).
+    HdhSum,
     /// The fp32 `tl.dot` operands between different 16-token sub-chunks of
     /// the intra-chunk backward (`chunk_kda_bwd_kernel_intra`: `dAqk`,
     /// `dAkk` and the gated q/k), which Triton's default input precision
@@ -125,7 +154,7 @@ pub enum Stage {
 }
 
 impl Stage {
-    pub const ALL: [Stage; 18] = [
+    pub const ALL: [Stage; 19] = [
         Stage::Inputs,
         Stage::GCumsum,
         Stage::Akk,
@@ -142,6 +171,7 @@ impl Stage {
         Stage::Dv,
         Stage::Activations,
         Stage::BwdOperands,
+        Stage::HdhSum,
         Stage::IntraDots,
         Stage::Outputs,
     ];
@@ -164,6 +194,7 @@ impl Stage {
             Stage::Dv => "dv",
             Stage::Activations => "activations",
             Stage::BwdOperands => "bwd-operands",
+            Stage::HdhSum => "hdh-sum",
             Stage::IntraDots => "intra-dots",
             Stage::Outputs => "outputs",
         }
@@ -375,6 +406,20 @@ mod tests {
             .with(Stage::GCumsum, Storage::E5m2)
             .cumsum_rows(&mut coarse);
         assert_eq!(coarse, ndarray::arr2(&[[1.0], [1.0], [1.0]]));
+    }
+
+    #[test]
+    fn lane_sum_rounds_serially_in_a_lane_then_across_lanes() {
+        let xs = [1.0, 5.0 / 512.0, 3.0 / 256.0, 1.0 / 256.0];
+        // bf16 keeps 7 mantissa bits: each order rounds differently.
+        // One lane: ((x0 + x1) + x2) + x3.
+        assert_eq!(Storage::Bf16.lane_sum(&xs, 4), 1.015625);
+        // Two lanes of two: (x0 + x1) + (x2 + x3).
+        assert_eq!(Storage::Bf16.lane_sum(&xs, 2), 1.0234375);
+        // One value per lane, butterfly: (x0 + x2) + (x1 + x3).
+        assert_eq!(Storage::Bf16.lane_sum(&xs, 1), 1.03125);
+        assert_eq!(Storage::F64.lane_sum(&xs, 1), xs.iter().sum::<f64>());
+        assert_eq!(Storage::Bf16.lane_sum::<f64>(&[], 8), 0.0);
     }
 
     #[test]

@@ -104,6 +104,7 @@ fn fla_bf16(t: Target) -> Policy {
             (Stage::Dh, bf16),
             (Stage::Dv, bf16),
             (Stage::BwdOperands, bf16),
+            (Stage::HdhSum, bf16),
             (Stage::IntraDots, Storage::Tf32),
         ],
         Op::Dplr => &[

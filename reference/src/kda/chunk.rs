@@ -58,6 +58,7 @@ impl Chunk {
         Feature::Round(Stage::Dh),
         Feature::Round(Stage::Dv),
         Feature::Round(Stage::BwdOperands),
+        Feature::Round(Stage::HdhSum),
         Feature::Round(Stage::IntraDots),
         Feature::Exp2,
         Feature::SafeGate,
@@ -67,6 +68,34 @@ impl Chunk {
     fn operand<T: Scalar>(&self, mut a: Array2<T>) -> Array2<T> {
         self.policy.round(Stage::BwdOperands, &mut a);
         a
+    }
+
+    /// `Σ_v h[k,v]·dh[k,v]` per key dim (`h`, `dh` `[K, V]`; returns `[K]`)
+    /// as FLA's decay gradient forms it: products of the bf16 operands, and
+    /// with a [`Stage::HdhSum`] storage each block of `BV` = 64 values
+    /// reduced in it by 8 lanes of 8 values (`Storage::lane_sum`; this
+    /// order matched FLA's `dg` error best on an H100) before the blocks add
+    /// in the compute scalar. A short last block is zero-padded, as the
+    /// masked load is, which changes no sum.
+    fn decay_sums<T: Scalar>(&self, h: ArrayView2<T>, dh: ArrayView2<T>) -> Array1<T> {
+        const BV: usize = 64;
+        const PER_LANE: usize = 8;
+        let prods = self.operand(&h * &dh);
+        let Some(st) = self.policy.storage(Stage::HdhSum) else {
+            return prods.sum_axis(Axis(1));
+        };
+        prods
+            .rows()
+            .into_iter()
+            .map(|row| {
+                let row = row.to_vec();
+                row.chunks(BV).fold(T::zero(), |acc, block| {
+                    let mut padded = block.to_vec();
+                    padded.resize(BV, T::zero());
+                    acc + st.lane_sum(&padded, PER_LANE)
+                })
+            })
+            .collect()
     }
 }
 
@@ -468,8 +497,7 @@ impl Chunk {
         });
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
-        // FLA sums the bf16 products `b_h * b_dh` (both operands bf16).
-        let mut dgamma_last: Array1<T> = self.operand(&h * &ds).sum_axis(Axis(1)) * &decay_last;
+        let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * &decay_last;
         let dw = self.operand(-dvn.dot(&h.t()));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
