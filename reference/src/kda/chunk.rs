@@ -58,6 +58,8 @@ impl Chunk {
         Feature::Round(Stage::Dh),
         Feature::Round(Stage::Dv),
         Feature::Round(Stage::BwdOperands),
+        Feature::Round(Stage::KBeta),
+        Feature::Round(Stage::FwdDots),
         Feature::Round(Stage::HdhSum),
         Feature::Round(Stage::IntraDots),
         Feature::Exp2,
@@ -254,6 +256,49 @@ impl Chunk {
         (aqk, p)
     }
 
+    /// [`Chunk::pair_products`] in the structure of FLA's forward intra
+    /// kernels: a pair in different 16-token sub-chunks is a `tl.dot` of
+    /// `q_r·e^(Γ_r − Γ_n)` and `k_s·e^(Γ_n − Γ_s)` (`n` the first row of
+    /// `r`'s sub-chunk) with both operands rounded to `st`; a pair inside one
+    /// sub-chunk is element-wise fp32, or with safe_gate a `tl.dot` through
+    /// the sub-chunk's anchor (the midpoint, as [`Chunk::pair_decay`]).
+    fn pair_products_subchunks<T: Scalar>(
+        &self,
+        st: crate::precision::Storage,
+        g: &Array2<T>,
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+    ) -> (Array2<T>, Array2<T>) {
+        const BC: usize = 16;
+        let c = g.nrows();
+        let e = |x: T| self.policy.exp(x);
+        let (mut aqk, mut p) = (Array2::zeros((c, c)), Array2::zeros((c, c)));
+        for r in 0..c {
+            for s in 0..=r {
+                let same = s / BC == r / BC;
+                let anchor = match (same, self.policy.safe_gate_midpoint) {
+                    (false, _) => (r / BC) * BC,
+                    (true, true) => ((r / BC) * BC + 8).min(c - 1),
+                    (true, false) => {
+                        for d in 0..k.ncols() {
+                            let ee = self.pair_decay(g, r, s, d);
+                            aqk[[r, s]] += q[[r, d]] * k[[s, d]] * ee;
+                            p[[r, s]] += k[[r, d]] * k[[s, d]] * ee;
+                        }
+                        continue;
+                    }
+                };
+                for d in 0..k.ncols() {
+                    let row = e(g[[r, d]] - g[[anchor, d]]);
+                    let col = st.round(k[[s, d]] * e(g[[anchor, d]] - g[[s, d]]));
+                    aqk[[r, s]] += st.round(q[[r, d]] * row) * col;
+                    p[[r, s]] += st.round(k[[r, d]] * row) * col;
+                }
+            }
+        }
+        (aqk, p)
+    }
+
     /// `exp(Γ_last − Γ)`, `[c, K]` (at most 1: no overflow).
     fn decay_to_last<T: Scalar>(&self, g_cumsum: &Array2<T>) -> Array2<T> {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
@@ -269,7 +314,8 @@ impl Chunk {
         let beta = x.beta.slice(s![start..start + c]);
         let mut g_cumsum = x.g.slice(rows).to_owned();
         self.policy.cumsum_rows(&mut g_cumsum);
-        let (mut aqk, mut p) = match self.factors(&g_cumsum) {
+        let fwd_dots = self.policy.storage(Stage::FwdDots);
+        let (mut aqk, mut p) = match self.factors(&g_cumsum).filter(|_| fwd_dots.is_none()) {
             Some((ep, em)) => {
                 // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix products.
                 let km = &k * &em;
@@ -278,7 +324,10 @@ impl Chunk {
                     k.to_owned().mul(&ep).dot(&km.t()),
                 )
             }
-            None => self.pair_products(&g_cumsum, q, k),
+            None => match fwd_dots {
+                Some(st) => self.pair_products_subchunks(st, &g_cumsum, q, k),
+                None => self.pair_products(&g_cumsum, q, k),
+            },
         };
         mask_lower(&mut aqk, true);
         mask_lower(&mut p, false);
@@ -294,9 +343,12 @@ impl Chunk {
             if self.policy.storage(Stage::W).is_some() || self.policy.storage(Stage::U).is_some() {
                 // FLA (`recompute_w_u_fwd`) multiplies the stored inverse by
                 // `(β k ⊙ 2^g).to(bf16)` and `(β v).to(bf16)`: the operands are
-                // rounded like the stage they form.
+                // rounded like the stage they form, `β k` once more before
+                // the decay when β is bf16 (`Stage::KBeta`).
                 let bcol = beta.insert_axis(Axis(1));
-                let mut kb = &(&eg * &k) * &bcol;
+                let mut kb = &k * &bcol;
+                self.policy.round(Stage::KBeta, &mut kb);
+                kb *= &eg;
                 let mut vb = &v * &bcol;
                 self.policy.round(Stage::W, &mut kb);
                 self.policy.round(Stage::U, &mut vb);
