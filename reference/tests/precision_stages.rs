@@ -83,3 +83,42 @@ fn hdh_sum_is_declared_by_the_kda_chunk_engine_only() {
     // DPLR's `chunk_dplr_bwd_o` casts the products to fp32 before `tl.sum`.
     assert!(!deltaref::dplr::chunk::Chunk::FEATURES.contains(&stage));
 }
+
+/// A small KDA problem (raw keys, `kda` gate, an initial state: `w` reaches
+/// `o` through the state from the first chunk on) for the forward stages.
+fn forward_case() -> (inputs::Generated<deltaref::kda::KdaInputs<f64>>, KdaOptions) {
+    let opts = KdaOptions {
+        output_final_state: true,
+        gate: Gate::Kda,
+        ..Default::default()
+    };
+    let spec = KdaSpec {
+        layout: Layout::varlen(&[100, 40]),
+        h: 1,
+        hv: 1,
+        k: 32,
+        v: 16,
+        opts,
+        initial_state: true,
+        scalar_gate: false,
+        seed: 5,
+    };
+    (inputs::kda(&spec), opts)
+}
+
+#[test]
+fn k_beta_and_fwd_dots_each_move_the_forward_alone() {
+    let (g, opts) = forward_case();
+    let o = |p: Policy| {
+        let e = Chunk::new(64).unwrap().with_policy(p);
+        op::forward(&e, &g.inputs, &opts).unwrap().o
+    };
+    let exact = o(Policy::exact());
+    for (stage, storage) in [
+        (Stage::KBeta, Storage::Bf16),
+        (Stage::FwdDots, Storage::Tf32),
+    ] {
+        let r = norm_ratio(&exact, &o(Policy::exact().with(stage, storage)));
+        assert!(r > 1e-6 && r < 1e-2, "{}: moved o by {r:e}", stage.name());
+    }
+}

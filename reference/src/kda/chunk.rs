@@ -339,23 +339,25 @@ impl Chunk {
         let akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Aqk, &mut aqk);
         let eg = g_cumsum.mapv(|v| self.policy.exp(v));
-        let (mut w, mut u) =
-            if self.policy.storage(Stage::W).is_some() || self.policy.storage(Stage::U).is_some() {
-                // FLA (`recompute_w_u_fwd`) multiplies the stored inverse by
-                // `(β k ⊙ 2^g).to(bf16)` and `(β v).to(bf16)`: the operands are
-                // rounded like the stage they form, `β k` once more before
-                // the decay when β is bf16 (`Stage::KBeta`).
-                let bcol = beta.insert_axis(Axis(1));
-                let mut kb = &k * &bcol;
-                self.policy.round(Stage::KBeta, &mut kb);
-                kb *= &eg;
-                let mut vb = &v * &bcol;
-                self.policy.round(Stage::W, &mut kb);
-                self.policy.round(Stage::U, &mut vb);
-                (n_inv.dot(&kb), n_inv.dot(&vb))
-            } else {
-                (akk.dot(&(&eg * &k)), akk.dot(&v))
-            };
+        let (mut w, mut u) = if [Stage::W, Stage::U, Stage::KBeta]
+            .into_iter()
+            .any(|s| self.policy.storage(s).is_some())
+        {
+            // FLA (`recompute_w_u_fwd`) multiplies the stored inverse by
+            // `(β k ⊙ 2^g).to(bf16)` and `(β v).to(bf16)`: the operands are
+            // rounded like the stage they form, `β k` once more before
+            // the decay when β is bf16 (`Stage::KBeta`).
+            let bcol = beta.insert_axis(Axis(1));
+            let mut kb = &k * &bcol;
+            self.policy.round(Stage::KBeta, &mut kb);
+            kb *= &eg;
+            let mut vb = &v * &bcol;
+            self.policy.round(Stage::W, &mut kb);
+            self.policy.round(Stage::U, &mut vb);
+            (n_inv.dot(&kb), n_inv.dot(&vb))
+        } else {
+            (akk.dot(&(&eg * &k)), akk.dot(&v))
+        };
         self.policy.round(Stage::W, &mut w);
         self.policy.round(Stage::U, &mut u);
         let mut qg = &q * &eg;
