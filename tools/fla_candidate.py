@@ -35,6 +35,13 @@ its default) next to the compiled kernels in TRITON_CACHE_DIR (default
 ~/.triton/cache; 230 MB after those 8 cases, 45 kB of it `*.autotune.json`):
 keep that directory between runs, or carry it to a fresh machine, and a rerun
 skips the autotuning (the compiled kernels too when the whole directory goes).
+Carrying only the 45 kB of autotune JSONs to a fresh H100 (unpacked under
+TRITON_CACHE_DIR, same wheel) is enough: measured, the first KDA case took
+31 s instead of 311 s, the first DPLR K=128 case 10 s instead of 257 s,
+K=V=64 KDA 10 s instead of 117 s (what is left is Triton compiling); a variant
+the JSONs lack still autotunes (DPLR K=V=64: 212 s).
+With --dump (tools/fla_fidelity.py) the results of the stage functions of
+FLA's chunked path are recorded too (`Stages`), for per-token diagnosis.
 """
 
 import argparse
@@ -220,7 +227,72 @@ def kda_intermediates(meta, t, dtype):
     return inter
 
 
-def candidate(case, out, dtype_name, reps, intermediates=False):
+# Functions each op's chunked path calls through its module's globals, so that
+# wrapping them there records every stage's output (forward, the backward's
+# recompute, the backward's own stages), in calling order.
+STAGE_FUNCTIONS = {
+    "kda": (
+        "fla.ops.kda.chunk_bwd",
+        [
+            "kda_gate_chunk_cumsum", "recompute_w_u_fwd", "chunk_gated_delta_rule_fwd_h", "chunk_kda_bwd_dAv",
+            "chunk_gated_delta_rule_bwd_dhu", "chunk_kda_bwd_wy_dqkg_fused", "chunk_kda_bwd_intra",
+            "chunk_local_cumsum", "kda_gate_bwd",
+        ],
+    ),
+    "dplr": (
+        "fla.ops.generalized_delta_rule.dplr.chunk",
+        [
+            "chunk_rwkv6_fwd_cumsum", "chunk_dplr_fwd_intra", "prepare_wy_repr_fwd", "chunk_dplr_fwd_h",
+            "chunk_dplr_fwd_o", "chunk_dplr_bwd_dAu", "chunk_dplr_bwd_dhu", "chunk_dplr_bwd_dv",
+            "chunk_dplr_bwd_o", "chunk_dplr_bwd_wy", "chunk_dplr_bwd_dqk_intra",
+        ],
+    ),
+}
+
+
+class Stages:
+    """Records the tensor results of an op's stage functions while active:
+    `stages["<function>#<call>.<result index>"]`, in FLA's own dtype."""
+
+    def __init__(self, op):
+        self.op, self.stages, self.saved = op, {}, {}
+
+    def __enter__(self):
+        import importlib
+
+        if self.op not in STAGE_FUNCTIONS:
+            return self
+        module, names = STAGE_FUNCTIONS[self.op]
+        self.module = importlib.import_module(module)
+        calls = {}
+        for name in names:
+            f = getattr(self.module, name, None)
+            if f is None:
+                continue
+            self.saved[name] = f
+
+            def wrapped(*a, _f=f, _name=name, **kw):
+                r = _f(*a, **kw)
+                calls[_name] = calls.get(_name, -1) + 1
+                for j, x in enumerate(r if isinstance(r, tuple) else (r,)):
+                    if isinstance(x, torch.Tensor):
+                        self.stages[f"{_name}#{calls[_name]}.{j}"] = x.detach().clone()
+                return r
+
+            setattr(self.module, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, f in self.saved.items():
+            setattr(self.module, name, f)
+
+
+def candidate(case, out, dtype_name, reps, intermediates=False, dump=None, dump_mib=15.0):
+    """Writes FLA's candidate for `case` to `out`. With `dump` (a path), also
+    writes FLA's results in its own dtypes (bf16 stays bf16) plus the stage
+    results recorded by `Stages`, under `stage/<function>#<call>.<index>`,
+    within `dump_mib` MiB: results and gradients first, then the backward's
+    stages, the forward intermediates, the rest, each group smallest first."""
     ph = Phases(case)
     t, meta = load(case)
     ph.done("load")
@@ -229,10 +301,11 @@ def candidate(case, out, dtype_name, reps, intermediates=False):
     dtype = {"bf16": torch.bfloat16, "f32": torch.float32}.get(
         dtype_name, torch.bfloat16 if t[first].dtype == torch.bfloat16 else torch.float32
     )
-    x, p, out_t, last, loss = run(op, meta, t, dtype)
-    ph.done("forward")
-    loss.backward()
-    ph.done("backward")
+    with Stages(op if dump else None) as rec:
+        x, p, out_t, last, loss = run(op, meta, t, dtype)
+        ph.done("forward")
+        loss.backward()
+        ph.done("backward")
     names = RESULT_NAMES.get(op, ("o", "final_state"))
     cand = {names[0]: out_t, names[1]: last}
     cand |= {GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items()}
@@ -245,6 +318,11 @@ def candidate(case, out, dtype_name, reps, intermediates=False):
         cand |= {n: v for n, v in inter.items() if n not in ("o", "final_state")}
     st.save_file({n: v.detach().float().contiguous().cpu() for n, v in cand.items()}, out)
     print(f"FLA {op} ({dtype}): wrote {out}: {', '.join(sorted(cand))}")
+    if dump:
+        try:  # the candidate is written: a failing dump must not lose the case
+            write_dump(dump, cand, rec.stages, dump_mib)
+        except Exception as e:
+            print(f"dump {dump} failed: {type(e).__name__}: {e}", flush=True)
     if reps > 0:
         best_f = best_b = float("inf")
         for _ in range(reps):
@@ -257,6 +335,46 @@ def candidate(case, out, dtype_name, reps, intermediates=False):
             torch.cuda.synchronize()
             best_f, best_b = min(best_f, s.elapsed_time(m)), min(best_b, m.elapsed_time(e))
         print(f"FLA {op} ({dtype}) best of {reps}: forward {best_f:.3f} ms, backward {best_b:.3f} ms")
+
+
+# Stage results kept first (in this order), "function.index" or a whole "function":
+# those that feed the gate and decay gradients, then the forward's blocks.
+DUMP_FIRST = [
+    "kda_gate_bwd.0", "kda_gate_bwd.1", "kda_gate_bwd.2", "chunk_local_cumsum.0", "chunk_kda_bwd_intra.3",
+    "chunk_kda_bwd_wy_dqkg_fused.4", "chunk_kda_bwd_intra.2", "chunk_kda_bwd_dAv.0",
+    "chunk_kda_bwd_wy_dqkg_fused.5", "kda_gate_chunk_cumsum.0",
+    "chunk_dplr_bwd_dqk_intra.4", "chunk_dplr_bwd_dqk_intra.3", "chunk_dplr_bwd_o.4", "chunk_dplr_bwd_o.3",
+    "chunk_dplr_bwd_wy.3", "chunk_dplr_fwd_o.0", "chunk_dplr_fwd_h.1", "chunk_dplr_bwd_dqk_intra",
+    "chunk_dplr_bwd_o", "chunk_dplr_bwd_wy", "chunk_dplr_bwd_dAu", "prepare_wy_repr_fwd", "chunk_dplr_fwd_intra",
+]
+RESULT_TENSORS = {"o", "final_state", "y", "final_cache"}
+
+
+def dump_rank(name, size):
+    """Sort key of a dumped tensor: results and gradients, the stages of
+    DUMP_FIRST in its order, the forward intermediates, the other stages."""
+    if not name.startswith("stage/"):
+        first = name in RESULT_TENSORS or name.startswith("d")
+        return (0 if first else 2, 0, size)
+    function, index = name[6:].split("#")[0], name.rsplit(".", 1)[1]
+    for rank, key in enumerate(DUMP_FIRST):
+        if key in (function, f"{function}.{index}"):
+            return (1, rank, size)
+    return (3, 0, size)
+
+
+def write_dump(path, cand, stages, mib):
+    items = {n: v.detach().contiguous().cpu() for n, v in cand.items()}
+    items |= {f"stage/{n}": v.contiguous().cpu() for n, v in stages.items()}
+    size = {n: v.numel() * v.element_size() for n, v in items.items()}
+    budget, kept, left = mib * 2**20, {}, []
+    for n in sorted(items, key=lambda n: (dump_rank(n, size[n]), n)):
+        if size[n] <= budget:
+            kept[n], budget = items[n], budget - size[n]
+        else:
+            left.append(n)
+    st.save_file(kept, path)
+    print(f"dump {path}: kept {', '.join(kept)}; left out: {', '.join(left) or 'none'}", flush=True)
 
 
 def main():

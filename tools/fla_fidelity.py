@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure FLA's real error on a fixed set of cases (GPU side of the fidelity table).
 
-    python3 tools/fla_fidelity.py --bin path/to/deltaref --dir WORK --json OUT.json [--only NAME,...]
+    python3 tools/fla_fidelity.py --bin path/to/deltaref --dir WORK --json OUT.json [--only NAME,...] [--dump DIR]
 
 For each case of CASES it runs `deltaref gen ... --expected` (the f64 truth),
 FLA's kernels through `fla_candidate.candidate` (in this process, so Triton
@@ -15,7 +15,11 @@ case, and writes everything to one JSON file:
 
 `tools/fla_fidelity_compare.py` turns that file into the case × tensor ×
 FLA × emulated table (and can recompute the emulated side on a CPU: the
-cases regenerate bit for bit from their gen arguments).
+cases regenerate bit for bit from their gen arguments). With --dump DIR it
+also keeps FLA's own tensors per case (`DIR/NAME.safetensors`, FLA's dtypes,
+within 15 MiB): results, gradients, forward intermediates and the results of
+each stage function of FLA's chunked path (`stage/<function>#<call>.<index>`),
+for per-token diagnosis on the CPU.
 
 Autotuning: FLA caches Triton's autotune results on disk (FLA_CACHE_RESULTS=1,
 its default) under TRITON_CACHE_DIR, together with the compiled kernels. Point
@@ -65,6 +69,13 @@ CASES = [
 ]
 
 
+def fla_chunk_size(gen):
+    """The --chunk-size of FLA's kernel for a case: `chunk_dplr_delta_rule`
+    defaults to 16 (64 only with a safe lower bound); KDA's is the oracle's
+    default, 64."""
+    return ["--chunk-size", "16"] if gen[gen.index("--op") + 1] == "dplr" else []
+
+
 def say(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -92,13 +103,14 @@ def one_case(a, name, gen):
     seconds["gen"] = time.time() - t0
     say(f"{name}: gen {seconds['gen']:.1f} s; FLA forward, backward" + (" and intermediates" if kda else ""))
     t0 = time.time()
-    candidate(case, cand, None, 0, intermediates=kda)
+    dump = os.path.join(a.dump, f"{name}.safetensors") if a.dump else None
+    candidate(case, cand, None, 0, intermediates=kda, dump=dump)
     seconds["fla"] = time.time() - t0
     say(f"{name}: FLA {seconds['fla']:.1f} s (first use of a kernel shape includes compile and autotune)")
     res = {"name": name, "gen": gen, "fla": report(a.bin, case, "--candidate", cand), "emulated": {}}
     for preset in a.presets.split(","):
         t0 = time.time()
-        res["emulated"][preset] = report(a.bin, case, "--impl", "chunk", "--precision", preset)
+        res["emulated"][preset] = report(a.bin, case, "--impl", "chunk", *fla_chunk_size(gen), "--precision", preset)
         seconds[f"emulated {preset}"] = time.time() - t0
     res["seconds"] = seconds
     for path in (case, cand):
@@ -113,6 +125,11 @@ def main():
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--presets", default="fla-bf16", help="emulation presets to run on each case (comma-separated)")
     ap.add_argument("--only", help="comma-separated case names (default: all)")
+    ap.add_argument(
+        "--dump",
+        metavar="DIR",
+        help="also write FLA's results, gradients, intermediates and stage results per case to DIR/NAME.safetensors",
+    )
     ap.add_argument("--save-cache", metavar="TGZ", help="after the run, pack TRITON_CACHE_DIR into this file")
     a = ap.parse_args()
     names = [n for n, _ in CASES]
@@ -123,7 +140,11 @@ def main():
     os.makedirs(a.dir, exist_ok=True)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     results, failed = [], 0
-    for i, (name, gen) in enumerate(c for c in CASES if c[0] in only):
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+    gens = dict(CASES)
+    for i, name in enumerate(only):  # in the order asked for: a timeout keeps the first ones
+        gen = gens[name]
         say(f"case {i + 1}/{len(only)}: {name}")
         try:
             results.append(one_case(a, name, gen))

@@ -118,6 +118,29 @@ impl Dtype {
             _ => T::c(self.round_f64(x.f64())),
         }
     }
+
+    /// `Σ xs` as a GPU reduction accumulating in this storage: each lane
+    /// sums `per_lane` neighbouring values serially, then the lanes' partial
+    /// sums combine by butterfly (lane `i` with lane `i + n/2`, `n` halving),
+    /// every partial sum rounded. Returns 0 for no terms.
+    pub fn lane_sum<T: Scalar>(self, xs: &[T], per_lane: usize) -> T {
+        let serial = |run: &[T]| {
+            run.iter()
+                .skip(1)
+                .fold(run[0], |acc, &x| self.round(acc + x))
+        };
+        let mut parts: Vec<T> = xs.chunks(per_lane.max(1)).map(serial).collect();
+        while parts.len() > 1 {
+            let n = parts.len().div_ceil(2);
+            parts = (0..n)
+                .map(|i| match parts.get(i + n) {
+                    Some(&other) => self.round(parts[i] + other),
+                    None => parts[i],
+                })
+                .collect();
+        }
+        parts.first().copied().unwrap_or_else(T::zero)
+    }
 }
 
 /// `a, b or c`.
@@ -145,6 +168,20 @@ impl FromStr for Dtype {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lane_sum_rounds_serially_in_a_lane_then_across_lanes() {
+        let xs = [1.0, 5.0 / 512.0, 3.0 / 256.0, 1.0 / 256.0];
+        // bf16 keeps 7 mantissa bits: each order rounds differently.
+        // One lane: ((x0 + x1) + x2) + x3.
+        assert_eq!(Dtype::Bf16.lane_sum(&xs, 4), 1.015625);
+        // Two lanes of two: (x0 + x1) + (x2 + x3).
+        assert_eq!(Dtype::Bf16.lane_sum(&xs, 2), 1.0234375);
+        // One value per lane, butterfly: (x0 + x2) + (x1 + x3).
+        assert_eq!(Dtype::Bf16.lane_sum(&xs, 1), 1.03125);
+        assert_eq!(Dtype::F64.lane_sum(&xs, 1), xs.iter().sum::<f64>());
+        assert_eq!(Dtype::Bf16.lane_sum::<f64>(&[], 8), 0.0);
+    }
 
     #[test]
     fn names_round_trip() {

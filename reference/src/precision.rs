@@ -46,6 +46,24 @@ pub enum Stage {
     /// gradients `dqg`, `dkg`, `dbg`, `dw`, `dag` (`chunk_dplr_bwd_o`,
     /// `chunk_dplr_bwd_wy`).
     BwdOperands,
+    /// `β k` before the decay multiplies it in `w`'s operand: with bf16 `β`
+    /// (the input itself; the in-kernel sigmoid returns fp32) `b_k * b_b`
+    /// multiplies two bf16 tensors and rounds to bf16 (`recompute_w_u_fwd`).
+    KBeta,
+    /// The fp32 `tl.dot` operands of the forward's intra-chunk blocks
+    /// (`Aqk` and `L`, the `Akk` before the solve) between different 16-token
+    /// sub-chunks — q/k gated to the first row of the row's sub-chunk — and,
+    /// with safe_gate, inside one (gated to its anchor), which Triton's
+    /// default input precision rounds to tf32
+    /// (`chunk_kda_fwd_kernel_inter_solve_fused`,
+    /// `chunk_kda_fwd_kernel_intra_sub_chunk`).
+    FwdDots,
+    /// The sums `Σ_v h·dh` of the decay gradient: FLA's `tl.sum(b_h * b_dh,
+    /// axis=0)` reduces bf16 products in bf16 (Triton's `tl.sum` keeps a
+    /// float input's dtype) over each block of 64 values (`BV`), 8 lanes of
+    /// 8 values ([`Dtype::lane_sum`]); the blocks then add into an fp32
+    /// accumulator (`chunk_kda_bwd_kernel_wy_dqkg_fused`).
+    HdhSum,
     /// The fp32 `tl.dot` operands between different 16-token sub-chunks of
     /// the intra-chunk backward (`chunk_kda_bwd_kernel_intra`: `dAqk`,
     /// `dAkk` and the gated q/k), which Triton's default input precision
@@ -58,7 +76,7 @@ pub enum Stage {
 }
 
 impl Stage {
-    pub const ALL: [Stage; 18] = [
+    pub const ALL: [Stage; 21] = [
         Stage::Inputs,
         Stage::GCumsum,
         Stage::Akk,
@@ -74,7 +92,10 @@ impl Stage {
         Stage::Dh,
         Stage::Dv,
         Stage::Activations,
+        Stage::KBeta,
+        Stage::FwdDots,
         Stage::BwdOperands,
+        Stage::HdhSum,
         Stage::IntraDots,
         Stage::Outputs,
     ];
@@ -96,7 +117,10 @@ impl Stage {
             Stage::Dh => "dh",
             Stage::Dv => "dv",
             Stage::Activations => "activations",
+            Stage::KBeta => "k-beta",
+            Stage::FwdDots => "fwd-dots",
             Stage::BwdOperands => "bwd-operands",
+            Stage::HdhSum => "hdh-sum",
             Stage::IntraDots => "intra-dots",
             Stage::Outputs => "outputs",
         }

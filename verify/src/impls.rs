@@ -494,6 +494,7 @@ impl ImplRequest {
             case.meta.op,
             case.meta.gate,
             bare.cp.is_some(),
+            case.meta.use_beta_sigmoid_in_kernel,
         ));
         check_policy(name, &policy, case.meta.op, &bare)?;
         let req = ImplRequest {

@@ -9,19 +9,23 @@
 //! stage → tensor → dtype → file table is in debug.md, "FLA's bf16 storage"):
 //! - inputs q, k, v, g, beta, do in bf16; `A_log`, `dt_bias`, `dht`,
 //!   `initial_state` fp32;
-//! - activations: q/k after the in-kernel l2norm (`l2norm_fwd`) and β after
-//!   the in-kernel sigmoid in bf16;
+//! - activations: q/k after the in-kernel l2norm (`l2norm_fwd`) in bf16; β
+//!   after the in-kernel sigmoid stays fp32 (`fused_beta_sigmoid`);
 //! - `g_cumsum`: fp32 (`chunk_local_cumsum`/`kda_gate_chunk_cumsum`), exp in
 //!   base 2 (KDA: `RCP_LN2` scaling, `exp2`);
 //! - KDA `Aqk`, `Akk`: bf16 (`chunk_kda_fwd_intra`: `dtype=k.dtype`; the
 //!   diagonal blocks are solved in fp32, the stored inverse is bf16); DPLR
 //!   `Aqk`, `Aqb` bf16, `Aab`, `Aak` fp32, the inverse solved with fp16
 //!   operands (`chunk_A_fwd`, `wy_fast_fwd`);
-//! - `w`, `u`, `qg`, `kg` (DPLR also `ag`, `bg`): bf16;
+//! - `w`, `u`, `qg`, `kg` (DPLR also `ag`, `bg`): bf16; KDA: `β k` rounded
+//!   to bf16 before the decay when β is the bf16 input (`k-beta`); the
+//!   intra-chunk `Aqk`/`L` dot operands in tf32 (`fwd-dots`);
 //! - `h`: bf16 (`k.new_empty`), the running state fp32 registers; `v_new`:
 //!   bf16; final state fp32;
 //! - backward `dh`, `dv`: bf16; KDA's backward casts `Aqkᵀ do`, `−dw`,
-//!   `k ⊙ exp(Γ)` and the masked `dAkk` to bf16 for its `tl.dot`s;
+//!   `k ⊙ exp(Γ)` and the masked `dAkk` to bf16 for its `tl.dot`s; its
+//!   decay gradient sums the bf16 products `h·dh` in bf16 (`hdh-sum`);
+//!   DPLR rounds those products to bf16 and sums in fp32;
 //! - outputs: `o` and the token gradients in bf16 (`o.type_as(q)`,
 //!   `dq.to(q)`, …); `dA_log`, `ddt_bias`, `dh0` fp32;
 //! - CP: the `M` chain accumulates in fp32 (`tl.dot(b_m_i.to(tl.float32), …)`),
@@ -47,6 +51,9 @@ pub struct Target {
     pub safe_gate: bool,
     /// Under CP (the M chain, S_ext and the merged state exist).
     pub cp: bool,
+    /// β is computed in the kernel (`use_beta_sigmoid_in_kernel`): fp32,
+    /// where the input β is bf16.
+    pub beta_sigmoid: bool,
 }
 
 impl Target {
@@ -55,14 +62,17 @@ impl Target {
         op: Op::Kda,
         safe_gate: false,
         cp: false,
+        beta_sigmoid: false,
     };
 
-    /// The target of a case of `op` with gate `gate`, under CP or not.
-    pub fn of(op: Op, gate: Gate, cp: bool) -> Target {
+    /// The target of a case of `op` with gate `gate`, under CP or not, with
+    /// the in-kernel beta sigmoid or not.
+    pub fn of(op: Op, gate: Gate, cp: bool, beta_sigmoid: bool) -> Target {
         Target {
             op,
             safe_gate: op == Op::Kda && matches!(gate, Gate::LowerBound { .. }),
             cp,
+            beta_sigmoid,
         }
     }
 }
@@ -104,7 +114,9 @@ fn fla_bf16(t: Target) -> Policy {
             (Stage::VNew, bf16),
             (Stage::Dh, bf16),
             (Stage::Dv, bf16),
+            (Stage::FwdDots, Dtype::Tf32),
             (Stage::BwdOperands, bf16),
+            (Stage::HdhSum, bf16),
             (Stage::IntraDots, Dtype::Tf32),
         ],
         Op::Dplr => &[
@@ -129,6 +141,10 @@ fn fla_bf16(t: Target) -> Policy {
         for s in [Stage::MChain, Stage::SExt, Stage::Merged] {
             p = p.with(s, Dtype::F32);
         }
+    }
+    // Read from KDA's `recompute_w_u_fwd` only; GDN's kernel is not checked.
+    if t.op == Op::Kda && !t.beta_sigmoid {
+        p = p.with(Stage::KBeta, bf16);
     }
     // KDA's and GDN's chunk kernels use exp2 on a base-2 cumsum; DPLR's exp.
     p.exp2 = matches!(t.op, Op::Kda | Op::Gdn);
@@ -285,7 +301,12 @@ mod tests {
     #[test]
     fn fla_bf16_rounds_per_operator() {
         let p = find("fla-bf16", 8).unwrap();
-        let t = |op, safe_gate, cp| Target { op, safe_gate, cp };
+        let t = |op, safe_gate, cp| Target {
+            op,
+            safe_gate,
+            cp,
+            beta_sigmoid: false,
+        };
         let kda = p.policy(t(Op::Kda, true, false));
         assert!(kda.exp2 && kda.safe_gate_midpoint);
         assert_eq!(kda.storage(Stage::Akk), Some(Dtype::Bf16));

@@ -516,7 +516,10 @@ impl Chunk {
         let mut dv = tri::lower_t_dot(ch.aqk.view(), dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
         let (kgl, bgl) = (self.gated(&k, dl), self.gated(&b, dl));
-        let mut dgamma_last: Array1<T> = (&h * &ds).sum_axis(Axis(1)) * &decay_last;
+        // `tl.sum((b_h * b_dh).to(tl.float32))`: the product of the two bf16
+        // operands is rounded to bf16 before the fp32 sum (`chunk_dplr_bwd_o`).
+        let hdh = self.as_stored(Stage::BwdOperands, &h * &ds);
+        let mut dgamma_last: Array1<T> = hdh.sum_axis(Axis(1)) * &decay_last;
         let dkgl = self.as_stored(Stage::BwdOperands, v.dot(&ds.t()));
         let dbgl = self.as_stored(Stage::BwdOperands, v2.dot(&ds.t()));
         dv += &kgl.dot(&ds);

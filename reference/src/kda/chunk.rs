@@ -59,6 +59,9 @@ impl Chunk {
         Feature::Round(Stage::Dh),
         Feature::Round(Stage::Dv),
         Feature::Round(Stage::BwdOperands),
+        Feature::Round(Stage::KBeta),
+        Feature::Round(Stage::FwdDots),
+        Feature::Round(Stage::HdhSum),
         Feature::Round(Stage::IntraDots),
         Feature::Exp2,
         Feature::SafeGate,
@@ -68,6 +71,34 @@ impl Chunk {
     fn operand<T: Scalar>(&self, mut a: Array2<T>) -> Array2<T> {
         self.policy.round(Stage::BwdOperands, &mut a);
         a
+    }
+
+    /// `Σ_v h[k,v]·dh[k,v]` per key dim (`h`, `dh` `[K, V]`; returns `[K]`)
+    /// as FLA's decay gradient forms it: products of the bf16 operands, and
+    /// with a [`Stage::HdhSum`] storage each block of `BV` = 64 values
+    /// reduced in it by 8 lanes of 8 values (`Dtype::lane_sum`; this
+    /// order matched FLA's `dg` error best on an H100) before the blocks add
+    /// in the compute scalar. A short last block is zero-padded, as the
+    /// masked load is, which changes no sum.
+    fn decay_sums<T: Scalar>(&self, h: ArrayView2<T>, dh: ArrayView2<T>) -> Array1<T> {
+        const BV: usize = 64;
+        const PER_LANE: usize = 8;
+        let prods = self.operand(&h * &dh);
+        let Some(st) = self.policy.storage(Stage::HdhSum) else {
+            return prods.sum_axis(Axis(1));
+        };
+        prods
+            .rows()
+            .into_iter()
+            .map(|row| {
+                let row = row.to_vec();
+                row.chunks(BV).fold(T::zero(), |acc, block| {
+                    let mut padded = block.to_vec();
+                    padded.resize(BV, T::zero());
+                    acc + st.lane_sum(&padded, PER_LANE)
+                })
+            })
+            .collect()
     }
 }
 
@@ -233,6 +264,49 @@ impl Chunk {
         (aqk, p)
     }
 
+    /// [`Chunk::pair_products`] in the structure of FLA's forward intra
+    /// kernels: a pair in different 16-token sub-chunks is a `tl.dot` of
+    /// `q_r·e^(Γ_r − Γ_n)` and `k_s·e^(Γ_n − Γ_s)` (`n` the first row of
+    /// `r`'s sub-chunk) with both operands rounded to `st`; a pair inside one
+    /// sub-chunk is element-wise fp32, or with safe_gate a `tl.dot` through
+    /// the sub-chunk's anchor (the midpoint, as [`Chunk::pair_decay`]).
+    fn pair_products_subchunks<T: Scalar>(
+        &self,
+        st: crate::dtype::Dtype,
+        g: &Array2<T>,
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+    ) -> (Array2<T>, Array2<T>) {
+        const BC: usize = 16;
+        let c = g.nrows();
+        let e = |x: T| self.policy.exp(x);
+        let (mut aqk, mut p) = (Array2::zeros((c, c)), Array2::zeros((c, c)));
+        for r in 0..c {
+            for s in 0..=r {
+                let same = s / BC == r / BC;
+                let anchor = match (same, self.policy.safe_gate_midpoint) {
+                    (false, _) => (r / BC) * BC,
+                    (true, true) => ((r / BC) * BC + 8).min(c - 1),
+                    (true, false) => {
+                        for d in 0..k.ncols() {
+                            let ee = self.pair_decay(g, r, s, d);
+                            aqk[[r, s]] += q[[r, d]] * k[[s, d]] * ee;
+                            p[[r, s]] += k[[r, d]] * k[[s, d]] * ee;
+                        }
+                        continue;
+                    }
+                };
+                for d in 0..k.ncols() {
+                    let row = e(g[[r, d]] - g[[anchor, d]]);
+                    let col = st.round(k[[s, d]] * e(g[[anchor, d]] - g[[s, d]]));
+                    aqk[[r, s]] += st.round(q[[r, d]] * row) * col;
+                    p[[r, s]] += st.round(k[[r, d]] * row) * col;
+                }
+            }
+        }
+        (aqk, p)
+    }
+
     /// `exp(Γ_last − Γ)`, `[c, K]` (at most 1: no overflow).
     fn decay_to_last<T: Scalar>(&self, g_cumsum: &Array2<T>) -> Array2<T> {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
@@ -249,7 +323,8 @@ impl Chunk {
         let mut g_cumsum = x.g.slice(rows).to_owned();
         self.policy.cumsum_rows(&mut g_cumsum);
         let factors = self.factors(&g_cumsum);
-        let (mut aqk, mut p) = match &factors {
+        let fwd_dots = self.policy.storage(Stage::FwdDots);
+        let (mut aqk, mut p) = match factors.as_ref().filter(|_| fwd_dots.is_none()) {
             Some((ep, em)) => {
                 // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix
                 // products, of which only the lower triangles are used.
@@ -259,7 +334,10 @@ impl Chunk {
                     tri::dot_t_lower(k.to_owned().mul(ep).view(), km.view(), false),
                 )
             }
-            None => self.pair_products(&g_cumsum, q, k),
+            None => match fwd_dots {
+                Some(st) => self.pair_products_subchunks(st, &g_cumsum, q, k),
+                None => self.pair_products(&g_cumsum, q, k),
+            },
         };
         mask_lower(&mut aqk, true);
         mask_lower(&mut p, false);
@@ -271,26 +349,31 @@ impl Chunk {
         let akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Aqk, &mut aqk);
         let eg = g_cumsum.mapv(|v| self.policy.exp(v));
-        let (mut w, mut u) =
-            if self.policy.storage(Stage::W).is_some() || self.policy.storage(Stage::U).is_some() {
-                // FLA (`recompute_w_u_fwd`) multiplies the stored inverse by
-                // `(β k ⊙ 2^g).to(bf16)` and `(β v).to(bf16)`: the operands are
-                // rounded like the stage they form.
-                let bcol = beta.insert_axis(Axis(1));
-                let mut kb = &(&eg * &k) * &bcol;
-                let mut vb = &v * &bcol;
-                self.policy.round(Stage::W, &mut kb);
-                self.policy.round(Stage::U, &mut vb);
-                (
-                    tri::lower_dot(n_inv.view(), kb.view()),
-                    tri::lower_dot(n_inv.view(), vb.view()),
-                )
-            } else {
-                (
-                    tri::lower_dot(akk.view(), (&eg * &k).view()),
-                    tri::lower_dot(akk.view(), v),
-                )
-            };
+        let (mut w, mut u) = if [Stage::W, Stage::U, Stage::KBeta]
+            .into_iter()
+            .any(|s| self.policy.storage(s).is_some())
+        {
+            // FLA (`recompute_w_u_fwd`) multiplies the stored inverse by
+            // `(β k ⊙ 2^g).to(bf16)` and `(β v).to(bf16)`: the operands are
+            // rounded like the stage they form, `β k` once more before
+            // the decay when β is bf16 (`Stage::KBeta`).
+            let bcol = beta.insert_axis(Axis(1));
+            let mut kb = &k * &bcol;
+            self.policy.round(Stage::KBeta, &mut kb);
+            kb *= &eg;
+            let mut vb = &v * &bcol;
+            self.policy.round(Stage::W, &mut kb);
+            self.policy.round(Stage::U, &mut vb);
+            (
+                tri::lower_dot(n_inv.view(), kb.view()),
+                tri::lower_dot(n_inv.view(), vb.view()),
+            )
+        } else {
+            (
+                tri::lower_dot(akk.view(), (&eg * &k).view()),
+                tri::lower_dot(akk.view(), v),
+            )
+        };
         self.policy.round(Stage::W, &mut w);
         self.policy.round(Stage::U, &mut u);
         let mut qg = &q * &eg;
@@ -494,8 +577,7 @@ impl Chunk {
         mask_lower(&mut daqk, true);
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
-        // FLA sums the bf16 products `b_h * b_dh` (both operands bf16).
-        let mut dgamma_last: Array1<T> = self.operand(&h * &ds).sum_axis(Axis(1)) * &decay_last;
+        let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * &decay_last;
         let dw = self.operand(-dvn.dot(&h.t()));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.

@@ -327,9 +327,10 @@ pub struct Prepared<'a, T> {
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
-    /// The activations' outputs (q/k after an in-kernel l2norm, β after an
-    /// in-kernel sigmoid) rounded per `policy`'s [`Stage::Activations`]
-    /// storage, as a kernel that writes them to memory reads them back.
+    /// The activations' outputs (q/k after an in-kernel l2norm) rounded per
+    /// `policy`'s [`Stage::Activations`] storage, as a kernel that writes them
+    /// to memory reads them back. β after the in-kernel sigmoid is not:
+    /// FLA's `fused_beta_sigmoid` writes fp32.
     pub fn with_stored_activations(mut self, policy: &Policy) -> Self {
         let Some(s) = policy.storage(Stage::Activations) else {
             return self;
@@ -337,9 +338,6 @@ impl<'a, T: Scalar> Prepared<'a, T> {
         if self.opt.use_qk_l2norm_in_kernel {
             self.q = CowArray::from(self.q.mapv(|x| s.round(x)));
             self.k = CowArray::from(self.k.mapv(|x| s.round(x)));
-        }
-        if self.opt.use_beta_sigmoid_in_kernel {
-            self.beta.mapv_inplace(|x| s.round(x));
         }
         self
     }
