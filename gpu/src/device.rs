@@ -18,27 +18,10 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
 
+use deltaref::Dtype;
+
 use crate::error::{GpuError, Result};
 use crate::kernels::{prep_defines, Defines, Source, PREP};
-
-/// How the inputs are stored on the device: f32, or bfloat16 as FLA's bf16
-/// runs have them (results are then rounded to bf16 too; states, `A_log`,
-/// `dt_bias` and their gradients stay f32).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Storage {
-    #[default]
-    F32,
-    Bf16,
-}
-
-impl Storage {
-    pub fn name(self) -> &'static str {
-        match self {
-            Storage::F32 => "f32",
-            Storage::Bf16 => "bf16",
-        }
-    }
-}
 
 /// One CUDA device with its stream and compiled kernels.
 pub struct Gpu {
@@ -294,12 +277,15 @@ impl Gpu {
             .map_err(|e| driver("a device-to-device copy", e))
     }
 
-    /// Uploads an input tensor in the chosen storage dtype.
-    pub(crate) fn upload_input(&self, what: &str, x: &ArrayD<f64>, s: Storage) -> Result<Input> {
-        Ok(match s {
-            Storage::F32 => Input::F32(self.upload_f32(what, x)?),
-            Storage::Bf16 => Input::Bf16(self.upload_as(what, x, bf16_bits)?),
-        })
+    /// Uploads an input tensor in the chosen storage dtype ([`Dtype::GPU`]:
+    /// f32 or bf16, as FLA's runs store them; results are then rounded to it
+    /// too, while states, `A_log`, `dt_bias` and their gradients stay f32).
+    pub(crate) fn upload_input(&self, what: &str, x: &ArrayD<f64>, s: Dtype) -> Result<Input> {
+        match s.require(&format!("GPU input `{what}`"), &Dtype::GPU) {
+            Ok(Dtype::Bf16) => Ok(Input::Bf16(self.upload_as(what, x, bf16_bits)?)),
+            Ok(_) => Ok(Input::F32(self.upload_f32(what, x)?)),
+            Err(why) => Err(GpuError::Unsupported(why)),
+        }
     }
 
     /// Uploads a tensor as f32 (states, gate parameters, upstream state gradients).
@@ -406,12 +392,12 @@ impl Gpu {
         what: &str,
         t: CudaSlice<f32>,
         shape: &[usize],
-        round_to: Option<Storage>,
+        round_to: Option<Dtype>,
     ) -> Result<ArrayD<f64>> {
         let n: usize = shape.iter().product();
-        let wide = if round_to == Some(Storage::Bf16) && n > 0 {
+        let wide = if round_to == Some(Dtype::Bf16) && n > 0 {
             let mut packed = self.zeros::<u16>(what, n)?;
-            let f = self.function(&PREP, prep_defines(Storage::Bf16), "pack_bf16")?;
+            let f = self.function(&PREP, prep_defines(Dtype::Bf16), "pack_bf16")?;
             let nn = n as i64;
             let mut b = self.stream.launch_builder(&f);
             b.arg(&t).arg(&mut packed).arg(&nn);

@@ -8,7 +8,9 @@ use deltaref::varlen::{self, Segment};
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
-use crate::device::{arg_in, arg_opt, elementwise, grid, Gpu, Input, Storage};
+use deltaref::Dtype;
+
+use crate::device::{arg_in, arg_opt, elementwise, grid, Gpu, Input};
 use crate::error::{GpuError, Result};
 use crate::kernels::{check_sizes, prep_defines, Defines, DPLR_NAIVE, PREP};
 use crate::pieces::upload_ranges;
@@ -19,7 +21,7 @@ use crate::{Engine, GpuImpl, Run, Timings};
 struct Problem<'g> {
     gpu: &'g Gpu,
     d: DplrDims,
-    storage: Storage,
+    storage: Dtype,
     scale: f32,
     raw_q: Input,
     h0: Option<CudaSlice<f32>>,
@@ -52,7 +54,7 @@ impl<'g> Problem<'g> {
         opts: &DplrOptions,
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
-        storage: Storage,
+        storage: Dtype,
     ) -> Result<Problem<'g>> {
         let d = oracle::validate(x, opts)?;
         oracle::validate_upstream(&d, d_o, dht)?;

@@ -1,8 +1,8 @@
 //! The CUDA C sources (compiled at run time by NVRTC) and the compile-time
 //! sizes each module is built with.
 
-use crate::device::Storage;
 use crate::error::{GpuError, Result};
+use deltaref::Dtype;
 
 /// Largest key dim: a state column lives in `KD` registers per thread.
 pub const MAX_K: usize = 256;
@@ -73,9 +73,9 @@ pub const CP: Source = Source {
 
 /// Compile-time sizes of the pre/post-processing module (`prep.cu`, and the
 /// edge conversions of `common.cuh`): only the storage dtype matters.
-pub fn prep_defines(storage: Storage) -> Defines {
+pub fn prep_defines(storage: Dtype) -> Defines {
     Defines {
-        in_bf16: storage == Storage::Bf16,
+        in_bf16: storage == Dtype::Bf16,
         kd: 0,
         chunk: 0,
     }

@@ -6,16 +6,17 @@
 //! from source for the device at hand: the crate builds, and its tests run
 //! (and report that they skipped), on machines with no GPU and no CUDA.
 //!
-//! Inputs are f32 or bf16 ([`Storage`]); every kernel accumulates in f32 and
+//! Inputs are f32 or bf16 ([`deltaref::Dtype::GPU`]); every kernel accumulates in f32 and
 //! keeps states in f32. Each operator's `run` validates with the oracle's own
 //! checks, runs forward and backward, and returns f64 copies shaped like the
 //! oracle's outputs and gradients.
 //!
 //! ```no_run
-//! # use deltaref_gpu::{Gpu, GpuImpl, Engine, Storage};
+//! # use deltaref_gpu::{Gpu, GpuImpl, Engine};
+//! # use deltaref::Dtype;
 //! # fn demo(x: &deltaref::kda::KdaInputs<f64>, d_o: &ndarray::ArrayD<f64>) -> deltaref_gpu::Result<()> {
 //! let gpu = Gpu::probe()?; // GpuError::NoDriver on a machine without a GPU
-//! let imp = GpuImpl { engine: Engine::Chunk(64), cp: None, storage: Storage::Bf16 };
+//! let imp = GpuImpl { engine: Engine::Chunk(64), cp: None, storage: Dtype::Bf16 };
 //! let run = deltaref_gpu::kda::run(&gpu, x, &Default::default(), d_o, None, &imp)?;
 //! println!("o {:?}, forward {:.3} ms", run.outputs.o.shape(), run.timings.forward_s * 1e3);
 //! # Ok(()) }
@@ -33,8 +34,9 @@ mod recurrent;
 pub mod token_shift;
 
 use deltaref::cp::plan::PlanSpec;
+use deltaref::Dtype;
 
-pub use device::{Gpu, Storage};
+pub use device::Gpu;
 pub use error::{GpuError, Result};
 
 /// The engine the kernels follow.
@@ -52,7 +54,7 @@ pub enum Engine {
 pub struct GpuImpl {
     pub engine: Engine,
     pub cp: Option<PlanSpec>,
-    pub storage: Storage,
+    pub storage: Dtype,
 }
 
 /// Seconds of device work (stream drained around each phase; uploads,

@@ -82,9 +82,9 @@ fn case_to_py(py: Python<'_>, case: Case) -> PyResult<PyCase<'_>> {
     ))
 }
 
-fn dtype(name: &str) -> PyResult<Dtype> {
-    Dtype::parse(name)
-        .ok_or_else(|| value_error(format!("unknown dtype `{name}` (f64, f32, bf16, f16)")))
+/// The dtype `name` (of `what`: an argument or a tensor), one a case file stores.
+fn dtype(what: &str, name: &str) -> PyResult<Dtype> {
+    Dtype::parse_among(name, what, &Dtype::CASE_FILE).map_err(value_error)
 }
 
 /// Builds an in-memory case; tensor names must be the op's (FLA's) names.
@@ -105,7 +105,9 @@ fn build_case(
                 op.name()
             )));
         }
-        let dt = dtypes.get(&name).map_or(Ok(Dtype::F64), |d| dtype(d))?;
+        let dt = dtypes
+            .get(&name)
+            .map_or(Ok(Dtype::F64), |d| dtype(&format!("tensor `{name}`"), d))?;
         let x = x.as_array().to_owned();
         if dt == Dtype::F64 {
             // Rounding to f64 is the identity: skip `insert`'s copy.
@@ -285,7 +287,7 @@ fn gen<'py>(
         allow_neg_eigval,
         initial_state,
         scale,
-        dtype: self::dtype(dtype)?,
+        dtype: self::dtype("dtype", dtype)?,
         expected,
         ..GenSpec::new(op)
     };

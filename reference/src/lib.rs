@@ -10,6 +10,7 @@
 pub mod conv;
 pub mod cp;
 pub mod dplr;
+pub mod dtype;
 pub mod error;
 pub mod gates;
 pub mod gdn;
@@ -26,6 +27,7 @@ pub mod tensor;
 pub mod token_shift;
 pub mod varlen;
 
+pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use gates::Gate;
 pub use scalar::Scalar;

@@ -3,77 +3,10 @@
 //! midpoint factorisation). The exact policy changes nothing; presets mirror
 //! FLA's kernels and the known failure modes of SPEC §9.
 
-use half::{bf16, f16};
 use ndarray::{ArrayBase, DataMut, Dimension};
 
+use crate::dtype::Dtype;
 use crate::scalar::Scalar;
-
-/// A storage dtype; values are rounded to it (round to nearest even).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Storage {
-    F64,
-    F32,
-    Bf16,
-    F16,
-    /// TF32: 10 explicit mantissa bits (a tensor-core input rounding).
-    Tf32,
-    /// 2 explicit mantissa bits, fp8 e5m2's rounding (the exponent range is
-    /// not clamped): a deliberately coarse stage for bisection tests.
-    E5m2,
-}
-
-impl Storage {
-    pub fn parse(s: &str) -> Option<Storage> {
-        match s {
-            "f64" => Some(Storage::F64),
-            "f32" => Some(Storage::F32),
-            "bf16" => Some(Storage::Bf16),
-            "f16" => Some(Storage::F16),
-            "tf32" => Some(Storage::Tf32),
-            "e5m2" => Some(Storage::E5m2),
-            _ => None,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Storage::F64 => "f64",
-            Storage::F32 => "f32",
-            Storage::Bf16 => "bf16",
-            Storage::F16 => "f16",
-            Storage::Tf32 => "tf32",
-            Storage::E5m2 => "e5m2",
-        }
-    }
-
-    pub fn round_f64(self, x: f64) -> f64 {
-        match self {
-            Storage::F64 => x,
-            Storage::F32 => x as f32 as f64,
-            Storage::Bf16 => bf16::from_f64(x).to_f64(),
-            Storage::F16 => f16::from_f64(x).to_f64(),
-            Storage::Tf32 => {
-                // Round f32's 23-bit mantissa to 10 bits, nearest even.
-                let b = (x as f32).to_bits();
-                let lsb = (b >> 13) & 1;
-                f32::from_bits((b.wrapping_add(0x0FFF + lsb)) & !0x1FFF) as f64
-            }
-            Storage::E5m2 => {
-                // Round f64's 52-bit mantissa to 2 bits, nearest even.
-                let b = x.to_bits();
-                let lsb = (b >> 50) & 1;
-                f64::from_bits(b.wrapping_add((1 << 49) - 1 + lsb) & !((1u64 << 50) - 1))
-            }
-        }
-    }
-
-    pub fn round<T: Scalar>(self, x: T) -> T {
-        match self {
-            Storage::F64 => x,
-            _ => T::c(self.round_f64(x.f64())),
-        }
-    }
-}
 
 /// The stages a chunked/CP kernel stores (FLA's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -199,8 +132,8 @@ impl Feature {
 /// Where rounding happens and which arithmetic variants are used.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
-    /// Storage per stage (`None`: kept in the compute scalar).
-    pub stages: Vec<(Stage, Storage)>,
+    /// Storage dtype per stage (`None`: kept in the compute scalar).
+    pub stages: Vec<(Stage, Dtype)>,
     /// `exp(x)` as `exp2(x·log2 e)` (FLA's kernels work in base 2).
     pub exp2: bool,
     /// `exp(Γ_r − Γ_c)` factored through the midpoint of each 16-token
@@ -225,9 +158,7 @@ impl Policy {
     }
 
     pub fn is_exact(&self) -> bool {
-        self.stages.iter().all(|(_, s)| *s == Storage::F64)
-            && !self.exp2
-            && !self.safe_gate_midpoint
+        self.stages.iter().all(|(_, s)| *s == Dtype::F64) && !self.exp2 && !self.safe_gate_midpoint
     }
 
     /// What this policy asks of an engine: every stage with a storage other
@@ -235,7 +166,7 @@ impl Policy {
     pub fn features(&self) -> Vec<Feature> {
         let mut f: Vec<Feature> = Stage::ALL
             .into_iter()
-            .filter(|s| self.storage(*s).is_some_and(|d| d != Storage::F64))
+            .filter(|s| self.storage(*s).is_some_and(|d| d != Dtype::F64))
             .map(Feature::Round)
             .collect();
         f.extend(self.exp2.then_some(Feature::Exp2));
@@ -273,7 +204,7 @@ impl Policy {
         p
     }
 
-    pub fn storage(&self, stage: Stage) -> Option<Storage> {
+    pub fn storage(&self, stage: Stage) -> Option<Dtype> {
         self.stages
             .iter()
             .rev()
@@ -282,7 +213,7 @@ impl Policy {
     }
 
     /// Sets (or overrides) one stage's storage.
-    pub fn with(mut self, stage: Stage, storage: Storage) -> Self {
+    pub fn with(mut self, stage: Stage, storage: Dtype) -> Self {
         self.stages.push((stage, storage));
         self
     }
@@ -293,7 +224,7 @@ impl Policy {
         stage: Stage,
         a: &mut ArrayBase<S, D>,
     ) {
-        if let Some(s) = self.storage(stage).filter(|s| *s != Storage::F64) {
+        if let Some(s) = self.storage(stage).filter(|s| *s != Dtype::F64) {
             a.mapv_inplace(|x| s.round(x));
         }
     }
@@ -302,7 +233,7 @@ impl Policy {
     /// with a [`Stage::GCumsum`] storage every partial sum is rounded to it,
     /// as a kernel accumulating in that dtype does (`tl.cumsum` in fp32).
     pub fn cumsum_rows<T: Scalar>(&self, g: &mut ndarray::Array2<T>) {
-        match self.storage(Stage::GCumsum).filter(|s| *s != Storage::F64) {
+        match self.storage(Stage::GCumsum).filter(|s| *s != Dtype::F64) {
             Some(s) => {
                 g.mapv_inplace(|x| s.round(x));
                 g.accumulate_axis_inplace(ndarray::Axis(0), |&prev, cur| {
@@ -328,34 +259,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn storage_rounding_matches_half_and_tf32_keeps_10_bits() {
-        let x = 1.0 + 2f64.powi(-12) + 2f64.powi(-20);
-        assert_eq!(Storage::Bf16.round_f64(x), 1.0);
-        assert_eq!(Storage::F16.round_f64(x), 1.0);
-        assert_eq!(Storage::F32.round_f64(x), x);
-        // TF32 keeps 10 mantissa bits: 1 + 2^-10 survives, 1 + 2^-12 does not.
-        assert_eq!(
-            Storage::Tf32.round_f64(1.0 + 2f64.powi(-10)),
-            1.0 + 2f64.powi(-10)
-        );
-        assert_eq!(Storage::Tf32.round_f64(1.0 + 2f64.powi(-12)), 1.0);
-        // Ties go to even: 1 + 2^-11 (halfway) rounds down to 1.
-        assert_eq!(Storage::Tf32.round_f64(1.0 + 2f64.powi(-11)), 1.0);
-        assert_eq!(
-            Storage::Tf32.round_f64(1.0 + 3.0 * 2f64.powi(-11)),
-            1.0 + 2f64.powi(-9)
-        );
-        // e5m2 keeps 2 mantissa bits: 1.25 and 1.5 survive, 1.1 goes to 1.
-        assert_eq!(Storage::E5m2.round_f64(1.25), 1.25);
-        assert_eq!(Storage::E5m2.round_f64(-1.5), -1.5);
-        assert_eq!(Storage::E5m2.round_f64(1.1), 1.0);
-        assert_eq!(Storage::E5m2.round_f64(1.2), 1.25);
-        // A tie (1.125) goes to even (1.0), 1.375 to 1.5.
-        assert_eq!(Storage::E5m2.round_f64(1.125), 1.0);
-        assert_eq!(Storage::E5m2.round_f64(1.375), 1.5);
-    }
-
-    #[test]
     fn cumsum_rounds_every_partial_sum_to_the_stage_storage() {
         let g = ndarray::arr2(&[[1.0f64], [1e-9], [1e-9], [0.5]]);
         let mut exact = g.clone();
@@ -365,14 +268,14 @@ mod tests {
         // In f32 each 1e-9 step is lost against 1.
         let mut f32_ = g.clone();
         Policy::exact()
-            .with(Stage::GCumsum, Storage::F32)
+            .with(Stage::GCumsum, Dtype::F32)
             .cumsum_rows(&mut f32_);
         assert_eq!(f32_, ndarray::arr2(&[[1.0], [1.0], [1.0], [1.5]]));
         // With 2 mantissa bits 1 + 0.125 ties to 1 at every step, so the
         // sum stays 1; rounding only the exact sums would give 1.25 last.
         let mut coarse = ndarray::arr2(&[[1.0f64], [0.125], [0.125]]);
         Policy::exact()
-            .with(Stage::GCumsum, Storage::E5m2)
+            .with(Stage::GCumsum, Dtype::E5m2)
             .cumsum_rows(&mut coarse);
         assert_eq!(coarse, ndarray::arr2(&[[1.0], [1.0], [1.0]]));
     }
@@ -385,9 +288,9 @@ mod tests {
         p.round(Stage::Akk, &mut a);
         assert_eq!(a, b);
         assert_eq!(p.exp(0.7f64), 0.7f64.exp());
-        let q = Policy::exact().with(Stage::Akk, Storage::Bf16);
+        let q = Policy::exact().with(Stage::Akk, Dtype::Bf16);
         q.round(Stage::Akk, &mut a);
-        assert_eq!(a[1], bf16::from_f64(1.0 / 3.0).to_f64());
+        assert_eq!(a[1], half::bf16::from_f64(1.0 / 3.0).to_f64());
         assert!(!q.is_exact());
     }
 }

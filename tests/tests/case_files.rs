@@ -87,6 +87,23 @@ fn same_seed_gives_identical_bytes() {
     assert_ne!(std::fs::read(&p1).unwrap(), std::fs::read(&p3).unwrap());
 }
 
+/// tf32 and e5m2 are precision stages' roundings: a case holding one cannot
+/// be written, and the error names the tensor and the file dtypes.
+#[test]
+fn a_dtype_no_file_stores_is_refused_on_write() {
+    let mut case = generate(&spec(Op::Kda)).expect("generate");
+    let q = case.tensors["q"].clone();
+    case.insert("q", q, Dtype::Tf32);
+    let e = case.to_bytes().unwrap_err().to_string();
+    assert!(
+        e.contains("tensor `q`: dtype tf32 is not allowed here (allowed: f64, f32, bf16 or f16)"),
+        "{e}"
+    );
+    let (_d, path) = tmp("c.safetensors");
+    assert!(case.write(&path).is_err());
+    assert!(!path.exists());
+}
+
 #[test]
 fn low_precision_inputs_are_stored_rounded_and_truth_uses_them() {
     for dt in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
@@ -383,7 +400,10 @@ fn bad_cu_seqlens_and_gate_metadata_are_rejected() {
     ));
     assert!(e.contains("key `lower_bound`"), "{e}");
     let e = read_err(&meta(r#"{\"op\":\"kda\",\"scale\":\"0.25\"}"#));
-    assert!(e.contains("key `scale`: expected a number"), "{e}");
+    assert!(
+        e.contains("key `scale` of op kda: invalid type: string \"0.25\", expected f64"),
+        "{e}"
+    );
     let e = read_err(&meta(
         r#"{\"op\":\"kda\",\"cp\":{\"world\":2,\"cuts\":[3]}}"#,
     ));
@@ -392,6 +412,12 @@ fn bad_cu_seqlens_and_gate_metadata_are_rejected() {
     assert!(e.contains("must be a JSON object"), "{e}");
     let e = read_err(&meta(r#"{\"op\":\"token_shift\",\"dtype\":\"f8\"}"#));
     assert!(e.contains("unknown dtype \"f8\""), "{e}");
+    // tf32 is a precision stage's dtype, not one a file stores.
+    let e = read_err(&meta(r#"{\"op\":\"kda\",\"dtype\":\"tf32\"}"#));
+    assert!(
+        e.contains("key `dtype`: dtype tf32 is not allowed here (allowed: f64, f32, bf16 or f16)"),
+        "{e}"
+    );
 }
 
 /// The results of `case` as a port writes them: f32, no inputs, and no

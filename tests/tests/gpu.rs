@@ -12,12 +12,14 @@ use std::sync::{Mutex, OnceLock};
 use deltaref::cp::plan::PlanSpec;
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
-use deltaref::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
+use deltaref::gdn::{Gdn, GdnOptions, OnKda};
 use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
-use deltaref::kda::{self, Kda, KdaInputs, KdaOptions};
+use deltaref::kda::{self, Kda, KdaOptions};
 use deltaref::token_shift::{Shift, TokenShift};
-use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl, Storage};
+use deltaref::Dtype;
+use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl};
 use deltaref_tests::ratio;
+use deltaref_verify::gpu::{stored, stored_gdn, stored_kda};
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::ArrayD;
 
@@ -30,7 +32,7 @@ fn gpu() -> std::sync::MutexGuard<'static, Gpu> {
     }
 }
 
-fn imp(engine: Engine, cp: Option<PlanSpec>, storage: Storage) -> GpuImpl {
+fn imp(engine: Engine, cp: Option<PlanSpec>, storage: Dtype) -> GpuImpl {
     GpuImpl {
         engine,
         cp,
@@ -63,39 +65,8 @@ fn check(what: &str, reference: &Tensors, got: &Tensors, tol: f64) {
     );
 }
 
-fn round_bf16(x: &ArrayD<f64>) -> ArrayD<f64> {
-    x.mapv(|v| half::bf16::from_f64(v).to_f64())
-}
-
 fn round_f32(x: &ArrayD<f64>) -> ArrayD<f64> {
-    x.mapv(|v| v as f32 as f64)
-}
-
-/// The inputs as the GPU sees them: token tensors in `s`, states and gate
-/// parameters in f32.
-fn stored_kda(x: &KdaInputs<f64>, s: Storage) -> KdaInputs<f64> {
-    let tok = |a: &ArrayD<f64>| match s {
-        Storage::F32 => round_f32(a),
-        Storage::Bf16 => round_bf16(a),
-    };
-    KdaInputs {
-        q: tok(&x.q),
-        k: tok(&x.k),
-        v: tok(&x.v),
-        g: tok(&x.g),
-        beta: tok(&x.beta),
-        a_log: x.a_log.as_ref().map(round_f32),
-        dt_bias: x.dt_bias.as_ref().map(round_f32),
-        initial_state: x.initial_state.as_ref().map(round_f32),
-        cu_seqlens: x.cu_seqlens.clone(),
-    }
-}
-
-fn tok_round(a: &ArrayD<f64>, s: Storage) -> ArrayD<f64> {
-    match s {
-        Storage::F32 => round_f32(a),
-        Storage::Bf16 => round_bf16(a),
-    }
+    stored(x, Dtype::F32)
 }
 
 fn kda_spec(lengths: &[usize], h: usize, hv: usize, k: usize, opts: KdaOptions) -> KdaSpec {
@@ -125,7 +96,7 @@ fn lower_bound_opts() -> KdaOptions {
 fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let g = inputs::kda(spec);
     let x = stored_kda(&g.inputs, imp.storage);
-    let d_o = tok_round(&g.d_o, imp.storage);
+    let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
     let truth = outputs::all::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))
         .expect("valid inputs");
@@ -170,7 +141,7 @@ fn kda_f32_kernels_match_the_oracle() {
     ];
     for (name, spec) in &cases {
         for engine in [Engine::Naive, Engine::Chunk(64), Engine::Chunk(16)] {
-            let (truth, got) = kda_pair(&gpu, spec, &imp(engine, None, Storage::F32));
+            let (truth, got) = kda_pair(&gpu, spec, &imp(engine, None, Dtype::F32));
             check(&format!("kda f32 {engine:?} {name}"), &truth, &got, 1e-5);
         }
     }
@@ -199,7 +170,7 @@ fn kda_scalar_gate_batch_mode_matches_the_oracle() {
         )
     };
     for engine in [Engine::Naive, Engine::Chunk(32)] {
-        let (truth, got) = kda_pair(&gpu, &spec, &imp(engine, None, Storage::F32));
+        let (truth, got) = kda_pair(&gpu, &spec, &imp(engine, None, Dtype::F32));
         check(&format!("kda f32 {engine:?} GDN batch"), &truth, &got, 1e-5);
     }
 }
@@ -211,7 +182,7 @@ fn required_spec() -> KdaSpec {
 
 /// The bands on that case: naive, chunked and CP world 2 against the
 /// oracle, every tensor ≤ 1e-5 (f32 inputs) or ≤ 5e-3 (bf16 inputs).
-fn check_required_case(storage: Storage, tol: f64) {
+fn check_required_case(storage: Dtype, tol: f64) {
     let gpu = gpu();
     let spec = required_spec();
     for (engine, cp) in [
@@ -231,7 +202,7 @@ fn check_required_case(storage: Storage, tol: f64) {
 )]
 #[test]
 fn kda_f32_required_case_matches_the_oracle() {
-    check_required_case(Storage::F32, 1e-5);
+    check_required_case(Dtype::F32, 1e-5);
 }
 
 #[cfg_attr(
@@ -240,7 +211,7 @@ fn kda_f32_required_case_matches_the_oracle() {
 )]
 #[test]
 fn kda_bf16_inputs_are_within_rounding_noise() {
-    check_required_case(Storage::Bf16, 5e-3);
+    check_required_case(Dtype::Bf16, 5e-3);
 }
 
 #[cfg_attr(
@@ -252,9 +223,9 @@ fn kda_cp_equals_non_cp_on_the_gpu() {
     let gpu = gpu();
     let spec = required_spec();
     for engine in [Engine::Chunk(64), Engine::Naive] {
-        for storage in [Storage::F32, Storage::Bf16] {
+        for storage in [Dtype::F32, Dtype::Bf16] {
             let (_, base) = kda_pair(&gpu, &spec, &imp(engine, None, storage));
-            let tol = if storage == Storage::F32 { 1e-5 } else { 5e-3 };
+            let tol = if storage == Dtype::F32 { 1e-5 } else { 5e-3 };
             for cp in [
                 PlanSpec::World(2),
                 PlanSpec::World(4),
@@ -279,24 +250,8 @@ fn kda_cp_f32_matches_the_oracle_with_a_sequence_over_many_ranks() {
     let spec = kda_spec(&[5, 300, 1, 60], 1, 2, 64, lower_bound_opts());
     let cp = PlanSpec::Cuts(vec![3, 50, 51, 180, 305, 306]);
     for engine in [Engine::Chunk(64), Engine::Chunk(32), Engine::Naive] {
-        let (truth, got) = kda_pair(&gpu, &spec, &imp(engine, Some(cp.clone()), Storage::F32));
+        let (truth, got) = kda_pair(&gpu, &spec, &imp(engine, Some(cp.clone()), Dtype::F32));
         check(&format!("kda f32 cp cuts {engine:?}"), &truth, &got, 1e-5);
-    }
-}
-
-/// GDN inputs as the GPU sees them: token tensors in `s`, states and gate
-/// parameters in f32.
-fn stored_gdn(x: &GdnInputs<f64>, s: Storage) -> GdnInputs<f64> {
-    GdnInputs {
-        q: tok_round(&x.q, s),
-        k: tok_round(&x.k, s),
-        v: tok_round(&x.v, s),
-        g: tok_round(&x.g, s),
-        beta: tok_round(&x.beta, s),
-        a_log: x.a_log.as_ref().map(round_f32),
-        dt_bias: x.dt_bias.as_ref().map(round_f32),
-        initial_state: x.initial_state.as_ref().map(round_f32),
-        cu_seqlens: x.cu_seqlens.clone(),
     }
 }
 
@@ -305,7 +260,7 @@ fn stored_gdn(x: &GdnInputs<f64>, s: Storage) -> GdnInputs<f64> {
 fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let g = inputs::gdn(spec);
     let x = stored_gdn(&g.inputs, imp.storage);
-    let d_o = tok_round(&g.d_o, imp.storage);
+    let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
     let naive = OnKda(kda::naive::Naive);
     let truth =
@@ -365,14 +320,13 @@ fn gdn_kernels_match_the_oracle() {
     ];
     for (name, spec) in &cases {
         for engine in [Engine::Naive, Engine::Chunk(64), Engine::Chunk(16)] {
-            let (truth, got) = gdn_pair(&gpu, spec, &imp(engine, None, Storage::F32));
+            let (truth, got) = gdn_pair(&gpu, spec, &imp(engine, None, Dtype::F32));
             check(&format!("gdn f32 {engine:?} {name}"), &truth, &got, 1e-5);
         }
         let cp = Some(PlanSpec::Cuts(vec![3, 50, 51, 120]));
-        let (truth, got) = gdn_pair(&gpu, spec, &imp(Engine::Chunk(64), cp, Storage::F32));
+        let (truth, got) = gdn_pair(&gpu, spec, &imp(Engine::Chunk(64), cp, Dtype::F32));
         check(&format!("gdn f32 cp cuts {name}"), &truth, &got, 1e-5);
-        let (mut truth, mut got) =
-            gdn_pair(&gpu, spec, &imp(Engine::Chunk(64), None, Storage::Bf16));
+        let (mut truth, mut got) = gdn_pair(&gpu, spec, &imp(Engine::Chunk(64), None, Dtype::Bf16));
         // GDN's dg sums KDA's per-key gate gradient over K, and the in-kernel
         // gate's parameter gradients sum over every token: terms that cancel,
         // so bf16's rounding of q/k (FLA's l2norm store) reaches them
@@ -415,13 +369,13 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         output_final_state: true,
         ..Default::default()
     };
-    for (storage, tol) in [(Storage::F32, 1e-5), (Storage::Bf16, 5e-3)] {
+    for (storage, tol) in [(Dtype::F32, 1e-5), (Dtype::Bf16, 5e-3)] {
         let mut x = g.inputs.clone();
         for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.a, &mut x.b, &mut x.gk] {
-            *t = tok_round(t, storage);
+            *t = stored(t, storage);
         }
         x.initial_state = x.initial_state.as_ref().map(round_f32);
-        let d_o = tok_round(&g.d_o, storage);
+        let d_o = stored(&g.d_o, storage);
         let dht = round_f32(&g.dht);
         let truth = outputs::all::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))
             .expect("valid");
@@ -471,7 +425,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
             &g.inputs,
             &g.d_o,
             Some(&g.dht),
-            &imp(Engine::Naive, cp.clone(), Storage::F32),
+            &imp(Engine::Naive, cp.clone(), Dtype::F32),
         )
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
         let got = outputs::map::<f64, TokenShift>(&run.outputs, Some(&run.grads));
@@ -497,7 +451,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
         &spec.opts,
         &g.d_o,
         None,
-        &imp(Engine::Chunk(64), None, Storage::F32),
+        &imp(Engine::Chunk(64), None, Dtype::F32),
     )
     .expect_err("NaN in q");
     assert!(
@@ -516,7 +470,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
         &big.opts,
         &g.d_o,
         None,
-        &imp(Engine::Naive, None, Storage::F32),
+        &imp(Engine::Naive, None, Dtype::F32),
     )
     .expect_err("K = 512");
     assert!(e.to_string().contains("K ≤ 256"), "{e}");
@@ -527,7 +481,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
         &spec.opts,
         &g.d_o,
         None,
-        &imp(Engine::Chunk(48), None, Storage::F32),
+        &imp(Engine::Chunk(48), None, Dtype::F32),
     )
     .expect_err("chunk 48");
     assert!(e.to_string().contains("chunk_size"), "{e}");
@@ -553,7 +507,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
         &spec.opts,
         &g.d_o,
         Some(&flat_dht),
-        &imp(Engine::Naive, None, Storage::F32),
+        &imp(Engine::Naive, None, Dtype::F32),
     )
     .expect_err("dht of rank 2");
     assert!(

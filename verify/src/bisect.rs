@@ -195,7 +195,8 @@ impl fmt::Display for Bisection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use deltaref::precision::{Feature, Stage, Storage};
+    use deltaref::precision::{Feature, Stage};
+    use deltaref::Dtype;
 
     #[test]
     fn shares_follow_the_alone_errors_and_sort_largest_first() {
@@ -203,8 +204,8 @@ mod tests {
         // Akk contributes 3e-3, w 4e-3 (independent: squares add).
         let truth: Tensors = [("o".to_string(), ndarray::arr1(&[1.0, -1.0]).into_dyn())].into();
         let policy = Policy::exact()
-            .with(Stage::Akk, Storage::Bf16)
-            .with(Stage::W, Storage::Bf16);
+            .with(Stage::Akk, Dtype::Bf16)
+            .with(Stage::W, Dtype::Bf16);
         let imp = Impl {
             policy: policy.clone(),
             ..Impl::NAIVE

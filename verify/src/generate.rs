@@ -163,6 +163,23 @@ impl GenSpec {
     }
 }
 
+/// KDA's and GDN's inputs under FLA's names (the same for both ops).
+macro_rules! gated_named {
+    ($x:expr) => {{
+        let x = $x;
+        vec![
+            ("q", Some(x.q)),
+            ("k", Some(x.k)),
+            ("v", Some(x.v)),
+            ("g", Some(x.g)),
+            ("beta", Some(x.beta)),
+            ("A_log", x.a_log),
+            ("dt_bias", x.dt_bias),
+            ("initial_state", x.initial_state),
+        ]
+    }};
+}
+
 /// Moves the named tensors and the upstream gradients into `case`.
 fn put_all(
     case: &mut Case,
@@ -217,17 +234,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
                 g.inputs.k = unit_norm(&g.inputs.k);
             }
-            let x = g.inputs;
-            let named = vec![
-                ("q", Some(x.q)),
-                ("k", Some(x.k)),
-                ("v", Some(x.v)),
-                ("g", Some(x.g)),
-                ("beta", Some(x.beta)),
-                ("A_log", x.a_log),
-                ("dt_bias", x.dt_bias),
-                ("initial_state", x.initial_state),
-            ];
+            let named = gated_named!(g.inputs);
             put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
         }
         Op::Dplr => {
@@ -293,17 +300,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
                 g.inputs.k = unit_norm(&g.inputs.k);
             }
-            let x = g.inputs;
-            let named = vec![
-                ("q", Some(x.q)),
-                ("k", Some(x.k)),
-                ("v", Some(x.v)),
-                ("g", Some(x.g)),
-                ("beta", Some(x.beta)),
-                ("A_log", x.a_log),
-                ("dt_bias", x.dt_bias),
-                ("initial_state", x.initial_state),
-            ];
+            let named = gated_named!(g.inputs);
             put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
         }
         Op::CausalConv1d => {

@@ -5,11 +5,11 @@
 use std::sync::OnceLock;
 
 use deltaref::dplr::{Dplr, DplrInputs, DplrOptions};
-use deltaref::gdn::{Gdn, GdnGrads, GdnOutputs};
+use deltaref::gdn::{Gdn, GdnGrads, GdnInputs, GdnOutputs};
 use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOptions, KdaOutputs, KdaRefs};
 use deltaref::op::OpSpec;
 use deltaref::token_shift::{TokenShift, TokenShiftInputs};
-use deltaref_gpu::{Gpu, GpuError, GpuImpl, Storage, Timings};
+use deltaref_gpu::{Gpu, GpuError, GpuImpl, Timings};
 use ndarray::ArrayD;
 
 use crate::case::{Case, Dtype, Inputs, Op};
@@ -28,26 +28,22 @@ pub fn device() -> Result<&'static Gpu, GpuError> {
 }
 
 /// The storage a case's inputs imply: bf16 when they are stored as bf16.
-pub fn case_storage(case: &Case) -> Storage {
+pub fn case_storage(case: &Case) -> Dtype {
     match case.dtypes.get(case.meta.op.first_input()) {
-        Some(Dtype::Bf16) => Storage::Bf16,
-        _ => Storage::F32,
+        Some(Dtype::Bf16) => Dtype::Bf16,
+        _ => Dtype::F32,
     }
 }
 
 /// Rounds a token tensor to the storage dtype (what the device reads).
-pub fn stored(x: &ArrayD<f64>, s: Storage) -> ArrayD<f64> {
-    let dt = match s {
-        Storage::F32 => Dtype::F32,
-        Storage::Bf16 => Dtype::Bf16,
-    };
-    x.mapv(|v| dt.round(v))
+pub fn stored(x: &ArrayD<f64>, s: Dtype) -> ArrayD<f64> {
+    x.mapv(|v| s.round_f64(v))
 }
 
 /// KDA inputs as the device reads them: token tensors in `s`, states and
 /// gate parameters in f32.
-pub fn stored_kda(x: &KdaInputs<f64>, s: Storage) -> KdaInputs<f64> {
-    let f32_ = |a: &ArrayD<f64>| stored(a, Storage::F32);
+pub fn stored_kda(x: &KdaInputs<f64>, s: Dtype) -> KdaInputs<f64> {
+    let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
     KdaInputs {
         q: stored(&x.q, s),
         k: stored(&x.k, s),
@@ -61,8 +57,25 @@ pub fn stored_kda(x: &KdaInputs<f64>, s: Storage) -> KdaInputs<f64> {
     }
 }
 
+/// GDN inputs as the device reads them: token tensors in `s`, states and
+/// gate parameters in f32.
+pub fn stored_gdn(x: &GdnInputs<f64>, s: Dtype) -> GdnInputs<f64> {
+    let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
+    GdnInputs {
+        q: stored(&x.q, s),
+        k: stored(&x.k, s),
+        v: stored(&x.v, s),
+        g: stored(&x.g, s),
+        beta: stored(&x.beta, s),
+        a_log: x.a_log.as_ref().map(f32_),
+        dt_bias: x.dt_bias.as_ref().map(f32_),
+        initial_state: x.initial_state.as_ref().map(f32_),
+        cu_seqlens: x.cu_seqlens.clone(),
+    }
+}
+
 /// DPLR inputs as the device reads them.
-pub fn stored_dplr(x: &DplrInputs<f64>, s: Storage) -> DplrInputs<f64> {
+pub fn stored_dplr(x: &DplrInputs<f64>, s: Dtype) -> DplrInputs<f64> {
     DplrInputs {
         q: stored(&x.q, s),
         k: stored(&x.k, s),
@@ -70,7 +83,7 @@ pub fn stored_dplr(x: &DplrInputs<f64>, s: Storage) -> DplrInputs<f64> {
         a: stored(&x.a, s),
         b: stored(&x.b, s),
         gk: stored(&x.gk, s),
-        initial_state: x.initial_state.as_ref().map(|a| stored(a, Storage::F32)),
+        initial_state: x.initial_state.as_ref().map(|a| stored(a, Dtype::F32)),
         cu_seqlens: x.cu_seqlens.clone(),
     }
 }

@@ -11,8 +11,9 @@ use deltaref::kda::chunk::Chunk;
 use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
 use deltaref::precision::{Feature, Policy, Stage};
 use deltaref::token_shift::Shift;
+use deltaref::Dtype;
 use deltaref::{dplr, kda, Scalar};
-use deltaref_gpu::{GpuImpl, Storage, Timings};
+use deltaref_gpu::{GpuImpl, Timings};
 use ndarray::ArrayD;
 
 use crate::case::{Case, CaseError, CaseMeta, CpLayout, Inputs, Op};
@@ -34,7 +35,7 @@ pub enum Device {
     Cpu,
     /// The CUDA kernels; inputs stored as given, or (`None`) in the dtype
     /// the case stores them in.
-    Gpu(Option<Storage>),
+    Gpu(Option<Dtype>),
 }
 
 /// An implementation of all three operators: an engine, optionally under
@@ -359,7 +360,7 @@ pub struct ImplRequest {
     /// A named preset (see `presets`): sets the policy, CP faults and compute.
     pub precision: Option<String>,
     /// GPU input storage (default: the case's input dtype).
-    pub gpu_dtype: Option<Storage>,
+    pub gpu_dtype: Option<Dtype>,
 }
 
 impl ImplRequest {

@@ -33,7 +33,8 @@
 
 use deltaref::cp::Faults;
 use deltaref::gates::Gate;
-use deltaref::precision::{Policy, Stage, Storage};
+use deltaref::precision::{Policy, Stage};
+use deltaref::Dtype;
 
 use crate::case::Op;
 use crate::compute::Compute;
@@ -85,15 +86,15 @@ impl Preset {
 
 /// FLA's bf16 kernels for `t` (see the module docs).
 fn fla_bf16(t: Target) -> Policy {
-    let bf16 = Storage::Bf16;
+    let bf16 = Dtype::Bf16;
     let mut p = Policy::exact().with(Stage::Inputs, bf16);
-    let stages: &[(Stage, Storage)] = match t.op {
+    let stages: &[(Stage, Dtype)] = match t.op {
         Op::TokenShift | Op::CausalConv1d => &[],
         // GDN runs KDA's engines with the gate repeated over K, and FLA's
         // `chunk_gated_delta_rule` stores the same intermediates in bf16.
         Op::Kda | Op::Gdn => &[
             (Stage::Activations, bf16),
-            (Stage::GCumsum, Storage::F32),
+            (Stage::GCumsum, Dtype::F32),
             (Stage::Aqk, bf16),
             (Stage::Akk, bf16),
             (Stage::W, bf16),
@@ -104,13 +105,13 @@ fn fla_bf16(t: Target) -> Policy {
             (Stage::Dh, bf16),
             (Stage::Dv, bf16),
             (Stage::BwdOperands, bf16),
-            (Stage::IntraDots, Storage::Tf32),
+            (Stage::IntraDots, Dtype::Tf32),
         ],
         Op::Dplr => &[
-            (Stage::GCumsum, Storage::F32),
+            (Stage::GCumsum, Dtype::F32),
             (Stage::Aqk, bf16),
             // `wy_fast_fwd`'s solve multiplies fp16 operands (`.to(tl.float16)`).
-            (Stage::Akk, Storage::F16),
+            (Stage::Akk, Dtype::F16),
             (Stage::W, bf16),
             (Stage::U, bf16),
             (Stage::Gated, bf16),
@@ -126,7 +127,7 @@ fn fla_bf16(t: Target) -> Policy {
     }
     if t.cp && t.op.is_delta_rule() {
         for s in [Stage::MChain, Stage::SExt, Stage::Merged] {
-            p = p.with(s, Storage::F32);
+            p = p.with(s, Dtype::F32);
         }
     }
     // KDA's and GDN's chunk kernels use exp2 on a base-2 cumsum; DPLR's exp.
@@ -140,22 +141,22 @@ fn exact(_: Target) -> Policy {
 }
 
 fn mchain_bf16(t: Target) -> Policy {
-    fla_bf16(Target { cp: true, ..t }).with(Stage::MChain, Storage::Bf16)
+    fla_bf16(Target { cp: true, ..t }).with(Stage::MChain, Dtype::Bf16)
 }
 
 fn akk_bf16(_: Target) -> Policy {
-    Policy::exact().with(Stage::Akk, Storage::Bf16)
+    Policy::exact().with(Stage::Akk, Dtype::Bf16)
 }
 
 fn tf32_solve(_: Target) -> Policy {
-    Policy::exact().with(Stage::Akk, Storage::Tf32)
+    Policy::exact().with(Stage::Akk, Dtype::Tf32)
 }
 
 /// `fla-bf16` with `v_new` stored with 2 mantissa bits (e5m2): one stage far
 /// coarser than all the others (and one every result depends on), which
 /// `diagnose --bisect` must name first.
 fn coarse_v_new(t: Target) -> Policy {
-    fla_bf16(t).with(Stage::VNew, Storage::E5m2)
+    fla_bf16(t).with(Stage::VNew, Dtype::E5m2)
 }
 
 /// All presets.
@@ -287,16 +288,16 @@ mod tests {
         let t = |op, safe_gate, cp| Target { op, safe_gate, cp };
         let kda = p.policy(t(Op::Kda, true, false));
         assert!(kda.exp2 && kda.safe_gate_midpoint);
-        assert_eq!(kda.storage(Stage::Akk), Some(Storage::Bf16));
+        assert_eq!(kda.storage(Stage::Akk), Some(Dtype::Bf16));
         assert_eq!(kda.storage(Stage::MChain), None, "no M chain without CP");
         assert!(!p.policy(t(Op::Kda, false, false)).safe_gate_midpoint);
         assert_eq!(
             p.policy(t(Op::Kda, false, true)).storage(Stage::MChain),
-            Some(Storage::F32)
+            Some(Dtype::F32)
         );
         // DPLR solves its WY inverse with fp16 operands and has no activations.
         let dplr = p.policy(t(Op::Dplr, false, false));
-        assert_eq!(dplr.storage(Stage::Akk), Some(Storage::F16));
+        assert_eq!(dplr.storage(Stage::Akk), Some(Dtype::F16));
         assert_eq!(dplr.storage(Stage::Activations), None);
         let ts = p.policy(t(Op::TokenShift, false, true)).features();
         assert_eq!(

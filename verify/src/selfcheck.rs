@@ -19,7 +19,8 @@ use deltaref::{dplr, kda, Result};
 use ndarray::ArrayD;
 use serde::Serialize;
 
-use deltaref_gpu::{Engine as GpuEngine, GpuImpl, Storage};
+use deltaref::Dtype;
+use deltaref_gpu::{Engine as GpuEngine, GpuImpl};
 
 use crate::fd;
 use crate::gpu::{self, ComputeError};
@@ -604,10 +605,10 @@ fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
     // K = V = 64: with 16, dA_log is two sums of a few hundred cancelling
     // terms and its bf16 error is noise around the 5e-3 bar.
     let (spec, g) = kda_case(&LENGTHS, 64, 64);
-    for storage in [Storage::F32, Storage::Bf16] {
+    for storage in [Dtype::F32, Dtype::Bf16] {
         let x = gpu::stored_kda(&g.inputs, storage);
         let d_o = gpu::stored(&g.d_o, storage);
-        let dht = gpu::stored(&g.dht, Storage::F32);
+        let dht = gpu::stored(&g.dht, Dtype::F32);
         let truth = outputs::all::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))?;
         let tol = gpu_tol(storage);
         for (engine, cp) in [
@@ -628,10 +629,10 @@ fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
     }
     let (_, g) = dplr_case(&LENGTHS, 16, 16);
     let opts = DplrOptions::default();
-    for storage in [Storage::F32, Storage::Bf16] {
+    for storage in [Dtype::F32, Dtype::Bf16] {
         let x = gpu::stored_dplr(&g.inputs, storage);
         let d_o = gpu::stored(&g.d_o, storage);
-        let dht = gpu::stored(&g.dht, Storage::F32);
+        let dht = gpu::stored(&g.dht, Dtype::F32);
         let truth = outputs::all::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))?;
         for cp in [None, Some(cuts.clone())] {
             let imp = GpuImpl {
@@ -645,21 +646,17 @@ fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
     }
     let g = token_shift_case(&LENGTHS);
     let x = TokenShiftInputs {
-        x: gpu::stored(&g.inputs.x, Storage::F32),
-        cache: g
-            .inputs
-            .cache
-            .as_ref()
-            .map(|c| gpu::stored(c, Storage::F32)),
+        x: gpu::stored(&g.inputs.x, Dtype::F32),
+        cache: g.inputs.cache.as_ref().map(|c| gpu::stored(c, Dtype::F32)),
         ..g.inputs.clone()
     };
-    let dy = gpu::stored(&g.d_o, Storage::F32);
+    let dy = gpu::stored(&g.d_o, Dtype::F32);
     let truth = outputs::all::<f64, _>(&Shift, &x, &(), &dy, Some(&g.dht))?;
     for cp in [None, Some(cuts)] {
         let imp = GpuImpl {
             engine: GpuEngine::Naive,
             cp,
-            storage: Storage::F32,
+            storage: Dtype::F32,
         };
         let (got, _) = gpu::token_shift(&imp, &x, &dy, Some(&g.dht))?;
         report.compare_maps(&gpu_check(&imp), "token_shift", &truth, &got, GPU_F32_TOL);
@@ -667,10 +664,11 @@ fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
     Ok(())
 }
 
-fn gpu_tol(s: Storage) -> f64 {
-    match s {
-        Storage::F32 => GPU_F32_TOL,
-        Storage::Bf16 => GPU_BF16_TOL,
+fn gpu_tol(s: Dtype) -> f64 {
+    if s == Dtype::Bf16 {
+        GPU_BF16_TOL
+    } else {
+        GPU_F32_TOL
     }
 }
 

@@ -9,7 +9,7 @@ use common::{code, s};
 use std::collections::HashMap;
 use std::path::Path;
 
-use deltaref_verify::case::{Case, Dtype};
+use deltaref_verify::case::Case;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 
 /// Writes the outputs and gradients of the case at `from` the way a port
@@ -19,7 +19,7 @@ use safetensors::tensor::{Dtype as StDtype, TensorView};
 fn port_candidate(
     from: &Path,
     to: &Path,
-    dtype: Dtype,
+    st: StDtype,
     meta: Option<&str>,
     edit: impl Fn(&str, &mut ndarray::ArrayD<f64>),
 ) {
@@ -31,22 +31,17 @@ fn port_candidate(
             edit(&name, &mut t);
             let bytes = t
                 .iter()
-                .flat_map(|&v| match dtype {
-                    Dtype::F64 => v.to_le_bytes().to_vec(),
-                    Dtype::F32 => (v as f32).to_le_bytes().to_vec(),
-                    Dtype::Bf16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
-                    Dtype::F16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
+                .flat_map(|&v| match st {
+                    StDtype::F64 => v.to_le_bytes().to_vec(),
+                    StDtype::F32 => (v as f32).to_le_bytes().to_vec(),
+                    StDtype::BF16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
+                    StDtype::F16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
+                    other => panic!("ports write float tensors, not {other:?}"),
                 })
                 .collect();
             (name, bytes, t.shape().to_vec())
         })
         .collect();
-    let st = match dtype {
-        Dtype::F64 => StDtype::F64,
-        Dtype::F32 => StDtype::F32,
-        Dtype::Bf16 => StDtype::BF16,
-        Dtype::F16 => StDtype::F16,
-    };
     let views: Vec<(&str, TensorView)> = encoded
         .iter()
         .map(|(n, b, sh)| (n.as_str(), TensorView::new(st, sh.clone(), b).unwrap()))
@@ -87,16 +82,33 @@ fn case_and_results(dir: &Path, expected: bool) -> (std::path::PathBuf, std::pat
     (case, results)
 }
 
+/// A case file stores f64, f32, bf16 or f16; tf32 (a precision stage's
+/// rounding) is refused by name.
+#[test]
+fn gen_refuses_a_dtype_no_case_file_stores() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.safetensors");
+    let (rc, _, err) = code(&["gen", "--op", "kda", "--dtype", "tf32", "--out", s(&out)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.contains("--dtype: dtype tf32 is not allowed here (allowed: f64, f32, bf16 or f16)"),
+        "{err}"
+    );
+    let (rc, _, err) = code(&["gen", "--op", "kda", "--dtype", "f8", "--out", s(&out)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(err.contains("unknown dtype \"f8\""), "{err}");
+}
+
 #[test]
 fn port_candidates_in_every_float_dtype_pass() {
     let dir = tempfile::tempdir().unwrap();
     for expected in [true, false] {
         let (case, results) = case_and_results(dir.path(), expected);
         for (dtype, meta) in [
-            (Dtype::F64, None),
-            (Dtype::F32, Some(r#"{"op": "kda"}"#)),
-            (Dtype::Bf16, None),
-            (Dtype::F16, None),
+            (StDtype::F64, None),
+            (StDtype::F32, Some(r#"{"op": "kda"}"#)),
+            (StDtype::BF16, None),
+            (StDtype::F16, None),
         ] {
             let cand = dir.path().join("cand.safetensors");
             port_candidate(&results, &cand, dtype, meta, |_, _| {});
@@ -127,7 +139,7 @@ fn a_nan_in_the_candidate_fails_that_tensor_with_exit_1() {
     let dir = tempfile::tempdir().unwrap();
     let (case, results) = case_and_results(dir.path(), true);
     let cand = dir.path().join("nan.safetensors");
-    port_candidate(&results, &cand, Dtype::F32, None, |name, t| {
+    port_candidate(&results, &cand, StDtype::F32, None, |name, t| {
         if name == "dk" {
             t[[0, 5, 0, 3]] = f64::NAN;
         }

@@ -63,8 +63,9 @@ fn gpu_flag_misuse_is_a_usage_error() {
                 "--gpu-dtype",
                 "f16",
             ],
-            // clap's wording: flag, value and the allowed values.
-            "invalid value 'f16' for '--gpu-dtype <GPU_DTYPE>'",
+            // clap's wording: flag and value; ours: the allowed values.
+            "invalid value 'f16' for '--gpu-dtype <GPU_DTYPE>': --gpu-dtype: dtype f16 is not \
+             allowed here (allowed: f32 or bf16)",
         ),
         (
             vec!["run", "--case", k, "--impl", "gpu-naive", "--world", "2"],

@@ -16,7 +16,9 @@ use deltaref::varlen;
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
-use crate::device::{arg_in, arg_opt, elementwise, Gpu, Input, Storage};
+use deltaref::Dtype;
+
+use crate::device::{arg_in, arg_opt, elementwise, Gpu, Input};
 use crate::error::Result;
 use crate::kernels::{check_sizes, prep_defines, Defines, PREP};
 use crate::{Engine, GpuImpl, Run, Timings};
@@ -27,7 +29,7 @@ const _: () = assert!(L2NORM_EPS == 1e-6, "prep.cu hard-codes FLA's l2norm eps")
 pub(crate) struct Problem<'g> {
     pub gpu: &'g Gpu,
     pub d: KdaDims,
-    pub storage: Storage,
+    pub storage: Dtype,
     opts: KdaOptions,
     scale: f32,
     raw_q: Input,
@@ -107,7 +109,7 @@ impl<'g> Problem<'g> {
         opts: &KdaOptions,
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
-        storage: Storage,
+        storage: Dtype,
     ) -> Result<Problem<'g>> {
         check_sizes(d.k, d.v, d.b * d.t)?;
         let scale = opts.scale.unwrap_or(1.0 / (d.k as f64).sqrt()) as f32;

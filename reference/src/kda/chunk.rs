@@ -580,7 +580,7 @@ impl Chunk {
     #[allow(clippy::too_many_arguments)]
     fn intra_backward_subchunks<T: Scalar>(
         &self,
-        st: crate::precision::Storage,
+        st: crate::Dtype,
         ch: &Intra<T>,
         q: ArrayView2<T>,
         k: ArrayView2<T>,

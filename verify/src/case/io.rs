@@ -11,6 +11,7 @@ use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 use safetensors::View;
 use serde_json::{Map, Value};
 
+use super::dtype::{encode, st};
 use super::{Case, CaseError, CaseMeta, Dtype, Op};
 
 /// A case tensor as safetensors writes it, encoded when its bytes are asked for.
@@ -52,7 +53,7 @@ impl safetensors::View for Encoded<'_> {
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
         match self {
-            Encoded::Float(x, dt, _) => dt.encode(x).into(),
+            Encoded::Float(x, dt, _) => encode(*dt, x).into(),
             Encoded::Int(cu, _) => cu
                 .iter()
                 .flat_map(|v| v.to_le_bytes())
@@ -71,19 +72,23 @@ impl safetensors::View for Encoded<'_> {
 impl Case {
     /// The safetensors bytes of the case (deterministic).
     pub fn to_bytes(&self) -> Result<Vec<u8>, CaseError> {
-        safetensors::tensor::serialize(self.views(), Some(self.meta_map())).map_err(|e| {
-            CaseError::Format {
-                path: "(in memory)".into(),
-                why: e.to_string(),
-            }
-        })
+        let format = |why: String| CaseError::Format {
+            path: "(in memory)".into(),
+            why,
+        };
+        let views = self.views().map_err(format)?;
+        safetensors::tensor::serialize(views, Some(self.meta_map()))
+            .map_err(|e| format(e.to_string()))
     }
 
     /// Writes the case atomically: a temporary file next to `path`, then
     /// rename. The bytes are [`Case::to_bytes`]'s, each tensor encoded only
     /// as it is written (a long case is never in memory twice).
     pub fn write(&self, path: &Path) -> Result<(), CaseError> {
-        let mut views = self.views();
+        let mut views = self.views().map_err(|why| CaseError::Format {
+            path: path.display().to_string(),
+            why,
+        })?;
         // safetensors' own serialisation, tensors without their bytes: the
         // length prefix and the header.
         let header = views.iter().map(|(n, v)| (n.clone(), HeaderOnly(v)));
@@ -115,20 +120,21 @@ impl Case {
         std::collections::HashMap::from([("case".to_string(), self.meta.to_json().to_string())])
     }
 
-    /// The file's tensors, encoded on demand.
-    fn views(&self) -> Vec<(String, Encoded<'_>)> {
+    /// The file's tensors, encoded on demand; an error for a tensor whose
+    /// dtype a case file cannot hold.
+    fn views(&self) -> Result<Vec<(String, Encoded<'_>)>, String> {
         let mut views: Vec<(String, Encoded)> = self
             .tensors
             .iter()
             .map(|(n, x)| {
                 let dt = self.dtypes.get(n).copied().unwrap_or(Dtype::F64);
-                (n.clone(), Encoded::Float(x, dt, dt.st()))
+                Ok((n.clone(), Encoded::Float(x, dt, st(n, dt)?)))
             })
-            .collect();
+            .collect::<Result<_, String>>()?;
         if let Some(cu) = &self.cu_seqlens {
             views.push(("cu_seqlens".into(), Encoded::Int(cu, vec![cu.len()])));
         }
-        views
+        Ok(views)
     }
 
     /// Reads and validates a case file.

@@ -9,6 +9,8 @@ use deltaref::gdn::{Gdn, GdnOptions};
 use deltaref::kda::{Kda, KdaOptions};
 use deltaref::op::OpSpec;
 use deltaref::token_shift::TokenShift;
+use serde::de::{DeserializeOwned, Visitor};
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::Dtype;
@@ -208,83 +210,29 @@ impl CaseMeta {
         }
     }
 
-    /// The JSON object stored under `case` (keys that apply to the op only).
+    /// The JSON object stored under `case`: `op`, the shared keys and the
+    /// op's own options (keys that apply to the op only).
     pub fn to_json(&self) -> Value {
-        let mut m = Map::new();
+        let mut m = object(&Common::of(self));
         m.insert("op".into(), self.op.name().into());
-        if let Some(s) = self.scale {
-            m.insert("scale".into(), s.into());
-        }
-        if self.op == Op::Kda {
-            m.insert(
-                "use_qk_l2norm_in_kernel".into(),
-                self.use_qk_l2norm_in_kernel.into(),
-            );
-            m.insert("gate".into(), self.gate.name().into());
-            if let Gate::LowerBound { lower_bound } = self.gate {
-                m.insert("lower_bound".into(), lower_bound.into());
-            }
-            m.insert(
-                "use_beta_sigmoid_in_kernel".into(),
-                self.use_beta_sigmoid_in_kernel.into(),
-            );
-            m.insert("allow_neg_eigval".into(), self.allow_neg_eigval.into());
-        }
-        if self.op == Op::Gdn {
-            for (key, on) in [
-                ("use_qk_l2norm_in_kernel", self.use_qk_l2norm_in_kernel),
-                ("use_gate_in_kernel", self.gate == Gate::Kda),
-                (
-                    "use_beta_sigmoid_in_kernel",
-                    self.use_beta_sigmoid_in_kernel,
-                ),
-                ("allow_neg_eigval", self.allow_neg_eigval),
-                ("state_v_first", self.state_v_first),
-            ] {
-                m.insert(key.into(), on.into());
-            }
-        }
-        if self.op == Op::CausalConv1d {
-            m.insert("activation".into(), self.activation.name().into());
-        }
-        if let Some(c) = self.chunk_size {
-            m.insert("chunk_size".into(), c.into());
-        }
-        match &self.cp {
-            Some(CpLayout::World(w, Layout::Contiguous)) => {
-                m.insert("cp".into(), serde_json::json!({ "world": w }));
-            }
-            Some(CpLayout::World(w, layout)) => {
-                m.insert(
-                    "cp".into(),
-                    serde_json::json!({ "world": w, "layout": layout.name() }),
-                );
-            }
-            Some(CpLayout::Cuts(c)) => {
-                m.insert("cp".into(), serde_json::json!({ "cuts": c }));
-            }
-            None => {}
-        }
-        if let Some(s) = self.seed {
-            m.insert("seed".into(), s.into());
-        }
-        if let Some(d) = self.dtype {
-            m.insert("dtype".into(), d.name().into());
-        }
-        if let Some(r) = self.regime {
-            m.insert("regime".into(), r.name().into());
-        }
+        m.extend(match self.op {
+            Op::Kda => object(&KdaMeta::of(self)),
+            Op::Gdn => object(&GdnMeta::of(self)),
+            Op::CausalConv1d => object(&ConvMeta::of(self)),
+            Op::Dplr | Op::TokenShift => Map::new(),
+        });
         Value::Object(m)
     }
 
-    /// Parses the `case` JSON; every unknown or mistyped key is an error naming it.
+    /// Parses the `case` JSON; every unknown or mistyped key is an error
+    /// naming it, the op and what was expected.
     pub fn from_json(text: &str) -> Result<Self, String> {
         let v: Value =
             serde_json::from_str(text).map_err(|e| format!("`case` is not valid JSON: {e}"))?;
-        let Value::Object(m) = v else {
+        let Value::Object(mut m) = v else {
             return Err("`case` must be a JSON object".into());
         };
-        let op_name = m.get("op").ok_or("`case` has no `op` key")?;
+        let op_name = m.remove("op").ok_or("`case` has no `op` key")?;
         let op_name = op_name.as_str().ok_or("key `op`: expected a string")?;
         let op = Op::parse(op_name).ok_or_else(|| {
             format!(
@@ -292,92 +240,169 @@ impl CaseMeta {
                 Op::names_list()
             )
         })?;
-        let mut meta = CaseMeta::new(op);
-        let mut gate_name: Option<String> = None;
-        let mut lower_bound: Option<f64> = None;
-        let mut gdn_gate = false;
-        for (key, val) in &m {
-            let only = |ops: &[Op]| {
-                if ops.contains(&op) {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "key `{key}`: only applies to op {}, not {}",
-                        ops.iter()
-                            .map(|o| o.name())
-                            .collect::<Vec<_>>()
-                            .join(" or "),
-                        op.name()
-                    ))
-                }
-            };
-            let delta = [Op::Kda, Op::Gdn];
-            match key.as_str() {
-                "op" => {}
-                "scale" => meta.scale = Some(num(key, val)?),
-                "use_qk_l2norm_in_kernel" => {
-                    only(&delta)?;
-                    meta.use_qk_l2norm_in_kernel = boolean(key, val)?;
-                }
-                "gate" => {
-                    only(&[Op::Kda])?;
-                    gate_name = Some(
-                        val.as_str()
-                            .ok_or(format!("key `{key}`: expected a string"))?
-                            .to_string(),
-                    );
-                }
-                "lower_bound" => {
-                    only(&[Op::Kda])?;
-                    lower_bound = Some(num(key, val)?);
-                }
-                "use_beta_sigmoid_in_kernel" => {
-                    only(&delta)?;
-                    meta.use_beta_sigmoid_in_kernel = boolean(key, val)?;
-                }
-                "allow_neg_eigval" => {
-                    only(&delta)?;
-                    meta.allow_neg_eigval = boolean(key, val)?;
-                }
-                "use_gate_in_kernel" => {
-                    only(&[Op::Gdn])?;
-                    gdn_gate = boolean(key, val)?;
-                }
-                "state_v_first" => {
-                    only(&[Op::Gdn])?;
-                    meta.state_v_first = boolean(key, val)?;
-                }
-                "activation" => {
-                    only(&[Op::CausalConv1d])?;
-                    let s = val
-                        .as_str()
-                        .ok_or(format!("key `{key}`: expected a string"))?;
-                    meta.activation =
-                        Activation::parse(s).map_err(|e| format!("key `{key}`: {e}"))?;
-                }
-                "chunk_size" => meta.chunk_size = Some(uint(key, val)? as usize),
-                "cp" => meta.cp = Some(cp_layout(val)?),
-                "seed" => meta.seed = Some(uint(key, val)?),
-                "dtype" => {
-                    let s = val
-                        .as_str()
-                        .ok_or(format!("key `{key}`: expected a string"))?;
-                    meta.dtype =
-                        Some(Dtype::parse(s).ok_or(format!("key `{key}`: unknown dtype \"{s}\""))?);
-                }
-                "regime" => {
-                    let s = val
-                        .as_str()
-                        .ok_or(format!("key `{key}`: expected a string"))?;
-                    meta.regime = Some(deltaref::inputs::Regime::parse(s).ok_or(format!(
-                        "key `{key}`: unknown regime \"{s}\" (fla-test, long-memory, mixed, sharp)"
-                    ))?);
-                }
-                other => return Err(format!("unknown key `{other}` in `case`")),
-            }
+        if let Some(k) = m.keys().find(|k| !op.keys().contains(&k.as_str())) {
+            return Err(not_a_key_of(op, k));
         }
-        meta.gate = match (gate_name.as_deref(), lower_bound) {
-            (None, None) if gdn_gate => Gate::Kda,
+        let common_keys = keys::<Common>();
+        let (common, own) = m
+            .into_iter()
+            .partition(|(k, _)| common_keys.contains(&k.as_str()));
+        let mut meta = CaseMeta::new(op);
+        de::<Common>(op, common)?.apply(&mut meta)?;
+        match op {
+            Op::Kda => de::<KdaMeta>(op, own)?.apply(&mut meta)?,
+            Op::Gdn => de::<GdnMeta>(op, own)?.apply(&mut meta),
+            Op::CausalConv1d => de::<ConvMeta>(op, own)?.apply(&mut meta)?,
+            Op::Dplr | Op::TokenShift => {}
+        }
+        Ok(meta)
+    }
+}
+
+impl Op {
+    /// The keys a case of this op may hold besides `op`.
+    fn keys(self) -> Vec<&'static str> {
+        let own = match self {
+            Op::Kda => keys::<KdaMeta>(),
+            Op::Gdn => keys::<GdnMeta>(),
+            Op::CausalConv1d => keys::<ConvMeta>(),
+            Op::Dplr | Op::TokenShift => &[],
+        };
+        [keys::<Common>(), own].concat()
+    }
+}
+
+/// The keys every op's metadata takes.
+#[derive(Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct Common {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scale: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chunk_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cp: Option<CpMeta>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dtype: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    regime: Option<String>,
+}
+
+impl Common {
+    fn of(m: &CaseMeta) -> Self {
+        Common {
+            scale: m.scale,
+            chunk_size: m.chunk_size,
+            cp: m.cp.as_ref().map(CpMeta::of),
+            seed: m.seed,
+            dtype: m.dtype.map(|d| d.name().into()),
+            regime: m.regime.map(|r| r.name().into()),
+        }
+    }
+
+    fn apply(self, m: &mut CaseMeta) -> Result<(), String> {
+        m.scale = self.scale;
+        m.chunk_size = self.chunk_size;
+        m.cp = self.cp.map(CpMeta::layout).transpose()?;
+        m.seed = self.seed;
+        m.dtype = self
+            .dtype
+            .map(|s| Dtype::parse_among(&s, "key `dtype`", &Dtype::CASE_FILE))
+            .transpose()?;
+        m.regime = self
+            .regime
+            .map(|s| {
+                deltaref::inputs::Regime::parse(&s).ok_or(format!(
+                    "key `regime`: unknown regime \"{s}\" (fla-test, long-memory, mixed, sharp)"
+                ))
+            })
+            .transpose()?;
+        Ok(())
+    }
+}
+
+/// `cp`: `{"world": N, "layout": …}` or `{"cuts": [...]}`.
+#[derive(Default, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "an object {\"world\": N, \"layout\": \"contiguous\"|\"zigzag\"} or {\"cuts\": [...]}"
+)]
+struct CpMeta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    world: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    layout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cuts: Option<Vec<usize>>,
+}
+
+impl CpMeta {
+    fn of(c: &CpLayout) -> Self {
+        match c {
+            CpLayout::World(w, l) => CpMeta {
+                world: Some(*w),
+                // Contiguous, FLA's default, is written as no `layout`.
+                layout: (*l != Layout::Contiguous).then(|| l.name().into()),
+                cuts: None,
+            },
+            CpLayout::Cuts(c) => CpMeta {
+                cuts: Some(c.clone()),
+                ..CpMeta::default()
+            },
+        }
+    }
+
+    fn layout(self) -> Result<CpLayout, String> {
+        let layout = self
+            .layout
+            .map(|s| Layout::parse(&s).map_err(|e| format!("key `cp.layout`: {e}")))
+            .transpose()?;
+        match (self.world, self.cuts) {
+            (None, Some(_)) if layout.is_some() => {
+                Err("key `cp.layout`: applies to `world`, not to `cuts`".into())
+            }
+            (Some(w), None) => Ok(CpLayout::World(w, layout.unwrap_or_default())),
+            (None, Some(c)) => Ok(CpLayout::Cuts(c)),
+            _ => Err("key `cp`: give exactly one of `world` or `cuts`".into()),
+        }
+    }
+}
+
+/// KDA's options (FLA `chunk_kda`); `gate` is `none`, `kda` or
+/// `lowerbound` (with `lower_bound`).
+#[derive(Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct KdaMeta {
+    use_qk_l2norm_in_kernel: bool,
+    gate: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lower_bound: Option<f64>,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+}
+
+impl KdaMeta {
+    fn of(m: &CaseMeta) -> Self {
+        KdaMeta {
+            use_qk_l2norm_in_kernel: m.use_qk_l2norm_in_kernel,
+            gate: Some(m.gate.name().into()),
+            lower_bound: match m.gate {
+                Gate::LowerBound { lower_bound } => Some(lower_bound),
+                _ => None,
+            },
+            use_beta_sigmoid_in_kernel: m.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: m.allow_neg_eigval,
+        }
+    }
+
+    fn apply(self, m: &mut CaseMeta) -> Result<(), String> {
+        m.use_qk_l2norm_in_kernel = self.use_qk_l2norm_in_kernel;
+        m.use_beta_sigmoid_in_kernel = self.use_beta_sigmoid_in_kernel;
+        m.allow_neg_eigval = self.allow_neg_eigval;
+        m.gate = match (self.gate.as_deref(), self.lower_bound) {
             (None | Some("none"), None) => Gate::None,
             (Some("kda"), None) => Gate::Kda,
             (Some("lowerbound"), Some(lb)) => Gate::LowerBound { lower_bound: lb },
@@ -393,63 +418,151 @@ impl CaseMeta {
                 ))
             }
         };
-        Ok(meta)
+        Ok(())
     }
 }
 
-fn num(key: &str, v: &Value) -> Result<f64, String> {
-    v.as_f64()
-        .ok_or(format!("key `{key}`: expected a number, got {v}"))
+/// GDN's options (FLA `chunk_gated_delta_rule`); its in-kernel gate is
+/// `gate == Gate::Kda` in [`CaseMeta`].
+#[derive(Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct GdnMeta {
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
 }
 
-fn boolean(key: &str, v: &Value) -> Result<bool, String> {
-    v.as_bool()
-        .ok_or(format!("key `{key}`: expected true or false, got {v}"))
-}
-
-fn uint(key: &str, v: &Value) -> Result<u64, String> {
-    v.as_u64().ok_or(format!(
-        "key `{key}`: expected a non-negative integer, got {v}"
-    ))
-}
-
-fn cp_layout(v: &Value) -> Result<CpLayout, String> {
-    let m = v.as_object().ok_or(
-        "key `cp`: expected an object {\"world\": N, \"layout\": \"contiguous\"|\"zigzag\"} or {\"cuts\": [...]}",
-    )?;
-    if let Some(k) = m
-        .keys()
-        .find(|k| !["world", "layout", "cuts"].contains(&k.as_str()))
-    {
-        return Err(format!("unknown key `cp.{k}`"));
-    }
-    let layout = match m.get("layout") {
-        None => None,
-        Some(Value::String(s)) => {
-            Some(Layout::parse(s).map_err(|e| format!("key `cp.layout`: {e}"))?)
+impl GdnMeta {
+    fn of(m: &CaseMeta) -> Self {
+        GdnMeta {
+            use_qk_l2norm_in_kernel: m.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel: m.gate == Gate::Kda,
+            use_beta_sigmoid_in_kernel: m.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: m.allow_neg_eigval,
+            state_v_first: m.state_v_first,
         }
-        Some(other) => {
+    }
+
+    fn apply(self, m: &mut CaseMeta) {
+        m.use_qk_l2norm_in_kernel = self.use_qk_l2norm_in_kernel;
+        m.gate = if self.use_gate_in_kernel {
+            Gate::Kda
+        } else {
+            Gate::None
+        };
+        m.use_beta_sigmoid_in_kernel = self.use_beta_sigmoid_in_kernel;
+        m.allow_neg_eigval = self.allow_neg_eigval;
+        m.state_v_first = self.state_v_first;
+    }
+}
+
+/// Causal conv1d's options (FLA `causal_conv1d`).
+#[derive(Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct ConvMeta {
+    activation: Option<String>,
+}
+
+impl ConvMeta {
+    fn of(m: &CaseMeta) -> Self {
+        ConvMeta {
+            activation: Some(m.activation.name().into()),
+        }
+    }
+
+    fn apply(self, m: &mut CaseMeta) -> Result<(), String> {
+        if let Some(s) = self.activation {
+            m.activation = Activation::parse(&s).map_err(|e| format!("key `activation`: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// `x` as a JSON object (every options type serialises to one).
+fn object<T: Serialize>(x: &T) -> Map<String, Value> {
+    match serde_json::to_value(x) {
+        Ok(Value::Object(m)) => m,
+        _ => unreachable!("options types are structs of JSON values"),
+    }
+}
+
+/// Deserialises an options type from the keys `m`; serde's message names
+/// the type expected, so the key is found by reading each alone.
+fn de<T: DeserializeOwned>(op: Op, m: Map<String, Value>) -> Result<T, String> {
+    if let Some(Value::Object(cp)) = m.get("cp") {
+        if let Some(k) = cp.keys().find(|k| !keys::<CpMeta>().contains(&k.as_str())) {
             return Err(format!(
-                "key `cp.layout`: expected \"contiguous\" or \"zigzag\", got {other}"
-            ))
+                "unknown key `cp.{k}` (expected world, layout or cuts)"
+            ));
         }
-    };
-    match (m.get("world"), m.get("cuts")) {
-        (None, Some(_)) if layout.is_some() => {
-            Err("key `cp.layout`: applies to `world`, not to `cuts`".into())
-        }
-        (Some(w), None) => Ok(CpLayout::World(
-            uint("cp.world", w)? as usize,
-            layout.unwrap_or_default(),
-        )),
-        (None, Some(Value::Array(c))) => Ok(CpLayout::Cuts(
-            c.iter()
-                .map(|x| uint("cp.cuts", x).map(|u| u as usize))
-                .collect::<Result<_, _>>()?,
-        )),
-        (None, Some(other)) => Err(format!(
-            "key `cp.cuts`: expected an array of integers, got {other}"
-        )),
-        _ => Err("key `cp`: give exactly one of `world` or `cuts`".into()),
+    }
+    serde_json::from_value(Value::Object(m.clone())).map_err(|e| {
+        m.iter()
+            .find_map(|(k, v)| {
+                let one = Map::from_iter([(k.clone(), v.clone())]);
+                let e = serde_json::from_value::<T>(Value::Object(one)).err()?;
+                Some(format!("key `{k}` of op {}: {e}", op.name()))
+            })
+            .unwrap_or_else(|| format!("`case` of op {}: {e}", op.name()))
+    })
+}
+
+/// The error for a key `op` does not take: the ops that do, if any.
+fn not_a_key_of(op: Op, key: &str) -> String {
+    let owners: Vec<&str> = Op::ALL
+        .into_iter()
+        .filter(|o| o.keys().contains(&key))
+        .map(Op::name)
+        .collect();
+    if owners.is_empty() {
+        format!(
+            "unknown key `{key}` in `case` (op {} takes op, {})",
+            op.name(),
+            op.keys().join(", ")
+        )
+    } else {
+        format!(
+            "key `{key}`: only applies to op {}, not {}",
+            owners.join(" or "),
+            op.name()
+        )
+    }
+}
+
+/// The field names of an options type, as serde's derive declares them.
+fn keys<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(FieldNames(&mut fields));
+    fields
+}
+
+/// A deserializer that only records the fields a struct asks for.
+struct FieldNames<'a>(&'a mut &'static [&'static str]);
+
+impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
+    type Error = serde::de::value::Error;
+
+    fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+        Err(serde::de::Error::custom(
+            "only a struct's field names are read",
+        ))
+    }
+
+    fn deserialize_struct<V: Visitor<'de>>(
+        self,
+        _: &'static str,
+        fields: &'static [&'static str],
+        v: V,
+    ) -> Result<V::Value, Self::Error> {
+        *self.0 = fields;
+        self.deserialize_any(v)
+    }
+
+    serde::forward_to_deserialize_any! {
+        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+        byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map
+        enum identifier ignored_any
     }
 }

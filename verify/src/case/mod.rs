@@ -23,7 +23,7 @@ use deltaref::token_shift::TokenShiftInputs;
 use ndarray::ArrayD;
 
 use crate::outputs::Tensors;
-pub use dtype::Dtype;
+pub use deltaref::Dtype;
 pub use error::CaseError;
 pub use io::write_atomic;
 pub use meta::{CaseMeta, CpLayout, Op};
@@ -122,18 +122,24 @@ impl Case {
             })
         };
         let cu = self.cu_seqlens.clone();
+        // KDA and GDN take the same FLA names (their gates differ in shape).
+        macro_rules! gated {
+            ($inputs:ident) => {
+                $inputs {
+                    q: need("q")?,
+                    k: need("k")?,
+                    v: need("v")?,
+                    g: need("g")?,
+                    beta: need("beta")?,
+                    a_log: get("A_log"),
+                    dt_bias: get("dt_bias"),
+                    initial_state: get("initial_state"),
+                    cu_seqlens: cu,
+                }
+            };
+        }
         Ok(match op {
-            Op::Kda => Inputs::Kda(KdaInputs {
-                q: need("q")?,
-                k: need("k")?,
-                v: need("v")?,
-                g: need("g")?,
-                beta: need("beta")?,
-                a_log: get("A_log"),
-                dt_bias: get("dt_bias"),
-                initial_state: get("initial_state"),
-                cu_seqlens: cu,
-            }),
+            Op::Kda => Inputs::Kda(gated!(KdaInputs)),
             Op::Dplr => Inputs::Dplr(DplrInputs {
                 q: need("q")?,
                 k: need("k")?,
@@ -149,17 +155,7 @@ impl Case {
                 cache: get("cache"),
                 cu_seqlens: cu,
             }),
-            Op::Gdn => Inputs::Gdn(GdnInputs {
-                q: need("q")?,
-                k: need("k")?,
-                v: need("v")?,
-                g: need("g")?,
-                beta: need("beta")?,
-                a_log: get("A_log"),
-                dt_bias: get("dt_bias"),
-                initial_state: get("initial_state"),
-                cu_seqlens: cu,
-            }),
+            Op::Gdn => Inputs::Gdn(gated!(GdnInputs)),
             Op::CausalConv1d => Inputs::CausalConv1d(ConvInputs {
                 x: need("x")?,
                 weight: need("weight")?,

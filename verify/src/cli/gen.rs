@@ -10,7 +10,7 @@ use deltaref::inputs::Regime;
 use deltaref_verify::case::{CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
 
-use super::{fail, list};
+use super::{fail, file_dtype, list};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
@@ -56,8 +56,8 @@ pub struct Args {
     #[arg(long)]
     pub scale: Option<f64>,
     /// Storage dtype of the inputs and upstream gradients: f64, f32, bf16, f16.
-    #[arg(long, default_value = "f64")]
-    pub dtype: String,
+    #[arg(long, default_value = "f64", value_parser = file_dtype)]
+    pub dtype: Dtype,
     /// Also store the float64 outputs and gradients.
     #[arg(long)]
     pub expected: bool,
@@ -143,12 +143,7 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
         activation,
         bias: a.bias,
         scale: a.scale,
-        dtype: Dtype::parse(&a.dtype).ok_or_else(|| {
-            usage(format!(
-                "--dtype: unknown dtype `{}` (f64, f32, bf16, f16)",
-                a.dtype
-            ))
-        })?,
+        dtype: a.dtype,
         expected: a.expected,
         regime: Regime::parse(&a.regime).ok_or_else(|| {
             usage(format!(

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref::cp::Layout;
-use deltaref_gpu::Storage;
+use deltaref::Dtype;
 use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
 use deltaref_verify::impls::{Compute, Impl, ImplRequest};
@@ -86,8 +86,8 @@ pub struct ImplArgs {
     #[arg(long)]
     pub precision: Option<String>,
     /// gpu-*: store the inputs as f32 or bf16 (default: the case's input dtype).
-    #[arg(long, value_enum)]
-    pub gpu_dtype: Option<GpuDtype>,
+    #[arg(long, value_parser = gpu_dtype)]
+    pub gpu_dtype: Option<Dtype>,
 }
 
 /// `--chunk-size`: one of the chunk sizes FLA's kernels use.
@@ -131,20 +131,14 @@ impl CpEngineArg {
     }
 }
 
-/// `--gpu-dtype`: how the GPU kernels store their inputs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum GpuDtype {
-    F32,
-    Bf16,
+/// `--dtype`: a dtype a case file stores ([`Dtype::CASE_FILE`]).
+pub(crate) fn file_dtype(s: &str) -> Result<Dtype, String> {
+    Dtype::parse_among(s, "--dtype", &Dtype::CASE_FILE)
 }
 
-impl From<GpuDtype> for Storage {
-    fn from(d: GpuDtype) -> Storage {
-        match d {
-            GpuDtype::F32 => Storage::F32,
-            GpuDtype::Bf16 => Storage::Bf16,
-        }
-    }
+/// `--gpu-dtype`: a dtype the GPU kernels read their inputs as ([`Dtype::GPU`]).
+fn gpu_dtype(s: &str) -> Result<Dtype, String> {
+    Dtype::parse_among(s, "--gpu-dtype", &Dtype::GPU)
 }
 
 impl ImplArgs {
@@ -184,7 +178,7 @@ impl ImplArgs {
         }
         let req = ImplRequest {
             name: self.imp.clone(),
-            gpu_dtype: self.gpu_dtype.map(Storage::from),
+            gpu_dtype: self.gpu_dtype,
             chunk_size: self.chunk_size,
             world: self.world,
             layout: self.layout.map(Layout::from),

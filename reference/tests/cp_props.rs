@@ -4,6 +4,8 @@
 //! norm_ratio; merged states equal the non-CP state at each rank's first
 //! token. Plus FLA's debugging-guide example and intra-card splitting.
 
+mod common;
+
 use deltaref::cp::intra::{compute_subseq_len, split_points, IntraParams};
 use deltaref::cp::plan::PlanSpec;
 use deltaref::cp::{self, CpOptions};
@@ -14,9 +16,10 @@ use deltaref::kda::{self, chunk::Chunk, naive::Naive, Kda, KdaOptions};
 use deltaref::op::{self, Engine, Prepared as _};
 use deltaref::token_shift::{self, Shift};
 use deltaref::varlen::Segment;
-use deltaref_tests::ratio;
 use ndarray::ArrayD;
 use proptest::prelude::*;
+
+use common::norm_ratio as ratio;
 
 const TOL: f64 = 1e-10;
 /// max_abs bar for merged states and state gradients, relative to max(1, max |reference|).
