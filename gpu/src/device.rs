@@ -92,6 +92,16 @@ fn bf16_bits(v: f64) -> u16 {
     }
 }
 
+/// `n` zeros whose pages are mapped: the first write to a fresh page is a
+/// page fault, which costs more than the copy that lands there. Mapping a
+/// result's memory on every core while the device computes takes it off
+/// the path from the last kernel to the f64 results.
+pub(crate) fn mapped_zeros(n: usize) -> Vec<f64> {
+    let mut v = vec![0.0; n];
+    v.par_chunks_mut(1 << 18).for_each(|c| c.fill(0.0));
+    v
+}
+
 /// Null for an optional pointer argument.
 static NULL: u64 = 0;
 
@@ -349,9 +359,10 @@ impl Gpu {
         &self,
         what: &str,
         x: &CudaSlice<T>,
-        n: usize,
         f: impl Fn(T) -> f64 + Sync,
-    ) -> Result<Vec<f64>> {
+        out: &mut [f64],
+    ) -> Result<()> {
+        let n = out.len();
         let per = STAGE_BYTES / std::mem::size_of::<T>();
         let parts = n.div_ceil(per);
         let mut stages = self.staging()?;
@@ -369,7 +380,6 @@ impl Gpu {
         for i in 0..parts.min(2) {
             fetch(i, &mut stages[i])?;
         }
-        let mut out = vec![0.0f64; n];
         for (i, wide) in out.chunks_mut(per).enumerate() {
             let stage = &mut stages[i % 2];
             let buf = stage.part::<T>(wide.len())?;
@@ -381,7 +391,7 @@ impl Gpu {
                 fetch(i + 2, stage)?;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Copies a result `[shape]` back as f64, rounded to `round_to`'s dtype
@@ -394,8 +404,22 @@ impl Gpu {
         shape: &[usize],
         round_to: Option<Dtype>,
     ) -> Result<ArrayD<f64>> {
-        let n: usize = shape.iter().product();
-        let wide = if round_to == Some(Dtype::Bf16) && n > 0 {
+        let n = shape.iter().product();
+        self.fetch_into(what, t, shape, round_to, vec![0.0; n])
+    }
+
+    /// [`Gpu::fetch`] into `out` (`shape`'s element count, e.g. from
+    /// [`mapped_zeros`]).
+    pub(crate) fn fetch_into(
+        &self,
+        what: &str,
+        t: CudaSlice<f32>,
+        shape: &[usize],
+        round_to: Option<Dtype>,
+        mut out: Vec<f64>,
+    ) -> Result<ArrayD<f64>> {
+        let n = out.len();
+        if round_to == Some(Dtype::Bf16) && n > 0 {
             let mut packed = self.zeros::<u16>(what, n)?;
             let f = self.function(&PREP, prep_defines(Dtype::Bf16), "pack_bf16")?;
             let nn = n as i64;
@@ -404,13 +428,12 @@ impl Gpu {
             self.launch(b, "pack_bf16", elementwise(n))?;
             // A bf16 is an f32 with the low 16 bits zero: exact, and
             // branch-free (half's bf16 → f64 checks each special case).
-            self.download_as(what, &packed, n, |b| {
-                f64::from(f32::from_bits(u32::from(b) << 16))
-            })?
+            let wide = |b: u16| f64::from(f32::from_bits(u32::from(b) << 16));
+            self.download_as(what, &packed, wide, &mut out)?;
         } else {
-            self.download_as(what, &t, n, f64::from)?
-        };
-        Ok(ArrayD::from_shape_vec(IxDyn(shape), wide).expect("shape matches the buffer"))
+            self.download_as(what, &t, f64::from, &mut out)?;
+        }
+        Ok(ArrayD::from_shape_vec(IxDyn(shape), out).expect("shape matches the buffer"))
     }
 
     /// Free and total device memory in bytes.

@@ -18,7 +18,7 @@ use ndarray::ArrayD;
 use crate::cp::{self, Recurrence};
 use deltaref::Dtype;
 
-use crate::device::{arg_in, arg_opt, elementwise, Gpu, Input};
+use crate::device::{arg_in, arg_opt, elementwise, mapped_zeros, Gpu, Input};
 use crate::error::Result;
 use crate::kernels::{check_sizes, prep_defines, Defines, PREP};
 use crate::{Engine, GpuImpl, Run, Timings};
@@ -329,7 +329,13 @@ impl<'g> Problem<'g> {
     }
 
     /// Gradients with respect to the inputs, from the per-head gradients.
-    fn chain(&self, g: Grads, dh0: CudaSlice<f32>, x: &KdaRefs<'_, f64>) -> Result<KdaGrads<f64>> {
+    fn chain(
+        &self,
+        g: Grads,
+        dh0: CudaSlice<f32>,
+        x: &KdaRefs<'_, f64>,
+        host: Landing,
+    ) -> Result<KdaGrads<f64>> {
         let dq = self.chain_qk(&g.dq, &self.raw_q, self.scale)?;
         let dk = self.chain_qk(&g.dk, &self.raw_k, 1.0)?;
         let (dg, da_log, ddt_bias) = self.chain_gate(g.dg)?;
@@ -338,13 +344,17 @@ impl<'g> Problem<'g> {
             self.gpu
                 .fetch(what, t, shape, round.then_some(self.storage))
         };
+        let token = |what: &str, t: CudaSlice<f32>, like: &ArrayD<f64>, out: Vec<f64>| {
+            let round = Some(self.storage);
+            self.gpu.fetch_into(what, t, like.shape(), round, out)
+        };
         let shape_of = |a: &ArrayD<f64>| a.shape().to_vec();
         Ok(KdaGrads {
-            dq: fetch("dq", dq, &shape_of(x.q), true)?,
-            dk: fetch("dk", dk, &shape_of(x.k), true)?,
-            dv: fetch("dv", g.dv, &shape_of(x.v), true)?,
-            dg: fetch("dg", dg, &shape_of(x.g), true)?,
-            dbeta: fetch("dbeta", dbeta, &shape_of(x.beta), true)?,
+            dq: token("dq", dq, x.q, host.dq)?,
+            dk: token("dk", dk, x.k, host.dk)?,
+            dv: token("dv", g.dv, x.v, host.dv)?,
+            dg: token("dg", dg, x.g, host.dg)?,
+            dbeta: token("dbeta", dbeta, x.beta, host.dbeta)?,
             da_log: match (da_log, x.a_log) {
                 (Some(t), Some(a)) => Some(fetch("dA_log", t, &shape_of(a), false)?),
                 _ => None,
@@ -358,6 +368,30 @@ impl<'g> Problem<'g> {
                 None => None,
             },
         })
+    }
+}
+
+/// Host memory for the token-sized results, mapped while the device
+/// computes (see [`mapped_zeros`]).
+struct Landing {
+    o: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    dg: Vec<f64>,
+    dbeta: Vec<f64>,
+}
+
+impl Landing {
+    fn new(x: &KdaRefs<'_, f64>) -> Landing {
+        Landing {
+            o: mapped_zeros(x.v.len()),
+            dq: mapped_zeros(x.q.len()),
+            dk: mapped_zeros(x.k.len()),
+            dv: mapped_zeros(x.v.len()),
+            dg: mapped_zeros(x.g.len()),
+            dbeta: mapped_zeros(x.beta.len()),
+        }
     }
 }
 
@@ -439,33 +473,40 @@ fn run_with<R: Recurrence<Grads = Grads>>(
         .map(|spec| spec.build(d.b, d.t, x.cu_seqlens))
         .transpose()?;
     let mut o = gpu.zeros::<f32>("o", p.tokens() * d.hv * d.v)?;
-    let (ht, forward_s) = gpu.timed("KDA forward", || match &plan {
-        None => rec.forward(&segs, p.h0.as_ref(), Some(&mut o)),
-        Some(plan) => cp::forward(rec, plan, p.h0.as_ref(), &mut o),
-    })?;
-    let ((grads, dh0), backward_s) = gpu.timed("KDA backward", || {
-        let mut g = Grads::zeros(p)?;
-        let dh0 = match &plan {
-            None => rec.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
-            Some(plan) => cp::backward(rec, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+    std::thread::scope(|s| {
+        // The results' host memory is mapped on the other cores while the
+        // device computes.
+        let landing = s.spawn(|| Landing::new(x));
+        let (ht, forward_s) = gpu.timed("KDA forward", || match &plan {
+            None => rec.forward(&segs, p.h0.as_ref(), Some(&mut o)),
+            Some(plan) => cp::forward(rec, plan, p.h0.as_ref(), &mut o),
+        })?;
+        let ((grads, dh0), backward_s) = gpu.timed("KDA backward", || {
+            let mut g = Grads::zeros(p)?;
+            let dh0 = match &plan {
+                None => rec.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+                Some(plan) => cp::backward(rec, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+            };
+            Ok((g, dh0))
+        })?;
+        let t = std::time::Instant::now();
+        let mut host = landing.join().expect("mapping the results' memory");
+        let o_host = std::mem::take(&mut host.o);
+        let grads = p.chain(grads, dh0, x, host)?;
+        let outputs = KdaOutputs {
+            o: gpu.fetch_into("o", o, x.v.shape(), Some(p.storage), o_host)?,
+            final_state: Some(gpu.fetch("final_state", ht, &[d.n, d.hv, d.k, d.v], None)?),
         };
-        Ok((g, dh0))
-    })?;
-    let t = std::time::Instant::now();
-    let grads = p.chain(grads, dh0, x)?;
-    let outputs = KdaOutputs {
-        o: gpu.fetch("o", o, x.v.shape(), Some(p.storage))?,
-        final_state: Some(gpu.fetch("final_state", ht, &[d.n, d.hv, d.k, d.v], None)?),
-    };
-    gpu.sync("KDA results")?;
-    Ok(Run {
-        outputs,
-        grads,
-        timings: Timings {
-            forward_s,
-            backward_s,
-            download_s: t.elapsed().as_secs_f64(),
-            ..Timings::default()
-        },
+        gpu.sync("KDA results")?;
+        Ok(Run {
+            outputs,
+            grads,
+            timings: Timings {
+                forward_s,
+                backward_s,
+                download_s: t.elapsed().as_secs_f64(),
+                ..Timings::default()
+            },
+        })
     })
 }
