@@ -332,18 +332,18 @@ fn gdn_kernels_match_the_oracle() {
         // so bf16's rounding of q/k (FLA's l2norm store) reaches them
         // amplified (measured: dg 5.2e-3 at K = 128, ddt_bias 9.1e-3; KDA's
         // bf16 test has neither a scalar gate nor the kda gate). Their band.
-        let params = |t: &mut Tensors| {
+        let sums = |t: &mut Tensors| {
             ["dg", "dA_log", "ddt_bias"]
                 .into_iter()
                 .filter_map(|n| Some((n.to_string(), t.remove(n)?)))
                 .collect::<Tensors>()
         };
-        let (truth_p, got_p) = (params(&mut truth), params(&mut got));
+        let (truth_s, got_s) = (sums(&mut truth), sums(&mut got));
         check(&format!("gdn bf16 Chunk(64) {name}"), &truth, &got, 5e-3);
         check(
-            &format!("gdn bf16 gate params {name}"),
-            &truth_p,
-            &got_p,
+            &format!("gdn bf16 gate sums {name}"),
+            &truth_s,
+            &got_s,
             2e-2,
         );
     }
