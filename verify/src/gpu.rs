@@ -293,7 +293,7 @@ mod tests {
         let out = deltaref::op::forward(&e, &g.inputs, &spec.opts).unwrap();
         let gr = deltaref::op::backward(&e, &g.inputs, &spec.opts, &g.d_o, Some(&g.dht)).unwrap();
         let want = outputs::map::<f64, Gdn>(&out, Some(&gr));
-        assert_eq!(want.len(), 8, "{:?}", want.keys());
+        assert_eq!(want.len(), 10, "{:?}", want.keys());
         assert_eq!(gdn_tensors(out, gr), want);
     }
 }
