@@ -169,7 +169,7 @@ fn run<'py>(
     let case = build_case(meta_json, tensors, &dtypes, cu_seqlens)?;
     let compute = compute_of(compute)?;
     let req = ImplRequest {
-        name: impl_name.to_string(),
+        name: impl_name.parse().map_err(value_error)?,
         chunk_size,
         world,
         layout: layout_of(layout.as_deref())?,
@@ -327,7 +327,7 @@ fn verify<'py>(
         .transpose()?;
     let compute = compute.as_deref().map(compute_of).transpose()?;
     let req = ImplRequest {
-        name: impl_name.to_string(),
+        name: impl_name.parse().map_err(value_error)?,
         chunk_size,
         world,
         layout: layout_of(layout.as_deref())?,

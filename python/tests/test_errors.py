@@ -86,6 +86,11 @@ def test_bad_implementation_gives_the_cli_message(flags, kw, cli):
         # way; both name the value and the allowed sizes.
         for part in ("48", "16, 32 or 64"):
             assert part in str(e.value) and part in want
+    elif kw.get("impl") == "fast":
+        # `--impl` is typed: clap wraps the name's own message, which the
+        # binding gives alone.
+        assert str(e.value).startswith("unknown --impl `fast` (available: naive, chunk, cp")
+        assert str(e.value) in want
     else:
         assert str(e.value) == want
 

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use deltaref_verify::case::Case;
-use deltaref_verify::impls::{Compute, ImplRequest};
+use deltaref_verify::impls::{Compute, ImplName, ImplRequest};
 use deltaref_verify::report::VerifyReport;
 
 const BAR: f64 = 5e-3;
@@ -35,7 +35,7 @@ fn cp_fixtures() -> Vec<(String, Case)> {
 /// The CP run under `preset` against the fixture's stored truth.
 fn report(case: &Case, preset: &str) -> Option<VerifyReport> {
     let req = ImplRequest {
-        name: "cp".into(),
+        name: ImplName::Cp,
         precision: Some(preset.into()),
         ..ImplRequest::default()
     };

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use deltaref_verify::case::{Case, Op};
 use deltaref_verify::fixtures::{check, Manifest};
-use deltaref_verify::impls::{Compute, Impl, ImplRequest};
+use deltaref_verify::impls::{Compute, Impl, ImplName, ImplRequest};
 use deltaref_verify::report::VerifyReport;
 
 fn committed() -> PathBuf {
@@ -74,7 +74,7 @@ fn every_fixture_verifies_against_every_implementation() {
                 "naive"
             };
             let req = ImplRequest {
-                name: "cp".into(),
+                name: ImplName::Cp,
                 cp_engine: Some(cp_engine.into()),
                 ..ImplRequest::default()
             };

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use deltaref_verify::case::Case;
-use deltaref_verify::impls::{Compute, ImplRequest};
+use deltaref_verify::impls::{Compute, ImplName, ImplRequest};
 
 fn fixtures() -> Vec<Case> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -24,21 +24,21 @@ fn fixtures() -> Vec<Case> {
 }
 
 fn requests(case: &Case) -> Vec<ImplRequest> {
-    let mut r: Vec<ImplRequest> = ["naive", "chunk"]
-        .iter()
-        .map(|n| ImplRequest {
-            name: n.to_string(),
+    let mut r: Vec<ImplRequest> = [ImplName::Naive, ImplName::Chunk]
+        .into_iter()
+        .map(|name| ImplRequest {
+            name,
             ..ImplRequest::default()
         })
         .collect();
     r.push(ImplRequest {
-        name: "chunk".into(),
+        name: ImplName::Chunk,
         precision: Some("fla-bf16".into()),
         ..ImplRequest::default()
     });
     if case.meta.cp.is_some() {
         r.push(ImplRequest {
-            name: "cp".into(),
+            name: ImplName::Cp,
             ..ImplRequest::default()
         });
     }
@@ -80,7 +80,7 @@ fn forward_only_needs_no_upstream_gradients() {
         bare.tensors
             .retain(|n, _| op.inputs().contains(&n.as_str()));
         let req = ImplRequest {
-            name: "chunk".into(),
+            name: ImplName::Chunk,
             ..ImplRequest::default()
         };
         let imp = req.resolve(&bare).expect("resolves");

@@ -89,7 +89,7 @@ fn run(
     precision: Option<&str>,
 ) -> (Tensors, Impl) {
     let req = ImplRequest {
-        name: imp.into(),
+        name: imp.parse().expect("an --impl name"),
         chunk_size: Some(16),
         cuts,
         cp_engine: Some("chunk".into()).filter(|_| imp == "cp"),

@@ -7,13 +7,13 @@ use deltaref::gates::Gate;
 use deltaref::inputs::{self, Layout, Regime, TokenShiftSpec};
 use deltaref_verify::case::Op;
 use deltaref_verify::generate::{generate, GenSpec};
-use deltaref_verify::impls::ImplRequest;
+use deltaref_verify::impls::{ImplName, ImplRequest};
 
 /// The largest `|M|` entry over the ranks whose state a later rank merges.
 fn max_merged_m(spec: &GenSpec) -> f64 {
     let case = generate(spec).expect("generates");
     let req = ImplRequest {
-        name: "cp".into(),
+        name: ImplName::Cp,
         world: Some(4),
         ..ImplRequest::default()
     };

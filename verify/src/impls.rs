@@ -20,6 +20,86 @@ use crate::case::{Case, CaseError, CaseMeta, CpLayout, Inputs, Op};
 pub use crate::compute::{Compute, ComputeError};
 use crate::outputs::{self, Tensors};
 
+/// `--impl`: an implementation family by its command-line name; parses and
+/// prints itself (clap takes it through [`FromStr`](std::str::FromStr)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ImplName {
+    /// The oracle's naive recurrence.
+    #[default]
+    Naive,
+    /// The oracle's chunked form.
+    Chunk,
+    /// Simulated context parallel in the oracle's code.
+    Cp,
+    GpuNaive,
+    GpuChunk,
+    GpuCp,
+}
+
+impl ImplName {
+    pub const ALL: [ImplName; 6] = [
+        ImplName::Naive,
+        ImplName::Chunk,
+        ImplName::Cp,
+        ImplName::GpuNaive,
+        ImplName::GpuChunk,
+        ImplName::GpuCp,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ImplName::Naive => "naive",
+            ImplName::Chunk => "chunk",
+            ImplName::Cp => "cp",
+            ImplName::GpuNaive => "gpu-naive",
+            ImplName::GpuChunk => "gpu-chunk",
+            ImplName::GpuCp => "gpu-cp",
+        }
+    }
+
+    /// The CUDA kernels rather than the oracle's code.
+    pub fn on_gpu(self) -> bool {
+        matches!(
+            self,
+            ImplName::GpuNaive | ImplName::GpuChunk | ImplName::GpuCp
+        )
+    }
+
+    pub fn is_cp(self) -> bool {
+        matches!(self, ImplName::Cp | ImplName::GpuCp)
+    }
+
+    /// The local engine a non-CP implementation names (CP's is `--cp-engine`'s).
+    fn engine(self) -> Option<&'static str> {
+        match self {
+            ImplName::Naive | ImplName::GpuNaive => Some("naive"),
+            ImplName::Chunk | ImplName::GpuChunk => Some("chunk"),
+            ImplName::Cp | ImplName::GpuCp => None,
+        }
+    }
+}
+
+impl std::fmt::Display for ImplName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ImplName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ImplName, String> {
+        ImplName::ALL
+            .into_iter()
+            .find(|n| n.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown --impl `{s}` (available: {})",
+                    ImplName::ALL.map(ImplName::name).join(", ")
+                )
+            })
+    }
+}
+
 /// The local engine: the naive recurrence or the chunked form.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Engine {
@@ -345,7 +425,7 @@ pub const DEFAULT_CHUNK_SIZE: usize = 64;
 /// What `--impl` and its flags say, before the case is known.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ImplRequest {
-    pub name: String,
+    pub name: ImplName,
     /// The chunked engine's chunk size (default: the case's, else
     /// [`DEFAULT_CHUNK_SIZE`]).
     pub chunk_size: Option<usize>,
@@ -370,11 +450,10 @@ impl ImplRequest {
     pub fn chunked_for(case: &Case) -> ImplRequest {
         ImplRequest {
             name: if case.meta.cp.is_some() {
-                "cp"
+                ImplName::Cp
             } else {
-                "chunk"
-            }
-            .into(),
+                ImplName::Chunk
+            },
             ..ImplRequest::default()
         }
     }
@@ -392,14 +471,14 @@ impl ImplRequest {
                 crate::presets::names()
             ))
         })?;
-        if self.name.starts_with("gpu-") {
+        if self.name.on_gpu() {
             return Err(CaseError::Usage(format!(
                 "--precision emulates storage precisions in the oracle's code; the GPU kernels \
                  have their own (use --gpu-dtype), drop --precision with --impl {}",
                 self.name
             )));
         }
-        if p.faults != Default::default() && self.name != "cp" {
+        if p.faults != Default::default() && self.name != ImplName::Cp {
             return Err(CaseError::Usage(format!(
                 "--precision {name} injects a CP fault: use it with --impl cp"
             )));
@@ -450,47 +529,47 @@ impl ImplRequest {
             || self.layout.is_some()
             || self.cuts.is_some()
             || self.cp_engine.is_some();
-        let engine_name = match self.name.as_str() {
-            "cp" | "gpu-cp" => self.cp_engine.as_deref().unwrap_or(
-                if self.name == "gpu-cp" && case.meta.op == Op::Dplr {
+        // DPLR has naive GPU kernels only: its gpu-cp runs them by default.
+        let engine_name = self.name.engine().unwrap_or_else(|| {
+            self.cp_engine.as_deref().unwrap_or(
+                if self.name == ImplName::GpuCp && case.meta.op == Op::Dplr {
                     "naive"
                 } else {
                     "chunk"
                 },
-            ),
-            n => n.strip_prefix("gpu-").unwrap_or(n),
-        };
+            )
+        });
         if self.chunk_size.is_some() && engine_name == "naive" {
             return Err(usage(format!(
                 "--chunk-size applies to the chunked engine; --impl {}{} runs the naive one",
                 self.name,
-                if self.name.ends_with("cp") {
+                if self.name.is_cp() {
                     " --cp-engine naive"
                 } else {
                     ""
                 }
             )));
         }
-        if self.gpu_dtype.is_some() && !self.name.starts_with("gpu-") {
+        if self.gpu_dtype.is_some() && !self.name.on_gpu() {
             return Err(usage(
                 "--gpu-dtype applies to the gpu-* implementations".into(),
             ));
         }
-        match self.name.as_str() {
-            "naive" | "chunk" if cp_given => {
-                Err(usage("--world/--layout/--cuts/--cp-engine need --impl cp".into()))
-            }
-            "naive" | "chunk" => Ok(Impl {
-                engine: engine_of(&self.name)?,
+        match self.name {
+            ImplName::Naive | ImplName::Chunk if cp_given => Err(usage(
+                "--world/--layout/--cuts/--cp-engine need --impl cp".into(),
+            )),
+            ImplName::Naive | ImplName::Chunk => Ok(Impl {
+                engine: engine_of(engine_name)?,
                 cp: None,
                 policy: self.policy.clone(),
                 device: Device::Cpu,
             }),
-            "gpu-naive" | "gpu-chunk" if cp_given => Err(usage(
+            ImplName::GpuNaive | ImplName::GpuChunk if cp_given => Err(usage(
                 "--world/--layout/--cuts/--cp-engine need --impl cp or gpu-cp".into(),
             )),
-            "gpu-naive" | "gpu-chunk" => {
-                let engine = engine_of(&self.name["gpu-".len()..])?;
+            ImplName::GpuNaive | ImplName::GpuChunk => {
+                let engine = engine_of(engine_name)?;
                 gpu_engine_supported(case.meta.op, &engine)?;
                 Ok(Impl {
                     engine,
@@ -499,15 +578,14 @@ impl ImplRequest {
                     device: Device::Gpu(self.gpu_dtype),
                 })
             }
-            "cp" | "gpu-cp" => {
+            ImplName::Cp | ImplName::GpuCp => {
                 let plan = match (self.world, &self.cuts, &case.meta.cp) {
                     (Some(_), Some(_), _) => {
                         return Err(usage("give --world or --cuts, not both".into()))
                     }
                     (_, Some(_), _) if self.layout.is_some() => {
                         return Err(usage(
-                            "--layout applies to --world (FLA's equal split), not to --cuts"
-                                .into(),
+                            "--layout applies to --world (FLA's equal split), not to --cuts".into(),
                         ))
                     }
                     (Some(w), None, _) => world_plan(w, self.layout.unwrap_or_default()),
@@ -527,8 +605,8 @@ impl ImplRequest {
                             .into(),
                     )),
                 };
-                if self.name == "cp" {
-                    let engine = engine_of(self.cp_engine.as_deref().unwrap_or("chunk"))?;
+                let engine = engine_of(engine_name)?;
+                if self.name == ImplName::Cp {
                     return Ok(Impl {
                         engine,
                         cp: Some((plan, self.cp_options.clone())),
@@ -536,9 +614,6 @@ impl ImplRequest {
                         device: Device::Cpu,
                     });
                 }
-                // DPLR has naive GPU kernels only: its CP runs them by default.
-                let default = if case.meta.op == Op::Dplr { "naive" } else { "chunk" };
-                let engine = engine_of(self.cp_engine.as_deref().unwrap_or(default))?;
                 gpu_engine_supported(case.meta.op, &engine)?;
                 Ok(Impl {
                     engine,
@@ -547,9 +622,6 @@ impl ImplRequest {
                     device: Device::Gpu(self.gpu_dtype),
                 })
             }
-            other => Err(usage(format!(
-                "unknown --impl `{other}` (available: naive, chunk, cp, gpu-naive, gpu-chunk, gpu-cp)"
-            ))),
         }
     }
 }

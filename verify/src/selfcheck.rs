@@ -5,14 +5,11 @@
 
 use std::fmt;
 
-use deltaref::conv::{Activation, ConvOptions, Direct};
-use deltaref::cp::{plan::PlanSpec, CpOptions};
+use deltaref::conv::Activation;
+use deltaref::cp::plan::PlanSpec;
 use deltaref::dplr::{DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
-use deltaref::gdn::{GdnOptions, OnKda};
-use deltaref::inputs::{
-    self, ConvSpec, DplrSpec, GdnSpec, Generated, KdaSpec, Layout, TokenShiftSpec,
-};
+use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{KdaInputs, KdaOptions};
 use deltaref::token_shift::{Shift, TokenShiftInputs};
 use deltaref::{dplr, kda, Result};
@@ -22,8 +19,11 @@ use serde::Serialize;
 use deltaref::Dtype;
 use deltaref_gpu::{Engine as GpuEngine, GpuImpl};
 
+use crate::case::{Case, CaseError, Op};
 use crate::fd;
+use crate::generate::{generate, GenSpec};
 use crate::gpu::{self, ComputeError};
+use crate::impls::{Compute, Impl, ImplName, ImplRequest};
 use crate::metrics::{compare, Comparison};
 use crate::outputs::{self, Tensors};
 
@@ -111,13 +111,13 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "{:<34} {:<12} {:<12} {:<18} {:>11} {:>11} {:>8}  result",
+            "{:<46} {:<13} {:<12} {:<18} {:>11} {:>11} {:>8}  result",
             "check", "op", "tensor", "shape", "norm_ratio", "max_abs", "tol"
         )?;
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<34} {:<12} {:<12} {:<18} {:>11.3e} {:>11.3e} {:>8.0e}  {}",
+                "{:<46} {:<13} {:<12} {:<18} {:>11.3e} {:>11.3e} {:>8.0e}  {}",
                 r.check,
                 r.op,
                 r.tensor,
@@ -353,247 +353,112 @@ fn token_shift_fd(report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// f32 through the same code against f64.
-fn precision_rows(report: &mut Report) -> Result<()> {
-    let check = "naive f32 vs naive f64";
-    let (spec, g) = kda_case(&LENGTHS, 16, 16);
-    let exact = outputs::all::<f64, _>(
-        &kda::naive::Naive,
-        &g.inputs,
-        &spec.opts,
-        &g.d_o,
-        Some(&g.dht),
-    )?;
-    let single = outputs::all::<f32, _>(
-        &kda::naive::Naive,
-        &g.inputs,
-        &spec.opts,
-        &g.d_o,
-        Some(&g.dht),
-    )?;
-    report.compare_maps(check, "kda", &exact, &single, F32_TOL);
+/// The CP cuts of the table's `cuts` rows and of the GPU rows.
+const CUTS: [usize; 3] = [20, 38, 90];
 
-    let (_, g) = dplr_case(&LENGTHS, 16, 16);
-    let opts = DplrOptions::default();
-    let exact =
-        outputs::all::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    let single =
-        outputs::all::<f32, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    report.compare_maps(check, "dplr", &exact, &single, F32_TOL);
-
-    let g = token_shift_case(&LENGTHS);
-    let exact = outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht))?;
-    let single = outputs::all::<f32, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht))?;
-    report.compare_maps(check, "token_shift", &exact, &single, F32_TOL);
-    Ok(())
-}
-
-/// The chunked form against the naive recurrence, both in f64.
-fn chunk_rows(report: &mut Report) -> Result<()> {
-    let (spec, g) = kda_case(&LENGTHS, 16, 16);
-    let naive = outputs::all::<f64, _>(
-        &kda::naive::Naive,
-        &g.inputs,
-        &spec.opts,
-        &g.d_o,
-        Some(&g.dht),
-    )?;
-    for c in [16, 64] {
-        let chunk = kda::chunk::Chunk::new(c)?;
-        let got = outputs::all::<f64, _>(&chunk, &g.inputs, &spec.opts, &g.d_o, Some(&g.dht))?;
-        report.compare_maps(
-            &format!("chunk C={c} vs naive (f64)"),
-            "kda",
-            &naive,
-            &got,
-            EXACT_TOL,
-        );
+/// The built-in case of `op` for the implementation table, as `gen` writes
+/// it (varlen with 0- and 1-length sequences, initial states): KDA with GVA,
+/// the lower-bound gate, l2norm and beta sigmoid; GDN with its in-kernel
+/// gate and l2norm; causal conv1d with SiLU and a bias.
+fn table_case(op: Op) -> std::result::Result<Case, CaseError> {
+    let t = LENGTHS.iter().sum();
+    let mut s = GenSpec {
+        lengths: Some(LENGTHS.to_vec()),
+        initial_state: true,
+        ..GenSpec::new(op)
+    };
+    let (shape, seed) = match op {
+        Op::Kda => (vec![1, t, 1, 2, 16, 16], 2024),
+        Op::Dplr => (vec![1, t, 2, 16, 16], 2025),
+        Op::TokenShift => (vec![1, t, 6], 2026),
+        Op::Gdn => (vec![1, t, 1, 2, 16, 16], 2027),
+        Op::CausalConv1d => (vec![1, t, 6, 4], 2028),
+    };
+    (s.shape, s.seed) = (Some(shape), seed);
+    match op {
+        Op::Kda => {
+            s.gate = Gate::LowerBound { lower_bound: -5.0 };
+            s.use_qk_l2norm_in_kernel = true;
+            s.use_beta_sigmoid_in_kernel = true;
+        }
+        Op::Gdn => {
+            s.gate = Gate::Kda;
+            s.use_qk_l2norm_in_kernel = true;
+        }
+        Op::CausalConv1d => {
+            s.activation = Activation::Silu;
+            s.bias = true;
+        }
+        Op::Dplr | Op::TokenShift => {}
     }
-    let (_, g) = dplr_case(&LENGTHS, 16, 16);
-    let opts = DplrOptions::default();
-    let naive =
-        outputs::all::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    let got = outputs::all::<f64, _>(
-        &dplr::chunk::Chunk::new(32)?,
-        &g.inputs,
-        &opts,
-        &g.d_o,
-        Some(&g.dht),
-    )?;
-    report.compare_maps("chunk C=32 vs naive (f64)", "dplr", &naive, &got, EXACT_TOL);
-    Ok(())
+    generate(&s)
 }
 
-/// Simulated context parallel against the non-CP naive oracle, in f64.
-fn cp_rows(report: &mut Report) -> Result<()> {
-    let cpo = CpOptions::default();
-    let cuts = PlanSpec::Cuts(vec![20, 38, 90]);
-    let (spec, g) = kda_case(&LENGTHS, 16, 16);
-    let naive = outputs::all::<f64, _>(
-        &kda::naive::Naive,
-        &g.inputs,
-        &spec.opts,
-        &g.d_o,
-        Some(&g.dht),
-    )?;
-    let chunk = kda::chunk::Chunk::new(16)?;
-    let (got, _) = outputs::all_cp::<f64, _>(
-        &chunk,
-        g.inputs.clone(),
-        &spec.opts,
-        g.d_o.clone(),
-        Some(&g.dht),
-        &PlanSpec::World(2),
-        &cpo,
-    )?;
-    report.compare_maps(
-        "cp world=2 (chunk C=16) vs naive",
-        "kda",
-        &naive,
-        &got,
-        EXACT_TOL,
-    );
-    let (got, _) = outputs::all_cp::<f64, _>(
-        &kda::naive::Naive,
-        g.inputs.clone(),
-        &spec.opts,
-        g.d_o.clone(),
-        Some(&g.dht),
-        &cuts,
-        &cpo,
-    )?;
-    report.compare_maps(
-        "cp cuts=20,38,90 (naive) vs naive",
-        "kda",
-        &naive,
-        &got,
-        EXACT_TOL,
-    );
-
-    let (_, g) = dplr_case(&LENGTHS, 16, 16);
-    let opts = DplrOptions::default();
-    let naive =
-        outputs::all::<f64, _>(&dplr::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    let (got, _) = outputs::all_cp::<f64, _>(
-        &dplr::naive::Naive,
-        g.inputs.clone(),
-        &opts,
-        g.d_o.clone(),
-        Some(&g.dht),
-        &cuts,
-        &cpo,
-    )?;
-    report.compare_maps(
-        "cp cuts=20,38,90 (naive) vs naive",
-        "dplr",
-        &naive,
-        &got,
-        EXACT_TOL,
-    );
-    let chunk = dplr::chunk::Chunk::new(16)?;
-    let (got, _) = outputs::all_cp::<f64, _>(
-        &chunk,
-        g.inputs.clone(),
-        &opts,
-        g.d_o.clone(),
-        Some(&g.dht),
-        &PlanSpec::World(2),
-        &cpo,
-    )?;
-    report.compare_maps(
-        "cp world=2 (chunk C=16) vs naive",
-        "dplr",
-        &naive,
-        &got,
-        EXACT_TOL,
-    );
-
-    let g = token_shift_case(&LENGTHS);
-    let plain = outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht))?;
-    let got = outputs::all_cp::<f64, _>(
-        &Shift,
-        g.inputs.clone(),
-        &(),
-        g.d_o.clone(),
-        Some(&g.dht),
-        &cuts,
-        &CpOptions::default(),
-    )?
-    .0;
-    report.compare_maps(
-        "cp cuts=20,38,90 vs non-CP",
-        "token_shift",
-        &plain,
-        &got,
-        EXACT_TOL,
-    );
-    Ok(())
+/// The implementation table: each row a request as `--impl` and its flags
+/// spell it, on an op's built-in case, in a compute scalar, with its bar
+/// against the naive f64 oracle. f32 against f64 for every op; the chunked
+/// form and CP (FLA's equal split and explicit cuts) in f64.
+fn table() -> Vec<(Op, ImplRequest, Compute, f64)> {
+    let chunk = |c| ImplRequest {
+        name: ImplName::Chunk,
+        chunk_size: Some(c),
+        ..ImplRequest::default()
+    };
+    let world2 = ImplRequest {
+        name: ImplName::Cp,
+        chunk_size: Some(16),
+        world: Some(2),
+        ..ImplRequest::default()
+    };
+    let cuts = ImplRequest {
+        name: ImplName::Cp,
+        cuts: Some(CUTS.to_vec()),
+        cp_engine: Some("naive".into()),
+        ..ImplRequest::default()
+    };
+    let f32_rows = Op::ALL.map(|op| (op, ImplRequest::default(), Compute::F32, F32_TOL));
+    let exact = [
+        (Op::Kda, chunk(16)),
+        (Op::Kda, chunk(64)),
+        (Op::Dplr, chunk(32)),
+        (Op::Gdn, chunk(16)),
+        (Op::Kda, world2.clone()),
+        (Op::Dplr, world2.clone()),
+        (Op::Gdn, world2),
+        (Op::Kda, cuts.clone()),
+        (Op::Dplr, cuts.clone()),
+        (Op::TokenShift, cuts.clone()),
+        (Op::CausalConv1d, cuts),
+    ]
+    .map(|(op, req)| (op, req, Compute::F64, EXACT_TOL));
+    f32_rows.into_iter().chain(exact).collect()
 }
 
-/// GDN (in-kernel gate, l2norm, GVA, varlen, initial state) and causal
-/// conv1d (SiLU, bias, W = 4, varlen, initial state): chunk and CP against
-/// the naive f64 oracle, and the naive form in f32.
-fn gdn_conv_rows(report: &mut Report) -> Result<()> {
-    let cpo = CpOptions::default();
-    let spec = GdnSpec {
-        layout: Layout::varlen(&LENGTHS),
-        h: 1,
-        hv: 2,
-        k: 16,
-        v: 16,
-        opts: GdnOptions {
-            output_final_state: true,
-            use_qk_l2norm_in_kernel: true,
-            use_gate_in_kernel: true,
-            ..Default::default()
-        },
-        initial_state: true,
-        seed: 2027,
-    };
-    let g = inputs::gdn(&spec);
-    let (x, o, d_o, dht) = (&g.inputs, &spec.opts, &g.d_o, Some(&g.dht));
-    let naive = OnKda(kda::naive::Naive);
-    let exact = outputs::all::<f64, _>(&naive, x, o, d_o, dht)?;
-    let chunk = OnKda(kda::chunk::Chunk::new(16)?);
-    let got = outputs::all::<f64, _>(&chunk, x, o, d_o, dht)?;
-    report.compare_maps("chunk C=16 vs naive (f64)", "gdn", &exact, &got, EXACT_TOL);
-    let world = PlanSpec::World(2);
-    let (got, _) = outputs::all_cp::<f64, _>(&chunk, x.clone(), o, d_o.clone(), dht, &world, &cpo)?;
-    report.compare_maps(
-        "cp world=2 (chunk C=16) vs naive",
-        "gdn",
-        &exact,
-        &got,
-        EXACT_TOL,
-    );
-    let single = outputs::all::<f32, _>(&naive, x, o, d_o, dht)?;
-    report.compare_maps("naive f32 vs naive f64", "gdn", &exact, &single, F32_TOL);
-
-    let g = inputs::conv(&ConvSpec {
-        layout: Layout::varlen(&LENGTHS),
-        d: 6,
-        w: 4,
-        bias: true,
-        initial_state: true,
-        seed: 2028,
-    });
-    let o = &ConvOptions {
-        activation: Activation::Silu,
-        output_final_state: true,
-    };
-    let (x, d_o, dht) = (&g.inputs, &g.d_o, Some(&g.dht));
-    let exact = outputs::all::<f64, _>(&Direct, x, o, d_o, dht)?;
-    let cuts = PlanSpec::Cuts(vec![20, 38, 90]);
-    let (got, _) = outputs::all_cp::<f64, _>(&Direct, x.clone(), o, d_o.clone(), dht, &cuts, &cpo)?;
-    report.compare_maps(
-        "cp cuts=20,38,90 vs non-CP",
-        "causal_conv1d",
-        &exact,
-        &got,
-        EXACT_TOL,
-    );
-    let single = outputs::all::<f32, _>(&Direct, x, o, d_o, dht)?;
-    report.compare_maps("f32 vs f64", "causal_conv1d", &exact, &single, F32_TOL);
+/// Runs [`table`] through the registry users go through
+/// ([`ImplRequest::resolve`], [`Impl::compute`]).
+fn table_rows(report: &mut Report) -> std::result::Result<(), CaseError> {
+    let builtin = std::path::Path::new("<built-in case>");
+    let mut cases = std::collections::BTreeMap::new();
+    for (op, req, compute, tol) in table() {
+        if !cases.contains_key(op.name()) {
+            let case = table_case(op)?;
+            let truth = Impl::NAIVE
+                .compute(&case, Compute::F64)
+                .map_err(CaseError::computing(builtin))?;
+            cases.insert(op.name(), (case, truth));
+        }
+        let (case, truth) = &cases[op.name()];
+        let imp = req.resolve(case)?;
+        let got = imp
+            .compute(case, compute)
+            .map_err(CaseError::computing(builtin))?;
+        let scalar = match compute {
+            Compute::F64 => "f64",
+            Compute::F32 => "f32",
+        };
+        let check = format!("{} {scalar} vs naive f64", imp.name());
+        report.compare_maps(&check, op.name(), truth, &got, tol);
+    }
     Ok(())
 }
 
@@ -601,7 +466,7 @@ fn gdn_conv_rows(report: &mut Report) -> Result<()> {
 /// bf16 storage), plain and under CP. `Err` says why they cannot run here.
 fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
     gpu::device()?;
-    let cuts = PlanSpec::Cuts(vec![20, 38, 90]);
+    let cuts = PlanSpec::Cuts(CUTS.to_vec());
     // K = V = 64: with 16, dA_log is two sums of a few hundred cancelling
     // terms and its bf16 error is noise around the 5e-3 bar.
     let (spec, g) = kda_case(&LENGTHS, 64, 64);
@@ -694,19 +559,20 @@ fn gpu_check(imp: &GpuImpl) -> String {
 }
 
 /// Runs every check on the built-in cases (the GPU rows when a device is here).
-pub fn run() -> Result<Report> {
+pub fn run() -> std::result::Result<Report, CaseError> {
     let mut report = Report::default();
-    kda_fd(&mut report)?;
-    dplr_fd(&mut report)?;
-    token_shift_fd(&mut report)?;
-    precision_rows(&mut report)?;
-    chunk_rows(&mut report)?;
-    cp_rows(&mut report)?;
-    gdn_conv_rows(&mut report)?;
+    let builtin = |source| CaseError::Invalid {
+        path: "<built-in case>".into(),
+        source,
+    };
+    kda_fd(&mut report).map_err(builtin)?;
+    dplr_fd(&mut report).map_err(builtin)?;
+    token_shift_fd(&mut report).map_err(builtin)?;
+    table_rows(&mut report)?;
     let mut gpu_report = Report::default();
     match gpu_rows(&mut gpu_report) {
         Ok(()) => report.rows.extend(gpu_report.rows),
-        Err(ComputeError::Input(e)) => return Err(e),
+        Err(ComputeError::Input(e)) => return Err(builtin(e)),
         Err(ComputeError::Gpu(e)) => report.skipped.push(format!("GPU rows ({e})")),
     }
     Ok(report)

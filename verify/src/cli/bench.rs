@@ -15,7 +15,7 @@ use deltaref::ops;
 use deltaref_gpu::Timings;
 use deltaref_verify::case::{Case, CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
-use deltaref_verify::impls::{oracle_truth, Compute, Device, Engine, Impl};
+use deltaref_verify::impls::{oracle_truth, Compute, Device, Engine, Impl, ImplName};
 use deltaref_verify::metrics::norm_ratio;
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::progress::Progress;
@@ -31,8 +31,8 @@ pub struct Args {
     pub case: Option<PathBuf>,
     /// Comma-separated implementations (default: naive,chunk, and
     /// gpu-naive,gpu-chunk,gpu-cp when a GPU is present).
-    #[arg(long)]
-    pub impls: Option<String>,
+    #[arg(long, value_delimiter = ',')]
+    pub impls: Option<Vec<ImplName>>,
     /// CP world size for cp and gpu-cp.
     #[arg(long, default_value_t = 2)]
     pub world: usize,
@@ -179,12 +179,12 @@ fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
         Some(p) => (Case::read(p)?, p.clone()),
         None => (default_case()?, PathBuf::from("<built-in KDA case>")),
     };
-    let names: Vec<String> = match &a.impls {
-        Some(s) => s.split(',').map(|x| x.trim().to_string()).collect(),
+    let names: Vec<ImplName> = match &a.impls {
+        Some(v) => v.clone(),
         None => {
-            let mut v = vec!["naive".to_string(), "chunk".to_string()];
+            let mut v = vec![ImplName::Naive, ImplName::Chunk];
             if deltaref_verify::gpu::device().is_ok() {
-                v.extend(["gpu-naive", "gpu-chunk", "gpu-cp"].map(String::from));
+                v.extend([ImplName::GpuNaive, ImplName::GpuChunk, ImplName::GpuCp]);
             }
             v
         }
@@ -195,11 +195,10 @@ fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
     let progress = Progress::bar(names.len() as u64, "bench");
     for name in names {
         progress.step(&format!("bench {name}"));
-        let cp = name == "cp" || name == "gpu-cp";
         let args = ImplArgs {
-            imp: name.clone(),
+            imp: name,
             chunk_size: None,
-            world: cp.then_some(a.world),
+            world: name.is_cp().then_some(a.world),
             layout: None,
             cuts: None,
             cp_engine: None,

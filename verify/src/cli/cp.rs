@@ -10,7 +10,7 @@ use clap::Args as ClapArgs;
 use deltaref::cp::intra::{self, IntraParams};
 use deltaref::cp::table;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::impls::{oracle_truth, Compute, DEFAULT_CHUNK_SIZE};
+use deltaref_verify::impls::{oracle_truth, Compute, ImplName, DEFAULT_CHUNK_SIZE};
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
@@ -44,7 +44,7 @@ pub struct Args {
 
 fn go(a: &Args) -> Result<(String, bool), CaseError> {
     super::check_ratio("--max-ratio", a.max_ratio)?;
-    if !matches!(a.imp.imp.as_str(), "naive" | "cp") {
+    if !matches!(a.imp.imp, ImplName::Naive | ImplName::Cp) {
         return Err(CaseError::Usage(format!(
             "--impl {}: `cp` simulates context parallel in the oracle's code (--impl cp, \
              the default); for the GPU kernels run `verify --impl gpu-cp`",
@@ -63,7 +63,7 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
     }
     let case = Case::read(&a.case)?;
     let (mut req, explicit_compute) = a.imp.request()?;
-    req.name = "cp".into();
+    req.name = ImplName::Cp;
     if a.intra {
         if req.world.is_some() || req.cuts.is_some() {
             return Err(CaseError::Usage(

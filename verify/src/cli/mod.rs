@@ -17,7 +17,7 @@ use deltaref::cp::Layout;
 use deltaref::Dtype;
 use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
-use deltaref_verify::impls::{Compute, Impl, ImplRequest};
+use deltaref_verify::impls::{Compute, Impl, ImplName, ImplRequest};
 
 /// Prints to stdout; a closed pipe (`deltaref … | head`) is not an error.
 pub fn print(s: &str) {
@@ -60,7 +60,7 @@ pub struct ImplArgs {
     /// Implementation: naive, chunk or cp (simulated context parallel) in the
     /// oracle's code; gpu-naive, gpu-chunk or gpu-cp on the CUDA kernels.
     #[arg(long = "impl", default_value = "naive")]
-    pub imp: String,
+    pub imp: ImplName,
     /// Chunk size of the chunked engine: 16, 32 or 64 (default: the case's `chunk_size`, else 64).
     #[arg(long, value_parser = chunk_size)]
     pub chunk_size: Option<usize>,
@@ -156,7 +156,7 @@ impl ImplArgs {
             precision,
             gpu_dtype,
         } = self;
-        imp != "naive"
+        *imp != ImplName::Naive
             || chunk_size.is_some()
             || world.is_some()
             || layout.is_some()
@@ -169,7 +169,7 @@ impl ImplArgs {
 
     pub fn request(&self) -> Result<(ImplRequest, Option<Compute>), CaseError> {
         let compute = self.compute;
-        if compute.is_some() && self.imp.starts_with("gpu-") {
+        if compute.is_some() && self.imp.on_gpu() {
             return Err(CaseError::Usage(
                 "--compute picks the oracle's scalar; the GPU kernels compute in f32 \
                  (choose their input storage with --gpu-dtype)"
@@ -177,7 +177,7 @@ impl ImplArgs {
             ));
         }
         let req = ImplRequest {
-            name: self.imp.clone(),
+            name: self.imp,
             gpu_dtype: self.gpu_dtype,
             chunk_size: self.chunk_size,
             world: self.world,
