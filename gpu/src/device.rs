@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, DriverError,
-    LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr,
+    DriverError, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use ndarray::{ArrayD, IxDyn};
@@ -32,6 +32,9 @@ pub struct Gpu {
     modules: Mutex<HashMap<(&'static str, Defines), Arc<CudaModule>>>,
     /// Nanoseconds spent in [`Gpu::load`] (compiling or loading modules).
     compile_ns: AtomicU64,
+    /// The page-locked buffers tensors cross the bus through (allocated on
+    /// first use, kept for the device's life).
+    staging: Mutex<Vec<Stage>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -40,13 +43,63 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
-/// `x`'s elements in row-major order through `f`, on every core (a long
-/// case's tensors have 10⁸ elements: one core spends seconds on them).
-fn convert<T: Send>(x: &ArrayD<f64>, f: impl Fn(f64) -> T + Sync) -> Vec<T> {
-    match x.as_slice() {
-        Some(s) => s.par_iter().with_min_len(1 << 16).map(|&v| f(v)).collect(),
-        None => x.iter().map(|&v| f(v)).collect(),
+/// Bytes of one staging buffer: a part's conversion on every core takes a
+/// few milliseconds, long enough to hide the previous part's copy.
+const STAGE_BYTES: usize = 32 << 20;
+
+/// Elements of a conversion a core takes at a time.
+const PAR_MIN: usize = 1 << 15;
+
+/// A page-locked host buffer and the event recorded after the last copy
+/// that uses it. Copies from pageable memory go through the driver's own
+/// bounce buffer, one at a time, at a fraction of the bus speed; from here
+/// the copy engine reads directly while the cores fill the other buffer.
+struct Stage {
+    mem: PinnedHostSlice<u8>,
+    copied: CudaEvent,
+}
+
+impl Stage {
+    /// The first `len` elements of the buffer as `T`, once the last copy
+    /// that used it has finished.
+    fn part<T: DeviceRepr + ValidAsZeroBits + Copy>(&mut self, len: usize) -> Result<&mut [T]> {
+        assert!(len * std::mem::size_of::<T>() <= self.mem.num_bytes());
+        self.copied
+            .synchronize()
+            .map_err(|e| driver("waiting for a staged copy", e))?;
+        let ptr = self
+            .mem
+            .as_mut_ptr()
+            .map_err(|e| driver("reaching a staging buffer", e))?;
+        // SAFETY: the allocation is page-aligned and holds `len` elements;
+        // no copy reads or writes it any more (`copied` has completed); any
+        // bit pattern is a valid `T` (`ValidAsZeroBits` plain data).
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr.cast::<T>(), len) })
     }
+}
+
+/// `v` as bfloat16 bits, rounded as `half` rounds (the case's own
+/// `Dtype::round`, so the device reads what the oracle is given). A bf16
+/// case's values are bf16 already: their bits are read off the f32 without
+/// `half`'s per-value special cases.
+fn bf16_bits(v: f64) -> u16 {
+    let f = v as f32;
+    let u = f.to_bits();
+    if u & 0xffff == 0 && f64::from(f) == v {
+        (u >> 16) as u16
+    } else {
+        half::bf16::from_f64(v).to_bits()
+    }
+}
+
+/// `n` zeros whose pages are mapped: the first write to a fresh page is a
+/// page fault, which costs more than the copy that lands there. Mapping a
+/// result's memory on every core while the device computes takes it off
+/// the path from the last kernel to the f64 results.
+pub(crate) fn mapped_zeros(n: usize) -> Vec<f64> {
+    let mut v = vec![0.0; n];
+    v.par_chunks_mut(1 << 18).for_each(|c| c.fill(0.0));
+    v
 }
 
 /// Null for an optional pointer argument.
@@ -84,6 +137,7 @@ impl Gpu {
             name,
             modules: Mutex::new(HashMap::new()),
             compile_ns: AtomicU64::new(0),
+            staging: Mutex::new(Vec::new()),
         })
     }
 
@@ -214,21 +268,6 @@ impl Gpu {
         Ok(d)
     }
 
-    /// The first `n` elements of `x`, on the host.
-    pub(crate) fn download<T: DeviceRepr + Default + Clone>(
-        &self,
-        what: &str,
-        x: &CudaSlice<T>,
-        n: usize,
-    ) -> Result<Vec<T>> {
-        let mut v = self
-            .stream
-            .clone_dtoh(x)
-            .map_err(|e| driver(&format!("copying {what} from the device"), e))?;
-        v.truncate(n);
-        Ok(v)
-    }
-
     /// Copies `len` floats from `src[src_at..]` to `dst[dst_at..]` on the device.
     pub(crate) fn copy(
         &self,
@@ -253,10 +292,7 @@ impl Gpu {
     /// too, while states, `A_log`, `dt_bias` and their gradients stay f32).
     pub(crate) fn upload_input(&self, what: &str, x: &ArrayD<f64>, s: Dtype) -> Result<Input> {
         match s.require(&format!("GPU input `{what}`"), &Dtype::GPU) {
-            Ok(Dtype::Bf16) => {
-                let bits = convert(x, |v| half::bf16::from_f64(v).to_bits());
-                Ok(Input::Bf16(self.upload(what, &bits)?))
-            }
+            Ok(Dtype::Bf16) => Ok(Input::Bf16(self.upload_as(what, x, bf16_bits)?)),
             Ok(_) => Ok(Input::F32(self.upload_f32(what, x)?)),
             Err(why) => Err(GpuError::Unsupported(why)),
         }
@@ -264,33 +300,140 @@ impl Gpu {
 
     /// Uploads a tensor as f32 (states, gate parameters, upstream state gradients).
     pub(crate) fn upload_f32(&self, what: &str, x: &ArrayD<f64>) -> Result<CudaSlice<f32>> {
-        self.upload(what, &convert(x, |v| v as f32))
+        self.upload_as(what, x, |v| v as f32)
     }
 
-    /// Copies a result `[shape]` back as f64, first rounded in place to
-    /// `round_to`'s dtype (FLA returns outputs and gradients in the input dtype).
+    /// The two staging buffers (allocated on first use).
+    fn staging(&self) -> Result<std::sync::MutexGuard<'_, Vec<Stage>>> {
+        let mut stages = self.staging.lock().expect("staging buffers poisoned");
+        while stages.len() < 2 {
+            // SAFETY: the memory is only read after a copy or a conversion wrote it.
+            let mem = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(STAGE_BYTES, 0) }
+                .map_err(|e| self.memory_error("a page-locked staging buffer", STAGE_BYTES, e))?;
+            let copied = self
+                .ctx
+                .new_event(None)
+                .map_err(|e| driver("creating a copy event", e))?;
+            stages.push(Stage { mem, copied });
+        }
+        Ok(stages)
+    }
+
+    /// Copies `x` (row-major) to the device as `T`, element by element
+    /// through `f`: part by part, each converted on every core into one
+    /// staging buffer while the part before it crosses the bus from the other.
+    fn upload_as<T: DeviceRepr + ValidAsZeroBits + Copy + Send + Sync>(
+        &self,
+        what: &str,
+        x: &ArrayD<f64>,
+        f: impl Fn(f64) -> T + Sync,
+    ) -> Result<CudaSlice<T>> {
+        let x = x.as_standard_layout();
+        let host = x.as_slice().expect("standard layout");
+        let mut d = self.zeros::<T>(what, host.len())?;
+        let per = STAGE_BYTES / std::mem::size_of::<T>();
+        let mut stages = self.staging()?;
+        for (i, part) in host.chunks(per).enumerate() {
+            let stage = &mut stages[i % 2];
+            let buf = stage.part::<T>(part.len())?;
+            buf.par_iter_mut()
+                .zip(part)
+                .with_min_len(PAR_MIN)
+                .for_each(|(o, &v)| *o = f(v));
+            let mut to = d.slice_mut(i * per..i * per + part.len());
+            self.stream
+                .memcpy_htod(&*buf, &mut to)
+                .map_err(|e| driver(&format!("copying {what} to the device"), e))?;
+            stage
+                .copied
+                .record(&self.stream)
+                .map_err(|e| driver("recording a copy event", e))?;
+        }
+        Ok(d)
+    }
+
+    /// The first `n` elements of `x` as f64 through `f`: part by part, each
+    /// widened on every core from one staging buffer while the part after it
+    /// crosses the bus into the other.
+    fn download_as<T: DeviceRepr + ValidAsZeroBits + Copy + Send + Sync>(
+        &self,
+        what: &str,
+        x: &CudaSlice<T>,
+        f: impl Fn(T) -> f64 + Sync,
+        out: &mut [f64],
+    ) -> Result<()> {
+        let n = out.len();
+        let per = STAGE_BYTES / std::mem::size_of::<T>();
+        let parts = n.div_ceil(per);
+        let mut stages = self.staging()?;
+        let fetch = |i: usize, stage: &mut Stage| -> Result<()> {
+            let len = per.min(n - i * per);
+            let buf = stage.part::<T>(len)?;
+            self.stream
+                .memcpy_dtoh(&x.slice(i * per..i * per + len), buf)
+                .map_err(|e| driver(&format!("copying {what} from the device"), e))?;
+            stage
+                .copied
+                .record(&self.stream)
+                .map_err(|e| driver("recording a copy event", e))
+        };
+        for i in 0..parts.min(2) {
+            fetch(i, &mut stages[i])?;
+        }
+        for (i, wide) in out.chunks_mut(per).enumerate() {
+            let stage = &mut stages[i % 2];
+            let buf = stage.part::<T>(wide.len())?;
+            wide.par_iter_mut()
+                .zip(&*buf)
+                .with_min_len(PAR_MIN)
+                .for_each(|(o, &v)| *o = f(v));
+            if i + 2 < parts {
+                fetch(i + 2, stage)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies a result `[shape]` back as f64, rounded to `round_to`'s dtype
+    /// first (FLA returns outputs and gradients in the input dtype); bf16
+    /// results cross the bus packed, half the bytes of f32.
     pub(crate) fn fetch(
         &self,
         what: &str,
-        mut t: CudaSlice<f32>,
+        t: CudaSlice<f32>,
         shape: &[usize],
         round_to: Option<Dtype>,
     ) -> Result<ArrayD<f64>> {
-        let n: usize = shape.iter().product();
+        let n = shape.iter().product();
+        self.fetch_into(what, t, shape, round_to, vec![0.0; n])
+    }
+
+    /// [`Gpu::fetch`] into `out` (`shape`'s element count, e.g. from
+    /// [`mapped_zeros`]).
+    pub(crate) fn fetch_into(
+        &self,
+        what: &str,
+        t: CudaSlice<f32>,
+        shape: &[usize],
+        round_to: Option<Dtype>,
+        mut out: Vec<f64>,
+    ) -> Result<ArrayD<f64>> {
+        let n = out.len();
         if round_to == Some(Dtype::Bf16) && n > 0 {
-            let f = self.function(&PREP, prep_defines(Dtype::Bf16), "round_store")?;
+            let mut packed = self.zeros::<u16>(what, n)?;
+            let f = self.function(&PREP, prep_defines(Dtype::Bf16), "pack_bf16")?;
             let nn = n as i64;
             let mut b = self.stream.launch_builder(&f);
-            b.arg(&mut t).arg(&nn);
-            self.launch(b, "round_store", elementwise(n))?;
+            b.arg(&t).arg(&mut packed).arg(&nn);
+            self.launch(b, "pack_bf16", elementwise(n))?;
+            // A bf16 is an f32 with the low 16 bits zero: exact, and
+            // branch-free (half's bf16 → f64 checks each special case).
+            let wide = |b: u16| f64::from(f32::from_bits(u32::from(b) << 16));
+            self.download_as(what, &packed, wide, &mut out)?;
+        } else {
+            self.download_as(what, &t, f64::from, &mut out)?;
         }
-        let host = self.download(what, &t, n)?;
-        let wide: Vec<f64> = host
-            .par_iter()
-            .with_min_len(1 << 16)
-            .map(|&v| f64::from(v))
-            .collect();
-        Ok(ArrayD::from_shape_vec(IxDyn(shape), wide).expect("shape matches the buffer"))
+        Ok(ArrayD::from_shape_vec(IxDyn(shape), out).expect("shape matches the buffer"))
     }
 
     /// Free and total device memory in bytes.
@@ -569,4 +712,42 @@ fn nvrtc_candidates() -> Vec<PathBuf> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bf16_bits;
+
+    /// The fast path gives `half`'s bits: on every bf16 value, their
+    /// neighbours and midpoints, f32 values, f64 values no f32 holds, the
+    /// overflow edge, infinities and signed zeros.
+    #[test]
+    fn bf16_rounding_matches_half() {
+        let mut values = vec![0.0, -0.0, f64::INFINITY, f64::NEG_INFINITY, f64::MAX, 1e-45];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let f = f32::from_bits(state as u32);
+            if f.is_finite() {
+                values.push(f64::from(f));
+            }
+            values.push(f64::from_bits(state) % 1e6);
+        }
+        for b in 0..=u16::MAX {
+            let x = f32::from_bits(u32::from(b) << 16);
+            for d in [0u32, 1, 0x7fff, 0x8000, 0x8001] {
+                values.push(f64::from(f32::from_bits(x.to_bits().wrapping_add(d))));
+            }
+        }
+        for v in values.into_iter().filter(|v| !v.is_nan()) {
+            assert_eq!(
+                bf16_bits(v),
+                half::bf16::from_f64(v).to_bits(),
+                "{v:e} ({:#x})",
+                v.to_bits()
+            );
+        }
+    }
 }

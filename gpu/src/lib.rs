@@ -1,4 +1,4 @@
-//! deltaref-gpu: CUDA kernels for KDA, DPLR and token-shift, in the chunked
+//! deltaref-gpu: CUDA kernels for KDA (and GDN through them), DPLR and token-shift, in the chunked
 //! structure of FLA's kernels (SPEC §3.1, §4, §6), so the oracle's
 //! intermediates line up with theirs.
 //!
@@ -26,6 +26,7 @@ mod cp;
 pub mod device;
 pub mod dplr;
 pub mod error;
+pub mod gdn;
 pub mod kda;
 pub mod kernels;
 mod pieces;
@@ -65,6 +66,9 @@ pub struct Timings {
     /// Checking the inputs, converting them to the storage dtype, copying
     /// them to the device and the pre-processing kernels (KDA).
     pub upload_s: f64,
+    /// The checks alone (shapes, options, every value finite), part of
+    /// `upload_s` (KDA).
+    pub check_s: f64,
     /// Gradient chain kernels, copies back and the widening to f64 (KDA).
     pub download_s: f64,
     /// Compiling (or loading from the PTX cache) kernel modules during the

@@ -5,12 +5,14 @@
 use std::sync::OnceLock;
 
 use deltaref::dplr::{Dplr, DplrInputs, DplrOptions};
-use deltaref::kda::{Kda, KdaInputs, KdaOptions};
+use deltaref::gdn::{Gdn, GdnGrads, GdnInputs, GdnOutputs};
+use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOptions, KdaOutputs, KdaRefs};
+use deltaref::op::OpSpec;
 use deltaref::token_shift::{TokenShift, TokenShiftInputs};
 use deltaref_gpu::{Gpu, GpuError, GpuImpl, Timings};
 use ndarray::ArrayD;
 
-use crate::case::{Case, Dtype, Inputs};
+use crate::case::{Case, Dtype, Inputs, Op};
 pub use crate::compute::ComputeError;
 use crate::outputs::{self, Tensors};
 
@@ -55,6 +57,23 @@ pub fn stored_kda(x: &KdaInputs<f64>, s: Dtype) -> KdaInputs<f64> {
     }
 }
 
+/// GDN inputs as the device reads them: token tensors in `s`, states and
+/// gate parameters in f32.
+pub fn stored_gdn(x: &GdnInputs<f64>, s: Dtype) -> GdnInputs<f64> {
+    let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
+    GdnInputs {
+        q: stored(&x.q, s),
+        k: stored(&x.k, s),
+        v: stored(&x.v, s),
+        g: stored(&x.g, s),
+        beta: stored(&x.beta, s),
+        a_log: x.a_log.as_ref().map(f32_),
+        dt_bias: x.dt_bias.as_ref().map(f32_),
+        initial_state: x.initial_state.as_ref().map(f32_),
+        cu_seqlens: x.cu_seqlens.clone(),
+    }
+}
+
 /// DPLR inputs as the device reads them.
 pub fn stored_dplr(x: &DplrInputs<f64>, s: Dtype) -> DplrInputs<f64> {
     DplrInputs {
@@ -78,10 +97,91 @@ pub fn kda(
     dht: Option<&ArrayD<f64>>,
 ) -> Result<(Tensors, Timings), ComputeError> {
     let r = deltaref_gpu::kda::run(device()?, x, opts, d_o, dht, imp)?;
-    Ok((
-        outputs::map::<f64, Kda>(&r.outputs, Some(&r.grads)),
-        r.timings,
-    ))
+    Ok((kda_tensors(r.outputs, r.grads), r.timings))
+}
+
+/// KDA's results under FLA's names, moved (not copied: a long case's
+/// results hold 10⁸ values each).
+pub fn kda_tensors(out: KdaOutputs<f64>, gr: KdaGrads<f64>) -> Tensors {
+    named::<Kda>(
+        vec![Some(out.o), out.final_state],
+        vec![
+            Some(gr.dq),
+            Some(gr.dk),
+            Some(gr.dv),
+            Some(gr.dg),
+            Some(gr.dbeta),
+            gr.da_log,
+            gr.ddt_bias,
+            gr.dh0,
+        ],
+    )
+}
+
+/// GDN's results under FLA's names, moved.
+pub fn gdn_tensors(out: GdnOutputs<f64>, gr: GdnGrads<f64>) -> Tensors {
+    named::<Gdn>(
+        vec![Some(out.o), out.final_state],
+        vec![
+            Some(gr.dq),
+            Some(gr.dk),
+            Some(gr.dv),
+            Some(gr.dg),
+            Some(gr.dbeta),
+            gr.da_log,
+            gr.ddt_bias,
+            gr.dh0,
+        ],
+    )
+}
+
+/// Outputs and gradients in the order of `O`'s declared names, absent ones skipped.
+fn named<O: OpSpec>(outputs: Vec<Option<ArrayD<f64>>>, grads: Vec<Option<ArrayD<f64>>>) -> Tensors {
+    assert_eq!(
+        (outputs.len(), grads.len()),
+        (O::OUTPUTS.len(), O::GRADS.len()),
+        "{}: one tensor per declared name",
+        O::NAME
+    );
+    O::OUTPUTS
+        .iter()
+        .zip(outputs)
+        .chain(O::GRADS.iter().zip(grads))
+        .filter_map(|(name, t)| Some((name.to_string(), t?)))
+        .collect()
+}
+
+/// A KDA case's inputs, borrowed from the case.
+fn kda_refs(case: &Case) -> Result<KdaRefs<'_, f64>, deltaref::Error> {
+    let get = |name: &str| case.tensors.get(name);
+    let need = |name: &str| get(name).ok_or_else(|| missing(case, name));
+    Ok(KdaRefs {
+        q: need("q")?,
+        k: need("k")?,
+        v: need("v")?,
+        g: need("g")?,
+        beta: need("beta")?,
+        a_log: get("A_log"),
+        dt_bias: get("dt_bias"),
+        initial_state: get("initial_state"),
+        cu_seqlens: case.cu_seqlens.as_deref(),
+    })
+}
+
+/// A case's upstream gradients `(do, dht)`, borrowed; `do` is required.
+fn upstream_refs(case: &Case) -> Result<(&ArrayD<f64>, Option<&ArrayD<f64>>), deltaref::Error> {
+    let [d_o, dht] = case.meta.op.upstream() else {
+        unreachable!("two upstream names per op")
+    };
+    let d_o = case.tensors.get(*d_o).ok_or_else(|| missing(case, d_o))?;
+    Ok((d_o, case.tensors.get(*dht)))
+}
+
+fn missing(case: &Case, name: &str) -> deltaref::Error {
+    deltaref::Error::missing(
+        name,
+        format!("required input of op {}", case.meta.op.name()),
+    )
 }
 
 /// DPLR outputs and gradients on the GPU.
@@ -113,21 +213,87 @@ pub fn token_shift(
     ))
 }
 
-/// A case's results on the GPU.
+/// A case's results on the GPU. KDA reads the case's tensors where they
+/// are (a long case's inputs are gigabytes: no copy).
 pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeError> {
-    let (d_o, dht) = case.upstream()?;
+    if case.meta.op == Op::Kda {
+        let (x, (d_o, dht)) = (kda_refs(case)?, upstream_refs(case)?);
+        let opts = case.meta.kda_options();
+        let r = deltaref_gpu::kda::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
+        return Ok((kda_tensors(r.outputs, r.grads), r.timings));
+    }
+    let (d_o, dht) = upstream_refs(case)?;
     match case.inputs()? {
-        Inputs::Kda(x) => kda(imp, &x, &case.meta.kda_options(), &d_o, dht.as_ref()),
-        Inputs::Dplr(x) => dplr(imp, &x, &case.meta.dplr_options(), &d_o, dht.as_ref()),
-        Inputs::TokenShift(x) => token_shift(imp, &x, &d_o, dht.as_ref()),
-        Inputs::Gdn(_) | Inputs::CausalConv1d(_) => {
-            Err(ComputeError::Input(deltaref::Error::option(
-                "impl",
-                format!(
-                    "no GPU kernels for op {} yet: use a CPU implementation (naive, chunk, cp)",
-                    case.meta.op.name()
-                ),
-            )))
+        Inputs::Kda(x) => kda(imp, &x, &case.meta.kda_options(), d_o, dht),
+        Inputs::Gdn(x) => {
+            let opts = case.meta.gdn_options();
+            let r = deltaref_gpu::gdn::run(device()?, &x, &opts, d_o, dht, imp)?;
+            Ok((gdn_tensors(r.outputs, r.grads), r.timings))
         }
+        Inputs::Dplr(x) => dplr(imp, &x, &case.meta.dplr_options(), d_o, dht),
+        Inputs::TokenShift(x) => token_shift(imp, &x, d_o, dht),
+        Inputs::CausalConv1d(_) => Err(ComputeError::Input(deltaref::Error::option(
+            "impl",
+            format!(
+                "no GPU kernels for op {}: use a CPU implementation (naive, chunk, cp)",
+                case.meta.op.name()
+            ),
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use deltaref::gdn::{GdnOptions, OnKda};
+    use deltaref::inputs::{self, GdnSpec, KdaSpec, Layout};
+
+    use super::*;
+
+    /// The moving name maps give what the copying [`outputs::map`] gives.
+    #[test]
+    fn moved_results_are_the_mapped_ones() {
+        let spec = KdaSpec {
+            layout: Layout::varlen(&[5, 3]),
+            h: 1,
+            hv: 2,
+            k: 4,
+            v: 3,
+            opts: KdaOptions {
+                output_final_state: true,
+                ..Default::default()
+            },
+            initial_state: true,
+            scalar_gate: true,
+            seed: 3,
+        };
+        let g = inputs::kda(&spec);
+        let e = deltaref::kda::naive::Naive;
+        let out = deltaref::op::forward(&e, &g.inputs, &spec.opts).unwrap();
+        let gr = deltaref::op::backward(&e, &g.inputs, &spec.opts, &g.d_o, Some(&g.dht)).unwrap();
+        let want = outputs::map::<f64, Kda>(&out, Some(&gr));
+        assert_eq!(want.len(), 8, "{:?}", want.keys());
+        assert_eq!(kda_tensors(out, gr), want);
+
+        let spec = GdnSpec {
+            layout: Layout::varlen(&[5, 3]),
+            h: 1,
+            hv: 2,
+            k: 4,
+            v: 3,
+            opts: GdnOptions {
+                output_final_state: true,
+                use_gate_in_kernel: true,
+                ..Default::default()
+            },
+            initial_state: true,
+            seed: 3,
+        };
+        let g = inputs::gdn(&spec);
+        let e = OnKda(deltaref::kda::naive::Naive);
+        let out = deltaref::op::forward(&e, &g.inputs, &spec.opts).unwrap();
+        let gr = deltaref::op::backward(&e, &g.inputs, &spec.opts, &g.d_o, Some(&g.dht)).unwrap();
+        let want = outputs::map::<f64, Gdn>(&out, Some(&gr));
+        assert_eq!(want.len(), 10, "{:?}", want.keys());
+        assert_eq!(gdn_tensors(out, gr), want);
     }
 }

@@ -627,12 +627,12 @@ impl ImplRequest {
     }
 }
 
-/// The GPU has chunked kernels for KDA only (token-shift has no engine),
-/// and none yet for GDN and causal conv1d.
+/// The GPU has chunked kernels for KDA (and GDN, which runs on them) only
+/// (token-shift has no engine), and none for causal conv1d.
 fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
-    if matches!(op, Op::Gdn | Op::CausalConv1d) {
+    if op == Op::CausalConv1d {
         return Err(CaseError::Usage(format!(
-            "no GPU kernels for op {} yet: use a CPU implementation (naive, chunk, cp)",
+            "no GPU kernels for op {}: use a CPU implementation (naive, chunk, cp)",
             op.name()
         )));
     }

@@ -115,9 +115,22 @@ fn refused_flags_and_impls_exit_2() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
     assert!(!out.exists());
-    let (rc, _, err) = code(&["verify", "--case", s(&case), "--impl", "gpu-naive"]);
-    assert_eq!(rc, 2, "{err}");
-    assert!(err.contains("no GPU kernels for op gdn"), "{err}");
+    // GDN runs on KDA's GPU kernels; causal conv1d has none.
+    let conv = dir.path().join("conv.safetensors");
+    run_ok(&[CONV, &["--out", s(&conv)]].concat());
+    for imp in [
+        &["gpu-naive"][..],
+        &["gpu-chunk"],
+        &["gpu-cp", "--world", "2"],
+    ] {
+        let args = [&["verify", "--case", s(&conv), "--impl"][..], imp].concat();
+        let (rc, _, err) = code(&args);
+        assert_eq!(rc, 2, "{imp:?}: {err}");
+        assert!(
+            err.contains("no GPU kernels for op causal_conv1d"),
+            "{imp:?}: {err}"
+        );
+    }
 }
 
 #[test]

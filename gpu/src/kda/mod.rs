@@ -9,14 +9,16 @@ pub mod naive;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use deltaref::gates::{Gate, L2NORM_EPS};
-use deltaref::kda::{self as oracle, KdaDims, KdaGrads, KdaInputs, KdaOptions, KdaOutputs};
+use deltaref::kda::{
+    self as oracle, KdaDims, KdaGrads, KdaInputs, KdaOptions, KdaOutputs, KdaRefs,
+};
 use deltaref::varlen;
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
 use deltaref::Dtype;
 
-use crate::device::{arg_in, arg_opt, elementwise, Gpu, Input};
+use crate::device::{arg_in, arg_opt, elementwise, mapped_zeros, Gpu, Input};
 use crate::error::Result;
 use crate::kernels::{check_sizes, prep_defines, Defines, PREP};
 use crate::{Engine, GpuImpl, Run, Timings};
@@ -96,27 +98,30 @@ fn beta_factor(opts: &KdaOptions) -> f32 {
 }
 
 impl<'g> Problem<'g> {
+    /// Uploads and pre-processes a problem the caller validated (`d` its
+    /// sizes). With a scalar gate `g [B,T,HV]` (GDN), `opts.gate` may be the
+    /// kda gate with per-head `dt_bias [HV]`, which KDA's own inputs cannot
+    /// express.
     pub fn new(
         gpu: &'g Gpu,
-        x: &KdaInputs<f64>,
+        d: KdaDims,
+        x: &KdaRefs<'_, f64>,
         opts: &KdaOptions,
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
         storage: Dtype,
     ) -> Result<Problem<'g>> {
-        let d = oracle::validate(x, opts)?;
-        oracle::validate_upstream(&d, d_o, dht)?;
         check_sizes(d.k, d.v, d.b * d.t)?;
         let scale = opts.scale.unwrap_or(1.0 / (d.k as f64).sqrt()) as f32;
         let up = |what: &str, a: &ArrayD<f64>| gpu.upload_input(what, a, storage);
         let up32 =
             |what: &str, a: Option<&ArrayD<f64>>| a.map(|a| gpu.upload_f32(what, a)).transpose();
         let (raw_q, raw_k, raw_v, raw_g, raw_beta, raw_do) = (
-            up("q", &x.q)?,
-            up("k", &x.k)?,
-            up("v", &x.v)?,
-            up("g", &x.g)?,
-            up("beta", &x.beta)?,
+            up("q", x.q)?,
+            up("k", x.k)?,
+            up("v", x.v)?,
+            up("g", x.g)?,
+            up("beta", x.beta)?,
             up("do", d_o)?,
         );
         let ntok = d.b * d.t;
@@ -127,9 +132,9 @@ impl<'g> Problem<'g> {
             storage,
             opts: *opts,
             scale,
-            a_log: up32("A_log", x.a_log.as_ref())?,
-            dt_bias: up32("dt_bias", x.dt_bias.as_ref())?,
-            h0: up32("initial_state", x.initial_state.as_ref())?,
+            a_log: up32("A_log", x.a_log)?,
+            dt_bias: up32("dt_bias", x.dt_bias)?,
+            h0: up32("initial_state", x.initial_state)?,
             dht: up32("dht", dht)?,
             q: z("q", ntok * d.h * d.k)?,
             k: z("k", ntok * d.h * d.k)?,
@@ -243,27 +248,31 @@ impl<'g> Problem<'g> {
         Ok(out)
     }
 
-    /// Through the gate: `(dg shaped like g, dA_log, ddt_bias)`.
+    /// Through the gate: `(dg shaped like g, dA_log, ddt_bias)`. A scalar
+    /// gate's gradient is the sum of the per-key ones; its in-kernel gate
+    /// (GDN) then works on one element per head (`K = 1`).
     fn chain_gate(&self, dgate: CudaSlice<f32>) -> Result<GateGrads> {
         let (gpu, d, ntok) = (self.gpu, self.d, self.tokens());
         let defs = self.defines();
-        let n = ntok * d.hv * d.k;
-        if d.scalar_gate {
+        let (dgate, k) = if d.scalar_gate {
             let mut dg = gpu.zeros::<f32>("dg", ntok * d.hv)?;
             let f = gpu.function(&PREP, defs, "scalar_gate_bwd")?;
             let (m, k) = ((ntok * d.hv) as i64, d.k as i32);
             let mut b = gpu.stream().launch_builder(&f);
             b.arg(&dgate).arg(&mut dg).arg(&m).arg(&k);
             gpu.launch(b, "scalar_gate_bwd", elementwise(ntok * d.hv))?;
-            return Ok((dg, None, None));
-        }
+            (dg, 1)
+        } else {
+            (dgate, d.k)
+        };
         if self.opts.gate == Gate::None {
             return Ok((dgate, None, None));
         }
+        let n = ntok * d.hv * k;
         let mut dg = gpu.zeros::<f32>("dg", n)?;
         let mut da_elem = gpu.zeros::<f32>("dA_log terms", n)?;
         let (kind, lb) = gate_code(self.opts.gate);
-        let (nn, hv, k) = (n as i64, d.hv as i32, d.k as i32);
+        let (nn, hv, kk) = (n as i64, d.hv as i32, k as i32);
         let f = gpu.function(&PREP, defs, "gate_bwd")?;
         let mut b = gpu.stream().launch_builder(&f);
         b.arg(&dgate);
@@ -274,14 +283,14 @@ impl<'g> Problem<'g> {
             .arg(&mut da_elem)
             .arg(&nn)
             .arg(&hv)
-            .arg(&k)
+            .arg(&kk)
             .arg(&kind)
             .arg(&lb);
         gpu.launch(b, "gate_bwd", elementwise(n))?;
         let ddt = self
             .dt_bias
             .as_ref()
-            .map(|_| gpu.zeros::<f32>("ddt_bias", d.hv * d.k))
+            .map(|_| gpu.zeros::<f32>("ddt_bias", d.hv * k))
             .transpose()?;
         let da = self
             .a_log
@@ -294,11 +303,11 @@ impl<'g> Problem<'g> {
         b.arg(&dg).arg(&da_elem);
         arg_opt(&mut b, ddt.as_ref());
         arg_opt(&mut b, da.as_ref());
-        b.arg(&bt).arg(&hv).arg(&k);
+        b.arg(&bt).arg(&hv).arg(&kk);
         gpu.launch(
             b,
             "gate_param_grads",
-            crate::device::grid(d.hv, 1, d.k.min(1024), d.k * 8),
+            crate::device::grid(d.hv, 1, k.min(1024), k * 8),
         )?;
         Ok((dg, da, ddt))
     }
@@ -320,7 +329,13 @@ impl<'g> Problem<'g> {
     }
 
     /// Gradients with respect to the inputs, from the per-head gradients.
-    fn chain(&self, g: Grads, dh0: CudaSlice<f32>, x: &KdaInputs<f64>) -> Result<KdaGrads<f64>> {
+    fn chain(
+        &self,
+        g: Grads,
+        dh0: CudaSlice<f32>,
+        x: &KdaRefs<'_, f64>,
+        host: Landing,
+    ) -> Result<KdaGrads<f64>> {
         let dq = self.chain_qk(&g.dq, &self.raw_q, self.scale)?;
         let dk = self.chain_qk(&g.dk, &self.raw_k, 1.0)?;
         let (dg, da_log, ddt_bias) = self.chain_gate(g.dg)?;
@@ -329,26 +344,54 @@ impl<'g> Problem<'g> {
             self.gpu
                 .fetch(what, t, shape, round.then_some(self.storage))
         };
+        let token = |what: &str, t: CudaSlice<f32>, like: &ArrayD<f64>, out: Vec<f64>| {
+            let round = Some(self.storage);
+            self.gpu.fetch_into(what, t, like.shape(), round, out)
+        };
         let shape_of = |a: &ArrayD<f64>| a.shape().to_vec();
         Ok(KdaGrads {
-            dq: fetch("dq", dq, &shape_of(&x.q), true)?,
-            dk: fetch("dk", dk, &shape_of(&x.k), true)?,
-            dv: fetch("dv", g.dv, &shape_of(&x.v), true)?,
-            dg: fetch("dg", dg, &shape_of(&x.g), true)?,
-            dbeta: fetch("dbeta", dbeta, &shape_of(&x.beta), true)?,
-            da_log: match (da_log, &x.a_log) {
+            dq: token("dq", dq, x.q, host.dq)?,
+            dk: token("dk", dk, x.k, host.dk)?,
+            dv: token("dv", g.dv, x.v, host.dv)?,
+            dg: token("dg", dg, x.g, host.dg)?,
+            dbeta: token("dbeta", dbeta, x.beta, host.dbeta)?,
+            da_log: match (da_log, x.a_log) {
                 (Some(t), Some(a)) => Some(fetch("dA_log", t, &shape_of(a), false)?),
                 _ => None,
             },
-            ddt_bias: match (ddt_bias, &x.dt_bias) {
+            ddt_bias: match (ddt_bias, x.dt_bias) {
                 (Some(t), Some(a)) => Some(fetch("ddt_bias", t, &shape_of(a), false)?),
                 _ => None,
             },
-            dh0: match &x.initial_state {
+            dh0: match x.initial_state {
                 Some(h) => Some(fetch("dh0", dh0, &shape_of(h), false)?),
                 None => None,
             },
         })
+    }
+}
+
+/// Host memory for the token-sized results, mapped while the device
+/// computes (see [`mapped_zeros`]).
+struct Landing {
+    o: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    dg: Vec<f64>,
+    dbeta: Vec<f64>,
+}
+
+impl Landing {
+    fn new(x: &KdaRefs<'_, f64>) -> Landing {
+        Landing {
+            o: mapped_zeros(x.v.len()),
+            dq: mapped_zeros(x.q.len()),
+            dk: mapped_zeros(x.k.len()),
+            dv: mapped_zeros(x.v.len()),
+            dg: mapped_zeros(x.g.len()),
+            dbeta: mapped_zeros(x.beta.len()),
+        }
     }
 }
 
@@ -368,9 +411,43 @@ pub fn run(
     dht: Option<&ArrayD<f64>>,
     imp: &GpuImpl,
 ) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
+    run_refs(gpu, &x.refs(), opts, d_o, dht, imp)
+}
+
+/// [`run`] on inputs borrowed where they live (a case's tensors, uncopied).
+pub fn run_refs(
+    gpu: &Gpu,
+    x: &KdaRefs<'_, f64>,
+    opts: &KdaOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+    imp: &GpuImpl,
+) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
+    let t = std::time::Instant::now();
+    let d = oracle::validate_refs(x, opts)?;
+    oracle::validate_upstream(&d, d_o, dht)?;
+    let checked_s = t.elapsed().as_secs_f64();
+    let mut run = run_validated(gpu, d, x, opts, d_o, dht, imp)?;
+    // Checking the inputs is part of getting them onto the device.
+    run.timings.upload_s += checked_s;
+    run.timings.check_s = checked_s;
+    Ok(run)
+}
+
+/// [`run_refs`] on a problem the caller validated (`d` its sizes; see
+/// [`Problem::new`]).
+pub(crate) fn run_validated(
+    gpu: &Gpu,
+    d: KdaDims,
+    x: &KdaRefs<'_, f64>,
+    opts: &KdaOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+    imp: &GpuImpl,
+) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
     let compiled = gpu.compile_seconds();
     let t = std::time::Instant::now();
-    let p = Problem::new(gpu, x, opts, d_o, dht, imp.storage)?;
+    let p = Problem::new(gpu, d, x, opts, d_o, dht, imp.storage)?;
     gpu.sync("KDA inputs")?;
     let upload_s = t.elapsed().as_secs_f64();
     let mut run = match imp.engine {
@@ -385,44 +462,51 @@ pub fn run(
 fn run_with<R: Recurrence<Grads = Grads>>(
     rec: &R,
     p: &Problem,
-    x: &KdaInputs<f64>,
+    x: &KdaRefs<'_, f64>,
     imp: &GpuImpl,
 ) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
     let (gpu, d) = (p.gpu, p.d);
-    let segs = varlen::sequences(d.b, d.t, x.cu_seqlens.as_deref())?;
+    let segs = varlen::sequences(d.b, d.t, x.cu_seqlens)?;
     let plan = imp
         .cp
         .as_ref()
-        .map(|spec| spec.build(d.b, d.t, x.cu_seqlens.as_deref()))
+        .map(|spec| spec.build(d.b, d.t, x.cu_seqlens))
         .transpose()?;
     let mut o = gpu.zeros::<f32>("o", p.tokens() * d.hv * d.v)?;
-    let (ht, forward_s) = gpu.timed("KDA forward", || match &plan {
-        None => rec.forward(&segs, p.h0.as_ref(), Some(&mut o)),
-        Some(plan) => cp::forward(rec, plan, p.h0.as_ref(), &mut o),
-    })?;
-    let ((grads, dh0), backward_s) = gpu.timed("KDA backward", || {
-        let mut g = Grads::zeros(p)?;
-        let dh0 = match &plan {
-            None => rec.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
-            Some(plan) => cp::backward(rec, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+    std::thread::scope(|s| {
+        // The results' host memory is mapped on the other cores while the
+        // device computes.
+        let landing = s.spawn(|| Landing::new(x));
+        let (ht, forward_s) = gpu.timed("KDA forward", || match &plan {
+            None => rec.forward(&segs, p.h0.as_ref(), Some(&mut o)),
+            Some(plan) => cp::forward(rec, plan, p.h0.as_ref(), &mut o),
+        })?;
+        let ((grads, dh0), backward_s) = gpu.timed("KDA backward", || {
+            let mut g = Grads::zeros(p)?;
+            let dh0 = match &plan {
+                None => rec.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+                Some(plan) => cp::backward(rec, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+            };
+            Ok((g, dh0))
+        })?;
+        let t = std::time::Instant::now();
+        let mut host = landing.join().expect("mapping the results' memory");
+        let o_host = std::mem::take(&mut host.o);
+        let grads = p.chain(grads, dh0, x, host)?;
+        let outputs = KdaOutputs {
+            o: gpu.fetch_into("o", o, x.v.shape(), Some(p.storage), o_host)?,
+            final_state: Some(gpu.fetch("final_state", ht, &[d.n, d.hv, d.k, d.v], None)?),
         };
-        Ok((g, dh0))
-    })?;
-    let t = std::time::Instant::now();
-    let grads = p.chain(grads, dh0, x)?;
-    let outputs = KdaOutputs {
-        o: gpu.fetch("o", o, x.v.shape(), Some(p.storage))?,
-        final_state: Some(gpu.fetch("final_state", ht, &[d.n, d.hv, d.k, d.v], None)?),
-    };
-    gpu.sync("KDA results")?;
-    Ok(Run {
-        outputs,
-        grads,
-        timings: Timings {
-            forward_s,
-            backward_s,
-            download_s: t.elapsed().as_secs_f64(),
-            ..Timings::default()
-        },
+        gpu.sync("KDA results")?;
+        Ok(Run {
+            outputs,
+            grads,
+            timings: Timings {
+                forward_s,
+                backward_s,
+                download_s: t.elapsed().as_secs_f64(),
+                ..Timings::default()
+            },
+        })
     })
 }

@@ -73,7 +73,11 @@ extern "C" __global__ void to_f32(const in_t* __restrict__ x, float* __restrict_
     for (i64 i = grid_index(); i < n; i += grid_stride()) y[i] = ld_in(x, i);
 }
 
-// Rounds results to the storage dtype in place (a no-op for f32 inputs).
-extern "C" __global__ void round_store(float* __restrict__ x, i64 n) {
-    for (i64 i = grid_index(); i < n; i += grid_stride()) x[i] = store_round(x[i]);
+// Results rounded to bfloat16 and packed (half the bytes to copy back); a
+// NaN stays a NaN (dropping its low mantissa bits could make it ±Inf).
+extern "C" __global__ void pack_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, i64 n) {
+    for (i64 i = grid_index(); i < n; i += grid_stride()) {
+        const float f = x[i];
+        y[i] = f != f ? (bf16_t)0x7fc0u : (bf16_t)(__float_as_uint(round_bf16(f)) >> 16);
+    }
 }

@@ -51,6 +51,7 @@ __device__ __forceinline__ float gate_eval(int kind, float x, const float* a_log
 }
 
 // g [BT, HV, K] (or [BT, HV] for a scalar gate) → decay [BT, HV, K].
+// dt_bias is [HV, K], or [HV] with a scalar gate (GDN's per-head gate).
 extern "C" __global__ void prep_gate(const in_t* __restrict__ g, const float* __restrict__ a_log,
                                      const float* __restrict__ dt_bias, float* __restrict__ out,
                                      i64 n, int HV, int K, int scalar_gate, int kind,
@@ -59,7 +60,7 @@ extern "C" __global__ void prep_gate(const in_t* __restrict__ g, const float* __
         const int k = (int)(i % K), hv = (int)((i / K) % HV);
         const i64 bt = i / ((i64)K * HV);
         float x = scalar_gate ? ld_in(g, bt * HV + hv) : ld_in(g, i);
-        if (dt_bias) x += dt_bias[hv * K + k];
+        if (dt_bias) x += scalar_gate ? dt_bias[hv] : dt_bias[hv * K + k];
         float dx, da;
         out[i] = gate_eval(kind, x, a_log, hv, lower_bound, &dx, &da);
     }

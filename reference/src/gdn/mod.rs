@@ -123,7 +123,7 @@ fn kv_layout<T: Scalar>(opt: &GdnOptions, s: &ArrayD<T>) -> ArrayD<T> {
 
 /// Checks what KDA's validation cannot see: `g` is one scalar per head, the
 /// gate parameters are per head, and the `state_v_first` state shape.
-fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
+pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
     let qs = expect_rank("q", "B,T,H,K", &x.q)?;
     let (b, t, kd) = (qs[0], qs[1], qs[3]);
     let vs = expect_rank("v", "B,T,HV,V", &x.v)?;

@@ -63,6 +63,39 @@ impl<T: Scalar> KdaInputs<T> {
     }
 }
 
+/// KDA inputs borrowed where they live (a case file's tensors): what
+/// validation and the GPU upload read, without copying a tensor. Shapes as
+/// in [`KdaInputs`].
+#[derive(Clone, Copy, Debug)]
+pub struct KdaRefs<'a, T> {
+    pub q: &'a ArrayD<T>,
+    pub k: &'a ArrayD<T>,
+    pub v: &'a ArrayD<T>,
+    pub g: &'a ArrayD<T>,
+    pub beta: &'a ArrayD<T>,
+    pub a_log: Option<&'a ArrayD<T>>,
+    pub dt_bias: Option<&'a ArrayD<T>>,
+    pub initial_state: Option<&'a ArrayD<T>>,
+    pub cu_seqlens: Option<&'a [i64]>,
+}
+
+impl<T> KdaInputs<T> {
+    /// The inputs borrowed.
+    pub fn refs(&self) -> KdaRefs<'_, T> {
+        KdaRefs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+            a_log: self.a_log.as_ref(),
+            dt_bias: self.dt_bias.as_ref(),
+            initial_state: self.initial_state.as_ref(),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        }
+    }
+}
+
 /// FLA `chunk_kda` options (names as in FLA).
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct KdaOptions {
@@ -168,13 +201,18 @@ pub struct KdaHeadGrads<T> {
 
 /// Validates inputs and options; returns the problem sizes.
 pub fn validate<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaDims> {
-    let qs = expect_rank("q", "B,T,H,K", &x.q)?;
+    validate_refs(&x.refs(), opt)
+}
+
+/// [`validate`] on borrowed inputs.
+pub fn validate_refs<T: Scalar>(x: &KdaRefs<'_, T>, opt: &KdaOptions) -> Result<KdaDims> {
+    let qs = expect_rank("q", "B,T,H,K", x.q)?;
     let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
     if h == 0 || k == 0 {
         return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
     }
     expect_shape("k", "[B,T,H,K]", qs, x.k.shape())?;
-    let vs = expect_rank("v", "B,T,HV,V", &x.v)?;
+    let vs = expect_rank("v", "B,T,HV,V", x.v)?;
     let (hv, v) = (vs[2], vs[3]);
     expect_shape(
         "v",
@@ -207,7 +245,7 @@ pub fn validate<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaDims
     }
     expect_shape("beta", "[B,T,HV]", &[b, t, hv], x.beta.shape())?;
 
-    let segments = varlen::sequences(b, t, x.cu_seqlens.as_deref())?;
+    let segments = varlen::sequences(b, t, x.cu_seqlens)?;
     let n = segments.len();
     if let Some(h0) = &x.initial_state {
         expect_shape("initial_state", "[N,HV,K,V]", &[n, hv, k, v], h0.shape())?;
@@ -253,7 +291,7 @@ pub fn validate<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaDims
 }
 
 fn validate_gate<T: Scalar>(
-    x: &KdaInputs<T>,
+    x: &KdaRefs<'_, T>,
     opt: &KdaOptions,
     hv: usize,
     k: usize,

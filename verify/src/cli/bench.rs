@@ -57,6 +57,8 @@ struct Row {
     backward_s: Option<f64>,
     /// GPU rows: host seconds of the best run, by part (see [`Timings`]).
     upload_s: Option<f64>,
+    /// The input checks, part of `upload_s`.
+    check_s: Option<f64>,
     download_s: Option<f64>,
     compile_s: Option<f64>,
     /// Achieved GFLOP/s of a CPU KDA or DPLR row without CP.
@@ -219,6 +221,7 @@ fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
             forward_s: t.phases.map(|p| p.forward_s),
             backward_s: t.phases.map(|p| p.backward_s),
             upload_s: t.phases.map(|p| p.upload_s),
+            check_s: t.phases.map(|p| p.check_s),
             download_s: t.phases.map(|p| p.download_s),
             compile_s: t.phases.map(|p| p.compile_s),
             gflops,
@@ -260,20 +263,23 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
     }
     for r in rows {
         // KDA runs time their host parts; other ops leave them zero.
-        if let (Some(f), Some(b), Some(u @ 0.0..), Some(d), Some(c)) = (
+        if let (Some(f), Some(b), Some(u @ 0.0..), Some(k), Some(d), Some(c)) = (
             r.forward_s,
             r.backward_s,
             r.upload_s.filter(|&u| u > 0.0),
+            r.check_s,
             r.download_s,
             r.compile_s,
         ) {
-            // What the phases leave: reading the case's tensors into the run's inputs.
+            // What the phases leave: the case's tensors into the run's
+            // inputs, the results into the name map.
             let other = r.total_s - f - b - u - d;
             out += &format!(
-                "{} host: {:.1} ms = upload {:.1} + download {:.1} + case copies {:.1} (device {:.1} ms; compile {:.1} ms inside fwd/bwd)\n",
+                "{} host: {:.1} ms = upload {:.1} (checks {:.1}) + download {:.1} + case copies {:.1} (device {:.1} ms; compile {:.1} ms inside fwd/bwd)\n",
                 r.imp,
                 (r.total_s - f - b) * 1e3,
                 u * 1e3,
+                k * 1e3,
                 d * 1e3,
                 other * 1e3,
                 (f + b) * 1e3,
