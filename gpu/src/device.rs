@@ -88,7 +88,7 @@ fn bf16_bits(v: f64) -> u16 {
     if u & 0xffff == 0 && f64::from(f) == v {
         (u >> 16) as u16
     } else {
-        half::bf16::from_f64(v).to_bits()
+        deltaref::dtype::to_bf16(v).to_bits()
     }
 }
 
@@ -744,7 +744,7 @@ mod tests {
         for v in values.into_iter().filter(|v| !v.is_nan()) {
             assert_eq!(
                 bf16_bits(v),
-                half::bf16::from_f64(v).to_bits(),
+                deltaref::dtype::to_bf16(v).to_bits(),
                 "{v:e} ({:#x})",
                 v.to_bits()
             );

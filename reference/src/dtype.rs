@@ -95,11 +95,11 @@ impl Dtype {
         match self {
             Dtype::F64 => x,
             Dtype::F32 => x as f32 as f64,
-            Dtype::Bf16 => bf16::from_f64(x).to_f64(),
-            Dtype::F16 => f16::from_f64(x).to_f64(),
+            Dtype::Bf16 => to_bf16(x).to_f64(),
+            Dtype::F16 => to_f16(x).to_f64(),
             Dtype::Tf32 => {
                 // Round f32's 23-bit mantissa to 10 bits, nearest even.
-                let b = (x as f32).to_bits();
+                let b = f32_round_to_odd(x).to_bits();
                 let lsb = (b >> 13) & 1;
                 f32::from_bits((b.wrapping_add(0x0FFF + lsb)) & !0x1FFF) as f64
             }
@@ -143,6 +143,33 @@ impl Dtype {
     }
 }
 
+/// `x` rounded to nearest even bf16. `half::bf16::from_f64` drops the
+/// f64's low 32 mantissa bits before rounding, which turns values just
+/// above a midpoint into ties (f64 bits `0x47ec900080000000` give bf16
+/// `0x7f64`, not `0x7f65`): this rounds `x` itself.
+pub fn to_bf16(x: f64) -> bf16 {
+    bf16::from_f32(f32_round_to_odd(x))
+}
+
+/// `x` rounded to nearest even f16 (see [`to_bf16`] for why not `half`'s
+/// f64 conversion).
+pub fn to_f16(x: f64) -> f16 {
+    f16::from_f32(f32_round_to_odd(x))
+}
+
+/// `x` cut to f32 toward zero, the last bit set when anything was cut
+/// (round to odd). Rounding that to nearest even in a format with at least
+/// two fewer mantissa bits gives the same result as rounding `x` itself:
+/// the set bit keeps a cut-off remainder from looking like a tie.
+fn f32_round_to_odd(x: f64) -> f32 {
+    let f = x as f32;
+    if !f.is_finite() || f as f64 == x {
+        return f;
+    }
+    let bits = f.to_bits() - u32::from((f as f64).abs() > x.abs());
+    f32::from_bits(bits | 1)
+}
+
 /// `a, b or c`.
 fn names(ds: &[Dtype]) -> String {
     let n: Vec<&str> = ds.iter().map(|d| d.name()).collect();
@@ -181,6 +208,45 @@ mod tests {
         assert_eq!(Dtype::Bf16.lane_sum(&xs, 1), 1.03125);
         assert_eq!(Dtype::F64.lane_sum(&xs, 1), xs.iter().sum::<f64>());
         assert_eq!(Dtype::Bf16.lane_sum::<f64>(&[], 8), 0.0);
+    }
+
+    /// Nearest even with `bits` explicit mantissa bits, on the f64's bits
+    /// (right for values in the target's normal range).
+    fn round_mantissa(x: f64, bits: u32) -> f64 {
+        let cut = 52 - bits;
+        let b = x.to_bits();
+        let lsb = (b >> cut) & 1;
+        f64::from_bits(b.wrapping_add((1u64 << (cut - 1)) - 1 + lsb) & !((1u64 << cut) - 1))
+    }
+
+    #[test]
+    fn bf16_and_f16_round_the_f64_itself() {
+        // Just above a bf16 midpoint, with the excess below f64 bit 32.
+        let x = f64::from_bits(0x47ec_9000_8000_0000);
+        assert_eq!(to_bf16(x).to_bits(), 0x7f65);
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0..300_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Midpoints with a small excess or deficit, and random values,
+            // for bf16 (7 mantissa bits) and f16 (10), in their normal range.
+            let (bits, exp) = if i % 2 == 0 { (7, 1003) } else { (10, 1013) };
+            let half_ulp = 1u64 << (51 - bits);
+            let tie = (state & !(2 * half_ulp - 1)) | half_ulp;
+            let mant = match i % 3 {
+                0 => tie | (state >> 40 & 0xff),
+                1 => tie - (state >> 40 & 0xff) - 1,
+                _ => state,
+            } & ((1 << 52) - 1);
+            let x = f64::from_bits((exp + (state >> 56) % 20) << 52 | mant);
+            let got = if bits == 7 {
+                to_bf16(x).to_f64()
+            } else {
+                to_f16(x).to_f64()
+            };
+            assert_eq!(got, round_mantissa(x, bits), "{:#x}", x.to_bits());
+        }
     }
 
     #[test]

@@ -34,8 +34,8 @@ fn port_candidate(
                 .flat_map(|&v| match st {
                     StDtype::F64 => v.to_le_bytes().to_vec(),
                     StDtype::F32 => (v as f32).to_le_bytes().to_vec(),
-                    StDtype::BF16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
-                    StDtype::F16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
+                    StDtype::BF16 => deltaref::dtype::to_bf16(v).to_le_bytes().to_vec(),
+                    StDtype::F16 => deltaref::dtype::to_f16(v).to_le_bytes().to_vec(),
                     other => panic!("ports write float tensors, not {other:?}"),
                 })
                 .collect();

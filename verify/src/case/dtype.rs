@@ -1,8 +1,8 @@
 //! The storage dtypes of a case's float tensors: the oracle's [`Dtype`]
 //! restricted to [`Dtype::CASE_FILE`], and their safetensors encoding.
 
+use deltaref::dtype::{to_bf16, to_f16};
 use deltaref::Dtype;
-use half::{bf16, f16};
 use ndarray::ArrayD;
 use safetensors::tensor::Dtype as StDtype;
 
@@ -22,8 +22,8 @@ pub(super) fn encode(d: Dtype, x: &ArrayD<f64>) -> Vec<u8> {
     let it = x.iter().copied();
     match d {
         Dtype::F64 => it.flat_map(f64::to_le_bytes).collect(),
-        Dtype::Bf16 => it.flat_map(|v| bf16::from_f64(v).to_le_bytes()).collect(),
-        Dtype::F16 => it.flat_map(|v| f16::from_f64(v).to_le_bytes()).collect(),
+        Dtype::Bf16 => it.flat_map(|v| to_bf16(v).to_le_bytes()).collect(),
+        Dtype::F16 => it.flat_map(|v| to_f16(v).to_le_bytes()).collect(),
         _ => it.flat_map(|v| (v as f32).to_le_bytes()).collect(),
     }
 }
