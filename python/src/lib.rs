@@ -174,7 +174,11 @@ fn run<'py>(
         world,
         layout: layout_of(layout.as_deref())?,
         cuts,
-        cp_engine,
+        cp_engine: cp_engine
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(value_error)?,
         precision,
         ..ImplRequest::default()
     };
@@ -332,7 +336,11 @@ fn verify<'py>(
         world,
         layout: layout_of(layout.as_deref())?,
         cuts,
-        cp_engine,
+        cp_engine: cp_engine
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(value_error)?,
         precision,
         ..ImplRequest::default()
     };

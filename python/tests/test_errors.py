@@ -71,6 +71,8 @@ def test_bad_cu_seqlens_gives_the_cli_message(cli, tmp_path):
         (["--impl", "fast"], dict(impl="fast")),
         (["--impl", "chunk", "--chunk-size", "48"], dict(impl="chunk", chunk_size=48)),
         (["--impl", "cp"], dict(impl="cp")),
+        (["--impl", "cp", "--world", "2", "--cp-engine", "fast"],
+         dict(impl="cp", cp={"world": 2, "engine": "fast"})),
         (["--precision", "bf17"], dict(precision="bf17")),
         (["--impl", "chunk", "--precision", "drop-merged-state"],
          dict(impl="chunk", precision="drop-merged-state")),
@@ -91,6 +93,12 @@ def test_bad_implementation_gives_the_cli_message(flags, kw, cli):
         # binding gives alone.
         assert str(e.value).startswith("unknown --impl `fast` (available: naive, chunk, cp")
         assert str(e.value) in want
+    elif "--cp-engine" in flags:
+        # clap lists a ValueEnum's values its own way; both name the flag,
+        # the value and the engines.
+        assert str(e.value) == "unknown --cp-engine `fast` (available: naive, chunk)"
+        for part in ("--cp-engine", "fast", "naive", "chunk"):
+            assert part in want
     else:
         assert str(e.value) == want
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use deltaref_verify::case::{Case, Op};
 use deltaref_verify::fixtures::{check, Manifest};
-use deltaref_verify::impls::{Compute, Impl, ImplName, ImplRequest};
+use deltaref_verify::impls::{Compute, EngineName, Impl, ImplName, ImplRequest};
 use deltaref_verify::report::VerifyReport;
 
 fn committed() -> PathBuf {
@@ -69,13 +69,13 @@ fn every_fixture_verifies_against_every_implementation() {
         }
         if case.meta.cp.is_some() {
             let cp_engine = if case.meta.op == Op::Kda {
-                "chunk"
+                EngineName::Chunk
             } else {
-                "naive"
+                EngineName::Naive
             };
             let req = ImplRequest {
                 name: ImplName::Cp,
-                cp_engine: Some(cp_engine.into()),
+                cp_engine: Some(cp_engine),
                 ..ImplRequest::default()
             };
             impls.push(req.resolve(&case).unwrap());

@@ -7,7 +7,7 @@ use deltaref::inputs::{self, KdaSpec, Layout};
 use deltaref::kda::KdaOptions;
 use deltaref_verify::case::{Case, CaseMeta, Dtype, Op};
 use deltaref_verify::diagnose::{diagnose, TokenMap};
-use deltaref_verify::impls::{Compute, Impl, ImplRequest};
+use deltaref_verify::impls::{Compute, EngineName, Impl, ImplRequest};
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::report::VerifyReport;
 
@@ -92,7 +92,7 @@ fn run(
         name: imp.parse().expect("an --impl name"),
         chunk_size: Some(16),
         cuts,
-        cp_engine: Some("chunk".into()).filter(|_| imp == "cp"),
+        cp_engine: Some(EngineName::Chunk).filter(|_| imp == "cp"),
         precision: precision.map(String::from),
         ..ImplRequest::default()
     };

@@ -70,12 +70,45 @@ impl ImplName {
     }
 
     /// The local engine a non-CP implementation names (CP's is `--cp-engine`'s).
-    fn engine(self) -> Option<&'static str> {
+    fn engine(self) -> Option<EngineName> {
         match self {
-            ImplName::Naive | ImplName::GpuNaive => Some("naive"),
-            ImplName::Chunk | ImplName::GpuChunk => Some("chunk"),
+            ImplName::Naive | ImplName::GpuNaive => Some(EngineName::Naive),
+            ImplName::Chunk | ImplName::GpuChunk => Some(EngineName::Chunk),
             ImplName::Cp | ImplName::GpuCp => None,
         }
+    }
+}
+
+/// `--cp-engine`: the local engine of each CP rank, by name; parses and
+/// prints itself like [`ImplName`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineName {
+    Naive,
+    Chunk,
+}
+
+impl EngineName {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineName::Naive => "naive",
+            EngineName::Chunk => "chunk",
+        }
+    }
+}
+
+impl std::fmt::Display for EngineName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for EngineName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<EngineName, String> {
+        [EngineName::Naive, EngineName::Chunk]
+            .into_iter()
+            .find(|e| e.name() == s)
+            .ok_or_else(|| format!("unknown --cp-engine `{s}` (available: naive, chunk)"))
     }
 }
 
@@ -433,8 +466,9 @@ pub struct ImplRequest {
     /// FLA's layout of `world` (contiguous unless given).
     pub layout: Option<Layout>,
     pub cuts: Option<Vec<usize>>,
-    /// `naive` or `chunk` (default `chunk`: FLA's kernels are chunked).
-    pub cp_engine: Option<String>,
+    /// The ranks' engine (default chunk: FLA's kernels are chunked; DPLR's
+    /// gpu-cp naive, its only GPU kernels).
+    pub cp_engine: Option<EngineName>,
     pub cp_options: CpOptions,
     pub policy: Policy,
     /// A named preset (see `presets`): sets the policy, CP faults and compute.
@@ -521,10 +555,9 @@ impl ImplRequest {
     pub fn resolve(&self, case: &Case) -> Result<Impl, CaseError> {
         let usage = |m: String| CaseError::Usage(m);
         let chunk_size = self.chunk_size_for(case);
-        let engine_of = |name: &str| match name {
-            "naive" => Ok(Engine::Naive),
-            "chunk" => Impl::chunk(chunk_size).map(|i| i.engine),
-            other => Err(usage(format!("unknown engine `{other}` (naive, chunk)"))),
+        let engine_of = |name: EngineName| match name {
+            EngineName::Naive => Ok(Engine::Naive),
+            EngineName::Chunk => Impl::chunk(chunk_size).map(|i| i.engine),
         };
         let cp_given = self.world.is_some()
             || self.layout.is_some()
@@ -532,15 +565,15 @@ impl ImplRequest {
             || self.cp_engine.is_some();
         // DPLR has naive GPU kernels only: its gpu-cp runs them by default.
         let engine_name = self.name.engine().unwrap_or_else(|| {
-            self.cp_engine.as_deref().unwrap_or(
+            self.cp_engine.unwrap_or(
                 if self.name == ImplName::GpuCp && case.meta.op == Op::Dplr {
-                    "naive"
+                    EngineName::Naive
                 } else {
-                    "chunk"
+                    EngineName::Chunk
                 },
             )
         });
-        if self.chunk_size.is_some() && engine_name == "naive" {
+        if self.chunk_size.is_some() && engine_name == EngineName::Naive {
             return Err(usage(format!(
                 "--chunk-size applies to the chunked engine; --impl {}{} runs the naive one",
                 self.name,

@@ -6,26 +6,24 @@
 use std::fmt;
 
 use deltaref::conv::Activation;
-use deltaref::cp::plan::PlanSpec;
 use deltaref::dplr::{DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{KdaInputs, KdaOptions};
-use deltaref::token_shift::{Shift, TokenShiftInputs};
+use deltaref::token_shift::TokenShiftInputs;
 use deltaref::{dplr, kda, Result};
 use ndarray::ArrayD;
 use serde::Serialize;
 
 use deltaref::Dtype;
-use deltaref_gpu::{Engine as GpuEngine, GpuImpl};
 
 use crate::case::{Case, CaseError, Op};
 use crate::fd;
 use crate::generate::{generate, GenSpec};
-use crate::gpu::{self, ComputeError};
-use crate::impls::{Compute, Impl, ImplName, ImplRequest};
+use crate::gpu;
+use crate::impls::{Compute, Device, EngineName, Impl, ImplName, ImplRequest};
 use crate::metrics::{compare, Comparison};
-use crate::outputs::{self, Tensors};
+use crate::outputs::Tensors;
 
 /// Finite differences agree with the analytic gradient to this norm_ratio.
 pub const FD_TOL: f64 = 1e-6;
@@ -356,11 +354,11 @@ fn token_shift_fd(report: &mut Report) -> Result<()> {
 /// The CP cuts of the table's `cuts` rows and of the GPU rows.
 const CUTS: [usize; 3] = [20, 38, 90];
 
-/// The built-in case of `op` for the implementation table, as `gen` writes
-/// it (varlen with 0- and 1-length sequences, initial states): KDA with GVA,
+/// The `gen` request of `op`'s built-in case for the implementation table
+/// (varlen with 0- and 1-length sequences, initial states): KDA with GVA,
 /// the lower-bound gate, l2norm and beta sigmoid; GDN with its in-kernel
 /// gate and l2norm; causal conv1d with SiLU and a bias.
-fn table_case(op: Op) -> std::result::Result<Case, CaseError> {
+fn table_spec(op: Op) -> GenSpec {
     let t = LENGTHS.iter().sum();
     let mut s = GenSpec {
         lengths: Some(LENGTHS.to_vec()),
@@ -391,14 +389,14 @@ fn table_case(op: Op) -> std::result::Result<Case, CaseError> {
         }
         Op::Dplr | Op::TokenShift => {}
     }
-    generate(&s)
+    s
 }
 
 /// The implementation table: each row a request as `--impl` and its flags
 /// spell it, on an op's built-in case, in a compute scalar, with its bar
 /// against the naive f64 oracle. f32 against f64 for every op; the chunked
 /// form and CP (FLA's equal split and explicit cuts) in f64.
-fn table() -> Vec<(Op, ImplRequest, Compute, f64)> {
+fn table() -> Vec<TableRow> {
     let chunk = |c| ImplRequest {
         name: ImplName::Chunk,
         chunk_size: Some(c),
@@ -413,10 +411,17 @@ fn table() -> Vec<(Op, ImplRequest, Compute, f64)> {
     let cuts = ImplRequest {
         name: ImplName::Cp,
         cuts: Some(CUTS.to_vec()),
-        cp_engine: Some("naive".into()),
+        cp_engine: Some(EngineName::Naive),
         ..ImplRequest::default()
     };
-    let f32_rows = Op::ALL.map(|op| (op, ImplRequest::default(), Compute::F32, F32_TOL));
+    let f32_rows = Op::ALL.map(|op| {
+        (
+            table_spec(op),
+            ImplRequest::default(),
+            Compute::F32,
+            F32_TOL,
+        )
+    });
     let exact = [
         (Op::Kda, chunk(16)),
         (Op::Kda, chunk(64)),
@@ -430,132 +435,115 @@ fn table() -> Vec<(Op, ImplRequest, Compute, f64)> {
         (Op::TokenShift, cuts.clone()),
         (Op::CausalConv1d, cuts),
     ]
-    .map(|(op, req)| (op, req, Compute::F64, EXACT_TOL));
+    .map(|(op, req)| (table_spec(op), req, Compute::F64, EXACT_TOL));
     f32_rows.into_iter().chain(exact).collect()
 }
 
-/// Runs [`table`] through the registry users go through
-/// ([`ImplRequest::resolve`], [`Impl::compute`]).
-fn table_rows(report: &mut Report) -> std::result::Result<(), CaseError> {
+/// A table row: an `--impl` request on the built-in case `gen` writes for
+/// the spec, in a compute scalar, with its bar against the naive f64 oracle
+/// on that case.
+type TableRow = (GenSpec, ImplRequest, Compute, f64);
+
+/// Runs a table through the registry users go through
+/// ([`ImplRequest::resolve`], [`Impl::compute`]), each case written once.
+fn run_table(report: &mut Report, rows: Vec<TableRow>) -> std::result::Result<(), CaseError> {
     let builtin = std::path::Path::new("<built-in case>");
-    let mut cases = std::collections::BTreeMap::new();
-    for (op, req, compute, tol) in table() {
-        if !cases.contains_key(op.name()) {
-            let case = table_case(op)?;
-            let truth = Impl::NAIVE
-                .compute(&case, Compute::F64)
-                .map_err(CaseError::computing(builtin))?;
-            cases.insert(op.name(), (case, truth));
-        }
-        let (case, truth) = &cases[op.name()];
+    let mut cases: Vec<(GenSpec, Case, Tensors)> = vec![];
+    for (spec, req, compute, tol) in rows {
+        let i = match cases.iter().position(|(s, ..)| *s == spec) {
+            Some(i) => i,
+            None => {
+                let case = generate(&spec)?;
+                let truth = Impl::NAIVE
+                    .compute(&case, Compute::F64)
+                    .map_err(CaseError::computing(builtin))?;
+                cases.push((spec.clone(), case, truth));
+                cases.len() - 1
+            }
+        };
+        let (_, case, truth) = &cases[i];
         let imp = req.resolve(case)?;
         let got = imp
             .compute(case, compute)
             .map_err(CaseError::computing(builtin))?;
-        let scalar = match compute {
-            Compute::F64 => "f64",
-            Compute::F32 => "f32",
+        // The GPU kernels compute in f32 whatever `compute` says.
+        let scalar = match (imp.device, compute) {
+            (Device::Gpu(_), _) => "",
+            (Device::Cpu, Compute::F64) => " f64",
+            (Device::Cpu, Compute::F32) => " f32",
         };
-        let check = format!("{} {scalar} vs naive f64", imp.name());
-        report.compare_maps(&check, op.name(), truth, &got, tol);
+        let check = format!("{}{scalar} vs naive f64", imp.name());
+        report.compare_maps(&check, spec.op.name(), truth, &got, tol);
     }
     Ok(())
 }
 
-/// The GPU kernels against the f64 oracle on the inputs they read (f32 and
-/// bf16 storage), plain and under CP. `Err` says why they cannot run here.
-fn gpu_rows(report: &mut Report) -> std::result::Result<(), ComputeError> {
-    gpu::device()?;
-    let cuts = PlanSpec::Cuts(CUTS.to_vec());
-    // K = V = 64: with 16, dA_log is two sums of a few hundred cancelling
-    // terms and its bf16 error is noise around the 5e-3 bar.
-    let (spec, g) = kda_case(&LENGTHS, 64, 64);
-    for storage in [Dtype::F32, Dtype::Bf16] {
-        let x = gpu::stored_kda(&g.inputs, storage);
-        let d_o = gpu::stored(&g.d_o, storage);
-        let dht = gpu::stored(&g.dht, Dtype::F32);
-        let truth = outputs::all::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))?;
-        let tol = gpu_tol(storage);
-        for (engine, cp) in [
-            (GpuEngine::Naive, None),
-            (GpuEngine::Chunk(16), None),
-            (GpuEngine::Chunk(64), None),
-            (GpuEngine::Chunk(16), Some(PlanSpec::World(2))),
-            (GpuEngine::Naive, Some(cuts.clone())),
+/// The GPU table: each row a request as `--impl gpu-*` and its flags spell
+/// it, on an op's built-in case stored in a dtype the kernels read, with its
+/// bar against the naive f64 oracle on the same stored inputs. KDA's case
+/// has K = V = 64: with 16, dA_log is two sums of a few hundred cancelling
+/// terms and its bf16 error is noise around the 5e-3 bar. GDN runs on KDA's
+/// kernels; its bf16 gate-gradient sums are checked by the GPU tests.
+fn gpu_table() -> Vec<TableRow> {
+    let req = |name, chunk_size, world, cuts: bool, dtype| ImplRequest {
+        name,
+        chunk_size,
+        world,
+        cuts: cuts.then(|| CUTS.to_vec()),
+        cp_engine: cuts.then_some(EngineName::Naive),
+        gpu_dtype: Some(dtype),
+        ..ImplRequest::default()
+    };
+    let spec = |op, dtype| {
+        let mut s = table_spec(op);
+        s.dtype = dtype;
+        if op == Op::Kda {
+            s.shape = Some(vec![1, LENGTHS.iter().sum(), 1, 2, 64, 64]);
+        }
+        s
+    };
+    let mut rows = vec![];
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        let tol = if dtype == Dtype::Bf16 {
+            GPU_BF16_TOL
+        } else {
+            GPU_F32_TOL
+        };
+        for r in [
+            req(ImplName::GpuNaive, None, None, false, dtype),
+            req(ImplName::GpuChunk, Some(16), None, false, dtype),
+            req(ImplName::GpuChunk, Some(64), None, false, dtype),
+            req(ImplName::GpuCp, Some(16), Some(2), false, dtype),
+            req(ImplName::GpuCp, None, None, true, dtype),
         ] {
-            let imp = GpuImpl {
-                engine,
-                cp,
-                storage,
-            };
-            let (got, _) = gpu::kda(&imp, &x, &spec.opts, &d_o, Some(&dht))?;
-            report.compare_maps(&gpu_check(&imp), "kda", &truth, &got, tol);
+            rows.push((spec(Op::Kda, dtype), r, Compute::F64, tol));
+        }
+        for r in [
+            req(ImplName::GpuNaive, None, None, false, dtype),
+            req(ImplName::GpuCp, None, None, true, dtype),
+        ] {
+            rows.push((spec(Op::Dplr, dtype), r, Compute::F64, tol));
         }
     }
-    let (_, g) = dplr_case(&LENGTHS, 16, 16);
-    let opts = DplrOptions::default();
-    for storage in [Dtype::F32, Dtype::Bf16] {
-        let x = gpu::stored_dplr(&g.inputs, storage);
-        let d_o = gpu::stored(&g.d_o, storage);
-        let dht = gpu::stored(&g.dht, Dtype::F32);
-        let truth = outputs::all::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))?;
-        for cp in [None, Some(cuts.clone())] {
-            let imp = GpuImpl {
-                engine: GpuEngine::Naive,
-                cp,
-                storage,
-            };
-            let (got, _) = gpu::dplr(&imp, &x, &opts, &d_o, Some(&dht))?;
-            report.compare_maps(&gpu_check(&imp), "dplr", &truth, &got, gpu_tol(storage));
-        }
+    for r in [
+        req(ImplName::GpuNaive, None, None, false, Dtype::F32),
+        req(ImplName::GpuCp, None, None, true, Dtype::F32),
+    ] {
+        rows.push((
+            spec(Op::TokenShift, Dtype::F32),
+            r,
+            Compute::F64,
+            GPU_F32_TOL,
+        ));
     }
-    let g = token_shift_case(&LENGTHS);
-    let x = TokenShiftInputs {
-        x: gpu::stored(&g.inputs.x, Dtype::F32),
-        cache: g.inputs.cache.as_ref().map(|c| gpu::stored(c, Dtype::F32)),
-        ..g.inputs.clone()
-    };
-    let dy = gpu::stored(&g.d_o, Dtype::F32);
-    let truth = outputs::all::<f64, _>(&Shift, &x, &(), &dy, Some(&g.dht))?;
-    for cp in [None, Some(cuts)] {
-        let imp = GpuImpl {
-            engine: GpuEngine::Naive,
-            cp,
-            storage: Dtype::F32,
-        };
-        let (got, _) = gpu::token_shift(&imp, &x, &dy, Some(&g.dht))?;
-        report.compare_maps(&gpu_check(&imp), "token_shift", &truth, &got, GPU_F32_TOL);
+    for r in [
+        req(ImplName::GpuNaive, None, None, false, Dtype::F32),
+        req(ImplName::GpuChunk, Some(16), None, false, Dtype::F32),
+        req(ImplName::GpuCp, Some(16), Some(2), false, Dtype::F32),
+    ] {
+        rows.push((spec(Op::Gdn, Dtype::F32), r, Compute::F64, GPU_F32_TOL));
     }
-    Ok(())
-}
-
-fn gpu_tol(s: Dtype) -> f64 {
-    if s == Dtype::Bf16 {
-        GPU_BF16_TOL
-    } else {
-        GPU_F32_TOL
-    }
-}
-
-/// E.g. `gpu chunk C=16 cp world=2 bf16 vs f64`.
-fn gpu_check(imp: &GpuImpl) -> String {
-    let engine = match imp.engine {
-        GpuEngine::Naive => "naive".to_string(),
-        GpuEngine::Chunk(c) => format!("chunk C={c}"),
-    };
-    let cp = match &imp.cp {
-        None => String::new(),
-        Some(PlanSpec::World(w)) => format!(" cp world={w}"),
-        Some(PlanSpec::Zigzag(w)) => format!(" cp zigzag world={w}"),
-        Some(PlanSpec::Cuts(c)) => format!(
-            " cp cuts={}",
-            c.iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        ),
-    };
-    format!("gpu {engine}{cp} {} vs f64", imp.storage.name())
+    rows
 }
 
 /// Runs every check on the built-in cases (the GPU rows when a device is here).
@@ -568,12 +556,10 @@ pub fn run() -> std::result::Result<Report, CaseError> {
     kda_fd(&mut report).map_err(builtin)?;
     dplr_fd(&mut report).map_err(builtin)?;
     token_shift_fd(&mut report).map_err(builtin)?;
-    table_rows(&mut report)?;
-    let mut gpu_report = Report::default();
-    match gpu_rows(&mut gpu_report) {
-        Ok(()) => report.rows.extend(gpu_report.rows),
-        Err(ComputeError::Input(e)) => return Err(builtin(e)),
-        Err(ComputeError::Gpu(e)) => report.skipped.push(format!("GPU rows ({e})")),
+    run_table(&mut report, table())?;
+    match gpu::device() {
+        Ok(_) => run_table(&mut report, gpu_table())?,
+        Err(e) => report.skipped.push(format!("GPU rows ({e})")),
     }
     Ok(report)
 }

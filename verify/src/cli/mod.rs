@@ -17,7 +17,7 @@ use deltaref::cp::Layout;
 use deltaref::Dtype;
 use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
-use deltaref_verify::impls::{Compute, Impl, ImplName, ImplRequest};
+use deltaref_verify::impls::{Compute, EngineName, Impl, ImplName, ImplRequest};
 
 /// Prints to stdout; a closed pipe (`deltaref … | head`) is not an error.
 pub fn print(s: &str) {
@@ -76,7 +76,7 @@ pub struct ImplArgs {
     pub cuts: Option<String>,
     /// CP: local engine, naive or chunk (default chunk).
     #[arg(long, value_enum)]
-    pub cp_engine: Option<CpEngineArg>,
+    pub cp_engine: Option<EngineName>,
     /// Compute in f64 (the oracle) or f32 (same code, single precision); default f64, or the preset's.
     #[arg(long, value_enum)]
     pub compute: Option<Compute>,
@@ -111,22 +111,6 @@ impl From<LayoutArg> for Layout {
         match l {
             LayoutArg::Contiguous => Layout::Contiguous,
             LayoutArg::Zigzag => Layout::Zigzag,
-        }
-    }
-}
-
-/// `--cp-engine`: the local engine of each rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum CpEngineArg {
-    Naive,
-    Chunk,
-}
-
-impl CpEngineArg {
-    fn name(self) -> &'static str {
-        match self {
-            CpEngineArg::Naive => "naive",
-            CpEngineArg::Chunk => "chunk",
         }
     }
 }
@@ -187,7 +171,7 @@ impl ImplArgs {
                 .as_deref()
                 .map(|c| list("--cuts", c))
                 .transpose()?,
-            cp_engine: self.cp_engine.map(|e| e.name().to_string()),
+            cp_engine: self.cp_engine,
             precision: self.precision.clone(),
             ..ImplRequest::default()
         };
