@@ -26,44 +26,14 @@ use deltaref::varlen::{par_pairs, Segment};
 use ndarray::{s, Array2, ArrayD, IxDyn};
 use serde::Serialize;
 
+pub use crate::case::{is_intermediate, INTERMEDIATE_NAMES as NAMES};
 use crate::case::{Case, CaseError, Inputs, Op};
 use crate::impls::{Device, Engine, Impl};
 use crate::metrics;
 use crate::outputs::Tensors;
 
-/// Every intermediate name, FLA's where FLA has one.
-pub const NAMES: [&str; 13] = [
-    "g_cumsum",
-    "Aqk",
-    "Akk",
-    "w",
-    "u",
-    "qg",
-    "kg",
-    "v_new",
-    "h",
-    "S_ext",
-    "M",
-    "merged_initial_state",
-    "merged_dht",
-];
-
 /// The per-rank CP intermediates (leading rank index).
 const PER_RANK: [&str; 4] = ["S_ext", "M", "merged_initial_state", "merged_dht"];
-
-/// Whether `name` is an intermediate of `op` (KDA only).
-pub fn is_intermediate(op: Op, name: &str) -> bool {
-    op == Op::Kda && NAMES.contains(&name)
-}
-
-/// The stored intermediates of a case or candidate.
-pub fn stored(case: &Case) -> Tensors {
-    case.tensors
-        .iter()
-        .filter(|(n, _)| is_intermediate(case.meta.op, n))
-        .map(|(n, t)| (n.clone(), t.clone()))
-        .collect()
-}
 
 /// One chunk's place: batch row, tokens `[start, end)`, its index along
 /// `h`'s NT axis, and the CP rank holding it (0 without CP).

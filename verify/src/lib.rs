@@ -1,16 +1,15 @@
 pub mod bisect;
 pub mod case;
+pub use case::{files, memory};
 pub mod compute;
 pub mod diagnose;
 pub mod fd;
-pub mod files;
 pub mod fixtures;
 pub mod generate;
 pub mod gpu;
 pub mod heads;
 pub mod impls;
 pub mod intermediates;
-pub mod memory;
 pub mod metrics;
 pub mod outputs;
 pub mod presets;

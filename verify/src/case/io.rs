@@ -100,7 +100,7 @@ impl Case {
         })?;
         // Then the bytes in safetensors' order: dtype alignment down, then name.
         views.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
-        crate::files::write_atomic_with(path, |tmp| {
+        super::files::write_atomic_with(path, |tmp| {
             // `create_new` never follows a link planted at the temporary name.
             let f = std::fs::File::options()
                 .write(true)
@@ -139,7 +139,7 @@ impl Case {
 
     /// Reads and validates a case file.
     pub fn read(path: &Path) -> Result<Case, CaseError> {
-        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        let bytes = super::files::read_bounded(path, READ_WIDEN)?;
         Case::from_bytes(&bytes, &path.display().to_string())
     }
 
@@ -156,7 +156,7 @@ impl Case {
     /// Reads a candidate: the outputs and gradients a port produced for a
     /// case of op `op`. See [`Case::candidate_from_bytes`].
     pub fn read_candidate(path: &Path, op: Op) -> Result<Case, CaseError> {
-        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        let bytes = super::files::read_bounded(path, READ_WIDEN)?;
         Case::candidate_from_bytes(&bytes, &path.display().to_string(), op)
     }
 
@@ -167,7 +167,7 @@ impl Case {
     /// the case's: else an error naming the differing keys (CP layout, chunk
     /// size, seed and dtype may differ).
     pub fn read_candidate_for(path: &Path, case: &Case) -> Result<Case, CaseError> {
-        let bytes = crate::files::read_bounded(path, READ_WIDEN)?;
+        let bytes = super::files::read_bounded(path, READ_WIDEN)?;
         let what = path.display().to_string();
         let cand = Case::candidate_from_bytes(&bytes, &what, case.meta.op)?;
         let stated: Vec<String> = SafeTensors::read_metadata(&bytes)
@@ -294,7 +294,7 @@ impl Case {
     }
 }
 
-pub use crate::files::write_atomic;
+pub use super::files::write_atomic;
 
 /// What reading a case costs per stored byte: the bytes, the f64 tensors
 /// and a validation copy for an f64 file (a bf16 file widens more; the

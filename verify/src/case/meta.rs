@@ -117,7 +117,7 @@ impl Op {
         self.inputs().contains(&name)
             || self.upstream().contains(&name)
             || self.results().contains(&name)
-            || crate::intermediates::is_intermediate(self, name)
+            || is_intermediate(self, name)
     }
 }
 
@@ -565,4 +565,27 @@ impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
         byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map
         enum identifier ignored_any
     }
+}
+
+/// Every intermediate name a case may hold (KDA's forward and CP stages;
+/// FLA's name where FLA has one).
+pub const INTERMEDIATE_NAMES: [&str; 13] = [
+    "g_cumsum",
+    "Aqk",
+    "Akk",
+    "w",
+    "u",
+    "qg",
+    "kg",
+    "v_new",
+    "h",
+    "S_ext",
+    "M",
+    "merged_initial_state",
+    "merged_dht",
+];
+
+/// Whether `name` is an intermediate of `op` (KDA only).
+pub fn is_intermediate(op: Op, name: &str) -> bool {
+    op == Op::Kda && INTERMEDIATE_NAMES.contains(&name)
 }

@@ -1,7 +1,7 @@
 //! Case files (SPEC §8): one case = one safetensors file holding FLA-named
 //! tensors and a `case` metadata entry (a JSON object with `op` and FLA's
 //! option names). Reading validates everything and never panics; writing is
-//! atomic (temporary file + rename, see [`crate::files`]).
+//! atomic (temporary file + rename, see [`files`]).
 //!
 //! Split by job: [`error`] (what can go wrong), [`meta`] (the `case`
 //! metadata and the ops' names), [`dtype`] (storage dtypes), [`io`] (files,
@@ -9,7 +9,9 @@
 
 mod dtype;
 mod error;
+pub mod files;
 mod io;
+pub mod memory;
 mod meta;
 
 use std::collections::BTreeMap;
@@ -26,7 +28,7 @@ use crate::outputs::Tensors;
 pub use deltaref::Dtype;
 pub use error::CaseError;
 pub use io::write_atomic;
-pub use meta::{CaseMeta, CpLayout, Op};
+pub use meta::{is_intermediate, CaseMeta, CpLayout, Op, INTERMEDIATE_NAMES};
 
 /// One case in memory: metadata, float tensors (widened to f64) and their
 /// stored dtypes, and `cu_seqlens`.
@@ -168,9 +170,18 @@ impl Case {
 
     /// The stored outputs and gradients (empty for a fixture without them).
     pub fn results(&self) -> Tensors {
+        self.tensors_where(|k| self.meta.op.results().contains(&k))
+    }
+
+    /// The stored intermediates ([`INTERMEDIATE_NAMES`]) of a case or candidate.
+    pub fn intermediates(&self) -> Tensors {
+        self.tensors_where(|k| is_intermediate(self.meta.op, k))
+    }
+
+    fn tensors_where(&self, keep: impl Fn(&str) -> bool) -> Tensors {
         self.tensors
             .iter()
-            .filter(|(k, _)| self.meta.op.results().contains(&k.as_str()))
+            .filter(|(k, _)| keep(k))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
     }
@@ -247,7 +258,7 @@ impl Case {
             }
             deltaref::tensor::check_finite(&name, &x)?;
         }
-        for (name, x) in crate::intermediates::stored(self) {
+        for (name, x) in self.intermediates() {
             deltaref::tensor::check_finite(&name, &x)?;
         }
         Ok(())

@@ -49,7 +49,7 @@ fn intermediate_rows(
     cand: &Case,
     max_ratio: f64,
 ) -> Result<Vec<intermediates::IntermediateRow>, CaseError> {
-    let held = intermediates::stored(cand);
+    let held = cand.intermediates();
     if held.is_empty() {
         return Ok(vec![]);
     }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::case::CaseError;
+use super::CaseError;
 
 /// Temporary files being written now; removed on interruption.
 static LIVE_TEMPS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
@@ -165,7 +165,7 @@ fn read_err(path: &Path, e: std::io::Error) -> CaseError {
 
 /// The bytes of the regular file at `path`, refused before reading when it
 /// is not a regular file or its size (times `widen`, what decoding it costs
-/// per stored byte) exceeds the memory budget (see [`crate::memory`]).
+/// per stored byte) exceeds the memory budget (see [`super::memory`]).
 pub fn read_bounded(path: &Path, widen: u64) -> Result<Vec<u8>, CaseError> {
     let m = std::fs::metadata(path).map_err(|e| read_err(path, e))?;
     if !m.is_file() {
@@ -176,7 +176,7 @@ pub fn read_bounded(path: &Path, widen: u64) -> Result<Vec<u8>, CaseError> {
         )));
     }
     let size = m.len();
-    crate::memory::check(
+    super::memory::check(
         &format!("reading {}", path.display()),
         size.saturating_mul(widen.max(1)),
     )?;

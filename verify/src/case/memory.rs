@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::case::{Case, CaseError, Op};
+use super::{Case, CaseError, Op};
 
 /// `--max-memory` in bytes; 0 = not given (use `MemAvailable`).
 static LIMIT: AtomicU64 = AtomicU64::new(0);
