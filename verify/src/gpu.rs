@@ -40,39 +40,40 @@ pub fn stored(x: &ArrayD<f64>, s: Dtype) -> ArrayD<f64> {
     x.mapv(|v| s.round_f64(v))
 }
 
-/// KDA inputs as the device reads them: token tensors in `s`, states and
-/// gate parameters in f32.
-pub fn stored_kda(x: &KdaInputs<f64>, s: Dtype) -> KdaInputs<f64> {
-    let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
-    KdaInputs {
-        q: stored(&x.q, s),
-        k: stored(&x.k, s),
-        v: stored(&x.v, s),
-        g: stored(&x.g, s),
-        beta: stored(&x.beta, s),
-        a_log: x.a_log.as_ref().map(f32_),
-        dt_bias: x.dt_bias.as_ref().map(f32_),
-        initial_state: x.initial_state.as_ref().map(f32_),
-        cu_seqlens: x.cu_seqlens.clone(),
-    }
+/// `stored_kda` and `stored_gdn`: KDA and GDN take the same FLA names
+/// (their gates differ in shape).
+macro_rules! stored_gated {
+    ($(#[$doc:meta])* $name:ident, $inputs:ident) => {
+        $(#[$doc])*
+        pub fn $name(x: &$inputs<f64>, s: Dtype) -> $inputs<f64> {
+            let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
+            $inputs {
+                q: stored(&x.q, s),
+                k: stored(&x.k, s),
+                v: stored(&x.v, s),
+                g: stored(&x.g, s),
+                beta: stored(&x.beta, s),
+                a_log: x.a_log.as_ref().map(f32_),
+                dt_bias: x.dt_bias.as_ref().map(f32_),
+                initial_state: x.initial_state.as_ref().map(f32_),
+                cu_seqlens: x.cu_seqlens.clone(),
+            }
+        }
+    };
 }
 
-/// GDN inputs as the device reads them: token tensors in `s`, states and
-/// gate parameters in f32.
-pub fn stored_gdn(x: &GdnInputs<f64>, s: Dtype) -> GdnInputs<f64> {
-    let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
-    GdnInputs {
-        q: stored(&x.q, s),
-        k: stored(&x.k, s),
-        v: stored(&x.v, s),
-        g: stored(&x.g, s),
-        beta: stored(&x.beta, s),
-        a_log: x.a_log.as_ref().map(f32_),
-        dt_bias: x.dt_bias.as_ref().map(f32_),
-        initial_state: x.initial_state.as_ref().map(f32_),
-        cu_seqlens: x.cu_seqlens.clone(),
-    }
-}
+stored_gated!(
+    /// KDA inputs as the device reads them: token tensors in `s`, states and
+    /// gate parameters in f32.
+    stored_kda,
+    KdaInputs
+);
+stored_gated!(
+    /// GDN inputs as the device reads them: token tensors in `s`, states and
+    /// gate parameters in f32.
+    stored_gdn,
+    GdnInputs
+);
 
 /// DPLR inputs as the device reads them.
 pub fn stored_dplr(x: &DplrInputs<f64>, s: Dtype) -> DplrInputs<f64> {
