@@ -385,23 +385,13 @@ impl<T: Scalar, E: Engine<T, Op = Kda>> Engine<T> for OnKda<E> {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Gdn;
 
+// FLA names GDN's tensors as KDA's (only `g`'s and `dt_bias`'s shapes differ).
 impl OpSpec for Gdn {
     const NAME: &'static str = "gdn";
-    const INPUTS: &'static [&'static str] = &[
-        "q",
-        "k",
-        "v",
-        "g",
-        "beta",
-        "A_log",
-        "dt_bias",
-        "initial_state",
-        "cu_seqlens",
-    ];
-    const OUTPUTS: &'static [&'static str] = &["o", "final_state"];
-    const UPSTREAM: &'static [&'static str] = &["do", "dht"];
-    const GRADS: &'static [&'static str] =
-        &["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"];
+    const INPUTS: &'static [&'static str] = Kda::INPUTS;
+    const OUTPUTS: &'static [&'static str] = Kda::OUTPUTS;
+    const UPSTREAM: &'static [&'static str] = Kda::UPSTREAM;
+    const GRADS: &'static [&'static str] = Kda::GRADS;
     type Options = GdnOptions;
 
     fn all_outputs(opt: &GdnOptions) -> GdnOptions {
@@ -436,9 +426,8 @@ impl<T: Scalar> Operator<T> for Gdn {
         d_o: &ArrayD<T>,
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
+        kda::validate_upstream(&p.dims, d_o, None)?;
         let d = p.dims;
-        expect_shape("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o.shape())?;
-        check_finite("do", d_o)?;
         if let Some(dht) = dht {
             let (dims, want) = if p.state_v_first {
                 ("[N,HV,V,K] (state_v_first)", [d.n, d.hv, d.v, d.k])
