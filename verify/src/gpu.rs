@@ -40,10 +40,10 @@ pub fn stored(x: &ArrayD<f64>, s: Dtype) -> ArrayD<f64> {
     x.mapv(|v| s.round_f64(v))
 }
 
-/// `stored_kda` and `stored_gdn`: KDA and GDN take the same FLA names
-/// (their gates differ in shape).
-macro_rules! stored_gated {
-    ($(#[$doc:meta])* $name:ident, $inputs:ident) => {
+/// `stored_kda`/`kda_tensors` and `stored_gdn`/`gdn_tensors`: KDA and GDN
+/// have the same FLA names (their gates differ in shape).
+macro_rules! gated {
+    ($(#[$doc:meta])* $name:ident, $tensors:ident, $op:ident, $inputs:ident, $outputs:ident, $grads:ident) => {
         $(#[$doc])*
         pub fn $name(x: &$inputs<f64>, s: Dtype) -> $inputs<f64> {
             let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
@@ -59,20 +59,46 @@ macro_rules! stored_gated {
                 cu_seqlens: x.cu_seqlens.clone(),
             }
         }
+
+        /// The op's results under FLA's names, moved (not copied: a long
+        /// case's results hold 10⁸ values each).
+        pub fn $tensors(out: $outputs<f64>, gr: $grads<f64>) -> Tensors {
+            named::<$op>(
+                vec![Some(out.o), out.final_state],
+                vec![
+                    Some(gr.dq),
+                    Some(gr.dk),
+                    Some(gr.dv),
+                    Some(gr.dg),
+                    Some(gr.dbeta),
+                    gr.da_log,
+                    gr.ddt_bias,
+                    gr.dh0,
+                ],
+            )
+        }
     };
 }
 
-stored_gated!(
+gated!(
     /// KDA inputs as the device reads them: token tensors in `s`, states and
     /// gate parameters in f32.
     stored_kda,
-    KdaInputs
+    kda_tensors,
+    Kda,
+    KdaInputs,
+    KdaOutputs,
+    KdaGrads
 );
-stored_gated!(
+gated!(
     /// GDN inputs as the device reads them: token tensors in `s`, states and
     /// gate parameters in f32.
     stored_gdn,
-    GdnInputs
+    gdn_tensors,
+    Gdn,
+    GdnInputs,
+    GdnOutputs,
+    GdnGrads
 );
 
 /// DPLR inputs as the device reads them.
@@ -99,41 +125,6 @@ pub fn kda(
 ) -> Result<(Tensors, Timings), ComputeError> {
     let r = deltaref_gpu::kda::run(device()?, x, opts, d_o, dht, imp)?;
     Ok((kda_tensors(r.outputs, r.grads), r.timings))
-}
-
-/// KDA's results under FLA's names, moved (not copied: a long case's
-/// results hold 10⁸ values each).
-pub fn kda_tensors(out: KdaOutputs<f64>, gr: KdaGrads<f64>) -> Tensors {
-    named::<Kda>(
-        vec![Some(out.o), out.final_state],
-        vec![
-            Some(gr.dq),
-            Some(gr.dk),
-            Some(gr.dv),
-            Some(gr.dg),
-            Some(gr.dbeta),
-            gr.da_log,
-            gr.ddt_bias,
-            gr.dh0,
-        ],
-    )
-}
-
-/// GDN's results under FLA's names, moved.
-pub fn gdn_tensors(out: GdnOutputs<f64>, gr: GdnGrads<f64>) -> Tensors {
-    named::<Gdn>(
-        vec![Some(out.o), out.final_state],
-        vec![
-            Some(gr.dq),
-            Some(gr.dk),
-            Some(gr.dv),
-            Some(gr.dg),
-            Some(gr.dbeta),
-            gr.da_log,
-            gr.ddt_bias,
-            gr.dh0,
-        ],
-    )
 }
 
 /// Outputs and gradients in the order of `O`'s declared names, absent ones skipped.
