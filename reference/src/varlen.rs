@@ -91,14 +91,58 @@ pub fn validate_cu_seqlens(cu: &[i64], t: usize) -> Result<()> {
 
 /// Runs `f(segment_index, head)` for every pair, in parallel, returning results
 /// in pair order. Each pair is computed by one thread from its own inputs, so
-/// the results do not depend on the thread count.
+/// the results do not depend on the thread count. When there are at least as
+/// many pairs as threads, [`par_chunks`] inside `f` runs sequentially.
 pub fn par_pairs<R, F>(n_segments: usize, heads: usize, f: F) -> Vec<R>
 where
     R: Send,
     F: Fn(usize, usize) -> R + Sync + Send,
 {
-    (0..n_segments * heads)
+    let pairs = n_segments * heads;
+    let busy = pairs >= rayon::current_num_threads();
+    (0..pairs)
         .into_par_iter()
-        .map(|i| f(i / heads, i % heads))
+        .map(|i| {
+            let _busy = BusyGuard::set(busy);
+            f(i / heads, i % heads)
+        })
         .collect()
+}
+
+thread_local! {
+    /// Whether the enclosing [`par_pairs`] already keeps every thread busy.
+    static PAIRS_FILL_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Sets [`PAIRS_FILL_THREADS`] for the scope of one pair, restoring the
+/// previous value after it (pairs may nest, e.g. CP over an engine).
+struct BusyGuard(bool);
+
+impl BusyGuard {
+    fn set(busy: bool) -> Self {
+        BusyGuard(PAIRS_FILL_THREADS.with(|c| c.replace(busy)))
+    }
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        PAIRS_FILL_THREADS.with(|c| c.set(self.0));
+    }
+}
+
+/// `f(n)` for `n` in `0..count`, in order: in parallel over the chunks of
+/// one (sequence, head) pair only when there are fewer pairs than threads
+/// (inside a [`par_pairs`] that fills the threads the per-chunk tasks would
+/// be pure overhead). Each `f(n)` is computed alone, so the results do not
+/// depend on the thread count either way.
+pub fn par_chunks<R, F>(count: usize, f: F) -> Vec<R>
+where
+    R: Send,
+    F: Fn(usize) -> R + Sync + Send,
+{
+    if PAIRS_FILL_THREADS.with(|c| c.get()) {
+        (0..count).map(f).collect()
+    } else {
+        (0..count).into_par_iter().map(f).collect()
+    }
 }

@@ -7,7 +7,6 @@
 //! differences of the in-chunk cumulative log-decay, so nothing overflows.
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
-use rayon::prelude::*;
 
 use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
@@ -17,7 +16,7 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{par_pairs, Segment};
+use crate::varlen::{par_chunks, par_pairs, Segment};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -311,13 +310,10 @@ impl Chunk {
 
     pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
         // Independent per chunk: in parallel, collected in chunk order.
-        (0..x.len().div_ceil(self.chunk_size))
-            .into_par_iter()
-            .map(|n| {
-                let start = n * self.chunk_size;
-                self.intra(x, start, self.chunk_size.min(x.len() - start))
-            })
-            .collect()
+        par_chunks(x.len().div_ceil(self.chunk_size), |n| {
+            let start = n * self.chunk_size;
+            self.intra(x, start, self.chunk_size.min(x.len() - start))
+        })
     }
 
     /// The forward pass with every intermediate.
@@ -420,15 +416,12 @@ impl Chunk {
         gr.dh0 = ds;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
-        let steps: Vec<_> = (0..nt)
-            .into_par_iter()
-            .map(|n| {
-                let ch = &fwd.intra[n];
-                let ds = dh.index_axis(Axis(0), n);
-                let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
-                self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
-            })
-            .collect();
+        let steps: Vec<_> = par_chunks(nt, |n| {
+            let ch = &fwd.intra[n];
+            let ds = dh.index_axis(Axis(0), n);
+            let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
+            self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
+        });
         let mut da_blocks = Vec::with_capacity(nt);
         for (ch, (grads, blocks)) in fwd.intra.iter().zip(steps) {
             let r = s![ch.start..ch.start + ch.len(), ..];

@@ -12,7 +12,6 @@
 use std::ops::Mul;
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
-use rayon::prelude::*;
 
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
@@ -20,7 +19,7 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{par_pairs, Segment};
+use crate::varlen::{par_chunks, par_pairs, Segment};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -401,13 +400,10 @@ impl Chunk {
     /// All chunks' intra stages of one head.
     pub fn intras<T: Scalar>(&self, x: &KdaHead<T>) -> Vec<Intra<T>> {
         // Independent per chunk: in parallel, collected in chunk order.
-        (0..x.len().div_ceil(self.chunk_size))
-            .into_par_iter()
-            .map(|n| {
-                let start = n * self.chunk_size;
-                self.intra(x, start, self.chunk_size.min(x.len() - start))
-            })
-            .collect()
+        par_chunks(x.len().div_ceil(self.chunk_size), |n| {
+            let start = n * self.chunk_size;
+            self.intra(x, start, self.chunk_size.min(x.len() - start))
+        })
     }
 
     /// The forward pass with every intermediate.
@@ -503,10 +499,9 @@ impl Chunk {
         gr.dh0 = ds;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
-        let steps: Vec<ChunkStep<T>> = (0..nt)
-            .into_par_iter()
-            .map(|n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view()))
-            .collect();
+        let steps: Vec<ChunkStep<T>> = par_chunks(nt, |n| {
+            self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view())
+        });
         let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
         for (ch, step) in fwd.intra.iter().zip(steps) {
             let (c, rows) = (ch.len(), s![ch.start..ch.start + ch.len(), ..]);
