@@ -12,6 +12,7 @@ pub mod cp;
 pub mod dplr;
 pub mod dtype;
 pub mod error;
+pub mod fused;
 pub mod gates;
 pub mod gdn;
 pub mod inputs;

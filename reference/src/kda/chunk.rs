@@ -9,12 +9,11 @@
 //! never overflow. A [`Policy`] rounds each stored stage for precision
 //! emulation; the default policy is exact.
 
-use std::ops::Mul;
-
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
 
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
+use crate::fused;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
@@ -228,14 +227,13 @@ impl Chunk {
         }
         let mid = g.row(g.nrows() / 2).to_owned();
         let limit = 0.4 * T::max_value().ln().f64();
-        let diff = g - &mid.insert_axis(Axis(0));
+        let mut diff = g - &mid.insert_axis(Axis(0));
         if diff.iter().any(|v| v.f64().abs() > limit) {
             return None;
         }
-        Some((
-            diff.mapv(|v| self.policy.exp(v)),
-            diff.mapv(|v| self.policy.exp(-v)),
-        ))
+        let em = diff.mapv(|v| self.policy.exp(-v));
+        diff.mapv_inplace(|v| self.policy.exp(v));
+        Some((diff, em))
     }
 
     /// `Σ_d q_r k_s exp(Γ_r − Γ_s)` and `Σ_d k_r k_s exp(Γ_r − Γ_s)` for
@@ -306,12 +304,30 @@ impl Chunk {
         (aqk, p)
     }
 
-    /// `exp(Γ_last − Γ)`, `[c, K]` (at most 1: no overflow).
-    fn decay_to_last<T: Scalar>(&self, g_cumsum: &Array2<T>) -> Array2<T> {
-        let last = g_cumsum.row(g_cumsum.nrows() - 1);
-        Array2::from_shape_fn(g_cumsum.raw_dim(), |(r, d)| {
-            self.policy.exp(last[d] - g_cumsum[[r, d]])
-        })
+    /// `(exp(Γ), exp(Γ_last − Γ), Q ⊙ exp(Γ), K ⊙ exp(Γ_last − Γ))`, `[c, K]`
+    /// each, in one pass (`exp(Γ_last − Γ)` is at most 1: no overflow).
+    fn gates<T: Scalar>(
+        &self,
+        g_cumsum: &Array2<T>,
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+    ) -> [Array2<T>; 4] {
+        let (c, kd) = g_cumsum.dim();
+        let mut out = std::array::from_fn(|_| Array2::zeros((c, kd)));
+        let [eg, tl, qg, kg] = &mut out;
+        let [eg, tl, qg, kg] = [eg, tl, qg, kg].map(fused::flat_mut);
+        let [g, q, k] = [g_cumsum.view(), q, k].map(fused::flat);
+        let last = &g[(c - 1) * kd..];
+        for r in 0..c {
+            for (d, &gl) in last.iter().enumerate() {
+                let i = r * kd + d;
+                eg[i] = self.policy.exp(g[i]);
+                tl[i] = self.policy.exp(gl - g[i]);
+                qg[i] = q[i] * eg[i];
+                kg[i] = k[i] * tl[i];
+            }
+        }
+        out
     }
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
@@ -327,10 +343,19 @@ impl Chunk {
             Some((ep, em)) => {
                 // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix
                 // products, of which only the lower triangles are used.
-                let km = &k * em;
+                let mut gated = std::array::from_fn(|_| Array2::zeros((c, k.ncols())));
+                let [qe, ke, km] = &mut gated;
+                let [qe, ke, km] = [qe, ke, km].map(fused::flat_mut);
+                let [q, k, ep, em] = [q, k, ep.view(), em.view()].map(fused::flat);
+                for i in 0..q.len() {
+                    qe[i] = q[i] * ep[i];
+                    ke[i] = k[i] * ep[i];
+                    km[i] = k[i] * em[i];
+                }
+                let [qe, ke, km] = &gated;
                 (
-                    tri::dot_t_lower(q.to_owned().mul(ep).view(), km.view(), false),
-                    tri::dot_t_lower(k.to_owned().mul(ep).view(), km.view(), false),
+                    tri::dot_t_lower(qe.view(), km.view(), false),
+                    tri::dot_t_lower(ke.view(), km.view(), false),
                 )
             }
             None => match fwd_dots {
@@ -347,7 +372,7 @@ impl Chunk {
         self.policy.round(Stage::Akk, &mut n_inv);
         let akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Aqk, &mut aqk);
-        let eg = g_cumsum.mapv(|v| self.policy.exp(v));
+        let [eg, exp_to_last, mut qg, mut kg] = self.gates(&g_cumsum, q, k);
         let (mut w, mut u) = if [Stage::W, Stage::U, Stage::KBeta]
             .into_iter()
             .any(|s| self.policy.storage(s).is_some())
@@ -375,9 +400,6 @@ impl Chunk {
         };
         self.policy.round(Stage::W, &mut w);
         self.policy.round(Stage::U, &mut u);
-        let mut qg = &q * &eg;
-        let exp_to_last = self.decay_to_last(&g_cumsum);
-        let mut kg = &k * &exp_to_last;
         self.policy.round(Stage::Gated, &mut qg);
         self.policy.round(Stage::Gated, &mut kg);
         Intra {
@@ -430,18 +452,21 @@ impl Chunk {
         let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, vd));
         let mut state = h0.to_owned();
         for (n, ch) in intra.iter().enumerate() {
-            let mut hn = state.clone();
+            let mut hn = h.index_axis_mut(Axis(0), n);
+            hn.assign(&state);
             self.policy.round(Stage::H, &mut hn);
+            let hn = h.index_axis(Axis(0), n);
             let rows = s![ch.start..ch.start + ch.len(), ..];
-            let mut vn = &ch.u - &ch.w.dot(&hn);
+            // v_new = u − w h
+            let mut vn = ch.w.dot(&hn);
+            vn.zip_mut_with(&ch.u, |x, &u| *x = u - *x);
             self.policy.round(Stage::VNew, &mut vn);
             if read_out {
                 o.slice_mut(rows)
                     .assign(&(ch.qg.dot(&hn) + tri::lower_dot(ch.aqk.view(), vn.view())));
             }
-            state = &state * &ch.decay_last().insert_axis(Axis(1)) + ch.kg.t().dot(&vn);
+            decay_add(&mut state, &ch.decay_last(), &ch.kg.t().dot(&vn));
             v_new.slice_mut(rows).assign(&vn);
-            h.index_axis_mut(Axis(0), n).assign(&hn);
         }
         ChunkForward {
             intra,
@@ -487,13 +512,11 @@ impl Chunk {
         // each chunk's dv_new and its own reads of the state.
         let mut ds = dht.to_owned();
         for (n, ch) in fwd.intra.iter().enumerate().rev() {
-            let mut ds_used = ds.clone();
+            let mut ds_used = dh.index_axis_mut(Axis(0), n);
+            ds_used.assign(&ds);
             self.policy.round(Stage::Dh, &mut ds_used);
             let rows = s![ch.start..ch.start + ch.len(), ..];
-            let (dvn, ds_local) = self.state_backward(ch, fwd.v_new.slice(rows), d_o, &ds_used);
-            // The state gradient entering the chunk: decayed carry plus this chunk's reads.
-            ds = &ds * &ch.decay_last().insert_axis(Axis(1)) + &ds_local;
-            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
+            let dvn = self.state_backward(ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
             dv_new.slice_mut(rows).assign(&dvn);
         }
         gr.dh0 = ds;
@@ -524,24 +547,26 @@ impl Chunk {
         }
     }
 
-    /// The state pass of one chunk's backward given `ds = ∂L/∂(state at its
-    /// end)`: `dv_new [c, V]` and the chunk's own contribution to the state
-    /// gradient entering it, `qgᵀ dO − wᵀ dv_new` `[K, V]`.
+    /// The state pass of one chunk's backward given `ds_used = ∂L/∂(state at
+    /// its end)` as stored: returns `dv_new [c, V]` and takes the carried
+    /// `ds` `[K, V]` back to the chunk's start, `ds e^Γlast + qgᵀ dO − wᵀ dv_new`
+    /// (decayed carry plus the chunk's own reads of the state).
     fn state_backward<T: Scalar>(
         &self,
         ch: &Intra<T>,
-        vn: ArrayView2<T>,
         d_o: ArrayView2<T>,
-        ds: &Array2<T>,
-    ) -> (Array2<T>, Array2<T>) {
+        ds_used: ArrayView2<T>,
+        ds: &mut Array2<T>,
+    ) -> Array2<T> {
         let dout = d_o.slice(s![ch.start..ch.start + ch.len(), ..]);
-        debug_assert_eq!(vn.nrows(), ch.len());
         // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
         // FLA stores `Aqkᵀ do` (chunk_kda_bwd_dAv) before the state pass adds `kg dh`.
-        let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout)) + ch.kg.dot(ds);
+        let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout)) + ch.kg.dot(&ds_used);
         self.policy.round(Stage::Dv, &mut dvn);
-        let ds_local = ch.qg.t().dot(&dout) - ch.w.t().dot(&dvn);
-        (dvn, ds_local)
+        let mut local = ch.qg.t().dot(&dout);
+        local -= &ch.w.t().dot(&dvn);
+        decay_add(ds, &ch.decay_last(), &local);
+        dvn
     }
 
     /// Backward through chunk `n` given the state gradients at the chunks'
@@ -573,7 +598,7 @@ impl Chunk {
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
         let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * &decay_last;
-        let dw = self.operand(-dvn.dot(&h.t()));
+        let dw = self.operand(fused::neg_dot(dvn, h.t()));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
@@ -584,8 +609,6 @@ impl Chunk {
             + tri::dot_t_lower(du.view(), x.v.slice(rows), false);
         mask_lower(&mut dakk, true);
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
-        let mut dk = &dkd * eg;
-        let mut dgamma = &dkd * &kd_;
         let dv = tri::lower_t_dot(ch.akk.view(), du.view());
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
         let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
@@ -605,21 +628,47 @@ impl Chunk {
         });
         dbeta += &(&dlow * &ch.p).sum_axis(Axis(1));
         let dp = &dlow * &beta.insert_axis(Axis(1));
-        // qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ).
+        // With qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ), kd = e^Γ ⊙ K, one pass:
+        // dq = dqg e^Γ, dk = dkd e^Γ + dkg e^(Γlast − Γ),
+        // dΓ = dkd kd + dqg qg − dkg kg and dΓlast += Σ_rows dkg kg.
         let q = x.q.slice(rows);
-        let mut dq = &dqg * eg;
-        dgamma += &(&dqg * &ch.qg);
-        dk += &(&dkg * &ch.exp_to_last);
-        let dkg_kg = &dkg * &ch.kg;
-        dgamma -= &dkg_kg;
-        dgamma_last += &dkg_kg.sum_axis(Axis(0));
+        let kd = x.k_dim();
+        let (mut dq, mut dk, mut dgamma) = (
+            Array2::zeros((c, kd)),
+            Array2::zeros((c, kd)),
+            Array2::zeros((c, kd)),
+        );
+        let mut dkg_kg_sum = vec![T::zero(); kd];
+        let [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_] = [
+            dqg.view(),
+            eg.view(),
+            dkd.view(),
+            kd_.view(),
+            ch.qg.view(),
+            dkg.view(),
+            ch.exp_to_last.view(),
+            ch.kg.view(),
+        ]
+        .map(fused::flat);
+        let (dq_, dk_, dgamma_) = (
+            fused::flat_mut(&mut dq),
+            fused::flat_mut(&mut dk),
+            fused::flat_mut(&mut dgamma),
+        );
+        for r in 0..c {
+            for (d, sum) in dkg_kg_sum.iter_mut().enumerate() {
+                let i = r * kd + d;
+                let t = dkg_[i] * kg_[i];
+                dq_[i] = dqg_[i] * eg_[i];
+                dk_[i] = dkd_[i] * eg_[i] + dkg_[i] * tl_[i];
+                dgamma_[i] = dkd_[i] * kdd_[i] + dqg_[i] * qg_[i] - t;
+                *sum += t;
+            }
+        }
+        dgamma_last += &ndarray::aview1(&dkg_kg_sum);
         self.intra_backward(ch, q, k, &daqk, &dp, &mut dq, &mut dk, &mut dgamma);
         // Γlast is the last row of Γ; Γ_r = Σ_{i≤r} g_i ⇒ dg = reverse cumsum of dΓ.
-        dgamma.row_mut(c - 1).scaled_add(T::one(), &dgamma_last);
-        for r in (0..c - 1).rev() {
-            let next = dgamma.row(r + 1).to_owned();
-            dgamma.row_mut(r).scaled_add(T::one(), &next);
-        }
+        fused::reverse_cumsum_rows(&mut dgamma, dgamma_last.as_slice().expect("contiguous"));
         ChunkStep {
             dq,
             dk,
@@ -651,16 +700,41 @@ impl Chunk {
         if let Some((ep, em)) = &ch.factors {
             // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
             // Γ_m cancels in every product, so it is held constant.
-            let (a, b, cc) = (q.to_owned() * ep, k.to_owned() * em, k.to_owned() * ep);
+            let n = q.len();
+            let (mut a, mut b, mut cc) = (
+                Array2::zeros(q.raw_dim()),
+                Array2::zeros(q.raw_dim()),
+                Array2::zeros(q.raw_dim()),
+            );
+            let [q_, k_, ep_, em_] = [q, k, ep.view(), em.view()].map(fused::flat);
+            let (a_, b_, cc_) = (
+                fused::flat_mut(&mut a),
+                fused::flat_mut(&mut b),
+                fused::flat_mut(&mut cc),
+            );
+            for i in 0..n {
+                a_[i] = q_[i] * ep_[i];
+                b_[i] = k_[i] * em_[i];
+                cc_[i] = k_[i] * ep_[i];
+            }
             let (da, dc) = (
                 tri::lower_dot(daqk.view(), b.view()),
                 tri::lower_dot(dp.view(), b.view()),
             );
             let db =
                 tri::lower_t_dot(daqk.view(), a.view()) + tri::lower_t_dot(dp.view(), cc.view());
-            *dq += &(&da * ep);
-            *dk += &(&dc * ep + &db * em);
-            *dgamma += &(&da * &a + &dc * &cc - &db * &b);
+            let [da_, dc_, db_, a_, b_, cc_] =
+                [da.view(), dc.view(), db.view(), a.view(), b.view(), cc.view()].map(fused::flat);
+            let (dq_, dk_, dg_) = (
+                fused::flat_mut(dq),
+                fused::flat_mut(dk),
+                fused::flat_mut(dgamma),
+            );
+            for i in 0..n {
+                dq_[i] += da_[i] * ep_[i];
+                dk_[i] += dc_[i] * ep_[i] + db_[i] * em_[i];
+                dg_[i] += da_[i] * a_[i] + dc_[i] * cc_[i] - db_[i] * b_[i];
+            }
             return;
         }
         let (c, kd) = (ch.len(), k.ncols());
@@ -746,6 +820,17 @@ impl Chunk {
                     dgamma[[s, d]] -= k[[s, d]] * col;
                 }
             }
+        }
+    }
+}
+
+/// `s ← s ⊙ e + x` for `s`, `x` `[K, V]` and `e [K]` (one decay per row).
+fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, x: &Array2<T>) {
+    let vd = s.ncols();
+    let (s, x) = (fused::flat_mut(s), fused::flat(x.view()));
+    for (r, &e) in e.iter().enumerate() {
+        for i in r * vd..(r + 1) * vd {
+            s[i] = s[i] * e + x[i];
         }
     }
 }
