@@ -5,7 +5,7 @@
 //! same order, as the chain of array expressions it replaces, so the results
 //! keep their bits.
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::{Array1, Array2, ArrayView2};
 
 use crate::scalar::Scalar;
 
@@ -28,17 +28,29 @@ pub fn neg_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
     out
 }
 
-/// `Γ ← reverse cumsum` down the rows of `g [c, K]` after adding `last [K]`
-/// to its last row: the gradient of the in-chunk cumulative sum (`Γ_r =
-/// Σ_{i≤r} g_i`) when `last` is the gradient of `Γ_last` on its own.
-pub fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>, last: &[T]) {
-    let kd = g.ncols();
-    let c = g.nrows();
-    let data = flat_mut(g);
-    for (x, &y) in data[(c - 1) * kd..].iter_mut().zip(last) {
-        *x += y;
+/// `s ← ((s ⊙ e) + x₁) + x₂ …` for `s`, `xᵢ` `[K, V]` and `e [K]` (one decay
+/// per row): a state carried over one chunk.
+pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T>]) {
+    let vd = s.ncols();
+    let s = flat_mut(s);
+    let terms: Vec<&[T]> = terms.iter().map(|x| flat(x.view())).collect();
+    for (r, &e) in e.iter().enumerate() {
+        for i in r * vd..(r + 1) * vd {
+            let mut acc = s[i] * e;
+            for x in &terms {
+                acc += x[i];
+            }
+            s[i] = acc;
+        }
     }
-    for r in (0..c - 1).rev() {
+}
+
+/// Reverse cumulative sum down the rows of `g [c, K]`, in place: the
+/// gradient of an in-chunk cumulative sum (`Γ_r = Σ_{i≤r} g_i`).
+pub fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
+    let (c, kd) = g.dim();
+    let data = flat_mut(g);
+    for r in (0..c.saturating_sub(1)).rev() {
         let (head, tail) = data.split_at_mut((r + 1) * kd);
         for (x, &y) in head[r * kd..].iter_mut().zip(&tail[..kd]) {
             *x += y;

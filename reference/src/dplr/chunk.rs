@@ -12,6 +12,7 @@ use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
 };
 use crate::error::Result;
+use crate::fused;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
@@ -167,10 +168,38 @@ struct ChunkGrads<T> {
     dv: Array2<T>,
 }
 
-/// `exp(Γ_last − Γ)` for Γ `[c, K]`, `[c, K]` (at most 1: no overflow).
-fn exp_to_last<T: Scalar>(g: &Array2<T>) -> Array2<T> {
-    let last = g.row(g.nrows() - 1);
-    Array2::from_shape_fn(g.raw_dim(), |(r, d)| (last[d] - g[[r, d]]).exp())
+/// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ, Γx `[c, K]`, `[c, K]` each,
+/// in one pass (`exp(Γ_last − Γ)` is at most 1: no overflow).
+fn exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
+    let (c, kd) = g.dim();
+    let mut out = std::array::from_fn(|_| Array2::zeros((c, kd)));
+    let [eg, egx, tl] = &mut out;
+    let [eg, egx, tl] = [eg, egx, tl].map(fused::flat_mut);
+    let [g, gx] = [g.view(), gx.view()].map(fused::flat);
+    let last = &g[(c - 1) * kd..];
+    for r in 0..c {
+        for (d, &gl) in last.iter().enumerate() {
+            let i = r * kd + d;
+            eg[i] = g[i].exp();
+            egx[i] = gx[i].exp();
+            tl[i] = (gl - g[i]).exp();
+        }
+    }
+    out
+}
+
+/// `x ⊙ f` for the four pairs `(x, f)` of `[c, K]` arrays, in one pass.
+fn products4<T: Scalar>(pairs: [(ArrayView2<T>, ArrayView2<T>); 4]) -> [Array2<T>; 4] {
+    let dim = pairs[0].0.raw_dim();
+    let mut out = std::array::from_fn(|_| Array2::zeros(dim.clone()));
+    let [o0, o1, o2, o3] = &mut out;
+    let outs = [o0, o1, o2, o3].map(fused::flat_mut);
+    for (o, (x, f)) in outs.into_iter().zip(pairs) {
+        for ((o, &x), &f) in o.iter_mut().zip(fused::flat(x)).zip(fused::flat(f)) {
+            *o = x * f;
+        }
+    }
+    out
 }
 
 /// Rows of `x` for one chunk.
@@ -198,15 +227,18 @@ struct Factors<T> {
 /// sends the caller to the pairwise differences.
 fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
     let mid = g.row(g.nrows() / 2).to_owned().insert_axis(Axis(0));
-    let (d, dx) = (g - &mid, gx - &mid);
+    let (mut d, mut dx) = (g - &mid, gx - &mid);
     let limit = 0.4 * T::max_value().ln().f64();
     if d.iter().chain(dx.iter()).any(|v| v.f64().abs() > limit) {
         return None;
     }
+    let em = d.mapv(|v| (-v).exp());
+    d.mapv_inplace(|v| v.exp());
+    dx.mapv_inplace(|v| v.exp());
     Some(Factors {
-        ep: d.mapv(|v| v.exp()),
-        exp_: dx.mapv(|v| v.exp()),
-        em: d.mapv(|v| (-v).exp()),
+        ep: d,
+        exp_: dx,
+        em,
     })
 }
 
@@ -256,7 +288,12 @@ impl Chunk {
         let (aqk, aqb, aab, aak) = match &factors {
             Some(f) => {
                 // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
-                let (qa, ax, kb, bb) = (&q * &f.ep, &a * &f.exp_, &k * &f.em, &b * &f.em);
+                let [qa, ax, kb, bb] = products4([
+                    (q, f.ep.view()),
+                    (a, f.exp_.view()),
+                    (k, f.em.view()),
+                    (b, f.em.view()),
+                ]);
                 // Only the lower triangles are used.
                 let lower =
                     |x: &Array2<T>, y: &Array2<T>| tri::dot_t_lower(x.view(), y.view(), false);
@@ -283,7 +320,7 @@ impl Chunk {
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        let exp_gx = gx.mapv(|v| v.exp());
+        let [exp_g, exp_gx, exp_to_last] = exps(&g, &gx);
         let ax = self.as_stored(Stage::Gated, &a * &exp_gx);
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(
@@ -300,9 +337,9 @@ impl Chunk {
             p,
             w,
             u,
-            exp_g: g.mapv(|v| v.exp()),
+            exp_g,
             exp_gx,
-            exp_to_last: exp_to_last(&g),
+            exp_to_last,
             factors,
             g_cumsum: g,
         }
@@ -343,7 +380,10 @@ impl Chunk {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
             let v = rows(&x.v, ch.start, c);
-            let hn = self.as_stored(Stage::H, state.clone());
+            let mut hn = h.index_axis_mut(Axis(0), n);
+            hn.assign(&state);
+            self.policy.round(Stage::H, &mut hn);
+            let hn = h.index_axis(Axis(0), n);
             let v2n = self.as_stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
             if read_out {
                 let qg = self.gated(&rows(&x.q, ch.start, c), &ch.exp_g);
@@ -354,10 +394,11 @@ impl Chunk {
                 );
             }
             let dl = &ch.exp_to_last;
-            h.index_axis_mut(Axis(0), n).assign(&hn);
-            state = &state * &ch.decay_last().insert_axis(Axis(1))
-                + self.gated(&rows(&x.k, ch.start, c), dl).t().dot(&v)
-                + self.gated(&rows(&x.b, ch.start, c), dl).t().dot(&v2n);
+            let terms = [
+                &self.gated(&rows(&x.k, ch.start, c), dl).t().dot(&v),
+                &self.gated(&rows(&x.b, ch.start, c), dl).t().dot(&v2n),
+            ];
+            fused::decay_add(&mut state, &ch.decay_last(), &terms);
             v2.slice_mut(r).assign(&v2n);
         }
         ChunkForward {
@@ -406,12 +447,12 @@ impl Chunk {
         // each chunk's dv2 and its own reads of the state.
         let mut ds = dht.to_owned();
         for (n, ch) in fwd.intra.iter().enumerate().rev() {
-            let ds_used = self.as_stored(Stage::Dh, ds.clone());
-            dh.index_axis_mut(Axis(0), n).assign(&ds_used);
-            let (dv2n, ds_prev) = self.state_backward(x, ch, d_o, &ds, &ds_used);
+            let mut ds_used = dh.index_axis_mut(Axis(0), n);
+            ds_used.assign(&ds);
+            self.policy.round(Stage::Dh, &mut ds_used);
+            let dv2n = self.state_backward(x, ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
             dv2.slice_mut(s![ch.start..ch.start + ch.len(), ..])
                 .assign(&dv2n);
-            ds = ds_prev;
         }
         gr.dh0 = ds;
         // The rest of each chunk's backward is independent of the others:
@@ -445,28 +486,28 @@ impl Chunk {
         }
     }
 
-    /// The state pass of one chunk's backward given `ds = ∂L/∂(state at its
-    /// end)` (carried in the compute scalar) and `ds_used`, the same as FLA
-    /// stores it (`dh`): `dv2 [c, V]` and `∂L/∂(state entering it)` `[K, V]`.
+    /// The state pass of one chunk's backward given `ds_used = ∂L/∂(state at
+    /// its end)` as FLA stores it (`dh`): returns `dv2 [c, V]` and takes the
+    /// carried `ds` `[K, V]` (in the compute scalar) back to the chunk's start.
     fn state_backward<T: Scalar>(
         &self,
         x: &DplrHead<T>,
         ch: &Intra<T>,
         d_o: ArrayView2<T>,
-        ds: &Array2<T>,
-        ds_used: &Array2<T>,
-    ) -> (Array2<T>, Array2<T>) {
+        ds_used: ArrayView2<T>,
+        ds: &mut Array2<T>,
+    ) -> Array2<T> {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
         let qg = self.gated(&q, &ch.exp_g);
-        let mut ds_prev = qg.t().dot(&dout) + ds * &ch.decay_last().insert_axis(Axis(1));
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
-        dv2 += &self.gated(&b, &ch.exp_to_last).dot(ds_used);
+        dv2 += &self.gated(&b, &ch.exp_to_last).dot(&ds_used);
         let dv2 = self.as_stored(Stage::Dv, dv2);
-        ds_prev += &ch.w.t().dot(&dv2);
-        (dv2, ds_prev)
+        let terms = [&qg.t().dot(&dout), &ch.w.t().dot(&dv2)];
+        fused::decay_add(ds, &ch.decay_last(), &terms);
+        dv2
     }
 
     /// Backward through chunk `n` given `ds = ∂L/∂(state at its end)` and
@@ -535,16 +576,47 @@ impl Chunk {
             true,
         );
         mask(&mut daab, |i, j| j < i);
-        let mut da = &dax * egx;
-        let mut dgx = &dax * &ax;
-        // qg, kgl, bgl.
-        let mut dq = &dqg * eg;
-        let mut dgamma = &dqg * &qg;
-        let mut dk = &dkgl * dl;
-        let mut db = &dbgl * dl;
-        for t in [&dkgl * &kgl, &dbgl * &bgl] {
-            dgamma -= &t;
-            dgamma_last += &t.sum_axis(Axis(0));
+        // Through ax = A ⊙ e^Γx, qg, kgl and bgl, one pass: da, dΓx, dq, dk,
+        // db, dΓ = dqg qg − dkgl kgl − dbgl bgl and dΓlast's column sums.
+        let kd = x.k_dim();
+        let [mut da, mut dgx, mut dq, mut dgamma, mut dk, mut db] =
+            std::array::from_fn(|_| Array2::zeros((c, kd)));
+        let mut sums = [vec![T::zero(); kd], vec![T::zero(); kd]];
+        {
+            let [dax_, egx_, ax_, dqg_, eg_, qg_, dkgl_, kgl_, dbgl_, bgl_, dl_] = [
+                dax.view(),
+                egx.view(),
+                ax.view(),
+                dqg.view(),
+                eg.view(),
+                qg.view(),
+                dkgl.view(),
+                kgl.view(),
+                dbgl.view(),
+                bgl.view(),
+                dl.view(),
+            ]
+            .map(fused::flat);
+            let [da_, dgx_, dq_, dg_, dk_, db_] =
+                [&mut da, &mut dgx, &mut dq, &mut dgamma, &mut dk, &mut db].map(fused::flat_mut);
+            let [sk, sb] = &mut sums;
+            for r in 0..c {
+                for d in 0..kd {
+                    let i = r * kd + d;
+                    let (tk, tb) = (dkgl_[i] * kgl_[i], dbgl_[i] * bgl_[i]);
+                    da_[i] = dax_[i] * egx_[i];
+                    dgx_[i] = dax_[i] * ax_[i];
+                    dq_[i] = dqg_[i] * eg_[i];
+                    dg_[i] = dqg_[i] * qg_[i] - tk - tb;
+                    dk_[i] = dkgl_[i] * dl_[i];
+                    db_[i] = dbgl_[i] * dl_[i];
+                    sk[d] += tk;
+                    sb[d] += tb;
+                }
+            }
+        }
+        for sum in &sums {
+            dgamma_last += &ndarray::aview1(sum);
         }
         self.blocks_backward(
             ch,
@@ -555,12 +627,10 @@ impl Chunk {
             &mut dgx,
         );
         // Γlast is Γ's last row; Γx = Γ − gk; Γ = cumsum(gk).
-        dgamma.row_mut(c - 1).scaled_add(T::one(), &dgamma_last);
+        let mut last = dgamma.row_mut(c - 1);
+        last += &dgamma_last;
         dgamma += &dgx;
-        for i in (0..c - 1).rev() {
-            let next = dgamma.row(i + 1).to_owned();
-            dgamma.row_mut(i).scaled_add(T::one(), &next);
-        }
+        fused::reverse_cumsum_rows(&mut dgamma);
         let dgk = dgamma - dgx;
         let rows = [dq, dk, da, db, dgk];
         (ChunkGrads { rows, dv }, [daqk, daqb, daab, daak])
@@ -581,7 +651,12 @@ impl Chunk {
         let (g, gx) = (&ch.g_cumsum, &ch.gx_cumsum);
         if let Some(f) = &ch.factors {
             // Γ_m cancels in every product, so it is held constant.
-            let (qa, ax, kb, bb) = (q * &f.ep, a * &f.exp_, k * &f.em, b * &f.em);
+            let [qa, ax, kb, bb] = products4([
+                (q.view(), f.ep.view()),
+                (a.view(), f.exp_.view()),
+                (k.view(), f.em.view()),
+                (b.view(), f.em.view()),
+            ]);
             let (l, lt) = (
                 |x: &Array2<T>, y: &Array2<T>| tri::lower_dot(x.view(), y.view()),
                 |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
@@ -590,12 +665,29 @@ impl Chunk {
             let dax = l(daab, &bb) + l(daak, &kb);
             let dkb = lt(daqk, &qa) + lt(daak, &ax);
             let dbb = lt(daqb, &qa) + lt(daab, &ax);
-            *dq += &(&dqa * &f.ep);
-            *da += &(&dax * &f.exp_);
-            *dk += &(&dkb * &f.em);
-            *db += &(&dbb * &f.em);
-            *dgamma += &(&dqa * &qa - &dkb * &kb - &dbb * &bb);
-            *dgx += &(&dax * &ax);
+            let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_] = [
+                dqa.view(),
+                dax.view(),
+                dkb.view(),
+                dbb.view(),
+                qa.view(),
+                ax.view(),
+                kb.view(),
+                bb.view(),
+                f.ep.view(),
+                f.exp_.view(),
+                f.em.view(),
+            ]
+            .map(fused::flat);
+            let [dq_, da_, dk_, db_, dg_, dgx_] = [dq, da, dk, db, dgamma, dgx].map(fused::flat_mut);
+            for i in 0..dq_.len() {
+                dq_[i] += dqa_[i] * ep_[i];
+                da_[i] += dax_[i] * exp_[i];
+                dk_[i] += dkb_[i] * em_[i];
+                db_[i] += dbb_[i] * em_[i];
+                dg_[i] += dqa_[i] * qa_[i] - dkb_[i] * kb_[i] - dbb_[i] * bb_[i];
+                dgx_[i] += dax_[i] * ax_[i];
+            }
             return;
         }
         let (c, kd) = (ch.len(), k.ncols());

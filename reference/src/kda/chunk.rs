@@ -465,7 +465,7 @@ impl Chunk {
                 o.slice_mut(rows)
                     .assign(&(ch.qg.dot(&hn) + tri::lower_dot(ch.aqk.view(), vn.view())));
             }
-            decay_add(&mut state, &ch.decay_last(), &ch.kg.t().dot(&vn));
+            fused::decay_add(&mut state, &ch.decay_last(), &[&ch.kg.t().dot(&vn)]);
             v_new.slice_mut(rows).assign(&vn);
         }
         ChunkForward {
@@ -565,7 +565,7 @@ impl Chunk {
         self.policy.round(Stage::Dv, &mut dvn);
         let mut local = ch.qg.t().dot(&dout);
         local -= &ch.w.t().dot(&dvn);
-        decay_add(ds, &ch.decay_last(), &local);
+        fused::decay_add(ds, &ch.decay_last(), &[&local]);
         dvn
     }
 
@@ -668,7 +668,9 @@ impl Chunk {
         dgamma_last += &ndarray::aview1(&dkg_kg_sum);
         self.intra_backward(ch, q, k, &daqk, &dp, &mut dq, &mut dk, &mut dgamma);
         // Γlast is the last row of Γ; Γ_r = Σ_{i≤r} g_i ⇒ dg = reverse cumsum of dΓ.
-        fused::reverse_cumsum_rows(&mut dgamma, dgamma_last.as_slice().expect("contiguous"));
+        let mut last = dgamma.row_mut(c - 1);
+        last += &dgamma_last;
+        fused::reverse_cumsum_rows(&mut dgamma);
         ChunkStep {
             dq,
             dk,
@@ -820,17 +822,6 @@ impl Chunk {
                     dgamma[[s, d]] -= k[[s, d]] * col;
                 }
             }
-        }
-    }
-}
-
-/// `s ← s ⊙ e + x` for `s`, `x` `[K, V]` and `e [K]` (one decay per row).
-fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, x: &Array2<T>) {
-    let vd = s.ncols();
-    let (s, x) = (fused::flat_mut(s), fused::flat(x.view()));
-    for (r, &e) in e.iter().enumerate() {
-        for i in r * vd..(r + 1) * vd {
-            s[i] = s[i] * e + x[i];
         }
     }
 }
