@@ -20,27 +20,17 @@ pub fn flat_mut<T>(a: &mut Array2<T>) -> &mut [T] {
     a.as_slice_mut().expect("standard layout")
 }
 
-/// `-(a b)` for `a [m, n]`, `b [n, p]` in one product (the negation of
-/// each sum is exact): `[m, p]`.
-pub fn neg_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
-    let mut out = Array2::zeros((a.nrows(), b.ncols()));
-    ndarray::linalg::general_mat_mul(-T::one(), &a, &b, T::zero(), &mut out);
-    out
-}
-
 /// `s ← ((s ⊙ e) + x₁) + x₂ …` for `s`, `xᵢ` `[K, V]` and `e [K]` (one decay
 /// per row): a state carried over one chunk.
 pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T>]) {
     let vd = s.ncols();
     let s = flat_mut(s);
-    let terms: Vec<&[T]> = terms.iter().map(|x| flat(x.view())).collect();
-    for (r, &e) in e.iter().enumerate() {
-        for i in r * vd..(r + 1) * vd {
-            let mut acc = s[i] * e;
-            for x in &terms {
-                acc += x[i];
-            }
-            s[i] = acc;
+    for (row, &e) in s.chunks_exact_mut(vd).zip(e) {
+        row.iter_mut().for_each(|x| *x = *x * e);
+    }
+    for x in terms {
+        for (y, &x) in s.iter_mut().zip(flat(x.view())) {
+            *y += x;
         }
     }
 }

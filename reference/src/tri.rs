@@ -10,7 +10,7 @@
 //! and `0 + x` is `x`, so the results have the full product's bits.
 
 use ndarray::linalg::general_mat_mul;
-use ndarray::{s, Array2, ArrayView2};
+use ndarray::{concatenate, s, Array2, ArrayView2, Axis};
 
 use crate::scalar::Scalar;
 
@@ -93,6 +93,15 @@ pub fn dot_t_lower<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, b_lower: bool)
     out
 }
 
+/// `[a₁; a₂; …] b`: the products `aᵢ b` (`aᵢ [mᵢ, n]`, `b [n, p]`) stacked
+/// by rows in one product, so that `b` (a `[K, V]` state, the largest
+/// operand) is packed once for all of them. Each element is the same sum as
+/// in its own product (the kernel's sums run along `n` only), so the rows
+/// have the separate products' bits. Returns `[Σ mᵢ, p]`.
+pub fn stacked_dot<T: Scalar>(a: &[ArrayView2<T>], b: ArrayView2<T>) -> Array2<T> {
+    concatenate(Axis(0), a).expect("same width").dot(&b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,6 +153,17 @@ mod tests {
                 &lower_part(dot_t_lower(x.view(), l.view(), true)),
                 &full
             ));
+        }
+    }
+
+    #[test]
+    fn stacked_products_have_the_separate_products_bits() {
+        for (m1, m2, n, p) in [(16, 16, 64, 64), (32, 32, 128, 128), (7, 40, 33, 9)] {
+            let (a1, a2) = (draw("a1", m1, n, false), draw("a2", m2, n, false));
+            let b = draw("b", p, n, false);
+            let both = stacked_dot(&[a1.view(), a2.view()], b.t());
+            assert!(same_bits(&both.slice(s![..m1, ..]).to_owned(), &a1.dot(&b.t())));
+            assert!(same_bits(&both.slice(s![m1.., ..]).to_owned(), &a2.dot(&b.t())));
         }
     }
 

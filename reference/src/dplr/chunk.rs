@@ -600,16 +600,28 @@ impl Chunk {
             let [da_, dgx_, dq_, dg_, dk_, db_] =
                 [&mut da, &mut dgx, &mut dq, &mut dgamma, &mut dk, &mut db].map(fused::flat_mut);
             let [sk, sb] = &mut sums;
+            let (sk, sb) = (&mut sk[..kd], &mut sb[..kd]);
             for r in 0..c {
+                let row = r * kd..(r + 1) * kd;
+                let [dax_, egx_, ax_, dqg_, eg_, qg_, dkgl_, kgl_, dbgl_, bgl_, dl_] =
+                    [dax_, egx_, ax_, dqg_, eg_, qg_, dkgl_, kgl_, dbgl_, bgl_, dl_]
+                        .map(|x| &x[row.clone()]);
+                let [da_, dgx_, dq_, dg_, dk_, db_] = [
+                    &mut da_[row.clone()],
+                    &mut dgx_[row.clone()],
+                    &mut dq_[row.clone()],
+                    &mut dg_[row.clone()],
+                    &mut dk_[row.clone()],
+                    &mut db_[row.clone()],
+                ];
                 for d in 0..kd {
-                    let i = r * kd + d;
-                    let (tk, tb) = (dkgl_[i] * kgl_[i], dbgl_[i] * bgl_[i]);
-                    da_[i] = dax_[i] * egx_[i];
-                    dgx_[i] = dax_[i] * ax_[i];
-                    dq_[i] = dqg_[i] * eg_[i];
-                    dg_[i] = dqg_[i] * qg_[i] - tk - tb;
-                    dk_[i] = dkgl_[i] * dl_[i];
-                    db_[i] = dbgl_[i] * dl_[i];
+                    let (tk, tb) = (dkgl_[d] * kgl_[d], dbgl_[d] * bgl_[d]);
+                    da_[d] = dax_[d] * egx_[d];
+                    dgx_[d] = dax_[d] * ax_[d];
+                    dq_[d] = dqg_[d] * eg_[d];
+                    dg_[d] = dqg_[d] * qg_[d] - tk - tb;
+                    dk_[d] = dkgl_[d] * dl_[d];
+                    db_[d] = dbgl_[d] * dl_[d];
                     sk[d] += tk;
                     sb[d] += tb;
                 }
@@ -679,8 +691,12 @@ impl Chunk {
                 f.em.view(),
             ]
             .map(fused::flat);
-            let [dq_, da_, dk_, db_, dg_, dgx_] = [dq, da, dk, db, dgamma, dgx].map(fused::flat_mut);
-            for i in 0..dq_.len() {
+            let n = dqa_.len();
+            let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_] =
+                [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_].map(|x| &x[..n]);
+            let [dq_, da_, dk_, db_, dg_, dgx_] =
+                [dq, da, dk, db, dgamma, dgx].map(|x| &mut fused::flat_mut(x)[..n]);
+            for i in 0..n {
                 dq_[i] += dqa_[i] * ep_[i];
                 da_[i] += dax_[i] * exp_[i];
                 dk_[i] += dkb_[i] * em_[i];

@@ -346,8 +346,10 @@ impl Chunk {
                 let mut gated = std::array::from_fn(|_| Array2::zeros((c, k.ncols())));
                 let [qe, ke, km] = &mut gated;
                 let [qe, ke, km] = [qe, ke, km].map(fused::flat_mut);
-                let [q, k, ep, em] = [q, k, ep.view(), em.view()].map(fused::flat);
-                for i in 0..q.len() {
+                let n = q.len();
+                let [q, k, ep, em] = [q, k, ep.view(), em.view()].map(|x| &fused::flat(x)[..n]);
+                let [qe, ke, km] = [qe, ke, km].map(|x| &mut x[..n]);
+                for i in 0..n {
                     qe[i] = q[i] * ep[i];
                     ke[i] = k[i] * ep[i];
                     km[i] = k[i] * em[i];
@@ -457,13 +459,20 @@ impl Chunk {
             self.policy.round(Stage::H, &mut hn);
             let hn = h.index_axis(Axis(0), n);
             let rows = s![ch.start..ch.start + ch.len(), ..];
-            // v_new = u − w h
-            let mut vn = ch.w.dot(&hn);
-            vn.zip_mut_with(&ch.u, |x, &u| *x = u - *x);
+            // v_new = u − w h and, with the readout, qg h: one product.
+            let c = ch.len();
+            let wh = if read_out {
+                tri::stacked_dot(&[ch.w.view(), ch.qg.view()], hn)
+            } else {
+                ch.w.dot(&hn)
+            };
+            let mut vn = ndarray::Zip::from(&ch.u)
+                .and(wh.slice(s![..c, ..]))
+                .map_collect(|&u, &x| u - x);
             self.policy.round(Stage::VNew, &mut vn);
             if read_out {
-                o.slice_mut(rows)
-                    .assign(&(ch.qg.dot(&hn) + tri::lower_dot(ch.aqk.view(), vn.view())));
+                let av = tri::lower_dot(ch.aqk.view(), vn.view());
+                o.slice_mut(rows).assign(&(&wh.slice(s![c.., ..]) + &av));
             }
             fused::decay_add(&mut state, &ch.decay_last(), &[&ch.kg.t().dot(&vn)]);
             v_new.slice_mut(rows).assign(&vn);
@@ -591,14 +600,16 @@ impl Chunk {
         let dout = d_o.slice(rows);
         let dvn = dv_new.slice(rows);
         let decay_last = ch.decay_last();
-        // Output: O = qg h + Aqk v_new.
-        let dqg = dout.dot(&h.t());
+        // Output: O = qg h + Aqk v_new; v_new = u − w h. One product gives
+        // dqg = dO hᵀ and −dw = dv_new hᵀ.
+        let dqg_dw = tri::stacked_dot(&[dout, dvn], h.t());
+        let dqg = dqg_dw.slice(s![..c, ..]);
         let mut daqk = tri::dot_t_lower(dout, vn, false);
         mask_lower(&mut daqk, true);
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = vn.dot(&ds.t());
         let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * &decay_last;
-        let dw = self.operand(fused::neg_dot(dvn, h.t()));
+        let dw = self.operand(dqg_dw.slice(s![c.., ..]).mapv(|x| -x));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
@@ -655,14 +666,22 @@ impl Chunk {
             fused::flat_mut(&mut dk),
             fused::flat_mut(&mut dgamma),
         );
+        let sum = &mut dkg_kg_sum[..kd];
         for r in 0..c {
-            for (d, sum) in dkg_kg_sum.iter_mut().enumerate() {
-                let i = r * kd + d;
-                let t = dkg_[i] * kg_[i];
-                dq_[i] = dqg_[i] * eg_[i];
-                dk_[i] = dkd_[i] * eg_[i] + dkg_[i] * tl_[i];
-                dgamma_[i] = dkd_[i] * kdd_[i] + dqg_[i] * qg_[i] - t;
-                *sum += t;
+            let row = r * kd..(r + 1) * kd;
+            let [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_] =
+                [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_].map(|x| &x[row.clone()]);
+            let (dq_, dk_, dgamma_) = (
+                &mut dq_[row.clone()],
+                &mut dk_[row.clone()],
+                &mut dgamma_[row.clone()],
+            );
+            for d in 0..kd {
+                let t = dkg_[d] * kg_[d];
+                dq_[d] = dqg_[d] * eg_[d];
+                dk_[d] = dkd_[d] * eg_[d] + dkg_[d] * tl_[d];
+                dgamma_[d] = dkd_[d] * kdd_[d] + dqg_[d] * qg_[d] - t;
+                sum[d] += t;
             }
         }
         dgamma_last += &ndarray::aview1(&dkg_kg_sum);
@@ -708,11 +727,11 @@ impl Chunk {
                 Array2::zeros(q.raw_dim()),
                 Array2::zeros(q.raw_dim()),
             );
-            let [q_, k_, ep_, em_] = [q, k, ep.view(), em.view()].map(fused::flat);
+            let [q_, k_, ep_, em_] = [q, k, ep.view(), em.view()].map(|x| &fused::flat(x)[..n]);
             let (a_, b_, cc_) = (
-                fused::flat_mut(&mut a),
-                fused::flat_mut(&mut b),
-                fused::flat_mut(&mut cc),
+                &mut fused::flat_mut(&mut a)[..n],
+                &mut fused::flat_mut(&mut b)[..n],
+                &mut fused::flat_mut(&mut cc)[..n],
             );
             for i in 0..n {
                 a_[i] = q_[i] * ep_[i];
@@ -726,11 +745,12 @@ impl Chunk {
             let db =
                 tri::lower_t_dot(daqk.view(), a.view()) + tri::lower_t_dot(dp.view(), cc.view());
             let [da_, dc_, db_, a_, b_, cc_] =
-                [da.view(), dc.view(), db.view(), a.view(), b.view(), cc.view()].map(fused::flat);
+                [da.view(), dc.view(), db.view(), a.view(), b.view(), cc.view()]
+                    .map(|x| &fused::flat(x)[..n]);
             let (dq_, dk_, dg_) = (
-                fused::flat_mut(dq),
-                fused::flat_mut(dk),
-                fused::flat_mut(dgamma),
+                &mut fused::flat_mut(dq)[..n],
+                &mut fused::flat_mut(dk)[..n],
+                &mut fused::flat_mut(dgamma)[..n],
             );
             for i in 0..n {
                 dq_[i] += da_[i] * ep_[i];
