@@ -384,13 +384,18 @@ impl Chunk {
             hn.assign(&state);
             self.policy.round(Stage::H, &mut hn);
             let hn = h.index_axis(Axis(0), n);
-            let v2n = self.as_stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
+            // v2 = u + w h and, with the readout, qg h: one product.
+            let qg = read_out.then(|| self.gated(&rows(&x.q, ch.start, c), &ch.exp_g));
+            let wh = match &qg {
+                Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
+                None => ch.w.dot(&hn),
+            };
+            let v2n = self.as_stored(Stage::VNew, &ch.u + &wh.slice(s![..c, ..]));
             if read_out {
-                let qg = self.gated(&rows(&x.q, ch.start, c), &ch.exp_g);
                 o.slice_mut(r).assign(
                     &(tri::lower_dot(ch.aqk.view(), v)
                         + tri::lower_dot(ch.aqb.view(), v2n.view())
-                        + qg.dot(&hn)),
+                        + wh.slice(s![c.., ..])),
                 );
             }
             let dl = &ch.exp_to_last;
@@ -542,7 +547,9 @@ impl Chunk {
         let qg = self.gated(&q, eg);
         // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
-        let dqg = self.as_stored(Stage::BwdOperands, dout.dot(&h.t()));
+        // One product for dqg = dO hᵀ and dw = dv2 hᵀ (v2 = u + w h).
+        let dqg_dw = tri::stacked_dot(&[dout, dv2], h.t());
+        let dqg = self.as_stored(Stage::BwdOperands, dqg_dw.slice(s![..c, ..]).to_owned());
         let mut daqk = tri::dot_t_lower(dout, v, false);
         let mut daqb = tri::dot_t_lower(dout, v2, false);
         mask(&mut daqk, |i, j| j <= i);
@@ -554,11 +561,11 @@ impl Chunk {
         // operands is rounded to bf16 before the fp32 sum (`chunk_dplr_bwd_o`).
         let hdh = self.as_stored(Stage::BwdOperands, &h * &ds);
         let mut dgamma_last: Array1<T> = hdh.sum_axis(Axis(1)) * &decay_last;
-        let dkgl = self.as_stored(Stage::BwdOperands, v.dot(&ds.t()));
-        let dbgl = self.as_stored(Stage::BwdOperands, v2.dot(&ds.t()));
+        let dkbgl = tri::stacked_dot(&[v, v2], ds.t());
+        let dkgl = self.as_stored(Stage::BwdOperands, dkbgl.slice(s![..c, ..]).to_owned());
+        let dbgl = self.as_stored(Stage::BwdOperands, dkbgl.slice(s![c.., ..]).to_owned());
         dv += &kgl.dot(&ds);
-        // v2 = u + w h.
-        let dw = self.as_stored(Stage::BwdOperands, dv2.dot(&h.t()));
+        let dw = self.as_stored(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]).to_owned());
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = tri::lower_dot(ch.aak.view(), v);
         let ax = self.gated(&a, egx);
