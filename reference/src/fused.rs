@@ -5,18 +5,28 @@
 //! same order, as the chain of array expressions it replaces, so the results
 //! keep their bits.
 
+use std::borrow::Cow;
+
 use ndarray::{Array1, Array2, ArrayView2};
 
 use crate::scalar::Scalar;
 
-/// The elements of a standard-layout view (whole rows of an owned array:
-/// every array the engines build or slice by rows), in order.
-pub fn flat<'a, T>(a: ArrayView2<'a, T>) -> &'a [T] {
-    a.to_slice().expect("standard layout")
+/// The elements of `a` in row-major order: borrowed when `a` is in standard
+/// layout (the arrays the engines build, whole rows of them), else copied
+/// (a caller's inputs may be strided).
+pub fn flat<'a, T: Clone>(a: ArrayView2<'a, T>) -> Cow<'a, [T]> {
+    match a.to_slice() {
+        Some(s) => Cow::Borrowed(s),
+        None => Cow::Owned(a.iter().cloned().collect()),
+    }
 }
 
-/// The elements of an owned array, in order.
-pub fn flat_mut<T>(a: &mut Array2<T>) -> &mut [T] {
+/// The elements of an owned array in row-major order, for writing (`a` is
+/// first moved to standard layout if it is not).
+pub fn flat_mut<T: Clone>(a: &mut Array2<T>) -> &mut [T] {
+    if !a.is_standard_layout() {
+        *a = a.as_standard_layout().into_owned();
+    }
     a.as_slice_mut().expect("standard layout")
 }
 
@@ -29,7 +39,7 @@ pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T
         row.iter_mut().for_each(|x| *x = *x * e);
     }
     for x in terms {
-        for (y, &x) in s.iter_mut().zip(flat(x.view())) {
+        for (y, &x) in s.iter_mut().zip(flat(x.view()).iter()) {
             *y += x;
         }
     }

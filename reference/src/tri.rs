@@ -162,8 +162,14 @@ mod tests {
             let (a1, a2) = (draw("a1", m1, n, false), draw("a2", m2, n, false));
             let b = draw("b", p, n, false);
             let both = stacked_dot(&[a1.view(), a2.view()], b.t());
-            assert!(same_bits(&both.slice(s![..m1, ..]).to_owned(), &a1.dot(&b.t())));
-            assert!(same_bits(&both.slice(s![m1.., ..]).to_owned(), &a2.dot(&b.t())));
+            assert!(same_bits(
+                &both.slice(s![..m1, ..]).to_owned(),
+                &a1.dot(&b.t())
+            ));
+            assert!(same_bits(
+                &both.slice(s![m1.., ..]).to_owned(),
+                &a2.dot(&b.t())
+            ));
         }
     }
 

@@ -195,7 +195,11 @@ fn products4<T: Scalar>(pairs: [(ArrayView2<T>, ArrayView2<T>); 4]) -> [Array2<T
     let [o0, o1, o2, o3] = &mut out;
     let outs = [o0, o1, o2, o3].map(fused::flat_mut);
     for (o, (x, f)) in outs.into_iter().zip(pairs) {
-        for ((o, &x), &f) in o.iter_mut().zip(fused::flat(x)).zip(fused::flat(f)) {
+        for ((o, &x), &f) in o
+            .iter_mut()
+            .zip(fused::flat(x).iter())
+            .zip(fused::flat(f).iter())
+        {
             *o = x * f;
         }
     }
@@ -590,7 +594,7 @@ impl Chunk {
             std::array::from_fn(|_| Array2::zeros((c, kd)));
         let mut sums = [vec![T::zero(); kd], vec![T::zero(); kd]];
         {
-            let [dax_, egx_, ax_, dqg_, eg_, qg_, dkgl_, kgl_, dbgl_, bgl_, dl_] = [
+            let flats = [
                 dax.view(),
                 egx.view(),
                 ax.view(),
@@ -611,8 +615,7 @@ impl Chunk {
             for r in 0..c {
                 let row = r * kd..(r + 1) * kd;
                 let [dax_, egx_, ax_, dqg_, eg_, qg_, dkgl_, kgl_, dbgl_, bgl_, dl_] =
-                    [dax_, egx_, ax_, dqg_, eg_, qg_, dkgl_, kgl_, dbgl_, bgl_, dl_]
-                        .map(|x| &x[row.clone()]);
+                    flats.each_ref().map(|x| &x[row.clone()]);
                 let [da_, dgx_, dq_, dg_, dk_, db_] = [
                     &mut da_[row.clone()],
                     &mut dgx_[row.clone()],
@@ -684,7 +687,7 @@ impl Chunk {
             let dax = l(daab, &bb) + l(daak, &kb);
             let dkb = lt(daqk, &qa) + lt(daak, &ax);
             let dbb = lt(daqb, &qa) + lt(daab, &ax);
-            let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_] = [
+            let flats = [
                 dqa.view(),
                 dax.view(),
                 dkb.view(),
@@ -698,9 +701,9 @@ impl Chunk {
                 f.em.view(),
             ]
             .map(fused::flat);
-            let n = dqa_.len();
+            let n = dqa.len();
             let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_] =
-                [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_].map(|x| &x[..n]);
+                flats.each_ref().map(|x| &x[..n]);
             let [dq_, da_, dk_, db_, dg_, dgx_] =
                 [dq, da, dk, db, dgamma, dgx].map(|x| &mut fused::flat_mut(x)[..n]);
             for i in 0..n {

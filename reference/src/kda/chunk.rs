@@ -347,7 +347,8 @@ impl Chunk {
                 let [qe, ke, km] = &mut gated;
                 let [qe, ke, km] = [qe, ke, km].map(fused::flat_mut);
                 let n = q.len();
-                let [q, k, ep, em] = [q, k, ep.view(), em.view()].map(|x| &fused::flat(x)[..n]);
+                let flats = [q, k, ep.view(), em.view()].map(fused::flat);
+                let [q, k, ep, em] = flats.each_ref().map(|x| &x[..n]);
                 let [qe, ke, km] = [qe, ke, km].map(|x| &mut x[..n]);
                 for i in 0..n {
                     qe[i] = q[i] * ep[i];
@@ -650,7 +651,7 @@ impl Chunk {
             Array2::zeros((c, kd)),
         );
         let mut dkg_kg_sum = vec![T::zero(); kd];
-        let [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_] = [
+        let flats = [
             dqg.view(),
             eg.view(),
             dkd.view(),
@@ -670,7 +671,7 @@ impl Chunk {
         for r in 0..c {
             let row = r * kd..(r + 1) * kd;
             let [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_] =
-                [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_].map(|x| &x[row.clone()]);
+                flats.each_ref().map(|x| &x[row.clone()]);
             let (dq_, dk_, dgamma_) = (
                 &mut dq_[row.clone()],
                 &mut dk_[row.clone()],
@@ -727,7 +728,8 @@ impl Chunk {
                 Array2::zeros(q.raw_dim()),
                 Array2::zeros(q.raw_dim()),
             );
-            let [q_, k_, ep_, em_] = [q, k, ep.view(), em.view()].map(|x| &fused::flat(x)[..n]);
+            let flats = [q, k, ep.view(), em.view()].map(fused::flat);
+            let [q_, k_, ep_, em_] = flats.each_ref().map(|x| &x[..n]);
             let (a_, b_, cc_) = (
                 &mut fused::flat_mut(&mut a)[..n],
                 &mut fused::flat_mut(&mut b)[..n],
@@ -744,9 +746,16 @@ impl Chunk {
             );
             let db =
                 tri::lower_t_dot(daqk.view(), a.view()) + tri::lower_t_dot(dp.view(), cc.view());
-            let [da_, dc_, db_, a_, b_, cc_] =
-                [da.view(), dc.view(), db.view(), a.view(), b.view(), cc.view()]
-                    .map(|x| &fused::flat(x)[..n]);
+            let flats = [
+                da.view(),
+                dc.view(),
+                db.view(),
+                a.view(),
+                b.view(),
+                cc.view(),
+            ]
+            .map(fused::flat);
+            let [da_, dc_, db_, a_, b_, cc_] = flats.each_ref().map(|x| &x[..n]);
             let (dq_, dk_, dg_) = (
                 &mut fused::flat_mut(dq)[..n],
                 &mut fused::flat_mut(dk)[..n],
