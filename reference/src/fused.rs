@@ -36,7 +36,7 @@ pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T
     let vd = s.ncols();
     let s = flat_mut(s);
     for (row, &e) in s.chunks_exact_mut(vd).zip(e) {
-        row.iter_mut().for_each(|x| *x = *x * e);
+        row.iter_mut().for_each(|x| *x *= e);
     }
     for x in terms {
         for (y, &x) in s.iter_mut().zip(flat(x.view()).iter()) {

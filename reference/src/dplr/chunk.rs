@@ -191,7 +191,7 @@ fn exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
 /// `x ⊙ f` for the four pairs `(x, f)` of `[c, K]` arrays, in one pass.
 fn products4<T: Scalar>(pairs: [(ArrayView2<T>, ArrayView2<T>); 4]) -> [Array2<T>; 4] {
     let dim = pairs[0].0.raw_dim();
-    let mut out = std::array::from_fn(|_| Array2::zeros(dim.clone()));
+    let mut out = std::array::from_fn(|_| Array2::zeros(dim));
     let [o0, o1, o2, o3] = &mut out;
     let outs = [o0, o1, o2, o3].map(fused::flat_mut);
     for (o, (x, f)) in outs.into_iter().zip(pairs) {
