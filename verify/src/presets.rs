@@ -10,7 +10,8 @@
 //! - inputs q, k, v, g, beta, do in bf16; `A_log`, `dt_bias`, `dht`,
 //!   `initial_state` fp32;
 //! - activations: q/k after the in-kernel l2norm (`l2norm_fwd`) in bf16; β
-//!   after the in-kernel sigmoid stays fp32 (`fused_beta_sigmoid`);
+//!   after the in-kernel sigmoid stays fp32 (`fused_beta_sigmoid`); DPLR's
+//!   `q·scale` in bf16 (`chunk_dplr_fwd_intra`);
 //! - `g_cumsum`: fp32 (`chunk_local_cumsum`/`kda_gate_chunk_cumsum`), exp in
 //!   base 2 (KDA: `RCP_LN2` scaling, `exp2`);
 //! - KDA `Aqk`, `Akk`: bf16 (`chunk_kda_fwd_intra`: `dtype=k.dtype`; the
@@ -120,6 +121,8 @@ fn fla_bf16(t: Target) -> Policy {
             (Stage::IntraDots, Dtype::Tf32),
         ],
         Op::Dplr => &[
+            // `q·scale` in bf16 (`chunk_dplr_fwd_intra`).
+            (Stage::Activations, bf16),
             (Stage::GCumsum, Dtype::F32),
             (Stage::Aqk, bf16),
             // `wy_fast_fwd`'s solve multiplies fp16 operands (`.to(tl.float16)`).
@@ -316,10 +319,11 @@ mod tests {
             p.policy(t(Op::Kda, false, true)).storage(Stage::MChain),
             Some(Dtype::F32)
         );
-        // DPLR solves its WY inverse with fp16 operands and has no activations.
+        // DPLR solves its WY inverse with fp16 operands; its activation is
+        // `q·scale` in bf16.
         let dplr = p.policy(t(Op::Dplr, false, false));
         assert_eq!(dplr.storage(Stage::Akk), Some(Dtype::F16));
-        assert_eq!(dplr.storage(Stage::Activations), None);
+        assert_eq!(dplr.storage(Stage::Activations), Some(Dtype::Bf16));
         let ts = p.policy(t(Op::TokenShift, false, true)).features();
         assert_eq!(
             ts,

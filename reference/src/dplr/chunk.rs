@@ -46,6 +46,7 @@ impl Chunk {
     /// `P`, `qg/kg` the gated `qg`, `kg`, `ag`, `bg`, `v_new` FLA's `v_new`
     /// (`v2` here).
     pub const FEATURES: &'static [Feature] = &[
+        Feature::Round(Stage::Activations),
         Feature::Round(Stage::GCumsum),
         Feature::Round(Stage::Akk),
         Feature::Round(Stage::Aqk),
@@ -62,6 +63,14 @@ impl Chunk {
     fn as_stored<T: Scalar>(&self, stage: Stage, mut a: Array2<T>) -> Array2<T> {
         self.policy.round(stage, &mut a);
         a
+    }
+
+    /// `q·scale` as FLA's forward reads it: `chunk_dplr_fwd_intra` multiplies
+    /// the token-dtype `q` by the float `scale` and Triton keeps the tensor's
+    /// dtype, so `Aqk`, `Aqb` and `qg` see it rounded (exact when `scale` is a
+    /// power of two). The backward's own products use the raw `q`.
+    fn q_read<T: Scalar>(&self, q: ArrayView2<T>) -> Array2<T> {
+        self.as_stored(Stage::Activations, q.to_owned())
     }
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
@@ -243,8 +252,9 @@ fn pair_blocks<T: Scalar>(
 impl Chunk {
     /// The intra-chunk stage for tokens `start..start + c`.
     pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
+        let q_read = self.q_read(rows(&x.q, start, c));
         let (q, k, a, b, v) = (
-            rows(&x.q, start, c),
+            q_read.view(),
             rows(&x.k, start, c),
             rows(&x.a, start, c),
             rows(&x.b, start, c),
@@ -350,7 +360,7 @@ impl Chunk {
             let hn = self.as_stored(Stage::H, state.clone());
             let v2n = self.as_stored(Stage::VNew, &ch.u + &ch.w.dot(&hn));
             if read_out {
-                let qg = self.gated(&rows(&x.q, ch.start, c), &ch.exp_g);
+                let qg = self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), &ch.exp_g);
                 o.slice_mut(r).assign(
                     &(tri::lower_dot(ch.aqk.view(), v)
                         + tri::lower_dot(ch.aqb.view(), v2n.view())
@@ -466,7 +476,7 @@ impl Chunk {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
-        let qg = self.gated(&q, &ch.exp_g);
+        let qg = self.gated(&self.q_read(q).view(), &ch.exp_g);
         let mut ds_prev = qg.t().dot(&dout) + ds * &ch.decay_last().insert_axis(Axis(1));
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
@@ -504,8 +514,9 @@ impl Chunk {
         let dout = d_o.slice(r);
         let (eg, egx, dl) = (&ch.exp_g, &ch.exp_gx, &ch.exp_to_last);
         let decay_last = ch.decay_last();
-        // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h.
-        let qg = self.gated(&q, eg);
+        // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h. The decay gradient's
+        // `dq·q` (`chunk_dplr_bwd_kernel_intra`) reads the raw q in fp32.
+        let qg = &q * eg;
         // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
         let dqg = self.as_stored(Stage::BwdOperands, dout.dot(&h.t()));
@@ -520,8 +531,11 @@ impl Chunk {
         // operands is rounded to bf16 before the fp32 sum (`chunk_dplr_bwd_o`).
         let hdh = self.as_stored(Stage::BwdOperands, &h * &ds);
         let mut dgamma_last: Array1<T> = hdh.sum_axis(Axis(1)) * &decay_last;
-        let dkgl = self.as_stored(Stage::BwdOperands, v.dot(&ds.t()));
-        let dbgl = self.as_stored(Stage::BwdOperands, v2.dot(&ds.t()));
+        // The fp32 accumulators `b_dk`, `b_db` of `chunk_dplr_bwd_o`, and
+        // their bf16 stores `dkg`, `dbg`.
+        let (dkg_acc, dbg_acc) = (v.dot(&ds.t()), v2.dot(&ds.t()));
+        let dkgl = self.as_stored(Stage::BwdOperands, dkg_acc.clone());
+        let dbgl = self.as_stored(Stage::BwdOperands, dbg_acc.clone());
         dv += &kgl.dot(&ds);
         // v2 = u + w h.
         let dw = self.as_stored(Stage::BwdOperands, dv2.dot(&h.t()));
@@ -549,9 +563,13 @@ impl Chunk {
         let mut dgamma = &dqg * &qg;
         let mut dk = &dkgl * dl;
         let mut db = &dbgl * dl;
-        for t in [&dkgl * &kgl, &dbgl * &bgl] {
-            dgamma -= &t;
-            dgamma_last += &t.sum_axis(Axis(0));
+        // Exactly these two cancel, but FLA's chunk-end term `dgk_last` sums
+        // the fp32 accumulators times the stored bf16 `kg`, `bg`, while the
+        // per-token `−dk·k` multiplies the stored bf16 `dkg` by `k·e^{Γlast−Γ}`
+        // in fp32: the mismatch lands on every position of the chunk.
+        for (stored, acc, raw, gated) in [(&dkgl, &dkg_acc, &k, &kgl), (&dbgl, &dbg_acc, &b, &bgl)] {
+            dgamma -= &(stored * &(raw * dl));
+            dgamma_last += &(acc * gated).sum_axis(Axis(0));
         }
         self.blocks_backward(
             ch,
