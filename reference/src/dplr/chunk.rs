@@ -285,10 +285,9 @@ impl Chunk {
             }
             None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
         };
-        let (aqk, aqb) = (
-            self.as_stored(Stage::Aqk, aqk),
-            self.as_stored(Stage::Aqk, aqb),
-        );
+        // FLA's `chunk_dplr_fwd_intra` rounds all four blocks to the token
+        // dtype (`Aab`, `Aak` through `.to(Aqb.dtype)` into fp32 tensors).
+        let [aqk, aqb, aab, aak] = [aqk, aqb, aab, aak].map(|a| self.as_stored(Stage::Aqk, a));
         // (I − Aab)^{-1} (Aab strictly lower).
         let p = self.as_stored(
             Stage::Akk,
