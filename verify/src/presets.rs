@@ -19,7 +19,8 @@
 //!   `Aqk`, `Aqb` bf16, `Aab`, `Aak` fp32, the inverse solved with fp16
 //!   operands (`chunk_A_fwd`, `wy_fast_fwd`);
 //! - `w`, `u`, `qg`, `kg` (DPLR also `ag`, `bg`): bf16; KDA: `β k` rounded
-//!   to bf16 before the decay when β is the bf16 input (`k-beta`); the
+//!   to bf16 before the decay when β is the bf16 input (`k-beta`), and so in
+//!   the intra backward's `∂/∂k` (`k-beta-bwd`); the
 //!   intra-chunk `Aqk`/`L` dot operands in tf32 (`fwd-dots`);
 //! - `h`: bf16 (`k.new_empty`), the running state fp32 registers; `v_new`:
 //!   bf16; final state fp32;
@@ -147,7 +148,7 @@ fn fla_bf16(t: Target) -> Policy {
     }
     // Read from KDA's `recompute_w_u_fwd` only; GDN's kernel is not checked.
     if t.op == Op::Kda && !t.beta_sigmoid {
-        p = p.with(Stage::KBeta, bf16);
+        p = p.with(Stage::KBeta, bf16).with(Stage::KBetaBwd, bf16);
     }
     // KDA's and GDN's chunk kernels use exp2 on a base-2 cumsum; DPLR's exp.
     p.exp2 = matches!(t.op, Op::Kda | Op::Gdn);

@@ -60,6 +60,7 @@ impl Chunk {
         Feature::Round(Stage::Dv),
         Feature::Round(Stage::BwdOperands),
         Feature::Round(Stage::KBeta),
+        Feature::Round(Stage::KBetaBwd),
         Feature::Round(Stage::FwdDots),
         Feature::Round(Stage::HdhSum),
         Feature::Round(Stage::IntraDots),
@@ -638,12 +639,12 @@ impl Chunk {
     }
 
     /// `k` with the rounding of `k_r·β_r` folded in (`round(k·β)/β`; `k`
-    /// without a [`Stage::KBeta`] storage): the column side of FLA's
+    /// without a [`Stage::KBetaBwd`] storage): the column side of FLA's
     /// `chunk_kda_bwd_kernel_intra` multiplies `dAkk` by `b_k * b_b`, the
     /// product of two bf16 tensors, so `∂/∂k_s` reads every later row's
     /// `k·β` rounded (between sub-chunks, and inside one with safe_gate).
     fn k_beta_col<T: Scalar>(&self, k: ArrayView2<T>, beta: ArrayView1<T>) -> Array2<T> {
-        let Some(st) = self.policy.storage(Stage::KBeta) else {
+        let Some(st) = self.policy.storage(Stage::KBetaBwd) else {
             return k.to_owned();
         };
         Array2::from_shape_fn(k.raw_dim(), |(r, d)| match beta[r] {
