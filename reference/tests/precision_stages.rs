@@ -139,7 +139,9 @@ fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
         };
         let g = inputs::dplr(&spec);
         let e = DplrChunk::new(16).unwrap().with_policy(p);
-        op::forward(&e, &g.inputs, &DplrOptions::default()).unwrap().o
+        op::forward(&e, &g.inputs, &DplrOptions::default())
+            .unwrap()
+            .o
     };
     let act = Policy::exact().with(Stage::Activations, Dtype::Bf16);
     // K = 32: scale 2^-2.5, q·scale needs more than bf16's 8 bits.
@@ -156,7 +158,9 @@ fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
             seed: 3,
         };
         let mut g = inputs::dplr(&spec);
-        g.inputs.q.mapv_inplace(|x| half::bf16::from_f64(x).to_f64());
+        g.inputs
+            .q
+            .mapv_inplace(|x| half::bf16::from_f64(x).to_f64());
         let e = |p| DplrChunk::new(16).unwrap().with_policy(p);
         let opt = DplrOptions::default();
         (
@@ -191,7 +195,10 @@ fn dplr_aqk_stage_rounds_all_four_blocks() {
     };
     let state = |p: Policy| {
         let e = DplrChunk::new(16).unwrap().with_policy(p);
-        op::forward(&e, &g.inputs, &opt).unwrap().final_state.unwrap()
+        op::forward(&e, &g.inputs, &opt)
+            .unwrap()
+            .final_state
+            .unwrap()
     };
     let r = norm_ratio(
         &state(Policy::exact()),
@@ -241,7 +248,10 @@ fn dplr_stored_kg_reaches_dgk_only_through_the_chunk_end_term() {
     }
     assert!(mean_sq > 0.0, "the stored kg moves dgk");
     let ratio = (spread_sq / mean_sq).sqrt();
-    assert!(ratio < 0.1, "dgk's error varies along the chunk: {ratio:e} of its mean");
+    assert!(
+        ratio < 0.1,
+        "dgk's error varies along the chunk: {ratio:e} of its mean"
+    );
 }
 
 #[test]

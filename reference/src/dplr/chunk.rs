@@ -566,7 +566,8 @@ impl Chunk {
         // the fp32 accumulators times the stored bf16 `kg`, `bg`, while the
         // per-token `−dk·k` multiplies the stored bf16 `dkg` by `k·e^{Γlast−Γ}`
         // in fp32: the mismatch lands on every position of the chunk.
-        for (stored, acc, raw, gated) in [(&dkgl, &dkg_acc, &k, &kgl), (&dbgl, &dbg_acc, &b, &bgl)] {
+        for (stored, acc, raw, gated) in [(&dkgl, &dkg_acc, &k, &kgl), (&dbgl, &dbg_acc, &b, &bgl)]
+        {
             dgamma -= &(stored * &(raw * dl));
             dgamma_last += &(acc * gated).sum_axis(Axis(0));
         }

@@ -620,7 +620,17 @@ impl Chunk {
         let dkg_kg = &dkg * &ch.kg;
         dgamma -= &dkg_kg;
         dgamma_last += &dkg_kg.sum_axis(Axis(0));
-        self.intra_backward(ch, q, k, k_col.view(), &daqk, &dp, &mut dq, &mut dk, &mut dgamma);
+        self.intra_backward(
+            ch,
+            q,
+            k,
+            k_col.view(),
+            &daqk,
+            &dp,
+            &mut dq,
+            &mut dk,
+            &mut dgamma,
+        );
         // Γlast is the last row of Γ; Γ_r = Σ_{i≤r} g_i ⇒ dg = reverse cumsum of dΓ.
         dgamma.row_mut(c - 1).scaled_add(T::one(), &dgamma_last);
         for r in (0..c - 1).rev() {
@@ -734,7 +744,11 @@ impl Chunk {
         const BC: usize = 16;
         // Inside a sub-chunk only the safe-gate `tl.dot` reads the rounded
         // `k·β`; the element-wise path multiplies fp32 `k` by β.
-        let k_diag = if self.policy.safe_gate_midpoint { k_col } else { k };
+        let k_diag = if self.policy.safe_gate_midpoint {
+            k_col
+        } else {
+            k
+        };
         let (c, kd, g) = (ch.len(), k.ncols(), &ch.g_cumsum);
         let e = |x: T| self.policy.exp(x);
         for r in 0..c {
