@@ -50,6 +50,11 @@ pub enum Stage {
     /// (the input itself; the in-kernel sigmoid returns fp32) `b_k * b_b`
     /// multiplies two bf16 tensors and rounds to bf16 (`recompute_w_u_fwd`).
     KBeta,
+    /// `β k` as the intra-chunk backward's column side reads it: `b_k * b_b`
+    /// of two bf16 tensors, rounded to bf16, times `dAkk` in `∂/∂k` of every
+    /// earlier row of the chunk (between 16-token sub-chunks, and inside one
+    /// with safe_gate; `chunk_kda_bwd_kernel_intra`).
+    KBetaBwd,
     /// The fp32 `tl.dot` operands of the forward's intra-chunk blocks
     /// (`Aqk` and `L`, the `Akk` before the solve) between different 16-token
     /// sub-chunks — q/k gated to the first row of the row's sub-chunk — and,
@@ -76,7 +81,7 @@ pub enum Stage {
 }
 
 impl Stage {
-    pub const ALL: [Stage; 21] = [
+    pub const ALL: [Stage; 22] = [
         Stage::Inputs,
         Stage::GCumsum,
         Stage::Akk,
@@ -93,6 +98,7 @@ impl Stage {
         Stage::Dv,
         Stage::Activations,
         Stage::KBeta,
+        Stage::KBetaBwd,
         Stage::FwdDots,
         Stage::BwdOperands,
         Stage::HdhSum,
@@ -118,6 +124,7 @@ impl Stage {
             Stage::Dv => "dv",
             Stage::Activations => "activations",
             Stage::KBeta => "k-beta",
+            Stage::KBetaBwd => "k-beta-bwd",
             Stage::FwdDots => "fwd-dots",
             Stage::BwdOperands => "bwd-operands",
             Stage::HdhSum => "hdh-sum",

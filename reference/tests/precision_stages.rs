@@ -120,3 +120,190 @@ fn k_beta_and_fwd_dots_each_move_the_forward_alone() {
         assert!(r > 1e-6 && r < 1e-2, "{}: moved o by {r:e}", stage.name());
     }
 }
+
+fn minus(a: &ArrayD<f64>, b: &ArrayD<f64>) -> ArrayD<f64> {
+    a - b
+}
+
+#[test]
+fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
+    use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
+    let o = |k: usize, p: Policy| {
+        let spec = inputs::DplrSpec {
+            layout: Layout::varlen(&[40, 24]),
+            h: 1,
+            k,
+            v: 16,
+            initial_state: false,
+            seed: 3,
+        };
+        let g = inputs::dplr(&spec);
+        let e = DplrChunk::new(16).unwrap().with_policy(p);
+        op::forward(&e, &g.inputs, &DplrOptions::default())
+            .unwrap()
+            .o
+    };
+    let act = Policy::exact().with(Stage::Activations, Dtype::Bf16);
+    // K = 32: scale 2^-2.5, q·scale needs more than bf16's 8 bits.
+    let r = norm_ratio(&o(32, Policy::exact()), &o(32, act.clone()));
+    assert!(r > 1e-4 && r < 1e-2, "K=32: moved o by {r:e}");
+    // K = 16: scale 1/4, q·scale of a bf16 q is a bf16 number.
+    let rounded_q = |k| {
+        let spec = inputs::DplrSpec {
+            layout: Layout::varlen(&[40, 24]),
+            h: 1,
+            k,
+            v: 16,
+            initial_state: false,
+            seed: 3,
+        };
+        let mut g = inputs::dplr(&spec);
+        g.inputs
+            .q
+            .mapv_inplace(|x| half::bf16::from_f64(x).to_f64());
+        let e = |p| DplrChunk::new(16).unwrap().with_policy(p);
+        let opt = DplrOptions::default();
+        (
+            op::forward(&e(Policy::exact()), &g.inputs, &opt).unwrap().o,
+            op::forward(&e(act.clone()), &g.inputs, &opt).unwrap().o,
+        )
+    };
+    let (exact, with_act) = rounded_q(16);
+    assert_eq!(exact, with_act, "a power-of-two scale rounds nothing");
+    assert!(Chunk::FEATURES.contains(&Feature::Round(Stage::Activations)));
+    assert!(DplrChunk::FEATURES.contains(&Feature::Round(Stage::Activations)));
+}
+
+#[test]
+fn dplr_aqk_stage_rounds_all_four_blocks() {
+    use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
+    // `chunk_dplr_fwd_intra` stores `Aab`, `Aak` through `.to(Aqb.dtype)`:
+    // they reach the state through `w`, `u`, where `Aqk`, `Aqb` (only `o`)
+    // do not.
+    let spec = inputs::DplrSpec {
+        layout: Layout::varlen(&[40, 24]),
+        h: 1,
+        k: 16,
+        v: 16,
+        initial_state: true,
+        seed: 3,
+    };
+    let g = inputs::dplr(&spec);
+    let opt = DplrOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    let state = |p: Policy| {
+        let e = DplrChunk::new(16).unwrap().with_policy(p);
+        op::forward(&e, &g.inputs, &opt)
+            .unwrap()
+            .final_state
+            .unwrap()
+    };
+    let r = norm_ratio(
+        &state(Policy::exact()),
+        &state(Policy::exact().with(Stage::Aqk, Dtype::Bf16)),
+    );
+    assert!(r > 1e-5 && r < 1e-2, "moved final_state by {r:e}");
+}
+
+#[test]
+fn dplr_stored_kg_reaches_dgk_only_through_the_chunk_end_term() {
+    use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
+    // FLA's `dgk_last` multiplies `dkg`, `dbg` by the stored bf16 `kg`, `bg`
+    // (`chunk_dplr_bwd_o`), while the per-token `−dk·k`, `−db·b` read the
+    // raw keys (`chunk_dplr_bwd_kernel_intra`): the rounding of `kg`, `bg`
+    // lands once per chunk and key dim, the same at every position. In
+    // sequences of one chunk without an initial state (h = 0) nothing else
+    // of dgk reads a rounded `qg/kg`.
+    let spec = inputs::DplrSpec {
+        layout: Layout::varlen(&[16; 16]),
+        h: 2,
+        k: 32,
+        v: 32,
+        initial_state: false,
+        seed: 9,
+    };
+    let g = inputs::dplr(&spec);
+    let opt = DplrOptions::default();
+    let run = |p: Policy| {
+        let e = DplrChunk::new(16).unwrap().with_policy(p);
+        op::backward(&e, &g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap()
+    };
+    let exact = run(Policy::exact());
+    let gated = run(Policy::exact().with(Stage::Gated, Dtype::Bf16));
+    let err = minus(&gated.dgk, &exact.dgk);
+    // Split the error into each chunk's mean and what varies along it (the
+    // rounded `bg` also reaches `dv_new`, hence the A blocks, a little).
+    let (mut mean_sq, mut spread_sq) = (0.0, 0.0);
+    for n in 0..16 {
+        for h in 0..2 {
+            for d in 0..32 {
+                let xs: Vec<f64> = (0..16).map(|p| err[[0, n * 16 + p, h, d]]).collect();
+                let mean = xs.iter().sum::<f64>() / 16.0;
+                mean_sq += mean * mean;
+                spread_sq += xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / 16.0;
+            }
+        }
+    }
+    assert!(mean_sq > 0.0, "the stored kg moves dgk");
+    let ratio = (spread_sq / mean_sq).sqrt();
+    assert!(
+        ratio < 0.1,
+        "dgk's error varies along the chunk: {ratio:e} of its mean"
+    );
+}
+
+#[test]
+fn k_beta_bwd_moves_only_dk_and_the_decay_gradients() {
+    // A lower-bound gate (FLA safe_gate): ∂/∂k_s reads the rounded β·k of
+    // every later row of its chunk; nothing else reads it.
+    let opts = KdaOptions {
+        gate: Gate::LowerBound { lower_bound: -5.0 },
+        ..Default::default()
+    };
+    let spec = KdaSpec {
+        layout: Layout::varlen(&[200, 56]),
+        h: 1,
+        hv: 1,
+        k: 32,
+        v: 16,
+        opts,
+        initial_state: true,
+        scalar_gate: false,
+        seed: 4,
+    };
+    let g = inputs::kda(&spec);
+    let run = |p: Policy| {
+        let e = Chunk::new(64).unwrap().with_policy(p);
+        op::backward(&e, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap()
+    };
+    for dots in [false, true] {
+        let mut base = Policy::exact();
+        if dots {
+            base = base.with(Stage::IntraDots, Dtype::Tf32);
+            base.safe_gate_midpoint = true;
+        }
+        let without = run(base.clone());
+        let with = run(base.with(Stage::KBetaBwd, Dtype::Bf16));
+        for (name, a, b) in [
+            ("dk", &without.dk, &with.dk),
+            ("dg", &without.dg, &with.dg),
+            (
+                "dA_log",
+                without.da_log.as_ref().unwrap(),
+                with.da_log.as_ref().unwrap(),
+            ),
+        ] {
+            let r = norm_ratio(a, b);
+            assert!(r > 1e-5 && r < 5e-2, "{name}: k-beta-bwd moved it by {r:e}");
+        }
+        for (name, a, b) in [
+            ("dq", &without.dq, &with.dq),
+            ("dv", &without.dv, &with.dv),
+            ("dbeta", &without.dbeta, &with.dbeta),
+        ] {
+            assert_eq!(a, b, "{name} does not read the column-side keys");
+        }
+    }
+}

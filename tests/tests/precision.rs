@@ -228,7 +228,11 @@ fn m_chain_in_bf16_hurts_cp_more_than_an_fp32_chain() {
 
 #[test]
 fn fla_bf16_on_the_guides_layout_is_rounding_noise() {
-    // FLA's guide: bf16 KCP, safe gate, varlen, world 2 — below 5e-3 per tensor is noise.
+    // FLA's guide: bf16 KCP, safe gate, varlen, world 2 — below 5e-3 per
+    // token tensor is noise. `dA_log` and `ddt_bias` sum the decay gradient
+    // over every token (dA_log over K too: H = 2 numbers here): FLA's own
+    // kernels exceed 5e-3 there on the guide's case (H100, fla-core 0.6.0:
+    // dA_log 7.95e-3; debug.md, "Fidelity"), so those two get 1e-2.
     let case = weak_decay_case(
         &[400, 624],
         32,
@@ -245,5 +249,15 @@ fn fla_bf16_on_the_guides_layout_is_rounding_noise() {
             row.norm_ratio.unwrap()
         );
     }
-    assert!(r.pass, "{r}");
+    for row in &r.rows {
+        let bar = match row.tensor.as_str() {
+            "dA_log" | "ddt_bias" => 1e-2,
+            _ => 5e-3,
+        };
+        assert!(
+            row.norm_ratio.unwrap() < bar,
+            "{} above {bar:e}:\n{r}",
+            row.tensor
+        );
+    }
 }

@@ -10,7 +10,8 @@
 //! - inputs q, k, v, g, beta, do in bf16; `A_log`, `dt_bias`, `dht`,
 //!   `initial_state` fp32;
 //! - activations: q/k after the in-kernel l2norm (`l2norm_fwd`) in bf16; β
-//!   after the in-kernel sigmoid stays fp32 (`fused_beta_sigmoid`);
+//!   after the in-kernel sigmoid stays fp32 (`fused_beta_sigmoid`); DPLR's
+//!   `q·scale` in bf16 (`chunk_dplr_fwd_intra`);
 //! - `g_cumsum`: fp32 (`chunk_local_cumsum`/`kda_gate_chunk_cumsum`), exp in
 //!   base 2 (KDA: `RCP_LN2` scaling, `exp2`);
 //! - KDA `Aqk`, `Akk`: bf16 (`chunk_kda_fwd_intra`: `dtype=k.dtype`; the
@@ -18,7 +19,8 @@
 //!   `Aqk`, `Aqb` bf16, `Aab`, `Aak` fp32, the inverse solved with fp16
 //!   operands (`chunk_A_fwd`, `wy_fast_fwd`);
 //! - `w`, `u`, `qg`, `kg` (DPLR also `ag`, `bg`): bf16; KDA: `β k` rounded
-//!   to bf16 before the decay when β is the bf16 input (`k-beta`); the
+//!   to bf16 before the decay when β is the bf16 input (`k-beta`), and so in
+//!   the intra backward's `∂/∂k` (`k-beta-bwd`); the
 //!   intra-chunk `Aqk`/`L` dot operands in tf32 (`fwd-dots`);
 //! - `h`: bf16 (`k.new_empty`), the running state fp32 registers; `v_new`:
 //!   bf16; final state fp32;
@@ -120,6 +122,8 @@ fn fla_bf16(t: Target) -> Policy {
             (Stage::IntraDots, Dtype::Tf32),
         ],
         Op::Dplr => &[
+            // `q·scale` in bf16 (`chunk_dplr_fwd_intra`).
+            (Stage::Activations, bf16),
             (Stage::GCumsum, Dtype::F32),
             (Stage::Aqk, bf16),
             // `wy_fast_fwd`'s solve multiplies fp16 operands (`.to(tl.float16)`).
@@ -144,7 +148,7 @@ fn fla_bf16(t: Target) -> Policy {
     }
     // Read from KDA's `recompute_w_u_fwd` only; GDN's kernel is not checked.
     if t.op == Op::Kda && !t.beta_sigmoid {
-        p = p.with(Stage::KBeta, bf16);
+        p = p.with(Stage::KBeta, bf16).with(Stage::KBetaBwd, bf16);
     }
     // KDA's and GDN's chunk kernels use exp2 on a base-2 cumsum; DPLR's exp.
     p.exp2 = matches!(t.op, Op::Kda | Op::Gdn);
@@ -316,10 +320,11 @@ mod tests {
             p.policy(t(Op::Kda, false, true)).storage(Stage::MChain),
             Some(Dtype::F32)
         );
-        // DPLR solves its WY inverse with fp16 operands and has no activations.
+        // DPLR solves its WY inverse with fp16 operands; its activation is
+        // `q·scale` in bf16.
         let dplr = p.policy(t(Op::Dplr, false, false));
         assert_eq!(dplr.storage(Stage::Akk), Some(Dtype::F16));
-        assert_eq!(dplr.storage(Stage::Activations), None);
+        assert_eq!(dplr.storage(Stage::Activations), Some(Dtype::Bf16));
         let ts = p.policy(t(Op::TokenShift, false, true)).features();
         assert_eq!(
             ts,

@@ -46,6 +46,7 @@ impl Chunk {
     /// `P`, `qg/kg` the gated `qg`, `kg`, `ag`, `bg`, `v_new` FLA's `v_new`
     /// (`v2` here).
     pub const FEATURES: &'static [Feature] = &[
+        Feature::Round(Stage::Activations),
         Feature::Round(Stage::GCumsum),
         Feature::Round(Stage::Akk),
         Feature::Round(Stage::Aqk),
@@ -62,6 +63,14 @@ impl Chunk {
     fn as_stored<T: Scalar>(&self, stage: Stage, mut a: Array2<T>) -> Array2<T> {
         self.policy.round(stage, &mut a);
         a
+    }
+
+    /// `q·scale` as FLA's forward reads it: `chunk_dplr_fwd_intra` multiplies
+    /// the token-dtype `q` by the float `scale` and Triton keeps the tensor's
+    /// dtype, so `Aqk`, `Aqb` and `qg` see it rounded (exact when `scale` is a
+    /// power of two). The backward's own products use the raw `q`.
+    fn q_read<T: Scalar>(&self, q: ArrayView2<T>) -> Array2<T> {
+        self.as_stored(Stage::Activations, q.to_owned())
     }
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
@@ -278,8 +287,9 @@ fn pair_blocks<T: Scalar>(
 impl Chunk {
     /// The intra-chunk stage for tokens `start..start + c`.
     pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
+        let q_read = self.q_read(rows(&x.q, start, c));
         let (q, k, a, b, v) = (
-            rows(&x.q, start, c),
+            q_read.view(),
             rows(&x.k, start, c),
             rows(&x.a, start, c),
             rows(&x.b, start, c),
@@ -315,10 +325,9 @@ impl Chunk {
             }
             None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
         };
-        let (aqk, aqb) = (
-            self.as_stored(Stage::Aqk, aqk),
-            self.as_stored(Stage::Aqk, aqb),
-        );
+        // FLA's `chunk_dplr_fwd_intra` rounds all four blocks to the token
+        // dtype (`Aab`, `Aak` through `.to(Aqb.dtype)` into fp32 tensors).
+        let [aqk, aqb, aab, aak] = [aqk, aqb, aab, aak].map(|a| self.as_stored(Stage::Aqk, a));
         // (I − Aab)^{-1} (Aab strictly lower).
         let p = self.as_stored(
             Stage::Akk,
@@ -389,7 +398,8 @@ impl Chunk {
             self.policy.round(Stage::H, &mut hn);
             let hn = h.index_axis(Axis(0), n);
             // v2 = u + w h and, with the readout, qg h: one product.
-            let qg = read_out.then(|| self.gated(&rows(&x.q, ch.start, c), &ch.exp_g));
+            let qg = read_out
+                .then(|| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), &ch.exp_g));
             let wh = match &qg {
                 Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
                 None => ch.w.dot(&hn),
@@ -509,7 +519,7 @@ impl Chunk {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
-        let qg = self.gated(&q, &ch.exp_g);
+        let qg = self.gated(&self.q_read(q).view(), &ch.exp_g);
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
         dv2 += &self.gated(&b, &ch.exp_to_last).dot(&ds_used);
@@ -547,8 +557,9 @@ impl Chunk {
         let dout = d_o.slice(r);
         let (eg, egx, dl) = (&ch.exp_g, &ch.exp_gx, &ch.exp_to_last);
         let decay_last = ch.decay_last();
-        // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h.
-        let qg = self.gated(&q, eg);
+        // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h. The decay gradient's
+        // `dq·q` (`chunk_dplr_bwd_kernel_intra`) reads the raw q in fp32.
+        let qg = &q * eg;
         // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
         // One product for dqg = dO hᵀ and dw = dv2 hᵀ (v2 = u + w h).
@@ -565,9 +576,12 @@ impl Chunk {
         // operands is rounded to bf16 before the fp32 sum (`chunk_dplr_bwd_o`).
         let hdh = self.as_stored(Stage::BwdOperands, &h * &ds);
         let mut dgamma_last: Array1<T> = hdh.sum_axis(Axis(1)) * &decay_last;
-        let dkbgl = tri::stacked_dot(&[v, v2], ds.t());
-        let dkgl = self.as_stored(Stage::BwdOperands, dkbgl.slice(s![..c, ..]).to_owned());
-        let dbgl = self.as_stored(Stage::BwdOperands, dkbgl.slice(s![c.., ..]).to_owned());
+        // The fp32 accumulators `b_dk`, `b_db` of `chunk_dplr_bwd_o` (one
+        // product), and their bf16 stores `dkg`, `dbg`.
+        let dkbg_acc = tri::stacked_dot(&[v, v2], ds.t());
+        let (dkg_acc, dbg_acc) = (dkbg_acc.slice(s![..c, ..]), dkbg_acc.slice(s![c.., ..]));
+        let dkgl = self.as_stored(Stage::BwdOperands, dkg_acc.to_owned());
+        let dbgl = self.as_stored(Stage::BwdOperands, dbg_acc.to_owned());
         dv += &kgl.dot(&ds);
         let dw = self.as_stored(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]).to_owned());
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
@@ -587,58 +601,21 @@ impl Chunk {
             true,
         );
         mask(&mut daab, |i, j| j < i);
-        // Through ax = A ⊙ e^Γx, qg, kgl and bgl, one pass: da, dΓx, dq, dk,
-        // db, dΓ = dqg qg − dkgl kgl − dbgl bgl and dΓlast's column sums.
-        let kd = x.k_dim();
-        let [mut da, mut dgx, mut dq, mut dgamma, mut dk, mut db] =
-            std::array::from_fn(|_| Array2::zeros((c, kd)));
-        let mut sums = [vec![T::zero(); kd], vec![T::zero(); kd]];
+        let mut da = &dax * egx;
+        let mut dgx = &dax * &ax;
+        // qg, kgl, bgl.
+        let mut dq = &dqg * eg;
+        let mut dgamma = &dqg * &qg;
+        let mut dk = &dkgl * dl;
+        let mut db = &dbgl * dl;
+        // Exactly these two cancel, but FLA's chunk-end term `dgk_last` sums
+        // the fp32 accumulators times the stored bf16 `kg`, `bg`, while the
+        // per-token `−dk·k` multiplies the stored bf16 `dkg` by `k·e^{Γlast−Γ}`
+        // in fp32: the mismatch lands on every position of the chunk.
+        for (stored, acc, raw, gated) in [(&dkgl, &dkg_acc, &k, &kgl), (&dbgl, &dbg_acc, &b, &bgl)]
         {
-            let flats = [
-                dax.view(),
-                egx.view(),
-                ax.view(),
-                dqg.view(),
-                eg.view(),
-                qg.view(),
-                dkgl.view(),
-                kgl.view(),
-                dbgl.view(),
-                bgl.view(),
-                dl.view(),
-            ]
-            .map(fused::flat);
-            let [da_, dgx_, dq_, dg_, dk_, db_] =
-                [&mut da, &mut dgx, &mut dq, &mut dgamma, &mut dk, &mut db].map(fused::flat_mut);
-            let [sk, sb] = &mut sums;
-            let (sk, sb) = (&mut sk[..kd], &mut sb[..kd]);
-            for r in 0..c {
-                let row = r * kd..(r + 1) * kd;
-                let [dax_, egx_, ax_, dqg_, eg_, qg_, dkgl_, kgl_, dbgl_, bgl_, dl_] =
-                    flats.each_ref().map(|x| &x[row.clone()]);
-                let [da_, dgx_, dq_, dg_, dk_, db_] = [
-                    &mut da_[row.clone()],
-                    &mut dgx_[row.clone()],
-                    &mut dq_[row.clone()],
-                    &mut dg_[row.clone()],
-                    &mut dk_[row.clone()],
-                    &mut db_[row.clone()],
-                ];
-                for d in 0..kd {
-                    let (tk, tb) = (dkgl_[d] * kgl_[d], dbgl_[d] * bgl_[d]);
-                    da_[d] = dax_[d] * egx_[d];
-                    dgx_[d] = dax_[d] * ax_[d];
-                    dq_[d] = dqg_[d] * eg_[d];
-                    dg_[d] = dqg_[d] * qg_[d] - tk - tb;
-                    dk_[d] = dkgl_[d] * dl_[d];
-                    db_[d] = dbgl_[d] * dl_[d];
-                    sk[d] += tk;
-                    sb[d] += tb;
-                }
-            }
-        }
-        for sum in &sums {
-            dgamma_last += &ndarray::aview1(sum);
+            dgamma -= &(stored * &(raw * dl));
+            dgamma_last += &(acc * gated).sum_axis(Axis(0));
         }
         self.blocks_backward(
             ch,

@@ -9,7 +9,7 @@
 //! never overflow. A [`Policy`] rounds each stored stage for precision
 //! emulation; the default policy is exact.
 
-use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Axis};
 
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
@@ -58,6 +58,7 @@ impl Chunk {
         Feature::Round(Stage::Dv),
         Feature::Round(Stage::BwdOperands),
         Feature::Round(Stage::KBeta),
+        Feature::Round(Stage::KBetaBwd),
         Feature::Round(Stage::FwdDots),
         Feature::Round(Stage::HdhSum),
         Feature::Round(Stage::IntraDots),
@@ -686,7 +687,18 @@ impl Chunk {
             }
         }
         dgamma_last += &ndarray::aview1(&dkg_kg_sum);
-        self.intra_backward(ch, q, k, &daqk, &dp, &mut dq, &mut dk, &mut dgamma);
+        let k_col = self.k_beta_col(k, beta);
+        self.intra_backward(
+            ch,
+            q,
+            k,
+            k_col.view(),
+            &daqk,
+            &dp,
+            &mut dq,
+            &mut dk,
+            &mut dgamma,
+        );
         // Γlast is the last row of Γ; Γ_r = Σ_{i≤r} g_i ⇒ dg = reverse cumsum of dΓ.
         let mut last = dgamma.row_mut(c - 1);
         last += &dgamma_last;
@@ -702,14 +714,31 @@ impl Chunk {
         }
     }
 
+    /// `k` with the rounding of `k_r·β_r` folded in (`round(k·β)/β`; `k`
+    /// without a [`Stage::KBetaBwd`] storage): the column side of FLA's
+    /// `chunk_kda_bwd_kernel_intra` multiplies `dAkk` by `b_k * b_b`, the
+    /// product of two bf16 tensors, so `∂/∂k_s` reads every later row's
+    /// `k·β` rounded (between sub-chunks, and inside one with safe_gate).
+    fn k_beta_col<T: Scalar>(&self, k: ArrayView2<T>, beta: ArrayView1<T>) -> Array2<T> {
+        let Some(st) = self.policy.storage(Stage::KBetaBwd) else {
+            return k.to_owned();
+        };
+        Array2::from_shape_fn(k.raw_dim(), |(r, d)| match beta[r] {
+            b if b == T::zero() => k[[r, d]],
+            b => st.round(k[[r, d]] * b) / b,
+        })
+    }
+
     /// Through `Aqk[r,s] = Σ q_r k_s E_rs` and `p[r,s] = Σ k_r k_s E_rs` with
-    /// `E_rs = exp(Γ_r − Γ_s)`: gradients of q, k and Γ.
+    /// `E_rs = exp(Γ_r − Γ_s)`: gradients of q, k and Γ. `k_col` is `k` as
+    /// the `∂/∂k_s` side reads row `r`'s key ([`Chunk::k_beta_col`]).
     #[allow(clippy::too_many_arguments)]
     fn intra_backward<T: Scalar>(
         &self,
         ch: &Intra<T>,
         q: ArrayView2<T>,
         k: ArrayView2<T>,
+        k_col: ArrayView2<T>,
         daqk: &Array2<T>,
         dp: &Array2<T>,
         dq: &mut Array2<T>,
@@ -717,7 +746,7 @@ impl Chunk {
         dgamma: &mut Array2<T>,
     ) {
         if let Some(st) = self.policy.storage(Stage::IntraDots) {
-            return self.intra_backward_subchunks(st, ch, q, k, daqk, dp, dq, dk, dgamma);
+            return self.intra_backward_subchunks(st, ch, q, k, k_col, daqk, dp, dq, dk, dgamma);
         }
         if let Some((ep, em)) = &ch.factors {
             // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
@@ -744,8 +773,10 @@ impl Chunk {
                 tri::lower_dot(daqk.view(), b.view()),
                 tri::lower_dot(dp.view(), b.view()),
             );
-            let db =
-                tri::lower_t_dot(daqk.view(), a.view()) + tri::lower_t_dot(dp.view(), cc.view());
+            // The ∂/∂k_s side reads C with the rounded k·β (only under that stage).
+            let cc_col = self.policy.storage(Stage::KBetaBwd).map(|_| &k_col * ep);
+            let db = tri::lower_t_dot(daqk.view(), a.view())
+                + tri::lower_t_dot(dp.view(), cc_col.as_ref().unwrap_or(&cc).view());
             let flats = [
                 da.view(),
                 dc.view(),
@@ -778,13 +809,13 @@ impl Chunk {
                 for d in 0..kd {
                     let e = self.pair_decay(&ch.g_cumsum, r, s, d);
                     let ks = k[[s, d]];
-                    let coef = a * q[[r, d]] + p * k[[r, d]];
+                    let aq = a * q[[r, d]];
+                    let (coef, coef_col) = (aq + p * k[[r, d]], aq + p * k_col[[r, d]]);
                     dq[[r, d]] += a * ks * e;
                     dk[[r, d]] += p * ks * e;
-                    dk[[s, d]] += coef * e;
-                    let t = coef * ks * e;
-                    dgamma[[r, d]] += t;
-                    dgamma[[s, d]] -= t;
+                    dk[[s, d]] += coef_col * e;
+                    dgamma[[r, d]] += coef * ks * e;
+                    dgamma[[s, d]] -= coef_col * ks * e;
                 }
             }
         }
@@ -804,6 +835,7 @@ impl Chunk {
         ch: &Intra<T>,
         q: ArrayView2<T>,
         k: ArrayView2<T>,
+        k_col: ArrayView2<T>,
         daqk: &Array2<T>,
         dp: &Array2<T>,
         dq: &mut Array2<T>,
@@ -811,6 +843,13 @@ impl Chunk {
         dgamma: &mut Array2<T>,
     ) {
         const BC: usize = 16;
+        // Inside a sub-chunk only the safe-gate `tl.dot` reads the rounded
+        // `k·β`; the element-wise path multiplies fp32 `k` by β.
+        let k_diag = if self.policy.safe_gate_midpoint {
+            k_col
+        } else {
+            k
+        };
         let (c, kd, g) = (ch.len(), k.ncols(), &ch.g_cumsum);
         let e = |x: T| self.policy.exp(x);
         for r in 0..c {
@@ -825,13 +864,13 @@ impl Chunk {
                 if s / BC == r / BC {
                     for d in 0..kd {
                         let ee = self.pair_decay(g, r, s, d);
-                        let coef = a * q[[r, d]] + p * k[[r, d]];
+                        let aq = a * q[[r, d]];
+                        let (coef, coef_col) = (aq + p * k[[r, d]], aq + p * k_diag[[r, d]]);
                         dq[[r, d]] += a * k[[s, d]] * ee;
                         dk[[r, d]] += p * k[[s, d]] * ee;
-                        dk[[s, d]] += coef * ee;
-                        let t = coef * k[[s, d]] * ee;
-                        dgamma[[r, d]] += t;
-                        dgamma[[s, d]] -= t;
+                        dk[[s, d]] += coef_col * ee;
+                        dgamma[[r, d]] += coef * k[[s, d]] * ee;
+                        dgamma[[s, d]] -= coef_col * k[[s, d]] * ee;
                     }
                     continue;
                 }
@@ -845,7 +884,7 @@ impl Chunk {
                     dk[[r, d]] += row_k;
                     dgamma[[r, d]] += q[[r, d]] * row_q + k[[r, d]] * row_k;
                     let qg_r = st.round(q[[r, d]] * e(g[[r, d]] - g[[last, d]]));
-                    let kg_r = st.round(k[[r, d]] * e(g[[r, d]] - g[[last, d]]));
+                    let kg_r = st.round(k_col[[r, d]] * e(g[[r, d]] - g[[last, d]]));
                     let col = (ar * qg_r + pr * kg_r) * e(g[[last, d]] - g[[s, d]]);
                     dk[[s, d]] += col;
                     dgamma[[s, d]] -= k[[s, d]] * col;
