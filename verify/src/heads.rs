@@ -180,31 +180,50 @@ impl HeadFile {
 
     /// Whether the file stores any result (output or gradient).
     pub fn has_results(&self) -> bool {
-        self.tensors.iter().any(|e| self.is_result(&e.name))
+        !self.result_names().is_empty()
     }
 
-    /// The stored results of heads `heads`, checked as a case's are:
-    /// shaped as `shapes` (from the same block's inputs,
-    /// [`Case::result_shape`]) says, and finite.
-    pub fn read_results(
+    /// The names of the results (outputs and gradients) the file stores, in name order.
+    pub fn result_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .tensors
+            .iter()
+            .filter(|e| self.is_result(&e.name))
+            .map(|e| e.name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The stored result `name` (an output or gradient, one of
+    /// [`HeadFile::result_names`]) of heads `heads`, checked as a case's
+    /// are: shaped as `shapes` (from the same block's inputs,
+    /// [`Case::result_shape`]) says, and finite. Only that tensor's block
+    /// is read, so the comparison holds one stored tensor at a time.
+    pub fn read_result(
         &self,
         heads: &Range<usize>,
+        name: &str,
         shapes: &BTreeMap<String, Vec<usize>>,
-    ) -> Result<Tensors, CaseError> {
-        let (bytes, what) = self.block_file(heads, |n| self.is_result(n))?;
-        let results = Case::candidate_from_bytes(&bytes, &what, self.op)?.tensors;
+    ) -> Result<ArrayD<f64>, CaseError> {
+        let (bytes, what) = self.block_file(heads, |n| n == name && self.is_result(n))?;
+        let x = Case::candidate_from_bytes(&bytes, &what, self.op)?
+            .tensors
+            .remove(name)
+            .ok_or_else(|| CaseError::Format {
+                path: what.clone(),
+                why: format!("no stored result `{name}`"),
+            })?;
         let invalid = |source| CaseError::Invalid {
             path: what.clone(),
             source,
         };
-        for (name, x) in &results {
-            if let Some(want) = shapes.get(name) {
-                deltaref::tensor::expect_shape(name, "(as its input counterpart)", want, x.shape())
-                    .map_err(invalid)?;
-            }
-            deltaref::tensor::check_finite(name, x).map_err(invalid)?;
+        if let Some(want) = shapes.get(name) {
+            deltaref::tensor::expect_shape(name, "(as its input counterpart)", want, x.shape())
+                .map_err(invalid)?;
         }
-        Ok(results)
+        deltaref::tensor::check_finite(name, &x).map_err(invalid)?;
+        Ok(x)
     }
 
     fn is_result(&self, name: &str) -> bool {
@@ -396,38 +415,40 @@ pub struct BlockRows {
 }
 
 impl BlockRows {
-    /// Adds one head block: `expected` against `got`, both of that block.
+    /// Adds tensor `name` of one head block: `expected` against `got`
+    /// (`None`: the candidate lacks it).
     pub fn add(
         &mut self,
         file: &HeadFile,
         heads: &Range<usize>,
-        expected: &Tensors,
-        got: &Tensors,
+        name: &str,
+        expected: &ArrayD<f64>,
+        got: Option<&ArrayD<f64>>,
     ) -> Result<(), CaseError> {
-        for (name, r) in expected {
-            let (full, at) = file.place(name, r.shape(), heads).ok_or_else(|| {
-                CaseError::Usage(format!(
-                    "{}: `{name}` has no head axis: verify this case whole",
-                    file.path.display()
+        let (full, at) = file.place(name, expected.shape(), heads).ok_or_else(|| {
+            CaseError::Usage(format!(
+                "{}: `{name}` has no head axis: verify this case whole",
+                file.path.display()
+            ))
+        })?;
+        let entry = self
+            .rows
+            .entry(name.to_string())
+            .or_insert_with(|| (full, Ok(Accum::default())));
+        let Ok(acc) = &mut entry.1 else {
+            return Ok(());
+        };
+        match got {
+            None => entry.1 = Err("missing from the candidate".into()),
+            Some(c) if c.shape() != expected.shape() => {
+                entry.1 = Err(format!(
+                    "candidate shape {:?} in heads {}..{}",
+                    c.shape(),
+                    heads.start,
+                    heads.end
                 ))
-            })?;
-            let entry = self
-                .rows
-                .entry(name.clone())
-                .or_insert_with(|| (full, Ok(Accum::default())));
-            let Ok(acc) = &mut entry.1 else { continue };
-            match got.get(name) {
-                None => entry.1 = Err("missing from the candidate".into()),
-                Some(c) if c.shape() != r.shape() => {
-                    entry.1 = Err(format!(
-                        "candidate shape {:?} in heads {}..{}",
-                        c.shape(),
-                        heads.start,
-                        heads.end
-                    ))
-                }
-                Some(c) => acc.add(r.iter().copied().zip(c.iter().copied()), at),
             }
+            Some(c) => acc.add(expected.iter().copied().zip(c.iter().copied()), at),
         }
         Ok(())
     }
@@ -494,8 +515,11 @@ mod tests {
                     .filter_map(|&n| Some((n.to_string(), block.result_shape(n)?)))
                     .collect();
                 let got = imp.compute_owned(block, Compute::F64).unwrap();
-                let expected = file.read_results(&heads, &shapes).unwrap();
-                rows.add(&file, &heads, &expected, &got).unwrap();
+                for name in file.result_names() {
+                    let expected = file.read_result(&heads, &name, &shapes).unwrap();
+                    rows.add(&file, &heads, &name, &expected, got.get(&name))
+                        .unwrap();
+                }
             }
             let rows = rows.rows(5e-3);
             assert_eq!(rows.len(), whole.len());
@@ -531,6 +555,26 @@ mod tests {
         assert!(HeadFile::open(&one, 0).unwrap().is_none());
     }
 
+    /// Asking for a result the file does not store names it.
+    #[test]
+    fn a_result_the_file_lacks_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.shape = Some(vec![1, 32, 2, 2, 8, 4]);
+        let path = dir.path().join("inputs.safetensors");
+        generate(&spec).unwrap().write(&path).unwrap();
+        let file = HeadFile::open(&path, 0).unwrap().unwrap();
+        assert!(!file.has_results() && file.result_names().is_empty());
+        let e = file
+            .read_result(&(0..1), "o", &BTreeMap::new())
+            .unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("no stored result `o`") && e.contains("heads 0..1"),
+            "{e}"
+        );
+    }
+
     /// A stored truth that is not finite is refused by name, as for a whole case.
     #[test]
     fn a_non_finite_stored_result_in_a_block_is_refused() {
@@ -544,8 +588,10 @@ mod tests {
         let file = with_blocks(HeadFile::open(&path, 0).unwrap().unwrap(), 1);
         let block = file.read_inputs(&(2..3)).unwrap();
         let shapes = [("dq".to_string(), block.result_shape("dq").unwrap())].into();
-        let e = file.read_results(&(2..3), &shapes).unwrap_err().to_string();
+        let e = file.read_result(&(2..3), "dq", &shapes).unwrap_err();
+        let e = e.to_string();
         assert!(e.contains("heads 2..3") && e.contains("dq"), "{e}");
-        assert!(file.read_results(&(0..1), &shapes).is_ok());
+        assert!(file.read_result(&(0..1), "dq", &shapes).is_ok());
+        assert!(file.read_result(&(2..3), "dk", &shapes).is_ok());
     }
 }

@@ -61,20 +61,23 @@ pub fn all_cp<T: Scalar, E: Engine<T>>(
 where
     E::Op: Operator<f64>,
 {
-    // Taken by value so that a long case is held once (in `T`), not twice.
+    // Taken by value so that a long case is held once (in `T`), not twice,
+    // and freed before the results are widened into the map.
     let xt = <E::Op as Operator<T>>::narrow(&x);
     drop(x);
-    let d_o = cast(&d_o);
+    let d_o_t = cast(&d_o);
+    drop(d_o);
     let opts = E::Op::all_outputs(opts);
     let (out, gr, diags) = cp::forward_backward(
         engine,
         &xt,
         &opts,
-        &d_o,
+        &d_o_t,
         dht.map(cast::<f64, T>).as_ref(),
         plan,
         cpo,
     )?;
+    drop((xt, d_o_t));
     Ok((map::<T, E::Op>(&out, Some(&gr)), diags))
 }
 

@@ -1,7 +1,7 @@
 //! `deltaref verify`: compare a candidate (or an implementation) with a
 //! case's expected tensors (or the oracle's recomputation).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -107,13 +107,9 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             (expected, reference, got, format!("impl:{}", imp.name()))
         }
     };
-    let unchecked = select(
-        a,
-        case.meta.op,
-        case.expected_results(),
-        &mut expected,
-        &got,
-    );
+    let mut names: BTreeSet<String> = expected.keys().cloned().collect();
+    let unchecked = select(a, case.meta.op, case.expected_results(), &mut names, &got);
+    expected.retain(|n, _| names.contains(n));
     let report = VerifyReport::new(
         &a.case.display().to_string(),
         &reference,
@@ -125,27 +121,27 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     Ok(finish(a, report.with_intermediates(inter), unchecked))
 }
 
-/// Applies `--forward-only` and `--allow-partial` to `expected` (against
-/// `got`) and returns the names left unchecked.
+/// Applies `--forward-only` and `--allow-partial` to the names of the
+/// expected tensors (against `got`) and returns the names left unchecked.
 fn select(
     a: &Args,
     op: Op,
     results: Vec<&'static str>,
-    expected: &mut Tensors,
+    expected: &mut BTreeSet<String>,
     got: &Tensors,
 ) -> Vec<String> {
     let keep = op.forward_results();
     if a.forward_only {
-        expected.retain(|n, _| keep.contains(&n.as_str()));
+        expected.retain(|n| keep.contains(&n.as_str()));
     }
     let mut unchecked: Vec<String> = results
         .into_iter()
-        .filter(|n| !expected.contains_key(*n) && (!a.forward_only || keep.contains(n)))
+        .filter(|n| !expected.contains(*n) && (!a.forward_only || keep.contains(n)))
         .map(String::from)
         .collect();
     if a.allow_partial {
         let missing: Vec<String> = expected
-            .keys()
+            .iter()
             .filter(|n| !got.contains_key(*n))
             .cloned()
             .collect();
@@ -192,16 +188,28 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<VerifyReport, CaseError> {
             Some(oracle_truth(&case, &a.case)?)
         };
         bar.step(&format!("{of}: computing impl:{}", imp.name()));
-        let got = imp
+        let mut got = imp
             .compute_owned(case, compute)
             .map_err(CaseError::computing(&a.case))?;
-        // The stored truth is read only now, so it never shares memory with the computation's buffers.
-        let (mut expected, reference) = match oracle {
-            Some(t) => (t, "impl:naive (f64 oracle)"),
-            None => (file.read_results(heads, &shapes)?, "case file"),
+        let (mut oracle, reference) = match oracle {
+            Some(t) => (Some(t), "impl:naive (f64 oracle)"),
+            None => (None, "case file"),
+        };
+        let mut expected: BTreeSet<String> = match &oracle {
+            Some(t) => t.keys().cloned().collect(),
+            None => file.result_names().into_iter().collect(),
         };
         let unchecked = select(a, op, results, &mut expected, &got);
-        rows.add(file, heads, &expected, &got)?;
+        // The stored truth is read only now, one tensor at a time, and each
+        // computed tensor is freed once compared: the comparison holds one
+        // tensor pair beside the rest of the results, never two full sets.
+        for name in &expected {
+            let truth = match &mut oracle {
+                Some(t) => t.remove(name).expect("selected from its names"),
+                None => file.read_result(heads, name, &shapes)?,
+            };
+            rows.add(file, heads, name, &truth, got.remove(name).as_ref())?;
+        }
         names.get_or_insert((reference, format!("impl:{}", imp.name()), unchecked));
         bar.inc();
     }
