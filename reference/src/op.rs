@@ -118,12 +118,15 @@ pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
     /// Public outputs from `o [B, T, heads, V]` and `final_state [N, heads, K, V]`.
     fn outputs(opt: &Self::Options, o: Array4<T>, final_state: Array4<T>) -> Self::Outputs;
     /// Public gradients from per-(piece, head) gradients and `dh0 [N, heads, K, V]`
-    /// (the chain rule through the pre-processing happens here).
+    /// (the chain rule through the pre-processing happens here). The pieces
+    /// are taken by value so that they are freed once assembled, before the
+    /// chain rule's temporaries exist (a long sequence's pieces are as large
+    /// as the gradients).
     fn grads(
         x: &Self::Inputs,
         opt: &Self::Options,
         p: &Self::Prepared<'_>,
-        pieces: &[(Segment, usize, &Self::HeadGrads)],
+        pieces: Vec<(Segment, usize, Self::HeadGrads)>,
         dh0: Array4<T>,
     ) -> Self::Grads;
     /// The outputs, aligned with [`OpSpec::OUTPUTS`] (`None` where absent).
@@ -250,7 +253,7 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     let results = per_pair_upstream::<T, E::Op, _, _>(&p, opt, d_o, dht, |head, h0, d_o, dht| {
         engine.backward(head, h0, d_o, dht)
     })?;
-    Ok(assemble_grads::<T, E::Op>(x, opt, &p, &results))
+    Ok(assemble_grads::<T, E::Op>(x, opt, &p, results))
 }
 
 /// [`forward`] and [`backward`] in one run, the same bits; an engine that
@@ -274,7 +277,7 @@ pub fn forward_backward<T: Scalar, E: Engine<T>>(
     let (fwd, grads): (Vec<_>, Vec<_>) = results.into_iter().unzip();
     Ok((
         assemble_outputs::<T, E::Op>(&p, opt, &fwd),
-        assemble_grads::<T, E::Op>(x, opt, &p, &grads),
+        assemble_grads::<T, E::Op>(x, opt, &p, grads),
     ))
 }
 
@@ -318,20 +321,21 @@ fn assemble_grads<T: Scalar, O: Operator<T>>(
     x: &O::Inputs,
     opt: &O::Options,
     p: &O::Prepared<'_>,
-    results: &[O::HeadGrads],
+    results: Vec<O::HeadGrads>,
 ) -> O::Grads {
     let (d, segments) = (p.shape(), p.segments());
     let mut dh0 = Array4::zeros((d.n, d.heads, d.k, d.v));
     let pieces: Vec<_> = results
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, g)| {
             let (seg, h) = (segments[i / d.heads], i % d.heads);
-            dh0.slice_mut(s![seg.seq, h, .., ..]).assign(O::head_dh0(g));
+            dh0.slice_mut(s![seg.seq, h, .., ..])
+                .assign(O::head_dh0(&g));
             (seg, h, g)
         })
         .collect();
-    O::grads(x, opt, p, &pieces, dh0)
+    O::grads(x, opt, p, pieces, dh0)
 }
 
 /// Every output and gradient under FLA's names ([`OpSpec`]), skipping absent ones.

@@ -265,7 +265,7 @@ impl<T: Scalar> Operator<T> for TokenShift {
         x: &TokenShiftInputs<T>,
         _: &(),
         p: &Prepared<'_, T>,
-        pieces: &[(Segment, usize, &TokenShiftHeadGrads<T>)],
+        pieces: Vec<(Segment, usize, TokenShiftHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> TokenShiftGrads<T> {
         let d = p.dims;

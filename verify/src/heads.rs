@@ -68,85 +68,31 @@ impl HeadFile {
     /// have a head axis. `None` means "read it whole", which also reports
     /// every framing or shape error in the usual words.
     pub fn open(path: &Path, min_bytes: u64) -> Result<Option<HeadFile>, CaseError> {
-        let Ok(file) = File::open(path) else {
+        let Some((file, header, data_start, len)) = read_header(path, min_bytes) else {
             return Ok(None);
         };
-        let Ok(len) = file.metadata().map(|m| m.len()) else {
+        let Some((metadata, tensors)) = entries(&header, data_start, len) else {
             return Ok(None);
         };
-        if len < min_bytes.max(8) {
-            return Ok(None);
-        }
-        let mut n = [0u8; 8];
-        if file.read_exact_at(&mut n, 0).is_err() {
-            return Ok(None);
-        }
-        let n = u64::from_le_bytes(n);
-        if n > 100_000_000 || n > len - 8 {
-            return Ok(None);
-        }
-        let mut header = vec![0u8; n as usize];
-        if file.read_exact_at(&mut header, 8).is_err() {
-            return Ok(None);
-        }
-        Ok(Self::from_header(path, file, &header, 8 + n, len))
-    }
-
-    fn from_header(
-        path: &Path,
-        file: File,
-        header: &[u8],
-        data_start: u64,
-        len: u64,
-    ) -> Option<HeadFile> {
-        let map: Map<String, Value> = serde_json::from_slice(header).ok()?;
-        let mut metadata = HashMap::new();
-        let mut tensors = vec![];
-        for (name, v) in &map {
-            if name == "__metadata__" {
-                for (k, x) in v.as_object()? {
-                    metadata.insert(k.clone(), x.as_str()?.to_string());
-                }
-                continue;
-            }
-            let dtype: StDtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
-            let shape: Vec<usize> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
-            let off: [u64; 2] = serde_json::from_value(v.get("data_offsets")?.clone()).ok()?;
-            if !dtype.bitsize().is_multiple_of(8) {
-                return None;
-            }
-            let size = dtype.bitsize() / 8;
-            let bytes = shape
-                .iter()
-                .try_fold(size as u64, |a, &d| a.checked_mul(d as u64))?;
-            let begin = data_start.checked_add(off[0])?;
-            if off[1].checked_sub(off[0])? != bytes || begin.checked_add(bytes)? > len {
-                return None;
-            }
-            tensors.push(Entry {
-                name: name.clone(),
-                dtype,
-                size,
-                shape,
-                begin,
-            });
-        }
-        let meta = serde_json::from_str::<Value>(metadata.get("case")?).ok()?;
+        let op = metadata
+            .get("case")
+            .and_then(|m| serde_json::from_str::<Value>(m).ok())
+            .and_then(|m| Op::parse(m.get("op")?.as_str()?));
         // Only KDA's and DPLR's tensor layouts are known here (GDN's gate is
         // [B, T, H], the conv has channels, not heads): the rest load whole.
-        let op =
-            Op::parse(meta.get("op")?.as_str()?).filter(|&op| matches!(op, Op::Kda | Op::Dplr))?;
-        let heads = *tensors.iter().find(|e| e.name == "q")?.shape.get(2)?;
-        let fits = |e: &Entry| match head_axis(&e.name) {
-            Some(a) => e.shape.get(a).is_some_and(|&l| l > 0 && l % heads == 0),
-            None => e.name == "cu_seqlens",
+        let Some(op) = op.filter(|&op| matches!(op, Op::Kda | Op::Dplr)) else {
+            return Ok(None);
         };
-        if heads < 2 || !tensors.iter().all(fits) {
-            return None;
-        }
+        let heads = tensors
+            .iter()
+            .find(|e| e.name == "q")
+            .and_then(|q| q.shape.get(2).copied());
+        let Some(heads) = heads.filter(|&h| h >= 2) else {
+            return Ok(None);
+        };
         let per_head = (len - data_start) / heads as u64;
         let per_block = (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize;
-        Some(HeadFile {
+        let file = HeadFile {
             path: path.to_path_buf(),
             file,
             op,
@@ -154,7 +100,122 @@ impl HeadFile {
             tensors,
             heads,
             per_block,
+        };
+        Ok(file.splits().then_some(file))
+    }
+
+    /// A candidate file (a port's outputs and gradients) for this case,
+    /// opened for reading in this case's head blocks; `None` (read it whole)
+    /// when a tensor has no head axis (an intermediate, a name no op knows)
+    /// or its head axis is not a multiple of H, so that the whole-case path
+    /// reports those in its own words.
+    pub fn candidate(&self, path: &Path) -> Result<Option<HeadFile>, CaseError> {
+        let Some((file, header, data_start, len)) = read_header(path, 0) else {
+            return Ok(None);
+        };
+        let Some((metadata, tensors)) = entries(&header, data_start, len) else {
+            return Ok(None);
+        };
+        let file = HeadFile {
+            path: path.to_path_buf(),
+            file,
+            op: self.op,
+            metadata,
+            tensors,
+            heads: self.heads,
+            per_block: self.per_block,
+        };
+        Ok(file.splits().then_some(file))
+    }
+
+    /// Whether every tensor has a head axis whose length is a multiple of H.
+    fn splits(&self) -> bool {
+        self.tensors.iter().all(|e| match head_axis(&e.name) {
+            Some(a) => e
+                .shape
+                .get(a)
+                .is_some_and(|&l| l > 0 && l % self.heads == 0),
+            None => e.name == "cu_seqlens",
         })
+    }
+}
+
+/// `(file, header bytes, data start, file length)` of a safetensors file of
+/// at least `min_bytes`; `None` for anything unreadable (the whole-file path
+/// reports it).
+fn read_header(path: &Path, min_bytes: u64) -> Option<(File, Vec<u8>, u64, u64)> {
+    let file = File::open(path).ok()?;
+    let len = file.metadata().ok()?.len();
+    if len < min_bytes.max(8) {
+        return None;
+    }
+    let mut n = [0u8; 8];
+    file.read_exact_at(&mut n, 0).ok()?;
+    let n = u64::from_le_bytes(n);
+    if n > 100_000_000 || n > len - 8 {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact_at(&mut header, 8).ok()?;
+    Some((file, header, 8 + n, len))
+}
+
+/// The metadata and the tensors (with absolute offsets, each inside the
+/// file) of a safetensors header.
+#[allow(clippy::type_complexity)]
+fn entries(
+    header: &[u8],
+    data_start: u64,
+    len: u64,
+) -> Option<(HashMap<String, String>, Vec<Entry>)> {
+    let map: Map<String, Value> = serde_json::from_slice(header).ok()?;
+    let mut metadata = HashMap::new();
+    let mut tensors = vec![];
+    for (name, v) in &map {
+        if name == "__metadata__" {
+            for (k, x) in v.as_object()? {
+                metadata.insert(k.clone(), x.as_str()?.to_string());
+            }
+            continue;
+        }
+        let dtype: StDtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
+        let shape: Vec<usize> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
+        let off: [u64; 2] = serde_json::from_value(v.get("data_offsets")?.clone()).ok()?;
+        if !dtype.bitsize().is_multiple_of(8) {
+            return None;
+        }
+        let size = dtype.bitsize() / 8;
+        let bytes = shape
+            .iter()
+            .try_fold(size as u64, |a, &d| a.checked_mul(d as u64))?;
+        let begin = data_start.checked_add(off[0])?;
+        if off[1].checked_sub(off[0])? != bytes || begin.checked_add(bytes)? > len {
+            return None;
+        }
+        tensors.push(Entry {
+            name: name.clone(),
+            dtype,
+            size,
+            shape,
+            begin,
+        });
+    }
+    Some((metadata, tensors))
+}
+
+impl HeadFile {
+    /// The same file read `n` query/key heads per block (at least one, at
+    /// most H) instead of about 256 MiB of stored data per block.
+    pub fn with_heads_per_block(self, n: usize) -> HeadFile {
+        HeadFile {
+            per_block: n.clamp(1, self.heads),
+            ..self
+        }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// Query/key heads H of the case.
@@ -180,31 +241,71 @@ impl HeadFile {
 
     /// Whether the file stores any result (output or gradient).
     pub fn has_results(&self) -> bool {
-        self.tensors.iter().any(|e| self.is_result(&e.name))
+        !self.result_names().is_empty()
     }
 
-    /// The stored results of heads `heads`, checked as a case's are:
-    /// shaped as `shapes` (from the same block's inputs,
-    /// [`Case::result_shape`]) says, and finite.
-    pub fn read_results(
+    /// The names of the results (outputs and gradients) the file stores, in name order.
+    pub fn result_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .tensors
+            .iter()
+            .filter(|e| self.is_result(&e.name))
+            .map(|e| e.name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The stored result `name` (an output or gradient, one of
+    /// [`HeadFile::result_names`]) of heads `heads`, checked as a case's
+    /// are: shaped as `shapes` (from the same block's inputs,
+    /// [`Case::result_shape`]) says, and finite. Only that tensor's block
+    /// is read, so the comparison holds one stored tensor at a time.
+    pub fn read_result(
         &self,
         heads: &Range<usize>,
+        name: &str,
         shapes: &BTreeMap<String, Vec<usize>>,
-    ) -> Result<Tensors, CaseError> {
-        let (bytes, what) = self.block_file(heads, |n| self.is_result(n))?;
-        let results = Case::candidate_from_bytes(&bytes, &what, self.op)?.tensors;
+    ) -> Result<ArrayD<f64>, CaseError> {
+        let (bytes, what) = self.block_file(heads, |n| n == name && self.is_result(n))?;
+        let x = Case::candidate_from_bytes(&bytes, &what, self.op)?
+            .tensors
+            .remove(name)
+            .ok_or_else(|| CaseError::Format {
+                path: what.clone(),
+                why: format!("no stored result `{name}`"),
+            })?;
         let invalid = |source| CaseError::Invalid {
             path: what.clone(),
             source,
         };
-        for (name, x) in &results {
-            if let Some(want) = shapes.get(name) {
-                deltaref::tensor::expect_shape(name, "(as its input counterpart)", want, x.shape())
-                    .map_err(invalid)?;
-            }
-            deltaref::tensor::check_finite(name, x).map_err(invalid)?;
+        if let Some(want) = shapes.get(name) {
+            deltaref::tensor::expect_shape(name, "(as its input counterpart)", want, x.shape())
+                .map_err(invalid)?;
         }
-        Ok(results)
+        deltaref::tensor::check_finite(name, &x).map_err(invalid)?;
+        Ok(x)
+    }
+
+    /// Checks a candidate's `case` metadata against `case`, the inputs of
+    /// head block `heads` (as [`Case::read_candidate_for`] does for a whole
+    /// candidate): its op, and every math option it states.
+    pub fn check_candidate_meta(&self, heads: &Range<usize>, case: &Case) -> Result<(), CaseError> {
+        let (bytes, what) = self.block_file(heads, |_| false)?;
+        Case::candidate_for_bytes(&bytes, &what, case).map(drop)
+    }
+
+    /// A candidate's tensor `name` of heads `heads` (`None`: it has none),
+    /// non-finite values kept (see [`Case::candidate_from_bytes`]).
+    pub fn read_candidate(
+        &self,
+        heads: &Range<usize>,
+        name: &str,
+    ) -> Result<Option<ArrayD<f64>>, CaseError> {
+        let (bytes, what) = self.block_file(heads, |n| n == name)?;
+        Ok(Case::candidate_from_bytes(&bytes, &what, self.op)?
+            .tensors
+            .remove(name))
     }
 
     fn is_result(&self, name: &str) -> bool {
@@ -396,38 +497,40 @@ pub struct BlockRows {
 }
 
 impl BlockRows {
-    /// Adds one head block: `expected` against `got`, both of that block.
+    /// Adds tensor `name` of one head block: `expected` against `got`
+    /// (`None`: the candidate lacks it).
     pub fn add(
         &mut self,
         file: &HeadFile,
         heads: &Range<usize>,
-        expected: &Tensors,
-        got: &Tensors,
+        name: &str,
+        expected: &ArrayD<f64>,
+        got: Option<&ArrayD<f64>>,
     ) -> Result<(), CaseError> {
-        for (name, r) in expected {
-            let (full, at) = file.place(name, r.shape(), heads).ok_or_else(|| {
-                CaseError::Usage(format!(
-                    "{}: `{name}` has no head axis: verify this case whole",
-                    file.path.display()
+        let (full, at) = file.place(name, expected.shape(), heads).ok_or_else(|| {
+            CaseError::Usage(format!(
+                "{}: `{name}` has no head axis: verify this case whole",
+                file.path.display()
+            ))
+        })?;
+        let entry = self
+            .rows
+            .entry(name.to_string())
+            .or_insert_with(|| (full, Ok(Accum::default())));
+        let Ok(acc) = &mut entry.1 else {
+            return Ok(());
+        };
+        match got {
+            None => entry.1 = Err("missing from the candidate".into()),
+            Some(c) if c.shape() != expected.shape() => {
+                entry.1 = Err(format!(
+                    "candidate shape {:?} in heads {}..{}",
+                    c.shape(),
+                    heads.start,
+                    heads.end
                 ))
-            })?;
-            let entry = self
-                .rows
-                .entry(name.clone())
-                .or_insert_with(|| (full, Ok(Accum::default())));
-            let Ok(acc) = &mut entry.1 else { continue };
-            match got.get(name) {
-                None => entry.1 = Err("missing from the candidate".into()),
-                Some(c) if c.shape() != r.shape() => {
-                    entry.1 = Err(format!(
-                        "candidate shape {:?} in heads {}..{}",
-                        c.shape(),
-                        heads.start,
-                        heads.end
-                    ))
-                }
-                Some(c) => acc.add(r.iter().copied().zip(c.iter().copied()), at),
             }
+            Some(c) => acc.add(expected.iter().copied().zip(c.iter().copied()), at),
         }
         Ok(())
     }
@@ -468,10 +571,6 @@ mod tests {
         path
     }
 
-    fn with_blocks(file: HeadFile, per_block: usize) -> HeadFile {
-        HeadFile { per_block, ..file }
-    }
-
     /// The chunked engine against the stored truth, whole and by head blocks of two.
     #[test]
     fn head_blocks_give_the_whole_cases_rows() {
@@ -483,7 +582,10 @@ mod tests {
             let got = imp.compute(&case, Compute::F64).unwrap();
             let whole = VerifyReport::new("", "", "", &case.results(), &got, 5e-3).rows;
 
-            let file = with_blocks(HeadFile::open(&path, 0).unwrap().unwrap(), 2);
+            let file = HeadFile::open(&path, 0)
+                .unwrap()
+                .unwrap()
+                .with_heads_per_block(2);
             assert_eq!(file.blocks(), vec![0..2, 2..3]);
             let mut rows = BlockRows::default();
             for heads in file.blocks() {
@@ -494,8 +596,11 @@ mod tests {
                     .filter_map(|&n| Some((n.to_string(), block.result_shape(n)?)))
                     .collect();
                 let got = imp.compute_owned(block, Compute::F64).unwrap();
-                let expected = file.read_results(&heads, &shapes).unwrap();
-                rows.add(&file, &heads, &expected, &got).unwrap();
+                for name in file.result_names() {
+                    let expected = file.read_result(&heads, &name, &shapes).unwrap();
+                    rows.add(&file, &heads, &name, &expected, got.get(&name))
+                        .unwrap();
+                }
             }
             let rows = rows.rows(5e-3);
             assert_eq!(rows.len(), whole.len());
@@ -531,6 +636,26 @@ mod tests {
         assert!(HeadFile::open(&one, 0).unwrap().is_none());
     }
 
+    /// Asking for a result the file does not store names it.
+    #[test]
+    fn a_result_the_file_lacks_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.shape = Some(vec![1, 32, 2, 2, 8, 4]);
+        let path = dir.path().join("inputs.safetensors");
+        generate(&spec).unwrap().write(&path).unwrap();
+        let file = HeadFile::open(&path, 0).unwrap().unwrap();
+        assert!(!file.has_results() && file.result_names().is_empty());
+        let e = file
+            .read_result(&(0..1), "o", &BTreeMap::new())
+            .unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("no stored result `o`") && e.contains("heads 0..1"),
+            "{e}"
+        );
+    }
+
     /// A stored truth that is not finite is refused by name, as for a whole case.
     #[test]
     fn a_non_finite_stored_result_in_a_block_is_refused() {
@@ -541,11 +666,16 @@ mod tests {
         dq[[0, 50, 2, 3]] = f64::NAN;
         case.tensors.insert("dq".into(), dq);
         case.write(&path).unwrap();
-        let file = with_blocks(HeadFile::open(&path, 0).unwrap().unwrap(), 1);
+        let file = HeadFile::open(&path, 0)
+            .unwrap()
+            .unwrap()
+            .with_heads_per_block(1);
         let block = file.read_inputs(&(2..3)).unwrap();
         let shapes = [("dq".to_string(), block.result_shape("dq").unwrap())].into();
-        let e = file.read_results(&(2..3), &shapes).unwrap_err().to_string();
+        let e = file.read_result(&(2..3), "dq", &shapes).unwrap_err();
+        let e = e.to_string();
         assert!(e.contains("heads 2..3") && e.contains("dq"), "{e}");
-        assert!(file.read_results(&(0..1), &shapes).is_ok());
+        assert!(file.read_result(&(0..1), "dq", &shapes).is_ok());
+        assert!(file.read_result(&(2..3), "dk", &shapes).is_ok());
     }
 }

@@ -417,7 +417,7 @@ impl<T: Scalar> OnEngine<T> for Backward<'_> {
     {
         let (d_o, dht) = self.up;
         match self.cp {
-            None => Ok((outputs::all(engine, &x, opts, &d_o, dht)?, vec![])),
+            None => Ok((outputs::all_owned(engine, x, opts, d_o, dht)?, vec![])),
             Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
         }
     }

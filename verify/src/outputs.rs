@@ -47,6 +47,30 @@ where
     Ok(map::<T, E::Op>(&out, Some(&gr)))
 }
 
+/// [`all`] consuming the inputs and `do`, as [`all_cp`] does: a long case
+/// is held once (in `T`), and freed before the results are widened into
+/// the map. The same values.
+pub fn all_owned<T: Scalar, E: Engine<T>>(
+    engine: &E,
+    x: <E::Op as Operator<f64>>::Inputs,
+    opts: &<E::Op as OpSpec>::Options,
+    d_o: ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+) -> Result<Tensors>
+where
+    E::Op: Operator<f64>,
+{
+    let xt = <E::Op as Operator<T>>::narrow(&x);
+    drop(x);
+    let d_o_t = cast(&d_o);
+    drop(d_o);
+    let opts = E::Op::all_outputs(opts);
+    let (out, gr) =
+        op::forward_backward(engine, &xt, &opts, &d_o_t, dht.map(cast::<f64, T>).as_ref())?;
+    drop((xt, d_o_t));
+    Ok(map::<T, E::Op>(&out, Some(&gr)))
+}
+
 /// [`all`] under simulated CP; also returns the per-rank diagnostics
 /// (backward's, which include the forward ones).
 pub fn all_cp<T: Scalar, E: Engine<T>>(
@@ -61,20 +85,23 @@ pub fn all_cp<T: Scalar, E: Engine<T>>(
 where
     E::Op: Operator<f64>,
 {
-    // Taken by value so that a long case is held once (in `T`), not twice.
+    // Taken by value so that a long case is held once (in `T`), not twice,
+    // and freed before the results are widened into the map.
     let xt = <E::Op as Operator<T>>::narrow(&x);
     drop(x);
-    let d_o = cast(&d_o);
+    let d_o_t = cast(&d_o);
+    drop(d_o);
     let opts = E::Op::all_outputs(opts);
     let (out, gr, diags) = cp::forward_backward(
         engine,
         &xt,
         &opts,
-        &d_o,
+        &d_o_t,
         dht.map(cast::<f64, T>).as_ref(),
         plan,
         cpo,
     )?;
+    drop((xt, d_o_t));
     Ok((map::<T, E::Op>(&out, Some(&gr)), diags))
 }
 

@@ -508,7 +508,7 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
         x: &ConvInputs<T>,
         _: &ConvOptions,
         p: &Prepared<'_, T>,
-        pieces: &[(Segment, usize, &PieceGrads<T>)],
+        pieces: Vec<(Segment, usize, PieceGrads<T>)>,
         dh0: Array4<T>,
     ) -> ConvGrads<T> {
         let d = p.dims;
@@ -516,7 +516,7 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
         let dx = tensor::assemble((d.b, d.t, 1, d.d), blocks);
         let mut dweight = Array2::zeros((d.d, d.w));
         let mut dbias = Array1::zeros(d.d);
-        for (_, _, g) in pieces {
+        for (_, _, g) in &pieces {
             dweight += &g.dweight;
             dbias += &g.dbias;
         }

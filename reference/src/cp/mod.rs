@@ -234,7 +234,6 @@ fn backward_run<T: Scalar, E: Engine<T>>(
     let out = b
         .outputs
         .map(|(o, final_states)| outputs::<T, E>(&p, opt, &o, &final_states));
-    let pieces: Vec<_> = b.grads.iter().map(|(seg, h, g)| (*seg, *h, g)).collect();
     // A sequence without tokens passes its final-state gradient straight to h0.
     let mut dh0 = local
         .dht
@@ -243,7 +242,7 @@ fn backward_run<T: Scalar, E: Engine<T>>(
     for (seq, h, g) in &b.dh0 {
         dh0.slice_mut(s![*seq, *h, .., ..]).assign(g);
     }
-    Ok((out, E::Op::grads(x, opt, &p, &pieces, dh0), b.diags))
+    Ok((out, E::Op::grads(x, opt, &p, b.grads, dh0), b.diags))
 }
 
 /// Deliberate faults from FLA's history (SPEC §9, 4–6), to see what they do.

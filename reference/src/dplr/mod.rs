@@ -316,7 +316,7 @@ impl<T: Scalar> Operator<T> for Dplr {
         x: &DplrInputs<T>,
         opt: &DplrOptions,
         p: &Prepared<'_, T>,
-        pieces: &[(Segment, usize, &DplrHeadGrads<T>)],
+        pieces: Vec<(Segment, usize, DplrHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> DplrGrads<T> {
         PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(x, opt, p)
@@ -379,10 +379,11 @@ pub struct PreparedGrads<T> {
 
 impl<T: Scalar> PreparedGrads<T> {
     /// The per-token gradients of `(segment, head, gradients)` pieces, one
-    /// tensor per parallel task, and `dh0 [N, H, K, V]`.
+    /// tensor per parallel task, and `dh0 [N, H, K, V]`. The pieces are
+    /// freed on return.
     pub fn from_pieces(
         d: &DplrDims,
-        pieces: &[(Segment, usize, &DplrHeadGrads<T>)],
+        pieces: Vec<(Segment, usize, DplrHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> Self {
         let grads: [(PickGrad<T>, usize); 6] = [

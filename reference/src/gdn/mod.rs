@@ -465,7 +465,7 @@ impl<T: Scalar> Operator<T> for Gdn {
         x: &GdnInputs<T>,
         opt: &GdnOptions,
         p: &Prepared<'_, T>,
-        pieces: &[(Segment, usize, &KdaHeadGrads<T>)],
+        pieces: Vec<(Segment, usize, KdaHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> GdnGrads<T> {
         let (kx, kopt) = &p.kda;

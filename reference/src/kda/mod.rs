@@ -539,7 +539,7 @@ impl<T: Scalar> Operator<T> for Kda {
         x: &KdaInputs<T>,
         opt: &KdaOptions,
         p: &Prepared<'_, T>,
-        pieces: &[(Segment, usize, &KdaHeadGrads<T>)],
+        pieces: Vec<(Segment, usize, KdaHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> KdaGrads<T> {
         PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(x, opt, p)
@@ -638,10 +638,11 @@ pub struct PreparedGrads<T> {
 
 impl<T: Scalar> PreparedGrads<T> {
     /// The per-token gradients of `(segment, value head, gradients)` pieces,
-    /// one tensor per parallel task, and `dh0 [N, HV, K, V]`.
+    /// one tensor per parallel task, and `dh0 [N, HV, K, V]`. The pieces are
+    /// freed on return.
     pub fn from_pieces(
         d: &KdaDims,
-        pieces: &[(Segment, usize, &KdaHeadGrads<T>)],
+        pieces: Vec<(Segment, usize, KdaHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> Self {
         let tokens = |grad: fn(&KdaHeadGrads<T>) -> &Array2<T>, width: usize| {
@@ -653,7 +654,7 @@ impl<T: Scalar> PreparedGrads<T> {
             || rayon::join(|| tokens(|g| &g.dv, d.v), || tokens(|g| &g.dg, d.k)),
         );
         let mut dbeta = Array3::zeros((d.b, d.t, d.hv));
-        for (seg, h, g) in pieces {
+        for (seg, h, g) in &pieces {
             dbeta
                 .slice_mut(s![seg.batch, seg.start..seg.end, *h])
                 .assign(&g.dbeta);

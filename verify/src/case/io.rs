@@ -168,9 +168,14 @@ impl Case {
     /// size, seed and dtype may differ).
     pub fn read_candidate_for(path: &Path, case: &Case) -> Result<Case, CaseError> {
         let bytes = super::files::read_bounded(path, READ_WIDEN)?;
-        let what = path.display().to_string();
-        let cand = Case::candidate_from_bytes(&bytes, &what, case.meta.op)?;
-        let stated: Vec<String> = SafeTensors::read_metadata(&bytes)
+        Case::candidate_for_bytes(&bytes, &path.display().to_string(), case)
+    }
+
+    /// [`Case::read_candidate_for`] of a candidate's bytes (`what` names
+    /// them in errors).
+    pub fn candidate_for_bytes(bytes: &[u8], what: &str, case: &Case) -> Result<Case, CaseError> {
+        let cand = Case::candidate_from_bytes(bytes, what, case.meta.op)?;
+        let stated: Vec<String> = SafeTensors::read_metadata(bytes)
             .ok()
             .and_then(|(_, m)| m.metadata().as_ref()?.get("case").cloned())
             .and_then(|text| serde_json::from_str::<Map<String, Value>>(&text).ok())
@@ -179,7 +184,7 @@ impl Case {
         let differ = case.math_options_differing(&cand.meta, &stated);
         if !differ.is_empty() {
             return Err(CaseError::Metadata {
-                path: what,
+                path: what.to_string(),
                 why: format!(
                     "the candidate's `case` states other options than the case: {}",
                     differ.join(", ")

@@ -1,11 +1,13 @@
 //! `deltaref verify`: compare a candidate (or an implementation) with a
 //! case's expected tensors (or the oracle's recomputation).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use ndarray::ArrayD;
 
 use deltaref_verify::case::{Case, CaseError, Op};
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
@@ -60,9 +62,21 @@ fn intermediate_rows(
 
 fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     super::check_ratio("--max-ratio", a.max_ratio)?;
-    if a.candidate.is_none() {
-        if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)? {
-            return streamed(a, &file);
+    if a.candidate.is_some() && a.imp.given() {
+        return Err(CaseError::Usage(
+            "--impl and its flags choose what to run; with --candidate nothing runs \
+             but the f64 oracle (when the case stores no truth): drop them"
+                .into(),
+        ));
+    }
+    if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)? {
+        match &a.candidate {
+            None => return streamed(a, &file, None),
+            Some(c) => {
+                if let Some(cand) = file.candidate(c)? {
+                    return streamed(a, &file, Some(&cand));
+                }
+            }
         }
     }
     let case = Case::read(&a.case)?;
@@ -79,13 +93,6 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     let mut inter = vec![];
     let (mut expected, reference, got, candidate) = match &a.candidate {
         Some(cpath) => {
-            if a.imp.given() {
-                return Err(CaseError::Usage(
-                    "--impl and its flags choose what to run; with --candidate nothing runs \
-                     but the f64 oracle (when the case stores no truth): drop them"
-                        .into(),
-                ));
-            }
             let cand = Case::read_candidate_for(cpath, &case)?;
             inter = intermediate_rows(&case, &cand, a.max_ratio)?;
             let (expected, reference) = truth(&case)?;
@@ -107,13 +114,16 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             (expected, reference, got, format!("impl:{}", imp.name()))
         }
     };
+    let mut names: BTreeSet<String> = expected.keys().cloned().collect();
+    let got_names = got.keys().cloned().collect();
     let unchecked = select(
         a,
         case.meta.op,
         case.expected_results(),
-        &mut expected,
-        &got,
+        &mut names,
+        &got_names,
     );
+    expected.retain(|n, _| names.contains(n));
     let report = VerifyReport::new(
         &a.case.display().to_string(),
         &reference,
@@ -125,28 +135,29 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     Ok(finish(a, report.with_intermediates(inter), unchecked))
 }
 
-/// Applies `--forward-only` and `--allow-partial` to `expected` (against
-/// `got`) and returns the names left unchecked.
+/// Applies `--forward-only` and `--allow-partial` to the names of the
+/// expected tensors (against the names `got` of the candidate's) and
+/// returns the names left unchecked.
 fn select(
     a: &Args,
     op: Op,
     results: Vec<&'static str>,
-    expected: &mut Tensors,
-    got: &Tensors,
+    expected: &mut BTreeSet<String>,
+    got: &BTreeSet<String>,
 ) -> Vec<String> {
     let keep = op.forward_results();
     if a.forward_only {
-        expected.retain(|n, _| keep.contains(&n.as_str()));
+        expected.retain(|n| keep.contains(&n.as_str()));
     }
     let mut unchecked: Vec<String> = results
         .into_iter()
-        .filter(|n| !expected.contains_key(*n) && (!a.forward_only || keep.contains(n)))
+        .filter(|n| !expected.contains(*n) && (!a.forward_only || keep.contains(n)))
         .map(String::from)
         .collect();
     if a.allow_partial {
         let missing: Vec<String> = expected
-            .keys()
-            .filter(|n| !got.contains_key(*n))
+            .iter()
+            .filter(|n| !got.contains(*n))
             .cloned()
             .collect();
         for n in missing {
@@ -166,9 +177,34 @@ fn finish(a: &Args, report: VerifyReport, unchecked: Vec<String>) -> VerifyRepor
     }
 }
 
-/// `verify --impl` of a large case, one head block at a time (see
-/// [`HeadFile`]): the same report as a whole-case run, in bounded memory.
-fn streamed(a: &Args, file: &HeadFile) -> Result<VerifyReport, CaseError> {
+/// What a head block's truth is compared with: the results an
+/// implementation computed, or a candidate file's, read tensor by tensor.
+enum Got<'f> {
+    Computed(Tensors),
+    File(&'f HeadFile),
+}
+
+impl Got<'_> {
+    fn names(&self) -> BTreeSet<String> {
+        match self {
+            Got::Computed(t) => t.keys().cloned().collect(),
+            Got::File(f) => f.result_names().into_iter().collect(),
+        }
+    }
+
+    /// Tensor `name` of head block `heads` (moved out of the computed ones).
+    fn take(&mut self, heads: &Range<usize>, name: &str) -> Result<Option<ArrayD<f64>>, CaseError> {
+        match self {
+            Got::Computed(t) => Ok(t.remove(name)),
+            Got::File(f) => f.read_candidate(heads, name),
+        }
+    }
+}
+
+/// `verify --impl` or `verify --candidate` of a large case, one head block
+/// at a time (see [`HeadFile`]): the same report as a whole-case run, in
+/// bounded memory. `cand`: the candidate file, opened in the case's blocks.
+fn streamed(a: &Args, file: &HeadFile, cand: Option<&HeadFile>) -> Result<VerifyReport, CaseError> {
     let blocks = file.blocks();
     let bar = Progress::bar(blocks.len() as u64, "head blocks");
     let mut rows = BlockRows::default();
@@ -177,8 +213,6 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<VerifyReport, CaseError> {
         let of = format!("heads {}..{} of {}", heads.start, heads.end, file.heads());
         bar.step(&format!("{of}: reading"));
         let case = file.read_inputs(heads)?;
-        let (imp, compute) = a.imp.resolve(&case)?;
-        imp.check_memory(&case)?;
         let (op, results) = (case.meta.op, case.expected_results());
         let shapes: BTreeMap<String, Vec<usize>> = op
             .results()
@@ -191,18 +225,43 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<VerifyReport, CaseError> {
             bar.step(&format!("{of}: computing the f64 oracle"));
             Some(oracle_truth(&case, &a.case)?)
         };
-        bar.step(&format!("{of}: computing impl:{}", imp.name()));
-        let got = imp
-            .compute_owned(case, compute)
-            .map_err(CaseError::computing(&a.case))?;
-        // The stored truth is read only now, so it never shares memory with the computation's buffers.
-        let (mut expected, reference) = match oracle {
-            Some(t) => (t, "impl:naive (f64 oracle)"),
-            None => (file.read_results(heads, &shapes)?, "case file"),
+        let (mut got, candidate) = match cand {
+            None => {
+                let (imp, compute) = a.imp.resolve(&case)?;
+                imp.check_memory(&case)?;
+                bar.step(&format!("{of}: computing impl:{}", imp.name()));
+                let got = imp
+                    .compute_owned(case, compute)
+                    .map_err(CaseError::computing(&a.case))?;
+                (Got::Computed(got), format!("impl:{}", imp.name()))
+            }
+            Some(c) => {
+                c.check_candidate_meta(heads, &case)?;
+                (Got::File(c), c.path().display().to_string())
+            }
         };
-        let unchecked = select(a, op, results, &mut expected, &got);
-        rows.add(file, heads, &expected, &got)?;
-        names.get_or_insert((reference, format!("impl:{}", imp.name()), unchecked));
+        let (mut oracle, reference) = match oracle {
+            Some(t) => (Some(t), "impl:naive (f64 oracle)"),
+            None => (None, "case file"),
+        };
+        let mut expected: BTreeSet<String> = match &oracle {
+            Some(t) => t.keys().cloned().collect(),
+            None => file.result_names().into_iter().collect(),
+        };
+        let unchecked = select(a, op, results, &mut expected, &got.names());
+        // The stored truth (and a candidate) is read only now, one tensor at
+        // a time, and each computed tensor is freed once compared: the
+        // comparison holds one tensor pair beside the rest of the results,
+        // never two full sets.
+        bar.step(&format!("{of}: comparing"));
+        for name in &expected {
+            let truth = match &mut oracle {
+                Some(t) => t.remove(name).expect("selected from its names"),
+                None => file.read_result(heads, name, &shapes)?,
+            };
+            rows.add(file, heads, name, &truth, got.take(heads, name)?.as_ref())?;
+        }
+        names.get_or_insert((reference, candidate, unchecked));
         bar.inc();
     }
     drop(bar);
@@ -232,5 +291,137 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
         Err(e) => fail(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use deltaref::gates::Gate;
+    use deltaref_verify::case::Dtype;
+    use deltaref_verify::generate::{generate, GenSpec};
+    use deltaref_verify::impls::{Compute, Impl};
+    use std::path::Path;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    fn args(case: &Path, rest: &[&str]) -> Args {
+        let case = case.to_str().unwrap();
+        let head = ["verify", "--case", case];
+        Cli::try_parse_from(head.iter().chain(rest)).unwrap().a
+    }
+
+    /// Rows, pass and unchecked names equal; norm_ratio to rounding (the
+    /// sums of squares add up block by block).
+    fn assert_same(streamed: &VerifyReport, whole: &VerifyReport) {
+        assert_eq!(streamed.rows.len(), whole.rows.len());
+        for (r, w) in streamed.rows.iter().zip(&whole.rows) {
+            assert_eq!(
+                (&r.tensor, &r.shape, &r.argmax, r.max_abs, r.pass, &r.problem),
+                (&w.tensor, &w.shape, &w.argmax, w.max_abs, w.pass, &w.problem)
+            );
+            match (r.norm_ratio, w.norm_ratio) {
+                (Some(a), Some(b)) => {
+                    assert!((a - b).abs() <= 1e-12 * b.abs(), "{}: {a} vs {b}", r.tensor)
+                }
+                (a, b) => assert_eq!(a, b, "{}", r.tensor),
+            }
+        }
+        assert_eq!(
+            (&streamed.reference, &streamed.candidate, streamed.pass),
+            (&whole.reference, &whole.candidate, whole.pass)
+        );
+        assert_eq!(
+            (&streamed.unchecked, streamed.forward_only),
+            (&whole.unchecked, whole.forward_only)
+        );
+    }
+
+    /// `verify --candidate` and `verify --impl` head block by head block
+    /// give the whole-case report: a bf16 KDA case with GVA (H = 3,
+    /// HV = 6), gates, an initial state and three sequences, with and
+    /// without stored truth, against a candidate with one tensor off, one
+    /// in f32 and one missing, under `--forward-only` and `--allow-partial`.
+    #[test]
+    fn head_blocks_give_the_whole_cases_report() {
+        let dir = tempfile::tempdir().unwrap();
+        for expected in [true, false] {
+            let mut spec = GenSpec::new(Op::Kda);
+            spec.lengths = Some(vec![5, 40, 19]);
+            spec.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+            spec.gate = Gate::Kda;
+            spec.initial_state = true;
+            spec.expected = expected;
+            spec.dtype = Dtype::Bf16;
+            let case = generate(&spec).unwrap();
+            let path = dir.path().join("case.safetensors");
+            case.write(&path).unwrap();
+
+            let got = Impl::chunk(16)
+                .unwrap()
+                .compute(&case, Compute::F64)
+                .unwrap();
+            let mut cand = Case::new(case.meta.clone());
+            for (name, t) in got.into_iter().filter(|(n, _)| n != "dh0") {
+                match name.as_str() {
+                    "dv" => cand.insert(&name, t.mapv(|v| v * 1.01), Dtype::F64),
+                    "o" => cand.insert(&name, t, Dtype::F32),
+                    _ => cand.insert(&name, t, Dtype::F64),
+                }
+            }
+            let cpath = dir.path().join("cand.safetensors");
+            cand.write(&cpath).unwrap();
+            let c = cpath.to_str().unwrap();
+
+            for flags in [
+                vec!["--candidate", c],
+                vec!["--candidate", c, "--forward-only"],
+                vec!["--candidate", c, "--allow-partial"],
+                vec!["--impl", "chunk", "--chunk-size", "16"],
+                vec!["--impl", "cp", "--world", "4", "--allow-partial"],
+            ] {
+                let a = args(&path, &flags);
+                let whole = go(&a).unwrap();
+                let file = HeadFile::open(&path, 0).unwrap().unwrap();
+                let file = file.with_heads_per_block(2);
+                let cand = file.candidate(&cpath).unwrap().unwrap();
+                let cand = a.candidate.as_ref().map(|_| &cand);
+                let streamed = streamed(&a, &file, cand).unwrap();
+                assert_same(&streamed, &whole);
+            }
+        }
+    }
+
+    /// A candidate stating other math options than the case is refused in
+    /// head blocks as whole.
+    #[test]
+    fn a_candidate_with_other_options_is_refused_in_head_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.shape = Some(vec![1, 16, 2, 2, 8, 4]);
+        spec.gate = Gate::Kda;
+        spec.expected = true;
+        let case = generate(&spec).unwrap();
+        let path = dir.path().join("case.safetensors");
+        case.write(&path).unwrap();
+        spec.gate = Gate::None;
+        let other = generate(&spec).unwrap();
+        let cpath = dir.path().join("cand.safetensors");
+        other.write(&cpath).unwrap();
+        let a = args(&path, &["--candidate", cpath.to_str().unwrap()]);
+        let whole = go(&a).unwrap_err().to_string();
+        let file = HeadFile::open(&path, 0).unwrap().unwrap();
+        let cand = file.candidate(&cpath).unwrap().unwrap();
+        let e = streamed(&a, &file, Some(&cand)).unwrap_err().to_string();
+        assert!(
+            whole.contains("gate") && e.contains("gate"),
+            "{whole} / {e}"
+        );
+        assert!(e.contains("heads 0..2"), "{e}");
     }
 }
