@@ -111,12 +111,15 @@ def main():
     ap.add_argument("--ran-case")
     a = ap.parse_args()
 
-    dist.init_process_group("nccl")
+    # Bind this process to its GPU before NCCL sees any device: otherwise
+    # every rank's communicator lands on device 0 ("Duplicate GPU detected").
+    gpu = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    torch.cuda.set_device(gpu)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", gpu))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     from fla.ops.cp import build_cp_context
 
-    t = st.load_file(a.case, device="cuda")
+    t = st.load_file(a.case, device=f"cuda:{gpu}")  # plain "cuda" is device 0 here
     with safetensors.safe_open(a.case, "pt") as f:
         meta_text = f.metadata()["case"]
     meta = json.loads(meta_text)
