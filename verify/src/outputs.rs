@@ -47,6 +47,18 @@ where
     Ok(map::<T, E::Op>(&out, Some(&gr)))
 }
 
+/// The inputs and `do` narrowed to `T`, each f64 original freed as soon as
+/// it is narrowed: taken by value so that a long case is held once (in
+/// `T`), not twice.
+fn narrow_owned<T: Scalar, O: Operator<f64> + Operator<T>>(
+    x: <O as Operator<f64>>::Inputs,
+    d_o: ArrayD<f64>,
+) -> (<O as Operator<T>>::Inputs, ArrayD<T>) {
+    let xt = <O as Operator<T>>::narrow(&x);
+    drop(x);
+    (xt, cast(&d_o))
+}
+
 /// [`all`] consuming the inputs and `do`, as [`all_cp`] does: a long case
 /// is held once (in `T`), and freed before the results are widened into
 /// the map. The same values.
@@ -60,10 +72,7 @@ pub fn all_owned<T: Scalar, E: Engine<T>>(
 where
     E::Op: Operator<f64>,
 {
-    let xt = <E::Op as Operator<T>>::narrow(&x);
-    drop(x);
-    let d_o_t = cast(&d_o);
-    drop(d_o);
+    let (xt, d_o_t) = narrow_owned::<T, E::Op>(x, d_o);
     let opts = E::Op::all_outputs(opts);
     let (out, gr) =
         op::forward_backward(engine, &xt, &opts, &d_o_t, dht.map(cast::<f64, T>).as_ref())?;
@@ -85,12 +94,7 @@ pub fn all_cp<T: Scalar, E: Engine<T>>(
 where
     E::Op: Operator<f64>,
 {
-    // Taken by value so that a long case is held once (in `T`), not twice,
-    // and freed before the results are widened into the map.
-    let xt = <E::Op as Operator<T>>::narrow(&x);
-    drop(x);
-    let d_o_t = cast(&d_o);
-    drop(d_o);
+    let (xt, d_o_t) = narrow_owned::<T, E::Op>(x, d_o);
     let opts = E::Op::all_outputs(opts);
     let (out, gr, diags) = cp::forward_backward(
         engine,
