@@ -30,6 +30,20 @@ pub fn flat_mut<T: Clone>(a: &mut Array2<T>) -> &mut [T] {
     a.as_slice_mut().expect("standard layout")
 }
 
+/// `x ⊙ f` for each pair `(x, f)` of same-shape arrays.
+pub fn products<T: Scalar, const N: usize>(
+    pairs: [(ArrayView2<T>, ArrayView2<T>); N],
+) -> [Array2<T>; N] {
+    pairs.map(|(x, f)| {
+        let mut o = Array2::zeros(x.raw_dim());
+        let (x, f) = (flat(x), flat(f));
+        for ((o, &x), &f) in flat_mut(&mut o).iter_mut().zip(x.iter()).zip(f.iter()) {
+            *o = x * f;
+        }
+        o
+    })
+}
+
 /// `s ← ((s ⊙ e) + x₁) + x₂ …` for `s`, `xᵢ` `[K, V]` and `e [K]` (one decay
 /// per row): a state carried over one chunk.
 pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T>]) {

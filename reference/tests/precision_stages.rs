@@ -139,23 +139,20 @@ fn k_beta_and_fwd_dots_each_move_the_forward_alone() {
     }
 }
 
-fn minus(a: &ArrayD<f64>, b: &ArrayD<f64>) -> ArrayD<f64> {
-    a - b
-}
-
 #[test]
 fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
     use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
-    let o = |k: usize, p: Policy| {
-        let spec = inputs::DplrSpec {
+    let case = |k| {
+        inputs::dplr(&inputs::DplrSpec {
             layout: Layout::varlen(&[40, 24]),
             h: 1,
             k,
             v: 16,
             initial_state: false,
             seed: 3,
-        };
-        let g = inputs::dplr(&spec);
+        })
+    };
+    let o = |g: &inputs::Generated<deltaref::dplr::DplrInputs<f64>>, p: Policy| {
         let e = DplrChunk::new(16).unwrap().with_policy(p);
         op::forward(&e, &g.inputs, &DplrOptions::default())
             .unwrap()
@@ -163,31 +160,17 @@ fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
     };
     let act = Policy::exact().with(Stage::Activations, Dtype::Bf16);
     // K = 32: scale 2^-2.5, q·scale needs more than bf16's 8 bits.
-    let r = norm_ratio(&o(32, Policy::exact()), &o(32, act.clone()));
+    let g = case(32);
+    let r = norm_ratio(&o(&g, Policy::exact()), &o(&g, act.clone()));
     assert!(r > 1e-4 && r < 1e-2, "K=32: moved o by {r:e}");
     // K = 16: scale 1/4, q·scale of a bf16 q is a bf16 number.
-    let rounded_q = |k| {
-        let spec = inputs::DplrSpec {
-            layout: Layout::varlen(&[40, 24]),
-            h: 1,
-            k,
-            v: 16,
-            initial_state: false,
-            seed: 3,
-        };
-        let mut g = inputs::dplr(&spec);
-        g.inputs
-            .q
-            .mapv_inplace(|x| half::bf16::from_f64(x).to_f64());
-        let e = |p| DplrChunk::new(16).unwrap().with_policy(p);
-        let opt = DplrOptions::default();
-        (
-            op::forward(&e(Policy::exact()), &g.inputs, &opt).unwrap().o,
-            op::forward(&e(act.clone()), &g.inputs, &opt).unwrap().o,
-        )
-    };
-    let (exact, with_act) = rounded_q(16);
-    assert_eq!(exact, with_act, "a power-of-two scale rounds nothing");
+    let mut g = case(16);
+    g.inputs.q.mapv_inplace(|x| Dtype::Bf16.round(x));
+    assert_eq!(
+        o(&g, Policy::exact()),
+        o(&g, act),
+        "a power-of-two scale rounds nothing"
+    );
     assert!(Chunk::FEATURES.contains(&Feature::Round(Stage::Activations)));
     assert!(DplrChunk::FEATURES.contains(&Feature::Round(Stage::Activations)));
 }
@@ -250,7 +233,7 @@ fn dplr_stored_kg_reaches_dgk_only_through_the_chunk_end_term() {
     };
     let exact = run(Policy::exact());
     let gated = run(Policy::exact().with(Stage::Gated, Dtype::Bf16));
-    let err = minus(&gated.dgk, &exact.dgk);
+    let err = &gated.dgk - &exact.dgk;
     // Split the error into each chunk's mean and what varies along it (the
     // rounded `bg` also reaches `dv_new`, hence the A blocks, a little).
     let (mut mean_sq, mut spread_sq) = (0.0, 0.0);

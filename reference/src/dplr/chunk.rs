@@ -197,24 +197,6 @@ fn exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
     out
 }
 
-/// `x ⊙ f` for the four pairs `(x, f)` of `[c, K]` arrays, in one pass.
-fn products4<T: Scalar>(pairs: [(ArrayView2<T>, ArrayView2<T>); 4]) -> [Array2<T>; 4] {
-    let dim = pairs[0].0.raw_dim();
-    let mut out = std::array::from_fn(|_| Array2::zeros(dim));
-    let [o0, o1, o2, o3] = &mut out;
-    let outs = [o0, o1, o2, o3].map(fused::flat_mut);
-    for (o, (x, f)) in outs.into_iter().zip(pairs) {
-        for ((o, &x), &f) in o
-            .iter_mut()
-            .zip(fused::flat(x).iter())
-            .zip(fused::flat(f).iter())
-        {
-            *o = x * f;
-        }
-    }
-    out
-}
-
 /// Rows of `x` for one chunk.
 fn rows<T: Scalar>(x: &Array2<T>, start: usize, c: usize) -> ArrayView2<'_, T> {
     x.slice(s![start..start + c, ..])
@@ -302,7 +284,7 @@ impl Chunk {
         let (aqk, aqb, aab, aak) = match &factors {
             Some(f) => {
                 // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
-                let [qa, ax, kb, bb] = products4([
+                let [qa, ax, kb, bb] = fused::products([
                     (q, f.ep.view()),
                     (a, f.exp_.view()),
                     (k, f.em.view()),
@@ -650,7 +632,7 @@ impl Chunk {
         let (g, gx) = (&ch.g_cumsum, &ch.gx_cumsum);
         if let Some(f) = &ch.factors {
             // Γ_m cancels in every product, so it is held constant.
-            let [qa, ax, kb, bb] = products4([
+            let [qa, ax, kb, bb] = fused::products([
                 (q.view(), f.ep.view()),
                 (a.view(), f.exp_.view()),
                 (k.view(), f.em.view()),

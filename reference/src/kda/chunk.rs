@@ -9,7 +9,7 @@
 //! never overflow. A [`Policy`] rounds each stored stage for precision
 //! emulation; the default policy is exact.
 
-use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Axis};
+use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Axis, CowArray, Ix2};
 
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
@@ -344,19 +344,8 @@ impl Chunk {
             Some((ep, em)) => {
                 // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix
                 // products, of which only the lower triangles are used.
-                let mut gated = std::array::from_fn(|_| Array2::zeros((c, k.ncols())));
-                let [qe, ke, km] = &mut gated;
-                let [qe, ke, km] = [qe, ke, km].map(fused::flat_mut);
-                let n = q.len();
-                let flats = [q, k, ep.view(), em.view()].map(fused::flat);
-                let [q, k, ep, em] = flats.each_ref().map(|x| &x[..n]);
-                let [qe, ke, km] = [qe, ke, km].map(|x| &mut x[..n]);
-                for i in 0..n {
-                    qe[i] = q[i] * ep[i];
-                    ke[i] = k[i] * ep[i];
-                    km[i] = k[i] * em[i];
-                }
-                let [qe, ke, km] = &gated;
+                let [qe, ke, km] =
+                    fused::products([(q, ep.view()), (k, ep.view()), (k, em.view())]);
                 (
                     tri::dot_t_lower(qe.view(), km.view(), false),
                     tri::dot_t_lower(ke.view(), km.view(), false),
@@ -715,18 +704,23 @@ impl Chunk {
     }
 
     /// `k` with the rounding of `k_r·β_r` folded in (`round(k·β)/β`; `k`
-    /// without a [`Stage::KBetaBwd`] storage): the column side of FLA's
+    /// itself, not copied, without a [`Stage::KBetaBwd`] storage): the column side of FLA's
     /// `chunk_kda_bwd_kernel_intra` multiplies `dAkk` by `b_k * b_b`, the
     /// product of two bf16 tensors, so `∂/∂k_s` reads every later row's
     /// `k·β` rounded (between sub-chunks, and inside one with safe_gate).
-    fn k_beta_col<T: Scalar>(&self, k: ArrayView2<T>, beta: ArrayView1<T>) -> Array2<T> {
+    fn k_beta_col<'a, T: Scalar>(
+        &self,
+        k: ArrayView2<'a, T>,
+        beta: ArrayView1<T>,
+    ) -> CowArray<'a, T, Ix2> {
         let Some(st) = self.policy.storage(Stage::KBetaBwd) else {
-            return k.to_owned();
+            return k.into();
         };
         Array2::from_shape_fn(k.raw_dim(), |(r, d)| match beta[r] {
             b if b == T::zero() => k[[r, d]],
             b => st.round(k[[r, d]] * b) / b,
         })
+        .into()
     }
 
     /// Through `Aqk[r,s] = Σ q_r k_s E_rs` and `p[r,s] = Σ k_r k_s E_rs` with
@@ -751,24 +745,7 @@ impl Chunk {
         if let Some((ep, em)) = &ch.factors {
             // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
             // Γ_m cancels in every product, so it is held constant.
-            let n = q.len();
-            let (mut a, mut b, mut cc) = (
-                Array2::zeros(q.raw_dim()),
-                Array2::zeros(q.raw_dim()),
-                Array2::zeros(q.raw_dim()),
-            );
-            let flats = [q, k, ep.view(), em.view()].map(fused::flat);
-            let [q_, k_, ep_, em_] = flats.each_ref().map(|x| &x[..n]);
-            let (a_, b_, cc_) = (
-                &mut fused::flat_mut(&mut a)[..n],
-                &mut fused::flat_mut(&mut b)[..n],
-                &mut fused::flat_mut(&mut cc)[..n],
-            );
-            for i in 0..n {
-                a_[i] = q_[i] * ep_[i];
-                b_[i] = k_[i] * em_[i];
-                cc_[i] = k_[i] * ep_[i];
-            }
+            let [a, b, cc] = fused::products([(q, ep.view()), (k, em.view()), (k, ep.view())]);
             let (da, dc) = (
                 tri::lower_dot(daqk.view(), b.view()),
                 tri::lower_dot(dp.view(), b.view()),
@@ -784,9 +761,12 @@ impl Chunk {
                 a.view(),
                 b.view(),
                 cc.view(),
+                ep.view(),
+                em.view(),
             ]
             .map(fused::flat);
-            let [da_, dc_, db_, a_, b_, cc_] = flats.each_ref().map(|x| &x[..n]);
+            let n = a.len();
+            let [da_, dc_, db_, a_, b_, cc_, ep_, em_] = flats.each_ref().map(|x| &x[..n]);
             let (dq_, dk_, dg_) = (
                 &mut fused::flat_mut(dq)[..n],
                 &mut fused::flat_mut(dk)[..n],
