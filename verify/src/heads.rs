@@ -68,10 +68,13 @@ impl HeadFile {
     /// have a head axis. `None` means "read it whole", which also reports
     /// every framing or shape error in the usual words.
     pub fn open(path: &Path, min_bytes: u64) -> Result<Option<HeadFile>, CaseError> {
-        let Some((file, header, data_start, len)) = read_header(path, min_bytes) else {
-            return Ok(None);
-        };
-        let Some((metadata, tensors)) = entries(&header, data_start, len) else {
+        let Some(Header {
+            file,
+            metadata,
+            tensors,
+            data_bytes,
+        }) = read_header(path, min_bytes)
+        else {
             return Ok(None);
         };
         let op = metadata
@@ -90,7 +93,7 @@ impl HeadFile {
         let Some(heads) = heads.filter(|&h| h >= 2) else {
             return Ok(None);
         };
-        let per_head = (len - data_start) / heads as u64;
+        let per_head = data_bytes / heads as u64;
         let per_block = (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize;
         let file = HeadFile {
             path: path.to_path_buf(),
@@ -110,10 +113,13 @@ impl HeadFile {
     /// or its head axis is not a multiple of H, so that the whole-case path
     /// reports those in its own words.
     pub fn candidate(&self, path: &Path) -> Result<Option<HeadFile>, CaseError> {
-        let Some((file, header, data_start, len)) = read_header(path, 0) else {
-            return Ok(None);
-        };
-        let Some((metadata, tensors)) = entries(&header, data_start, len) else {
+        let Some(Header {
+            file,
+            metadata,
+            tensors,
+            ..
+        }) = read_header(path, 0)
+        else {
             return Ok(None);
         };
         let file = HeadFile {
@@ -140,10 +146,18 @@ impl HeadFile {
     }
 }
 
-/// `(file, header bytes, data start, file length)` of a safetensors file of
-/// at least `min_bytes`; `None` for anything unreadable (the whole-file path
-/// reports it).
-fn read_header(path: &Path, min_bytes: u64) -> Option<(File, Vec<u8>, u64, u64)> {
+/// A safetensors file opened and its header parsed.
+struct Header {
+    file: File,
+    metadata: HashMap<String, String>,
+    tensors: Vec<Entry>,
+    /// Bytes after the header.
+    data_bytes: u64,
+}
+
+/// The parsed header of a safetensors file of at least `min_bytes`; `None`
+/// for anything unreadable or malformed (the whole-file path reports it).
+fn read_header(path: &Path, min_bytes: u64) -> Option<Header> {
     let file = File::open(path).ok()?;
     let len = file.metadata().ok()?.len();
     if len < min_bytes.max(8) {
@@ -157,7 +171,13 @@ fn read_header(path: &Path, min_bytes: u64) -> Option<(File, Vec<u8>, u64, u64)>
     }
     let mut header = vec![0u8; n as usize];
     file.read_exact_at(&mut header, 8).ok()?;
-    Some((file, header, 8 + n, len))
+    let (metadata, tensors) = entries(&header, 8 + n, len)?;
+    Some(Header {
+        file,
+        metadata,
+        tensors,
+        data_bytes: len - 8 - n,
+    })
 }
 
 /// The metadata and the tensors (with absolute offsets, each inside the
