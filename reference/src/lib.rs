@@ -15,6 +15,7 @@ pub mod error;
 pub mod fused;
 pub mod gates;
 pub mod gdn;
+pub mod gemm;
 pub mod inputs;
 pub mod kda;
 pub mod op;

@@ -9,9 +9,9 @@
 //! the start or the end of the sum); with finite values `x + 0·y` is `x`
 //! and `0 + x` is `x`, so the results have the full product's bits.
 
-use ndarray::linalg::general_mat_mul;
-use ndarray::{concatenate, s, Array2, ArrayView2, Axis};
+use ndarray::{s, Array2, ArrayView2};
 
+use crate::gemm;
 use crate::scalar::Scalar;
 
 /// Rows per block. 16 is FLA's sub-chunk and keeps the blocks large enough
@@ -45,12 +45,10 @@ fn blocks(c: usize) -> impl Iterator<Item = (usize, usize)> {
 pub fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
     let mut out = Array2::zeros((a.nrows(), b.ncols()));
     for (r0, r1) in blocks(a.nrows()) {
-        general_mat_mul(
-            T::one(),
-            &a.slice(s![r0..r1, ..r1]),
-            &b.slice(s![..r1, ..]),
-            T::zero(),
-            &mut out.slice_mut(s![r0..r1, ..]),
+        gemm::dot_to(
+            a.slice(s![r0..r1, ..r1]),
+            b.slice(s![..r1, ..]),
+            out.slice_mut(s![r0..r1, ..]),
         );
     }
     out
@@ -62,12 +60,10 @@ pub fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
 pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
     let mut out = Array2::zeros((a.ncols(), b.ncols()));
     for (r0, r1) in blocks(a.ncols()) {
-        general_mat_mul(
-            T::one(),
-            &a.slice(s![r0.., r0..r1]).t(),
-            &b.slice(s![r0.., ..]),
-            T::zero(),
-            &mut out.slice_mut(s![r0..r1, ..]),
+        gemm::dot_to(
+            a.slice(s![r0.., r0..r1]).t(),
+            b.slice(s![r0.., ..]),
+            out.slice_mut(s![r0..r1, ..]),
         );
     }
     out
@@ -80,26 +76,30 @@ pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
 pub fn dot_t_lower<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, b_lower: bool) -> Array2<T> {
     let c = a.nrows();
     let mut out = Array2::zeros((c, b.nrows()));
+    let bt = gemm::rows_contiguous(b.t());
     for (r0, r1) in blocks(c) {
         let inner = if b_lower { r1 } else { a.ncols() };
-        general_mat_mul(
-            T::one(),
-            &a.slice(s![r0..r1, ..inner]),
-            &b.slice(s![..r1, ..inner]).t(),
-            T::zero(),
-            &mut out.slice_mut(s![r0..r1, ..r1]),
+        gemm::dot_to(
+            a.slice(s![r0..r1, ..inner]),
+            bt.slice(s![..inner, ..r1]),
+            out.slice_mut(s![r0..r1, ..r1]),
         );
     }
     out
 }
 
-/// `[a₁; a₂; …] b`: the products `aᵢ b` (`aᵢ [mᵢ, n]`, `b [n, p]`) stacked
-/// by rows in one product, so that `b` (a `[K, V]` state, the largest
-/// operand) is packed once for all of them. Each element is the same sum as
-/// in its own product (the kernel's sums run along `n` only), so the rows
-/// have the separate products' bits. Returns `[Σ mᵢ, p]`.
+/// `[a₁; a₂; …] b`: the products `aᵢ b` (`aᵢ [mᵢ, n]`, `b [n, p]`)
+/// stacked by rows, each with its own product's bits. Returns `[Σ mᵢ, p]`.
 pub fn stacked_dot<T: Scalar>(a: &[ArrayView2<T>], b: ArrayView2<T>) -> Array2<T> {
-    concatenate(Axis(0), a).expect("same width").dot(&b)
+    let mut out = Array2::zeros((a.iter().map(|x| x.nrows()).sum(), b.ncols()));
+    let b = gemm::rows_contiguous(b);
+    let mut r0 = 0;
+    for x in a {
+        let r1 = r0 + x.nrows();
+        gemm::dot_to(x.view(), b.view(), out.slice_mut(s![r0..r1, ..]));
+        r0 = r1;
+    }
+    out
 }
 
 #[cfg(test)]
@@ -138,17 +138,23 @@ mod tests {
             let b = draw("b", c, n, false);
             let a = draw("a", c, n, false);
             assert!(
-                same_bits(&lower_dot(l.view(), b.view()), &l.dot(&b)),
+                same_bits(
+                    &lower_dot(l.view(), b.view()),
+                    &gemm::dot(l.view(), b.view())
+                ),
                 "{c} {n}"
             );
-            assert!(same_bits(&lower_t_dot(l.view(), b.view()), &l.t().dot(&b)));
-            let full = lower_part(a.dot(&b.t()));
+            assert!(same_bits(
+                &lower_t_dot(l.view(), b.view()),
+                &gemm::dot(l.t(), b.view())
+            ));
+            let full = lower_part(gemm::dot(a.view(), b.t()));
             assert!(same_bits(
                 &lower_part(dot_t_lower(a.view(), b.view(), false)),
                 &full
             ));
             let x = draw("x", c, c, false);
-            let full = lower_part(x.dot(&l.t()));
+            let full = lower_part(gemm::dot(x.view(), l.t()));
             assert!(same_bits(
                 &lower_part(dot_t_lower(x.view(), l.view(), true)),
                 &full
@@ -164,11 +170,11 @@ mod tests {
             let both = stacked_dot(&[a1.view(), a2.view()], b.t());
             assert!(same_bits(
                 &both.slice(s![..m1, ..]).to_owned(),
-                &a1.dot(&b.t())
+                &gemm::dot(a1.view(), b.t())
             ));
             assert!(same_bits(
                 &both.slice(s![m1.., ..]).to_owned(),
-                &a2.dot(&b.t())
+                &gemm::dot(a2.view(), b.t())
             ));
         }
     }

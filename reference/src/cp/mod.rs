@@ -16,6 +16,7 @@ pub mod plan;
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
 
 use crate::error::Result;
+use crate::gemm;
 use crate::op::{Engine, OpSpec, Operator, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
@@ -479,7 +480,7 @@ fn merge_forward<T: Scalar, E: Engine<T>>(
                             .initial_state(seq, h)
                             .unwrap_or_else(|| Array2::zeros((kd, vd)));
                         for PreProcess { s_ext, m } in &pre[rm.rank - rm.pre_num_ranks..rm.rank] {
-                            let mut ms = m[h].dot(&s);
+                            let mut ms = gemm::dot(m[h].view(), s.view());
                             opt.policy.round(Stage::MChain, &mut ms);
                             s = ms + &s_ext[h];
                         }
@@ -692,7 +693,7 @@ fn run_backward<T: Scalar, E: Engine<T>>(
                         let mut ds = local.dht(seq, h).unwrap_or_else(|| zero.clone());
                         for j in (rm.rank + 1..=rm.rank + rm.post_num_ranks).rev() {
                             let (ds_ext, m) = first_of(j, h).expect("continuing rank");
-                            let mut mds = m.t().dot(&ds);
+                            let mut mds = gemm::dot(m.t(), ds.view());
                             opt.policy.round(Stage::MChain, &mut mds);
                             ds = mds + ds_ext;
                         }

@@ -13,6 +13,7 @@ use super::{
 };
 use crate::error::Result;
 use crate::fused;
+use crate::gemm;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
@@ -140,7 +141,7 @@ impl<T: Scalar> Intra<T> {
 
     /// `M_chunk = Diag(exp Γ_last) + (B ⊙ exp(Γ_last − Γ))ᵀ w`, `[K, K]`.
     pub fn transition(&self, b: ArrayView2<T>) -> Array2<T> {
-        let mut m = (&b * &self.exp_to_last).t().dot(&self.w);
+        let mut m = gemm::dot((&b * &self.exp_to_last).t(), self.w.view());
         for (d, e) in self.decay_last().iter().enumerate() {
             m[[d, d]] += *e;
         }
@@ -384,7 +385,7 @@ impl Chunk {
                 .then(|| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), &ch.exp_g));
             let wh = match &qg {
                 Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
-                None => ch.w.dot(&hn),
+                None => gemm::dot(ch.w.view(), hn.view()),
             };
             let v2n = self.as_stored(Stage::VNew, &ch.u + &wh.slice(s![..c, ..]));
             if read_out {
@@ -396,8 +397,8 @@ impl Chunk {
             }
             let dl = &ch.exp_to_last;
             let terms = [
-                &self.gated(&rows(&x.k, ch.start, c), dl).t().dot(&v),
-                &self.gated(&rows(&x.b, ch.start, c), dl).t().dot(&v2n),
+                &gemm::dot(self.gated(&rows(&x.k, ch.start, c), dl).t(), v.view()),
+                &gemm::dot(self.gated(&rows(&x.b, ch.start, c), dl).t(), v2n.view()),
             ];
             fused::decay_add(&mut state, &ch.decay_last(), &terms);
             v2.slice_mut(r).assign(&v2n);
@@ -504,9 +505,12 @@ impl Chunk {
         let qg = self.gated(&self.q_read(q).view(), &ch.exp_g);
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
-        dv2 += &self.gated(&b, &ch.exp_to_last).dot(&ds_used);
+        dv2 += &gemm::dot(self.gated(&b, &ch.exp_to_last).view(), ds_used.view());
         let dv2 = self.as_stored(Stage::Dv, dv2);
-        let terms = [&qg.t().dot(&dout), &ch.w.t().dot(&dv2)];
+        let terms = [
+            &gemm::dot(qg.t(), dout.view()),
+            &gemm::dot(ch.w.t(), dv2.view()),
+        ];
         fused::decay_add(ds, &ch.decay_last(), &terms);
         dv2
     }
@@ -564,7 +568,7 @@ impl Chunk {
         let (dkg_acc, dbg_acc) = (dkbg_acc.slice(s![..c, ..]), dkbg_acc.slice(s![c.., ..]));
         let dkgl = self.as_stored(Stage::BwdOperands, dkg_acc.to_owned());
         let dbgl = self.as_stored(Stage::BwdOperands, dbg_acc.to_owned());
-        dv += &kgl.dot(&ds);
+        dv += &gemm::dot(kgl.view(), ds.view());
         let dw = self.as_stored(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]).to_owned());
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = tri::lower_dot(ch.aak.view(), v);
@@ -740,7 +744,10 @@ impl<T: Scalar> Engine<T> for Chunk {
     fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
         let mut m = Array2::eye(x.k_dim());
         for ch in self.intras(x) {
-            m = ch.transition(rows(&x.b, ch.start, ch.len())).dot(&m);
+            m = gemm::dot(
+                ch.transition(rows(&x.b, ch.start, ch.len())).view(),
+                m.view(),
+            );
             self.policy.round(Stage::MChain, &mut m);
         }
         m

@@ -14,6 +14,7 @@ use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Axis, C
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
 use crate::fused;
+use crate::gemm;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
@@ -168,7 +169,7 @@ impl<T: Scalar> Intra<T> {
 
     /// `M_chunk = Diag(exp Γ_last) − kgᵀ w`, `[K, K]`.
     pub fn transition(&self) -> Array2<T> {
-        let mut m = -self.kg.t().dot(&self.w);
+        let mut m = -gemm::dot(self.kg.t(), self.w.view());
         for (d, e) in self.decay_last().iter().enumerate() {
             m[[d, d]] += *e;
         }
@@ -455,7 +456,7 @@ impl Chunk {
             let wh = if read_out {
                 tri::stacked_dot(&[ch.w.view(), ch.qg.view()], hn)
             } else {
-                ch.w.dot(&hn)
+                gemm::dot(ch.w.view(), hn.view())
             };
             let mut vn = ndarray::Zip::from(&ch.u)
                 .and(wh.slice(s![..c, ..]))
@@ -465,7 +466,11 @@ impl Chunk {
                 let av = tri::lower_dot(ch.aqk.view(), vn.view());
                 o.slice_mut(rows).assign(&(&wh.slice(s![c.., ..]) + &av));
             }
-            fused::decay_add(&mut state, &ch.decay_last(), &[&ch.kg.t().dot(&vn)]);
+            fused::decay_add(
+                &mut state,
+                &ch.decay_last(),
+                &[&gemm::dot(ch.kg.t(), vn.view())],
+            );
             v_new.slice_mut(rows).assign(&vn);
         }
         ChunkForward {
@@ -561,10 +566,11 @@ impl Chunk {
         let dout = d_o.slice(s![ch.start..ch.start + ch.len(), ..]);
         // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
         // FLA stores `Aqkᵀ do` (chunk_kda_bwd_dAv) before the state pass adds `kg dh`.
-        let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout)) + ch.kg.dot(&ds_used);
+        let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout))
+            + gemm::dot(ch.kg.view(), ds_used.view());
         self.policy.round(Stage::Dv, &mut dvn);
-        let mut local = ch.qg.t().dot(&dout);
-        local -= &ch.w.t().dot(&dvn);
+        let mut local = gemm::dot(ch.qg.t(), dout.view());
+        local -= &gemm::dot(ch.w.t(), dvn.view());
         fused::decay_add(ds, &ch.decay_last(), &[&local]);
         dvn
     }
@@ -598,7 +604,7 @@ impl Chunk {
         let mut daqk = tri::dot_t_lower(dout, vn, false);
         mask_lower(&mut daqk, true);
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
-        let dkg = vn.dot(&ds.t());
+        let dkg = gemm::dot(vn.view(), ds.t());
         let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * &decay_last;
         let dw = self.operand(dqg_dw.slice(s![c.., ..]).mapv(|x| -x));
         let du = &dvn;
@@ -939,7 +945,7 @@ impl<T: Scalar> Engine<T> for Chunk {
     fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
         let mut m = Array2::eye(x.k_dim());
         for ch in self.intras(x) {
-            m = ch.transition().dot(&m);
+            m = gemm::dot(ch.transition().view(), m.view());
             self.policy.round(Stage::MChain, &mut m);
         }
         m
