@@ -159,8 +159,10 @@ impl<T: Scalar> Mats<T> {
         }
     }
 
-    /// The `MR × NR` block of `out` at `(i, j)`.
+    /// The `MR × NR` block of `out` at `(i, j)`. (Indexed loops: LLVM keeps
+    /// the block in vector registers this way, not with iterators.)
     #[inline(always)]
+    #[allow(clippy::needless_range_loop)]
     unsafe fn block<const MR: usize, const NR: usize>(&self, i: usize, j: usize) {
         let mut acc = [[T::zero(); NR]; MR];
         let a = self.a.offset(i as isize * self.a_row);
@@ -170,7 +172,7 @@ impl<T: Scalar> Mats<T> {
             for r in 0..MR {
                 let a_rk = *a.offset(r as isize * self.a_row + k * self.a_col);
                 for c in 0..NR {
-                    acc[r][c] = acc[r][c] + a_rk * b_k[c];
+                    acc[r][c] += a_rk * b_k[c];
                 }
             }
         }
@@ -206,7 +208,7 @@ mod tests {
         Array2::from_shape_fn((a.nrows(), b.ncols()), |(i, j)| {
             let mut s = 0.0;
             for k in 0..a.ncols() {
-                s = s + a[[i, k]] * b[[k, j]];
+                s += a[[i, k]] * b[[k, j]];
             }
             s
         })
