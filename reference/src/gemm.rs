@@ -18,14 +18,23 @@ use crate::simd;
 
 /// `a b` for `a [M, P]` and `b [P, N]` (any strides). Returns `[M, N]`.
 pub fn dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
-    let (m, n) = (a.nrows(), b.ncols());
-    let mut out = Vec::with_capacity(m * n);
-    // SAFETY: `product` writes every element of the `[m, n]` row-major
-    // block at `out`'s start before the length covers it.
-    unsafe {
-        product(a, b, out.as_mut_ptr(), [n as isize, 1]);
-        out.set_len(m * n);
+    stacked(b.ncols(), &[(a, b)])
+}
+
+/// The products `aᵢ bᵢ` (`aᵢ [mᵢ, P]`, `bᵢ [P, N]`) stacked by rows into
+/// one `[Σ mᵢ, N]` array, written once (no zero fill).
+pub fn stacked<'a, T: Scalar>(n: usize, parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)]) -> Array2<T> {
+    let m: usize = parts.iter().map(|(a, _)| a.nrows()).sum();
+    let mut out: Vec<T> = Vec::with_capacity(m * n);
+    let mut r0 = 0;
+    for (a, b) in parts {
+        assert_eq!(b.ncols(), n, "gemm: stacked product width");
+        // SAFETY: rows `r0 .. r0 + mᵢ` of the `[m, n]` row-major block.
+        unsafe { product(a.view(), b.view(), out.as_mut_ptr().add(r0 * n), [n as isize, 1]) };
+        r0 += a.nrows();
     }
+    // SAFETY: the parts wrote rows `0 .. m`, every element of each.
+    unsafe { out.set_len(m * n) };
     Array2::from_shape_vec((m, n), out).expect("[M, N]")
 }
 
@@ -92,24 +101,54 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
         return b.into();
     }
     let (p, n) = b.dim();
-    let mut out = Vec::with_capacity(p * n);
-    let spare = &mut out.spare_capacity_mut()[..p * n];
-    if b.strides()[0] == 1 {
-        // `xᵀ` of a row-major `x`: read `x` row by row.
-        for (j, col) in b.columns().into_iter().enumerate() {
-            for (k, &x) in col.iter().enumerate() {
-                spare[k * n + j].write(x);
+    let mut out: Vec<T> = Vec::with_capacity(p * n);
+    let (src, [s_row, s_col]) = (b.as_ptr(), [b.strides()[0], b.strides()[1]]);
+    let dst = out.as_mut_ptr();
+    let at = |k: usize, j: usize| (k as isize * s_row + j as isize * s_col);
+    let full = |x: usize| x / TILE * TILE;
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            // SAFETY: every (k, j) read is inside `b`'s shape and every
+            // write inside `out`'s capacity (`k < p`, `j < n`).
+            unsafe {
+                if s_row == 1 {
+                    // `xᵀ` of a row-major `x`: transpose whole tiles in
+                    // registers, reading and writing rows of 8.
+                    for k0 in (0..full(p)).step_by(TILE) {
+                        for j0 in (0..full(n)).step_by(TILE) {
+                            let mut t = [[T::zero(); TILE]; TILE];
+                            for jj in 0..TILE {
+                                let row: [T; TILE] =
+                                    std::ptr::read_unaligned(src.offset(at(k0, j0 + jj)).cast());
+                                for kk in 0..TILE {
+                                    t[kk][jj] = row[kk];
+                                }
+                            }
+                            for (kk, t_k) in t.iter().enumerate() {
+                                std::ptr::write_unaligned(dst.add((k0 + kk) * n + j0).cast(), *t_k);
+                            }
+                        }
+                    }
+                }
+                // The rest (all of it for other layouts), element by element.
+                let tiled = if s_row == 1 { (full(p), full(n)) } else { (0, 0) };
+                for k in 0..p {
+                    let j_from = if k < tiled.0 { tiled.1 } else { 0 };
+                    for j in j_from..n {
+                        dst.add(k * n + j).write(*src.offset(at(k, j)));
+                    }
+                }
             }
-        }
-    } else {
-        for (o, &x) in spare.iter_mut().zip(b.iter()) {
-            o.write(x);
-        }
-    }
-    // SAFETY: both branches wrote all `p · n` elements.
+        },
+    );
+    // SAFETY: the tiles and the rest cover all `p · n` elements.
     unsafe { out.set_len(p * n) };
     Array2::from_shape_vec((p, n), out).expect("[P, N]").into()
 }
+
+/// Side of the square tiles [`rows_contiguous`] transposes in registers.
+const TILE: usize = 8;
 
 /// The three operands as pointers and element strides (`b`'s columns are
 /// contiguous).

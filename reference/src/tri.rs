@@ -43,30 +43,20 @@ fn blocks(c: usize) -> impl Iterator<Item = (usize, usize)> {
 /// `b [C, N]`: row block `r0..r1` reads `a`'s columns `..r1` only.
 /// Returns `[C, N]`.
 pub fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
-    let mut out = Array2::zeros((a.nrows(), b.ncols()));
-    for (r0, r1) in blocks(a.nrows()) {
-        gemm::dot_to(
-            a.slice(s![r0..r1, ..r1]),
-            b.slice(s![..r1, ..]),
-            out.slice_mut(s![r0..r1, ..]),
-        );
-    }
-    out
+    let parts: Vec<_> = blocks(a.nrows())
+        .map(|(r0, r1)| (a.slice(s![r0..r1, ..r1]), b.slice(s![..r1, ..])))
+        .collect();
+    gemm::stacked(b.ncols(), &parts)
 }
 
 /// `aᵀ b` for a lower triangular `a [C, C]` and `b [C, N]`: row block
 /// `r0..r1` of the result reads rows `r0..` of `a` and `b` only.
 /// Returns `[C, N]`.
 pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
-    let mut out = Array2::zeros((a.ncols(), b.ncols()));
-    for (r0, r1) in blocks(a.ncols()) {
-        gemm::dot_to(
-            a.slice(s![r0.., r0..r1]).t(),
-            b.slice(s![r0.., ..]),
-            out.slice_mut(s![r0..r1, ..]),
-        );
-    }
-    out
+    let parts: Vec<_> = blocks(a.ncols())
+        .map(|(r0, r1)| (a.slice(s![r0.., r0..r1]).reversed_axes(), b.slice(s![r0.., ..])))
+        .collect();
+    gemm::stacked(b.ncols(), &parts)
 }
 
 /// The blocks on and below the diagonal of `a bᵀ` (`a [C, N]`, `b [C, N]`);
@@ -91,15 +81,20 @@ pub fn dot_t_lower<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, b_lower: bool)
 /// `[a₁; a₂; …] b`: the products `aᵢ b` (`aᵢ [mᵢ, n]`, `b [n, p]`)
 /// stacked by rows, each with its own product's bits. Returns `[Σ mᵢ, p]`.
 pub fn stacked_dot<T: Scalar>(a: &[ArrayView2<T>], b: ArrayView2<T>) -> Array2<T> {
-    let mut out = Array2::zeros((a.iter().map(|x| x.nrows()).sum(), b.ncols()));
     let b = gemm::rows_contiguous(b);
-    let mut r0 = 0;
-    for x in a {
-        let r1 = r0 + x.nrows();
-        gemm::dot_to(x.view(), b.view(), out.slice_mut(s![r0..r1, ..]));
-        r0 = r1;
+    let parts: Vec<_> = a.iter().map(|x| (x.view(), b.view())).collect();
+    gemm::stacked(b.ncols(), &parts)
+}
+
+/// Zeroes the strict upper triangle of `a [C, C]`, and the diagonal too
+/// unless `diagonal`: the part of a blocked product's diagonal blocks that
+/// the caller does not use.
+pub fn mask_lower<T: Scalar>(a: &mut Array2<T>, diagonal: bool) {
+    let n = a.ncols();
+    for (r, mut row) in a.rows_mut().into_iter().enumerate() {
+        let from = (r + usize::from(diagonal)).min(n);
+        row.slice_mut(s![from..]).fill(T::zero());
     }
-    out
 }
 
 #[cfg(test)]

@@ -203,14 +203,6 @@ fn rows<T: Scalar>(x: &Array2<T>, start: usize, c: usize) -> ArrayView2<'_, T> {
     x.slice(s![start..start + c, ..])
 }
 
-fn mask<T: Scalar>(a: &mut Array2<T>, keep: impl Fn(usize, usize) -> bool) {
-    a.indexed_iter_mut().for_each(|((i, j), v)| {
-        if !keep(i, j) {
-            *v = T::zero()
-        }
-    });
-}
-
 /// `exp(Γ − Γ_m)`, `exp(Γx − Γ_m)`, `exp(Γ_m − Γ)` through the chunk's middle row.
 #[derive(Clone, Debug)]
 struct Factors<T> {
@@ -301,7 +293,7 @@ impl Chunk {
                     lower(&ax, &kb),
                 ];
                 for (i, blk) in blocks.iter_mut().enumerate() {
-                    mask(blk, |r, c| if i < 2 { c <= r } else { c < r });
+                    tri::mask_lower(blk, i < 2);
                 }
                 let [aqk, aqb, aab, aak] = blocks;
                 (aqk, aqb, aab, aak)
@@ -553,8 +545,8 @@ impl Chunk {
         let dqg = self.as_stored(Stage::BwdOperands, dqg_dw.slice(s![..c, ..]).to_owned());
         let mut daqk = tri::dot_t_lower(dout, v, false);
         let mut daqb = tri::dot_t_lower(dout, v2, false);
-        mask(&mut daqk, |i, j| j <= i);
-        mask(&mut daqb, |i, j| j <= i);
+        tri::mask_lower(&mut daqk, true);
+        tri::mask_lower(&mut daqb, true);
         let mut dv = tri::lower_t_dot(ch.aqk.view(), dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
         let (kgl, bgl) = (self.gated(&k, dl), self.gated(&b, dl));
@@ -578,7 +570,7 @@ impl Chunk {
             tri::dot_t_lower(dv2, zv.view(), false) + tri::dot_t_lower(dw.view(), ax.view(), false);
         let dz = tri::lower_t_dot(ch.p.view(), dv2);
         let mut daak = tri::dot_t_lower(dz.view(), v, false);
-        mask(&mut daak, |i, j| j < i);
+        tri::mask_lower(&mut daak, false);
         dv += &tri::lower_t_dot(ch.aak.view(), dz.view());
         let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));
         let mut daab = tri::dot_t_lower(
@@ -586,7 +578,7 @@ impl Chunk {
             ch.p.view(),
             true,
         );
-        mask(&mut daab, |i, j| j < i);
+        tri::mask_lower(&mut daab, false);
         let mut da = &dax * egx;
         let mut dgx = &dax * &ax;
         // qg, kgl, bgl.

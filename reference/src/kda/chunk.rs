@@ -357,8 +357,8 @@ impl Chunk {
                 None => self.pair_products(&g_cumsum, q, k),
             },
         };
-        mask_lower(&mut aqk, true);
-        mask_lower(&mut p, false);
+        tri::mask_lower(&mut aqk, true);
+        tri::mask_lower(&mut p, false);
         // (I + L)^{-1}, L[r, s] = β_r p[r, s].
         // FLA stores the inverse `(I + L)^{-1}` (its `Akk`) and applies β
         // when it forms w and u: the stage rounds the inverse.
@@ -602,7 +602,7 @@ impl Chunk {
         let dqg_dw = tri::stacked_dot(&[dout, dvn], h.t());
         let dqg = dqg_dw.slice(s![..c, ..]);
         let mut daqk = tri::dot_t_lower(dout, vn, false);
-        mask_lower(&mut daqk, true);
+        tri::mask_lower(&mut daqk, true);
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = gemm::dot(vn.view(), ds.t());
         let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * &decay_last;
@@ -615,7 +615,7 @@ impl Chunk {
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
         let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false)
             + tri::dot_t_lower(du.view(), x.v.slice(rows), false);
-        mask_lower(&mut dakk, true);
+        tri::mask_lower(&mut dakk, true);
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
         let dv = tri::lower_t_dot(ch.akk.view(), du.view());
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
@@ -629,11 +629,7 @@ impl Chunk {
             ch.n_inv.view(),
             true,
         );
-        dlow.indexed_iter_mut().for_each(|((r, s), v)| {
-            if s >= r {
-                *v = T::zero()
-            }
-        });
+        tri::mask_lower(&mut dlow, false);
         dbeta += &(&dlow * &ch.p).sum_axis(Axis(1));
         let dp = &dlow * &beta.insert_axis(Axis(1));
         // With qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ), kd = e^Γ ⊙ K, one pass:
@@ -878,15 +874,6 @@ impl Chunk {
             }
         }
     }
-}
-
-/// Zeroes the strict upper triangle (and the diagonal unless `diagonal`).
-fn mask_lower<T: Scalar>(a: &mut Array2<T>, diagonal: bool) {
-    a.indexed_iter_mut().for_each(|((r, s), v)| {
-        if s > r || (s == r && !diagonal) {
-            *v = T::zero()
-        }
-    });
 }
 
 /// One chunk's token gradients (rows of `dq`, `dk`, `dv`, `dg`, `dbeta`)
