@@ -71,3 +71,46 @@ pub fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
         }
     }
 }
+
+/// `exp(x)` of each `x`, when every result is a normal number (`None`
+/// otherwise): the per-column factors of [`scale_columns`], which must not
+/// underflow where the direct exponentials would not.
+pub fn normal_exps<T: Scalar>(x: impl Iterator<Item = T>) -> Option<Vec<T>> {
+    let e: Vec<T> = x.map(|x| x.exp()).collect();
+    e.iter().all(|&v| v >= T::min_positive_value()).then_some(e)
+}
+
+/// `f ⊙ e` for `f [c, K]` and `e [K]` broadcast over the rows: rebuilds an
+/// exponential from its factor through a chunk's middle row `m`, e.g.
+/// `exp(Γ) = exp(Γ − Γ_m)·exp(Γ_m)` (within an ulp of the direct one), which
+/// costs `K` exponentials per chunk instead of `c·K`.
+pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
+    let mut out = f.as_standard_layout().into_owned();
+    for row in flat_mut(&mut out).chunks_exact_mut(e.len()) {
+        for (x, &e) in row.iter_mut().zip(e) {
+            *x *= e;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_factors_rebuild_the_exponentials_or_refuse_to_underflow() {
+        let g = ndarray::arr2(&[[-0.5, -3.0], [-1.25, -7.5], [-2.0, -9.0]]);
+        let m = g.row(1);
+        let e_mid = normal_exps(m.iter().copied()).expect("normal");
+        let rebuilt = scale_columns(&(&g - &m).mapv(f64::exp), &e_mid);
+        for (x, y) in rebuilt.iter().zip(g.mapv(f64::exp).iter()) {
+            assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
+        }
+        // exp(-746) is below the smallest subnormal and exp(-709) is
+        // subnormal: the direct form must be used for such a chunk.
+        assert!(normal_exps([-1.0, -746.0].into_iter()).is_none());
+        assert!(normal_exps([-709.0_f64].into_iter()).is_none());
+        assert!(normal_exps([-87.0_f32, -88.0].into_iter()).is_none());
+    }
+}

@@ -23,14 +23,24 @@ pub fn dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
 
 /// The products `aᵢ bᵢ` (`aᵢ [mᵢ, P]`, `bᵢ [P, N]`) stacked by rows into
 /// one `[Σ mᵢ, N]` array, written once (no zero fill).
-pub fn stacked<'a, T: Scalar>(n: usize, parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)]) -> Array2<T> {
+pub fn stacked<'a, T: Scalar>(
+    n: usize,
+    parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
+) -> Array2<T> {
     let m: usize = parts.iter().map(|(a, _)| a.nrows()).sum();
     let mut out: Vec<T> = Vec::with_capacity(m * n);
     let mut r0 = 0;
     for (a, b) in parts {
         assert_eq!(b.ncols(), n, "gemm: stacked product width");
         // SAFETY: rows `r0 .. r0 + mᵢ` of the `[m, n]` row-major block.
-        unsafe { product(a.view(), b.view(), out.as_mut_ptr().add(r0 * n), [n as isize, 1]) };
+        unsafe {
+            product(
+                a.view(),
+                b.view(),
+                out.as_mut_ptr().add(r0 * n),
+                [n as isize, 1],
+            )
+        };
         r0 += a.nrows();
     }
     // SAFETY: the parts wrote rows `0 .. m`, every element of each.
@@ -104,7 +114,7 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
     let mut out: Vec<T> = Vec::with_capacity(p * n);
     let (src, [s_row, s_col]) = (b.as_ptr(), [b.strides()[0], b.strides()[1]]);
     let dst = out.as_mut_ptr();
-    let at = |k: usize, j: usize| (k as isize * s_row + j as isize * s_col);
+    let at = |k: usize, j: usize| k as isize * s_row + j as isize * s_col;
     let full = |x: usize| x / TILE * TILE;
     simd::dispatch(
         #[inline(always)]
@@ -114,10 +124,12 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
             unsafe {
                 if s_row == 1 {
                     // `xᵀ` of a row-major `x`: transpose whole tiles in
-                    // registers, reading and writing rows of 8.
+                    // registers, reading and writing rows of 8 (indexed
+                    // loops: the transposition needs both indices).
                     for k0 in (0..full(p)).step_by(TILE) {
                         for j0 in (0..full(n)).step_by(TILE) {
                             let mut t = [[T::zero(); TILE]; TILE];
+                            #[allow(clippy::needless_range_loop)]
                             for jj in 0..TILE {
                                 let row: [T; TILE] =
                                     std::ptr::read_unaligned(src.offset(at(k0, j0 + jj)).cast());
@@ -132,7 +144,11 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
                     }
                 }
                 // The rest (all of it for other layouts), element by element.
-                let tiled = if s_row == 1 { (full(p), full(n)) } else { (0, 0) };
+                let tiled = if s_row == 1 {
+                    (full(p), full(n))
+                } else {
+                    (0, 0)
+                };
                 for k in 0..p {
                     let j_from = if k < tiled.0 { tiled.1 } else { 0 };
                     for j in j_from..n {

@@ -54,7 +54,12 @@ pub fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
 /// Returns `[C, N]`.
 pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
     let parts: Vec<_> = blocks(a.ncols())
-        .map(|(r0, r1)| (a.slice(s![r0.., r0..r1]).reversed_axes(), b.slice(s![r0.., ..])))
+        .map(|(r0, r1)| {
+            (
+                a.slice(s![r0.., r0..r1]).reversed_axes(),
+                b.slice(s![r0.., ..]),
+            )
+        })
         .collect();
     gemm::stacked(b.ncols(), &parts)
 }

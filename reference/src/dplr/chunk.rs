@@ -178,24 +178,29 @@ struct ChunkGrads<T> {
     dv: Array2<T>,
 }
 
-/// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ, Γx `[c, K]`, `[c, K]` each,
-/// in one pass (`exp(Γ_last − Γ)` is at most 1: no overflow).
-fn exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
-    let (c, kd) = g.dim();
-    let mut out = std::array::from_fn(|_| Array2::zeros((c, kd)));
-    let [eg, egx, tl] = &mut out;
-    let [eg, egx, tl] = [eg, egx, tl].map(fused::flat_mut);
-    let [g, gx] = [g.view(), gx.view()].map(fused::flat);
-    let last = &g[(c - 1) * kd..];
-    for r in 0..c {
-        for (d, &gl) in last.iter().enumerate() {
-            let i = r * kd + d;
-            eg[i] = g[i].exp();
-            egx[i] = gx[i].exp();
-            tl[i] = (gl - g[i]).exp();
-        }
-    }
-    out
+/// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ, Γx `[c, K]`, `[c, K]` each
+/// (`exp(Γ_last − Γ)` is at most 1: no overflow). With the `factors`
+/// through the middle row `m`: `exp(Γ − Γ_m)·exp(Γ_m)`, `exp(Γx − Γ_m)·
+/// exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::scale_columns`]).
+fn exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>, factors: Option<&Factors<T>>) -> [Array2<T>; 3] {
+    let c = g.nrows();
+    let (mid, last) = (g.row(c / 2), g.row(c - 1));
+    let through_mid = factors.and_then(|f| {
+        let e_mid = fused::normal_exps(mid.iter().copied())?;
+        let e_last = fused::normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
+        Some([
+            fused::scale_columns(&f.ep, &e_mid),
+            fused::scale_columns(&f.exp_, &e_mid),
+            fused::scale_columns(&f.em, &e_last),
+        ])
+    });
+    through_mid.unwrap_or_else(|| {
+        [
+            g.mapv(T::exp),
+            gx.mapv(T::exp),
+            Array2::from_shape_fn(g.raw_dim(), |(r, d)| (last[d] - g[[r, d]]).exp()),
+        ]
+    })
 }
 
 /// Rows of `x` for one chunk.
@@ -308,7 +313,7 @@ impl Chunk {
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        let [exp_g, exp_gx, exp_to_last] = exps(&g, &gx);
+        let [exp_g, exp_gx, exp_to_last] = exps(&g, &gx, factors.as_ref());
         let ax = self.as_stored(Stage::Gated, &a * &exp_gx);
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(

@@ -307,29 +307,39 @@ impl Chunk {
     }
 
     /// `(exp(Γ), exp(Γ_last − Γ), Q ⊙ exp(Γ), K ⊙ exp(Γ_last − Γ))`, `[c, K]`
-    /// each, in one pass (`exp(Γ_last − Γ)` is at most 1: no overflow).
+    /// each (`exp(Γ_last − Γ)` is at most 1: no overflow). With the natural
+    /// `exp` (not FLA's `exp2`) and the `factors` through the middle row `m`,
+    /// the first two are
+    /// `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`
+    /// ([`fused::scale_columns`]).
     fn gates<T: Scalar>(
         &self,
         g_cumsum: &Array2<T>,
+        factors: Option<&(Array2<T>, Array2<T>)>,
         q: ArrayView2<T>,
         k: ArrayView2<T>,
     ) -> [Array2<T>; 4] {
-        let (c, kd) = g_cumsum.dim();
-        let mut out = std::array::from_fn(|_| Array2::zeros((c, kd)));
-        let [eg, tl, qg, kg] = &mut out;
-        let [eg, tl, qg, kg] = [eg, tl, qg, kg].map(fused::flat_mut);
-        let [g, q, k] = [g_cumsum.view(), q, k].map(fused::flat);
-        let last = &g[(c - 1) * kd..];
-        for r in 0..c {
-            for (d, &gl) in last.iter().enumerate() {
-                let i = r * kd + d;
-                eg[i] = self.policy.exp(g[i]);
-                tl[i] = self.policy.exp(gl - g[i]);
-                qg[i] = q[i] * eg[i];
-                kg[i] = k[i] * tl[i];
-            }
-        }
-        out
+        let c = g_cumsum.nrows();
+        let (mid, last) = (g_cumsum.row(c / 2), g_cumsum.row(c - 1));
+        let through_mid = factors
+            .filter(|_| !self.policy.exp2)
+            .and_then(|(ep, em)| {
+                let e_mid = fused::normal_exps(mid.iter().copied())?;
+                let e_last = fused::normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
+                Some([
+                    fused::scale_columns(ep, &e_mid),
+                    fused::scale_columns(em, &e_last),
+                ])
+            });
+        let [eg, tl] = through_mid.unwrap_or_else(|| {
+            let e = |x: T| self.policy.exp(x);
+            [
+                g_cumsum.mapv(e),
+                Array2::from_shape_fn(g_cumsum.raw_dim(), |(r, d)| e(last[d] - g_cumsum[[r, d]])),
+            ]
+        });
+        let [qg, kg] = fused::products([(q, eg.view()), (k, tl.view())]);
+        [eg, tl, qg, kg]
     }
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
@@ -366,7 +376,7 @@ impl Chunk {
         self.policy.round(Stage::Akk, &mut n_inv);
         let akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Aqk, &mut aqk);
-        let [eg, exp_to_last, mut qg, mut kg] = self.gates(&g_cumsum, q, k);
+        let [eg, exp_to_last, mut qg, mut kg] = self.gates(&g_cumsum, factors.as_ref(), q, k);
         let (mut w, mut u) = if [Stage::W, Stage::U, Stage::KBeta]
             .into_iter()
             .any(|s| self.policy.storage(s).is_some())
