@@ -27,7 +27,7 @@ fn main() {
         rayon::current_num_threads()
     );
     let peak = ops::peak_gflops(1.0);
-    println!("peak (f64 mul+add chains, no FMA): {peak:.1} GFLOP/s");
+    println!("peak: {peak:.1} GFLOP/s ({})", ops::peak_description());
     for kd in [64, 128, 256] {
         if only.is_none_or(|o| o == kd) {
             bench(t, h, kd, peak);

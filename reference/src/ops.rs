@@ -146,6 +146,15 @@ fn products(iters: u64) -> f64 {
     sum
 }
 
+/// What [`peak_gflops`] measures, for the reports.
+pub fn peak_description() -> String {
+    format!(
+        "f64 mul+add without FMA: {} product kernel on L1 operands, {} threads",
+        crate::simd::width().name(),
+        rayon::current_num_threads()
+    )
+}
+
 /// Wall seconds of `iters` rounds on every rayon thread at once.
 fn timed_products(iters: u64) -> f64 {
     let t = std::time::Instant::now();

@@ -24,6 +24,16 @@ pub enum Width {
     Avx512,
 }
 
+impl Width {
+    pub fn name(self) -> &'static str {
+        match self {
+            Width::Baseline => "baseline",
+            Width::Avx2 => "AVX2",
+            Width::Avx512 => "AVX-512",
+        }
+    }
+}
+
 /// The widest vectors the CPU has, capped by the environment (decided once
 /// per process).
 pub fn width() -> Width {

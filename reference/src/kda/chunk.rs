@@ -321,16 +321,14 @@ impl Chunk {
     ) -> [Array2<T>; 4] {
         let c = g_cumsum.nrows();
         let (mid, last) = (g_cumsum.row(c / 2), g_cumsum.row(c - 1));
-        let through_mid = factors
-            .filter(|_| !self.policy.exp2)
-            .and_then(|(ep, em)| {
-                let e_mid = fused::normal_exps(mid.iter().copied())?;
-                let e_last = fused::normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
-                Some([
-                    fused::scale_columns(ep, &e_mid),
-                    fused::scale_columns(em, &e_last),
-                ])
-            });
+        let through_mid = factors.filter(|_| !self.policy.exp2).and_then(|(ep, em)| {
+            let e_mid = fused::normal_exps(mid.iter().copied())?;
+            let e_last = fused::normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
+            Some([
+                fused::scale_columns(ep, &e_mid),
+                fused::scale_columns(em, &e_last),
+            ])
+        });
         let [eg, tl] = through_mid.unwrap_or_else(|| {
             let e = |x: T| self.policy.exp(x);
             [

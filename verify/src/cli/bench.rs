@@ -290,8 +290,8 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
     out.push_str("fwd+bwd: best wall time of a whole run (uploads and pre-processing included); dev: GPU stream time of each phase");
     if let Some(p) = peak {
         out += &format!(
-            "\nGFLOP/s: mul+add ops counted as in README's Benchmarks section; peak: {p:.1} GFLOP/s measured (f64 mul and add chains, no FMA, {} threads)",
-            rayon::current_num_threads()
+            "\nGFLOP/s: mul+add ops counted as in README's Benchmarks section; peak: {p:.1} GFLOP/s measured ({})",
+            ops::peak_description()
         );
     }
     out
