@@ -19,6 +19,7 @@ const REPS: usize = 5;
 const CHUNK_SIZES: [usize; 3] = [16, 32, 64];
 
 fn main() {
+    common::tune_allocator();
     let (t, h) = (1024, 4);
     // `cargo bench` passes `--bench`; a number picks one K=V.
     let only: Option<usize> = std::env::args().skip(1).find_map(|a| a.parse().ok());

@@ -12,6 +12,7 @@ use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
 
 fn main() {
+    common::tune_allocator();
     let (t, h, kd, vd) = (1024, 4, 64, 64);
     let threads = rayon::current_num_threads();
     println!(

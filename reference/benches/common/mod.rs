@@ -7,6 +7,23 @@ use std::time::Instant;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+extern "C" {
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+}
+
+/// The `deltaref` binary's allocator setting (`tune_allocator` in
+/// verify/src/main.rs): freed memory goes back to the OS after 50 ms, not
+/// mimalloc's default 10 ms, after which every call of a few tens of ms
+/// would fault its buffers in afresh (measured: a third of the chunked DPLR
+/// run). `MIMALLOC_PURGE_DELAY` in the environment still wins. Call first in
+/// `main`, before rayon starts its threads.
+pub fn tune_allocator() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: 15 is `mi_option_purge_delay`; no other thread exists yet.
+        unsafe { mi_option_set(15, 50) };
+    }
+}
+
 /// Best wall time of `reps` runs, in seconds.
 pub fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
     (0..reps)
