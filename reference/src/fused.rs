@@ -35,12 +35,9 @@ pub fn products<T: Scalar, const N: usize>(
     pairs: [(ArrayView2<T>, ArrayView2<T>); N],
 ) -> [Array2<T>; N] {
     pairs.map(|(x, f)| {
-        let mut o = Array2::zeros(x.raw_dim());
-        let (x, f) = (flat(x), flat(f));
-        for ((o, &x), &f) in flat_mut(&mut o).iter_mut().zip(x.iter()).zip(f.iter()) {
-            *o = x * f;
-        }
-        o
+        let (xs, fs) = (flat(x), flat(f));
+        let o = xs.iter().zip(fs.iter()).map(|(&x, &f)| x * f).collect();
+        Array2::from_shape_vec(x.raw_dim(), o).expect("same shape")
     })
 }
 
