@@ -300,6 +300,25 @@ mod tests {
         let b = draw("b", 40, 50);
         let (av, bv) = (a.slice(s![..;2, 1..;3]), b.slice(s![..;4, ..;2]));
         assert!(same_bits(&dot(av, bv), &sequential(av, bv)));
+        // Reversed axes (negative strides) too.
+        let (ar, br) = (a.slice(s![..;-1, ..10]), b.slice(s![..10;-1, ..;-1]));
+        assert!(same_bits(&dot(ar, br), &sequential(ar, br)));
+        // f32 fills other register blocks.
+        let (a32, b32) = (
+            a.mapv(|x| x as f32),
+            b.slice(s![..30, ..]).mapv(|x| x as f32),
+        );
+        let want = Array2::from_shape_fn((20, 50), |(i, j)| {
+            let mut s = 0.0f32;
+            for k in 0..30 {
+                s += a32[[i, k]] * b32[[k, j]];
+            }
+            s
+        });
+        assert!(dot(a32.view(), b32.view())
+            .iter()
+            .zip(&want)
+            .all(|(x, y)| x.to_bits() == y.to_bits()));
     }
 
     #[test]
