@@ -77,10 +77,7 @@ impl HeadFile {
         else {
             return Ok(None);
         };
-        let op = metadata
-            .get("case")
-            .and_then(|m| serde_json::from_str::<Value>(m).ok())
-            .and_then(|m| Op::parse(m.get("op")?.as_str()?));
+        let op = case_op(&metadata);
         // Only KDA's and DPLR's tensor layouts are known here (GDN's gate is
         // [B, T, H], the conv has channels, not heads): the rest load whole.
         let Some(op) = op.filter(|&op| matches!(op, Op::Kda | Op::Dplr)) else {
@@ -134,6 +131,128 @@ impl HeadFile {
         Ok(file.splits().then_some(file))
     }
 
+    /// A case file this process is writing (see [`crate::case::Case::write_filled`]),
+    /// opened for reading its inputs and writing its results head block by
+    /// head block, `per_block` query/key heads at a time. `None` where its
+    /// tensors do not split by heads (not KDA or DPLR, a tensor without a
+    /// head axis).
+    pub fn for_filling(path: &Path, per_block: usize) -> Result<Option<HeadFile>, CaseError> {
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| CaseError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let Some(Header {
+            file,
+            metadata,
+            tensors,
+            ..
+        }) = read_header_of(file, 0)
+        else {
+            return Ok(None);
+        };
+        let op = case_op(&metadata).filter(|&op| matches!(op, Op::Kda | Op::Dplr));
+        let heads = tensors
+            .iter()
+            .find(|e| e.name == "q")
+            .and_then(|q| q.shape.get(2).copied())
+            .filter(|&h| h >= 1);
+        let (Some(op), Some(heads)) = (op, heads) else {
+            return Ok(None);
+        };
+        let file = HeadFile {
+            path: path.to_path_buf(),
+            file,
+            op,
+            metadata,
+            tensors,
+            heads,
+            per_block: 1,
+        }
+        .with_heads_per_block(per_block);
+        Ok(file.splits().then_some(file))
+    }
+
+    /// Writes result `name` (stored as float64) of heads `heads`: `x` is
+    /// shaped as the whole result with its head axis cut to those heads.
+    pub fn write_result(
+        &self,
+        heads: &Range<usize>,
+        name: &str,
+        x: &ArrayD<f64>,
+    ) -> Result<(), CaseError> {
+        let what = format!(
+            "{} (heads {}..{})",
+            self.path.display(),
+            heads.start,
+            heads.end
+        );
+        let fail = |why: String| CaseError::Write {
+            path: what.clone(),
+            why: format!("result `{name}`: {why}"),
+        };
+        let e = self
+            .tensors
+            .iter()
+            .find(|e| e.name == name && self.is_result(name))
+            .ok_or_else(|| fail("the file has no room for it".into()))?;
+        if e.dtype != StDtype::F64 {
+            return Err(fail(format!("stored as {:?}, not F64", e.dtype)));
+        }
+        let a = head_axis(name).ok_or_else(|| fail("it has no head axis".into()))?;
+        let per = e.shape[a] / self.heads;
+        let units = heads.start * per..heads.end * per;
+        let mut want = e.shape.clone();
+        want[a] = units.len();
+        if x.shape() != want.as_slice() || heads.end > self.heads {
+            return Err(fail(format!(
+                "expected shape {want:?} for heads {}..{} of {:?}, got {:?}",
+                heads.start,
+                heads.end,
+                e.shape,
+                x.shape()
+            )));
+        }
+        self.scatter(e, a, units, x.iter().copied())
+            .map_err(|err| fail(err.to_string()))
+    }
+
+    /// Writes `values` (f64, in order) as `units` along axis `a` of tensor
+    /// `e`: the mirror of [`HeadFile::gather`]. Rows of one block are apart
+    /// in the file unless the block is every head, when they are written
+    /// together.
+    fn scatter(
+        &self,
+        e: &Entry,
+        a: usize,
+        units: Range<usize>,
+        mut values: impl Iterator<Item = f64>,
+    ) -> std::io::Result<()> {
+        let inner: usize = e.shape.iter().skip(a + 1).product::<usize>() * e.size;
+        let outer: usize = e.shape.iter().take(a).product();
+        let row = e.shape[a] * inner;
+        let (skip, take) = (units.start * inner, units.len() * inner);
+        let rows_per_write = if take == row {
+            (READ_BYTES / row.max(1)).max(1)
+        } else {
+            1
+        };
+        let mut buf = Vec::with_capacity(rows_per_write * take);
+        for first in (0..outer).step_by(rows_per_write) {
+            let n = rows_per_write.min(outer - first);
+            buf.clear();
+            for v in values.by_ref().take(n * take / e.size) {
+                buf.extend_from_slice(&v.to_le_bytes());
+            }
+            self.file
+                .write_all_at(&buf, e.begin + (first * row + skip) as u64)?;
+        }
+        Ok(())
+    }
+
     /// Whether every tensor has a head axis whose length is a multiple of H.
     fn splits(&self) -> bool {
         self.tensors.iter().all(|e| match head_axis(&e.name) {
@@ -144,6 +263,12 @@ impl HeadFile {
             None => e.name == "cu_seqlens",
         })
     }
+}
+
+/// The op a file's `case` metadata names.
+fn case_op(metadata: &HashMap<String, String>) -> Option<Op> {
+    let m = serde_json::from_str::<Value>(metadata.get("case")?).ok()?;
+    Op::parse(m.get("op")?.as_str()?)
 }
 
 /// A safetensors file opened and its header parsed.
@@ -158,7 +283,11 @@ struct Header {
 /// The parsed header of a safetensors file of at least `min_bytes`; `None`
 /// for anything unreadable or malformed (the whole-file path reports it).
 fn read_header(path: &Path, min_bytes: u64) -> Option<Header> {
-    let file = File::open(path).ok()?;
+    read_header_of(File::open(path).ok()?, min_bytes)
+}
+
+/// [`read_header`] of a file already open.
+fn read_header_of(file: File, min_bytes: u64) -> Option<Header> {
     let len = file.metadata().ok()?.len();
     if len < min_bytes.max(8) {
         return None;
@@ -444,7 +573,7 @@ impl HeadFile {
 
     /// `(full shape, flat index in the full tensor)` of a head block's
     /// tensor `name` of shape `block`: heads `heads` of the whole case.
-    fn place(
+    pub(crate) fn place(
         &self,
         name: &str,
         block: &[usize],
