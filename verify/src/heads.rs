@@ -90,8 +90,7 @@ impl HeadFile {
         let Some(heads) = heads.filter(|&h| h >= 2) else {
             return Ok(None);
         };
-        let per_head = data_bytes / heads as u64;
-        let per_block = (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize;
+        let per_block = heads_per_block(data_bytes, heads);
         let file = HeadFile {
             path: path.to_path_buf(),
             file,
@@ -133,9 +132,11 @@ impl HeadFile {
 
     /// A case file this process is writing (see [`crate::case::Case::write_filled`]),
     /// opened for reading its inputs and writing its results head block by
-    /// head block, `per_block` query/key heads at a time. `None` where its
-    /// tensors do not split by heads (not KDA or DPLR, a tensor without a
-    /// head axis).
+    /// head block: at most `per_block` query/key heads at a time, fewer
+    /// where the blocks [`HeadFile::open`] reads would be smaller (a
+    /// block's engine run holds several times its stored bytes). `None`
+    /// where its tensors do not split by heads (not KDA or DPLR, a tensor
+    /// without a head axis).
     pub fn for_filling(path: &Path, per_block: usize) -> Result<Option<HeadFile>, CaseError> {
         let file = File::options()
             .read(true)
@@ -149,7 +150,7 @@ impl HeadFile {
             file,
             metadata,
             tensors,
-            ..
+            data_bytes,
         }) = read_header_of(file, 0)
         else {
             return Ok(None);
@@ -172,7 +173,7 @@ impl HeadFile {
             heads,
             per_block: 1,
         }
-        .with_heads_per_block(per_block);
+        .with_heads_per_block(per_block.min(heads_per_block(data_bytes, heads)));
         Ok(file.splits().then_some(file))
     }
 
@@ -263,6 +264,13 @@ impl HeadFile {
             None => e.name == "cu_seqlens",
         })
     }
+}
+
+/// Query/key heads per block of a file of `data_bytes` after its header:
+/// about [`BLOCK_BYTES`] of stored data, at least one head.
+fn heads_per_block(data_bytes: u64, heads: usize) -> usize {
+    let per_head = data_bytes / heads as u64;
+    (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize
 }
 
 /// The op a file's `case` metadata names.
