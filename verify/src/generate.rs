@@ -498,3 +498,121 @@ fn unit_norm(x: &mut ArrayD<f64>) {
         row.mapv_inplace(|v| v / norm);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole_bytes(spec: &GenSpec, dir: &Path) -> Vec<u8> {
+        let path = dir.join("whole.safetensors");
+        generate(spec).unwrap().write(&path).unwrap();
+        std::fs::read(path).unwrap()
+    }
+
+    /// GVA, a gate with `A_log` and `dt_bias`, initial states, three
+    /// sequences: every head axis of KDA occurs.
+    fn kda_spec(dtype: Dtype) -> GenSpec {
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.lengths = Some(vec![5, 40, 19]);
+        spec.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+        spec.gate = Gate::LowerBound { lower_bound: -5.0 };
+        spec.use_qk_l2norm_in_kernel = true;
+        spec.initial_state = true;
+        spec.expected = true;
+        spec.dtype = dtype;
+        spec
+    }
+
+    /// The streamed file is the whole-case file, byte for byte, whatever
+    /// the blocks (one head, two of three, every head).
+    #[test]
+    fn streamed_files_are_the_whole_cases_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut dplr = GenSpec::new(Op::Dplr);
+        dplr.shape = Some(vec![2, 24, 2, 8, 4]);
+        dplr.initial_state = true;
+        dplr.expected = true;
+        let mut plain = kda_spec(Dtype::F64);
+        plain.gate = Gate::None;
+        plain.use_qk_l2norm_in_kernel = false;
+        plain.initial_state = false;
+        let mut inputs_only = kda_spec(Dtype::F32);
+        inputs_only.expected = false;
+        for spec in [kda_spec(Dtype::Bf16), kda_spec(Dtype::F64), plain, dplr, inputs_only] {
+            let whole = whole_bytes(&spec, dir.path());
+            for per_block in [1, 2, 3] {
+                let path = dir.path().join("streamed.safetensors");
+                let count = generate_streamed(&spec, &path, per_block).unwrap();
+                let case = Case::read(&path).unwrap();
+                assert_eq!(count, case.tensors.len() + usize::from(case.cu_seqlens.is_some()));
+                let bytes = std::fs::read(&path).unwrap();
+                assert!(bytes == whole, "{:?} {:?} per_block {per_block}", spec.op, spec.dtype);
+            }
+        }
+    }
+
+    /// Short cases (and ops without heads) go the whole-case way, to the same bytes.
+    #[test]
+    fn generate_to_writes_generates_case() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("to.safetensors");
+        for spec in [kda_spec(Dtype::Bf16), GenSpec::new(Op::TokenShift)] {
+            let count = generate_to(&spec, &path).unwrap();
+            assert_eq!(std::fs::read(&path).unwrap(), whole_bytes(&spec, dir.path()));
+            let case = generate(&spec).unwrap();
+            assert_eq!(count, case.tensors.len() + usize::from(case.cu_seqlens.is_some()));
+        }
+    }
+
+    #[test]
+    fn streaming_an_op_without_heads_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ts.safetensors");
+        let e = generate_streamed(&GenSpec::new(Op::TokenShift), &path, 1).unwrap_err();
+        assert!(e.to_string().contains("not token_shift"), "{e}");
+        assert!(!path.exists());
+    }
+
+    /// A scale of 1e308 overflows the outputs. The streamed refusal names
+    /// a tensor, the whole tensor's shape and an index in it where the
+    /// whole case's truth is non-finite, and leaves no file.
+    #[test]
+    fn a_non_finite_streamed_truth_is_refused_and_nothing_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.shape = Some(vec![1, 32, 2, 2, 8, 4]);
+        spec.scale = Some(1e308);
+        let truth = Impl::NAIVE
+            .compute(&generate(&spec).unwrap(), Compute::F64)
+            .unwrap();
+        spec.expected = true;
+        assert!(generate(&spec).is_err());
+        let path = dir.path().join("nan.safetensors");
+        let e = generate_streamed(&spec, &path, 1).unwrap_err().to_string();
+        assert!(!path.exists());
+        assert!(e.contains("refusing to store a non-finite truth"), "{e}");
+        let name = e.split('`').nth(1).unwrap();
+        let at: usize = e
+            .split("at flat index ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|i| i.parse().ok())
+            .unwrap();
+        let x = &truth[name];
+        assert!(e.contains(&format!("of shape {:?}", x.shape())), "{e}");
+        assert!(!x.iter().nth(at).unwrap().is_finite(), "{e}");
+    }
+
+    #[test]
+    fn results_the_file_was_not_planned_for_are_refused() {
+        let planned = vec![("o".to_string(), vec![1, 2]), ("dq".to_string(), vec![1])];
+        let mut got = Tensors::new();
+        got.insert("o".into(), ArrayD::zeros(ndarray::IxDyn(&[1, 2])));
+        let e = same_names(&planned, &got).unwrap_err().to_string();
+        assert!(e.contains("[\"o\"]") && e.contains("[\"o\", \"dq\"]"), "{e}");
+        got.insert("dq".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));
+        assert!(same_names(&planned, &got).is_ok());
+        got.insert("dk".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));
+        assert!(same_names(&planned, &got).is_err());
+    }
+}

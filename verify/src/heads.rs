@@ -835,4 +835,76 @@ mod tests {
         assert!(file.read_result(&(0..1), "dq", &shapes).is_ok());
         assert!(file.read_result(&(2..3), "dk", &shapes).is_ok());
     }
+
+    /// A result written into a head block's slices lands where the whole
+    /// tensor's slice assignment puts it, and nowhere else.
+    #[test]
+    fn a_written_block_lands_in_its_heads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::Bf16);
+        let before = Case::read(&path).unwrap();
+        let file = HeadFile::for_filling(&path, 2).unwrap().unwrap();
+        assert_eq!(file.blocks(), vec![0..2, 2..3]);
+        for (name, axis) in [("dv", 2), ("dh0", 1), ("ddt_bias", 0), ("o", 2)] {
+            let whole = &before.tensors[name];
+            let per = whole.shape()[axis] / 3;
+            let mut block = whole
+                .slice_axis(Axis(axis), Slice::from(2 * per..3 * per))
+                .to_owned();
+            block.mapv_inplace(|v| v + 1.0);
+            file.write_result(&(2..3), name, &block).unwrap();
+            let mut want = whole.clone();
+            want.slice_axis_mut(Axis(axis), Slice::from(2 * per..3 * per))
+                .assign(&block);
+            let after = Case::read(&path).unwrap();
+            assert_eq!(after.tensors[name], want, "{name}");
+        }
+        let after = Case::read(&path).unwrap();
+        for name in ["q", "dq", "final_state"] {
+            assert_eq!(after.tensors[name], before.tensors[name], "{name}");
+        }
+    }
+
+    /// Writing an input, a block of the wrong shape or one past the last
+    /// head is refused by name; an op without heads is not opened.
+    #[test]
+    fn writing_a_block_the_file_has_no_room_for_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let file = HeadFile::for_filling(&path, 1).unwrap().unwrap();
+        // One value head: a query/key head has two (GVA, HV = 2H).
+        let o = Case::read(&path).unwrap().tensors["o"]
+            .slice_axis(Axis(2), Slice::from(0..1))
+            .to_owned();
+        let e = file.write_result(&(0..1), "q", &o).unwrap_err().to_string();
+        assert!(e.contains("result `q`: the file has no room for it"), "{e}");
+        let e = file.write_result(&(0..1), "o", &o).unwrap_err().to_string();
+        assert!(e.contains("expected shape [1, 64, 2, 4] for heads 0..1"), "{e}");
+        let two = Case::read(&path).unwrap().tensors["o"]
+            .slice_axis(Axis(2), Slice::from(0..2))
+            .to_owned();
+        let e = file.write_result(&(3..4), "o", &two).unwrap_err().to_string();
+        assert!(e.contains("heads 3..4") && e.contains("expected shape"), "{e}");
+        let mut spec = GenSpec::new(Op::TokenShift);
+        spec.expected = true;
+        let ts = dir.path().join("ts.safetensors");
+        generate(&spec).unwrap().write(&ts).unwrap();
+        assert!(HeadFile::for_filling(&ts, 1).unwrap().is_none());
+        let e = HeadFile::for_filling(&dir.path().join("none"), 1).err().unwrap();
+        assert!(e.to_string().contains("cannot read"), "{e}");
+    }
+
+    /// A result stored in another dtype than f64 is not overwritten.
+    #[test]
+    fn a_result_stored_below_f64_is_not_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let mut case = Case::read(&path).unwrap();
+        let o = case.tensors["o"].clone();
+        case.insert("o", o.clone(), Dtype::F32);
+        case.write(&path).unwrap();
+        let file = HeadFile::for_filling(&path, 3).unwrap().unwrap();
+        let e = file.write_result(&(0..3), "o", &o).unwrap_err().to_string();
+        assert!(e.contains("stored as F32, not F64"), "{e}");
+    }
 }

@@ -544,3 +544,48 @@ fn reject_duplicate_names(bytes: &[u8]) -> Result<(), String> {
         None => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Room for a result the case already holds is refused by name, before
+    /// anything is written.
+    #[test]
+    fn room_for_a_tensor_the_case_holds_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.safetensors");
+        let mut case = Case::new(CaseMeta::new(Op::TokenShift));
+        case.insert("x", ArrayD::zeros(IxDyn(&[1, 2, 3])), Dtype::F64);
+        let e = case
+            .clone()
+            .write_filled(&path, &[("x".into(), vec![1, 2, 3])], |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("result `x` is already a tensor of the case"), "{e}");
+        let e = case
+            .write_filled(&path, &[("y".into(), vec![usize::MAX, 2])], |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("result `y` of shape") && e.contains("overflows"), "{e}");
+        assert!(!path.exists());
+    }
+
+    /// What `fill` refuses is the write's error, and no file is left.
+    #[test]
+    fn a_failed_fill_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.safetensors");
+        let mut case = Case::new(CaseMeta::new(Op::TokenShift));
+        case.insert("x", ArrayD::zeros(IxDyn(&[1, 2, 3])), Dtype::Bf16);
+        let e = case
+            .write_filled(&path, &[("y".into(), vec![1, 2, 3])], |_| {
+                Err(CaseError::Usage("no truth".into()))
+            })
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "no truth");
+        assert!(!path.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+}
