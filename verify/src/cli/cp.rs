@@ -295,3 +295,97 @@ pub fn run(a: Args) -> ExitCode {
         Err(e) => fail(&e),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use deltaref::gates::Gate;
+    use deltaref::inputs::Regime;
+    use deltaref_verify::case::{Dtype, Op};
+    use deltaref_verify::generate::{generate, GenSpec};
+    use std::path::Path;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    fn args(case: &Path, rest: &[&str]) -> Args {
+        let head = ["cp", "--case", case.to_str().unwrap()];
+        Cli::try_parse_from(head.iter().chain(rest)).unwrap().a
+    }
+
+    /// KDA with GVA (H = 3, HV = 6), a gate, initial states and three
+    /// sequences, long-memory draws (the merges carry a state); DPLR.
+    fn files(dir: &Path) -> Vec<PathBuf> {
+        let mut kda = GenSpec::new(Op::Kda);
+        kda.lengths = Some(vec![5, 40, 19]);
+        kda.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+        kda.gate = Gate::Kda;
+        kda.initial_state = true;
+        kda.regime = Regime::LongMemory;
+        kda.dtype = Dtype::Bf16;
+        let mut dplr = GenSpec::new(Op::Dplr);
+        dplr.lengths = Some(vec![30, 34]);
+        dplr.shape = Some(vec![1, 64, 2, 8, 4]);
+        dplr.initial_state = true;
+        [("kda", kda), ("dplr", dplr)]
+            .into_iter()
+            .map(|(name, spec)| {
+                let path = dir.join(format!("{name}.safetensors"));
+                generate(&spec).unwrap().write(&path).unwrap();
+                path
+            })
+            .collect()
+    }
+
+    /// Head block by head block, the per-rank table and the report are the
+    /// whole case's, character for character.
+    #[test]
+    fn head_blocks_print_the_whole_cases_table_and_report() {
+        let dir = tempfile::tempdir().unwrap();
+        let runs: [&[&str]; 6] = [
+            &["--world", "4"],
+            &["--world", "2", "--layout", "zigzag", "--cp-engine", "naive"],
+            &["--cuts", "3,20,50"],
+            &["--intra", "--num-sms", "2"],
+            &["--world", "2", "--compute", "f32"],
+            &["--world", "2", "--precision", "drop-merged-state"],
+        ];
+        for path in files(dir.path()) {
+            for flags in runs {
+                let a = args(&path, flags);
+                let whole = go(&a).unwrap();
+                assert!(whole.0.contains("impl:cp"), "{}", whole.0);
+                for n in [1, 2] {
+                    let file = HeadFile::open(&path, 0)
+                        .unwrap()
+                        .unwrap()
+                        .with_heads_per_block(n);
+                    let got = streamed(&a, &file).unwrap();
+                    assert_eq!(got, whole, "{} {flags:?}, {n} heads per block", path.display());
+                }
+            }
+        }
+    }
+
+    /// The streamed path refuses what the whole one does, in its words.
+    #[test]
+    fn head_blocks_refuse_what_the_whole_case_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = &files(dir.path())[0];
+        for flags in [
+            &["--intra", "--world", "2"][..],
+            &["--world", "5"],
+            &["--world", "2", "--precision", "no-such-preset"],
+        ] {
+            let a = args(path, flags);
+            let whole = go(&a).unwrap_err().to_string();
+            let file = HeadFile::open(path, 0).unwrap().unwrap();
+            let e = streamed(&a, &file).unwrap_err().to_string();
+            assert_eq!(e, whole, "{flags:?}");
+        }
+    }
+}
