@@ -259,7 +259,11 @@ pub fn generate_to(spec: &GenSpec, path: &Path) -> Result<usize, CaseError> {
 /// of the inputs is read back from the file, validated as a case, and its
 /// f64 truth computed and written into its slices of the result tensors.
 /// The file is byte for byte [`generate_to`]'s.
-pub fn generate_streamed(spec: &GenSpec, path: &Path, per_block: usize) -> Result<usize, CaseError> {
+pub fn generate_streamed(
+    spec: &GenSpec,
+    path: &Path,
+    per_block: usize,
+) -> Result<usize, CaseError> {
     let (layout, dims) = spec.dims()?;
     let problem = spec.problem(&layout, &dims);
     if !matches!(spec.op, Op::Kda | Op::Dplr) {
@@ -311,7 +315,10 @@ fn planned_results(case: &Case) -> Result<Vec<(String, Vec<usize>)>, CaseError> 
 /// and writes each block's f64 truth (`results`, none: validation only).
 fn fill(tmp: &Path, per_block: usize, results: &[(String, Vec<usize>)]) -> Result<(), CaseError> {
     let file = HeadFile::for_filling(tmp, per_block)?.ok_or_else(|| {
-        CaseError::Usage(format!("{}: the case does not split by heads", tmp.display()))
+        CaseError::Usage(format!(
+            "{}: the case does not split by heads",
+            tmp.display()
+        ))
     })?;
     let blocks = file.blocks();
     let bar = Progress::bar(blocks.len() as u64, "head blocks");
@@ -366,7 +373,6 @@ fn non_finite(name: &str, v: f64, i: usize, shape: &[usize]) -> CaseError {
          refusing to store a non-finite truth"
     ))
 }
-
 
 /// The case's drawn inputs and upstream gradients, rounded to the storage
 /// dtype (not yet validated).
@@ -538,15 +544,29 @@ mod tests {
         plain.initial_state = false;
         let mut inputs_only = kda_spec(Dtype::F32);
         inputs_only.expected = false;
-        for spec in [kda_spec(Dtype::Bf16), kda_spec(Dtype::F64), plain, dplr, inputs_only] {
+        for spec in [
+            kda_spec(Dtype::Bf16),
+            kda_spec(Dtype::F64),
+            plain,
+            dplr,
+            inputs_only,
+        ] {
             let whole = whole_bytes(&spec, dir.path());
             for per_block in [1, 2, 3] {
                 let path = dir.path().join("streamed.safetensors");
                 let count = generate_streamed(&spec, &path, per_block).unwrap();
                 let case = Case::read(&path).unwrap();
-                assert_eq!(count, case.tensors.len() + usize::from(case.cu_seqlens.is_some()));
+                assert_eq!(
+                    count,
+                    case.tensors.len() + usize::from(case.cu_seqlens.is_some())
+                );
                 let bytes = std::fs::read(&path).unwrap();
-                assert!(bytes == whole, "{:?} {:?} per_block {per_block}", spec.op, spec.dtype);
+                assert!(
+                    bytes == whole,
+                    "{:?} {:?} per_block {per_block}",
+                    spec.op,
+                    spec.dtype
+                );
             }
         }
     }
@@ -558,9 +578,15 @@ mod tests {
         let path = dir.path().join("to.safetensors");
         for spec in [kda_spec(Dtype::Bf16), GenSpec::new(Op::TokenShift)] {
             let count = generate_to(&spec, &path).unwrap();
-            assert_eq!(std::fs::read(&path).unwrap(), whole_bytes(&spec, dir.path()));
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                whole_bytes(&spec, dir.path())
+            );
             let case = generate(&spec).unwrap();
-            assert_eq!(count, case.tensors.len() + usize::from(case.cu_seqlens.is_some()));
+            assert_eq!(
+                count,
+                case.tensors.len() + usize::from(case.cu_seqlens.is_some())
+            );
         }
     }
 
@@ -609,7 +635,10 @@ mod tests {
         let mut got = Tensors::new();
         got.insert("o".into(), ArrayD::zeros(ndarray::IxDyn(&[1, 2])));
         let e = same_names(&planned, &got).unwrap_err().to_string();
-        assert!(e.contains("[\"o\"]") && e.contains("[\"o\", \"dq\"]"), "{e}");
+        assert!(
+            e.contains("[\"o\"]") && e.contains("[\"o\", \"dq\"]"),
+            "{e}"
+        );
         got.insert("dq".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));
         assert!(same_names(&planned, &got).is_ok());
         got.insert("dk".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));

@@ -879,18 +879,29 @@ mod tests {
         let e = file.write_result(&(0..1), "q", &o).unwrap_err().to_string();
         assert!(e.contains("result `q`: the file has no room for it"), "{e}");
         let e = file.write_result(&(0..1), "o", &o).unwrap_err().to_string();
-        assert!(e.contains("expected shape [1, 64, 2, 4] for heads 0..1"), "{e}");
+        assert!(
+            e.contains("expected shape [1, 64, 2, 4] for heads 0..1"),
+            "{e}"
+        );
         let two = Case::read(&path).unwrap().tensors["o"]
             .slice_axis(Axis(2), Slice::from(0..2))
             .to_owned();
-        let e = file.write_result(&(3..4), "o", &two).unwrap_err().to_string();
-        assert!(e.contains("heads 3..4") && e.contains("expected shape"), "{e}");
+        let e = file
+            .write_result(&(3..4), "o", &two)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("heads 3..4") && e.contains("expected shape"),
+            "{e}"
+        );
         let mut spec = GenSpec::new(Op::TokenShift);
         spec.expected = true;
         let ts = dir.path().join("ts.safetensors");
         generate(&spec).unwrap().write(&ts).unwrap();
         assert!(HeadFile::for_filling(&ts, 1).unwrap().is_none());
-        let e = HeadFile::for_filling(&dir.path().join("none"), 1).err().unwrap();
+        let e = HeadFile::for_filling(&dir.path().join("none"), 1)
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("cannot read"), "{e}");
     }
 

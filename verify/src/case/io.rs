@@ -167,7 +167,9 @@ impl Case {
             .collect();
         for (name, shape) in results {
             if header.iter().any(|(n, _)| n == name) {
-                return Err(format(format!("result `{name}` is already a tensor of the case")));
+                return Err(format(format!(
+                    "result `{name}` is already a tensor of the case"
+                )));
             }
             let len = super::memory::elements(shape)
                 .and_then(|n| usize::try_from(n.checked_mul(8)?).ok())
@@ -562,12 +564,18 @@ mod tests {
             .write_filled(&path, &[("x".into(), vec![1, 2, 3])], |_| Ok(()))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("result `x` is already a tensor of the case"), "{e}");
+        assert!(
+            e.contains("result `x` is already a tensor of the case"),
+            "{e}"
+        );
         let e = case
             .write_filled(&path, &[("y".into(), vec![usize::MAX, 2])], |_| Ok(()))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("result `y` of shape") && e.contains("overflows"), "{e}");
+        assert!(
+            e.contains("result `y` of shape") && e.contains("overflows"),
+            "{e}"
+        );
         assert!(!path.exists());
     }
 

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use ndarray::Array2;
 use deltaref::cp::intra::{self, IntraParams};
 use deltaref::cp::{table, RankDiag};
 use deltaref_verify::case::{Case, CaseError};
@@ -15,6 +14,7 @@ use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
 use deltaref_verify::impls::{oracle_truth, Compute, ImplName, DEFAULT_CHUNK_SIZE};
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
+use ndarray::Array2;
 
 use super::{fail, ImplArgs};
 
@@ -365,7 +365,12 @@ mod tests {
                         .unwrap()
                         .with_heads_per_block(n);
                     let got = streamed(&a, &file).unwrap();
-                    assert_eq!(got, whole, "{} {flags:?}, {n} heads per block", path.display());
+                    assert_eq!(
+                        got,
+                        whole,
+                        "{} {flags:?}, {n} heads per block",
+                        path.display()
+                    );
                 }
             }
         }
