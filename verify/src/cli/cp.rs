@@ -11,7 +11,7 @@ use deltaref::cp::intra::{self, IntraParams};
 use deltaref::cp::{table, RankDiag};
 use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
-use deltaref_verify::impls::{oracle_truth, Compute, ImplName, DEFAULT_CHUNK_SIZE};
+use deltaref_verify::impls::{oracle_truth_owned, Compute, Impl, ImplName, DEFAULT_CHUNK_SIZE};
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 use ndarray::Array2;
@@ -67,7 +67,8 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
         return streamed(a, &file);
     }
     let case = Case::read(&a.case)?;
-    let run = run_block(a, &case, value_heads(&case))?;
+    let hv = value_heads(&case);
+    let run = run_block(a, case, hv, None)?;
     let report = VerifyReport::new(
         &a.case.display().to_string(),
         REFERENCE,
@@ -94,9 +95,18 @@ struct Run {
     diags: Vec<RankDiag<f64>>,
 }
 
-/// Runs `case` under CP as the flags ask; `hv`: the whole case's value
-/// heads (`--intra`'s default `--num-heads`).
-fn run_block(a: &Args, case: &Case, hv: usize) -> Result<Run, CaseError> {
+/// Runs `case` under CP as the flags ask, then the non-CP reference on
+/// it, so that the reference's results are not held during the CP run;
+/// `hv`: the whole case's value heads (`--intra`'s default `--num-heads`).
+/// With `again` (the case read anew), each run consumes its own copy of
+/// the inputs; without, the CP run copies them and the reference consumes
+/// `case`.
+fn run_block(
+    a: &Args,
+    case: Case,
+    hv: usize,
+    again: Option<&dyn Fn() -> Result<Case, CaseError>>,
+) -> Result<Run, CaseError> {
     let (mut req, explicit_compute) = a.imp.request()?;
     req.name = ImplName::Cp;
     if a.intra {
@@ -124,20 +134,37 @@ fn run_block(a: &Args, case: &Case, hv: usize) -> Result<Run, CaseError> {
             intra::split_points(&cu, &params).map_err(|e| CaseError::Usage(e.to_string()))?;
         req.cuts = Some(cuts);
     }
-    let (imp, preset_compute) = req.resolve_with_compute(case)?;
+    let (imp, preset_compute) = req.resolve_with_compute(&case)?;
     let compute = explicit_compute.or(preset_compute).unwrap_or(Compute::F64);
-    imp.check_memory(case)?;
+    imp.check_memory(&case)?;
+    Impl::NAIVE.check_memory(&case)?;
     let invalid = CaseError::computing(&a.case);
-    let reference = oracle_truth(case, &a.case)?;
     let progress = Progress::spinner(&format!("computing impl:{}", imp.name()));
     // The per-rank table holds f64 states; an f32 run reports its tensors only.
-    let (got, diags) = match compute {
-        Compute::F64 => imp
-            .compute_with_diags(case)
-            .map_err(|e| invalid(e.into()))?,
-        Compute::F32 => (imp.compute(case, Compute::F32).map_err(invalid)?, vec![]),
+    let (got, diags, case) = match (compute, again) {
+        (Compute::F64, None) => {
+            let (got, diags) = imp
+                .compute_with_diags(&case)
+                .map_err(|e| invalid(e.into()))?;
+            (got, diags, case)
+        }
+        (Compute::F64, Some(again)) => {
+            let (got, diags) = imp
+                .compute_owned_with_diags(case)
+                .map_err(|e| invalid(e.into()))?;
+            (got, diags, again()?)
+        }
+        (Compute::F32, None) => {
+            let got = imp.compute(&case, Compute::F32).map_err(invalid)?;
+            (got, vec![], case)
+        }
+        (Compute::F32, Some(again)) => {
+            let got = imp.compute_owned(case, Compute::F32).map_err(invalid)?;
+            (got, vec![], again()?)
+        }
     };
     drop(progress);
+    let reference = oracle_truth_owned(case, &a.case)?;
     let label = format!(
         "impl:{}{}",
         imp.name(),
@@ -176,8 +203,7 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<(String, bool), CaseError> {
         ));
         let case = file.read_inputs(heads)?;
         let hv = value_heads(&case) / heads.len() * file.heads();
-        let mut run = run_block(a, &case, hv)?;
-        drop(case);
+        let mut run = run_block(a, case, hv, Some(&|| file.read_inputs(heads)))?;
         for (name, truth) in std::mem::take(&mut run.reference) {
             rows.add(file, heads, &name, &truth, run.got.remove(&name).as_ref())?;
         }
