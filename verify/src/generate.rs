@@ -274,6 +274,8 @@ pub fn generate_streamed(
     }
     let per_block = per_block.clamp(1, problem.h);
     let blocks = problem.h.div_ceil(per_block) as u64;
+    // The drawn inputs in f64, then one block at a time: its engine run, or
+    // (inputs only) its stored bytes, its f64 values and validation's copy.
     let compute = if spec.expected {
         problem.compute_bytes(None)
     } else {

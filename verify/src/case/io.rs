@@ -189,6 +189,7 @@ impl Case {
         let mut failed = None;
         super::files::write_atomic_with(path, |tmp| {
             use std::os::unix::fs::FileExt;
+            // `create_new` never follows a link planted at the temporary name.
             let f = std::fs::File::options()
                 .write(true)
                 .create_new(true)
