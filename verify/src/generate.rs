@@ -1,5 +1,7 @@
 //! `deltaref gen`: deterministic cases with FLA-test-like inputs.
 
+use std::path::Path;
+
 use deltaref::conv::Activation;
 use deltaref::gates::Gate;
 use deltaref::gdn::GdnOptions;
@@ -10,8 +12,10 @@ use deltaref::kda::KdaOptions;
 use ndarray::{ArrayD, Axis};
 
 use crate::case::{Case, CaseError, CaseMeta, Dtype, Op};
+use crate::heads::HeadFile;
 use crate::impls::{first_non_finite, Compute, Impl};
 use crate::memory::{self, Problem};
+use crate::outputs::Tensors;
 use crate::progress::Progress;
 
 /// What to generate (the `gen` flags).
@@ -206,6 +210,175 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
     });
     memory::check("generating this case", need)?;
     let progress = Progress::spinner("drawing the inputs");
+    let mut case = draw(spec, layout, &dims);
+    case.validate()
+        .map_err(|e| CaseError::Usage(e.to_string()))?;
+    if spec.expected {
+        progress.step("computing the f64 truth");
+        // A long case's truth is computed a few heads at a time (same
+        // values; one per thread keeps every core busy): only those heads'
+        // engine buffers are live, not every head's.
+        let naive = |c: Case| Impl::NAIVE.compute_owned(c, Compute::F64);
+        let truth = (problem.compute_bytes(None) > crate::heads::STREAM_MIN_BYTES)
+            .then(|| crate::heads::compute_by_blocks(&case, rayon::current_num_threads(), naive))
+            .flatten()
+            .unwrap_or_else(|| Impl::NAIVE.compute(&case, Compute::F64))
+            .map_err(|e| CaseError::Usage(e.to_string()))?;
+        if let Some((n, i, v)) = first_non_finite(&truth) {
+            return Err(non_finite(&n, v, i, truth[&n].shape()));
+        }
+        for (n, t) in truth {
+            case.insert(&n, t, Dtype::F64);
+        }
+    }
+    Ok(case)
+}
+
+/// Generates the case `spec` describes and writes it to `path` (atomically,
+/// the bytes of [`generate`]'s case written by [`Case::write`]); returns the
+/// number of tensors written. A long KDA or DPLR case with H ≥ 2 never
+/// holds its truth whole: see [`generate_streamed`].
+pub fn generate_to(spec: &GenSpec, path: &Path) -> Result<usize, CaseError> {
+    let (layout, dims) = spec.dims()?;
+    let problem = spec.problem(&layout, &dims);
+    if matches!(spec.op, Op::Kda | Op::Dplr)
+        && problem.h >= 2
+        && problem.compute_bytes(None) > crate::heads::STREAM_MIN_BYTES
+    {
+        return generate_streamed(spec, path, rayon::current_num_threads());
+    }
+    let case = generate(spec)?;
+    case.write(path)?;
+    Ok(case.tensors.len() + usize::from(case.cu_seqlens.is_some()))
+}
+
+/// [`generate_to`] in bounded memory, `per_block` query/key heads at a
+/// time (heads never mix, see [`crate::heads`]; KDA and DPLR only). The
+/// inputs are drawn whole (the draws are per tensor), written to the file
+/// in the storage dtype and freed tensor by tensor; then each head block
+/// of the inputs is read back from the file, validated as a case, and its
+/// f64 truth computed and written into its slices of the result tensors.
+/// The file is byte for byte [`generate_to`]'s.
+pub fn generate_streamed(
+    spec: &GenSpec,
+    path: &Path,
+    per_block: usize,
+) -> Result<usize, CaseError> {
+    let (layout, dims) = spec.dims()?;
+    let problem = spec.problem(&layout, &dims);
+    if !matches!(spec.op, Op::Kda | Op::Dplr) {
+        return Err(CaseError::Usage(format!(
+            "generating head block by head block applies to kda and dplr, not {}",
+            spec.op.name()
+        )));
+    }
+    let per_block = per_block.clamp(1, problem.h);
+    let blocks = problem.h.div_ceil(per_block) as u64;
+    // The drawn inputs in f64, then one block at a time: its engine run, or
+    // (inputs only) its stored bytes, its f64 values and validation's copy.
+    let compute = if spec.expected {
+        problem.compute_bytes(None)
+    } else {
+        problem.input_elements().saturating_mul(8 * 3)
+    };
+    let need = problem
+        .input_elements()
+        .saturating_mul(8)
+        .saturating_add(compute / blocks);
+    memory::check("generating this case", need)?;
+    let progress = Progress::spinner("drawing the inputs");
+    let case = draw(spec, layout, &dims);
+    let results = if spec.expected {
+        planned_results(&case)?
+    } else {
+        vec![]
+    };
+    progress.step("writing the inputs");
+    case.write_filled(path, &results, |tmp| {
+        drop(progress);
+        fill(tmp, per_block, &results)
+    })
+}
+
+/// The results the oracle computes for `case`, with their shapes.
+fn planned_results(case: &Case) -> Result<Vec<(String, Vec<usize>)>, CaseError> {
+    case.expected_results()
+        .into_iter()
+        .map(|n| {
+            let shape = case.result_shape(n).ok_or_else(|| {
+                CaseError::Usage(format!("the case has no input to shape result `{n}` by"))
+            })?;
+            Ok((n.to_string(), shape))
+        })
+        .collect()
+}
+
+/// Validates the inputs of the case file `tmp` head block by head block
+/// and writes each block's f64 truth (`results`, none: validation only).
+fn fill(tmp: &Path, per_block: usize, results: &[(String, Vec<usize>)]) -> Result<(), CaseError> {
+    let file = HeadFile::for_filling(tmp, per_block)?.ok_or_else(|| {
+        CaseError::Usage(format!(
+            "{}: the case does not split by heads",
+            tmp.display()
+        ))
+    })?;
+    let blocks = file.blocks();
+    let bar = Progress::bar(blocks.len() as u64, "head blocks");
+    for heads in &blocks {
+        let of = format!("heads {}..{} of {}", heads.start, heads.end, file.heads());
+        bar.step(&format!("{of}: reading and validating the inputs"));
+        let block = file.read_inputs(heads)?;
+        if !results.is_empty() {
+            bar.step(&format!("{of}: computing the f64 truth"));
+            let truth = Impl::NAIVE
+                .compute_owned(block, Compute::F64)
+                .map_err(|e| CaseError::Usage(e.to_string()))?;
+            same_names(results, &truth)?;
+            if let Some((n, i, v)) = first_non_finite(&truth) {
+                let (shape, at) = file
+                    .place(&n, truth[&n].shape(), heads)
+                    .ok_or_else(|| CaseError::Usage(format!("result `{n}` has no head axis")))?;
+                return Err(non_finite(&n, v, at(i), &shape));
+            }
+            bar.step(&format!("{of}: writing the f64 truth"));
+            for (n, x) in truth {
+                file.write_result(heads, &n, &x)?;
+            }
+        }
+        bar.inc();
+    }
+    Ok(())
+}
+
+/// The oracle's results must be the planned ones: a result the file has no
+/// room for, or room left unwritten, would be a wrong file.
+fn same_names(planned: &[(String, Vec<usize>)], got: &Tensors) -> Result<(), CaseError> {
+    let want: Vec<&str> = planned.iter().map(|(n, _)| n.as_str()).collect();
+    let mut have: Vec<&str> = got.keys().map(String::as_str).collect();
+    let mut sorted = want.clone();
+    sorted.sort_unstable();
+    have.sort_unstable();
+    if sorted != have {
+        return Err(CaseError::Usage(format!(
+            "the f64 oracle computed {have:?}, the case file was planned for {want:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// The refusal of a truth whose `name` is `v` (non-finite) at flat index
+/// `i` of `shape`.
+fn non_finite(name: &str, v: f64, i: usize, shape: &[usize]) -> CaseError {
+    CaseError::Usage(format!(
+        "the f64 oracle's `{name}` is non-finite ({v} at flat index {i} of shape {shape:?}): \
+         the inputs overflow the recurrence (unstable keys, gates or scale); \
+         refusing to store a non-finite truth"
+    ))
+}
+
+/// The case's drawn inputs and upstream gradients, rounded to the storage
+/// dtype (not yet validated).
+fn draw(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Case {
     let mut case = Case::new(spec.meta());
     case.cu_seqlens = layout.cu_seqlens();
     let dt = spec.dtype;
@@ -232,7 +405,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             };
             let mut g = inputs::kda_in(&s, spec.regime);
             if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
-                g.inputs.k = unit_norm(&g.inputs.k);
+                unit_norm(&mut g.inputs.k);
             }
             let named = gated_named!(g.inputs);
             put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
@@ -298,7 +471,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             };
             let mut g = inputs::gdn_in(&s, spec.regime);
             if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
-                g.inputs.k = unit_norm(&g.inputs.k);
+                unit_norm(&mut g.inputs.k);
             }
             let named = gated_named!(g.inputs);
             put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
@@ -322,40 +495,155 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
             put_all(&mut case, named, [("dy", g.d_o), ("dht", g.dht)], dt);
         }
     }
-    case.validate()
-        .map_err(|e| CaseError::Usage(e.to_string()))?;
-    if spec.expected {
-        progress.step("computing the f64 truth");
-        // A long case's truth is computed a few heads at a time (same
-        // values; one per thread keeps every core busy): only those heads'
-        // engine buffers are live, not every head's.
-        let naive = |c: Case| Impl::NAIVE.compute_owned(c, Compute::F64);
-        let truth = (problem.compute_bytes(None) > crate::heads::STREAM_MIN_BYTES)
-            .then(|| crate::heads::compute_by_blocks(&case, rayon::current_num_threads(), naive))
-            .flatten()
-            .unwrap_or_else(|| Impl::NAIVE.compute(&case, Compute::F64))
-            .map_err(|e| CaseError::Usage(e.to_string()))?;
-        if let Some((n, i, v)) = first_non_finite(&truth) {
-            return Err(CaseError::Usage(format!(
-                "the f64 oracle's `{n}` is non-finite ({v} at flat index {i} of shape {:?}): \
-                 the inputs overflow the recurrence (unstable keys, gates or scale); \
-                 refusing to store a non-finite truth",
-                truth[&n].shape()
-            )));
-        }
-        for (n, t) in truth {
-            case.insert(&n, t, Dtype::F64);
-        }
-    }
-    Ok(case)
+    case
 }
 
-/// `x / max(‖x‖, 1e-12)` over the last dimension (PyTorch's `F.normalize`).
-fn unit_norm(x: &ArrayD<f64>) -> ArrayD<f64> {
-    let mut y = x.clone();
-    for mut row in y.lanes_mut(Axis(x.ndim() - 1)) {
+/// `x / max(‖x‖, 1e-12)` over the last dimension (PyTorch's `F.normalize`), in place.
+fn unit_norm(x: &mut ArrayD<f64>) {
+    let last = Axis(x.ndim() - 1);
+    for mut row in x.lanes_mut(last) {
         let norm = row.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);
         row.mapv_inplace(|v| v / norm);
     }
-    y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole_bytes(spec: &GenSpec, dir: &Path) -> Vec<u8> {
+        let path = dir.join("whole.safetensors");
+        generate(spec).unwrap().write(&path).unwrap();
+        std::fs::read(path).unwrap()
+    }
+
+    /// GVA, a gate with `A_log` and `dt_bias`, initial states, three
+    /// sequences: every head axis of KDA occurs.
+    fn kda_spec(dtype: Dtype) -> GenSpec {
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.lengths = Some(vec![5, 40, 19]);
+        spec.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+        spec.gate = Gate::LowerBound { lower_bound: -5.0 };
+        spec.use_qk_l2norm_in_kernel = true;
+        spec.initial_state = true;
+        spec.expected = true;
+        spec.dtype = dtype;
+        spec
+    }
+
+    /// The streamed file is the whole-case file, byte for byte, whatever
+    /// the blocks (one head, two of three, every head).
+    #[test]
+    fn streamed_files_are_the_whole_cases_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut dplr = GenSpec::new(Op::Dplr);
+        dplr.shape = Some(vec![2, 24, 2, 8, 4]);
+        dplr.initial_state = true;
+        dplr.expected = true;
+        let mut plain = kda_spec(Dtype::F64);
+        plain.gate = Gate::None;
+        plain.use_qk_l2norm_in_kernel = false;
+        plain.initial_state = false;
+        let mut inputs_only = kda_spec(Dtype::F32);
+        inputs_only.expected = false;
+        for spec in [
+            kda_spec(Dtype::Bf16),
+            kda_spec(Dtype::F64),
+            plain,
+            dplr,
+            inputs_only,
+        ] {
+            let whole = whole_bytes(&spec, dir.path());
+            for per_block in [1, 2, 3] {
+                let path = dir.path().join("streamed.safetensors");
+                let count = generate_streamed(&spec, &path, per_block).unwrap();
+                let case = Case::read(&path).unwrap();
+                assert_eq!(
+                    count,
+                    case.tensors.len() + usize::from(case.cu_seqlens.is_some())
+                );
+                let bytes = std::fs::read(&path).unwrap();
+                assert!(
+                    bytes == whole,
+                    "{:?} {:?} per_block {per_block}",
+                    spec.op,
+                    spec.dtype
+                );
+            }
+        }
+    }
+
+    /// Short cases (and ops without heads) go the whole-case way, to the same bytes.
+    #[test]
+    fn generate_to_writes_generates_case() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("to.safetensors");
+        for spec in [kda_spec(Dtype::Bf16), GenSpec::new(Op::TokenShift)] {
+            let count = generate_to(&spec, &path).unwrap();
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                whole_bytes(&spec, dir.path())
+            );
+            let case = generate(&spec).unwrap();
+            assert_eq!(
+                count,
+                case.tensors.len() + usize::from(case.cu_seqlens.is_some())
+            );
+        }
+    }
+
+    #[test]
+    fn streaming_an_op_without_heads_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ts.safetensors");
+        let e = generate_streamed(&GenSpec::new(Op::TokenShift), &path, 1).unwrap_err();
+        assert!(e.to_string().contains("not token_shift"), "{e}");
+        assert!(!path.exists());
+    }
+
+    /// A scale of 1e308 overflows the outputs. The streamed refusal names
+    /// a tensor, the whole tensor's shape and an index in it where the
+    /// whole case's truth is non-finite, and leaves no file.
+    #[test]
+    fn a_non_finite_streamed_truth_is_refused_and_nothing_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.shape = Some(vec![1, 32, 2, 2, 8, 4]);
+        spec.scale = Some(1e308);
+        let truth = Impl::NAIVE
+            .compute(&generate(&spec).unwrap(), Compute::F64)
+            .unwrap();
+        spec.expected = true;
+        assert!(generate(&spec).is_err());
+        let path = dir.path().join("nan.safetensors");
+        let e = generate_streamed(&spec, &path, 1).unwrap_err().to_string();
+        assert!(!path.exists());
+        assert!(e.contains("refusing to store a non-finite truth"), "{e}");
+        let name = e.split('`').nth(1).unwrap();
+        let at: usize = e
+            .split("at flat index ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|i| i.parse().ok())
+            .unwrap();
+        let x = &truth[name];
+        assert!(e.contains(&format!("of shape {:?}", x.shape())), "{e}");
+        assert!(!x.iter().nth(at).unwrap().is_finite(), "{e}");
+    }
+
+    #[test]
+    fn results_the_file_was_not_planned_for_are_refused() {
+        let planned = vec![("o".to_string(), vec![1, 2]), ("dq".to_string(), vec![1])];
+        let mut got = Tensors::new();
+        got.insert("o".into(), ArrayD::zeros(ndarray::IxDyn(&[1, 2])));
+        let e = same_names(&planned, &got).unwrap_err().to_string();
+        assert!(
+            e.contains("[\"o\"]") && e.contains("[\"o\", \"dq\"]"),
+            "{e}"
+        );
+        got.insert("dq".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));
+        assert!(same_names(&planned, &got).is_ok());
+        got.insert("dk".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));
+        assert!(same_names(&planned, &got).is_err());
+    }
 }

@@ -77,10 +77,7 @@ impl HeadFile {
         else {
             return Ok(None);
         };
-        let op = metadata
-            .get("case")
-            .and_then(|m| serde_json::from_str::<Value>(m).ok())
-            .and_then(|m| Op::parse(m.get("op")?.as_str()?));
+        let op = case_op(&metadata);
         // Only KDA's and DPLR's tensor layouts are known here (GDN's gate is
         // [B, T, H], the conv has channels, not heads): the rest load whole.
         let Some(op) = op.filter(|&op| matches!(op, Op::Kda | Op::Dplr)) else {
@@ -93,8 +90,7 @@ impl HeadFile {
         let Some(heads) = heads.filter(|&h| h >= 2) else {
             return Ok(None);
         };
-        let per_head = data_bytes / heads as u64;
-        let per_block = (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize;
+        let per_block = heads_per_block(data_bytes, heads);
         let file = HeadFile {
             path: path.to_path_buf(),
             file,
@@ -134,6 +130,130 @@ impl HeadFile {
         Ok(file.splits().then_some(file))
     }
 
+    /// A case file this process is writing (see [`crate::case::Case::write_filled`]),
+    /// opened for reading its inputs and writing its results head block by
+    /// head block: at most `per_block` query/key heads at a time, fewer
+    /// where the blocks [`HeadFile::open`] reads would be smaller (a
+    /// block's engine run holds several times its stored bytes). `None`
+    /// where its tensors do not split by heads (not KDA or DPLR, a tensor
+    /// without a head axis).
+    pub fn for_filling(path: &Path, per_block: usize) -> Result<Option<HeadFile>, CaseError> {
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| CaseError::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let Some(Header {
+            file,
+            metadata,
+            tensors,
+            data_bytes,
+        }) = read_header_of(file, 0)
+        else {
+            return Ok(None);
+        };
+        let op = case_op(&metadata).filter(|&op| matches!(op, Op::Kda | Op::Dplr));
+        let heads = tensors
+            .iter()
+            .find(|e| e.name == "q")
+            .and_then(|q| q.shape.get(2).copied())
+            .filter(|&h| h >= 1);
+        let (Some(op), Some(heads)) = (op, heads) else {
+            return Ok(None);
+        };
+        let file = HeadFile {
+            path: path.to_path_buf(),
+            file,
+            op,
+            metadata,
+            tensors,
+            heads,
+            per_block: 1,
+        }
+        .with_heads_per_block(per_block.min(heads_per_block(data_bytes, heads)));
+        Ok(file.splits().then_some(file))
+    }
+
+    /// Writes result `name` (stored as float64) of heads `heads`: `x` is
+    /// shaped as the whole result with its head axis cut to those heads.
+    pub fn write_result(
+        &self,
+        heads: &Range<usize>,
+        name: &str,
+        x: &ArrayD<f64>,
+    ) -> Result<(), CaseError> {
+        let what = format!(
+            "{} (heads {}..{})",
+            self.path.display(),
+            heads.start,
+            heads.end
+        );
+        let fail = |why: String| CaseError::Write {
+            path: what.clone(),
+            why: format!("result `{name}`: {why}"),
+        };
+        let e = self
+            .tensors
+            .iter()
+            .find(|e| e.name == name && self.is_result(name))
+            .ok_or_else(|| fail("the file has no room for it".into()))?;
+        if e.dtype != StDtype::F64 {
+            return Err(fail(format!("stored as {:?}, not F64", e.dtype)));
+        }
+        let a = head_axis(name).ok_or_else(|| fail("it has no head axis".into()))?;
+        let per = e.shape[a] / self.heads;
+        let units = heads.start * per..heads.end * per;
+        let mut want = e.shape.clone();
+        want[a] = units.len();
+        if x.shape() != want.as_slice() || heads.end > self.heads {
+            return Err(fail(format!(
+                "expected shape {want:?} for heads {}..{} of {:?}, got {:?}",
+                heads.start,
+                heads.end,
+                e.shape,
+                x.shape()
+            )));
+        }
+        self.scatter(e, a, units, x.iter().copied())
+            .map_err(|err| fail(err.to_string()))
+    }
+
+    /// Writes `values` (f64, in order) as `units` along axis `a` of tensor
+    /// `e`: the mirror of [`HeadFile::gather`]. Rows of one block are apart
+    /// in the file unless the block is every head, when they are written
+    /// together.
+    fn scatter(
+        &self,
+        e: &Entry,
+        a: usize,
+        units: Range<usize>,
+        mut values: impl Iterator<Item = f64>,
+    ) -> std::io::Result<()> {
+        let inner: usize = e.shape.iter().skip(a + 1).product::<usize>() * e.size;
+        let outer: usize = e.shape.iter().take(a).product();
+        let row = e.shape[a] * inner;
+        let (skip, take) = (units.start * inner, units.len() * inner);
+        let rows_per_write = if take == row {
+            (READ_BYTES / row.max(1)).max(1)
+        } else {
+            1
+        };
+        let mut buf = Vec::with_capacity(rows_per_write * take);
+        for first in (0..outer).step_by(rows_per_write) {
+            let n = rows_per_write.min(outer - first);
+            buf.clear();
+            for v in values.by_ref().take(n * take / e.size) {
+                buf.extend_from_slice(&v.to_le_bytes());
+            }
+            self.file
+                .write_all_at(&buf, e.begin + (first * row + skip) as u64)?;
+        }
+        Ok(())
+    }
+
     /// Whether every tensor has a head axis whose length is a multiple of H.
     fn splits(&self) -> bool {
         self.tensors.iter().all(|e| match head_axis(&e.name) {
@@ -144,6 +264,19 @@ impl HeadFile {
             None => e.name == "cu_seqlens",
         })
     }
+}
+
+/// Query/key heads per block of a file of `data_bytes` after its header:
+/// about [`BLOCK_BYTES`] of stored data, at least one head.
+fn heads_per_block(data_bytes: u64, heads: usize) -> usize {
+    let per_head = data_bytes / heads as u64;
+    (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize
+}
+
+/// The op a file's `case` metadata names.
+fn case_op(metadata: &HashMap<String, String>) -> Option<Op> {
+    let m = serde_json::from_str::<Value>(metadata.get("case")?).ok()?;
+    Op::parse(m.get("op")?.as_str()?)
 }
 
 /// A safetensors file opened and its header parsed.
@@ -158,7 +291,11 @@ struct Header {
 /// The parsed header of a safetensors file of at least `min_bytes`; `None`
 /// for anything unreadable or malformed (the whole-file path reports it).
 fn read_header(path: &Path, min_bytes: u64) -> Option<Header> {
-    let file = File::open(path).ok()?;
+    read_header_of(File::open(path).ok()?, min_bytes)
+}
+
+/// [`read_header`] of a file already open.
+fn read_header_of(file: File, min_bytes: u64) -> Option<Header> {
     let len = file.metadata().ok()?.len();
     if len < min_bytes.max(8) {
         return None;
@@ -444,7 +581,7 @@ impl HeadFile {
 
     /// `(full shape, flat index in the full tensor)` of a head block's
     /// tensor `name` of shape `block`: heads `heads` of the whole case.
-    fn place(
+    pub(crate) fn place(
         &self,
         name: &str,
         block: &[usize],
@@ -697,5 +834,88 @@ mod tests {
         assert!(e.contains("heads 2..3") && e.contains("dq"), "{e}");
         assert!(file.read_result(&(0..1), "dq", &shapes).is_ok());
         assert!(file.read_result(&(2..3), "dk", &shapes).is_ok());
+    }
+
+    /// A result written into a head block's slices lands where the whole
+    /// tensor's slice assignment puts it, and nowhere else.
+    #[test]
+    fn a_written_block_lands_in_its_heads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::Bf16);
+        let before = Case::read(&path).unwrap();
+        let file = HeadFile::for_filling(&path, 2).unwrap().unwrap();
+        assert_eq!(file.blocks(), vec![0..2, 2..3]);
+        for (name, axis) in [("dv", 2), ("dh0", 1), ("ddt_bias", 0), ("o", 2)] {
+            let whole = &before.tensors[name];
+            let per = whole.shape()[axis] / 3;
+            let mut block = whole
+                .slice_axis(Axis(axis), Slice::from(2 * per..3 * per))
+                .to_owned();
+            block.mapv_inplace(|v| v + 1.0);
+            file.write_result(&(2..3), name, &block).unwrap();
+            let mut want = whole.clone();
+            want.slice_axis_mut(Axis(axis), Slice::from(2 * per..3 * per))
+                .assign(&block);
+            let after = Case::read(&path).unwrap();
+            assert_eq!(after.tensors[name], want, "{name}");
+        }
+        let after = Case::read(&path).unwrap();
+        for name in ["q", "dq", "final_state"] {
+            assert_eq!(after.tensors[name], before.tensors[name], "{name}");
+        }
+    }
+
+    /// Writing an input, a block of the wrong shape or one past the last
+    /// head is refused by name; an op without heads is not opened.
+    #[test]
+    fn writing_a_block_the_file_has_no_room_for_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let file = HeadFile::for_filling(&path, 1).unwrap().unwrap();
+        // One value head: a query/key head has two (GVA, HV = 2H).
+        let o = Case::read(&path).unwrap().tensors["o"]
+            .slice_axis(Axis(2), Slice::from(0..1))
+            .to_owned();
+        let e = file.write_result(&(0..1), "q", &o).unwrap_err().to_string();
+        assert!(e.contains("result `q`: the file has no room for it"), "{e}");
+        let e = file.write_result(&(0..1), "o", &o).unwrap_err().to_string();
+        assert!(
+            e.contains("expected shape [1, 64, 2, 4] for heads 0..1"),
+            "{e}"
+        );
+        let two = Case::read(&path).unwrap().tensors["o"]
+            .slice_axis(Axis(2), Slice::from(0..2))
+            .to_owned();
+        let e = file
+            .write_result(&(3..4), "o", &two)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("heads 3..4") && e.contains("expected shape"),
+            "{e}"
+        );
+        let mut spec = GenSpec::new(Op::TokenShift);
+        spec.expected = true;
+        let ts = dir.path().join("ts.safetensors");
+        generate(&spec).unwrap().write(&ts).unwrap();
+        assert!(HeadFile::for_filling(&ts, 1).unwrap().is_none());
+        let e = HeadFile::for_filling(&dir.path().join("none"), 1)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("cannot read"), "{e}");
+    }
+
+    /// A result stored in another dtype than f64 is not overwritten.
+    #[test]
+    fn a_result_stored_below_f64_is_not_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = kda_file(dir.path(), Dtype::F64);
+        let mut case = Case::read(&path).unwrap();
+        let o = case.tensors["o"].clone();
+        case.insert("o", o.clone(), Dtype::F32);
+        case.write(&path).unwrap();
+        let file = HeadFile::for_filling(&path, 3).unwrap().unwrap();
+        let e = file.write_result(&(0..3), "o", &o).unwrap_err().to_string();
+        assert!(e.contains("stored as F32, not F64"), "{e}");
     }
 }

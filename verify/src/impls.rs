@@ -254,6 +254,15 @@ impl Impl {
         Ok((self.stored_outputs(t), diags))
     }
 
+    /// Like `compute_with_diags`, consuming the case (see `compute_owned`).
+    pub fn compute_owned_with_diags(
+        &self,
+        case: Case,
+    ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
+        let (t, diags) = self.compute_in::<f64>(Cow::Owned(case), true)?;
+        Ok((self.stored_outputs(t), diags))
+    }
+
     /// Like `compute`, consuming the case: its inputs move into the engine
     /// instead of being copied (a long case's head block holds one set).
     pub fn compute_owned(&self, case: Case, compute: Compute) -> Result<Tensors, ComputeError> {
@@ -744,6 +753,22 @@ pub fn oracle_truth(case: &Case, path: &std::path::Path) -> Result<Tensors, Case
     let truth = Impl::NAIVE
         .compute(case, Compute::F64)
         .map_err(CaseError::computing(path))?;
+    finite_truth(truth, path)
+}
+
+/// [`oracle_truth`] consuming the case: its inputs move into the engine
+/// instead of being copied.
+pub fn oracle_truth_owned(case: Case, path: &std::path::Path) -> Result<Tensors, CaseError> {
+    Impl::NAIVE.check_memory(&case)?;
+    let _p = crate::progress::Progress::spinner("computing the f64 oracle's truth");
+    let truth = Impl::NAIVE
+        .compute_owned(case, Compute::F64)
+        .map_err(CaseError::computing(path))?;
+    finite_truth(truth, path)
+}
+
+/// `truth`, refused when non-finite (see [`oracle_truth`]).
+fn finite_truth(truth: Tensors, path: &std::path::Path) -> Result<Tensors, CaseError> {
     match first_non_finite(&truth) {
         None => Ok(truth),
         Some((n, i, v)) => Err(CaseError::Usage(format!(

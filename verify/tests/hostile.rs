@@ -339,13 +339,16 @@ fn gen_refuses_to_store_a_non_finite_truth() {
 #[test]
 fn an_overflowing_reference_is_reported_as_such() {
     let dir = tempfile::tempdir().unwrap();
-    let p = gen(dir.path(), "c.safetensors", &["--gate", "kda"]);
+    // Packed (B = 1), so that `cp` can split it: its CP run comes before
+    // its reference.
+    let gate = ["--gate", "kda", "--lengths", "64,64"];
+    let p = gen(dir.path(), "c.safetensors", &gate);
     let mut c = Case::read(&p).unwrap();
     let a_log = c.tensors["A_log"].mapv(|_| 1e308);
     c.insert("A_log", a_log, Dtype::F64);
     c.write(&p).unwrap();
     let cand = dir.path().join("cand.safetensors");
-    let mut good = Case::read(&gen(dir.path(), "g.safetensors", &["--gate", "kda"])).unwrap();
+    let mut good = Case::read(&gen(dir.path(), "g.safetensors", &gate)).unwrap();
     good.meta.seed = None;
     good.write(&cand).unwrap();
     for args in [

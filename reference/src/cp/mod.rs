@@ -704,6 +704,20 @@ fn run_backward<T: Scalar, E: Engine<T>>(
             })
         })
         .collect();
+    // The table's suffix runs before the pieces' backward, not after it:
+    // each is a backward over up to the whole sequence, and the pieces'
+    // gradients are not live yet.
+    let mut reference_dhts: Vec<Option<Vec<Array2<T>>>> = plan
+        .ranks
+        .iter()
+        .map(|rm| {
+            (rm.continued() && !opt.skip_reference_runs).then(|| {
+                (0..heads)
+                    .map(|h| reference_dht(local, plan, rm, h))
+                    .collect()
+            })
+        })
+        .collect();
     let ps = pieces(plan);
     let runs = par_pairs(ps.len(), heads, |i, h| {
         let p = &ps[i];
@@ -757,11 +771,7 @@ fn run_backward<T: Scalar, E: Engine<T>>(
             );
         }
         d.merged_dht = merged_dht[r].clone();
-        d.reference_dht = (rm.continued() && !opt.skip_reference_runs).then(|| {
-            (0..heads)
-                .map(|h| reference_dht(local, plan, rm, h))
-                .collect()
-        });
+        d.reference_dht = reference_dhts[r].take();
     }
     CpBackward {
         outputs,

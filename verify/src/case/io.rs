@@ -21,21 +21,42 @@ enum Encoded<'a> {
 }
 
 /// A tensor's dtype and shape without its bytes (to build the header alone).
-struct HeaderOnly<'a, 'b>(&'a Encoded<'b>);
+#[derive(Clone)]
+struct HeaderOnly {
+    dtype: StDtype,
+    shape: Vec<usize>,
+    len: usize,
+}
 
-impl safetensors::View for HeaderOnly<'_, '_> {
+impl HeaderOnly {
+    fn of(v: &impl View) -> HeaderOnly {
+        HeaderOnly {
+            dtype: v.dtype(),
+            shape: v.shape().to_vec(),
+            len: v.data_len(),
+        }
+    }
+}
+
+impl safetensors::View for HeaderOnly {
     fn dtype(&self) -> StDtype {
-        self.0.dtype()
+        self.dtype
     }
     fn shape(&self) -> &[usize] {
-        self.0.shape()
+        &self.shape
     }
     fn data(&self) -> std::borrow::Cow<'_, [u8]> {
         std::borrow::Cow::Borrowed(&[])
     }
     fn data_len(&self) -> usize {
-        self.0.data_len()
+        self.len
     }
+}
+
+/// safetensors' order of the tensors' bytes in a file: dtype alignment
+/// down, then name.
+fn data_order<V: View>(a: &(String, V), b: &(String, V)) -> std::cmp::Ordering {
+    b.1.dtype().cmp(&a.1.dtype()).then(a.0.cmp(&b.0))
 }
 
 impl safetensors::View for Encoded<'_> {
@@ -89,17 +110,12 @@ impl Case {
             path: path.display().to_string(),
             why,
         })?;
-        // safetensors' own serialisation, tensors without their bytes: the
-        // length prefix and the header.
-        let header = views.iter().map(|(n, v)| (n.clone(), HeaderOnly(v)));
-        let head = safetensors::tensor::serialize(header, Some(self.meta_map())).map_err(|e| {
-            CaseError::Format {
-                path: path.display().to_string(),
-                why: e.to_string(),
-            }
-        })?;
-        // Then the bytes in safetensors' order: dtype alignment down, then name.
-        views.sort_by(|(a, x), (b, y)| y.dtype().cmp(&x.dtype()).then(a.cmp(b)));
+        let header: Vec<(String, HeaderOnly)> = views
+            .iter()
+            .map(|(n, v)| (n.clone(), HeaderOnly::of(v)))
+            .collect();
+        let head = self.head(path, header)?;
+        views.sort_by(data_order);
         super::files::write_atomic_with(path, |tmp| {
             // `create_new` never follows a link planted at the temporary name.
             let f = std::fs::File::options()
@@ -113,6 +129,94 @@ impl Case {
             }
             w.flush()
         })
+    }
+
+    /// safetensors' own serialisation of tensors without their bytes: the
+    /// length prefix and the header.
+    fn head(&self, path: &Path, header: Vec<(String, HeaderOnly)>) -> Result<Vec<u8>, CaseError> {
+        safetensors::tensor::serialize(header, Some(self.meta_map())).map_err(|e| {
+            CaseError::Format {
+                path: path.display().to_string(),
+                why: e.to_string(),
+            }
+        })
+    }
+
+    /// Writes the case atomically as [`Case::write`] does, plus room for
+    /// `results` (float64, `(name, shape)`) that `fill` writes in place:
+    /// the header and the case's tensors first (each freed once written,
+    /// so the case is consumed), then `fill` runs on the temporary file,
+    /// whose result bytes are zero until it writes them. With every result
+    /// filled, the bytes are those of [`Case::write`] of the case holding
+    /// the results. Returns the number of tensors written.
+    pub fn write_filled(
+        mut self,
+        path: &Path,
+        results: &[(String, Vec<usize>)],
+        fill: impl FnOnce(&Path) -> Result<(), CaseError>,
+    ) -> Result<usize, CaseError> {
+        let format = |why: String| CaseError::Format {
+            path: path.display().to_string(),
+            why,
+        };
+        let mut header: Vec<(String, HeaderOnly)> = self
+            .views()
+            .map_err(format)?
+            .iter()
+            .map(|(n, v)| (n.clone(), HeaderOnly::of(v)))
+            .collect();
+        for (name, shape) in results {
+            if header.iter().any(|(n, _)| n == name) {
+                return Err(format(format!(
+                    "result `{name}` is already a tensor of the case"
+                )));
+            }
+            let len = super::memory::elements(shape)
+                .and_then(|n| usize::try_from(n.checked_mul(8)?).ok())
+                .ok_or_else(|| format(format!("result `{name}` of shape {shape:?} overflows")))?;
+            header.push((
+                name.clone(),
+                HeaderOnly {
+                    dtype: StDtype::F64,
+                    shape: shape.clone(),
+                    len,
+                },
+            ));
+        }
+        let head = self.head(path, header.clone())?;
+        header.sort_by(data_order);
+        let count = header.len();
+        let mut failed = None;
+        super::files::write_atomic_with(path, |tmp| {
+            use std::os::unix::fs::FileExt;
+            // `create_new` never follows a link planted at the temporary name.
+            let f = std::fs::File::options()
+                .write(true)
+                .create_new(true)
+                .open(tmp)?;
+            let end = header.iter().fold(head.len(), |at, (_, h)| at + h.len);
+            f.set_len(end as u64)?;
+            f.write_all_at(&head, 0)?;
+            let mut at = head.len() as u64;
+            for (name, h) in &header {
+                if let Some(x) = self.tensors.remove(name) {
+                    let dt = self.dtypes.get(name).copied().unwrap_or(Dtype::F64);
+                    f.write_all_at(&encode(dt, &x), at)?;
+                } else if name == "cu_seqlens" {
+                    let cu = self.cu_seqlens.take().unwrap_or_default();
+                    let bytes: Vec<u8> = cu.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    f.write_all_at(&bytes, at)?;
+                }
+                at += h.len as u64;
+            }
+            drop(f);
+            fill(tmp).map_err(|e| {
+                failed = Some(e);
+                std::io::Error::other("filling the results failed")
+            })
+        })
+        .map_err(|e| failed.take().unwrap_or(e))?;
+        Ok(count)
     }
 
     /// The `case` metadata entry of the file.
@@ -441,5 +545,56 @@ fn reject_duplicate_names(bytes: &[u8]) -> Result<(), String> {
     match keys.windows(2).find(|w| w[0] == w[1]) {
         Some(w) => Err(format!("duplicate tensor name `{}` in the header", w[0])),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Room for a result the case already holds is refused by name, before
+    /// anything is written.
+    #[test]
+    fn room_for_a_tensor_the_case_holds_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.safetensors");
+        let mut case = Case::new(CaseMeta::new(Op::TokenShift));
+        case.insert("x", ArrayD::zeros(IxDyn(&[1, 2, 3])), Dtype::F64);
+        let e = case
+            .clone()
+            .write_filled(&path, &[("x".into(), vec![1, 2, 3])], |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("result `x` is already a tensor of the case"),
+            "{e}"
+        );
+        let e = case
+            .write_filled(&path, &[("y".into(), vec![usize::MAX, 2])], |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("result `y` of shape") && e.contains("overflows"),
+            "{e}"
+        );
+        assert!(!path.exists());
+    }
+
+    /// What `fill` refuses is the write's error, and no file is left.
+    #[test]
+    fn a_failed_fill_leaves_no_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.safetensors");
+        let mut case = Case::new(CaseMeta::new(Op::TokenShift));
+        case.insert("x", ArrayD::zeros(IxDyn(&[1, 2, 3])), Dtype::Bf16);
+        let e = case
+            .write_filled(&path, &[("y".into(), vec![1, 2, 3])], |_| {
+                Err(CaseError::Usage("no truth".into()))
+            })
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "no truth");
+        assert!(!path.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }

@@ -8,11 +8,13 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref::cp::intra::{self, IntraParams};
-use deltaref::cp::table;
+use deltaref::cp::{table, RankDiag};
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::impls::{oracle_truth, Compute, ImplName, DEFAULT_CHUNK_SIZE};
+use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
+use deltaref_verify::impls::{oracle_truth_owned, Compute, Impl, ImplName, DEFAULT_CHUNK_SIZE};
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
+use ndarray::Array2;
 
 use super::{fail, ImplArgs};
 
@@ -61,7 +63,50 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
             "--intra: --num-sms, --num-heads and --max-splits must be ≥ 1".into(),
         ));
     }
+    if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)? {
+        return streamed(a, &file);
+    }
     let case = Case::read(&a.case)?;
+    let hv = value_heads(&case);
+    let run = run_block(a, case, hv, None)?;
+    let report = VerifyReport::new(
+        &a.case.display().to_string(),
+        REFERENCE,
+        &run.label,
+        &run.reference,
+        &run.got,
+        a.max_ratio,
+    );
+    Ok(print(&run.name, &run.diags, report))
+}
+
+/// What the report names the non-CP reference.
+const REFERENCE: &str = "impl:naive (non-CP, f64)";
+
+/// The non-CP reference and the CP run of a case (a whole case, or a head
+/// block of one), with the per-rank diagnostics of an f64 run.
+struct Run {
+    /// The implementation's name.
+    name: String,
+    /// `impl:…`, with ` in f32` for an f32 run.
+    label: String,
+    reference: deltaref_verify::outputs::Tensors,
+    got: deltaref_verify::outputs::Tensors,
+    diags: Vec<RankDiag<f64>>,
+}
+
+/// Runs `case` under CP as the flags ask, then the non-CP reference on
+/// it, so that the reference's results are not held during the CP run;
+/// `hv`: the whole case's value heads (`--intra`'s default `--num-heads`).
+/// With `again` (the case read anew), each run consumes its own copy of
+/// the inputs; without, the CP run copies them and the reference consumes
+/// `case`.
+fn run_block(
+    a: &Args,
+    case: Case,
+    hv: usize,
+    again: Option<&dyn Fn() -> Result<Case, CaseError>>,
+) -> Result<Run, CaseError> {
     let (mut req, explicit_compute) = a.imp.request()?;
     req.name = ImplName::Cp;
     if a.intra {
@@ -80,7 +125,7 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
             .unwrap_or_else(|| vec![0, seq_len(&t) as i64]);
         let params = IntraParams {
             num_sms: a.num_sms,
-            num_heads: a.num_heads.unwrap_or_else(|| value_heads(&case)),
+            num_heads: a.num_heads.unwrap_or(hv),
             chunk_size: req.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE),
             max_splits: a.max_splits,
             subseq_len: a.subseq_len,
@@ -92,49 +137,134 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
     let (imp, preset_compute) = req.resolve_with_compute(&case)?;
     let compute = explicit_compute.or(preset_compute).unwrap_or(Compute::F64);
     imp.check_memory(&case)?;
+    Impl::NAIVE.check_memory(&case)?;
     let invalid = CaseError::computing(&a.case);
-    let reference = oracle_truth(&case, &a.case)?;
     let progress = Progress::spinner(&format!("computing impl:{}", imp.name()));
     // The per-rank table holds f64 states; an f32 run reports its tensors only.
-    let (got, diags) = match compute {
-        Compute::F64 => imp
-            .compute_with_diags(&case)
-            .map_err(|e| invalid(e.into()))?,
-        Compute::F32 => (imp.compute(&case, Compute::F32).map_err(invalid)?, vec![]),
+    let (got, diags, case) = match (compute, again) {
+        (Compute::F64, None) => {
+            let (got, diags) = imp
+                .compute_with_diags(&case)
+                .map_err(|e| invalid(e.into()))?;
+            (got, diags, case)
+        }
+        (Compute::F64, Some(again)) => {
+            let (got, diags) = imp
+                .compute_owned_with_diags(case)
+                .map_err(|e| invalid(e.into()))?;
+            (got, diags, again()?)
+        }
+        (Compute::F32, None) => {
+            let got = imp.compute(&case, Compute::F32).map_err(invalid)?;
+            (got, vec![], case)
+        }
+        (Compute::F32, Some(again)) => {
+            let got = imp.compute_owned(case, Compute::F32).map_err(invalid)?;
+            (got, vec![], again()?)
+        }
     };
     drop(progress);
-    let report = VerifyReport::new(
+    let reference = oracle_truth_owned(case, &a.case)?;
+    let label = format!(
+        "impl:{}{}",
+        imp.name(),
+        if compute == Compute::F32 {
+            " in f32"
+        } else {
+            ""
+        }
+    );
+    Ok(Run {
+        name: imp.name(),
+        label,
+        reference,
+        got,
+        diags,
+    })
+}
+
+/// `deltaref cp` of a large case one head block at a time (see
+/// [`HeadFile`]): each block's inputs read from the file, its reference
+/// and CP runs compared tensor by tensor ([`BlockRows`]) and its per-head
+/// states appended to the ranks' diagnostics, in head order: the table is
+/// the whole case's, the report's rows too (`norm_ratio` to rounding).
+fn streamed(a: &Args, file: &HeadFile) -> Result<(String, bool), CaseError> {
+    let blocks = file.blocks();
+    let bar = Progress::bar(blocks.len() as u64, "head blocks");
+    let mut rows = BlockRows::default();
+    let mut diags: Vec<RankDiag<f64>> = vec![];
+    let (mut name, mut label) = (String::new(), String::new());
+    for heads in &blocks {
+        bar.step(&format!(
+            "heads {}..{} of {}",
+            heads.start,
+            heads.end,
+            file.heads()
+        ));
+        let case = file.read_inputs(heads)?;
+        let hv = value_heads(&case) / heads.len() * file.heads();
+        let mut run = run_block(a, case, hv, Some(&|| file.read_inputs(heads)))?;
+        for (name, truth) in std::mem::take(&mut run.reference) {
+            rows.add(file, heads, &name, &truth, run.got.remove(&name).as_ref())?;
+        }
+        append_heads(&mut diags, run.diags);
+        (name, label) = (run.name, run.label);
+        bar.inc();
+    }
+    drop(bar);
+    let report = VerifyReport::from_rows(
         &a.case.display().to_string(),
-        "impl:naive (non-CP, f64)",
-        &format!(
-            "impl:{}{}",
-            imp.name(),
-            if compute == Compute::F32 {
-                " in f32"
-            } else {
-                ""
-            }
-        ),
-        &reference,
-        &got,
+        REFERENCE,
+        &label,
+        rows.rows(a.max_ratio),
         a.max_ratio,
     );
+    Ok(print(&name, &diags, report))
+}
+
+/// Appends a head block's per-head states to the ranks' diagnostics (the
+/// first block's are taken as they are).
+fn append_heads(diags: &mut Vec<RankDiag<f64>>, block: Vec<RankDiag<f64>>) {
+    if diags.is_empty() {
+        *diags = block;
+        return;
+    }
+    fn extend(a: &mut Option<Vec<Array2<f64>>>, b: Option<Vec<Array2<f64>>>) {
+        if let (Some(a), Some(b)) = (a, b) {
+            a.extend(b);
+        }
+    }
+    for (d, b) in diags.iter_mut().zip(block) {
+        d.s_ext.extend(b.s_ext);
+        d.m.extend(b.m);
+        extend(&mut d.merged_h0, b.merged_h0);
+        extend(&mut d.reference_h0, b.reference_h0);
+        extend(&mut d.ds_ext, b.ds_ext);
+        extend(&mut d.m_first, b.m_first);
+        extend(&mut d.merged_dht, b.merged_dht);
+        extend(&mut d.reference_dht, b.reference_dht);
+    }
+}
+
+/// The per-rank table (f64 runs) of impl `name` and the report, and
+/// whether it passes.
+fn print(name: &str, diags: &[RankDiag<f64>], report: VerifyReport) -> (String, bool) {
     let mut out = String::new();
     if !diags.is_empty() {
-        out += &format!("per-rank table ({}; norms over all heads; `vs nonCP` = max |merged − non-CP state|):\n", imp.name());
-        out += &table(&diags);
-        out += &memory_line(&diags);
+        out += &format!("per-rank table ({name}; norms over all heads; `vs nonCP` = max |merged − non-CP state|):\n");
+        out += &table(diags);
+        out += &memory_line(diags);
         out += "\n";
     }
     out += &report.to_string();
-    Ok((out, report.pass))
+    (out, report.pass)
 }
 
 /// Whether the case exercises the merge: the largest `max |M|` over the
 /// ranks whose `(S_ext, M)` some later rank merges. `M` near 0 means the
 /// carried state is forgotten within a rank, so merge faults barely show.
-fn memory_line(diags: &[deltaref::cp::RankDiag<f64>]) -> String {
-    let max_abs = |m: &[ndarray::Array2<f64>]| {
+fn memory_line(diags: &[RankDiag<f64>]) -> String {
+    let max_abs = |m: &[Array2<f64>]| {
         m.iter()
             .flat_map(|a| a.iter())
             .fold(0.0f64, |x, v| x.max(v.abs()))
@@ -189,5 +319,104 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
         Err(e) => fail(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use deltaref::gates::Gate;
+    use deltaref::inputs::Regime;
+    use deltaref_verify::case::{Dtype, Op};
+    use deltaref_verify::generate::{generate, GenSpec};
+    use std::path::Path;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: Args,
+    }
+
+    fn args(case: &Path, rest: &[&str]) -> Args {
+        let head = ["cp", "--case", case.to_str().unwrap()];
+        Cli::try_parse_from(head.iter().chain(rest)).unwrap().a
+    }
+
+    /// KDA with GVA (H = 3, HV = 6), a gate, initial states and three
+    /// sequences, long-memory draws (the merges carry a state); DPLR.
+    fn files(dir: &Path) -> Vec<PathBuf> {
+        let mut kda = GenSpec::new(Op::Kda);
+        kda.lengths = Some(vec![5, 40, 19]);
+        kda.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+        kda.gate = Gate::Kda;
+        kda.initial_state = true;
+        kda.regime = Regime::LongMemory;
+        kda.dtype = Dtype::Bf16;
+        let mut dplr = GenSpec::new(Op::Dplr);
+        dplr.lengths = Some(vec![30, 34]);
+        dplr.shape = Some(vec![1, 64, 2, 8, 4]);
+        dplr.initial_state = true;
+        [("kda", kda), ("dplr", dplr)]
+            .into_iter()
+            .map(|(name, spec)| {
+                let path = dir.join(format!("{name}.safetensors"));
+                generate(&spec).unwrap().write(&path).unwrap();
+                path
+            })
+            .collect()
+    }
+
+    /// Head block by head block, the per-rank table and the report are the
+    /// whole case's, character for character.
+    #[test]
+    fn head_blocks_print_the_whole_cases_table_and_report() {
+        let dir = tempfile::tempdir().unwrap();
+        let runs: [&[&str]; 6] = [
+            &["--world", "4"],
+            &["--world", "2", "--layout", "zigzag", "--cp-engine", "naive"],
+            &["--cuts", "3,20,50"],
+            &["--intra", "--num-sms", "2"],
+            &["--world", "2", "--compute", "f32"],
+            &["--world", "2", "--precision", "drop-merged-state"],
+        ];
+        for path in files(dir.path()) {
+            for flags in runs {
+                let a = args(&path, flags);
+                let whole = go(&a).unwrap();
+                assert!(whole.0.contains("impl:cp"), "{}", whole.0);
+                for n in [1, 2] {
+                    let file = HeadFile::open(&path, 0)
+                        .unwrap()
+                        .unwrap()
+                        .with_heads_per_block(n);
+                    let got = streamed(&a, &file).unwrap();
+                    assert_eq!(
+                        got,
+                        whole,
+                        "{} {flags:?}, {n} heads per block",
+                        path.display()
+                    );
+                }
+            }
+        }
+    }
+
+    /// The streamed path refuses what the whole one does, in its words.
+    #[test]
+    fn head_blocks_refuse_what_the_whole_case_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = &files(dir.path())[0];
+        for flags in [
+            &["--intra", "--world", "2"][..],
+            &["--world", "5"],
+            &["--world", "2", "--precision", "no-such-preset"],
+        ] {
+            let a = args(path, flags);
+            let whole = go(&a).unwrap_err().to_string();
+            let file = HeadFile::open(path, 0).unwrap().unwrap();
+            let e = streamed(&a, &file).unwrap_err().to_string();
+            assert_eq!(e, whole, "{flags:?}");
+        }
     }
 }

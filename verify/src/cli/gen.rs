@@ -8,7 +8,7 @@ use deltaref::conv::Activation;
 use deltaref::gates::Gate;
 use deltaref::inputs::Regime;
 use deltaref_verify::case::{CaseError, Dtype, Op};
-use deltaref_verify::generate::{generate, GenSpec};
+use deltaref_verify::generate::{generate_to, GenSpec};
 
 use super::{fail, file_dtype, list};
 
@@ -156,20 +156,14 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
 }
 
 pub fn run(a: Args) -> ExitCode {
-    let result = spec(&a)
-        .and_then(|s| {
-            // Refuse an unwritable destination before the work, not after it.
-            deltaref_verify::files::destination(&a.out)?;
-            generate(&s)
-        })
-        .and_then(|c| c.write(&a.out).map(|_| c));
+    let result = spec(&a).and_then(|s| {
+        // Refuse an unwritable destination before the work, not after it.
+        deltaref_verify::files::destination(&a.out)?;
+        generate_to(&s, &a.out)
+    });
     match result {
-        Ok(c) => {
-            super::print(&format!(
-                "wrote {} ({} tensors)",
-                a.out.display(),
-                c.tensors.len() + usize::from(c.cu_seqlens.is_some())
-            ));
+        Ok(count) => {
+            super::print(&format!("wrote {} ({count} tensors)", a.out.display()));
             ExitCode::SUCCESS
         }
         Err(e) => fail(&e),
