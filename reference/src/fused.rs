@@ -77,6 +77,18 @@ pub fn normal_exps<T: Scalar>(x: impl Iterator<Item = T>) -> Option<Vec<T>> {
     e.iter().all(|&v| v >= T::min_positive_value()).then_some(e)
 }
 
+/// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, for the middle row `m =
+/// c / 2` and the last row of `g [c, K]`: the per-column factors that
+/// [`scale_columns`] turns `exp(Γ − Γ_m)` and `exp(Γ_m − Γ)` into `exp(Γ)`
+/// and `exp(Γ_last − Γ)` with. `None` unless every one is normal.
+pub fn mid_row_exps<T: Scalar>(g: &Array2<T>) -> Option<(Vec<T>, Vec<T>)> {
+    let c = g.nrows();
+    let (mid, last) = (g.row(c / 2), g.row(c - 1));
+    let e_mid = normal_exps(mid.iter().copied())?;
+    let e_last = normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
+    Some((e_mid, e_last))
+}
+
 /// `f ⊙ e` for `f [c, K]` and `e [K]` broadcast over the rows: rebuilds an
 /// exponential from its factor through a chunk's middle row `m`, e.g.
 /// `exp(Γ) = exp(Γ − Γ_m)·exp(Γ_m)` (within an ulp of the direct one), which
@@ -95,6 +107,10 @@ pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
 mod tests {
     use super::*;
 
+    fn e_mid_direct(g: &Array2<f64>) -> Vec<f64> {
+        g.row(g.nrows() / 2).iter().map(|x| x.exp()).collect()
+    }
+
     #[test]
     fn column_factors_rebuild_the_exponentials_or_refuse_to_underflow() {
         let g = ndarray::arr2(&[[-0.5, -3.0], [-1.25, -7.5], [-2.0, -9.0]]);
@@ -104,6 +120,16 @@ mod tests {
         for (x, y) in rebuilt.iter().zip(g.mapv(f64::exp).iter()) {
             assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
         }
+        let (e_mid, e_last) = mid_row_exps(&g).expect("normal");
+        assert_eq!(e_mid, e_mid_direct(&g));
+        let rebuilt_tl = scale_columns(&(&m - &g).mapv(f64::exp), &e_last);
+        let last = g.row(2);
+        for (x, y) in rebuilt_tl.iter().zip((&last - &g).mapv(f64::exp).iter()) {
+            assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
+        }
+        let mut deep = g.clone();
+        deep.row_mut(1).fill(-800.0);
+        assert!(mid_row_exps(&deep).is_none());
         // exp(-746) is below the smallest subnormal and exp(-709) is
         // subnormal: the direct form must be used for such a chunk.
         assert!(normal_exps([-1.0, -746.0].into_iter()).is_none());

@@ -181,19 +181,17 @@ struct ChunkGrads<T> {
 /// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ, Γx `[c, K]`, `[c, K]` each
 /// (`exp(Γ_last − Γ)` is at most 1: no overflow). With the `factors`
 /// through the middle row `m`: `exp(Γ − Γ_m)·exp(Γ_m)`, `exp(Γx − Γ_m)·
-/// exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::scale_columns`]).
+/// exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]).
 fn exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>, factors: Option<&Factors<T>>) -> [Array2<T>; 3] {
-    let c = g.nrows();
-    let (mid, last) = (g.row(c / 2), g.row(c - 1));
     let through_mid = factors.and_then(|f| {
-        let e_mid = fused::normal_exps(mid.iter().copied())?;
-        let e_last = fused::normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
+        let (e_mid, e_last) = fused::mid_row_exps(g)?;
         Some([
             fused::scale_columns(&f.ep, &e_mid),
             fused::scale_columns(&f.exp_, &e_mid),
             fused::scale_columns(&f.em, &e_last),
         ])
     });
+    let last = g.row(g.nrows() - 1);
     through_mid.unwrap_or_else(|| {
         [
             g.mapv(T::exp),

@@ -309,9 +309,8 @@ impl Chunk {
     /// `(exp(Γ), exp(Γ_last − Γ), Q ⊙ exp(Γ), K ⊙ exp(Γ_last − Γ))`, `[c, K]`
     /// each (`exp(Γ_last − Γ)` is at most 1: no overflow). With the natural
     /// `exp` (not FLA's `exp2`) and the `factors` through the middle row `m`,
-    /// the first two are
-    /// `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`
-    /// ([`fused::scale_columns`]).
+    /// the first two are `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·
+    /// exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]).
     fn gates<T: Scalar>(
         &self,
         g_cumsum: &Array2<T>,
@@ -319,11 +318,9 @@ impl Chunk {
         q: ArrayView2<T>,
         k: ArrayView2<T>,
     ) -> [Array2<T>; 4] {
-        let c = g_cumsum.nrows();
-        let (mid, last) = (g_cumsum.row(c / 2), g_cumsum.row(c - 1));
+        let last = g_cumsum.row(g_cumsum.nrows() - 1);
         let through_mid = factors.filter(|_| !self.policy.exp2).and_then(|(ep, em)| {
-            let e_mid = fused::normal_exps(mid.iter().copied())?;
-            let e_last = fused::normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
+            let (e_mid, e_last) = fused::mid_row_exps(g_cumsum)?;
             Some([
                 fused::scale_columns(ep, &e_mid),
                 fused::scale_columns(em, &e_last),
