@@ -185,12 +185,7 @@ impl HeadFile {
         name: &str,
         x: &ArrayD<f64>,
     ) -> Result<(), CaseError> {
-        let what = format!(
-            "{} (heads {}..{})",
-            self.path.display(),
-            heads.start,
-            heads.end
-        );
+        let what = self.block_name(heads);
         let fail = |why: String| CaseError::Write {
             path: what.clone(),
             why: format!("result `{name}`: {why}"),
@@ -469,6 +464,16 @@ impl HeadFile {
         self.op.results().contains(&name)
     }
 
+    /// The file and head range, for errors about one block.
+    fn block_name(&self, heads: &Range<usize>) -> String {
+        format!(
+            "{} (heads {}..{})",
+            self.path.display(),
+            heads.start,
+            heads.end
+        )
+    }
+
     /// A safetensors file (bytes, and its name for errors) holding heads
     /// `heads` of the tensors `keep` accepts; `cu_seqlens` always.
     fn block_file(
@@ -476,12 +481,7 @@ impl HeadFile {
         heads: &Range<usize>,
         keep: impl Fn(&str) -> bool,
     ) -> Result<(Vec<u8>, String), CaseError> {
-        let what = format!(
-            "{} (heads {}..{})",
-            self.path.display(),
-            heads.start,
-            heads.end
-        );
+        let what = self.block_name(heads);
         let fail = |why: String| CaseError::Format {
             path: what.clone(),
             why,
