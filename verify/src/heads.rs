@@ -68,29 +68,27 @@ impl HeadFile {
     /// have a head axis. `None` means "read it whole", which also reports
     /// every framing or shape error in the usual words.
     pub fn open(path: &Path, min_bytes: u64) -> Result<Option<HeadFile>, CaseError> {
-        let Some(Header {
+        Ok(read_header(path, min_bytes).and_then(|h| HeadFile::of_case(path, h, 2)))
+    }
+
+    /// A KDA or DPLR case's head-block view, with blocks of
+    /// [`heads_per_block`]; `None` for other ops, fewer than `min_heads`
+    /// query/key heads, or tensors that do not split by heads.
+    fn of_case(path: &Path, header: Header, min_heads: usize) -> Option<HeadFile> {
+        let Header {
             file,
             metadata,
             tensors,
             data_bytes,
-        }) = read_header(path, min_bytes)
-        else {
-            return Ok(None);
-        };
-        let op = case_op(&metadata);
+        } = header;
         // Only KDA's and DPLR's tensor layouts are known here (GDN's gate is
         // [B, T, H], the conv has channels, not heads): the rest load whole.
-        let Some(op) = op.filter(|&op| matches!(op, Op::Kda | Op::Dplr)) else {
-            return Ok(None);
-        };
+        let op = case_op(&metadata).filter(|&op| matches!(op, Op::Kda | Op::Dplr))?;
         let heads = tensors
             .iter()
             .find(|e| e.name == "q")
-            .and_then(|q| q.shape.get(2).copied());
-        let Some(heads) = heads.filter(|&h| h >= 2) else {
-            return Ok(None);
-        };
-        let per_block = heads_per_block(data_bytes, heads);
+            .and_then(|q| q.shape.get(2).copied())
+            .filter(|&h| h >= min_heads)?;
         let file = HeadFile {
             path: path.to_path_buf(),
             file,
@@ -98,9 +96,9 @@ impl HeadFile {
             metadata,
             tensors,
             heads,
-            per_block,
+            per_block: heads_per_block(data_bytes, heads),
         };
-        Ok(file.splits().then_some(file))
+        file.splits().then_some(file)
     }
 
     /// A candidate file (a port's outputs and gradients) for this case,
@@ -146,35 +144,12 @@ impl HeadFile {
                 path: path.display().to_string(),
                 source,
             })?;
-        let Some(Header {
-            file,
-            metadata,
-            tensors,
-            data_bytes,
-        }) = read_header_of(file, 0)
-        else {
-            return Ok(None);
-        };
-        let op = case_op(&metadata).filter(|&op| matches!(op, Op::Kda | Op::Dplr));
-        let heads = tensors
-            .iter()
-            .find(|e| e.name == "q")
-            .and_then(|q| q.shape.get(2).copied())
-            .filter(|&h| h >= 1);
-        let (Some(op), Some(heads)) = (op, heads) else {
-            return Ok(None);
-        };
-        let file = HeadFile {
-            path: path.to_path_buf(),
-            file,
-            op,
-            metadata,
-            tensors,
-            heads,
-            per_block: 1,
-        }
-        .with_heads_per_block(per_block.min(heads_per_block(data_bytes, heads)));
-        Ok(file.splits().then_some(file))
+        Ok(read_header_of(file, 0)
+            .and_then(|h| HeadFile::of_case(path, h, 1))
+            .map(|f| {
+                let n = per_block.min(f.per_block);
+                f.with_heads_per_block(n)
+            }))
     }
 
     /// Writes result `name` (stored as float64) of heads `heads`: `x` is
