@@ -325,22 +325,14 @@ pub fn run(a: Args) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
     use deltaref::gates::Gate;
     use deltaref::inputs::Regime;
     use deltaref_verify::case::{Dtype, Op};
     use deltaref_verify::generate::{generate, GenSpec};
     use std::path::Path;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: Args,
-    }
-
     fn args(case: &Path, rest: &[&str]) -> Args {
-        let head = ["cp", "--case", case.to_str().unwrap()];
-        Cli::try_parse_from(head.iter().chain(rest)).unwrap().a
+        super::super::parse_case_args("cp", case, rest)
     }
 
     /// KDA with GVA (H = 3, HV = 6), a gate, initial states and three

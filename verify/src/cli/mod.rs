@@ -19,6 +19,21 @@ use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
 use deltaref_verify::impls::{Compute, EngineName, Impl, ImplName, ImplRequest};
 
+/// For tests: subcommand `name`'s arguments for `--case case` and `rest`,
+/// parsed as the command line would be.
+#[cfg(test)]
+pub fn parse_case_args<A: ClapArgs>(name: &str, case: &std::path::Path, rest: &[&str]) -> A {
+    #[derive(clap::Parser)]
+    struct Cli<A: ClapArgs> {
+        #[command(flatten)]
+        a: A,
+    }
+    let head = [name, "--case", case.to_str().expect("UTF-8 path")];
+    <Cli<A> as clap::Parser>::try_parse_from(head.iter().chain(rest))
+        .expect("valid arguments")
+        .a
+}
+
 /// Prints to stdout; a closed pipe (`deltaref … | head`) is not an error.
 pub fn print(s: &str) {
     use std::io::Write;

@@ -297,23 +297,14 @@ pub fn run(a: Args) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
     use deltaref::gates::Gate;
     use deltaref_verify::case::Dtype;
     use deltaref_verify::generate::{generate, GenSpec};
     use deltaref_verify::impls::{Compute, Impl};
     use std::path::Path;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        a: Args,
-    }
-
     fn args(case: &Path, rest: &[&str]) -> Args {
-        let case = case.to_str().unwrap();
-        let head = ["verify", "--case", case];
-        Cli::try_parse_from(head.iter().chain(rest)).unwrap().a
+        super::super::parse_case_args("verify", case, rest)
     }
 
     /// Rows, pass and unchecked names equal; norm_ratio to rounding (the
