@@ -7,7 +7,7 @@
 
 use std::borrow::Cow;
 
-use ndarray::{Array1, Array2, ArrayView2};
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2};
 
 use crate::scalar::Scalar;
 
@@ -77,13 +77,18 @@ pub fn normal_exps<T: Scalar>(x: impl Iterator<Item = T>) -> Option<Vec<T>> {
     e.iter().all(|&v| v >= T::min_positive_value()).then_some(e)
 }
 
-/// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, for the middle row `m =
-/// c / 2` and the last row of `g [c, K]`: the per-column factors that
+/// Row `m = c / 2` of `Γ [c, K]`: the row both chunked engines' decay
+/// factors `exp(Γ − Γ_m)`, `exp(Γ_m − Γ)` go through.
+pub fn mid_row<T>(g: &Array2<T>) -> ArrayView1<'_, T> {
+    g.row(g.nrows() / 2)
+}
+
+/// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, for the [`mid_row`] `m`
+/// and the last row of `g [c, K]`: the per-column factors that
 /// [`scale_columns`] turns `exp(Γ − Γ_m)` and `exp(Γ_m − Γ)` into `exp(Γ)`
 /// and `exp(Γ_last − Γ)` with. `None` unless every one is normal.
 pub fn mid_row_exps<T: Scalar>(g: &Array2<T>) -> Option<(Vec<T>, Vec<T>)> {
-    let c = g.nrows();
-    let (mid, last) = (g.row(c / 2), g.row(c - 1));
+    let (mid, last) = (mid_row(g), g.row(g.nrows() - 1));
     let e_mid = normal_exps(mid.iter().copied())?;
     let e_last = normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
     Some((e_mid, e_last))
@@ -107,10 +112,6 @@ pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
 mod tests {
     use super::*;
 
-    fn e_mid_direct(g: &Array2<f64>) -> Vec<f64> {
-        g.row(g.nrows() / 2).iter().map(|x| x.exp()).collect()
-    }
-
     #[test]
     fn column_factors_rebuild_the_exponentials_or_refuse_to_underflow() {
         let g = ndarray::arr2(&[[-0.5, -3.0], [-1.25, -7.5], [-2.0, -9.0]]);
@@ -121,7 +122,7 @@ mod tests {
             assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
         }
         let (e_mid, e_last) = mid_row_exps(&g).expect("normal");
-        assert_eq!(e_mid, e_mid_direct(&g));
+        assert_eq!(e_mid, m.mapv(f64::exp).to_vec());
         let rebuilt_tl = scale_columns(&(&m - &g).mapv(f64::exp), &e_last);
         let last = g.row(2);
         for (x, y) in rebuilt_tl.iter().zip((&last - &g).mapv(f64::exp).iter()) {

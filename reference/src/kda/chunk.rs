@@ -227,7 +227,7 @@ impl Chunk {
         if self.policy.safe_gate_midpoint {
             return None;
         }
-        let mid = g.row(g.nrows() / 2).to_owned();
+        let mid = fused::mid_row(g).to_owned();
         let limit = 0.4 * T::max_value().ln().f64();
         let mut diff = g - &mid.insert_axis(Axis(0));
         if diff.iter().any(|v| v.f64().abs() > limit) {
