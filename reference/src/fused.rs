@@ -10,6 +10,7 @@ use std::borrow::Cow;
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2};
 
 use crate::scalar::Scalar;
+use crate::simd;
 
 /// The elements of `a` in row-major order: borrowed when `a` is in standard
 /// layout (the arrays the engines build, whole rows of them), else copied
@@ -30,30 +31,63 @@ pub fn flat_mut<T: Clone>(a: &mut Array2<T>) -> &mut [T] {
     a.as_slice_mut().expect("standard layout")
 }
 
+/// `f(a, b)` element by element for same-shape `a`, `b`: one pass, compiled
+/// for the CPU's widest vectors ([`simd::dispatch`]; `f` is inlined into it).
+pub fn zip_map<T: Scalar>(
+    a: ArrayView2<T>,
+    b: ArrayView2<T>,
+    f: impl Fn(T, T) -> T + Copy,
+) -> Array2<T> {
+    assert_eq!(a.dim(), b.dim(), "zip_map: operands of different shapes");
+    let (xs, ys) = (flat(a), flat(b));
+    let o = simd::dispatch(
+        #[inline(always)]
+        || xs.iter().zip(ys.iter()).map(|(&x, &y)| f(x, y)).collect(),
+    );
+    Array2::from_shape_vec(a.raw_dim(), o).expect("same shape")
+}
+
+/// `a ← f(a, b)` element by element for same-shape `a`, `b` (as [`zip_map`]).
+pub fn zip_update<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>, f: impl Fn(T, T) -> T + Copy) {
+    assert_eq!(a.dim(), b.dim(), "zip_update: operands of different shapes");
+    let ys = flat(b);
+    let xs = flat_mut(a);
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            for (x, &y) in xs.iter_mut().zip(ys.iter()) {
+                *x = f(*x, y);
+            }
+        },
+    );
+}
+
 /// `x ⊙ f` for each pair `(x, f)` of same-shape arrays.
 pub fn products<T: Scalar, const N: usize>(
     pairs: [(ArrayView2<T>, ArrayView2<T>); N],
 ) -> [Array2<T>; N] {
-    pairs.map(|(x, f)| {
-        let (xs, fs) = (flat(x), flat(f));
-        let o = xs.iter().zip(fs.iter()).map(|(&x, &f)| x * f).collect();
-        Array2::from_shape_vec(x.raw_dim(), o).expect("same shape")
-    })
+    pairs.map(|(x, f)| zip_map(x, f, |x, f| x * f))
 }
 
 /// `s ← ((s ⊙ e) + x₁) + x₂ …` for `s`, `xᵢ` `[K, V]` and `e [K]` (one decay
 /// per row): a state carried over one chunk.
 pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T>]) {
     let vd = s.ncols();
+    let terms: Vec<_> = terms.iter().map(|x| flat(x.view())).collect();
     let s = flat_mut(s);
-    for (row, &e) in s.chunks_exact_mut(vd).zip(e) {
-        row.iter_mut().for_each(|x| *x *= e);
-    }
-    for x in terms {
-        for (y, &x) in s.iter_mut().zip(flat(x.view()).iter()) {
-            *y += x;
-        }
-    }
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            for (row, &e) in s.chunks_exact_mut(vd).zip(e) {
+                row.iter_mut().for_each(|x| *x *= e);
+            }
+            for x in &terms {
+                for (y, &x) in s.iter_mut().zip(x.iter()) {
+                    *y += x;
+                }
+            }
+        },
+    );
 }
 
 /// Reverse cumulative sum down the rows of `g [c, K]`, in place: the
@@ -61,12 +95,17 @@ pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T
 pub fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
     let (c, kd) = g.dim();
     let data = flat_mut(g);
-    for r in (0..c.saturating_sub(1)).rev() {
-        let (head, tail) = data.split_at_mut((r + 1) * kd);
-        for (x, &y) in head[r * kd..].iter_mut().zip(&tail[..kd]) {
-            *x += y;
-        }
-    }
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            for r in (0..c.saturating_sub(1)).rev() {
+                let (head, tail) = data.split_at_mut((r + 1) * kd);
+                for (x, &y) in head[r * kd..].iter_mut().zip(&tail[..kd]) {
+                    *x += y;
+                }
+            }
+        },
+    );
 }
 
 /// `exp(x)` of each `x`, when every result is a normal number (`None`
@@ -100,11 +139,17 @@ pub fn mid_row_exps<T: Scalar>(g: &Array2<T>) -> Option<(Vec<T>, Vec<T>)> {
 /// costs `K` exponentials per chunk instead of `c·K`.
 pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
     let mut out = f.as_standard_layout().into_owned();
-    for row in flat_mut(&mut out).chunks_exact_mut(e.len()) {
-        for (x, &e) in row.iter_mut().zip(e) {
-            *x *= e;
-        }
-    }
+    let data = flat_mut(&mut out);
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            for row in data.chunks_exact_mut(e.len()) {
+                for (x, &e) in row.iter_mut().zip(e) {
+                    *x *= e;
+                }
+            }
+        },
+    );
     out
 }
 

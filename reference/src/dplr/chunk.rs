@@ -6,7 +6,7 @@
 //! backward, gate (reverse cumsum) backward. Decays are always formed from
 //! differences of the in-chunk cumulative log-decay, so nothing overflows.
 
-use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis};
+use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis, CowArray, Ix2};
 
 use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
@@ -70,13 +70,22 @@ impl Chunk {
     /// the token-dtype `q` by the float `scale` and Triton keeps the tensor's
     /// dtype, so `Aqk`, `Aqb` and `qg` see it rounded (exact when `scale` is a
     /// power of two). The backward's own products use the raw `q`.
-    fn q_read<T: Scalar>(&self, q: ArrayView2<T>) -> Array2<T> {
-        self.as_stored(Stage::Activations, q.to_owned())
+    fn q_read<'a, T: Scalar>(&self, q: ArrayView2<'a, T>) -> CowArray<'a, T, Ix2> {
+        self.stored_view(Stage::Activations, q)
+    }
+
+    /// `a` as `stage` stores it: borrowed when the policy does not round it.
+    fn stored_view<'a, T: Scalar>(&self, stage: Stage, a: ArrayView2<'a, T>) -> CowArray<'a, T, Ix2> {
+        if self.policy.storage(stage).is_some() {
+            self.as_stored(stage, a.to_owned()).into()
+        } else {
+            a.into()
+        }
     }
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
     fn gated<T: Scalar>(&self, x: &ArrayView2<T>, decay: &Array2<T>) -> Array2<T> {
-        self.as_stored(Stage::Gated, x * decay)
+        self.as_stored(Stage::Gated, fused::zip_map(x.view(), decay.view(), |x, e| x * e))
     }
 }
 
@@ -275,7 +284,7 @@ impl Chunk {
         );
         let mut g = rows(&x.gk, start, c).to_owned();
         self.policy.cumsum_rows(&mut g);
-        let gx = &g - &rows(&x.gk, start, c);
+        let gx = fused::zip_map(g.view(), rows(&x.gk, start, c), |g, gk| g - gk);
         let factors = factors(&g, &gx);
         let (aqk, aqb, aab, aak) = match &factors {
             Some(f) => {
@@ -312,7 +321,7 @@ impl Chunk {
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
         let [exp_g, exp_gx, exp_to_last] = exps(&g, &gx, factors.as_ref());
-        let ax = self.as_stored(Stage::Gated, &a * &exp_gx);
+        let ax = self.gated(&a, &exp_gx);
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(
             Stage::U,
@@ -382,13 +391,16 @@ impl Chunk {
                 Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
                 None => gemm::dot(ch.w.view(), hn.view()),
             };
-            let v2n = self.as_stored(Stage::VNew, &ch.u + &wh.slice(s![..c, ..]));
+            let v2n = self.as_stored(
+                Stage::VNew,
+                fused::zip_map(ch.u.view(), wh.slice(s![..c, ..]), |u, x| u + x),
+            );
             if read_out {
-                o.slice_mut(r).assign(
-                    &(tri::lower_dot(ch.aqk.view(), v)
-                        + tri::lower_dot(ch.aqb.view(), v2n.view())
-                        + wh.slice(s![c.., ..])),
-                );
+                let mut out = tri::lower_dot(ch.aqk.view(), v);
+                let add = |a: T, b: T| a + b;
+                fused::zip_update(&mut out, tri::lower_dot(ch.aqb.view(), v2n.view()).view(), add);
+                fused::zip_update(&mut out, wh.slice(s![c.., ..]), add);
+                o.slice_mut(r).assign(&out);
             }
             let dl = &ch.exp_to_last;
             let terms = [
@@ -500,7 +512,11 @@ impl Chunk {
         let qg = self.gated(&self.q_read(q).view(), &ch.exp_g);
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
-        dv2 += &gemm::dot(self.gated(&b, &ch.exp_to_last).view(), ds_used.view());
+        fused::zip_update(
+            &mut dv2,
+            gemm::dot(self.gated(&b, &ch.exp_to_last).view(), ds_used.view()).view(),
+            |a, b| a + b,
+        );
         let dv2 = self.as_stored(Stage::Dv, dv2);
         let terms = [
             &gemm::dot(qg.t(), dout.view()),
@@ -540,12 +556,12 @@ impl Chunk {
         let decay_last = ch.decay_last();
         // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h. The decay gradient's
         // `dq·q` (`chunk_dplr_bwd_kernel_intra`) reads the raw q in fp32.
-        let qg = &q * eg;
+        let qg = fused::zip_map(q, eg.view(), |q, e| q * e);
         // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
         // One product for dqg = dO hᵀ and dw = dv2 hᵀ (v2 = u + w h).
         let dqg_dw = tri::stacked_dot(&[dout, dv2], h.t());
-        let dqg = self.as_stored(Stage::BwdOperands, dqg_dw.slice(s![..c, ..]).to_owned());
+        let dqg = self.stored_view(Stage::BwdOperands, dqg_dw.slice(s![..c, ..]));
         let mut daqk = tri::dot_t_lower(dout, v, false);
         let mut daqb = tri::dot_t_lower(dout, v2, false);
         tri::mask_lower(&mut daqk, true);
@@ -555,26 +571,27 @@ impl Chunk {
         let (kgl, bgl) = (self.gated(&k, dl), self.gated(&b, dl));
         // `tl.sum((b_h * b_dh).to(tl.float32))`: the product of the two bf16
         // operands is rounded to bf16 before the fp32 sum (`chunk_dplr_bwd_o`).
-        let hdh = self.as_stored(Stage::BwdOperands, &h * &ds);
+        let hdh = self.as_stored(Stage::BwdOperands, fused::zip_map(h, ds, |h, d| h * d));
         let mut dgamma_last: Array1<T> = hdh.sum_axis(Axis(1)) * &decay_last;
         // The fp32 accumulators `b_dk`, `b_db` of `chunk_dplr_bwd_o` (one
         // product), and their bf16 stores `dkg`, `dbg`.
         let dkbg_acc = tri::stacked_dot(&[v, v2], ds.t());
         let (dkg_acc, dbg_acc) = (dkbg_acc.slice(s![..c, ..]), dkbg_acc.slice(s![c.., ..]));
-        let dkgl = self.as_stored(Stage::BwdOperands, dkg_acc.to_owned());
-        let dbgl = self.as_stored(Stage::BwdOperands, dbg_acc.to_owned());
-        dv += &gemm::dot(kgl.view(), ds.view());
-        let dw = self.as_stored(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]).to_owned());
+        let dkgl = self.stored_view(Stage::BwdOperands, dkg_acc);
+        let dbgl = self.stored_view(Stage::BwdOperands, dbg_acc);
+        let add = |a: T, b: T| a + b;
+        fused::zip_update(&mut dv, gemm::dot(kgl.view(), ds.view()).view(), add);
+        let dw = self.stored_view(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = tri::lower_dot(ch.aak.view(), v);
         let ax = self.gated(&a, egx);
         // Only dP's strict lower triangle reaches dAab (P is unit lower triangular).
-        let dp =
-            tri::dot_t_lower(dv2, zv.view(), false) + tri::dot_t_lower(dw.view(), ax.view(), false);
+        let mut dp = tri::dot_t_lower(dv2, zv.view(), false);
+        fused::zip_update(&mut dp, tri::dot_t_lower(dw.view(), ax.view(), false).view(), add);
         let dz = tri::lower_t_dot(ch.p.view(), dv2);
         let mut daak = tri::dot_t_lower(dz.view(), v, false);
         tri::mask_lower(&mut daak, false);
-        dv += &tri::lower_t_dot(ch.aak.view(), dz.view());
+        fused::zip_update(&mut dv, tri::lower_t_dot(ch.aak.view(), dz.view()).view(), add);
         let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));
         let mut daab = tri::dot_t_lower(
             tri::lower_t_dot(ch.p.view(), dp.view()).view(),
@@ -582,21 +599,24 @@ impl Chunk {
             true,
         );
         tri::mask_lower(&mut daab, false);
-        let mut da = &dax * egx;
-        let mut dgx = &dax * &ax;
+        let mul = |a: T, b: T| a * b;
+        let mut da = fused::zip_map(dax.view(), egx.view(), mul);
+        let mut dgx = fused::zip_map(dax.view(), ax.view(), mul);
         // qg, kgl, bgl.
-        let mut dq = &dqg * eg;
-        let mut dgamma = &dqg * &qg;
-        let mut dk = &dkgl * dl;
-        let mut db = &dbgl * dl;
+        let mut dq = fused::zip_map(dqg.view(), eg.view(), mul);
+        let mut dgamma = fused::zip_map(dqg.view(), qg.view(), mul);
+        let mut dk = fused::zip_map(dkgl.view(), dl.view(), mul);
+        let mut db = fused::zip_map(dbgl.view(), dl.view(), mul);
         // Exactly these two cancel, but FLA's chunk-end term `dgk_last` sums
         // the fp32 accumulators times the stored bf16 `kg`, `bg`, while the
         // per-token `−dk·k` multiplies the stored bf16 `dkg` by `k·e^{Γlast−Γ}`
         // in fp32: the mismatch lands on every position of the chunk.
         for (stored, acc, raw, gated) in [(&dkgl, &dkg_acc, &k, &kgl), (&dbgl, &dbg_acc, &b, &bgl)]
         {
-            dgamma -= &(stored * &(raw * dl));
-            dgamma_last += &(acc * gated).sum_axis(Axis(0));
+            let term = fused::zip_map(raw.view(), dl.view(), mul);
+            let term = fused::zip_map(stored.view(), term.view(), mul);
+            fused::zip_update(&mut dgamma, term.view(), |g, t| g - t);
+            dgamma_last += &fused::zip_map(acc.view(), gated.view(), mul).sum_axis(Axis(0));
         }
         self.blocks_backward(
             ch,
@@ -609,9 +629,9 @@ impl Chunk {
         // Γlast is Γ's last row; Γx = Γ − gk; Γ = cumsum(gk).
         let mut last = dgamma.row_mut(c - 1);
         last += &dgamma_last;
-        dgamma += &dgx;
+        fused::zip_update(&mut dgamma, dgx.view(), add);
         fused::reverse_cumsum_rows(&mut dgamma);
-        let dgk = dgamma - dgx;
+        let dgk = fused::zip_map(dgamma.view(), dgx.view(), |g, x| g - x);
         let rows = [dq, dk, da, db, dgk];
         (ChunkGrads { rows, dv }, [daqk, daqb, daab, daak])
     }
@@ -641,10 +661,14 @@ impl Chunk {
                 |x: &Array2<T>, y: &Array2<T>| tri::lower_dot(x.view(), y.view()),
                 |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
             );
-            let dqa = l(daqk, &kb) + l(daqb, &bb);
-            let dax = l(daab, &bb) + l(daak, &kb);
-            let dkb = lt(daqk, &qa) + lt(daak, &ax);
-            let dbb = lt(daqb, &qa) + lt(daab, &ax);
+            let sum = |mut a: Array2<T>, b: Array2<T>| {
+                fused::zip_update(&mut a, b.view(), |a, b| a + b);
+                a
+            };
+            let dqa = sum(l(daqk, &kb), l(daqb, &bb));
+            let dax = sum(l(daab, &bb), l(daak, &kb));
+            let dkb = sum(lt(daqk, &qa), lt(daak, &ax));
+            let dbb = sum(lt(daqb, &qa), lt(daab, &ax));
             let flats = [
                 dqa.view(),
                 dax.view(),
@@ -664,14 +688,19 @@ impl Chunk {
                 flats.each_ref().map(|x| &x[..n]);
             let [dq_, da_, dk_, db_, dg_, dgx_] =
                 [dq, da, dk, db, dgamma, dgx].map(|x| &mut fused::flat_mut(x)[..n]);
-            for i in 0..n {
-                dq_[i] += dqa_[i] * ep_[i];
-                da_[i] += dax_[i] * exp_[i];
-                dk_[i] += dkb_[i] * em_[i];
-                db_[i] += dbb_[i] * em_[i];
-                dg_[i] += dqa_[i] * qa_[i] - dkb_[i] * kb_[i] - dbb_[i] * bb_[i];
-                dgx_[i] += dax_[i] * ax_[i];
-            }
+            crate::simd::dispatch(
+                #[inline(always)]
+                || {
+                    for i in 0..n {
+                        dq_[i] += dqa_[i] * ep_[i];
+                        da_[i] += dax_[i] * exp_[i];
+                        dk_[i] += dkb_[i] * em_[i];
+                        db_[i] += dbb_[i] * em_[i];
+                        dg_[i] += dqa_[i] * qa_[i] - dkb_[i] * kb_[i] - dbb_[i] * bb_[i];
+                        dgx_[i] += dax_[i] * ax_[i];
+                    }
+                },
+            );
             return;
         }
         let (c, kd) = (ch.len(), k.ncols());

@@ -83,7 +83,7 @@ impl Chunk {
     fn decay_sums<T: Scalar>(&self, h: ArrayView2<T>, dh: ArrayView2<T>) -> Array1<T> {
         const BV: usize = 64;
         const PER_LANE: usize = 8;
-        let prods = self.operand(&h * &dh);
+        let prods = self.operand(fused::zip_map(h, dh, |h, d| h * d));
         let Some(st) = self.policy.storage(Stage::HdhSum) else {
             return prods.sum_axis(Axis(1));
         };
@@ -393,7 +393,7 @@ impl Chunk {
             )
         } else {
             (
-                tri::lower_dot(akk.view(), (&eg * &k).view()),
+                tri::lower_dot(akk.view(), fused::zip_map(eg.view(), k, |e, k| e * k).view()),
                 tri::lower_dot(akk.view(), v),
             )
         };
@@ -463,13 +463,12 @@ impl Chunk {
             } else {
                 gemm::dot(ch.w.view(), hn.view())
             };
-            let mut vn = ndarray::Zip::from(&ch.u)
-                .and(wh.slice(s![..c, ..]))
-                .map_collect(|&u, &x| u - x);
+            let mut vn = fused::zip_map(ch.u.view(), wh.slice(s![..c, ..]), |u, x| u - x);
             self.policy.round(Stage::VNew, &mut vn);
             if read_out {
-                let av = tri::lower_dot(ch.aqk.view(), vn.view());
-                o.slice_mut(rows).assign(&(&wh.slice(s![c.., ..]) + &av));
+                let mut av = tri::lower_dot(ch.aqk.view(), vn.view());
+                fused::zip_update(&mut av, wh.slice(s![c.., ..]), |a, x| x + a);
+                o.slice_mut(rows).assign(&av);
             }
             fused::decay_add(
                 &mut state,
@@ -571,11 +570,15 @@ impl Chunk {
         let dout = d_o.slice(s![ch.start..ch.start + ch.len(), ..]);
         // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
         // FLA stores `Aqkᵀ do` (chunk_kda_bwd_dAv) before the state pass adds `kg dh`.
-        let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout))
-            + gemm::dot(ch.kg.view(), ds_used.view());
+        let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout));
+        fused::zip_update(
+            &mut dvn,
+            gemm::dot(ch.kg.view(), ds_used.view()).view(),
+            |a, b| a + b,
+        );
         self.policy.round(Stage::Dv, &mut dvn);
         let mut local = gemm::dot(ch.qg.t(), dout.view());
-        local -= &gemm::dot(ch.w.t(), dvn.view());
+        fused::zip_update(&mut local, gemm::dot(ch.w.t(), dvn.view()).view(), |a, b| a - b);
         fused::decay_add(ds, &ch.decay_last(), &[&local]);
         dvn
     }
@@ -616,10 +619,14 @@ impl Chunk {
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
         let eg = &ch.exp_g;
-        let kd_ = self.operand(eg * &k);
+        let kd_ = self.operand(fused::zip_map(eg.view(), k, |e, k| e * k));
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
-        let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false)
-            + tri::dot_t_lower(du.view(), x.v.slice(rows), false);
+        let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false);
+        fused::zip_update(
+            &mut dakk,
+            tri::dot_t_lower(du.view(), x.v.slice(rows), false).view(),
+            |a, b| a + b,
+        );
         tri::mask_lower(&mut dakk, true);
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
         let dv = tri::lower_t_dot(ch.akk.view(), du.view());
@@ -665,23 +672,28 @@ impl Chunk {
             fused::flat_mut(&mut dgamma),
         );
         let sum = &mut dkg_kg_sum[..kd];
-        for r in 0..c {
-            let row = r * kd..(r + 1) * kd;
-            let [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_] =
-                flats.each_ref().map(|x| &x[row.clone()]);
-            let (dq_, dk_, dgamma_) = (
-                &mut dq_[row.clone()],
-                &mut dk_[row.clone()],
-                &mut dgamma_[row.clone()],
-            );
-            for d in 0..kd {
-                let t = dkg_[d] * kg_[d];
-                dq_[d] = dqg_[d] * eg_[d];
-                dk_[d] = dkd_[d] * eg_[d] + dkg_[d] * tl_[d];
-                dgamma_[d] = dkd_[d] * kdd_[d] + dqg_[d] * qg_[d] - t;
-                sum[d] += t;
-            }
-        }
+        crate::simd::dispatch(
+            #[inline(always)]
+            || {
+                for r in 0..c {
+                    let row = r * kd..(r + 1) * kd;
+                    let [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_] =
+                        flats.each_ref().map(|x| &x[row.clone()]);
+                    let (dq_, dk_, dgamma_) = (
+                        &mut dq_[row.clone()],
+                        &mut dk_[row.clone()],
+                        &mut dgamma_[row.clone()],
+                    );
+                    for d in 0..kd {
+                        let t = dkg_[d] * kg_[d];
+                        dq_[d] = dqg_[d] * eg_[d];
+                        dk_[d] = dkd_[d] * eg_[d] + dkg_[d] * tl_[d];
+                        dgamma_[d] = dkd_[d] * kdd_[d] + dqg_[d] * qg_[d] - t;
+                        sum[d] += t;
+                    }
+                }
+            },
+        );
         dgamma_last += &ndarray::aview1(&dkg_kg_sum);
         let k_col = self.k_beta_col(k, beta);
         self.intra_backward(
@@ -759,8 +771,12 @@ impl Chunk {
             );
             // The ∂/∂k_s side reads C with the rounded k·β (only under that stage).
             let cc_col = self.policy.storage(Stage::KBetaBwd).map(|_| &k_col * ep);
-            let db = tri::lower_t_dot(daqk.view(), a.view())
-                + tri::lower_t_dot(dp.view(), cc_col.as_ref().unwrap_or(&cc).view());
+            let mut db = tri::lower_t_dot(daqk.view(), a.view());
+            fused::zip_update(
+                &mut db,
+                tri::lower_t_dot(dp.view(), cc_col.as_ref().unwrap_or(&cc).view()).view(),
+                |a, b| a + b,
+            );
             let flats = [
                 da.view(),
                 dc.view(),
@@ -779,11 +795,16 @@ impl Chunk {
                 &mut fused::flat_mut(dk)[..n],
                 &mut fused::flat_mut(dgamma)[..n],
             );
-            for i in 0..n {
-                dq_[i] += da_[i] * ep_[i];
-                dk_[i] += dc_[i] * ep_[i] + db_[i] * em_[i];
-                dg_[i] += da_[i] * a_[i] + dc_[i] * cc_[i] - db_[i] * b_[i];
-            }
+            crate::simd::dispatch(
+                #[inline(always)]
+                || {
+                    for i in 0..n {
+                        dq_[i] += da_[i] * ep_[i];
+                        dk_[i] += dc_[i] * ep_[i] + db_[i] * em_[i];
+                        dg_[i] += da_[i] * a_[i] + dc_[i] * cc_[i] - db_[i] * b_[i];
+                    }
+                },
+            );
             return;
         }
         let (c, kd) = (ch.len(), k.ncols());
