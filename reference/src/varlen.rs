@@ -1,6 +1,10 @@
 //! Sequences of a batch: `B` independent rows, or `B == 1` with sequences
 //! packed along T by `cu_seqlens` (FlashAttention/FLA convention).
 
+use std::ops::Range;
+
+use ndarray::{Array, Array2, Array3, Axis, Dimension, Slice};
+use num_traits::Zero;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
@@ -130,6 +134,12 @@ impl Drop for BusyGuard {
     }
 }
 
+/// Whether [`par_chunks`] runs in parallel here: false inside a
+/// [`par_pairs`] whose pairs fill the threads.
+fn chunks_in_parallel() -> bool {
+    !PAIRS_FILL_THREADS.with(|c| c.get())
+}
+
 /// `f(n)` for `n` in `0..count`, in order: in parallel over the chunks of
 /// one (sequence, head) pair only when there are fewer pairs than threads
 /// (inside a [`par_pairs`] that fills the threads the per-chunk tasks would
@@ -140,9 +150,147 @@ where
     R: Send,
     F: Fn(usize) -> R + Sync + Send,
 {
-    if PAIRS_FILL_THREADS.with(|c| c.get()) {
+    if !chunks_in_parallel() {
         (0..count).map(f).collect()
     } else {
         (0..count).into_par_iter().map(f).collect()
+    }
+}
+
+/// `f(cols)` for blocks of the `vd` value columns of a state, in column
+/// order: in parallel, about one block per thread, when [`par_chunks`] would
+/// be parallel (fewer pairs than threads); else one block `0..vd`. A chunked
+/// engine's state passes split this way: column `j` of the state `h [K, V]`
+/// and of `v_new` reads only column `j` of `u`, `do` and the state itself, so
+/// the sequential pass over the chunks runs on every thread. Each element is
+/// computed by the same operations whatever the split: the bits do not
+/// depend on it.
+pub fn par_columns<R, F>(vd: usize, f: F) -> Vec<R>
+where
+    R: Send,
+    F: Fn(Range<usize>) -> R + Sync + Send,
+{
+    let threads = if chunks_in_parallel() {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    column_blocks(vd, threads).into_par_iter().map(f).collect()
+}
+
+/// At most `n` blocks covering `0..vd`, each a multiple of 8 columns wide
+/// (whole vectors) but the last.
+fn column_blocks(vd: usize, n: usize) -> Vec<Range<usize>> {
+    let width = vd.div_ceil(n.max(1)).next_multiple_of(8).max(1);
+    (0..vd.max(1))
+        .step_by(width)
+        .map(|a| a..(a + width).min(vd))
+        .collect()
+}
+
+/// The blocks of [`par_columns`] put back side by side along the last axis,
+/// in standard (row-major) layout.
+fn join_columns<T: Clone + Zero, D: Dimension>(mut parts: Vec<Array<T, D>>) -> Array<T, D> {
+    if parts.len() == 1 {
+        return parts.pop().expect("one part");
+    }
+    let last = Axis(parts[0].ndim() - 1);
+    let mut dim = parts[0].raw_dim();
+    dim[last.index()] = parts.iter().map(|p| p.len_of(last)).sum();
+    let mut joined = Array::zeros(dim);
+    let mut at = 0;
+    for p in &parts {
+        let w = p.len_of(last);
+        joined
+            .slice_axis_mut(last, Slice::from(at..at + w))
+            .assign(p);
+        at += w;
+    }
+    joined
+}
+
+/// One block of value columns (`w` of them) of a chunked engine's forward
+/// state pass: the state entering each chunk `[NT, K, w]`, `v_new` `[L, w]`,
+/// `o` `[L, w]` (`[0, w]` without the readout) and the final state `[K, w]`.
+pub struct StateColumns<T> {
+    pub h: Array3<T>,
+    pub v_new: Array2<T>,
+    pub o: Array2<T>,
+    pub state: Array2<T>,
+}
+
+impl<T: Clone + Zero> StateColumns<T> {
+    /// The blocks of [`par_columns`] as one, `w = V`.
+    pub fn join(parts: Vec<Self>) -> Self {
+        let (mut h, mut v_new, mut o, mut state) = (vec![], vec![], vec![], vec![]);
+        for p in parts {
+            h.push(p.h);
+            v_new.push(p.v_new);
+            o.push(p.o);
+            state.push(p.state);
+        }
+        StateColumns {
+            h: join_columns(h),
+            v_new: join_columns(v_new),
+            o: join_columns(o),
+            state: join_columns(state),
+        }
+    }
+}
+
+/// One block of value columns of a chunked engine's backward state pass:
+/// the state gradient at the end of each chunk `[NT, K, w]` (FLA's `dh`),
+/// the gradient of `v_new` `[L, w]` and `dh0` `[K, w]`.
+pub struct StateGradColumns<T> {
+    pub dh: Array3<T>,
+    pub dv_new: Array2<T>,
+    pub dh0: Array2<T>,
+}
+
+impl<T: Clone + Zero> StateGradColumns<T> {
+    /// The blocks of [`par_columns`] as one, `w = V`.
+    pub fn join(parts: Vec<Self>) -> Self {
+        let (mut dh, mut dv_new, mut dh0) = (vec![], vec![], vec![]);
+        for p in parts {
+            dh.push(p.dh);
+            dv_new.push(p.dv_new);
+            dh0.push(p.dh0);
+        }
+        StateGradColumns {
+            dh: join_columns(dh),
+            dv_new: join_columns(dv_new),
+            dh0: join_columns(dh0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_blocks_cover_the_columns_in_whole_vectors() {
+        assert_eq!(column_blocks(20, 3), vec![0..8, 8..16, 16..20]);
+        assert_eq!(column_blocks(128, 2), vec![0..64, 64..128]);
+        assert_eq!(
+            column_blocks(128, 16),
+            (0..16).map(|i| i * 8..i * 8 + 8).collect::<Vec<_>>()
+        );
+        // Never narrower than a vector, so never more blocks than needed.
+        assert_eq!(column_blocks(12, 8), vec![0..8, 8..12]);
+        assert_eq!(column_blocks(5, 4), vec![0..5]);
+        assert_eq!(column_blocks(64, 1), vec![0..64]);
+    }
+
+    #[test]
+    fn joined_columns_are_the_blocks_side_by_side_in_row_major_order() {
+        let full = Array3::from_shape_fn((2, 3, 20), |(a, b, c)| (a * 100 + b * 20 + c) as f64);
+        let parts = column_blocks(20, 3)
+            .into_iter()
+            .map(|r| full.slice(ndarray::s![.., .., r]).to_owned())
+            .collect();
+        let joined = join_columns(parts);
+        assert_eq!(joined, full);
+        assert!(joined.is_standard_layout());
     }
 }

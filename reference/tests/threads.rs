@@ -89,8 +89,10 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
 }
 
 /// The chunked engines run their intra stages and per-chunk backward in
-/// parallel over the chunks of one head: one sequence and one head of many
-/// (partly short) chunks, so the chunks, not the heads, are what is split.
+/// parallel over the chunks of one head, and their state passes over blocks
+/// of value columns: one sequence and one head of many (partly short)
+/// chunks, so the chunks and columns, not the heads, are what is split
+/// (V = 20: blocks of 8, 8 and 4 columns on 3 or 4 threads).
 #[test]
 fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
     let opts = KdaOptions {
@@ -104,7 +106,7 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
         h: 1,
         hv: 1,
         k: 8,
-        v: 16,
+        v: 20,
         opts,
         initial_state: true,
         scalar_gate: false,
@@ -132,7 +134,7 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
         layout: Layout::varlen(&[130, 5]),
         h: 1,
         k: 8,
-        v: 16,
+        v: 20,
         initial_state: true,
         seed: 6,
     });

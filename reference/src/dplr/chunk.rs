@@ -18,7 +18,7 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{par_chunks, par_pairs, Segment};
+use crate::varlen::{par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -75,7 +75,11 @@ impl Chunk {
     }
 
     /// `a` as `stage` stores it: borrowed when the policy does not round it.
-    fn stored_view<'a, T: Scalar>(&self, stage: Stage, a: ArrayView2<'a, T>) -> CowArray<'a, T, Ix2> {
+    fn stored_view<'a, T: Scalar>(
+        &self,
+        stage: Stage,
+        a: ArrayView2<'a, T>,
+    ) -> CowArray<'a, T, Ix2> {
         if self.policy.storage(stage).is_some() {
             self.as_stored(stage, a.to_owned()).into()
         } else {
@@ -85,7 +89,10 @@ impl Chunk {
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
     fn gated<T: Scalar>(&self, x: &ArrayView2<T>, decay: &Array2<T>) -> Array2<T> {
-        self.as_stored(Stage::Gated, fused::zip_map(x.view(), decay.view(), |x, e| x * e))
+        self.as_stored(
+            Stage::Gated,
+            fused::zip_map(x.view(), decay.view(), |x, e| x * e),
+        )
     }
 }
 
@@ -371,15 +378,39 @@ impl Chunk {
         read_out: bool,
     ) -> ChunkForward<T> {
         let intra = self.intras(x);
-        let (kd, vd) = (x.k_dim(), x.v_dim());
-        let mut h = Array3::zeros((intra.len(), kd, vd));
-        let mut v2 = Array2::zeros((x.len(), vd));
-        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, vd));
+        let parts = par_columns(x.v_dim(), |cols| {
+            self.state_pass(x, &intra, h0.slice(s![.., cols.clone()]), cols, read_out)
+        });
+        let StateColumns { h, v_new, o, state } = StateColumns::join(parts);
+        ChunkForward {
+            intra,
+            h,
+            v2: v_new,
+            o,
+            final_state: state,
+        }
+    }
+
+    /// The forward state pass over the value columns `cols` of every chunk
+    /// ([`par_columns`]), from `h0` `[K, w]` (those columns of the initial
+    /// state); `v_new` is `v2`.
+    fn state_pass<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        intra: &[Intra<T>],
+        h0: ArrayView2<T>,
+        cols: std::ops::Range<usize>,
+        read_out: bool,
+    ) -> StateColumns<T> {
+        let (kd, w) = (x.k_dim(), cols.len());
+        let mut h = Array3::zeros((intra.len(), kd, w));
+        let mut v2 = Array2::zeros((x.len(), w));
+        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, w));
         let mut state = h0.to_owned();
         for (n, ch) in intra.iter().enumerate() {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
-            let v = rows(&x.v, ch.start, c);
+            let v = rows(&x.v, ch.start, c).slice_move(s![.., cols.clone()]);
             let mut hn = h.index_axis_mut(Axis(0), n);
             hn.assign(&state);
             self.policy.round(Stage::H, &mut hn);
@@ -393,12 +424,20 @@ impl Chunk {
             };
             let v2n = self.as_stored(
                 Stage::VNew,
-                fused::zip_map(ch.u.view(), wh.slice(s![..c, ..]), |u, x| u + x),
+                fused::zip_map(
+                    ch.u.slice(s![.., cols.clone()]),
+                    wh.slice(s![..c, ..]),
+                    |u, x| u + x,
+                ),
             );
             if read_out {
                 let mut out = tri::lower_dot(ch.aqk.view(), v);
                 let add = |a: T, b: T| a + b;
-                fused::zip_update(&mut out, tri::lower_dot(ch.aqb.view(), v2n.view()).view(), add);
+                fused::zip_update(
+                    &mut out,
+                    tri::lower_dot(ch.aqb.view(), v2n.view()).view(),
+                    add,
+                );
                 fused::zip_update(&mut out, wh.slice(s![c.., ..]), add);
                 o.slice_mut(r).assign(&out);
             }
@@ -410,12 +449,11 @@ impl Chunk {
             fused::decay_add(&mut state, &ch.decay_last(), &terms);
             v2.slice_mut(r).assign(&v2n);
         }
-        ChunkForward {
-            intra,
+        StateColumns {
             h,
-            v2,
+            v_new: v2,
             o,
-            final_state: state,
+            state,
         }
     }
 
@@ -450,20 +488,16 @@ impl Chunk {
             dh0: Array2::zeros((kd, vd)),
         };
         let nt = fwd.intra.len();
-        let mut dh = Array3::zeros((nt, kd, vd));
-        let mut dv2 = Array2::zeros((l, vd));
-        // The state recurrence, chunk by chunk in reverse: it needs only
-        // each chunk's dv2 and its own reads of the state.
-        let mut ds = dht.to_owned();
-        for (n, ch) in fwd.intra.iter().enumerate().rev() {
-            let mut ds_used = dh.index_axis_mut(Axis(0), n);
-            ds_used.assign(&ds);
-            self.policy.round(Stage::Dh, &mut ds_used);
-            let dv2n = self.state_backward(x, ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
-            dv2.slice_mut(s![ch.start..ch.start + ch.len(), ..])
-                .assign(&dv2n);
-        }
-        gr.dh0 = ds;
+        let parts = par_columns(vd, |cols| {
+            let cols = s![.., cols];
+            self.state_backward_pass(x, &fwd.intra, d_o.slice(cols), dht.slice(cols))
+        });
+        let StateGradColumns {
+            dh,
+            dv_new: dv2,
+            dh0,
+        } = StateGradColumns::join(parts);
+        gr.dh0 = dh0;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
         let steps: Vec<_> = par_chunks(nt, |n| {
@@ -492,6 +526,37 @@ impl Chunk {
             dh,
             da_blocks,
             grads: gr,
+        }
+    }
+
+    /// The state recurrence of the backward, chunk by chunk in reverse, over
+    /// some value columns (`w` of them, [`par_columns`]): from `do` `[L, w]`
+    /// and `dht` `[K, w]`, FLA's `dh` `[NT, K, w]`, `dv2` `[L, w]` and `dh0`
+    /// `[K, w]`. It needs only each chunk's `dv2` and its own reads of the
+    /// state.
+    fn state_backward_pass<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        intra: &[Intra<T>],
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> StateGradColumns<T> {
+        let (kd, w) = dht.dim();
+        let mut dh = Array3::zeros((intra.len(), kd, w));
+        let mut dv2 = Array2::zeros((x.len(), w));
+        let mut ds = dht.to_owned();
+        for (n, ch) in intra.iter().enumerate().rev() {
+            let mut ds_used = dh.index_axis_mut(Axis(0), n);
+            ds_used.assign(&ds);
+            self.policy.round(Stage::Dh, &mut ds_used);
+            let dv2n = self.state_backward(x, ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
+            dv2.slice_mut(s![ch.start..ch.start + ch.len(), ..])
+                .assign(&dv2n);
+        }
+        StateGradColumns {
+            dh,
+            dv_new: dv2,
+            dh0: ds,
         }
     }
 
@@ -587,11 +652,19 @@ impl Chunk {
         let ax = self.gated(&a, egx);
         // Only dP's strict lower triangle reaches dAab (P is unit lower triangular).
         let mut dp = tri::dot_t_lower(dv2, zv.view(), false);
-        fused::zip_update(&mut dp, tri::dot_t_lower(dw.view(), ax.view(), false).view(), add);
+        fused::zip_update(
+            &mut dp,
+            tri::dot_t_lower(dw.view(), ax.view(), false).view(),
+            add,
+        );
         let dz = tri::lower_t_dot(ch.p.view(), dv2);
         let mut daak = tri::dot_t_lower(dz.view(), v, false);
         tri::mask_lower(&mut daak, false);
-        fused::zip_update(&mut dv, tri::lower_t_dot(ch.aak.view(), dz.view()).view(), add);
+        fused::zip_update(
+            &mut dv,
+            tri::lower_t_dot(ch.aak.view(), dz.view()).view(),
+            add,
+        );
         let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));
         let mut daab = tri::dot_t_lower(
             tri::lower_t_dot(ch.p.view(), dp.view()).view(),

@@ -19,7 +19,7 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{par_chunks, par_pairs, Segment};
+use crate::varlen::{par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -393,7 +393,10 @@ impl Chunk {
             )
         } else {
             (
-                tri::lower_dot(akk.view(), fused::zip_map(eg.view(), k, |e, k| e * k).view()),
+                tri::lower_dot(
+                    akk.view(),
+                    fused::zip_map(eg.view(), k, |e, k| e * k).view(),
+                ),
                 tri::lower_dot(akk.view(), v),
             )
         };
@@ -445,10 +448,34 @@ impl Chunk {
         read_out: bool,
     ) -> ChunkForward<T> {
         let intra = self.intras(x);
-        let (kd, vd) = (x.k_dim(), x.v_dim());
-        let mut h = Array3::zeros((intra.len(), kd, vd));
-        let mut v_new = Array2::zeros((x.len(), vd));
-        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, vd));
+        let parts = par_columns(x.v_dim(), |cols| {
+            self.state_pass(x, &intra, h0.slice(s![.., cols.clone()]), cols, read_out)
+        });
+        let StateColumns { h, v_new, o, state } = StateColumns::join(parts);
+        ChunkForward {
+            intra,
+            h,
+            v_new,
+            o,
+            final_state: state,
+        }
+    }
+
+    /// The forward state pass over the value columns `cols` of every chunk
+    /// ([`par_columns`]), from `h0` `[K, w]` (those columns of the initial
+    /// state); without `read_out`, `o` is `[0, w]`.
+    fn state_pass<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        intra: &[Intra<T>],
+        h0: ArrayView2<T>,
+        cols: std::ops::Range<usize>,
+        read_out: bool,
+    ) -> StateColumns<T> {
+        let (kd, w) = (x.k_dim(), cols.len());
+        let mut h = Array3::zeros((intra.len(), kd, w));
+        let mut v_new = Array2::zeros((x.len(), w));
+        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, w));
         let mut state = h0.to_owned();
         for (n, ch) in intra.iter().enumerate() {
             let mut hn = h.index_axis_mut(Axis(0), n);
@@ -463,7 +490,8 @@ impl Chunk {
             } else {
                 gemm::dot(ch.w.view(), hn.view())
             };
-            let mut vn = fused::zip_map(ch.u.view(), wh.slice(s![..c, ..]), |u, x| u - x);
+            let u = ch.u.slice(s![.., cols.clone()]);
+            let mut vn = fused::zip_map(u, wh.slice(s![..c, ..]), |u, x| u - x);
             self.policy.round(Stage::VNew, &mut vn);
             if read_out {
                 let mut av = tri::lower_dot(ch.aqk.view(), vn.view());
@@ -477,13 +505,7 @@ impl Chunk {
             );
             v_new.slice_mut(rows).assign(&vn);
         }
-        ChunkForward {
-            intra,
-            h,
-            v_new,
-            o,
-            final_state: state,
-        }
+        StateColumns { h, v_new, o, state }
     }
 
     /// The backward pass with every intermediate.
@@ -515,20 +537,12 @@ impl Chunk {
             dh0: Array2::zeros((kd, vd)),
         };
         let nt = fwd.intra.len();
-        let mut dh = Array3::zeros((nt, kd, vd));
-        let mut dv_new = Array2::zeros((l, vd));
-        // The state recurrence, chunk by chunk in reverse: it needs only
-        // each chunk's dv_new and its own reads of the state.
-        let mut ds = dht.to_owned();
-        for (n, ch) in fwd.intra.iter().enumerate().rev() {
-            let mut ds_used = dh.index_axis_mut(Axis(0), n);
-            ds_used.assign(&ds);
-            self.policy.round(Stage::Dh, &mut ds_used);
-            let rows = s![ch.start..ch.start + ch.len(), ..];
-            let dvn = self.state_backward(ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
-            dv_new.slice_mut(rows).assign(&dvn);
-        }
-        gr.dh0 = ds;
+        let parts = par_columns(vd, |cols| {
+            let cols = s![.., cols];
+            self.state_backward_pass(&fwd.intra, d_o.slice(cols), dht.slice(cols))
+        });
+        let StateGradColumns { dh, dv_new, dh0 } = StateGradColumns::join(parts);
+        gr.dh0 = dh0;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
         let steps: Vec<ChunkStep<T>> = par_chunks(nt, |n| {
@@ -556,6 +570,36 @@ impl Chunk {
         }
     }
 
+    /// The state recurrence of the backward, chunk by chunk in reverse, over
+    /// some value columns (`w` of them, [`par_columns`]): from `do` `[L, w]`
+    /// and `dht` `[K, w]`, FLA's `dh` `[NT, K, w]`, `dv_new` `[L, w]` and
+    /// `dh0` `[K, w]`. It needs only each chunk's `dv_new` and its own reads
+    /// of the state.
+    fn state_backward_pass<T: Scalar>(
+        &self,
+        intra: &[Intra<T>],
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> StateGradColumns<T> {
+        let (kd, w) = dht.dim();
+        let mut dh = Array3::zeros((intra.len(), kd, w));
+        let mut dv_new = Array2::zeros((d_o.nrows(), w));
+        let mut ds = dht.to_owned();
+        for (n, ch) in intra.iter().enumerate().rev() {
+            let mut ds_used = dh.index_axis_mut(Axis(0), n);
+            ds_used.assign(&ds);
+            self.policy.round(Stage::Dh, &mut ds_used);
+            let rows = s![ch.start..ch.start + ch.len(), ..];
+            let dvn = self.state_backward(ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
+            dv_new.slice_mut(rows).assign(&dvn);
+        }
+        StateGradColumns {
+            dh,
+            dv_new,
+            dh0: ds,
+        }
+    }
+
     /// The state pass of one chunk's backward given `ds_used = ∂L/∂(state at
     /// its end)` as stored: returns `dv_new [c, V]` and takes the carried
     /// `ds` `[K, V]` back to the chunk's start, `ds e^Γlast + qgᵀ dO − wᵀ dv_new`
@@ -578,7 +622,11 @@ impl Chunk {
         );
         self.policy.round(Stage::Dv, &mut dvn);
         let mut local = gemm::dot(ch.qg.t(), dout.view());
-        fused::zip_update(&mut local, gemm::dot(ch.w.t(), dvn.view()).view(), |a, b| a - b);
+        fused::zip_update(
+            &mut local,
+            gemm::dot(ch.w.t(), dvn.view()).view(),
+            |a, b| a - b,
+        );
         fused::decay_add(ds, &ch.decay_last(), &[&local]);
         dvn
     }
