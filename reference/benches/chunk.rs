@@ -2,7 +2,10 @@
 //! run each), f64, B=1 T=1024 H=4 at K=V=64, 128 and 256 and chunk sizes
 //! 16, 32 and 64 (issue 20: chunk at least as fast as naive), with the
 //! GFLOP/s of each ([`deltaref::ops`]'s counts) and its fraction of the
-//! measured no-FMA mul+add peak.
+//! measured no-FMA mul+add peak. Then the same tokens·heads as one
+//! (sequence, head) pair, T=4096 H=1: fewer pairs than threads, where the
+//! naive engines run on one thread and the chunked ones split the chunks
+//! and the state's value columns over all of them.
 //! Run: `cargo bench -p deltaref --bench chunk` (`-- 64` for one K=V).
 
 mod common;
@@ -24,14 +27,16 @@ fn main() {
     // `cargo bench` passes `--bench`; a number picks one K=V.
     let only: Option<usize> = std::env::args().skip(1).find_map(|a| a.parse().ok());
     println!(
-        "forward+backward, f64, B=1 T={t} H={h}, {} rayon threads, best of {REPS}",
+        "forward+backward, f64, B=1, {} rayon threads, best of {REPS}",
         rayon::current_num_threads()
     );
     let peak = ops::peak_gflops(1.0);
     println!("peak: {peak:.1} GFLOP/s ({})", ops::peak_description());
-    for kd in [64, 128, 256] {
-        if only.is_none_or(|o| o == kd) {
-            bench(t, h, kd, peak);
+    for (t, h) in [(t, h), (t * h, 1)] {
+        for kd in [64, 128, 256] {
+            if only.is_none_or(|o| o == kd) {
+                bench(t, h, kd, peak);
+            }
         }
     }
 }
@@ -78,7 +83,7 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
             .expect("valid");
     });
     println!(
-        "K=V={kd:<4} kda   {}",
+        "T={t:<5} H={h} K=V={kd:<4} kda   {}",
         rate(
             "naive",
             naive,
@@ -93,7 +98,7 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
         });
         let n = chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd));
         println!(
-            "K=V={kd:<4} kda   {}",
+            "T={t:<5} H={h} K=V={kd:<4} kda   {}",
             rate(&format!("chunk(C={c})"), secs, n, peak)
         );
     }
@@ -114,7 +119,7 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
             .expect("valid");
     });
     println!(
-        "K=V={kd:<4} dplr  {}",
+        "T={t:<5} H={h} K=V={kd:<4} dplr  {}",
         rate(
             "naive",
             naive,
@@ -129,7 +134,7 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
         });
         let n = chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd));
         println!(
-            "K=V={kd:<4} dplr  {}",
+            "T={t:<5} H={h} K=V={kd:<4} dplr  {}",
             rate(&format!("chunk(C={c})"), secs, n, peak)
         );
     }

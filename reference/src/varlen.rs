@@ -134,6 +134,27 @@ impl Drop for BusyGuard {
     }
 }
 
+/// `consume(n, f(n))` for `n` in `0..count`, in order. Where [`par_chunks`]
+/// is parallel the `f(n)` are computed in parallel first; otherwise each is
+/// consumed as soon as it is computed, so only one result is alive at a
+/// time and its memory is reused (still in cache) by the next.
+pub fn for_chunks<R, F, C>(count: usize, f: F, mut consume: C)
+where
+    R: Send,
+    F: Fn(usize) -> R + Sync + Send,
+    C: FnMut(usize, R),
+{
+    if chunks_in_parallel() {
+        let results: Vec<R> = (0..count).into_par_iter().map(f).collect();
+        results
+            .into_iter()
+            .enumerate()
+            .for_each(|(n, r)| consume(n, r));
+    } else {
+        (0..count).for_each(|n| consume(n, f(n)));
+    }
+}
+
 /// Whether [`par_chunks`] runs in parallel here: false inside a
 /// [`par_pairs`] whose pairs fill the threads.
 fn chunks_in_parallel() -> bool {

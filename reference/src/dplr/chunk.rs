@@ -18,7 +18,9 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns};
+use crate::varlen::{
+    for_chunks, par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns,
+};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -500,14 +502,15 @@ impl Chunk {
         gr.dh0 = dh0;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
-        let steps: Vec<_> = par_chunks(nt, |n| {
+        let mut da_blocks = Vec::with_capacity(nt);
+        let step = |n: usize| {
             let ch = &fwd.intra[n];
             let ds = dh.index_axis(Axis(0), n);
             let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
             self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
-        });
-        let mut da_blocks = Vec::with_capacity(nt);
-        for (ch, (grads, blocks)) in fwd.intra.iter().zip(steps) {
+        };
+        for_chunks(nt, step, |n, (grads, blocks): (ChunkGrads<T>, _)| {
+            let ch = &fwd.intra[n];
             let r = s![ch.start..ch.start + ch.len(), ..];
             let [dq, dk, da, db, dgk] = grads.rows;
             for (dst, src) in [
@@ -521,7 +524,7 @@ impl Chunk {
             }
             gr.dv.slice_mut(r).assign(&grads.dv);
             da_blocks.push(blocks);
-        }
+        });
         ChunkBackward {
             dh,
             da_blocks,

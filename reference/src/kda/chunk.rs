@@ -19,7 +19,9 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns};
+use crate::varlen::{
+    for_chunks, par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns,
+};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -545,22 +547,24 @@ impl Chunk {
         gr.dh0 = dh0;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
-        let steps: Vec<ChunkStep<T>> = par_chunks(nt, |n| {
-            self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view())
-        });
         let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
-        for (ch, step) in fwd.intra.iter().zip(steps) {
-            let (c, rows) = (ch.len(), s![ch.start..ch.start + ch.len(), ..]);
-            gr.dq.slice_mut(rows).assign(&step.dq);
-            gr.dk.slice_mut(rows).assign(&step.dk);
-            gr.dv.slice_mut(rows).assign(&step.dv);
-            gr.dg.slice_mut(rows).assign(&step.dg);
-            gr.dbeta
-                .slice_mut(s![ch.start..ch.start + c])
-                .assign(&step.dbeta);
-            daqk.push(step.daqk);
-            dakk.push(step.dakk);
-        }
+        for_chunks(
+            nt,
+            |n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view()),
+            |n, step: ChunkStep<T>| {
+                let ch = &fwd.intra[n];
+                let (c, rows) = (ch.len(), s![ch.start..ch.start + ch.len(), ..]);
+                gr.dq.slice_mut(rows).assign(&step.dq);
+                gr.dk.slice_mut(rows).assign(&step.dk);
+                gr.dv.slice_mut(rows).assign(&step.dv);
+                gr.dg.slice_mut(rows).assign(&step.dg);
+                gr.dbeta
+                    .slice_mut(s![ch.start..ch.start + c])
+                    .assign(&step.dbeta);
+                daqk.push(step.daqk);
+                dakk.push(step.dakk);
+            },
+        );
         ChunkBackward {
             dh,
             dv_new,
