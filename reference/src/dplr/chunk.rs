@@ -90,11 +90,8 @@ impl Chunk {
     }
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
-    fn gated<T: Scalar>(&self, x: &ArrayView2<T>, decay: &Array2<T>) -> Array2<T> {
-        self.as_stored(
-            Stage::Gated,
-            fused::zip_map(x.view(), decay.view(), |x, e| x * e),
-        )
+    fn gated<T: Scalar>(&self, x: &ArrayView2<T>, decay: ArrayView2<T>) -> Array2<T> {
+        self.as_stored(Stage::Gated, fused::zip_map(x.view(), decay, |x, e| x * e))
     }
 }
 
@@ -135,11 +132,9 @@ pub struct Intra<T> {
     /// `w = P (exp(Γx) ⊙ A)`, `[c, K]`; `u = P (Aak V)`, `[c, V]`.
     pub w: Array2<T>,
     pub u: Array2<T>,
-    /// `exp(Γ)`, `exp(Γx)` and `exp(Γ_last − Γ)`, `[c, K]` each (kept for
-    /// the state pass and the backward).
-    pub exp_g: Array2<T>,
-    pub exp_gx: Array2<T>,
-    pub exp_to_last: Array2<T>,
+    /// `exp(Γ)`, `exp(Γx)` and `exp(Γ_last − Γ)`, `[c, K]` each, only when
+    /// they are not rebuilt through the middle row ([`Intra::exps`]).
+    direct_exps: Option<[Array2<T>; 3]>,
     /// [`factors`] of Γ and Γx, kept for the backward.
     factors: Option<Factors<T>>,
 }
@@ -153,13 +148,27 @@ impl<T: Scalar> Intra<T> {
         self.len() == 0
     }
 
+    /// `exp(Γ)`, `exp(Γx)` and `exp(Γ_last − Γ)`, `[c, K]` each: rebuilt
+    /// through the middle row, which is cheap and keeps a chunk's stored
+    /// intermediates small, or the direct exponentials it keeps otherwise.
+    /// The same bits as in its intra stage.
+    pub fn exps(&self) -> [CowArray<'_, T, Ix2>; 3] {
+        match &self.direct_exps {
+            Some([eg, egx, dl]) => [eg.into(), egx.into(), dl.into()],
+            None => exps_through_mid(&self.g_cumsum, self.factors.as_ref())
+                .expect("rebuilt as in the intra stage")
+                .map(CowArray::from),
+        }
+    }
+
     fn decay_last(&self) -> Array1<T> {
         self.g_cumsum.row(self.len() - 1).mapv(|v| v.exp())
     }
 
     /// `M_chunk = Diag(exp Γ_last) + (B ⊙ exp(Γ_last − Γ))ᵀ w`, `[K, K]`.
     pub fn transition(&self, b: ArrayView2<T>) -> Array2<T> {
-        let mut m = gemm::dot((&b * &self.exp_to_last).t(), self.w.view());
+        let [_, _, dl] = self.exps();
+        let mut m = gemm::dot((&b * &dl).t(), self.w.view());
         for (d, e) in self.decay_last().iter().enumerate() {
             m[[d, d]] += *e;
         }
@@ -196,27 +205,32 @@ struct ChunkGrads<T> {
     dv: Array2<T>,
 }
 
+/// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ `[c, K]` through the middle
+/// row `m`: `exp(Γ − Γ_m)·exp(Γ_m)`, `exp(Γx − Γ_m)·exp(Γ_m)` and
+/// `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]), `[c, K]`
+/// each; `None` without the `factors` or when a column factor is not normal.
+fn exps_through_mid<T: Scalar>(
+    g: &Array2<T>,
+    factors: Option<&Factors<T>>,
+) -> Option<[Array2<T>; 3]> {
+    let f = factors?;
+    let (e_mid, e_last) = fused::mid_row_exps(g)?;
+    Some([
+        fused::scale_columns(&f.ep, &e_mid),
+        fused::scale_columns(&f.exp_, &e_mid),
+        fused::scale_columns(&f.em, &e_last),
+    ])
+}
+
 /// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ, Γx `[c, K]`, `[c, K]` each
-/// (`exp(Γ_last − Γ)` is at most 1: no overflow). With the `factors`
-/// through the middle row `m`: `exp(Γ − Γ_m)·exp(Γ_m)`, `exp(Γx − Γ_m)·
-/// exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]).
-fn exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>, factors: Option<&Factors<T>>) -> [Array2<T>; 3] {
-    let through_mid = factors.and_then(|f| {
-        let (e_mid, e_last) = fused::mid_row_exps(g)?;
-        Some([
-            fused::scale_columns(&f.ep, &e_mid),
-            fused::scale_columns(&f.exp_, &e_mid),
-            fused::scale_columns(&f.em, &e_last),
-        ])
-    });
+/// (`exp(Γ_last − Γ)` is at most 1: no overflow), formed directly.
+fn direct_exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
     let last = g.row(g.nrows() - 1);
-    through_mid.unwrap_or_else(|| {
-        [
-            g.mapv(T::exp),
-            gx.mapv(T::exp),
-            Array2::from_shape_fn(g.raw_dim(), |(r, d)| (last[d] - g[[r, d]]).exp()),
-        ]
-    })
+    [
+        g.mapv(T::exp),
+        gx.mapv(T::exp),
+        Array2::from_shape_fn(g.raw_dim(), |(r, d)| (last[d] - g[[r, d]]).exp()),
+    ]
 }
 
 /// Rows of `x` for one chunk.
@@ -329,8 +343,10 @@ impl Chunk {
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        let [exp_g, exp_gx, exp_to_last] = exps(&g, &gx, factors.as_ref());
-        let ax = self.gated(&a, &exp_gx);
+        let through_mid = exps_through_mid(&g, factors.as_ref());
+        let stored = through_mid.is_none();
+        let exps = through_mid.unwrap_or_else(|| direct_exps(&g, &gx));
+        let ax = self.gated(&a, exps[1].view());
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(
             Stage::U,
@@ -346,9 +362,7 @@ impl Chunk {
             p,
             w,
             u,
-            exp_g,
-            exp_gx,
-            exp_to_last,
+            direct_exps: stored.then_some(exps),
             factors,
             g_cumsum: g,
         }
@@ -413,13 +427,14 @@ impl Chunk {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
             let v = rows(&x.v, ch.start, c).slice_move(s![.., cols.clone()]);
+            let [eg, _, dl] = ch.exps();
             let mut hn = h.index_axis_mut(Axis(0), n);
             hn.assign(&state);
             self.policy.round(Stage::H, &mut hn);
             let hn = h.index_axis(Axis(0), n);
             // v2 = u + w h and, with the readout, qg h: one product.
             let qg = read_out
-                .then(|| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), &ch.exp_g));
+                .then(|| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), eg.view()));
             let wh = match &qg {
                 Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
                 None => gemm::dot(ch.w.view(), hn.view()),
@@ -443,10 +458,15 @@ impl Chunk {
                 fused::zip_update(&mut out, wh.slice(s![c.., ..]), add);
                 o.slice_mut(r).assign(&out);
             }
-            let dl = &ch.exp_to_last;
             let terms = [
-                &gemm::dot(self.gated(&rows(&x.k, ch.start, c), dl).t(), v.view()),
-                &gemm::dot(self.gated(&rows(&x.b, ch.start, c), dl).t(), v2n.view()),
+                &gemm::dot(
+                    self.gated(&rows(&x.k, ch.start, c), dl.view()).t(),
+                    v.view(),
+                ),
+                &gemm::dot(
+                    self.gated(&rows(&x.b, ch.start, c), dl.view()).t(),
+                    v2n.view(),
+                ),
             ];
             fused::decay_add(&mut state, &ch.decay_last(), &terms);
             v2.slice_mut(r).assign(&v2n);
@@ -467,16 +487,19 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht)
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, true)
     }
 
-    /// The backward pass given the forward's intermediates `fwd`.
+    /// The backward pass given the forward's intermediates `fwd`; the
+    /// per-chunk A-block gradients are kept only with `keep_blocks` (else
+    /// left empty: only the intermediates need them).
     fn backward_from<T: Scalar>(
         &self,
         x: &DplrHead<T>,
         fwd: &ChunkForward<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
+        keep_blocks: bool,
     ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let z = || Array2::zeros((l, kd));
@@ -523,7 +546,9 @@ impl Chunk {
                 dst.slice_mut(r).assign(&src);
             }
             gr.dv.slice_mut(r).assign(&grads.dv);
-            da_blocks.push(blocks);
+            if keep_blocks {
+                da_blocks.push(blocks);
+            }
         });
         ChunkBackward {
             dh,
@@ -577,12 +602,13 @@ impl Chunk {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
-        let qg = self.gated(&self.q_read(q).view(), &ch.exp_g);
+        let [eg, _, dl] = ch.exps();
+        let qg = self.gated(&self.q_read(q).view(), eg.view());
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
         fused::zip_update(
             &mut dv2,
-            gemm::dot(self.gated(&b, &ch.exp_to_last).view(), ds_used.view()).view(),
+            gemm::dot(self.gated(&b, dl.view()).view(), ds_used.view()).view(),
             |a, b| a + b,
         );
         let dv2 = self.as_stored(Stage::Dv, dv2);
@@ -620,7 +646,7 @@ impl Chunk {
         let h = fwd.h.index_axis(Axis(0), n);
         let v2 = fwd.v2.slice(r);
         let dout = d_o.slice(r);
-        let (eg, egx, dl) = (&ch.exp_g, &ch.exp_gx, &ch.exp_to_last);
+        let [eg, egx, dl] = ch.exps();
         let decay_last = ch.decay_last();
         // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h. The decay gradient's
         // `dq·q` (`chunk_dplr_bwd_kernel_intra`) reads the raw q in fp32.
@@ -636,7 +662,7 @@ impl Chunk {
         tri::mask_lower(&mut daqb, true);
         let mut dv = tri::lower_t_dot(ch.aqk.view(), dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
-        let (kgl, bgl) = (self.gated(&k, dl), self.gated(&b, dl));
+        let (kgl, bgl) = (self.gated(&k, dl.view()), self.gated(&b, dl.view()));
         // `tl.sum((b_h * b_dh).to(tl.float32))`: the product of the two bf16
         // operands is rounded to bf16 before the fp32 sum (`chunk_dplr_bwd_o`).
         let hdh = self.as_stored(Stage::BwdOperands, fused::zip_map(h, ds, |h, d| h * d));
@@ -652,7 +678,7 @@ impl Chunk {
         let dw = self.stored_view(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = tri::lower_dot(ch.aak.view(), v);
-        let ax = self.gated(&a, egx);
+        let ax = self.gated(&a, egx.view());
         // Only dP's strict lower triangle reaches dAab (P is unit lower triangular).
         let mut dp = tri::dot_t_lower(dv2, zv.view(), false);
         fused::zip_update(
@@ -824,7 +850,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
-        self.backward_intermediates(x, h0, d_o, dht).grads
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
+            .grads
     }
 
     /// One forward pass (with its readout) serves the backward too.
@@ -836,7 +863,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
         let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o, dht).grads;
+        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
     }
 

@@ -147,10 +147,9 @@ pub struct Intra<T> {
     pub qg: Array2<T>,
     /// `K ⊙ exp(Γ_last − Γ)`, `[c, K]`.
     pub kg: Array2<T>,
-    /// `exp(Γ)` and `exp(Γ_last − Γ)`, `[c, K]` each, unrounded (kept for
-    /// the backward).
-    pub exp_g: Array2<T>,
-    pub exp_to_last: Array2<T>,
+    /// `exp(Γ)` and `exp(Γ_last − Γ)`, `[c, K]` each, unrounded, when they
+    /// are not rebuilt through the middle row (see [`Chunk::exps`]).
+    direct_exps: Option<[Array2<T>; 2]>,
     /// [`Chunk::factors`] of Γ, kept for the backward.
     pub factors: Option<(Array2<T>, Array2<T>)>,
 }
@@ -308,35 +307,45 @@ impl Chunk {
         (aqk, p)
     }
 
-    /// `(exp(Γ), exp(Γ_last − Γ), Q ⊙ exp(Γ), K ⊙ exp(Γ_last − Γ))`, `[c, K]`
-    /// each (`exp(Γ_last − Γ)` is at most 1: no overflow). With the natural
-    /// `exp` (not FLA's `exp2`) and the `factors` through the middle row `m`,
-    /// the first two are `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·
-    /// exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]).
-    fn gates<T: Scalar>(
+    /// `(exp(Γ), exp(Γ_last − Γ))` through the middle row `m`:
+    /// `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`
+    /// ([`fused::mid_row_exps`]), `[c, K]` each; `None` without the
+    /// `factors`, under FLA's `exp2`, or when a column factor is not normal.
+    fn exps_through_mid<T: Scalar>(
         &self,
         g_cumsum: &Array2<T>,
         factors: Option<&(Array2<T>, Array2<T>)>,
-        q: ArrayView2<T>,
-        k: ArrayView2<T>,
-    ) -> [Array2<T>; 4] {
+    ) -> Option<[Array2<T>; 2]> {
+        let (ep, em) = factors.filter(|_| !self.policy.exp2)?;
+        let (e_mid, e_last) = fused::mid_row_exps(g_cumsum)?;
+        Some([
+            fused::scale_columns(ep, &e_mid),
+            fused::scale_columns(em, &e_last),
+        ])
+    }
+
+    /// `(exp(Γ), exp(Γ_last − Γ))` of `ch`, `[c, K]` each (`exp(Γ_last − Γ)`
+    /// is at most 1: no overflow): rebuilt through the middle row, which is
+    /// cheap and keeps a chunk's stored intermediates small, or the direct
+    /// exponentials it keeps otherwise. The same bits as in its intra stage.
+    fn exps<'a, T: Scalar>(&self, ch: &'a Intra<T>) -> [CowArray<'a, T, Ix2>; 2] {
+        match &ch.direct_exps {
+            Some([eg, tl]) => [eg.into(), tl.into()],
+            None => self
+                .exps_through_mid(&ch.g_cumsum, ch.factors.as_ref())
+                .expect("rebuilt as in the intra stage")
+                .map(CowArray::from),
+        }
+    }
+
+    /// `(exp(Γ), exp(Γ_last − Γ))` formed directly from Γ, `[c, K]` each.
+    fn direct_exps<T: Scalar>(&self, g_cumsum: &Array2<T>) -> [Array2<T>; 2] {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
-        let through_mid = factors.filter(|_| !self.policy.exp2).and_then(|(ep, em)| {
-            let (e_mid, e_last) = fused::mid_row_exps(g_cumsum)?;
-            Some([
-                fused::scale_columns(ep, &e_mid),
-                fused::scale_columns(em, &e_last),
-            ])
-        });
-        let [eg, tl] = through_mid.unwrap_or_else(|| {
-            let e = |x: T| self.policy.exp(x);
-            [
-                g_cumsum.mapv(e),
-                Array2::from_shape_fn(g_cumsum.raw_dim(), |(r, d)| e(last[d] - g_cumsum[[r, d]])),
-            ]
-        });
-        let [qg, kg] = fused::products([(q, eg.view()), (k, tl.view())]);
-        [eg, tl, qg, kg]
+        let e = |x: T| self.policy.exp(x);
+        [
+            g_cumsum.mapv(e),
+            Array2::from_shape_fn(g_cumsum.raw_dim(), |(r, d)| e(last[d] - g_cumsum[[r, d]])),
+        ]
     }
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
@@ -373,7 +382,10 @@ impl Chunk {
         self.policy.round(Stage::Akk, &mut n_inv);
         let akk = &n_inv * &beta.view().insert_axis(Axis(0));
         self.policy.round(Stage::Aqk, &mut aqk);
-        let [eg, exp_to_last, mut qg, mut kg] = self.gates(&g_cumsum, factors.as_ref(), q, k);
+        let through_mid = self.exps_through_mid(&g_cumsum, factors.as_ref());
+        let stored = through_mid.is_none();
+        let [eg, tl] = through_mid.unwrap_or_else(|| self.direct_exps(&g_cumsum));
+        let [mut qg, mut kg] = fused::products([(q, eg.view()), (k, tl.view())]);
         let (mut w, mut u) = if [Stage::W, Stage::U, Stage::KBeta]
             .into_iter()
             .any(|s| self.policy.storage(s).is_some())
@@ -417,8 +429,7 @@ impl Chunk {
             u,
             qg,
             kg,
-            exp_g: eg,
-            exp_to_last,
+            direct_exps: stored.then_some([eg, tl]),
             factors,
         }
     }
@@ -518,16 +529,19 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht)
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, true)
     }
 
-    /// The backward pass given the forward's intermediates `fwd`.
+    /// The backward pass given the forward's intermediates `fwd`; the
+    /// per-chunk A-block gradients are kept only with `keep_blocks` (else
+    /// left empty: only the intermediates need them).
     fn backward_from<T: Scalar>(
         &self,
         x: &KdaHead<T>,
         fwd: &ChunkForward<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
+        keep_blocks: bool,
     ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
         let mut gr = KdaHeadGrads {
@@ -561,8 +575,10 @@ impl Chunk {
                 gr.dbeta
                     .slice_mut(s![ch.start..ch.start + c])
                     .assign(&step.dbeta);
-                daqk.push(step.daqk);
-                dakk.push(step.dakk);
+                if keep_blocks {
+                    daqk.push(step.daqk);
+                    dakk.push(step.dakk);
+                }
             },
         );
         ChunkBackward {
@@ -670,7 +686,7 @@ impl Chunk {
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
-        let eg = &ch.exp_g;
+        let [eg, tl] = self.exps(ch);
         let kd_ = self.operand(fused::zip_map(eg.view(), k, |e, k| e * k));
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
         let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false);
@@ -714,7 +730,7 @@ impl Chunk {
             kd_.view(),
             ch.qg.view(),
             dkg.view(),
-            ch.exp_to_last.view(),
+            tl.view(),
             ch.kg.view(),
         ]
         .map(fused::flat);
@@ -981,7 +997,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
-        self.backward_intermediates(x, h0, d_o, dht).grads
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
+            .grads
     }
 
     /// One forward pass (with its readout) serves the backward too.
@@ -993,7 +1010,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
         let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o, dht).grads;
+        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
     }
 
