@@ -62,6 +62,13 @@ pub fn zip_update<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>, f: impl Fn(T, 
     );
 }
 
+/// `1 / x` of each element (one pass at the CPU's vector width): with `x =
+/// exp(d)`, `exp(−d)` within an ulp and a division instead of an
+/// exponential.
+pub fn reciprocals<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
+    zip_map(x, x, |x, _| T::one() / x)
+}
+
 /// `x ⊙ f` for each pair `(x, f)` of same-shape arrays.
 pub fn products<T: Scalar, const N: usize>(
     pairs: [(ArrayView2<T>, ArrayView2<T>); N],

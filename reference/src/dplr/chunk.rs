@@ -255,8 +255,8 @@ fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
     if d.iter().chain(dx.iter()).any(|v| v.f64().abs() > limit) {
         return None;
     }
-    let em = d.mapv(|v| (-v).exp());
     d.mapv_inplace(|v| v.exp());
+    let em = fused::reciprocals(d.view());
     dx.mapv_inplace(|v| v.exp());
     Some(Factors {
         ep: d,

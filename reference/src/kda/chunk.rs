@@ -234,8 +234,11 @@ impl Chunk {
         if diff.iter().any(|v| v.f64().abs() > limit) {
             return None;
         }
-        let em = diff.mapv(|v| self.policy.exp(-v));
+        // exp(Γ_m − Γ) as 1/exp(Γ − Γ_m) (a division, not an exponential),
+        // but as FLA's own exp2 where that is emulated.
+        let em = self.policy.exp2.then(|| diff.mapv(|v| self.policy.exp(-v)));
         diff.mapv_inplace(|v| self.policy.exp(v));
+        let em = em.unwrap_or_else(|| fused::reciprocals(diff.view()));
         Some((diff, em))
     }
 
