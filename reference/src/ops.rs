@@ -168,7 +168,7 @@ fn timed_products(iters: u64) -> f64 {
 const PEAK_RUNS: u32 = 10;
 
 /// The machine's measured mul+add throughput without FMA, in GFLOP/s: the
-/// best of [`PEAK_RUNS`] runs, `seconds` in all, of [`products`] on `f64`
+/// best of `PEAK_RUNS` (10) runs, `seconds` in all, of the product kernel on `f64`
 /// on every rayon thread at once (2 ops per term `a·b` added).
 pub fn peak_gflops(seconds: f64) -> f64 {
     let mut iters = 1u64 << 10;

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use ndarray::{Array, Array2, Array3, Axis, Dimension, Slice};
+use ndarray::{s, Array, Array2, Array3, ArrayView2, ArrayViewMut2, Axis, Dimension, Slice};
 use num_traits::Zero;
 use rayon::prelude::*;
 
@@ -240,9 +240,33 @@ pub struct StateColumns<T> {
     pub state: Array2<T>,
 }
 
-impl<T: Clone + Zero> StateColumns<T> {
+impl<T: Clone + Zero + Send + Sync> StateColumns<T> {
+    /// `pass(h0 columns, cols)` for the blocks of [`par_columns`] of the
+    /// initial state `h0 [K, V]`, joined.
+    pub fn par_pass<F>(h0: ArrayView2<T>, pass: F) -> Self
+    where
+        F: Fn(ArrayView2<T>, Range<usize>) -> Self + Sync + Send,
+    {
+        let parts = par_columns(h0.ncols(), |cols| {
+            pass(h0.slice(s![.., cols.clone()]), cols)
+        });
+        Self::join(parts)
+    }
+
+    /// The start of a pass over `nt` chunks of `l` tokens from the state
+    /// `h0 [K, w]`: zeroed `h`, `v_new` and (with `read_out`) `o`.
+    pub fn start(nt: usize, l: usize, h0: ArrayView2<T>, read_out: bool) -> Self {
+        let (kd, w) = h0.dim();
+        StateColumns {
+            h: Array3::zeros((nt, kd, w)),
+            v_new: Array2::zeros((l, w)),
+            o: Array2::zeros((if read_out { l } else { 0 }, w)),
+            state: h0.to_owned(),
+        }
+    }
+
     /// The blocks of [`par_columns`] as one, `w = V`.
-    pub fn join(parts: Vec<Self>) -> Self {
+    fn join(parts: Vec<Self>) -> Self {
         let (mut h, mut v_new, mut o, mut state) = (vec![], vec![], vec![], vec![]);
         for p in parts {
             h.push(p.h);
@@ -268,9 +292,50 @@ pub struct StateGradColumns<T> {
     pub dh0: Array2<T>,
 }
 
-impl<T: Clone + Zero> StateGradColumns<T> {
+impl<T: Clone + Zero + Send + Sync> StateGradColumns<T> {
+    /// A chunked engine's backward state recurrence, chunk by chunk in
+    /// reverse, for the blocks of [`par_columns`] of `do [L, V]` and `dht
+    /// [K, V]`, joined. `chunks[n]` are chunk `n`'s tokens; `store` rounds
+    /// the state gradient as the kernel stores it (FLA's `dh`), and
+    /// `step(n, do, dh_n, ds)` is chunk `n`'s state pass: it returns the
+    /// gradient of its `v_new` `[c, w]` and takes the carried `ds` `[K, w]`
+    /// back to the chunk's start. Each chunk needs only its own reads of the
+    /// state, so the columns split.
+    pub fn par_pass<S, F>(
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        chunks: &[Range<usize>],
+        store: S,
+        step: F,
+    ) -> Self
+    where
+        S: Fn(&mut ArrayViewMut2<T>) + Sync + Send,
+        F: Fn(usize, ArrayView2<T>, ArrayView2<T>, &mut Array2<T>) -> Array2<T> + Sync + Send,
+    {
+        let parts = par_columns(dht.ncols(), |cols| {
+            let (d_o, dht) = (d_o.slice(s![.., cols.clone()]), dht.slice(s![.., cols]));
+            let (kd, w) = dht.dim();
+            let mut dh = Array3::zeros((chunks.len(), kd, w));
+            let mut dv_new = Array2::zeros((d_o.nrows(), w));
+            let mut ds = dht.to_owned();
+            for (n, rows) in chunks.iter().enumerate().rev() {
+                let mut ds_used = dh.index_axis_mut(Axis(0), n);
+                ds_used.assign(&ds);
+                store(&mut ds_used);
+                let dvn = step(n, d_o, dh.index_axis(Axis(0), n), &mut ds);
+                dv_new.slice_mut(s![rows.clone(), ..]).assign(&dvn);
+            }
+            StateGradColumns {
+                dh,
+                dv_new,
+                dh0: ds,
+            }
+        });
+        Self::join(parts)
+    }
+
     /// The blocks of [`par_columns`] as one, `w = V`.
-    pub fn join(parts: Vec<Self>) -> Self {
+    fn join(parts: Vec<Self>) -> Self {
         let (mut dh, mut dv_new, mut dh0) = (vec![], vec![], vec![]);
         for p in parts {
             dh.push(p.dh);

@@ -18,9 +18,7 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{
-    for_chunks, par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns,
-};
+use crate::varlen::{for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -394,10 +392,9 @@ impl Chunk {
         read_out: bool,
     ) -> ChunkForward<T> {
         let intra = self.intras(x);
-        let parts = par_columns(x.v_dim(), |cols| {
-            self.state_pass(x, &intra, h0.slice(s![.., cols.clone()]), cols, read_out)
+        let StateColumns { h, v_new, o, state } = StateColumns::par_pass(h0, |h0, cols| {
+            self.state_pass(x, &intra, h0, cols, read_out)
         });
-        let StateColumns { h, v_new, o, state } = StateColumns::join(parts);
         ChunkForward {
             intra,
             h,
@@ -408,7 +405,7 @@ impl Chunk {
     }
 
     /// The forward state pass over the value columns `cols` of every chunk
-    /// ([`par_columns`]), from `h0` `[K, w]` (those columns of the initial
+    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of the initial
     /// state); `v_new` is `v2`.
     fn state_pass<T: Scalar>(
         &self,
@@ -418,11 +415,12 @@ impl Chunk {
         cols: std::ops::Range<usize>,
         read_out: bool,
     ) -> StateColumns<T> {
-        let (kd, w) = (x.k_dim(), cols.len());
-        let mut h = Array3::zeros((intra.len(), kd, w));
-        let mut v2 = Array2::zeros((x.len(), w));
-        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, w));
-        let mut state = h0.to_owned();
+        let StateColumns {
+            mut h,
+            v_new: mut v2,
+            mut o,
+            mut state,
+        } = StateColumns::start(intra.len(), x.len(), h0, read_out);
         for (n, ch) in intra.iter().enumerate() {
             let c = ch.len();
             let r = s![ch.start..ch.start + c, ..];
@@ -513,15 +511,22 @@ impl Chunk {
             dh0: Array2::zeros((kd, vd)),
         };
         let nt = fwd.intra.len();
-        let parts = par_columns(vd, |cols| {
-            let cols = s![.., cols];
-            self.state_backward_pass(x, &fwd.intra, d_o.slice(cols), dht.slice(cols))
-        });
+        let chunks: Vec<_> = fwd
+            .intra
+            .iter()
+            .map(|ch| ch.start..ch.start + ch.len())
+            .collect();
         let StateGradColumns {
             dh,
             dv_new: dv2,
             dh0,
-        } = StateGradColumns::join(parts);
+        } = StateGradColumns::par_pass(
+            d_o,
+            dht,
+            &chunks,
+            |dh| self.policy.round(Stage::Dh, dh),
+            |n, d_o, ds_used, ds| self.state_backward(x, &fwd.intra[n], d_o, ds_used, ds),
+        );
         gr.dh0 = dh0;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
@@ -557,40 +562,10 @@ impl Chunk {
         }
     }
 
-    /// The state recurrence of the backward, chunk by chunk in reverse, over
-    /// some value columns (`w` of them, [`par_columns`]): from `do` `[L, w]`
-    /// and `dht` `[K, w]`, FLA's `dh` `[NT, K, w]`, `dv2` `[L, w]` and `dh0`
-    /// `[K, w]`. It needs only each chunk's `dv2` and its own reads of the
-    /// state.
-    fn state_backward_pass<T: Scalar>(
-        &self,
-        x: &DplrHead<T>,
-        intra: &[Intra<T>],
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> StateGradColumns<T> {
-        let (kd, w) = dht.dim();
-        let mut dh = Array3::zeros((intra.len(), kd, w));
-        let mut dv2 = Array2::zeros((x.len(), w));
-        let mut ds = dht.to_owned();
-        for (n, ch) in intra.iter().enumerate().rev() {
-            let mut ds_used = dh.index_axis_mut(Axis(0), n);
-            ds_used.assign(&ds);
-            self.policy.round(Stage::Dh, &mut ds_used);
-            let dv2n = self.state_backward(x, ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
-            dv2.slice_mut(s![ch.start..ch.start + ch.len(), ..])
-                .assign(&dv2n);
-        }
-        StateGradColumns {
-            dh,
-            dv_new: dv2,
-            dh0: ds,
-        }
-    }
-
     /// The state pass of one chunk's backward given `ds_used = ∂L/∂(state at
-    /// its end)` as FLA stores it (`dh`): returns `dv2 [c, V]` and takes the
-    /// carried `ds` `[K, V]` (in the compute scalar) back to the chunk's start.
+    /// its end)` as FLA stores it (`dh`), for `w` value columns (`do`
+    /// `[L, w]`, `ds_used` `[K, w]`): returns `dv2 [c, w]` and takes the
+    /// carried `ds` `[K, w]` (in the compute scalar) back to the chunk's start.
     fn state_backward<T: Scalar>(
         &self,
         x: &DplrHead<T>,

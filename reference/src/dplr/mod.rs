@@ -182,7 +182,7 @@ pub struct Prepared<'a, T> {
     pub dims: DplrDims,
     pub scale: f64,
     pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, not yet scaled: [`Prepared::head`] applies `scale`,
+    /// `[B, T, H, K]`, not yet scaled: `Prepared::head` applies `scale`,
     /// head by head, in parallel.
     pub q: ArrayView4<'a, T>,
     pub k: ArrayView4<'a, T>,

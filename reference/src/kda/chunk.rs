@@ -19,9 +19,7 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{
-    for_chunks, par_chunks, par_columns, par_pairs, Segment, StateColumns, StateGradColumns,
-};
+use crate::varlen::{for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -150,7 +148,8 @@ pub struct Intra<T> {
     /// `exp(Γ)` and `exp(Γ_last − Γ)`, `[c, K]` each, unrounded, when they
     /// are not rebuilt through the middle row (see [`Chunk::exps`]).
     direct_exps: Option<[Array2<T>; 2]>,
-    /// [`Chunk::factors`] of Γ, kept for the backward.
+    /// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` through the middle row `m`, kept for
+    /// the backward (`None` where a pairwise difference is used instead).
     pub factors: Option<(Array2<T>, Array2<T>)>,
 }
 
@@ -464,10 +463,9 @@ impl Chunk {
         read_out: bool,
     ) -> ChunkForward<T> {
         let intra = self.intras(x);
-        let parts = par_columns(x.v_dim(), |cols| {
-            self.state_pass(x, &intra, h0.slice(s![.., cols.clone()]), cols, read_out)
+        let StateColumns { h, v_new, o, state } = StateColumns::par_pass(h0, |h0, cols| {
+            self.state_pass(x, &intra, h0, cols, read_out)
         });
-        let StateColumns { h, v_new, o, state } = StateColumns::join(parts);
         ChunkForward {
             intra,
             h,
@@ -478,7 +476,7 @@ impl Chunk {
     }
 
     /// The forward state pass over the value columns `cols` of every chunk
-    /// ([`par_columns`]), from `h0` `[K, w]` (those columns of the initial
+    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of the initial
     /// state); without `read_out`, `o` is `[0, w]`.
     fn state_pass<T: Scalar>(
         &self,
@@ -488,11 +486,12 @@ impl Chunk {
         cols: std::ops::Range<usize>,
         read_out: bool,
     ) -> StateColumns<T> {
-        let (kd, w) = (x.k_dim(), cols.len());
-        let mut h = Array3::zeros((intra.len(), kd, w));
-        let mut v_new = Array2::zeros((x.len(), w));
-        let mut o = Array2::zeros((if read_out { x.len() } else { 0 }, w));
-        let mut state = h0.to_owned();
+        let StateColumns {
+            mut h,
+            mut v_new,
+            mut o,
+            mut state,
+        } = StateColumns::start(intra.len(), x.len(), h0, read_out);
         for (n, ch) in intra.iter().enumerate() {
             let mut hn = h.index_axis_mut(Axis(0), n);
             hn.assign(&state);
@@ -556,11 +555,18 @@ impl Chunk {
             dh0: Array2::zeros((kd, vd)),
         };
         let nt = fwd.intra.len();
-        let parts = par_columns(vd, |cols| {
-            let cols = s![.., cols];
-            self.state_backward_pass(&fwd.intra, d_o.slice(cols), dht.slice(cols))
-        });
-        let StateGradColumns { dh, dv_new, dh0 } = StateGradColumns::join(parts);
+        let chunks: Vec<_> = fwd
+            .intra
+            .iter()
+            .map(|ch| ch.start..ch.start + ch.len())
+            .collect();
+        let StateGradColumns { dh, dv_new, dh0 } = StateGradColumns::par_pass(
+            d_o,
+            dht,
+            &chunks,
+            |dh| self.policy.round(Stage::Dh, dh),
+            |n, d_o, ds_used, ds| self.state_backward(&fwd.intra[n], d_o, ds_used, ds),
+        );
         gr.dh0 = dh0;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
@@ -593,40 +599,11 @@ impl Chunk {
         }
     }
 
-    /// The state recurrence of the backward, chunk by chunk in reverse, over
-    /// some value columns (`w` of them, [`par_columns`]): from `do` `[L, w]`
-    /// and `dht` `[K, w]`, FLA's `dh` `[NT, K, w]`, `dv_new` `[L, w]` and
-    /// `dh0` `[K, w]`. It needs only each chunk's `dv_new` and its own reads
-    /// of the state.
-    fn state_backward_pass<T: Scalar>(
-        &self,
-        intra: &[Intra<T>],
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> StateGradColumns<T> {
-        let (kd, w) = dht.dim();
-        let mut dh = Array3::zeros((intra.len(), kd, w));
-        let mut dv_new = Array2::zeros((d_o.nrows(), w));
-        let mut ds = dht.to_owned();
-        for (n, ch) in intra.iter().enumerate().rev() {
-            let mut ds_used = dh.index_axis_mut(Axis(0), n);
-            ds_used.assign(&ds);
-            self.policy.round(Stage::Dh, &mut ds_used);
-            let rows = s![ch.start..ch.start + ch.len(), ..];
-            let dvn = self.state_backward(ch, d_o, dh.index_axis(Axis(0), n), &mut ds);
-            dv_new.slice_mut(rows).assign(&dvn);
-        }
-        StateGradColumns {
-            dh,
-            dv_new,
-            dh0: ds,
-        }
-    }
-
     /// The state pass of one chunk's backward given `ds_used = ∂L/∂(state at
-    /// its end)` as stored: returns `dv_new [c, V]` and takes the carried
-    /// `ds` `[K, V]` back to the chunk's start, `ds e^Γlast + qgᵀ dO − wᵀ dv_new`
-    /// (decayed carry plus the chunk's own reads of the state).
+    /// its end)` as stored, for `w` value columns (`do` `[L, w]`, `ds_used`
+    /// `[K, w]`): returns `dv_new [c, w]` and takes the carried `ds` `[K, w]`
+    /// back to the chunk's start, `ds e^Γlast + qgᵀ dO − wᵀ dv_new` (decayed
+    /// carry plus the chunk's own reads of the state).
     fn state_backward<T: Scalar>(
         &self,
         ch: &Intra<T>,

@@ -347,7 +347,7 @@ pub struct Prepared<'a, T> {
     pub scale: f64,
     /// Sequences of the batch (whole sequences; CP cuts them further).
     pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked ([`Prepared::head`] applies
+    /// `[B, T, H, K]`, l2-normalised if asked (`Prepared::head` applies
     /// `scale`, head by head, in parallel).
     pub q: CowArray<'a, T, Ix4>,
     /// `[B, T, H, K]`, l2-normalised if asked.
