@@ -1,5 +1,8 @@
 //! Sequences of a batch: `B` independent rows, or `B == 1` with sequences
-//! packed along T by `cu_seqlens` (FlashAttention/FLA convention).
+//! packed along T by `cu_seqlens` (FlashAttention/FLA convention); and how an
+//! engine's work splits over rayon's threads without changing a bit: over
+//! (sequence, head) pairs, and with fewer pairs than threads over a pair's
+//! chunks and its state's value columns.
 
 use std::ops::Range;
 

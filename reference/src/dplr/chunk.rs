@@ -405,8 +405,8 @@ impl Chunk {
     }
 
     /// The forward state pass over the value columns `cols` of every chunk
-    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of the initial
-    /// state); `v_new` is `v2`.
+    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of
+    /// the initial state); `v_new` is `v2`.
     fn state_pass<T: Scalar>(
         &self,
         x: &DplrHead<T>,

@@ -476,8 +476,8 @@ impl Chunk {
     }
 
     /// The forward state pass over the value columns `cols` of every chunk
-    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of the initial
-    /// state); without `read_out`, `o` is `[0, w]`.
+    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of
+    /// the initial state); without `read_out`, `o` is `[0, w]`.
     fn state_pass<T: Scalar>(
         &self,
         x: &KdaHead<T>,
