@@ -7,7 +7,7 @@
 
 use std::borrow::Cow;
 
-use ndarray::{Array1, Array2, ArrayView1, ArrayView2};
+use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2};
 
 use crate::scalar::Scalar;
 use crate::simd;
@@ -60,6 +60,47 @@ pub fn zip_update<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>, f: impl Fn(T, 
             }
         },
     );
+}
+
+/// A `[rows, cols]` array written a block of rows at a time, in order: each
+/// element written once, with no zero fill and no second pass (the chunked
+/// engines' per-token results and per-chunk states).
+pub struct RowStack<T> {
+    data: Vec<T>,
+    rows: usize,
+    cols: usize,
+}
+
+impl<T: Clone> RowStack<T> {
+    /// Room for `rows` rows of `cols`.
+    pub fn new(rows: usize, cols: usize) -> Self {
+        RowStack {
+            data: Vec::with_capacity(rows * cols),
+            rows: 0,
+            cols,
+        }
+    }
+
+    /// Appends the rows of `a` `[r, cols]`.
+    pub fn push(&mut self, a: ArrayView2<T>) {
+        assert_eq!(a.ncols(), self.cols, "RowStack: rows of another width");
+        match a.to_slice() {
+            Some(s) => self.data.extend_from_slice(s),
+            None => self.data.extend(a.iter().cloned()),
+        }
+        self.rows += a.nrows();
+    }
+
+    /// The rows pushed, `[rows, cols]`.
+    pub fn into_rows(self) -> Array2<T> {
+        Array2::from_shape_vec((self.rows, self.cols), self.data).expect("whole rows")
+    }
+
+    /// The rows pushed as blocks of `k` rows, `[rows / k, k, cols]`.
+    pub fn into_blocks(self, k: usize) -> Array3<T> {
+        let blocks = self.rows.checked_div(k).unwrap_or(0);
+        Array3::from_shape_vec((blocks, k, self.cols), self.data).expect("whole blocks")
+    }
 }
 
 /// `1 / x` of each element (one pass at the CPU's vector width): with `x =

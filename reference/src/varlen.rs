@@ -256,18 +256,6 @@ impl<T: Clone + Zero + Send + Sync> StateColumns<T> {
         Self::join(parts)
     }
 
-    /// The start of a pass over `nt` chunks of `l` tokens from the state
-    /// `h0 [K, w]`: zeroed `h`, `v_new` and (with `read_out`) `o`.
-    pub fn start(nt: usize, l: usize, h0: ArrayView2<T>, read_out: bool) -> Self {
-        let (kd, w) = h0.dim();
-        StateColumns {
-            h: Array3::zeros((nt, kd, w)),
-            v_new: Array2::zeros((l, w)),
-            o: Array2::zeros((if read_out { l } else { 0 }, w)),
-            state: h0.to_owned(),
-        }
-    }
-
     /// The blocks of [`par_columns`] as one, `w = V`.
     fn join(parts: Vec<Self>) -> Self {
         let (mut h, mut v_new, mut o, mut state) = (vec![], vec![], vec![], vec![]);

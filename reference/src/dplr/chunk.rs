@@ -12,7 +12,7 @@ use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
 };
 use crate::error::Result;
-use crate::fused;
+use crate::fused::{self, RowStack};
 use crate::gemm;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
@@ -415,21 +415,18 @@ impl Chunk {
         cols: std::ops::Range<usize>,
         read_out: bool,
     ) -> StateColumns<T> {
-        let StateColumns {
-            mut h,
-            v_new: mut v2,
-            mut o,
-            mut state,
-        } = StateColumns::start(intra.len(), x.len(), h0, read_out);
-        for (n, ch) in intra.iter().enumerate() {
+        let (kd, w) = h0.dim();
+        let mut h = RowStack::new(intra.len() * kd, w);
+        let mut v2 = RowStack::new(x.len(), w);
+        let mut o = RowStack::new(if read_out { x.len() } else { 0 }, w);
+        let mut state = h0.to_owned();
+        for ch in intra {
             let c = ch.len();
-            let r = s![ch.start..ch.start + c, ..];
             let v = rows(&x.v, ch.start, c).slice_move(s![.., cols.clone()]);
             let [eg, _, dl] = ch.exps();
-            let mut hn = h.index_axis_mut(Axis(0), n);
-            hn.assign(&state);
+            let mut hn = state.clone();
             self.policy.round(Stage::H, &mut hn);
-            let hn = h.index_axis(Axis(0), n);
+            let hn = hn.view();
             // v2 = u + w h and, with the readout, qg h: one product.
             let qg = read_out
                 .then(|| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), eg.view()));
@@ -454,7 +451,7 @@ impl Chunk {
                     add,
                 );
                 fused::zip_update(&mut out, wh.slice(s![c.., ..]), add);
-                o.slice_mut(r).assign(&out);
+                o.push(out.view());
             }
             let terms = [
                 &gemm::dot(
@@ -467,12 +464,13 @@ impl Chunk {
                 ),
             ];
             fused::decay_add(&mut state, &ch.decay_last(), &terms);
-            v2.slice_mut(r).assign(&v2n);
+            v2.push(v2n.view());
+            h.push(hn);
         }
         StateColumns {
-            h,
-            v_new: v2,
-            o,
+            h: h.into_blocks(kd),
+            v_new: v2.into_rows(),
+            o: o.into_rows(),
             state,
         }
     }
@@ -500,16 +498,8 @@ impl Chunk {
         keep_blocks: bool,
     ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let z = || Array2::zeros((l, kd));
-        let mut gr = DplrHeadGrads {
-            dq: z(),
-            dk: z(),
-            dv: Array2::zeros((l, vd)),
-            da: z(),
-            db: z(),
-            dgk: z(),
-            dh0: Array2::zeros((kd, vd)),
-        };
+        let mut token_rows = [(); 5].map(|_| RowStack::new(l, kd));
+        let mut dv = RowStack::new(l, vd);
         let nt = fwd.intra.len();
         let chunks: Vec<_> = fwd
             .intra
@@ -527,7 +517,6 @@ impl Chunk {
             |dh| self.policy.round(Stage::Dh, dh),
             |n, d_o, ds_used, ds| self.state_backward(x, &fwd.intra[n], d_o, ds_used, ds),
         );
-        gr.dh0 = dh0;
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
         let mut da_blocks = Vec::with_capacity(nt);
@@ -537,28 +526,29 @@ impl Chunk {
             let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
             self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
         };
-        for_chunks(nt, step, |n, (grads, blocks): (ChunkGrads<T>, _)| {
-            let ch = &fwd.intra[n];
-            let r = s![ch.start..ch.start + ch.len(), ..];
-            let [dq, dk, da, db, dgk] = grads.rows;
-            for (dst, src) in [
-                (&mut gr.dq, dq),
-                (&mut gr.dk, dk),
-                (&mut gr.da, da),
-                (&mut gr.db, db),
-                (&mut gr.dgk, dgk),
-            ] {
-                dst.slice_mut(r).assign(&src);
+        // In chunk order: each chunk's rows follow the previous ones'.
+        for_chunks(nt, step, |_, (grads, blocks): (ChunkGrads<T>, _)| {
+            for (dst, src) in token_rows.iter_mut().zip(&grads.rows) {
+                dst.push(src.view());
             }
-            gr.dv.slice_mut(r).assign(&grads.dv);
+            dv.push(grads.dv.view());
             if keep_blocks {
                 da_blocks.push(blocks);
             }
         });
+        let [dq, dk, da, db, dgk] = token_rows.map(RowStack::into_rows);
         ChunkBackward {
             dh,
             da_blocks,
-            grads: gr,
+            grads: DplrHeadGrads {
+                dq,
+                dk,
+                dv: dv.into_rows(),
+                da,
+                db,
+                dgk,
+                dh0,
+            },
         }
     }
 

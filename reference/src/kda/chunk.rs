@@ -13,7 +13,7 @@ use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Axis, C
 
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
 use crate::error::Result;
-use crate::fused;
+use crate::fused::{self, RowStack};
 use crate::gemm;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
@@ -486,18 +486,15 @@ impl Chunk {
         cols: std::ops::Range<usize>,
         read_out: bool,
     ) -> StateColumns<T> {
-        let StateColumns {
-            mut h,
-            mut v_new,
-            mut o,
-            mut state,
-        } = StateColumns::start(intra.len(), x.len(), h0, read_out);
-        for (n, ch) in intra.iter().enumerate() {
-            let mut hn = h.index_axis_mut(Axis(0), n);
-            hn.assign(&state);
+        let (kd, w) = h0.dim();
+        let mut h = RowStack::new(intra.len() * kd, w);
+        let mut v_new = RowStack::new(x.len(), w);
+        let mut o = RowStack::new(if read_out { x.len() } else { 0 }, w);
+        let mut state = h0.to_owned();
+        for ch in intra {
+            let mut hn = state.clone();
             self.policy.round(Stage::H, &mut hn);
-            let hn = h.index_axis(Axis(0), n);
-            let rows = s![ch.start..ch.start + ch.len(), ..];
+            let hn = hn.view();
             // v_new = u − w h and, with the readout, qg h: one product.
             let c = ch.len();
             let wh = if read_out {
@@ -511,16 +508,22 @@ impl Chunk {
             if read_out {
                 let mut av = tri::lower_dot(ch.aqk.view(), vn.view());
                 fused::zip_update(&mut av, wh.slice(s![c.., ..]), |a, x| x + a);
-                o.slice_mut(rows).assign(&av);
+                o.push(av.view());
             }
             fused::decay_add(
                 &mut state,
                 &ch.decay_last(),
                 &[&gemm::dot(ch.kg.t(), vn.view())],
             );
-            v_new.slice_mut(rows).assign(&vn);
+            v_new.push(vn.view());
+            h.push(hn);
         }
-        StateColumns { h, v_new, o, state }
+        StateColumns {
+            h: h.into_blocks(kd),
+            v_new: v_new.into_rows(),
+            o: o.into_rows(),
+            state,
+        }
     }
 
     /// The backward pass with every intermediate.
@@ -546,14 +549,9 @@ impl Chunk {
         keep_blocks: bool,
     ) -> ChunkBackward<T> {
         let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let mut gr = KdaHeadGrads {
-            dq: Array2::zeros((l, kd)),
-            dk: Array2::zeros((l, kd)),
-            dv: Array2::zeros((l, vd)),
-            dg: Array2::zeros((l, kd)),
-            dbeta: Array1::zeros(l),
-            dh0: Array2::zeros((kd, vd)),
-        };
+        let [mut dq, mut dk, mut dg] = [(); 3].map(|_| RowStack::new(l, kd));
+        let mut dv = RowStack::new(l, vd);
+        let mut dbeta = Vec::with_capacity(l);
         let nt = fwd.intra.len();
         let chunks: Vec<_> = fwd
             .intra
@@ -567,23 +565,20 @@ impl Chunk {
             |dh| self.policy.round(Stage::Dh, dh),
             |n, d_o, ds_used, ds| self.state_backward(&fwd.intra[n], d_o, ds_used, ds),
         );
-        gr.dh0 = dh0;
+
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
         let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
         for_chunks(
             nt,
             |n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view()),
-            |n, step: ChunkStep<T>| {
-                let ch = &fwd.intra[n];
-                let (c, rows) = (ch.len(), s![ch.start..ch.start + ch.len(), ..]);
-                gr.dq.slice_mut(rows).assign(&step.dq);
-                gr.dk.slice_mut(rows).assign(&step.dk);
-                gr.dv.slice_mut(rows).assign(&step.dv);
-                gr.dg.slice_mut(rows).assign(&step.dg);
-                gr.dbeta
-                    .slice_mut(s![ch.start..ch.start + c])
-                    .assign(&step.dbeta);
+            // In chunk order: each chunk's rows follow the previous ones'.
+            |_, step: ChunkStep<T>| {
+                dq.push(step.dq.view());
+                dk.push(step.dk.view());
+                dv.push(step.dv.view());
+                dg.push(step.dg.view());
+                dbeta.extend(step.dbeta.iter().cloned());
                 if keep_blocks {
                     daqk.push(step.daqk);
                     dakk.push(step.dakk);
@@ -595,7 +590,14 @@ impl Chunk {
             dv_new,
             daqk,
             dakk,
-            grads: gr,
+            grads: KdaHeadGrads {
+                dq: dq.into_rows(),
+                dk: dk.into_rows(),
+                dv: dv.into_rows(),
+                dg: dg.into_rows(),
+                dbeta: Array1::from(dbeta),
+                dh0,
+            },
         }
     }
 
