@@ -11,6 +11,7 @@ use num_traits::Zero;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::fused::RowStack;
 
 /// One sequence, or one contiguous piece of one (CP), inside a `[B, T, …]` tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -241,6 +242,50 @@ pub struct StateColumns<T> {
     pub v_new: Array2<T>,
     pub o: Array2<T>,
     pub state: Array2<T>,
+}
+
+/// A block of value columns of a forward state pass being written, chunk by
+/// chunk in order, into its [`StateColumns`].
+pub struct StateRows<T> {
+    h: RowStack<T>,
+    v_new: RowStack<T>,
+    o: RowStack<T>,
+    kd: usize,
+}
+
+impl<T: Clone> StateRows<T> {
+    /// Room for `nt` chunks of `l` tokens in all, with a state `[K, w]`
+    /// (`dim`); `o` only with `read_out`.
+    pub fn new(nt: usize, l: usize, (kd, w): (usize, usize), read_out: bool) -> Self {
+        StateRows {
+            h: RowStack::new(nt * kd, w),
+            v_new: RowStack::new(l, w),
+            o: RowStack::new(if read_out { l } else { 0 }, w),
+            kd,
+        }
+    }
+
+    /// One chunk: the state entering it `[K, w]` as stored and its `v_new`
+    /// `[c, w]`.
+    pub fn push(&mut self, h: ArrayView2<T>, v_new: ArrayView2<T>) {
+        self.h.push(h);
+        self.v_new.push(v_new);
+    }
+
+    /// One chunk's readout `o` `[c, w]`.
+    pub fn push_o(&mut self, o: ArrayView2<T>) {
+        self.o.push(o);
+    }
+
+    /// Every chunk written, with the final state `[K, w]`.
+    pub fn finish(self, state: Array2<T>) -> StateColumns<T> {
+        StateColumns {
+            h: self.h.into_blocks(self.kd),
+            v_new: self.v_new.into_rows(),
+            o: self.o.into_rows(),
+            state,
+        }
+    }
 }
 
 impl<T: Clone + Zero + Send + Sync> StateColumns<T> {

@@ -18,7 +18,9 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns};
+use crate::varlen::{
+    for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
+};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -415,10 +417,7 @@ impl Chunk {
         cols: std::ops::Range<usize>,
         read_out: bool,
     ) -> StateColumns<T> {
-        let (kd, w) = h0.dim();
-        let mut h = RowStack::new(intra.len() * kd, w);
-        let mut v2 = RowStack::new(x.len(), w);
-        let mut o = RowStack::new(if read_out { x.len() } else { 0 }, w);
+        let mut out = StateRows::new(intra.len(), x.len(), h0.dim(), read_out);
         let mut state = h0.to_owned();
         for ch in intra {
             let c = ch.len();
@@ -443,15 +442,15 @@ impl Chunk {
                 ),
             );
             if read_out {
-                let mut out = tri::lower_dot(ch.aqk.view(), v);
+                let mut o = tri::lower_dot(ch.aqk.view(), v);
                 let add = |a: T, b: T| a + b;
                 fused::zip_update(
-                    &mut out,
+                    &mut o,
                     tri::lower_dot(ch.aqb.view(), v2n.view()).view(),
                     add,
                 );
-                fused::zip_update(&mut out, wh.slice(s![c.., ..]), add);
-                o.push(out.view());
+                fused::zip_update(&mut o, wh.slice(s![c.., ..]), add);
+                out.push_o(o.view());
             }
             let terms = [
                 &gemm::dot(
@@ -464,15 +463,9 @@ impl Chunk {
                 ),
             ];
             fused::decay_add(&mut state, &ch.decay_last(), &terms);
-            v2.push(v2n.view());
-            h.push(hn);
+            out.push(hn, v2n.view());
         }
-        StateColumns {
-            h: h.into_blocks(kd),
-            v_new: v2.into_rows(),
-            o: o.into_rows(),
-            state,
-        }
+        out.finish(state)
     }
 
     /// The backward pass with every intermediate.

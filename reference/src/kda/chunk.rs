@@ -19,7 +19,9 @@ use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
-use crate::varlen::{for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns};
+use crate::varlen::{
+    for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
+};
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -486,10 +488,7 @@ impl Chunk {
         cols: std::ops::Range<usize>,
         read_out: bool,
     ) -> StateColumns<T> {
-        let (kd, w) = h0.dim();
-        let mut h = RowStack::new(intra.len() * kd, w);
-        let mut v_new = RowStack::new(x.len(), w);
-        let mut o = RowStack::new(if read_out { x.len() } else { 0 }, w);
+        let mut out = StateRows::new(intra.len(), x.len(), h0.dim(), read_out);
         let mut state = h0.to_owned();
         for ch in intra {
             let mut hn = state.clone();
@@ -508,22 +507,16 @@ impl Chunk {
             if read_out {
                 let mut av = tri::lower_dot(ch.aqk.view(), vn.view());
                 fused::zip_update(&mut av, wh.slice(s![c.., ..]), |a, x| x + a);
-                o.push(av.view());
+                out.push_o(av.view());
             }
             fused::decay_add(
                 &mut state,
                 &ch.decay_last(),
                 &[&gemm::dot(ch.kg.t(), vn.view())],
             );
-            v_new.push(vn.view());
-            h.push(hn);
+            out.push(hn, vn.view());
         }
-        StateColumns {
-            h: h.into_blocks(kd),
-            v_new: v_new.into_rows(),
-            o: o.into_rows(),
-            state,
-        }
+        out.finish(state)
     }
 
     /// The backward pass with every intermediate.
