@@ -62,6 +62,11 @@ pub fn zip_update<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>, f: impl Fn(T, 
     );
 }
 
+/// `a ← a + b` element by element for same-shape `a`, `b` (as [`zip_map`]).
+pub fn add_assign<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>) {
+    zip_update(a, b, |a, b| a + b);
+}
+
 /// A `[rows, cols]` array written a block of rows at a time, in order: each
 /// element written once, with no zero fill and no second pass (the chunked
 /// engines' per-token results and per-chunk states).

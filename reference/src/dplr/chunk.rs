@@ -443,13 +443,8 @@ impl Chunk {
             );
             if read_out {
                 let mut o = tri::lower_dot(ch.aqk.view(), v);
-                let add = |a: T, b: T| a + b;
-                fused::zip_update(
-                    &mut o,
-                    tri::lower_dot(ch.aqb.view(), v2n.view()).view(),
-                    add,
-                );
-                fused::zip_update(&mut o, wh.slice(s![c.., ..]), add);
+                fused::add_assign(&mut o, tri::lower_dot(ch.aqb.view(), v2n.view()).view());
+                fused::add_assign(&mut o, wh.slice(s![c.., ..]));
                 out.push_o(o.view());
             }
             let terms = [
@@ -564,10 +559,9 @@ impl Chunk {
         let qg = self.gated(&self.q_read(q).view(), eg.view());
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
-        fused::zip_update(
+        fused::add_assign(
             &mut dv2,
             gemm::dot(self.gated(&b, dl.view()).view(), ds_used.view()).view(),
-            |a, b| a + b,
         );
         let dv2 = self.as_stored(Stage::Dv, dv2);
         let terms = [
@@ -631,27 +625,21 @@ impl Chunk {
         let (dkg_acc, dbg_acc) = (dkbg_acc.slice(s![..c, ..]), dkbg_acc.slice(s![c.., ..]));
         let dkgl = self.stored_view(Stage::BwdOperands, dkg_acc);
         let dbgl = self.stored_view(Stage::BwdOperands, dbg_acc);
-        let add = |a: T, b: T| a + b;
-        fused::zip_update(&mut dv, gemm::dot(kgl.view(), ds.view()).view(), add);
+        fused::add_assign(&mut dv, gemm::dot(kgl.view(), ds.view()).view());
         let dw = self.stored_view(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = tri::lower_dot(ch.aak.view(), v);
         let ax = self.gated(&a, egx.view());
         // Only dP's strict lower triangle reaches dAab (P is unit lower triangular).
         let mut dp = tri::dot_t_lower(dv2, zv.view(), false);
-        fused::zip_update(
+        fused::add_assign(
             &mut dp,
             tri::dot_t_lower(dw.view(), ax.view(), false).view(),
-            add,
         );
         let dz = tri::lower_t_dot(ch.p.view(), dv2);
         let mut daak = tri::dot_t_lower(dz.view(), v, false);
         tri::mask_lower(&mut daak, false);
-        fused::zip_update(
-            &mut dv,
-            tri::lower_t_dot(ch.aak.view(), dz.view()).view(),
-            add,
-        );
+        fused::add_assign(&mut dv, tri::lower_t_dot(ch.aak.view(), dz.view()).view());
         let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));
         let mut daab = tri::dot_t_lower(
             tri::lower_t_dot(ch.p.view(), dp.view()).view(),
@@ -689,7 +677,7 @@ impl Chunk {
         // Γlast is Γ's last row; Γx = Γ − gk; Γ = cumsum(gk).
         let mut last = dgamma.row_mut(c - 1);
         last += &dgamma_last;
-        fused::zip_update(&mut dgamma, dgx.view(), add);
+        fused::add_assign(&mut dgamma, dgx.view());
         fused::reverse_cumsum_rows(&mut dgamma);
         let dgk = fused::zip_map(dgamma.view(), dgx.view(), |g, x| g - x);
         let rows = [dq, dk, da, db, dgk];
@@ -722,7 +710,7 @@ impl Chunk {
                 |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
             );
             let sum = |mut a: Array2<T>, b: Array2<T>| {
-                fused::zip_update(&mut a, b.view(), |a, b| a + b);
+                fused::add_assign(&mut a, b.view());
                 a
             };
             let dqa = sum(l(daqk, &kb), l(daqb, &bb));

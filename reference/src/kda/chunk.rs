@@ -506,7 +506,7 @@ impl Chunk {
             self.policy.round(Stage::VNew, &mut vn);
             if read_out {
                 let mut av = tri::lower_dot(ch.aqk.view(), vn.view());
-                fused::zip_update(&mut av, wh.slice(s![c.., ..]), |a, x| x + a);
+                fused::add_assign(&mut av, wh.slice(s![c.., ..]));
                 out.push_o(av.view());
             }
             fused::decay_add(
@@ -610,11 +610,7 @@ impl Chunk {
         // S' = Diag(e^Γlast) h + kgᵀ v_new, O = qg h + Aqk v_new.
         // FLA stores `Aqkᵀ do` (chunk_kda_bwd_dAv) before the state pass adds `kg dh`.
         let mut dvn = self.operand(tri::lower_t_dot(ch.aqk.view(), dout));
-        fused::zip_update(
-            &mut dvn,
-            gemm::dot(ch.kg.view(), ds_used.view()).view(),
-            |a, b| a + b,
-        );
+        fused::add_assign(&mut dvn, gemm::dot(ch.kg.view(), ds_used.view()).view());
         self.policy.round(Stage::Dv, &mut dvn);
         let mut local = gemm::dot(ch.qg.t(), dout.view());
         fused::zip_update(
@@ -665,10 +661,9 @@ impl Chunk {
         let kd_ = self.operand(fused::zip_map(eg.view(), k, |e, k| e * k));
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
         let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false);
-        fused::zip_update(
+        fused::add_assign(
             &mut dakk,
             tri::dot_t_lower(du.view(), x.v.slice(rows), false).view(),
-            |a, b| a + b,
         );
         tri::mask_lower(&mut dakk, true);
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
@@ -815,10 +810,9 @@ impl Chunk {
             // The ∂/∂k_s side reads C with the rounded k·β (only under that stage).
             let cc_col = self.policy.storage(Stage::KBetaBwd).map(|_| &k_col * ep);
             let mut db = tri::lower_t_dot(daqk.view(), a.view());
-            fused::zip_update(
+            fused::add_assign(
                 &mut db,
                 tri::lower_t_dot(dp.view(), cc_col.as_ref().unwrap_or(&cc).view()).view(),
-                |a, b| a + b,
             );
             let flats = [
                 da.view(),
