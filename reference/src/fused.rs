@@ -191,19 +191,19 @@ pub fn mid_row_exps<T: Scalar>(g: &Array2<T>) -> Option<(Vec<T>, Vec<T>)> {
 /// `exp(Γ) = exp(Γ − Γ_m)·exp(Γ_m)` (within an ulp of the direct one), which
 /// costs `K` exponentials per chunk instead of `c·K`.
 pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
-    let mut out = f.as_standard_layout().into_owned();
-    let data = flat_mut(&mut out);
-    simd::dispatch(
+    assert_eq!(f.ncols(), e.len(), "scale_columns: one factor per column");
+    let xs = flat(f.view());
+    let o = simd::dispatch(
         #[inline(always)]
         || {
-            for row in data.chunks_exact_mut(e.len()) {
-                for (x, &e) in row.iter_mut().zip(e) {
-                    *x *= e;
-                }
+            let mut o = Vec::with_capacity(xs.len());
+            for row in xs.chunks_exact(e.len()) {
+                o.extend(row.iter().zip(e).map(|(&x, &e)| x * e));
             }
+            o
         },
     );
-    out
+    Array2::from_shape_vec(f.raw_dim(), o).expect("same shape")
 }
 
 #[cfg(test)]

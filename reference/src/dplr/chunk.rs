@@ -148,17 +148,17 @@ impl<T: Scalar> Intra<T> {
         self.len() == 0
     }
 
-    /// `exp(Γ)`, `exp(Γx)` and `exp(Γ_last − Γ)`, `[c, K]` each: rebuilt
+    /// The exponentials `which` of the chunk's decay, `[c, K]` each: rebuilt
     /// through the middle row, which is cheap and keeps a chunk's stored
     /// intermediates small, or the direct exponentials it keeps otherwise.
     /// The same bits as in its intra stage.
-    pub fn exps(&self) -> [CowArray<'_, T, Ix2>; 3] {
-        match &self.direct_exps {
-            Some([eg, egx, dl]) => [eg.into(), egx.into(), dl.into()],
-            None => exps_through_mid(&self.g_cumsum, self.factors.as_ref())
-                .expect("rebuilt as in the intra stage")
-                .map(CowArray::from),
-        }
+    pub fn exps<const N: usize>(&self, which: [Exp; N]) -> [CowArray<'_, T, Ix2>; N] {
+        select_exps(
+            &self.g_cumsum,
+            self.factors.as_ref(),
+            self.direct_exps.as_ref(),
+            which,
+        )
     }
 
     fn decay_last(&self) -> Array1<T> {
@@ -167,7 +167,7 @@ impl<T: Scalar> Intra<T> {
 
     /// `M_chunk = Diag(exp Γ_last) + (B ⊙ exp(Γ_last − Γ))ᵀ w`, `[K, K]`.
     pub fn transition(&self, b: ArrayView2<T>) -> Array2<T> {
-        let [_, _, dl] = self.exps();
+        let [dl] = self.exps([Exp::Last]);
         let mut m = gemm::dot((&b * &dl).t(), self.w.view());
         for (d, e) in self.decay_last().iter().enumerate() {
             m[[d, d]] += *e;
@@ -205,21 +205,41 @@ struct ChunkGrads<T> {
     dv: Array2<T>,
 }
 
-/// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ `[c, K]` through the middle
-/// row `m`: `exp(Γ − Γ_m)·exp(Γ_m)`, `exp(Γx − Γ_m)·exp(Γ_m)` and
-/// `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]), `[c, K]`
-/// each; `None` without the `factors` or when a column factor is not normal.
-fn exps_through_mid<T: Scalar>(
+/// An exponential of a chunk's decay that its stages read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exp {
+    /// `exp(Γ)`
+    G,
+    /// `exp(Γx)`
+    Gx,
+    /// `exp(Γ_last − Γ)`
+    Last,
+}
+
+/// The exponentials `which` of Γ `[c, K]`, `[c, K]` each: the `direct` ones
+/// when a chunk keeps them ([`direct_exps`], in [`Exp`]'s order), else
+/// rebuilt from the [`factors`] through the middle row `m`:
+/// `exp(Γ − Γ_m)·exp(Γ_m)`, `exp(Γx − Γ_m)·exp(Γ_m)` and
+/// `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]).
+fn select_exps<'a, T: Scalar, const N: usize>(
     g: &Array2<T>,
     factors: Option<&Factors<T>>,
-) -> Option<[Array2<T>; 3]> {
-    let f = factors?;
-    let (e_mid, e_last) = fused::mid_row_exps(g)?;
-    Some([
-        fused::scale_columns(&f.ep, &e_mid),
-        fused::scale_columns(&f.exp_, &e_mid),
-        fused::scale_columns(&f.em, &e_last),
-    ])
+    direct: Option<&'a [Array2<T>; 3]>,
+    which: [Exp; N],
+) -> [CowArray<'a, T, Ix2>; N] {
+    if let Some(all) = direct {
+        return which.map(|e| all[e as usize].view().into());
+    }
+    let f = factors.expect("a chunk without factors keeps its exponentials");
+    let (e_mid, e_last) = fused::mid_row_exps(g).expect("rebuilt as in the intra stage");
+    which.map(|e| {
+        let (factor, scale) = match e {
+            Exp::G => (&f.ep, &e_mid),
+            Exp::Gx => (&f.exp_, &e_mid),
+            Exp::Last => (&f.em, &e_last),
+        };
+        fused::scale_columns(factor, scale).into()
+    })
 }
 
 /// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ, Γx `[c, K]`, `[c, K]` each
@@ -343,10 +363,10 @@ impl Chunk {
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        let through_mid = exps_through_mid(&g, factors.as_ref());
-        let stored = through_mid.is_none();
-        let exps = through_mid.unwrap_or_else(|| direct_exps(&g, &gx));
-        let ax = self.gated(&a, exps[1].view());
+        let through_mid = factors.is_some() && fused::mid_row_exps(&g).is_some();
+        let direct = (!through_mid).then(|| direct_exps(&g, &gx));
+        let [egx] = select_exps(&g, factors.as_ref(), direct.as_ref(), [Exp::Gx]);
+        let ax = self.gated(&a, egx.view());
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(
             Stage::U,
@@ -362,7 +382,7 @@ impl Chunk {
             p,
             w,
             u,
-            direct_exps: stored.then_some(exps),
+            direct_exps: direct,
             factors,
             g_cumsum: g,
         }
@@ -422,13 +442,19 @@ impl Chunk {
         for ch in intra {
             let c = ch.len();
             let v = rows(&x.v, ch.start, c).slice_move(s![.., cols.clone()]);
-            let [eg, _, dl] = ch.exps();
+            let (eg, dl) = if read_out {
+                let [eg, dl] = ch.exps([Exp::G, Exp::Last]);
+                (Some(eg), dl)
+            } else {
+                let [dl] = ch.exps([Exp::Last]);
+                (None, dl)
+            };
             let mut hn = state.clone();
             self.policy.round(Stage::H, &mut hn);
             let hn = hn.view();
             // v2 = u + w h and, with the readout, qg h: one product.
-            let qg = read_out
-                .then(|| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), eg.view()));
+            let qg =
+                eg.map(|eg| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), eg.view()));
             let wh = match &qg {
                 Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
                 None => gemm::dot(ch.w.view(), hn.view()),
@@ -555,7 +581,7 @@ impl Chunk {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
-        let [eg, _, dl] = ch.exps();
+        let [eg, dl] = ch.exps([Exp::G, Exp::Last]);
         let qg = self.gated(&self.q_read(q).view(), eg.view());
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
@@ -598,7 +624,7 @@ impl Chunk {
         let h = fwd.h.index_axis(Axis(0), n);
         let v2 = fwd.v2.slice(r);
         let dout = d_o.slice(r);
-        let [eg, egx, dl] = ch.exps();
+        let [eg, egx, dl] = ch.exps([Exp::G, Exp::Gx, Exp::Last]);
         let decay_last = ch.decay_last();
         // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h. The decay gradient's
         // `dq·q` (`chunk_dplr_bwd_kernel_intra`) reads the raw q in fp32.
