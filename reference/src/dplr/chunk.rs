@@ -17,6 +17,7 @@ use crate::gemm;
 use crate::op::{self, Engine, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
+use crate::simd;
 use crate::tri;
 use crate::varlen::{
     for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
@@ -312,6 +313,89 @@ fn pair_blocks<T: Scalar>(
         }
     }
     (aqk, aqb, aab, aak)
+}
+
+/// What [`gate_grads`] reads, `[c, K]` each: the chunk's raw `q`, `k`, `b`;
+/// `e^Γ`, `e^Γx`, `dl = e^{Γlast − Γ}`; the gated operands `ax`, `kgl`,
+/// `bgl`; the gradients of the gated operands as stored (`dax`, `dqg`,
+/// `dkgl`, `dbgl`) and the fp32 accumulators of `dkg`, `dbg`.
+struct GateOperands<'a, T> {
+    q: ArrayView2<'a, T>,
+    k: ArrayView2<'a, T>,
+    b: ArrayView2<'a, T>,
+    eg: ArrayView2<'a, T>,
+    egx: ArrayView2<'a, T>,
+    dl: ArrayView2<'a, T>,
+    ax: ArrayView2<'a, T>,
+    kgl: ArrayView2<'a, T>,
+    bgl: ArrayView2<'a, T>,
+    dax: ArrayView2<'a, T>,
+    dqg: ArrayView2<'a, T>,
+    dkgl: ArrayView2<'a, T>,
+    dbgl: ArrayView2<'a, T>,
+    dkg_acc: ArrayView2<'a, T>,
+    dbg_acc: ArrayView2<'a, T>,
+}
+
+/// The gradients through a chunk's gates, `[c, K]` each: `dq`, `dk`, `da`,
+/// `db`, `dΓ` and `dΓx` (before the A blocks add theirs), and the two
+/// chunk-end terms of `dΓlast` (`[K]` each, added in this order).
+struct GateGrads<T> {
+    rows: [Array2<T>; 6],
+    last: [Array1<T>; 2],
+}
+
+/// [`GateGrads`] in one pass over the chunk: `dq = dqg·e^Γ`,
+/// `dΓ = dqg·(q·e^Γ) − dkgl·(k·dl) − dbgl·(b·dl)`, `dk = dkgl·dl`,
+/// `db = dbgl·dl`, `da = dax·e^Γx`, `dΓx = dax·ax`; `dΓlast` gets the
+/// column sums of `dkg_acc·kgl` and `dbg_acc·bgl`, row by row from zero.
+///
+/// Exactly `−dkgl·(k·dl)` and the `kgl` column sum cancel, but FLA's
+/// chunk-end term `dgk_last` sums the fp32 accumulators times the stored
+/// bf16 `kg`, `bg`, while the per-token `−dk·k` multiplies the stored bf16
+/// `dkg` by `k·e^{Γlast−Γ}` in fp32: the mismatch lands on every position of
+/// the chunk. The decay gradient's `dq·q` (`chunk_dplr_bwd_kernel_intra`)
+/// reads the raw `q` in fp32.
+fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
+    let (c, kd) = x.q.dim();
+    let n = c * kd;
+    let ins = [
+        x.q, x.k, x.b, x.eg, x.egx, x.dl, x.ax, x.kgl, x.bgl, x.dax, x.dqg, x.dkgl, x.dbgl,
+        x.dkg_acc, x.dbg_acc,
+    ]
+    .map(fused::flat);
+    let [q, k, b, eg, egx, dl, ax, kgl, bgl, dax, dqg, dkg, dbg, dkg_acc, dbg_acc] =
+        ins.each_ref().map(|a| &a[..n]);
+    let mut rows = [(); 6].map(|_| vec![T::zero(); n]);
+    let mut last = [(); 2].map(|_| vec![T::zero(); kd]);
+    let [dq, dk, da, db, dgamma, dgx] = rows.each_mut().map(|r| &mut r[..]);
+    let [last_k, last_b] = last.each_mut().map(|l| &mut l[..]);
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            for i in 0..n {
+                dq[i] = dqg[i] * eg[i];
+                dk[i] = dkg[i] * dl[i];
+                db[i] = dbg[i] * dl[i];
+                da[i] = dax[i] * egx[i];
+                dgx[i] = dax[i] * ax[i];
+                let g = dqg[i] * (q[i] * eg[i]);
+                let g = g - dkg[i] * (k[i] * dl[i]);
+                dgamma[i] = g - dbg[i] * (b[i] * dl[i]);
+            }
+            for r in (0..n).step_by(kd) {
+                for d in 0..kd {
+                    last_k[d] += dkg_acc[r + d] * kgl[r + d];
+                    last_b[d] += dbg_acc[r + d] * bgl[r + d];
+                }
+            }
+        },
+    );
+    let shape = |v: Vec<T>| Array2::from_shape_vec((c, kd), v).expect("[c, K]");
+    GateGrads {
+        rows: rows.map(shape),
+        last: last.map(Array1::from),
+    }
 }
 
 impl Chunk {
@@ -626,9 +710,6 @@ impl Chunk {
         let dout = d_o.slice(r);
         let [eg, egx, dl] = ch.exps([Exp::G, Exp::Gx, Exp::Last]);
         let decay_last = ch.decay_last();
-        // Output: O = Aqk V + Aqb v2 + (Q ⊙ e^Γ) h. The decay gradient's
-        // `dq·q` (`chunk_dplr_bwd_kernel_intra`) reads the raw q in fp32.
-        let qg = fused::zip_map(q, eg.view(), |q, e| q * e);
         // FLA stores the gated tensors' gradients (`chunk_dplr_bwd_o`:
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
         // One product for dqg = dO hᵀ and dw = dv2 hᵀ (v2 = u + w h).
@@ -673,24 +754,28 @@ impl Chunk {
             true,
         );
         tri::mask_lower(&mut daab, false);
-        let mul = |a: T, b: T| a * b;
-        let mut da = fused::zip_map(dax.view(), egx.view(), mul);
-        let mut dgx = fused::zip_map(dax.view(), ax.view(), mul);
-        // qg, kgl, bgl.
-        let mut dq = fused::zip_map(dqg.view(), eg.view(), mul);
-        let mut dgamma = fused::zip_map(dqg.view(), qg.view(), mul);
-        let mut dk = fused::zip_map(dkgl.view(), dl.view(), mul);
-        let mut db = fused::zip_map(dbgl.view(), dl.view(), mul);
-        // Exactly these two cancel, but FLA's chunk-end term `dgk_last` sums
-        // the fp32 accumulators times the stored bf16 `kg`, `bg`, while the
-        // per-token `−dk·k` multiplies the stored bf16 `dkg` by `k·e^{Γlast−Γ}`
-        // in fp32: the mismatch lands on every position of the chunk.
-        for (stored, acc, raw, gated) in [(&dkgl, &dkg_acc, &k, &kgl), (&dbgl, &dbg_acc, &b, &bgl)]
-        {
-            let term = fused::zip_map(raw.view(), dl.view(), mul);
-            let term = fused::zip_map(stored.view(), term.view(), mul);
-            fused::zip_update(&mut dgamma, term.view(), |g, t| g - t);
-            dgamma_last += &fused::zip_map(acc.view(), gated.view(), mul).sum_axis(Axis(0));
+        let GateGrads {
+            rows: [mut dq, mut dk, mut da, mut db, mut dgamma, mut dgx],
+            last,
+        } = gate_grads(GateOperands {
+            q,
+            k,
+            b,
+            eg: eg.view(),
+            egx: egx.view(),
+            dl: dl.view(),
+            ax: ax.view(),
+            kgl: kgl.view(),
+            bgl: bgl.view(),
+            dax: dax.view(),
+            dqg: dqg.view(),
+            dkgl: dkgl.view(),
+            dbgl: dbgl.view(),
+            dkg_acc,
+            dbg_acc,
+        });
+        for l in last {
+            dgamma_last += &l;
         }
         self.blocks_backward(
             ch,
