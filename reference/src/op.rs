@@ -219,23 +219,24 @@ pub fn forward<T: Scalar, E: Engine<T>>(
         let seg = &segments[si];
         engine.forward(&p.head(seg, h), initial_state(&p, seg.seq, h).view())
     });
-    Ok(assemble_outputs::<T, E::Op>(&p, opt, &results))
+    Ok(assemble_outputs::<T, E::Op>(&p, opt, results))
 }
 
 /// Public outputs from per-pair `(o [L, V], S_L [K, V])` in pair order.
 fn assemble_outputs<T: Scalar, O: Operator<T>>(
     p: &O::Prepared<'_>,
     opt: &O::Options,
-    results: &[(Array2<T>, Array2<T>)],
+    results: Vec<(Array2<T>, Array2<T>)>,
 ) -> O::Outputs {
     let (d, segments) = (p.shape(), p.segments());
-    let mut o = Array4::zeros((d.b, d.t, d.heads, d.v));
     let mut ht = Array4::zeros((d.n, d.heads, d.k, d.v));
-    for (i, (oh, sh)) in results.iter().enumerate() {
-        let (seg, h) = (&segments[i / d.heads], i % d.heads);
-        tensor::scatter(&mut o, seg, h, oh.view());
-        ht.slice_mut(s![seg.seq, h, .., ..]).assign(sh);
+    let mut blocks = Vec::with_capacity(results.len());
+    for (i, (oh, sh)) in results.into_iter().enumerate() {
+        let (seg, h) = (segments[i / d.heads], i % d.heads);
+        ht.slice_mut(s![seg.seq, h, .., ..]).assign(&sh);
+        blocks.push((seg, h, oh));
     }
+    let o = tensor::assemble((d.b, d.t, d.heads, d.v), blocks);
     O::outputs(opt, o, ht)
 }
 
@@ -276,7 +277,7 @@ pub fn forward_backward<T: Scalar, E: Engine<T>>(
     })?;
     let (fwd, grads): (Vec<_>, Vec<_>) = results.into_iter().unzip();
     Ok((
-        assemble_outputs::<T, E::Op>(&p, opt, &fwd),
+        assemble_outputs::<T, E::Op>(&p, opt, fwd),
         assemble_grads::<T, E::Op>(x, opt, &p, grads),
     ))
 }

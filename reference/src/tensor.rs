@@ -122,20 +122,33 @@ pub fn gather<T: Scalar, S: Data<Elem = T>>(
 }
 
 /// Writes an `[L, D]` block back at the place `gather` took it from.
-pub fn scatter<T: Scalar>(dst: &mut Array4<T>, seg: &Segment, h: usize, src: ArrayView2<T>) {
+fn scatter<T: Scalar>(dst: &mut Array4<T>, seg: &Segment, h: usize, src: ArrayView2<T>) {
     dst.slice_mut(s![seg.batch, seg.start..seg.end, h, ..])
         .assign(&src);
 }
 
 /// A `[B, T, heads, D]` tensor assembled from `[L, D]` blocks, each written
-/// where `gather` would take it from (`(segment, head, block)`); the rest is 0.
-pub fn assemble<'a, T: Scalar>(
+/// where `gather` would take it from (`(segment, head, block)`) and freed
+/// once written; the rest is 0. A lone block that covers the whole tensor
+/// (one sequence, one head: a streamed head block) becomes it without a
+/// copy.
+pub fn assemble<T: Scalar>(
     shape: (usize, usize, usize, usize),
-    blocks: impl Iterator<Item = (&'a Segment, usize, ArrayView2<'a, T>)>,
+    blocks: Vec<(Segment, usize, Array2<T>)>,
 ) -> Array4<T> {
+    let (b, t, heads, d) = shape;
+    if let [(seg, 0, block)] = &blocks[..] {
+        let whole = b == 1 && heads == 1 && (seg.batch, seg.start, seg.end) == (0, 0, t);
+        if whole && block.dim() == (t, d) && block.is_standard_layout() {
+            let (_, _, block) = blocks.into_iter().next().expect("one block");
+            return block
+                .into_shape_with_order(shape)
+                .expect("a standard-layout [T, D] block");
+        }
+    }
     let mut out = Array4::zeros(shape);
     for (seg, h, block) in blocks {
-        scatter(&mut out, seg, h, block);
+        scatter(&mut out, &seg, h, block.view());
     }
     out
 }
@@ -260,6 +273,29 @@ pub fn unit_lower_inverse<T: Scalar>(c: usize, l: impl Fn(usize, usize) -> T) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn seg(batch: usize, start: usize, end: usize) -> Segment {
+        Segment {
+            seq: batch,
+            batch,
+            start,
+            end,
+        }
+    }
+
+    /// A lone block covering the tensor becomes it (same buffer); blocks
+    /// that do not are written in place with zeros around them.
+    #[test]
+    fn assemble_moves_a_whole_block_and_places_the_others() {
+        let block = Array2::from_shape_fn((5, 3), |(t, d)| (10 * t + d) as f64);
+        let (at, copy) = (block.as_ptr(), block.clone());
+        let whole = assemble((1, 5, 1, 3), vec![(seg(0, 0, 5), 0, block)]);
+        assert_eq!(whole.as_ptr(), at, "moved, not copied");
+        assert_eq!(whole.slice(s![0, .., 0, ..]), copy);
+        let placed = assemble((2, 6, 2, 3), vec![(seg(1, 1, 6), 1, copy.clone())]);
+        assert_eq!(placed.slice(s![1, 1..6, 1, ..]), copy);
+        assert_eq!(placed.iter().filter(|&&v| v != 0.0).count(), 14);
+    }
 
     /// A tensor long enough to be scanned in parallel parts names the
     /// first bad value, not whichever part finished first.

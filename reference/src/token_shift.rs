@@ -269,7 +269,10 @@ impl<T: Scalar> Operator<T> for TokenShift {
         dh0: Array4<T>,
     ) -> TokenShiftGrads<T> {
         let d = p.dims;
-        let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, g.dx.view()));
+        let blocks = pieces
+            .into_iter()
+            .map(|(seg, h, g)| (seg, h, g.dx))
+            .collect();
         let dx = tensor::assemble((d.b, d.t, 1, d.d), blocks);
         TokenShiftGrads {
             dx: dx.index_axis_move(Axis(2), 0).into_dyn(),

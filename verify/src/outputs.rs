@@ -49,14 +49,27 @@ where
 
 /// The inputs and `do` narrowed to `T`, each f64 original freed as soon as
 /// it is narrowed: taken by value so that a long case is held once (in
-/// `T`), not twice.
+/// `T`), not twice. In f64 they are moved, not copied.
 fn narrow_owned<T: Scalar, O: Operator<f64> + Operator<T>>(
     x: <O as Operator<f64>>::Inputs,
     d_o: ArrayD<f64>,
-) -> (<O as Operator<T>>::Inputs, ArrayD<T>) {
-    let xt = <O as Operator<T>>::narrow(&x);
-    drop(x);
-    (xt, cast(&d_o))
+) -> (<O as Operator<T>>::Inputs, ArrayD<T>)
+where
+    <O as Operator<f64>>::Inputs: 'static,
+    <O as Operator<T>>::Inputs: 'static,
+{
+    let xt = same_type(x).unwrap_or_else(|x| <O as Operator<T>>::narrow(&x));
+    let d_o = same_type(d_o).unwrap_or_else(|d_o| cast(&d_o));
+    (xt, d_o)
+}
+
+/// `x` itself when `U` is its type (a move), else `x` back.
+fn same_type<X: 'static, U: 'static>(x: X) -> std::result::Result<U, X> {
+    let mut slot = Some(x);
+    match (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<U>>() {
+        Some(u) => Ok(u.take().expect("just filled")),
+        None => Err(slot.take().expect("just filled")),
+    }
 }
 
 /// [`all`] consuming the inputs and `do`, as [`all_cp`] does: a long case
@@ -127,4 +140,19 @@ where
         Some((plan, cpo)) => cp::forward(engine, &xt, &opts, plan, cpo)?.0,
     };
     Ok(map::<T, E::Op>(&out, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_type_moves_the_tensor_and_declines_another_type() {
+        let a = ArrayD::from_shape_vec(vec![2, 3], (0..6).map(f64::from).collect()).unwrap();
+        let at = a.as_ptr();
+        let moved: ArrayD<f64> = same_type(a).expect("f64 to f64");
+        assert_eq!(moved.as_ptr(), at, "moved, not copied");
+        let back = same_type::<ArrayD<f64>, ArrayD<f32>>(moved).expect_err("f64 is not f32");
+        assert_eq!(back.as_ptr(), at);
+    }
 }

@@ -512,7 +512,11 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
         dh0: Array4<T>,
     ) -> ConvGrads<T> {
         let d = p.dims;
-        let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, g.dx.view()));
+        let mut pieces = pieces;
+        let blocks = pieces
+            .iter_mut()
+            .map(|(seg, h, g)| (*seg, *h, std::mem::take(&mut g.dx)))
+            .collect();
         let dx = tensor::assemble((d.b, d.t, 1, d.d), blocks);
         let mut dweight = Array2::zeros((d.d, d.w));
         let mut dbias = Array1::zeros(d.d);

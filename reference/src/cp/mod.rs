@@ -142,21 +142,18 @@ pub fn forward<T: Scalar, E: Engine<T>>(
         dht: None,
     };
     let f = run_forward(&local, &plan, cp);
-    Ok((outputs::<T, E>(&p, opt, &f.o, &f.final_states), f.diags))
+    Ok((outputs::<T, E>(&p, opt, f.o, &f.final_states), f.diags))
 }
 
 /// The public outputs from per-(piece, head) outputs and the final states.
 fn outputs<T: Scalar, E: Engine<T>>(
     p: &<E::Op as Operator<T>>::Prepared<'_>,
     opt: &<E::Op as OpSpec>::Options,
-    pieces: &[(Segment, usize, Array2<T>)],
+    pieces: Vec<(Segment, usize, Array2<T>)>,
     final_states: &[(usize, usize, Array2<T>)],
 ) -> <E::Op as Operator<T>>::Outputs {
     let d = p.shape();
-    let mut o = Array4::zeros((d.b, d.t, d.heads, d.v));
-    for (seg, h, oh) in pieces {
-        tensor::scatter(&mut o, seg, *h, oh.view());
-    }
+    let o = tensor::assemble((d.b, d.t, d.heads, d.v), pieces);
     // Sequences without tokens keep their initial state.
     let mut ht = p
         .h0()
@@ -234,7 +231,7 @@ fn backward_run<T: Scalar, E: Engine<T>>(
     let b = run_backward(&local, &plan, cp, with_outputs);
     let out = b
         .outputs
-        .map(|(o, final_states)| outputs::<T, E>(&p, opt, &o, &final_states));
+        .map(|(o, final_states)| outputs::<T, E>(&p, opt, o, &final_states));
     // A sequence without tokens passes its final-state gradient straight to h0.
     let mut dh0 = local
         .dht

@@ -362,9 +362,6 @@ pub fn validate_upstream<T: Scalar>(
     Ok(())
 }
 
-/// Picks one per-token gradient out of a head's gradients.
-type PickGrad<T> = fn(&DplrHeadGrads<T>) -> &Array2<T>;
-
 /// Gradients gathered per head before the `scale` chain on `dq`.
 #[derive(Clone, Debug)]
 pub struct PreparedGrads<T> {
@@ -386,20 +383,18 @@ impl<T: Scalar> PreparedGrads<T> {
         pieces: Vec<(Segment, usize, DplrHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> Self {
-        let grads: [(PickGrad<T>, usize); 6] = [
-            (|g| &g.dq, d.k),
-            (|g| &g.dk, d.k),
-            (|g| &g.dv, d.v),
-            (|g| &g.da, d.k),
-            (|g| &g.db, d.k),
-            (|g| &g.dgk, d.k),
-        ];
-        let tensors: Vec<Array4<T>> = grads
+        let mut blocks: [Vec<_>; 6] = Default::default();
+        for (seg, h, g) in pieces {
+            let grads = [g.dq, g.dk, g.dv, g.da, g.db, g.dgk];
+            for (list, a) in blocks.iter_mut().zip(grads) {
+                list.push((seg, h, a));
+            }
+        }
+        let widths = [d.k, d.k, d.v, d.k, d.k, d.k];
+        let tensors: Vec<Array4<T>> = Vec::from(blocks)
             .into_par_iter()
-            .map(|(grad, width)| {
-                let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, grad(g).view()));
-                tensor::assemble((d.b, d.t, d.h, width), blocks)
-            })
+            .zip(widths)
+            .map(|(blocks, width)| tensor::assemble((d.b, d.t, d.h, width), blocks))
             .collect();
         let [dq, dk, dv, da, db, dgk] = tensors.try_into().expect("six tensors");
         PreparedGrads {

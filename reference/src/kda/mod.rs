@@ -645,20 +645,22 @@ impl<T: Scalar> PreparedGrads<T> {
         pieces: Vec<(Segment, usize, KdaHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> Self {
-        let tokens = |grad: fn(&KdaHeadGrads<T>) -> &Array2<T>, width: usize| {
-            let blocks = pieces.iter().map(|(seg, h, g)| (seg, *h, grad(g).view()));
-            tensor::assemble((d.b, d.t, d.hv, width), blocks)
-        };
-        let ((dq, dk), (dv, dg)) = rayon::join(
-            || rayon::join(|| tokens(|g| &g.dq, d.k), || tokens(|g| &g.dk, d.k)),
-            || rayon::join(|| tokens(|g| &g.dv, d.v), || tokens(|g| &g.dg, d.k)),
-        );
         let mut dbeta = Array3::zeros((d.b, d.t, d.hv));
-        for (seg, h, g) in &pieces {
+        let mut blocks: [Vec<_>; 4] = Default::default();
+        for (seg, h, g) in pieces {
             dbeta
-                .slice_mut(s![seg.batch, seg.start..seg.end, *h])
+                .slice_mut(s![seg.batch, seg.start..seg.end, h])
                 .assign(&g.dbeta);
+            for (list, a) in blocks.iter_mut().zip([g.dq, g.dk, g.dv, g.dg]) {
+                list.push((seg, h, a));
+            }
         }
+        let tokens = |blocks, width| tensor::assemble((d.b, d.t, d.hv, width), blocks);
+        let [dq, dk, dv, dg] = blocks;
+        let ((dq, dk), (dv, dg)) = rayon::join(
+            || rayon::join(|| tokens(dq, d.k), || tokens(dk, d.k)),
+            || rayon::join(|| tokens(dv, d.v), || tokens(dg, d.k)),
+        );
         PreparedGrads {
             dq,
             dk,
