@@ -527,31 +527,69 @@ struct CpForward<T> {
     pub diags: Vec<RankDiag<T>>,
 }
 
-/// The non-CP state at token `at` of sequence `seq` (a prefix run).
-fn reference_state<T: Scalar, E: Engine<T>>(
+/// The non-CP states entering token `at` of sequence `seq`, one
+/// `[heads]` list per request `(seq, at)` (`at` inside the sequence): per
+/// sequence and head one forward from its initial state over the tokens up
+/// to the last request, run piece by piece between the requested tokens, the
+/// state handed on whole as within one run. Each request costs its own
+/// piece, not a prefix: the per-rank table of a long sequence over `R`
+/// ranks runs one forward, not `R / 2`.
+fn reference_states<T: Scalar, E: Engine<T>>(
     local: &Local<T, E>,
     plan: &Plan,
-    seq: usize,
-    at: usize,
-    h: usize,
-) -> Array2<T> {
+    requests: &[(usize, usize)],
+) -> Vec<Vec<Array2<T>>> {
     let (kd, vd) = local.state_dims();
-    let (a, _) = seq_bounds(plan, seq);
-    let h0 = local
-        .initial_state(seq, h)
-        .unwrap_or_else(|| Array2::zeros((kd, vd)));
-    local
-        .forward(
-            &Segment {
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_by_key(|&i| requests[i]);
+    chained(
+        &order,
+        local.heads(),
+        |h, i, prev: Option<(usize, usize, &Array2<T>)>| {
+            let (seq, at) = requests[i];
+            let (start, s0) = match prev {
+                Some((s, p, st)) if s == seq => (p, st.clone()),
+                _ => (
+                    seq_bounds(plan, seq).0,
+                    local
+                        .initial_state(seq, h)
+                        .unwrap_or_else(|| Array2::zeros((kd, vd))),
+                ),
+            };
+            let piece = Segment {
                 seq,
                 batch: 0,
-                start: a,
+                start,
                 end: at,
-            },
-            h,
-            h0.view(),
-        )
-        .1
+            };
+            let s = if piece.is_empty() {
+                s0
+            } else {
+                local.forward(&piece, h, s0.view()).1
+            };
+            (seq, at, s)
+        },
+    )
+}
+
+/// `[request][head]` results of `step(h, request, previous)`, per head over
+/// the requests in `order` (a permutation of them); `previous` is the last
+/// `(seq, token, result)` of the same head.
+fn chained<T, S>(order: &[usize], heads: usize, step: S) -> Vec<Vec<Array2<T>>>
+where
+    T: Clone,
+    S: Fn(usize, usize, Option<(usize, usize, &Array2<T>)>) -> (usize, usize, Array2<T>),
+{
+    let mut out: Vec<Vec<Array2<T>>> = vec![Vec::with_capacity(heads); order.len()];
+    for h in 0..heads {
+        let mut prev: Option<(usize, usize, Array2<T>)> = None;
+        for &i in order {
+            let next = step(h, i, prev.as_ref().map(|(s, p, a)| (*s, *p, a)));
+            out[i].push(next.2.clone());
+            prev = Some(next);
+        }
+    }
+    out
 }
 
 /// CP forward over `plan`.
@@ -609,7 +647,14 @@ fn merged_states<T: Scalar, E: Engine<T>>(
 ) -> Vec<RankDiag<T>> {
     let pre = preprocess(local, plan, opt);
     let merged = merge_forward(local, plan, &pre, opt);
-    let heads = local.heads();
+    let wanted = |rm: &RankMeta| rm.continues() && !opt.skip_reference_runs;
+    let requests: Vec<(usize, usize)> = plan
+        .ranks
+        .iter()
+        .filter(|rm| wanted(rm))
+        .map(|rm| (rm.pieces[0].seq, rm.start))
+        .collect();
+    let mut references = reference_states(local, plan, &requests).into_iter();
     plan.ranks
         .iter()
         .zip(pre)
@@ -619,11 +664,7 @@ fn merged_states<T: Scalar, E: Engine<T>>(
             s_ext,
             m,
             merged_h0: mh.clone(),
-            reference_h0: (rm.continues() && !opt.skip_reference_runs).then(|| {
-                (0..heads)
-                    .map(|h| reference_state(local, plan, rm.pieces[0].seq, rm.start, h))
-                    .collect()
-            }),
+            reference_h0: wanted(rm).then(|| references.next().expect("one per request")),
             ds_ext: None,
             m_first: None,
             merged_dht: None,
@@ -704,16 +745,18 @@ fn run_backward<T: Scalar, E: Engine<T>>(
     // The table's suffix runs before the pieces' backward, not after it:
     // each is a backward over up to the whole sequence, and the pieces'
     // gradients are not live yet.
+    let wanted = |rm: &RankMeta| rm.continued() && !opt.skip_reference_runs;
+    let requests: Vec<(usize, usize)> = plan
+        .ranks
+        .iter()
+        .filter(|rm| wanted(rm))
+        .map(|rm| (rm.pieces.last().expect("non-empty").seq, rm.end))
+        .collect();
+    let mut references = reference_dhts(local, plan, &requests).into_iter();
     let mut reference_dhts: Vec<Option<Vec<Array2<T>>>> = plan
         .ranks
         .iter()
-        .map(|rm| {
-            (rm.continued() && !opt.skip_reference_runs).then(|| {
-                (0..heads)
-                    .map(|h| reference_dht(local, plan, rm, h))
-                    .collect()
-            })
-        })
+        .map(|rm| wanted(rm).then(|| references.next().expect("one per request")))
         .collect();
     let ps = pieces(plan);
     let runs = par_pairs(ps.len(), heads, |i, h| {
@@ -778,25 +821,45 @@ fn run_backward<T: Scalar, E: Engine<T>>(
     }
 }
 
-/// The non-CP gradient of the state at the end of `rm`'s last piece: the
-/// rest of its sequence run backward from the global `dht`.
-fn reference_dht<T: Scalar, E: Engine<T>>(
+/// The non-CP gradients of the state leaving token `at − 1` of sequence
+/// `seq`, one `[heads]` list per request `(seq, at)`: per sequence and head
+/// one backward from the global `dht` over the tokens from the first request
+/// on, run piece by piece between the requested tokens (as
+/// [`reference_states`], in reverse). The gradient of the state does not
+/// depend on the state, so each piece starts from zero.
+fn reference_dhts<T: Scalar, E: Engine<T>>(
     local: &Local<T, E>,
     plan: &Plan,
-    rm: &RankMeta,
-    h: usize,
-) -> Array2<T> {
+    requests: &[(usize, usize)],
+) -> Vec<Vec<Array2<T>>> {
     let (kd, vd) = local.state_dims();
-    let seq = rm.pieces.last().expect("non-empty").seq;
-    let (_, b) = seq_bounds(plan, seq);
-    let dht = local.dht(seq, h).unwrap_or_else(|| Array2::zeros((kd, vd)));
-    let rest = Segment {
-        seq,
-        batch: 0,
-        start: rm.end,
-        end: b,
-    };
-    local
-        .backward(&rest, h, Array2::zeros((kd, vd)).view(), dht.view())
-        .1
+    let zero = Array2::zeros((kd, vd));
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_by_key(|&i| (requests[i].0, std::cmp::Reverse(requests[i].1)));
+    chained(
+        &order,
+        local.heads(),
+        |h, i, prev: Option<(usize, usize, &Array2<T>)>| {
+            let (seq, at) = requests[i];
+            let (end, dht) = match prev {
+                Some((s, p, ds)) if s == seq => (p, ds.clone()),
+                _ => (
+                    seq_bounds(plan, seq).1,
+                    local.dht(seq, h).unwrap_or_else(|| zero.clone()),
+                ),
+            };
+            let piece = Segment {
+                seq,
+                batch: 0,
+                start: at,
+                end,
+            };
+            let ds = if piece.is_empty() {
+                dht
+            } else {
+                local.backward(&piece, h, zero.view(), dht.view()).1
+            };
+            (seq, at, ds)
+        },
+    )
 }
