@@ -262,8 +262,8 @@ pub struct CpOptions {
     pub policy: Policy,
     pub faults: Faults,
     /// Leave out the per-rank table's non-CP references (`reference_h0`,
-    /// `reference_dht`): a prefix or suffix run of the sequence per rank,
-    /// about world/2 extra passes over it, that the outputs never need.
+    /// `reference_dht`): one more forward and backward over each sequence
+    /// that a rank cuts, which the outputs never need.
     pub skip_reference_runs: bool,
 }
 
@@ -279,9 +279,10 @@ pub struct RankDiag<T> {
     pub m: Vec<Array2<T>>,
     /// Merged initial state of the first local sequence (when it continues), per head.
     pub merged_h0: Option<Vec<Array2<T>>>,
-    /// The non-CP state at the rank's first token: a prefix run of the
-    /// sequence with the same engine, no CP (so the difference is the CP
-    /// path's alone, not the engine's).
+    /// The non-CP state at the rank's first token: the sequence run forward
+    /// with the same engine, in pieces between the ranks' cuts with the state
+    /// handed on whole, no CP merge (so the difference is the CP path's
+    /// alone, not the engine's).
     pub reference_h0: Option<Vec<Array2<T>>>,
     /// `dS_ext` handed to the previous rank (backward, when it continues), per head.
     pub ds_ext: Option<Vec<Array2<T>>>,
@@ -289,8 +290,9 @@ pub struct RankDiag<T> {
     pub m_first: Option<Vec<Array2<T>>>,
     /// Merged `dht` of the last local sequence (backward, when it is continued).
     pub merged_dht: Option<Vec<Array2<T>>>,
-    /// The non-CP state gradient at the end of the rank's slice (a suffix
-    /// run of the sequence backward from its global `dht`, same engine).
+    /// The non-CP state gradient at the end of the rank's slice: the rest of
+    /// the sequence run backward from its global `dht`, same engine, in
+    /// pieces between the ranks' cuts.
     pub reference_dht: Option<Vec<Array2<T>>>,
 }
 
@@ -742,9 +744,8 @@ fn run_backward<T: Scalar, E: Engine<T>>(
             })
         })
         .collect();
-    // The table's suffix runs before the pieces' backward, not after it:
-    // each is a backward over up to the whole sequence, and the pieces'
-    // gradients are not live yet.
+    // The table's reference backward runs before the pieces' backward, not
+    // after it: the pieces' gradients are not live yet.
     let wanted = |rm: &RankMeta| rm.continued() && !opt.skip_reference_runs;
     let requests: Vec<(usize, usize)> = plan
         .ranks
