@@ -383,10 +383,11 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
                 let g = g - dkg[i] * (k[i] * dl[i]);
                 dgamma[i] = g - dbg[i] * (b[i] * dl[i]);
             }
-            for r in (0..n).step_by(kd) {
+            for r in 0..c {
                 for d in 0..kd {
-                    last_k[d] += dkg_acc[r + d] * kgl[r + d];
-                    last_b[d] += dbg_acc[r + d] * bgl[r + d];
+                    let i = r * kd + d;
+                    last_k[d] += dkg_acc[i] * kgl[i];
+                    last_b[d] += dbg_acc[i] * bgl[i];
                 }
             }
         },
