@@ -154,12 +154,15 @@ impl<T: Scalar> Intra<T> {
     /// intermediates small, or the direct exponentials it keeps otherwise.
     /// The same bits as in its intra stage.
     pub fn exps<const N: usize>(&self, which: [Exp; N]) -> [CowArray<'_, T, Ix2>; N] {
-        select_exps(
-            &self.g_cumsum,
-            self.factors.as_ref(),
-            self.direct_exps.as_ref(),
-            which,
-        )
+        if let Some(all) = &self.direct_exps {
+            return which.map(|e| all[e as usize].view().into());
+        }
+        let f = self
+            .factors
+            .as_ref()
+            .expect("a chunk without factors keeps its exponentials");
+        let mid = fused::mid_row_exps(&self.g_cumsum).expect("rebuilt as in the intra stage");
+        f.rebuild(&mid, which).map(CowArray::from)
     }
 
     fn decay_last(&self) -> Array1<T> {
@@ -206,7 +209,8 @@ struct ChunkGrads<T> {
     dv: Array2<T>,
 }
 
-/// An exponential of a chunk's decay that its stages read.
+/// An exponential of a chunk's decay that its stages read; as a number, its
+/// place among the exponentials a chunk keeps when it forms them directly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Exp {
     /// `exp(Γ)`
@@ -215,32 +219,6 @@ pub enum Exp {
     Gx,
     /// `exp(Γ_last − Γ)`
     Last,
-}
-
-/// The exponentials `which` of Γ `[c, K]`, `[c, K]` each: the `direct` ones
-/// when a chunk keeps them ([`direct_exps`], in [`Exp`]'s order), else
-/// rebuilt from the [`factors`] through the middle row `m`:
-/// `exp(Γ − Γ_m)·exp(Γ_m)`, `exp(Γx − Γ_m)·exp(Γ_m)` and
-/// `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)` ([`fused::mid_row_exps`]).
-fn select_exps<'a, T: Scalar, const N: usize>(
-    g: &Array2<T>,
-    factors: Option<&Factors<T>>,
-    direct: Option<&'a [Array2<T>; 3]>,
-    which: [Exp; N],
-) -> [CowArray<'a, T, Ix2>; N] {
-    if let Some(all) = direct {
-        return which.map(|e| all[e as usize].view().into());
-    }
-    let f = factors.expect("a chunk without factors keeps its exponentials");
-    let (e_mid, e_last) = fused::mid_row_exps(g).expect("rebuilt as in the intra stage");
-    which.map(|e| {
-        let (factor, scale) = match e {
-            Exp::G => (&f.ep, &e_mid),
-            Exp::Gx => (&f.exp_, &e_mid),
-            Exp::Last => (&f.em, &e_last),
-        };
-        fused::scale_columns(factor, scale).into()
-    })
 }
 
 /// `(exp(Γ), exp(Γx), exp(Γ_last − Γ))` for Γ, Γx `[c, K]`, `[c, K]` each
@@ -265,6 +243,24 @@ struct Factors<T> {
     ep: Array2<T>,
     exp_: Array2<T>,
     em: Array2<T>,
+}
+
+impl<T: Scalar> Factors<T> {
+    /// The exponentials `which`, `[c, K]` each, rebuilt through the middle
+    /// row `m` from `(exp(Γ_m), exp(Γ_last − Γ_m))`
+    /// ([`fused::mid_row_exps`]): `exp(Γ − Γ_m)·exp(Γ_m)`,
+    /// `exp(Γx − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`.
+    fn rebuild<const N: usize>(
+        &self,
+        (e_mid, e_last): &(Vec<T>, Vec<T>),
+        which: [Exp; N],
+    ) -> [Array2<T>; N] {
+        which.map(|e| match e {
+            Exp::G => fused::scale_columns(&self.ep, e_mid),
+            Exp::Gx => fused::scale_columns(&self.exp_, e_mid),
+            Exp::Last => fused::scale_columns(&self.em, e_last),
+        })
+    }
 }
 
 /// The factors when every exponent stays far from overflow in `T`; `None`
@@ -448,10 +444,22 @@ impl Chunk {
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        let through_mid = factors.is_some() && fused::mid_row_exps(&g).is_some();
-        let direct = (!through_mid).then(|| direct_exps(&g, &gx));
-        let [egx] = select_exps(&g, factors.as_ref(), direct.as_ref(), [Exp::Gx]);
-        let ax = self.gated(&a, egx.view());
+        // Rebuilt through the middle row where the column factors allow,
+        // else formed directly and kept (`Intra::exps`).
+        let mid = factors
+            .as_ref()
+            .and_then(|f| Some((f, fused::mid_row_exps(&g)?)));
+        let (direct, ax) = match &mid {
+            Some((f, mid)) => {
+                let [egx] = f.rebuild(mid, [Exp::Gx]);
+                (None, self.gated(&a, egx.view()))
+            }
+            None => {
+                let all = direct_exps(&g, &gx);
+                let ax = self.gated(&a, all[Exp::Gx as usize].view());
+                (Some(all), ax)
+            }
+        };
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(
             Stage::U,
