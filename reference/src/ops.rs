@@ -20,9 +20,9 @@ use crate::tri;
 pub struct OpCount {
     pub forward: f64,
     /// What the backward adds after the forward in a forward+backward run.
-    /// A backward run alone does more: the naive one its checkpoint pass
-    /// (5·K·V per token, counted here too: the naive engines run it either
-    /// way), the chunked one the forward without its readout.
+    /// A backward run alone does more: its own forward without the readout
+    /// (the naive engines' checkpoint pass, which in a forward+backward run
+    /// is the forward itself; the chunked engines' intermediates).
     pub backward: f64,
 }
 
@@ -35,28 +35,28 @@ impl OpCount {
 
 /// Naive KDA, per token and head. Forward, per state element: the finish
 /// `S += (βk) rᵀ` (2), the readout `o += q S` (2), the start `S *= e^g` (1)
-/// and `r −= k S` (2). Backward: the checkpoint pass without readout (5),
-/// the replay `S = e·S_prev + (kβ)·r` (3), the start backward (`ds += k dr`,
-/// two dot products, `ds *= e`: 7) and the finish backward (`ds += q do`,
+/// and `r −= k S` (2); it is also the checkpoint pass. Backward: the replay
+/// `S = e·S_prev + (kβ)·r` (3), the start backward (`ds += k dr`, two dot
+/// products, `ds *= e`: 7) and the finish backward (`ds += q do`,
 /// `du += k ds`, two dot products: 8).
 pub fn kda_naive(k: usize, v: usize) -> OpCount {
     let kv = (k * v) as f64;
     OpCount {
         forward: 7.0 * kv,
-        backward: (5.0 + 3.0 + 7.0 + 8.0) * kv,
+        backward: (3.0 + 7.0 + 8.0) * kv,
     }
 }
 
 /// Naive DPLR, per token and head. Forward, per state element: the finish
-/// `S = e·S + b wᵀ + k vᵀ` (5), the readout (2) and the start `w += a S` (2).
-/// Backward: the checkpoint pass without readout (7), the replay (5), the
-/// start backward (a dot product and `ds = e·ds + a dw`: 5) and the finish
-/// backward (`ds += q do`, `dw += b ds`, `dv += k ds`, four dot products: 14).
+/// `S = e·S + b wᵀ + k vᵀ` (5), the readout (2) and the start `w += a S` (2);
+/// it is also the checkpoint pass. Backward: the replay (5), the start
+/// backward (a dot product and `ds = e·ds + a dw`: 5) and the finish backward
+/// (`ds += q do`, `dw += b ds`, `dv += k ds`, four dot products: 14).
 pub fn dplr_naive(k: usize, v: usize) -> OpCount {
     let kv = (k * v) as f64;
     OpCount {
         forward: 9.0 * kv,
-        backward: (7.0 + 5.0 + 5.0 + 14.0) * kv,
+        backward: (5.0 + 5.0 + 14.0) * kv,
     }
 }
 

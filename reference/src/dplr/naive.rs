@@ -8,7 +8,9 @@
 //! in one sweep over the state, a tile of columns at a time. The checkpoint
 //! pass keeps `w [L, V]`, which makes recomputing a token elementwise, and
 //! the reverse sweep fuses, row by row, the backward of token `t`'s start
-//! (and decay) with the backward of token `t − 1`'s finish.
+//! (and decay) with the backward of token `t − 1`'s finish. A
+//! forward+backward run reads out `o` during the checkpoint pass instead of
+//! running the forward again.
 //!
 //! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
 //! on everything they call per token.
@@ -279,7 +281,26 @@ impl<T: Scalar> Engine<T> for Naive {
     ) -> DplrHeadGrads<T> {
         simd::dispatch(
             #[inline(always)]
-            || backward_head(x, h0, d_o, dht),
+            || backward_head(x, h0, d_o, dht, None).1,
+        )
+    }
+
+    /// The backward's own forward run reads out `o` on the way: one run
+    /// instead of two, with the bits of each.
+    fn forward_backward(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
+        simd::dispatch(
+            #[inline(always)]
+            || {
+                let mut o = Array2::zeros((x.len(), x.v_dim()));
+                let (s_l, gr) = backward_head(x, h0, d_o, dht, Some(&mut o));
+                ((o, s_l), gr)
+            },
         )
     }
 }
@@ -297,24 +318,29 @@ fn forward_head<T: Scalar>(x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Ar
     (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
 }
 
+/// The gradients from a forward run that keeps the checkpoints and the
+/// `w` rows, reading out `o` into `o` when given; returns `(S_L, grads)`.
 #[inline(always)]
 fn backward_head<T: Scalar>(
     x: &DplrHead<T>,
     h0: ArrayView2<T>,
     d_o: ArrayView2<T>,
     dht: ArrayView2<T>,
-) -> DplrHeadGrads<T> {
+    o: Option<&mut Array2<T>>,
+) -> (Array2<T>, DplrHeadGrads<T>) {
     let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
     let kv = kd * vd;
     let tokens = Tokens::new(x);
     let mut ws = Array2::zeros((l, vd));
     let mut checkpoints = Vec::new();
     let rec = Record {
-        o: None,
+        o,
         w: Some(&mut ws),
         checkpoints: Some(&mut checkpoints),
     };
-    tokens.run(&mut state(h0), rec);
+    let mut s = state(h0);
+    tokens.run(&mut s, rec);
+    let s_l = Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V");
     let d_o = d_o.as_standard_layout();
     let z = || Array2::zeros((l, kd));
     let mut back = Backward {
@@ -346,7 +372,7 @@ fn backward_head<T: Scalar>(
     );
     let mut gr = back.gr;
     gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
-    gr
+    (s_l, gr)
 }
 
 /// The reverse sweeps and the gradients they fill.

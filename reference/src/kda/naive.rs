@@ -13,6 +13,8 @@
 //! the residuals `r [L, V]`, which makes recomputing a token one elementwise
 //! `S ← e^g ⊙ S + β k rᵀ`. The reverse sweep fuses, row by row, the backward
 //! of the start of token `t` with the backward of the finish of token `t − 1`.
+//! A forward+backward run ([`Engine::forward_backward`]) reads out `o` during
+//! the checkpoint pass instead of running the forward again.
 //!
 //! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
 //! on everything they call per token.
@@ -257,7 +259,26 @@ impl<T: Scalar> Engine<T> for Naive {
     ) -> KdaHeadGrads<T> {
         simd::dispatch(
             #[inline(always)]
-            || backward_head(x, h0, d_o, dht),
+            || backward_head(x, h0, d_o, dht, None).1,
+        )
+    }
+
+    /// The backward's own forward run reads out `o` on the way: one run
+    /// instead of two, with the bits of each.
+    fn forward_backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
+        simd::dispatch(
+            #[inline(always)]
+            || {
+                let mut o = Array2::zeros((x.len(), x.v_dim()));
+                let (s_l, gr) = backward_head(x, h0, d_o, dht, Some(&mut o));
+                ((o, s_l), gr)
+            },
         )
     }
 }
@@ -275,24 +296,29 @@ fn forward_head<T: Scalar>(x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Arr
     (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
 }
 
+/// The gradients from a forward run that keeps the checkpoints and the
+/// `r` rows, reading out `o` into `o` when given; returns `(S_L, grads)`.
 #[inline(always)]
 fn backward_head<T: Scalar>(
     x: &KdaHead<T>,
     h0: ArrayView2<T>,
     d_o: ArrayView2<T>,
     dht: ArrayView2<T>,
-) -> KdaHeadGrads<T> {
+    o: Option<&mut Array2<T>>,
+) -> (Array2<T>, KdaHeadGrads<T>) {
     let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
     let kv = kd * vd;
     let tokens = Tokens::new(x);
     let mut rs = Array2::zeros((l, vd));
     let mut checkpoints = Vec::new();
     let rec = Record {
-        o: None,
+        o,
         r: Some(&mut rs),
         checkpoints: Some(&mut checkpoints),
     };
-    tokens.run(&mut state(h0), rec);
+    let mut s = state(h0);
+    tokens.run(&mut s, rec);
+    let s_l = Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V");
     let d_o = d_o.as_standard_layout();
     let mut back = Backward {
         tokens: &tokens,
@@ -322,7 +348,7 @@ fn backward_head<T: Scalar>(
     );
     let mut gr = back.gr;
     gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
-    gr
+    (s_l, gr)
 }
 
 impl<T: Scalar> Tokens<'_, T> {
