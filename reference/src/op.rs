@@ -19,8 +19,9 @@
 //! 1. A folder `src/<op>/` with `mod.rs` holding the public tensors
 //!    (`Inputs`, `Options`, `Outputs`, `Grads` in FLA's layout), validation,
 //!    a `Prepared` (validated inputs after FLA's fused pre-processing) that
-//!    implements [`Prepared`], a per-piece `Head` and `HeadGrads`, and a
-//!    marker type implementing [`OpSpec`] and [`Operator`].
+//!    implements [`Prepared`], a per-piece `Head` (which may borrow the
+//!    `Prepared` tensors: [`Operator::head`]) and `HeadGrads`, and a marker
+//!    type implementing [`OpSpec`] and [`Operator`].
 //! 2. One file per engine (`naive.rs`, `chunk.rs`), each a type implementing
 //!    [`Engine`] with `type Op = <marker>`. Override [`Engine::transition`]
 //!    only when the engine has a cheaper way than the default probe run.
@@ -66,15 +67,11 @@ pub struct Shape {
     pub v: usize,
 }
 
-/// Validated inputs, ready to cut into pieces.
+/// Validated inputs, ready to cut into pieces ([`Operator::head`]).
 pub trait Prepared<T: Scalar>: Sync {
-    /// One piece of one head, the only thing an engine sees.
-    type Head: Clone + Send + Sync;
     fn shape(&self) -> Shape;
     /// Whole sequences of the batch (CP cuts them further).
     fn segments(&self) -> &[Segment];
-    /// Rows `seg.start..seg.end` of head `h`, pre-processed.
-    fn head(&self, seg: &Segment, h: usize) -> Self::Head;
     /// `[N, heads, K, V]`, when an initial state was given.
     fn h0(&self) -> Option<ArrayView4<'_, T>>;
 }
@@ -85,16 +82,20 @@ pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
     type Inputs: Clone + Sync;
     type Outputs;
     type Grads;
-    /// One piece of one head (see [`Prepared::head`]).
-    type Head: Clone + Send + Sync;
+    /// One piece of one head, the only thing an engine sees; it may borrow
+    /// the [`Operator::Prepared`] tensors it was cut from (`'h`).
+    type Head<'h>: Clone + Send + Sync;
     /// Gradients of one piece with respect to its `Head` and `h0`.
     type HeadGrads: Send + Sync;
-    type Prepared<'a>: Prepared<T, Head = Self::Head>
+    type Prepared<'a>: Prepared<T>
     where
         T: 'a;
 
     /// Validates `x` and applies FLA's fused pre-processing.
     fn prepare<'a>(x: &'a Self::Inputs, opt: &Self::Options) -> Result<Self::Prepared<'a>>;
+    /// Rows `seg.start..seg.end` of head `h` of `p`, pre-processed, in
+    /// standard layout: borrowed where `p` holds them so, else copied.
+    fn head<'p>(p: &'p Self::Prepared<'_>, seg: &Segment, h: usize) -> Self::Head<'p>;
     fn cu_seqlens(x: &Self::Inputs) -> Option<&[i64]>;
     /// Checks the upstream gradients against the problem's shape.
     fn validate_upstream(
@@ -114,7 +115,7 @@ pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
     }
     /// `(the piece with its value-like input replaced by K zero columns, K)`:
     /// run from `S_0 = I [K, K]`, its final state is the transition `M`.
-    fn probe(x: &Self::Head) -> (Self::Head, usize);
+    fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize);
     /// Public outputs from `o [B, T, heads, V]` and `final_state [N, heads, K, V]`.
     fn outputs(opt: &Self::Options, o: Array4<T>, final_state: Array4<T>) -> Self::Outputs;
     /// Public gradients from per-(piece, head) gradients and `dh0 [N, heads, K, V]`
@@ -148,14 +149,14 @@ pub trait Engine<T: Scalar>: Sync {
     /// Returns `(o [L, V], S_L [K, V])` from `S_0 = h0 [K, V]`.
     fn forward(
         &self,
-        x: &<Self::Op as Operator<T>>::Head,
+        x: &<Self::Op as Operator<T>>::Head<'_>,
         h0: ArrayView2<T>,
     ) -> (Array2<T>, Array2<T>);
 
     /// Gradients of `Σ o·d_o + Σ S_L·dht` (`d_o [L, V]`, `dht [K, V]`).
     fn backward(
         &self,
-        x: &<Self::Op as Operator<T>>::Head,
+        x: &<Self::Op as Operator<T>>::Head<'_>,
         h0: ArrayView2<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
@@ -168,7 +169,7 @@ pub trait Engine<T: Scalar>: Sync {
     #[allow(clippy::type_complexity)]
     fn forward_backward(
         &self,
-        x: &<Self::Op as Operator<T>>::Head,
+        x: &<Self::Op as Operator<T>>::Head<'_>,
         h0: ArrayView2<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
@@ -180,7 +181,7 @@ pub trait Engine<T: Scalar>: Sync {
     ///
     /// Default: the state recurrence is linear in `(S, v)`, so running it with
     /// `v = 0` from `S_0 = I` (K columns in place of V) yields `M`.
-    fn transition(&self, x: &<Self::Op as Operator<T>>::Head) -> Array2<T> {
+    fn transition(&self, x: &<Self::Op as Operator<T>>::Head<'_>) -> Array2<T> {
         let (probe, k) = <Self::Op as Operator<T>>::probe(x);
         self.forward(&probe, Array2::eye(k).view()).1
     }
@@ -217,7 +218,10 @@ pub fn forward<T: Scalar, E: Engine<T>>(
     let segments = p.segments();
     let results = par_pairs(segments.len(), p.shape().heads, |si, h| {
         let seg = &segments[si];
-        engine.forward(&p.head(seg, h), initial_state(&p, seg.seq, h).view())
+        engine.forward(
+            &E::Op::head(&p, seg, h),
+            initial_state(&p, seg.seq, h).view(),
+        )
     });
     Ok(assemble_outputs::<T, E::Op>(&p, opt, results))
 }
@@ -295,7 +299,7 @@ where
     T: Scalar,
     O: Operator<T>,
     R: Send,
-    F: Fn(&O::Head, ArrayView2<T>, ArrayView2<T>, ArrayView2<T>) -> R + Sync + Send,
+    F: Fn(&O::Head<'_>, ArrayView2<T>, ArrayView2<T>, ArrayView2<T>) -> R + Sync + Send,
 {
     let d = p.shape();
     O::validate_upstream(p, d_o, dht)?;
@@ -309,9 +313,9 @@ where
             None => Array2::zeros((d.k, d.v)),
         };
         f(
-            &p.head(seg, h),
+            &O::head(p, seg, h),
             initial_state(p, seg.seq, h).view(),
-            tensor::gather(&d_o, seg, h).view(),
+            tensor::head_rows(d_o.view(), seg, h).view(),
             dht_h.view(),
         )
     }))

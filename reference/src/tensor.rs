@@ -2,7 +2,9 @@
 //! between FLA's time-major `[B, T, heads, D]` tensors and the per-head
 //! `[L, D]` blocks the engines work on.
 
-use ndarray::{s, Array2, Array4, ArrayBase, ArrayD, ArrayView2, ArrayView4, Data, Ix4};
+use ndarray::{
+    s, Array2, Array4, ArrayBase, ArrayD, ArrayView2, ArrayView4, CowArray, Data, Ix2, Ix4,
+};
 
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
@@ -119,6 +121,22 @@ pub fn gather<T: Scalar, S: Data<Elem = T>>(
         }
     }
     Array2::from_shape_vec(rows.raw_dim(), out).expect("L×D")
+}
+
+/// Rows `seg.start..seg.end` of head `h` of `x [B, T, heads, D]` as
+/// `[L, D]` in standard layout: a view where they already are so (one head,
+/// or one row), else a copy ([`gather`]).
+pub fn head_rows<'a, T: Scalar>(
+    x: ArrayView4<'a, T>,
+    seg: &Segment,
+    h: usize,
+) -> CowArray<'a, T, Ix2> {
+    let rows = x.slice_move(s![seg.batch, seg.start..seg.end, h, ..]);
+    if rows.is_standard_layout() {
+        CowArray::from(rows)
+    } else {
+        CowArray::from(gather(&x, seg, h))
+    }
 }
 
 /// Writes an `[L, D]` block back at the place `gather` took it from.
@@ -295,6 +313,31 @@ mod tests {
         let placed = assemble((2, 6, 2, 3), vec![(seg(1, 1, 6), 1, copy.clone())]);
         assert_eq!(placed.slice(s![1, 1..6, 1, ..]), copy);
         assert_eq!(placed.iter().filter(|&&v| v != 0.0).count(), 14);
+    }
+
+    /// One head's rows are borrowed where they are contiguous (one head, or
+    /// one row of several) and copied where they are strided; either way
+    /// they are the head's values in standard layout.
+    #[test]
+    fn head_rows_borrow_contiguous_rows_and_copy_strided_ones() {
+        let one = Array4::from_shape_fn((2, 7, 1, 3), |(b, t, _, d)| (100 * b + 10 * t + d) as f64);
+        let rows = head_rows(one.view(), &seg(1, 2, 6), 0);
+        assert!(rows.is_view() && rows.is_standard_layout());
+        assert_eq!(
+            rows.as_ptr(),
+            one.slice(s![1, 2, 0, ..]).as_ptr(),
+            "borrowed"
+        );
+        assert_eq!(rows, one.slice(s![1, 2..6, 0, ..]));
+        let three =
+            Array4::from_shape_fn((1, 7, 3, 2), |(_, t, h, d)| (100 * h + 10 * t + d) as f64);
+        let strided = head_rows(three.view(), &seg(0, 1, 5), 2);
+        assert!(strided.is_owned() && strided.is_standard_layout());
+        assert_eq!(strided, gather(&three, &seg(0, 1, 5), 2));
+        assert!(
+            head_rows(three.view(), &seg(0, 4, 5), 1).is_view(),
+            "a single row"
+        );
     }
 
     /// A tensor long enough to be scanned in parallel parts names the

@@ -111,8 +111,6 @@ fn view3<T: Scalar>(a: &ArrayD<T>) -> ArrayView3<'_, T> {
 }
 
 impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
-    type Head = TokenShiftHead<T>;
-
     fn shape(&self) -> Shape {
         let d = self.dims;
         Shape {
@@ -127,12 +125,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
 
     fn segments(&self) -> &[Segment] {
         &self.segments
-    }
-
-    fn head(&self, seg: &Segment, h: usize) -> TokenShiftHead<T> {
-        TokenShiftHead {
-            x: tensor::gather(&self.x, seg, h),
-        }
     }
 
     fn h0(&self) -> Option<ArrayView4<'_, T>> {
@@ -213,7 +205,7 @@ impl<T: Scalar> Operator<T> for TokenShift {
     type Inputs = TokenShiftInputs<T>;
     type Outputs = TokenShiftOutputs<T>;
     type Grads = TokenShiftGrads<T>;
-    type Head = TokenShiftHead<T>;
+    type Head<'h> = TokenShiftHead<T>;
     type HeadGrads = TokenShiftHeadGrads<T>;
     type Prepared<'a>
         = Prepared<'a, T>
@@ -222,6 +214,12 @@ impl<T: Scalar> Operator<T> for TokenShift {
 
     fn prepare<'a>(x: &'a TokenShiftInputs<T>, _: &()) -> Result<Prepared<'a, T>> {
         Prepared::new(x)
+    }
+
+    fn head(p: &Prepared<'_, T>, seg: &Segment, h: usize) -> TokenShiftHead<T> {
+        TokenShiftHead {
+            x: tensor::gather(&p.x, seg, h),
+        }
     }
 
     fn cu_seqlens(x: &TokenShiftInputs<T>) -> Option<&[i64]> {
@@ -244,7 +242,7 @@ impl<T: Scalar> Operator<T> for TokenShift {
         state_view(dfinal_cache)
     }
 
-    fn probe(x: &TokenShiftHead<T>) -> (TokenShiftHead<T>, usize) {
+    fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
         let probe = TokenShiftHead {
             x: Array2::zeros((x.x.nrows(), 1)),
         };

@@ -13,7 +13,7 @@ use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
 use deltaref::kda::{self, chunk::Chunk, naive::Naive, Kda, KdaOptions};
-use deltaref::op::{self, Engine, Prepared as _};
+use deltaref::op::{self, Engine, Operator};
 use deltaref::token_shift::{self, Shift};
 use deltaref::varlen::Segment;
 use ndarray::ArrayD;
@@ -270,7 +270,7 @@ proptest! {
             close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
             merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
                 let seg = Segment { seq, batch: 0, start: a, end: at };
-                Naive.forward(&p.head(&seg, h), op::initial_state(&p, seq, h).view()).1
+                Naive.forward(&Kda::head(&p, &seg, h), op::initial_state(&p, seq, h).view()).1
             })?;
             let (gr, diags) = e.cp_bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
             let want = kda::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
@@ -308,7 +308,7 @@ proptest! {
         let p = dplr::Prepared::new(&x.inputs, &opts).unwrap();
         merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
             let seg = Segment { seq, batch: 0, start: a, end: at };
-            dplr::naive::Naive.forward(&p.head(&seg, h), op::initial_state(&p, seq, h).view()).1
+            dplr::naive::Naive.forward(&Dplr::head(&p, &seg, h), op::initial_state(&p, seq, h).view()).1
         })?;
         let (gr, diags) = engine.bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
         let want = dplr::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
@@ -620,13 +620,13 @@ fn fla_debug_guide_example() {
         );
         for h in 0..2 {
             let state = Naive
-                .forward(&p.head(&head, h), op::initial_state(&p, 1, h).view())
+                .forward(&Kda::head(&p, &head, h), op::initial_state(&p, 1, h).view())
                 .1;
             let d = max_diff(&diags[1].merged_h0.as_ref().unwrap()[h], &state);
             assert!(d <= 1e-12, "{name} head {h}: merged h0 off by {d:e}");
             let dh = Naive
                 .backward(
-                    &p.head(&tail, h),
+                    &Kda::head(&p, &tail, h),
                     state.view(),
                     deltaref::tensor::gather(&d_o, &tail, h).view(),
                     dht.slice(ndarray::s![1, h, .., ..]),

@@ -1,13 +1,13 @@
 //! The naive engines read a head's tensors row by row; a head whose arrays
 //! (and `do`) are column-major gives the same bits as a row-major one.
 
-use deltaref::dplr::{self, DplrHead, DplrOptions};
+use deltaref::dplr::{self, Dplr, DplrHead, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
-use deltaref::kda::{self, KdaHead, KdaOptions};
-use deltaref::op::{self, Engine, Prepared as _};
-use ndarray::{Array2, ShapeBuilder};
+use deltaref::kda::{self, Kda, KdaHead, KdaOptions};
+use deltaref::op::{self, Engine, Operator};
+use ndarray::{Array2, ArrayBase, Data, Ix2, ShapeBuilder};
 
-fn column_major(a: &Array2<f64>) -> Array2<f64> {
+fn column_major<S: Data<Elem = f64>>(a: &ArrayBase<S, Ix2>) -> Array2<f64> {
     let mut f = Array2::zeros(a.raw_dim().f());
     f.assign(a);
     f
@@ -40,12 +40,12 @@ fn kda_naive_does_not_depend_on_memory_layout() {
         seed: 4,
     });
     let p = kda::Prepared::new(&g.inputs, &opts).unwrap();
-    let x = p.head(&p.segments[0], 0);
+    let x = Kda::head(&p, &p.segments[0], 0);
     let xf = KdaHead {
-        q: column_major(&x.q),
-        k: column_major(&x.k),
-        v: column_major(&x.v),
-        g: column_major(&x.g),
+        q: column_major(&x.q).into(),
+        k: column_major(&x.k).into(),
+        v: column_major(&x.v).into(),
+        g: column_major(&x.g).into(),
         beta: x.beta.clone(),
     };
     let h0 = op::initial_state(&p, 0, 0);
@@ -74,14 +74,14 @@ fn dplr_naive_does_not_depend_on_memory_layout() {
         seed: 4,
     });
     let p = dplr::Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
-    let x = p.head(&p.segments[0], 0);
+    let x = Dplr::head(&p, &p.segments[0], 0);
     let xf = DplrHead {
-        q: column_major(&x.q),
-        k: column_major(&x.k),
-        a: column_major(&x.a),
-        b: column_major(&x.b),
-        gk: column_major(&x.gk),
-        v: column_major(&x.v),
+        q: column_major(&x.q).into(),
+        k: column_major(&x.k).into(),
+        a: column_major(&x.a).into(),
+        b: column_major(&x.b).into(),
+        gk: column_major(&x.gk).into(),
+        v: column_major(&x.v).into(),
     };
     let h0 = op::initial_state(&p, 0, 0);
     let (d_o, dht) = upstream(37, 6, 5);

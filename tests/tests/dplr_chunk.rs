@@ -7,10 +7,10 @@ use deltaref::dplr::chunk::Chunk;
 use deltaref::dplr::naive::Naive;
 use deltaref::dplr::{Dplr, DplrHead, DplrOptions, Prepared};
 use deltaref::inputs::{self, DplrSpec, Layout};
-use deltaref::op::{self, Engine, Prepared as _};
+use deltaref::op::{self, Engine, Operator};
 use deltaref_tests::{assert_maps_close, ratio};
 use deltaref_verify::outputs::{self, Tensors};
-use ndarray::{s, Array2, ArrayD, IxDyn};
+use ndarray::{s, Array2, ArrayD, CowArray, Ix2, IxDyn};
 
 fn spec(layout: Layout, seed: u64) -> DplrSpec {
     DplrSpec {
@@ -54,14 +54,17 @@ fn chunk_matches_naive_for_every_chunk_size_and_layout() {
     }
 }
 
-fn head(s: &DplrSpec) -> (DplrHead<f64>, Array2<f64>) {
+fn head(s: &DplrSpec) -> (DplrHead<'static, f64>, Array2<f64>) {
     let g = inputs::dplr(s);
     let p = Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
-    (p.head(&p.segments[0], 1), op::initial_state(&p, 0, 1))
+    (
+        Dplr::head(&p, &p.segments[0], 1).into_owned(),
+        op::initial_state(&p, 0, 1),
+    )
 }
 
-fn prefix(x: &DplrHead<f64>, n: usize) -> DplrHead<f64> {
-    let cut = |a: &Array2<f64>| a.slice(s![..n, ..]).to_owned();
+fn prefix(x: &DplrHead<f64>, n: usize) -> DplrHead<'static, f64> {
+    let cut = |a: &CowArray<f64, Ix2>| CowArray::from(a.slice(s![..n, ..]).to_owned());
     DplrHead {
         q: cut(&x.q),
         k: cut(&x.k),

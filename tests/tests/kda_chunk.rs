@@ -8,7 +8,7 @@ use deltaref::inputs::{self, KdaSpec, Layout};
 use deltaref::kda::chunk::Chunk;
 use deltaref::kda::naive::Naive;
 use deltaref::kda::{Kda, KdaHead, KdaOptions, Prepared};
-use deltaref::op::{self, Engine, Prepared as _};
+use deltaref::op::{self, Engine, Operator};
 use deltaref_tests::{assert_maps_close, ratio};
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::{s, Array2, ArrayD, IxDyn};
@@ -59,20 +59,23 @@ fn chunk_matches_naive_for_every_chunk_size_gate_and_layout() {
     }
 }
 
-fn head(s: &KdaSpec, seq: usize, hv: usize) -> (KdaHead<f64>, Array2<f64>) {
+fn head(s: &KdaSpec, seq: usize, hv: usize) -> (KdaHead<'static, f64>, Array2<f64>) {
     let g = inputs::kda(s);
     let p = Prepared::new(&g.inputs, &s.opts).unwrap();
     let seg = p.segments[seq];
-    (p.head(&seg, hv), op::initial_state(&p, seg.seq, hv))
+    (
+        Kda::head(&p, &seg, hv).into_owned(),
+        op::initial_state(&p, seg.seq, hv),
+    )
 }
 
-fn prefix(x: &KdaHead<f64>, n: usize) -> KdaHead<f64> {
+fn prefix(x: &KdaHead<f64>, n: usize) -> KdaHead<'static, f64> {
     KdaHead {
-        q: x.q.slice(s![..n, ..]).to_owned(),
-        k: x.k.slice(s![..n, ..]).to_owned(),
-        v: x.v.slice(s![..n, ..]).to_owned(),
-        g: x.g.slice(s![..n, ..]).to_owned(),
-        beta: x.beta.slice(s![..n]).to_owned(),
+        q: x.q.slice(s![..n, ..]).to_owned().into(),
+        k: x.k.slice(s![..n, ..]).to_owned().into(),
+        v: x.v.slice(s![..n, ..]).to_owned().into(),
+        g: x.g.slice(s![..n, ..]).to_owned().into(),
+        beta: x.beta.slice(s![..n]).to_owned().into(),
     }
 }
 
@@ -157,7 +160,7 @@ fn gates_at_the_lower_bound_do_not_overflow() {
     let x32 = g.inputs.cast::<f32>();
     let p = Prepared::new(&x32, &opts).unwrap();
     let f = chunk.forward_intermediates(
-        &p.head(&p.segments[0], 0),
+        &Kda::head(&p, &p.segments[0], 0),
         op::initial_state(&p, 0, 0).view(),
     );
     for ch in &f.intra {

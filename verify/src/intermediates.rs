@@ -21,7 +21,7 @@
 use deltaref::cp::RankDiag;
 use deltaref::kda;
 use deltaref::kda::chunk::Chunk;
-use deltaref::op::{self, Prepared as _};
+use deltaref::op::{self, Operator as _};
 use deltaref::varlen::{par_pairs, Segment};
 use ndarray::{s, Array2, ArrayD, IxDyn};
 use serde::Serialize;
@@ -184,7 +184,7 @@ fn fill(
     .collect();
     let runs = par_pairs(pieces.len(), hv, |i, h| {
         let h0 = piece_h0(p, pieces, diags, i, h);
-        engine.forward_intermediates(&p.head(&pieces[i].1, h), h0.view())
+        engine.forward_intermediates(&kda::Kda::head(p, &pieces[i].1, h), h0.view())
     });
     let log2e = std::f64::consts::LOG2_E;
     for (i, f) in runs.iter().enumerate() {

@@ -240,8 +240,6 @@ impl<'a, T: Scalar> Prepared<'a, T> {
 }
 
 impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
-    type Head = ConvHead<T>;
-
     fn shape(&self) -> Shape {
         let d = self.dims;
         Shape {
@@ -256,15 +254,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
 
     fn segments(&self) -> &[Segment] {
         &self.segments
-    }
-
-    fn head(&self, seg: &Segment, h: usize) -> ConvHead<T> {
-        ConvHead {
-            x: tensor::gather(&self.x, seg, h),
-            weight: self.weight.to_owned(),
-            bias: self.bias.map(|b| b.to_owned()),
-            act: self.act,
-        }
     }
 
     fn h0(&self) -> Option<ArrayView4<'_, T>> {
@@ -452,7 +441,7 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
     type Inputs = ConvInputs<T>;
     type Outputs = ConvOutputs<T>;
     type Grads = ConvGrads<T>;
-    type Head = ConvHead<T>;
+    type Head<'h> = ConvHead<T>;
     type HeadGrads = PieceGrads<T>;
     type Prepared<'a>
         = Prepared<'a, T>
@@ -461,6 +450,15 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
 
     fn prepare<'a>(x: &'a ConvInputs<T>, opt: &ConvOptions) -> Result<Prepared<'a, T>> {
         Prepared::new(x, opt)
+    }
+
+    fn head(p: &Prepared<'_, T>, seg: &Segment, h: usize) -> ConvHead<T> {
+        ConvHead {
+            x: tensor::gather(&p.x, seg, h),
+            weight: p.weight.to_owned(),
+            bias: p.bias.map(|b| b.to_owned()),
+            act: p.act,
+        }
     }
 
     fn cu_seqlens(x: &ConvInputs<T>) -> Option<&[i64]> {
@@ -485,7 +483,7 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
 
     /// The window recurrence does not read the weight: with `K = W` zero
     /// columns of x, the final window from `I [W, W]` is the shift `M`.
-    fn probe(x: &ConvHead<T>) -> (ConvHead<T>, usize) {
+    fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
         let w = x.weight.ncols();
         let probe = ConvHead {
             x: Array2::zeros((x.x.nrows(), w)),

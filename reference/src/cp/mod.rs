@@ -71,7 +71,7 @@ impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
 
     /// `(o [L, V], S_L [K, V])`.
     fn forward(&self, seg: &Segment, h: usize, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        self.engine.forward(&self.p.head(seg, h), h0)
+        self.engine.forward(&E::Op::head(self.p, seg, h), h0)
     }
 
     /// `(token gradients, dh0)` given the state gradient `dht` at the piece's end.
@@ -84,9 +84,9 @@ impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
     ) -> (HeadGrads<T, E>, Array2<T>) {
         let d_o = self.d_o.as_ref().expect("backward needs do");
         let g = self.engine.backward(
-            &self.p.head(seg, h),
+            &E::Op::head(self.p, seg, h),
             h0,
-            tensor::gather(d_o, seg, h).view(),
+            tensor::head_rows(d_o.view(), seg, h).view(),
             dht,
         );
         let dh0 = E::Op::head_dh0(&g).clone();
@@ -104,9 +104,9 @@ impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
     ) -> ((Array2<T>, Array2<T>), HeadGrads<T, E>, Array2<T>) {
         let d_o = self.d_o.as_ref().expect("backward needs do");
         let (fwd, g) = self.engine.forward_backward(
-            &self.p.head(seg, h),
+            &E::Op::head(self.p, seg, h),
             h0,
-            tensor::gather(d_o, seg, h).view(),
+            tensor::head_rows(d_o.view(), seg, h).view(),
             dht,
         );
         let dh0 = E::Op::head_dh0(&g).clone();
@@ -115,7 +115,7 @@ impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
 
     /// `M [K, K]` of the piece.
     fn transition(&self, seg: &Segment, h: usize) -> Array2<T> {
-        self.engine.transition(&self.p.head(seg, h))
+        self.engine.transition(&E::Op::head(self.p, seg, h))
     }
 }
 

@@ -6,7 +6,9 @@
 //! backward, gate (reverse cumsum) backward. Decays are always formed from
 //! differences of the in-chunk cumulative log-decay, so nothing overflows.
 
-use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView2, Axis, CowArray, Ix2};
+use ndarray::{
+    s, Array1, Array2, Array3, ArrayBase, ArrayD, ArrayView2, Axis, CowArray, Data, Ix2,
+};
 
 use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
@@ -14,7 +16,7 @@ use super::{
 use crate::error::Result;
 use crate::fused::{self, RowStack};
 use crate::gemm;
-use crate::op::{self, Engine, Prepared as _};
+use crate::op::{self, Engine, Operator};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::simd;
@@ -233,7 +235,11 @@ fn direct_exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
 }
 
 /// Rows of `x` for one chunk.
-fn rows<T: Scalar>(x: &Array2<T>, start: usize, c: usize) -> ArrayView2<'_, T> {
+fn rows<T: Scalar, S: Data<Elem = T>>(
+    x: &ArrayBase<S, Ix2>,
+    start: usize,
+    c: usize,
+) -> ArrayView2<'_, T> {
     x.slice(s![start..start + c, ..])
 }
 
@@ -959,8 +965,10 @@ pub fn intermediates<T: Scalar>(
         (
             seg,
             h,
-            engine
-                .forward_intermediates(&p.head(&seg, h), op::initial_state(&p, seg.seq, h).view()),
+            engine.forward_intermediates(
+                &Dplr::head(&p, &seg, h),
+                op::initial_state(&p, seg.seq, h).view(),
+            ),
         )
     }))
 }

@@ -9,7 +9,7 @@
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{Array2, Array4, ArrayD, ArrayView4};
+use ndarray::{Array2, Array4, ArrayD, ArrayView4, CowArray, Ix2};
 
 use rayon::prelude::*;
 
@@ -100,18 +100,30 @@ pub struct DplrDims {
 
 /// One head of one sequence (or CP piece); `q` already times `scale`.
 #[derive(Clone, Debug)]
-pub struct DplrHead<T> {
+pub struct DplrHead<'h, T> {
     /// `[L, K]`
-    pub q: Array2<T>,
-    pub k: Array2<T>,
-    pub a: Array2<T>,
-    pub b: Array2<T>,
-    pub gk: Array2<T>,
+    pub q: CowArray<'h, T, Ix2>,
+    pub k: CowArray<'h, T, Ix2>,
+    pub a: CowArray<'h, T, Ix2>,
+    pub b: CowArray<'h, T, Ix2>,
+    pub gk: CowArray<'h, T, Ix2>,
     /// `[L, V]`
-    pub v: Array2<T>,
+    pub v: CowArray<'h, T, Ix2>,
 }
 
-impl<T: Scalar> DplrHead<T> {
+impl<T: Scalar> DplrHead<'_, T> {
+    /// The head with its own copy of any borrowed tensor.
+    pub fn into_owned(self) -> DplrHead<'static, T> {
+        DplrHead {
+            q: self.q.into_owned().into(),
+            k: self.k.into_owned().into(),
+            a: self.a.into_owned().into(),
+            b: self.b.into_owned().into(),
+            gk: self.gk.into_owned().into(),
+            v: self.v.into_owned().into(),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.q.nrows()
     }
@@ -182,7 +194,7 @@ pub struct Prepared<'a, T> {
     pub dims: DplrDims,
     pub scale: f64,
     pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, not yet scaled: `Prepared::head` applies `scale`,
+    /// `[B, T, H, K]`, not yet scaled: `Dplr::head` applies `scale`,
     /// head by head, in parallel.
     pub q: ArrayView4<'a, T>,
     pub k: ArrayView4<'a, T>,
@@ -213,8 +225,6 @@ impl<'a, T: Scalar> Prepared<'a, T> {
 }
 
 impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
-    type Head = DplrHead<T>;
-
     fn shape(&self) -> Shape {
         let d = self.dims;
         Shape {
@@ -229,18 +239,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
 
     fn segments(&self) -> &[Segment] {
         &self.segments
-    }
-
-    /// Head `h` of `seg`, `q` times `scale`.
-    fn head(&self, seg: &Segment, h: usize) -> DplrHead<T> {
-        DplrHead {
-            q: tensor::gather(&self.q, seg, h).mapv_into(|e| e * T::c(self.scale)),
-            k: tensor::gather(&self.k, seg, h),
-            a: tensor::gather(&self.a, seg, h),
-            b: tensor::gather(&self.b, seg, h),
-            gk: tensor::gather(&self.gk, seg, h),
-            v: tensor::gather(&self.v, seg, h),
-        }
     }
 
     fn h0(&self) -> Option<ArrayView4<'_, T>> {
@@ -273,7 +271,7 @@ impl<T: Scalar> Operator<T> for Dplr {
     type Inputs = DplrInputs<T>;
     type Outputs = DplrOutputs<T>;
     type Grads = DplrGrads<T>;
-    type Head = DplrHead<T>;
+    type Head<'h> = DplrHead<'h, T>;
     type HeadGrads = DplrHeadGrads<T>;
     type Prepared<'a>
         = Prepared<'a, T>
@@ -282,6 +280,19 @@ impl<T: Scalar> Operator<T> for Dplr {
 
     fn prepare<'a>(x: &'a DplrInputs<T>, opt: &DplrOptions) -> Result<Prepared<'a, T>> {
         Prepared::new(x, opt)
+    }
+
+    /// Head `h` of `seg`, `q` times `scale`.
+    fn head<'p>(p: &'p Prepared<'_, T>, seg: &Segment, h: usize) -> DplrHead<'p, T> {
+        let rows = |x: ArrayView4<'p, T>| tensor::head_rows(x, seg, h);
+        DplrHead {
+            q: CowArray::from(tensor::gather(&p.q, seg, h).mapv_into(|e| e * T::c(p.scale))),
+            k: rows(p.k.view()),
+            a: rows(p.a.view()),
+            b: rows(p.b.view()),
+            gk: rows(p.gk.view()),
+            v: rows(p.v.view()),
+        }
     }
 
     fn cu_seqlens(x: &DplrInputs<T>) -> Option<&[i64]> {
@@ -296,10 +307,10 @@ impl<T: Scalar> Operator<T> for Dplr {
         validate_upstream(&p.dims, d_o, dht)
     }
 
-    fn probe(x: &DplrHead<T>) -> (DplrHead<T>, usize) {
+    fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
         let kd = x.k_dim();
         let probe = DplrHead {
-            v: Array2::zeros((x.len(), kd)),
+            v: CowArray::from(Array2::zeros((x.len(), kd))),
             ..x.clone()
         };
         (probe, kd)

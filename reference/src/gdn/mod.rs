@@ -14,7 +14,9 @@
 //! (`dt_bias [HV]`, not KDA's `[HV·K]`) and the `state_v_first` state layout
 //! `[N, HV, V, K]`. The drivers, CP and intra-card come from [`crate::op`].
 
-use ndarray::{s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, Ix3, Zip};
+use ndarray::{
+    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Zip,
+};
 
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
@@ -304,8 +306,6 @@ impl<'a, T: Scalar> Prepared<'a, T> {
 }
 
 impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
-    type Head = KdaHead<T>;
-
     fn shape(&self) -> Shape {
         let d = self.dims;
         Shape {
@@ -320,24 +320,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
 
     fn segments(&self) -> &[Segment] {
         &self.segments
-    }
-
-    /// Head `hv` of `seg` as KDA's per-piece tensors: q/k from q/k head
-    /// `hv / G` (GVA), q times `scale`, the scalar gate repeated over K.
-    fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
-        let hq = hv / self.dims.groups();
-        let scale = T::c(self.scale);
-        let g = self.g.slice(s![seg.batch, seg.start..seg.end, hv]);
-        KdaHead {
-            q: tensor::gather(&self.q, seg, hq).mapv_into(|e| e * scale),
-            k: tensor::gather(&self.k, seg, hq),
-            v: tensor::gather(&self.v, seg, hv),
-            g: Array2::from_shape_fn((seg.len(), self.dims.k), |(t, _)| g[t]),
-            beta: self
-                .beta
-                .slice(s![seg.batch, seg.start..seg.end, hv])
-                .to_owned(),
-        }
     }
 
     fn h0(&self) -> Option<ArrayView4<'_, T>> {
@@ -406,7 +388,7 @@ impl<T: Scalar> Operator<T> for Gdn {
     type Inputs = GdnInputs<T>;
     type Outputs = GdnOutputs<T>;
     type Grads = GdnGrads<T>;
-    type Head = KdaHead<T>;
+    type Head<'h> = KdaHead<'h, T>;
     type HeadGrads = KdaHeadGrads<T>;
     type Prepared<'a>
         = Prepared<'a, T>
@@ -415,6 +397,21 @@ impl<T: Scalar> Operator<T> for Gdn {
 
     fn prepare<'a>(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Prepared<'a, T>> {
         Prepared::new(x, opt)
+    }
+
+    /// Head `hv` of `seg` as KDA's per-piece tensors: q/k from q/k head
+    /// `hv / G` (GVA), q times `scale`, the scalar gate repeated over K.
+    fn head<'p>(p: &'p Prepared<'_, T>, seg: &Segment, hv: usize) -> KdaHead<'p, T> {
+        let hq = hv / p.dims.groups();
+        let scale = T::c(p.scale);
+        let g = p.g.slice(s![seg.batch, seg.start..seg.end, hv]);
+        KdaHead {
+            q: CowArray::from(tensor::gather(&p.q, seg, hq).mapv_into(|e| e * scale)),
+            k: tensor::head_rows(p.k.view(), seg, hq),
+            v: tensor::head_rows(p.v.view(), seg, hv),
+            g: CowArray::from(Array2::from_shape_fn((seg.len(), p.dims.k), |(t, _)| g[t])),
+            beta: CowArray::from(p.beta.slice(s![seg.batch, seg.start..seg.end, hv])),
+        }
     }
 
     fn cu_seqlens(x: &GdnInputs<T>) -> Option<&[i64]> {
@@ -448,7 +445,7 @@ impl<T: Scalar> Operator<T> for Gdn {
         v
     }
 
-    fn probe(x: &KdaHead<T>) -> (KdaHead<T>, usize) {
+    fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
         <Kda as Operator<T>>::probe(x)
     }
 

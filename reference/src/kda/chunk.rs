@@ -15,7 +15,7 @@ use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutp
 use crate::error::Result;
 use crate::fused::{self, RowStack};
 use crate::gemm;
-use crate::op::{self, Engine, Prepared as _};
+use crate::op::{self, Engine, Operator};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tri;
@@ -1017,8 +1017,10 @@ pub fn intermediates<T: Scalar>(
         (
             seg,
             h,
-            engine
-                .forward_intermediates(&p.head(&seg, h), op::initial_state(&p, seg.seq, h).view()),
+            engine.forward_intermediates(
+                &Kda::head(&p, &seg, h),
+                op::initial_state(&p, seg.seq, h).view(),
+            ),
         )
     }))
 }

@@ -11,7 +11,8 @@ pub mod chunk;
 pub mod naive;
 
 use ndarray::{
-    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView4, Axis, CowArray, Ix3, Ix4, IxDyn,
+    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView4, Axis, CowArray, Ix1, Ix2, Ix3, Ix4,
+    IxDyn,
 };
 
 use crate::error::{Error, Result};
@@ -157,22 +158,35 @@ impl KdaDims {
 }
 
 /// One head of one sequence (or CP piece), after pre-processing: the only
-/// thing an engine sees.
+/// thing an engine sees. Each tensor is in standard layout, borrowed from
+/// the [`Prepared`] tensors where they hold it so (one head per block of a
+/// long case), else its own copy.
 #[derive(Clone, Debug)]
-pub struct KdaHead<T> {
+pub struct KdaHead<'h, T> {
     /// `[L, K]`, l2-normalised if asked, times `scale`.
-    pub q: Array2<T>,
+    pub q: CowArray<'h, T, Ix2>,
     /// `[L, K]`, l2-normalised if asked.
-    pub k: Array2<T>,
+    pub k: CowArray<'h, T, Ix2>,
     /// `[L, V]`
-    pub v: Array2<T>,
+    pub v: CowArray<'h, T, Ix2>,
     /// `[L, K]` log-space decay per token.
-    pub g: Array2<T>,
+    pub g: CowArray<'h, T, Ix2>,
     /// `[L]`
-    pub beta: Array1<T>,
+    pub beta: CowArray<'h, T, Ix1>,
 }
 
-impl<T: Scalar> KdaHead<T> {
+impl<T: Scalar> KdaHead<'_, T> {
+    /// The head with its own copy of any borrowed tensor.
+    pub fn into_owned(self) -> KdaHead<'static, T> {
+        KdaHead {
+            q: self.q.into_owned().into(),
+            k: self.k.into_owned().into(),
+            v: self.v.into_owned().into(),
+            g: self.g.into_owned().into(),
+            beta: self.beta.into_owned().into(),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.q.nrows()
     }
@@ -347,7 +361,7 @@ pub struct Prepared<'a, T> {
     pub scale: f64,
     /// Sequences of the batch (whole sequences; CP cuts them further).
     pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked (`Prepared::head` applies
+    /// `[B, T, H, K]`, l2-normalised if asked (`Kda::head` applies
     /// `scale`, head by head, in parallel).
     pub q: CowArray<'a, T, Ix4>,
     /// `[B, T, H, K]`, l2-normalised if asked.
@@ -421,8 +435,6 @@ impl<'a, T: Scalar> Prepared<'a, T> {
 }
 
 impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
-    type Head = KdaHead<T>;
-
     fn shape(&self) -> Shape {
         let d = self.dims;
         Shape {
@@ -437,23 +449,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
 
     fn segments(&self) -> &[Segment] {
         &self.segments
-    }
-
-    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA); q is
-    /// multiplied by `scale`.
-    fn head(&self, seg: &Segment, hv: usize) -> KdaHead<T> {
-        let hq = hv / self.dims.groups();
-        let scale = T::c(self.scale);
-        KdaHead {
-            q: tensor::gather(&self.q, seg, hq).mapv_into(|e| e * scale),
-            k: tensor::gather(&self.k, seg, hq),
-            v: tensor::gather(&self.v, seg, hv),
-            g: tensor::gather(&self.g, seg, hv),
-            beta: self
-                .beta
-                .slice(s![seg.batch, seg.start..seg.end, hv])
-                .to_owned(),
-        }
     }
 
     fn h0(&self) -> Option<ArrayView4<'_, T>> {
@@ -496,7 +491,7 @@ impl<T: Scalar> Operator<T> for Kda {
     type Inputs = KdaInputs<T>;
     type Outputs = KdaOutputs<T>;
     type Grads = KdaGrads<T>;
-    type Head = KdaHead<T>;
+    type Head<'h> = KdaHead<'h, T>;
     type HeadGrads = KdaHeadGrads<T>;
     type Prepared<'a>
         = Prepared<'a, T>
@@ -505,6 +500,20 @@ impl<T: Scalar> Operator<T> for Kda {
 
     fn prepare<'a>(x: &'a KdaInputs<T>, opt: &KdaOptions) -> Result<Prepared<'a, T>> {
         Prepared::new(x, opt)
+    }
+
+    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA); q is
+    /// multiplied by `scale`.
+    fn head<'p>(p: &'p Prepared<'_, T>, seg: &Segment, hv: usize) -> KdaHead<'p, T> {
+        let hq = hv / p.dims.groups();
+        let scale = T::c(p.scale);
+        KdaHead {
+            q: CowArray::from(tensor::gather(&p.q, seg, hq).mapv_into(|e| e * scale)),
+            k: tensor::head_rows(p.k.view(), seg, hq),
+            v: tensor::head_rows(p.v.view(), seg, hv),
+            g: tensor::head_rows(p.g.view(), seg, hv),
+            beta: CowArray::from(p.beta.slice(s![seg.batch, seg.start..seg.end, hv])),
+        }
     }
 
     fn cu_seqlens(x: &KdaInputs<T>) -> Option<&[i64]> {
@@ -519,10 +528,10 @@ impl<T: Scalar> Operator<T> for Kda {
         validate_upstream(&p.dims, d_o, dht)
     }
 
-    fn probe(x: &KdaHead<T>) -> (KdaHead<T>, usize) {
+    fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
         let kd = x.k_dim();
         let probe = KdaHead {
-            v: Array2::zeros((x.len(), kd)),
+            v: CowArray::from(Array2::zeros((x.len(), kd))),
             ..x.clone()
         };
         (probe, kd)

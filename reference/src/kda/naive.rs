@@ -19,7 +19,7 @@
 //! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
 //! on everything they call per token.
 
-use ndarray::{Array1, Array2, ArrayD, ArrayView2, CowArray, Ix2};
+use ndarray::{Array1, Array2, ArrayD, ArrayView1, ArrayView2, CowArray, Ix2};
 
 use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
 use crate::error::Result;
@@ -135,7 +135,7 @@ struct Tokens<'a, T> {
     q: CowArray<'a, T, Ix2>,
     k: CowArray<'a, T, Ix2>,
     v: CowArray<'a, T, Ix2>,
-    beta: &'a Array1<T>,
+    beta: ArrayView1<'a, T>,
     /// `e^g [L, K]`
     decay: Array2<T>,
 }
@@ -156,7 +156,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             q: x.q.as_standard_layout(),
             k: x.k.as_standard_layout(),
             v: x.v.as_standard_layout(),
-            beta: &x.beta,
+            beta: x.beta.view(),
             decay: x.g.as_standard_layout().mapv(T::exp),
         }
     }
