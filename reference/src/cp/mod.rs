@@ -545,50 +545,58 @@ fn reference_states<T: Scalar, E: Engine<T>>(
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by_key(|&i| requests[i]);
     chained(
+        requests,
         &order,
         local.heads(),
-        |h, i, prev: Option<(usize, usize, &Array2<T>)>| {
-            let (seq, at) = requests[i];
-            let (start, s0) = match prev {
-                Some((s, p, st)) if s == seq => (p, st.clone()),
-                _ => (
-                    seq_bounds(plan, seq).0,
-                    local
-                        .initial_state(seq, h)
-                        .unwrap_or_else(|| Array2::zeros((kd, vd))),
-                ),
-            };
+        |seq, h| {
+            let h0 = local.initial_state(seq, h);
+            (
+                seq_bounds(plan, seq).0,
+                h0.unwrap_or_else(|| Array2::zeros((kd, vd))),
+            )
+        },
+        |h, seq, from, at, s0| {
             let piece = Segment {
                 seq,
                 batch: 0,
-                start,
+                start: from,
                 end: at,
             };
-            let s = if piece.is_empty() {
-                s0
-            } else {
-                local.forward(&piece, h, s0.view()).1
-            };
-            (seq, at, s)
+            local.forward(&piece, h, s0.view()).1
         },
     )
 }
 
-/// `[request][head]` results of `step(h, request, previous)`, per head over
-/// the requests in `order` (a permutation of them); `previous` is the last
-/// `(seq, token, result)` of the same head.
-fn chained<T, S>(order: &[usize], heads: usize, step: S) -> Vec<Vec<Array2<T>>>
-where
-    T: Clone,
-    S: Fn(usize, usize, Option<(usize, usize, &Array2<T>)>) -> (usize, usize, Array2<T>),
-{
-    let mut out: Vec<Vec<Array2<T>>> = vec![Vec::with_capacity(heads); order.len()];
+/// `[request][head]` values at the requested tokens `(seq, at)`. Per head,
+/// the requests in `order` (a permutation of them, each sequence's together
+/// and in the order of its pass) are reached one after the other:
+/// `run(h, seq, from, at, value)` carries the value from the previous
+/// request's token `from`, or from the sequence's `origin(seq, h) = (token,
+/// value)` for its first request, to `at`; an empty piece hands the value on
+/// as it is.
+fn chained<T: Clone>(
+    requests: &[(usize, usize)],
+    order: &[usize],
+    heads: usize,
+    origin: impl Fn(usize, usize) -> (usize, Array2<T>),
+    run: impl Fn(usize, usize, usize, usize, &Array2<T>) -> Array2<T>,
+) -> Vec<Vec<Array2<T>>> {
+    let mut out: Vec<Vec<Array2<T>>> = vec![Vec::with_capacity(heads); requests.len()];
     for h in 0..heads {
         let mut prev: Option<(usize, usize, Array2<T>)> = None;
         for &i in order {
-            let next = step(h, i, prev.as_ref().map(|(s, p, a)| (*s, *p, a)));
-            out[i].push(next.2.clone());
-            prev = Some(next);
+            let (seq, at) = requests[i];
+            let (from, value) = match prev.take() {
+                Some((s, p, value)) if s == seq => (p, value),
+                _ => origin(seq, h),
+            };
+            let value = if from == at {
+                value
+            } else {
+                run(h, seq, from, at, &value)
+            };
+            out[i].push(value.clone());
+            prev = Some((seq, at, value));
         }
     }
     out
@@ -838,29 +846,21 @@ fn reference_dhts<T: Scalar, E: Engine<T>>(
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by_key(|&i| (requests[i].0, std::cmp::Reverse(requests[i].1)));
     chained(
+        requests,
         &order,
         local.heads(),
-        |h, i, prev: Option<(usize, usize, &Array2<T>)>| {
-            let (seq, at) = requests[i];
-            let (end, dht) = match prev {
-                Some((s, p, ds)) if s == seq => (p, ds.clone()),
-                _ => (
-                    seq_bounds(plan, seq).1,
-                    local.dht(seq, h).unwrap_or_else(|| zero.clone()),
-                ),
-            };
+        |seq, h| {
+            let dht = local.dht(seq, h).unwrap_or_else(|| zero.clone());
+            (seq_bounds(plan, seq).1, dht)
+        },
+        |h, seq, from, at, dht| {
             let piece = Segment {
                 seq,
                 batch: 0,
                 start: at,
-                end,
+                end: from,
             };
-            let ds = if piece.is_empty() {
-                dht
-            } else {
-                local.backward(&piece, h, zero.view(), dht.view()).1
-            };
-            (seq, at, ds)
+            local.backward(&piece, h, zero.view(), dht.view()).1
         },
     )
 }
