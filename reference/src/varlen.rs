@@ -140,9 +140,9 @@ impl Drop for BusyGuard {
 
 /// `consume(n, f(n))` for `n` in `0..count`, in order. Where [`par_chunks`]
 /// is parallel the `f(n)` are computed in parallel, 16 per thread at a
-/// time, and each batch is consumed before the next is computed; otherwise each is consumed as soon as it is computed, so only
-/// one result is alive at a time and its memory is reused (still in cache)
-/// by the next.
+/// time, and each batch is consumed before the next is computed; otherwise
+/// each is consumed as soon as it is computed, so only one result is alive
+/// at a time and its memory is reused (still in cache) by the next.
 pub fn for_chunks<R, F, C>(count: usize, f: F, mut consume: C)
 where
     R: Send,
