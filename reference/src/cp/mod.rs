@@ -555,31 +555,23 @@ fn reference_states<T: Scalar, E: Engine<T>>(
                 h0.unwrap_or_else(|| Array2::zeros((kd, vd))),
             )
         },
-        |h, seq, from, at, s0| {
-            let piece = Segment {
-                seq,
-                batch: 0,
-                start: from,
-                end: at,
-            };
-            local.forward(&piece, h, s0.view()).1
-        },
+        |h, piece, s0| local.forward(piece, h, s0.view()).1,
     )
 }
 
 /// `[request][head]` values at the requested tokens `(seq, at)`. Per head,
 /// the requests in `order` (a permutation of them, each sequence's together
 /// and in the order of its pass) are reached one after the other:
-/// `run(h, seq, from, at, value)` carries the value from the previous
-/// request's token `from`, or from the sequence's `origin(seq, h) = (token,
-/// value)` for its first request, to `at`; an empty piece hands the value on
-/// as it is.
+/// `run(h, piece, value)` carries the value over the tokens between the
+/// previous request's token (or, for a sequence's first request, the token
+/// of its `origin(seq, h) = (token, value)`) and `at`, whichever way the pass
+/// goes; an empty piece hands the value on as it is.
 fn chained<T: Clone>(
     requests: &[(usize, usize)],
     order: &[usize],
     heads: usize,
     origin: impl Fn(usize, usize) -> (usize, Array2<T>),
-    run: impl Fn(usize, usize, usize, usize, &Array2<T>) -> Array2<T>,
+    run: impl Fn(usize, &Segment, &Array2<T>) -> Array2<T>,
 ) -> Vec<Vec<Array2<T>>> {
     let mut out: Vec<Vec<Array2<T>>> = vec![Vec::with_capacity(heads); requests.len()];
     for h in 0..heads {
@@ -590,10 +582,16 @@ fn chained<T: Clone>(
                 Some((s, p, value)) if s == seq => (p, value),
                 _ => origin(seq, h),
             };
-            let value = if from == at {
+            let piece = Segment {
+                seq,
+                batch: 0,
+                start: from.min(at),
+                end: from.max(at),
+            };
+            let value = if piece.is_empty() {
                 value
             } else {
-                run(h, seq, from, at, &value)
+                run(h, &piece, &value)
             };
             out[i].push(value.clone());
             prev = Some((seq, at, value));
@@ -853,14 +851,6 @@ fn reference_dhts<T: Scalar, E: Engine<T>>(
             let dht = local.dht(seq, h).unwrap_or_else(|| zero.clone());
             (seq_bounds(plan, seq).1, dht)
         },
-        |h, seq, from, at, dht| {
-            let piece = Segment {
-                seq,
-                batch: 0,
-                start: at,
-                end: from,
-            };
-            local.backward(&piece, h, zero.view(), dht.view()).1
-        },
+        |h, piece, dht| local.backward(piece, h, zero.view(), dht.view()).1,
     )
 }
