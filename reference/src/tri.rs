@@ -69,18 +69,31 @@ pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
 /// masks what it does not use). With `b_lower` (`b [C, C]` lower triangular)
 /// the sums stop at the block's end. Returns `[C, C]`.
 pub fn dot_t_lower<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, b_lower: bool) -> Array2<T> {
-    let c = a.nrows();
-    let mut out = Array2::zeros((c, b.nrows()));
-    let bt = gemm::rows_contiguous(b.t());
-    for (r0, r1) in blocks(c) {
-        let inner = if b_lower { r1 } else { a.ncols() };
-        gemm::dot_to(
-            a.slice(s![r0..r1, ..inner]),
-            bt.slice(s![..inner, ..r1]),
-            out.slice_mut(s![r0..r1, ..r1]),
-        );
-    }
+    let [out] = dot_t_lower_each([a], b, b_lower);
     out
+}
+
+/// [`dot_t_lower`] of each `aᵢ` with one `b`, whose transpose is packed
+/// once for all. Returns `[C, C]` each.
+pub fn dot_t_lower_each<T: Scalar, const N: usize>(
+    a: [ArrayView2<T>; N],
+    b: ArrayView2<T>,
+    b_lower: bool,
+) -> [Array2<T>; N] {
+    let bt = gemm::rows_contiguous(b.t());
+    a.map(|a| {
+        let c = a.nrows();
+        let mut out = Array2::zeros((c, b.nrows()));
+        for (r0, r1) in blocks(c) {
+            let inner = if b_lower { r1 } else { a.ncols() };
+            gemm::dot_to(
+                a.slice(s![r0..r1, ..inner]),
+                bt.slice(s![..inner, ..r1]),
+                out.slice_mut(s![r0..r1, ..r1]),
+            );
+        }
+        out
+    })
 }
 
 /// `[a₁; a₂; …] b`: the products `aᵢ b` (`aᵢ [mᵢ, n]`, `b [n, p]`)

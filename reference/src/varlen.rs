@@ -359,19 +359,32 @@ impl<T: Clone + Zero + Send + Sync> StateGradColumns<T> {
         S: Fn(&mut ArrayViewMut2<T>) + Sync + Send,
         F: Fn(usize, ArrayView2<T>, ArrayView2<T>, &mut Array2<T>) -> Array2<T> + Sync + Send,
     {
+        // The outputs are written once each, not zero-filled first: every
+        // block of `dh` and (the chunks tiling the rows) every row of `dv_new`.
+        let mut end = 0;
+        for rows in chunks {
+            assert_eq!(rows.start, end, "chunks must tile the rows in order");
+            end = rows.end;
+        }
+        assert_eq!(end, d_o.nrows(), "chunks must cover every row of do");
         let parts = par_columns(dht.ncols(), |cols| {
             let (d_o, dht) = (d_o.slice(s![.., cols.clone()]), dht.slice(s![.., cols]));
             let (kd, w) = dht.dim();
-            let mut dh = Array3::zeros((chunks.len(), kd, w));
-            let mut dv_new = Array2::zeros((d_o.nrows(), w));
+            let mut dh = Array3::uninit((chunks.len(), kd, w));
+            let mut dv_new = Array2::uninit((d_o.nrows(), w));
             let mut ds = dht.to_owned();
             for (n, rows) in chunks.iter().enumerate().rev() {
-                let mut ds_used = dh.index_axis_mut(Axis(0), n);
-                ds_used.assign(&ds);
+                let mut slot = dh.index_axis_mut(Axis(0), n);
+                ds.assign_to(&mut slot);
+                // SAFETY: every element of block `n` was just written.
+                let mut ds_used = unsafe { slot.assume_init() };
                 store(&mut ds_used);
-                let dvn = step(n, d_o, dh.index_axis(Axis(0), n), &mut ds);
-                dv_new.slice_mut(s![rows.clone(), ..]).assign(&dvn);
+                let dvn = step(n, d_o, ds_used.view(), &mut ds);
+                dvn.assign_to(dv_new.slice_mut(s![rows.clone(), ..]));
             }
+            // SAFETY: each block and each row was written above (checked:
+            // the chunks tile the rows).
+            let (dh, dv_new) = unsafe { (dh.assume_init(), dv_new.assume_init()) };
             StateGradColumns {
                 dh,
                 dv_new,
@@ -425,6 +438,70 @@ mod tests {
         let joined = join_columns(parts);
         assert_eq!(joined, full);
         assert!(joined.is_standard_layout());
+    }
+
+    /// A toy backward state pass (`ds ← ds + Σ do rows`, `dv_new = do + ds`)
+    /// on one and on two threads (two column blocks): every block of `dh`
+    /// and every row of `dv_new` is what the recurrence gives, in reverse
+    /// from `dht`, stored after `store`.
+    #[test]
+    fn state_grad_pass_writes_every_block_and_row() {
+        let (l, kd, vd) = (11, 3, 20);
+        let d_o = Array2::from_shape_fn((l, vd), |(t, j)| (t * 7 + j) as f64 * 0.5);
+        let dht = Array2::from_shape_fn((kd, vd), |(i, j)| (i + j) as f64 - 9.0);
+        let chunks = [0..4, 4..8, 8..11];
+        let store = |x: &mut ArrayViewMut2<f64>| x.mapv_inplace(|v| v * 2.0);
+        let step =
+            |n: usize, d_o: ArrayView2<f64>, ds_used: ArrayView2<f64>, ds: &mut Array2<f64>| {
+                let rows = d_o.slice(s![chunks[n].clone(), ..]);
+                *ds += &rows.sum_axis(Axis(0));
+                &rows + &ds_used.row(0)
+            };
+        // The same recurrence, written out.
+        let (mut ds, mut dh, mut dv_new) = (dht.clone(), vec![], vec![]);
+        for rows in chunks.iter().rev() {
+            let ds_used = &ds * 2.0;
+            let r = d_o.slice(s![rows.clone(), ..]);
+            dv_new.push(&r + &ds_used.row(0));
+            ds += &r.sum_axis(Axis(0));
+            dh.push(ds_used);
+        }
+        dh.reverse();
+        dv_new.reverse();
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("a pool");
+            let got = pool.install(|| {
+                StateGradColumns::par_pass(d_o.view(), dht.view(), &chunks, store, step)
+            });
+            for (n, want) in dh.iter().enumerate() {
+                assert_eq!(got.dh.index_axis(Axis(0), n), want, "{threads} threads");
+            }
+            let rows: Vec<_> = dv_new.iter().map(|a| a.view()).collect();
+            assert_eq!(got.dv_new, ndarray::concatenate(Axis(0), &rows).unwrap());
+            assert_eq!(got.dh0, ds);
+        }
+    }
+
+    /// Chunks that leave a row unwritten (or overlap) are refused, not read
+    /// as uninitialised memory.
+    #[test]
+    fn state_grad_pass_refuses_chunks_that_do_not_tile_the_rows() {
+        let (d_o, dht) = (Array2::<f64>::zeros((8, 4)), Array2::<f64>::zeros((2, 4)));
+        for chunks in [vec![0..4], vec![0..4, 5..8], vec![0..5, 4..8]] {
+            let run = std::panic::catch_unwind(|| {
+                StateGradColumns::par_pass(
+                    d_o.view(),
+                    dht.view(),
+                    &chunks,
+                    |_| {},
+                    |n, d_o, _, _| d_o.slice(s![chunks[n].clone(), ..]).to_owned(),
+                )
+            });
+            assert!(run.is_err(), "{chunks:?}");
+        }
     }
 
     /// Over several parallel batches and a partial last one, every chunk

@@ -426,14 +426,9 @@ impl Chunk {
                     (b, f.em.view()),
                 ]);
                 // Only the lower triangles are used.
-                let lower =
-                    |x: &Array2<T>, y: &Array2<T>| tri::dot_t_lower(x.view(), y.view(), false);
-                let mut blocks = [
-                    lower(&qa, &kb),
-                    lower(&qa, &bb),
-                    lower(&ax, &bb),
-                    lower(&ax, &kb),
-                ];
+                let [aqk, aak] = tri::dot_t_lower_each([qa.view(), ax.view()], kb.view(), false);
+                let [aqb, aab] = tri::dot_t_lower_each([qa.view(), ax.view()], bb.view(), false);
+                let mut blocks = [aqk, aqb, aab, aak];
                 for (i, blk) in blocks.iter_mut().enumerate() {
                     tri::mask_lower(blk, i < 2);
                 }
@@ -730,7 +725,9 @@ impl Chunk {
         // One product for dqg = dO hᵀ and dw = dv2 hᵀ (v2 = u + w h).
         let dqg_dw = tri::stacked_dot(&[dout, dv2], h.t());
         let dqg = self.stored_view(Stage::BwdOperands, dqg_dw.slice(s![..c, ..]));
-        let mut daqk = tri::dot_t_lower(dout, v, false);
+        // dAqk and (below) dAak multiply by vᵀ: one packing of it.
+        let dz = tri::lower_t_dot(ch.p.view(), dv2);
+        let [mut daqk, mut daak] = tri::dot_t_lower_each([dout, dz.view()], v, false);
         let mut daqb = tri::dot_t_lower(dout, v2, false);
         tri::mask_lower(&mut daqk, true);
         tri::mask_lower(&mut daqb, true);
@@ -758,8 +755,6 @@ impl Chunk {
             &mut dp,
             tri::dot_t_lower(dw.view(), ax.view(), false).view(),
         );
-        let dz = tri::lower_t_dot(ch.p.view(), dv2);
-        let mut daak = tri::dot_t_lower(dz.view(), v, false);
         tri::mask_lower(&mut daak, false);
         fused::add_assign(&mut dv, tri::lower_t_dot(ch.aak.view(), dz.view()).view());
         let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));

@@ -367,10 +367,8 @@ impl Chunk {
                 // products, of which only the lower triangles are used.
                 let [qe, ke, km] =
                     fused::products([(q, ep.view()), (k, ep.view()), (k, em.view())]);
-                (
-                    tri::dot_t_lower(qe.view(), km.view(), false),
-                    tri::dot_t_lower(ke.view(), km.view(), false),
-                )
+                let [aqk, p] = tri::dot_t_lower_each([qe.view(), ke.view()], km.view(), false);
+                (aqk, p)
             }
             None => match fwd_dots {
                 Some(st) => self.pair_products_subchunks(st, &g_cumsum, q, k),
