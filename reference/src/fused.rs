@@ -206,6 +206,23 @@ pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
     Array2::from_shape_vec(f.raw_dim(), o).expect("same shape")
 }
 
+/// `f[r, c] · e[r]`: each row of `f [R, C]` scaled by its factor `e [R]`.
+pub fn scale_rows<T: Scalar>(f: ArrayView2<T>, e: &[T]) -> Array2<T> {
+    assert_eq!(f.nrows(), e.len(), "scale_rows: one factor per row");
+    let xs = flat(f);
+    let o = simd::dispatch(
+        #[inline(always)]
+        || {
+            let mut o = Vec::with_capacity(xs.len());
+            for (row, &e) in xs.chunks_exact(f.ncols().max(1)).zip(e) {
+                o.extend(row.iter().map(|&x| x * e));
+            }
+            o
+        },
+    );
+    Array2::from_shape_vec(f.raw_dim(), o).expect("same shape")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,5 +251,18 @@ mod tests {
         assert!(normal_exps([-1.0, -746.0].into_iter()).is_none());
         assert!(normal_exps([-709.0_f64].into_iter()).is_none());
         assert!(normal_exps([-87.0_f32, -88.0].into_iter()).is_none());
+    }
+
+    #[test]
+    fn scaled_rows_and_columns_are_the_broadcast_products() {
+        let f = ndarray::arr2(&[[1.5, -2.0, 0.25], [3.0, 0.5, -1.0]]);
+        let (er, ec) = ([0.1, -3.0], [2.0, 0.3, -7.0]);
+        let want_r = &f * &ndarray::aview1(&er).insert_axis(ndarray::Axis(1));
+        let want_c = &f * &ndarray::aview1(&ec).insert_axis(ndarray::Axis(0));
+        assert_eq!(scale_rows(f.view(), &er), want_r);
+        assert_eq!(scale_columns(&f, &ec), want_c);
+        // A transposed (not standard layout) operand reads the same elements.
+        let ft = f.t().to_owned();
+        assert_eq!(scale_rows(ft.t(), &er), want_r);
     }
 }

@@ -271,7 +271,24 @@ impl Policy {
                     *cur = s.round(*cur + prev)
                 });
             }
-            None => g.accumulate_axis_inplace(ndarray::Axis(0), |&prev, cur| *cur += prev),
+            None => {
+                // Row by row on the flat data (ndarray's `accumulate_axis_inplace`
+                // walks it element by element).
+                let kd = g.ncols().max(1);
+                let data = crate::fused::flat_mut(g);
+                crate::simd::dispatch(
+                    #[inline(always)]
+                    || {
+                        for r in 1..data.len() / kd {
+                            let (done, rest) = data.split_at_mut(r * kd);
+                            let prev = &done[(r - 1) * kd..];
+                            for (cur, &p) in rest[..kd].iter_mut().zip(prev) {
+                                *cur += p;
+                            }
+                        }
+                    },
+                );
+            }
         }
     }
 
@@ -296,6 +313,21 @@ mod tests {
         Policy::exact().cumsum_rows(&mut exact);
         let (a, b) = (1.0 + 1e-9, 1.0 + 1e-9 + 1e-9);
         assert_eq!(exact, ndarray::arr2(&[[1.0], [a], [b], [b + 0.5]]));
+        // Each column on its own, several columns wide.
+        let wide = ndarray::Array2::from_shape_fn((5, 3), |(r, c)| (r * 3 + c) as f64 * 0.1 - 0.35);
+        let mut summed = wide.clone();
+        Policy::exact().cumsum_rows(&mut summed);
+        for c in 0..3 {
+            let mut acc = 0.0;
+            for r in 0..5 {
+                acc = if r == 0 {
+                    wide[[0, c]]
+                } else {
+                    acc + wide[[r, c]]
+                };
+                assert_eq!(summed[[r, c]], acc, "{r} {c}");
+            }
+        }
         // In f32 each 1e-9 step is lost against 1.
         let mut f32_ = g.clone();
         Policy::exact()

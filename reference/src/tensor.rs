@@ -272,19 +272,24 @@ pub fn check_chunk_size(chunk_size: usize) -> Result<()> {
 pub fn unit_lower_inverse<T: Scalar>(c: usize, l: impl Fn(usize, usize) -> T) -> Array2<T> {
     let mut n = Array2::<T>::eye(c);
     let data = n.as_slice_mut().expect("standard layout");
-    for r in 1..c {
-        let (above, rest) = data.split_at_mut(r * c);
-        let row_r = &mut rest[..c];
-        for s in 0..r {
-            let coef = l(r, s);
-            if coef != T::zero() {
-                let row_s = &above[s * c..s * c + s + 1];
-                for (y, &x) in row_r.iter_mut().zip(row_s) {
-                    *y += coef * x;
+    crate::simd::dispatch(
+        #[inline(always)]
+        || {
+            for r in 1..c {
+                let (above, rest) = data.split_at_mut(r * c);
+                let row_r = &mut rest[..c];
+                for s in 0..r {
+                    let coef = l(r, s);
+                    if coef != T::zero() {
+                        let row_s = &above[s * c..s * c + s + 1];
+                        for (y, &x) in row_r.iter_mut().zip(row_s) {
+                            *y += coef * x;
+                        }
+                    }
                 }
             }
-        }
-    }
+        },
+    );
     n
 }
 

@@ -370,8 +370,10 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
         ins.each_ref().map(|a| &a[..n]);
     let mut rows = [(); 6].map(|_| vec![T::zero(); n]);
     let mut last = [(); 2].map(|_| vec![T::zero(); kd]);
-    let [dq, dk, da, db, dgamma, dgx] = rows.each_mut().map(|r| &mut r[..]);
-    let [last_k, last_b] = last.each_mut().map(|l| &mut l[..]);
+    // Slices of known lengths (`n`, `kd`): the loops below then have no
+    // bounds checks and vectorise.
+    let [dq, dk, da, db, dgamma, dgx] = rows.each_mut().map(|r| &mut r[..n]);
+    let [last_k, last_b] = last.each_mut().map(|l| &mut l[..kd]);
     simd::dispatch(
         #[inline(always)]
         || {
@@ -385,11 +387,12 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
                 let g = g - dkg[i] * (k[i] * dl[i]);
                 dgamma[i] = g - dbg[i] * (b[i] * dl[i]);
             }
-            for r in 0..c {
+            let k_rows = dkg_acc.chunks_exact(kd).zip(kgl.chunks_exact(kd));
+            let b_rows = dbg_acc.chunks_exact(kd).zip(bgl.chunks_exact(kd));
+            for ((ka, kg), (ba, bg)) in k_rows.zip(b_rows) {
                 for d in 0..kd {
-                    let i = r * kd + d;
-                    last_k[d] += dkg_acc[i] * kgl[i];
-                    last_b[d] += dbg_acc[i] * bgl[i];
+                    last_k[d] += ka[d] * kg[d];
+                    last_b[d] += ba[d] * bg[d];
                 }
             }
         },

@@ -382,7 +382,8 @@ impl Chunk {
         // when it forms w and u: the stage rounds the inverse.
         let mut n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
         self.policy.round(Stage::Akk, &mut n_inv);
-        let akk = &n_inv * &beta.view().insert_axis(Axis(0));
+        let beta_v = beta.to_vec();
+        let akk = fused::scale_columns(&n_inv, &beta_v);
         self.policy.round(Stage::Aqk, &mut aqk);
         let through_mid = self.exps_through_mid(&g_cumsum, factors.as_ref());
         let stored = through_mid.is_none();
@@ -667,8 +668,10 @@ impl Chunk {
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
         let dv = tri::lower_t_dot(ch.akk.view(), du.view());
         let beta = x.beta.slice(s![ch.start..ch.start + c]);
-        let mut dbeta: Array1<T> = (&dakk * &ch.n_inv).sum_axis(Axis(0));
-        let dn = self.operand(&dakk * &beta.insert_axis(Axis(0)));
+        let beta_v = beta.to_vec();
+        let mut dbeta: Array1<T> =
+            fused::zip_map(dakk.view(), ch.n_inv.view(), |a, n| a * n).sum_axis(Axis(0));
+        let dn = self.operand(fused::scale_columns(&dakk, &beta_v));
         // FLA casts the masked product to the operand dtype between the two
         // multiplications by the stored inverse.
         let mut dlow = -tri::dot_t_lower(
@@ -678,8 +681,8 @@ impl Chunk {
             true,
         );
         tri::mask_lower(&mut dlow, false);
-        dbeta += &(&dlow * &ch.p).sum_axis(Axis(1));
-        let dp = &dlow * &beta.insert_axis(Axis(1));
+        dbeta += &fused::zip_map(dlow.view(), ch.p.view(), |a, p| a * p).sum_axis(Axis(1));
+        let dp = fused::scale_rows(dlow.view(), &beta_v);
         // With qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ), kd = e^Γ ⊙ K, one pass:
         // dq = dqg e^Γ, dk = dkd e^Γ + dkg e^(Γlast − Γ),
         // dΓ = dkd kd + dqg qg − dkg kg and dΓlast += Σ_rows dkg kg.
@@ -712,13 +715,14 @@ impl Chunk {
             #[inline(always)]
             || {
                 for r in 0..c {
-                    let row = r * kd..(r + 1) * kd;
+                    // Slices of length `kd` exactly: no bounds checks in the
+                    // loop, which then vectorises.
                     let [dqg_, eg_, dkd_, kdd_, qg_, dkg_, tl_, kg_] =
-                        flats.each_ref().map(|x| &x[row.clone()]);
+                        flats.each_ref().map(|x| &x[r * kd..][..kd]);
                     let (dq_, dk_, dgamma_) = (
-                        &mut dq_[row.clone()],
-                        &mut dk_[row.clone()],
-                        &mut dgamma_[row.clone()],
+                        &mut dq_[r * kd..][..kd],
+                        &mut dk_[r * kd..][..kd],
+                        &mut dgamma_[r * kd..][..kd],
                     );
                     for d in 0..kd {
                         let t = dkg_[d] * kg_[d];
