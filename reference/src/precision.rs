@@ -260,6 +260,22 @@ impl Policy {
         }
     }
 
+    /// `a` as `stage` stores it: borrowed where the stage keeps the compute
+    /// scalar, else a rounded copy.
+    pub fn stored<'a, T: Scalar>(
+        &self,
+        stage: Stage,
+        a: ndarray::ArrayView2<'a, T>,
+    ) -> ndarray::CowArray<'a, T, ndarray::Ix2> {
+        if self.storage(stage).is_some_and(|s| s != Dtype::F64) {
+            let mut owned = a.to_owned();
+            self.round(stage, &mut owned);
+            owned.into()
+        } else {
+            a.into()
+        }
+    }
+
     /// The in-chunk cumulative sum of `g [c, K]` down the rows, in place;
     /// with a [`Stage::GCumsum`] storage every partial sum is rounded to it,
     /// as a kernel accumulating in that dtype does (`tl.cumsum` in fp32).

@@ -85,11 +85,7 @@ impl Chunk {
         stage: Stage,
         a: ArrayView2<'a, T>,
     ) -> CowArray<'a, T, Ix2> {
-        if self.policy.storage(stage).is_some() {
-            self.as_stored(stage, a.to_owned()).into()
-        } else {
-            a.into()
-        }
+        self.policy.stored(stage, a)
     }
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
@@ -546,8 +542,8 @@ impl Chunk {
                 let [dl] = ch.exps([Exp::Last]);
                 (None, dl)
             };
-            let mut hn = state.clone();
-            self.policy.round(Stage::H, &mut hn);
+            // The state as stored, a copy only where it is rounded.
+            let hn = self.policy.stored(Stage::H, state.view());
             let hn = hn.view();
             // v2 = u + w h and, with the readout, qg h: one product.
             let qg =
@@ -580,8 +576,8 @@ impl Chunk {
                     v2n.view(),
                 ),
             ];
-            fused::decay_add(&mut state, &ch.decay_last(), &terms);
             out.push(hn, v2n.view());
+            fused::decay_add(&mut state, &ch.decay_last(), &terms);
         }
         out.finish(state)
     }

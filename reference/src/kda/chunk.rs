@@ -490,8 +490,8 @@ impl Chunk {
         let mut out = StateRows::new(intra.len(), x.len(), h0.dim(), read_out);
         let mut state = h0.to_owned();
         for ch in intra {
-            let mut hn = state.clone();
-            self.policy.round(Stage::H, &mut hn);
+            // The state as stored, a copy only where it is rounded.
+            let hn = self.policy.stored(Stage::H, state.view());
             let hn = hn.view();
             // v_new = u − w h and, with the readout, qg h: one product.
             let c = ch.len();
@@ -508,12 +508,12 @@ impl Chunk {
                 fused::add_assign(&mut av, wh.slice(s![c.., ..]));
                 out.push_o(av.view());
             }
+            out.push(hn, vn.view());
             fused::decay_add(
                 &mut state,
                 &ch.decay_last(),
                 &[&gemm::dot(ch.kg.t(), vn.view())],
             );
-            out.push(hn, vn.view());
         }
         out.finish(state)
     }
