@@ -136,6 +136,9 @@ pub struct Intra<T> {
     direct_exps: Option<[Array2<T>; 3]>,
     /// [`factors`] of Γ and Γx, kept for the backward.
     factors: Option<Factors<T>>,
+    /// `(exp(Γ_m), exp(Γ_last − Γ_m))` ([`fused::mid_row_exps`]), `[K]`
+    /// each, where the exponentials are rebuilt through the middle row.
+    mid_exps: Option<(Vec<T>, Vec<T>)>,
 }
 
 impl<T: Scalar> Intra<T> {
@@ -155,12 +158,10 @@ impl<T: Scalar> Intra<T> {
         if let Some(all) = &self.direct_exps {
             return which.map(|e| all[e as usize].view().into());
         }
-        let f = self
-            .factors
-            .as_ref()
-            .expect("a chunk without factors keeps its exponentials");
-        let mid = fused::mid_row_exps(&self.g_cumsum).expect("rebuilt as in the intra stage");
-        f.rebuild(&mid, which).map(CowArray::from)
+        let (Some(f), Some(mid)) = (&self.factors, &self.mid_exps) else {
+            unreachable!("a chunk that does not rebuild its exponentials keeps them")
+        };
+        f.rebuild(mid, which).map(CowArray::from)
     }
 
     fn decay_last(&self) -> Array1<T> {
@@ -364,24 +365,25 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
     .map(fused::flat);
     let [q, k, b, eg, egx, dl, ax, kgl, bgl, dax, dqg, dkg, dbg, dkg_acc, dbg_acc] =
         ins.each_ref().map(|a| &a[..n]);
-    let mut rows = [(); 6].map(|_| vec![T::zero(); n]);
+    // The rows are written once each below (no zero fill first).
+    let mut rows = [(); 6].map(|_| Vec::with_capacity(n));
     let mut last = [(); 2].map(|_| vec![T::zero(); kd]);
     // Slices of known lengths (`n`, `kd`): the loops below then have no
     // bounds checks and vectorise.
-    let [dq, dk, da, db, dgamma, dgx] = rows.each_mut().map(|r| &mut r[..n]);
+    let [dq, dk, da, db, dgamma, dgx] = rows.each_mut().map(|r| &mut r.spare_capacity_mut()[..n]);
     let [last_k, last_b] = last.each_mut().map(|l| &mut l[..kd]);
     simd::dispatch(
         #[inline(always)]
         || {
             for i in 0..n {
-                dq[i] = dqg[i] * eg[i];
-                dk[i] = dkg[i] * dl[i];
-                db[i] = dbg[i] * dl[i];
-                da[i] = dax[i] * egx[i];
-                dgx[i] = dax[i] * ax[i];
+                dq[i].write(dqg[i] * eg[i]);
+                dk[i].write(dkg[i] * dl[i]);
+                db[i].write(dbg[i] * dl[i]);
+                da[i].write(dax[i] * egx[i]);
+                dgx[i].write(dax[i] * ax[i]);
                 let g = dqg[i] * (q[i] * eg[i]);
                 let g = g - dkg[i] * (k[i] * dl[i]);
-                dgamma[i] = g - dbg[i] * (b[i] * dl[i]);
+                dgamma[i].write(g - dbg[i] * (b[i] * dl[i]));
             }
             let k_rows = dkg_acc.chunks_exact(kd).zip(kgl.chunks_exact(kd));
             let b_rows = dbg_acc.chunks_exact(kd).zip(bgl.chunks_exact(kd));
@@ -393,6 +395,10 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
             }
         },
     );
+    for r in &mut rows {
+        // SAFETY: the loop above wrote elements `0..n` of every row vector.
+        unsafe { r.set_len(n) };
+    }
     let shape = |v: Vec<T>| Array2::from_shape_vec((c, kd), v).expect("[c, K]");
     GateGrads {
         rows: rows.map(shape),
@@ -446,15 +452,13 @@ impl Chunk {
         );
         // Rebuilt through the middle row where the column factors allow,
         // else formed directly and kept (`Intra::exps`).
-        let mid = factors
-            .as_ref()
-            .and_then(|f| Some((f, fused::mid_row_exps(&g)?)));
-        let (direct, ax) = match &mid {
-            Some((f, mid)) => {
+        let mid = factors.as_ref().and_then(|_| fused::mid_row_exps(&g));
+        let (direct, ax) = match (&factors, &mid) {
+            (Some(f), Some(mid)) => {
                 let [egx] = f.rebuild(mid, [Exp::Gx]);
                 (None, self.gated(&a, egx.view()))
             }
-            None => {
+            _ => {
                 let all = direct_exps(&g, &gx);
                 let ax = self.gated(&a, all[Exp::Gx as usize].view());
                 (Some(all), ax)
@@ -477,6 +481,7 @@ impl Chunk {
             u,
             direct_exps: direct,
             factors,
+            mid_exps: mid,
             g_cumsum: g,
         }
     }

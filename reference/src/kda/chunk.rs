@@ -153,6 +153,9 @@ pub struct Intra<T> {
     /// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` through the middle row `m`, kept for
     /// the backward (`None` where a pairwise difference is used instead).
     pub factors: Option<(Array2<T>, Array2<T>)>,
+    /// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, where the exponentials
+    /// are rebuilt through the middle row ([`Chunk::exps`]).
+    mid_exps: Option<(Vec<T>, Vec<T>)>,
 }
 
 impl<T: Scalar> Intra<T> {
@@ -177,6 +180,19 @@ impl<T: Scalar> Intra<T> {
         }
         m
     }
+}
+
+/// `(exp(Γ), exp(Γ_last − Γ))`, `[c, K]` each, rebuilt from the factors
+/// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` and `mid_exps`:
+/// `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`.
+fn through_mid<T: Scalar>(
+    (ep, em): &(Array2<T>, Array2<T>),
+    (e_mid, e_last): &(Vec<T>, Vec<T>),
+) -> [Array2<T>; 2] {
+    [
+        fused::scale_columns(ep, e_mid),
+        fused::scale_columns(em, e_last),
+    ]
 }
 
 /// Forward intermediates of one head.
@@ -311,21 +327,17 @@ impl Chunk {
         (aqk, p)
     }
 
-    /// `(exp(Γ), exp(Γ_last − Γ))` through the middle row `m`:
-    /// `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`
-    /// ([`fused::mid_row_exps`]), `[c, K]` each; `None` without the
-    /// `factors`, under FLA's `exp2`, or when a column factor is not normal.
-    fn exps_through_mid<T: Scalar>(
+    /// `(exp(Γ_m), exp(Γ_last − Γ_m))` ([`fused::mid_row_exps`]), `[K]`
+    /// each, through which a chunk's exponentials are rebuilt; `None`
+    /// without the `factors`, under FLA's `exp2`, or when a column factor is
+    /// not normal.
+    fn mid_exps<T: Scalar>(
         &self,
         g_cumsum: &Array2<T>,
         factors: Option<&(Array2<T>, Array2<T>)>,
-    ) -> Option<[Array2<T>; 2]> {
-        let (ep, em) = factors.filter(|_| !self.policy.exp2)?;
-        let (e_mid, e_last) = fused::mid_row_exps(g_cumsum)?;
-        Some([
-            fused::scale_columns(ep, &e_mid),
-            fused::scale_columns(em, &e_last),
-        ])
+    ) -> Option<(Vec<T>, Vec<T>)> {
+        factors.filter(|_| !self.policy.exp2)?;
+        fused::mid_row_exps(g_cumsum)
     }
 
     /// `(exp(Γ), exp(Γ_last − Γ))` of `ch`, `[c, K]` each (`exp(Γ_last − Γ)`
@@ -333,12 +345,10 @@ impl Chunk {
     /// cheap and keeps a chunk's stored intermediates small, or the direct
     /// exponentials it keeps otherwise. The same bits as in its intra stage.
     fn exps<'a, T: Scalar>(&self, ch: &'a Intra<T>) -> [CowArray<'a, T, Ix2>; 2] {
-        match &ch.direct_exps {
-            Some([eg, tl]) => [eg.into(), tl.into()],
-            None => self
-                .exps_through_mid(&ch.g_cumsum, ch.factors.as_ref())
-                .expect("rebuilt as in the intra stage")
-                .map(CowArray::from),
+        match (&ch.direct_exps, &ch.factors, &ch.mid_exps) {
+            (Some([eg, tl]), _, _) => [eg.into(), tl.into()],
+            (None, Some(f), Some(mid)) => through_mid(f, mid).map(CowArray::from),
+            _ => unreachable!("a chunk that does not rebuild its exponentials keeps them"),
         }
     }
 
@@ -385,9 +395,12 @@ impl Chunk {
         let beta_v = beta.to_vec();
         let akk = fused::scale_columns(&n_inv, &beta_v);
         self.policy.round(Stage::Aqk, &mut aqk);
-        let through_mid = self.exps_through_mid(&g_cumsum, factors.as_ref());
-        let stored = through_mid.is_none();
-        let [eg, tl] = through_mid.unwrap_or_else(|| self.direct_exps(&g_cumsum));
+        let mid_exps = self.mid_exps(&g_cumsum, factors.as_ref());
+        let stored = mid_exps.is_none();
+        let [eg, tl] = match (&factors, &mid_exps) {
+            (Some(f), Some(mid)) => through_mid(f, mid),
+            _ => self.direct_exps(&g_cumsum),
+        };
         let [mut qg, mut kg] = fused::products([(q, eg.view()), (k, tl.view())]);
         let (mut w, mut u) = if [Stage::W, Stage::U, Stage::KBeta]
             .into_iter()
@@ -434,6 +447,7 @@ impl Chunk {
             kg,
             direct_exps: stored.then_some([eg, tl]),
             factors,
+            mid_exps,
         }
     }
 
