@@ -206,6 +206,35 @@ pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
     Array2::from_shape_vec(f.raw_dim(), o).expect("same shape")
 }
 
+/// `x ⊙ scale_columns(f, e)` in one pass: `x[r, c]·(f[r, c]·e[c])`, the
+/// same operations as forming the scaled `f` first (`x`, `f` `[R, C]`,
+/// `e [C]`).
+pub fn times_scaled_columns<T: Scalar>(x: ArrayView2<T>, f: &Array2<T>, e: &[T]) -> Array2<T> {
+    assert_eq!(
+        x.dim(),
+        f.dim(),
+        "times_scaled_columns: operands of different shapes"
+    );
+    assert_eq!(
+        f.ncols(),
+        e.len(),
+        "times_scaled_columns: one factor per column"
+    );
+    let (xs, fs) = (flat(x), flat(f.view()));
+    let o = simd::dispatch(
+        #[inline(always)]
+        || {
+            let mut o = Vec::with_capacity(xs.len());
+            let rows = xs.chunks_exact(e.len().max(1));
+            for (xr, fr) in rows.zip(fs.chunks_exact(e.len().max(1))) {
+                o.extend(xr.iter().zip(fr).zip(e).map(|((&x, &f), &e)| x * (f * e)));
+            }
+            o
+        },
+    );
+    Array2::from_shape_vec(x.raw_dim(), o).expect("same shape")
+}
+
 /// `f[r, c] · e[r]`: each row of `f [R, C]` scaled by its factor `e [R]`.
 pub fn scale_rows<T: Scalar>(f: ArrayView2<T>, e: &[T]) -> Array2<T> {
     assert_eq!(f.nrows(), e.len(), "scale_rows: one factor per row");
@@ -264,5 +293,13 @@ mod tests {
         // A transposed (not standard layout) operand reads the same elements.
         let ft = f.t().to_owned();
         assert_eq!(scale_rows(ft.t(), &er), want_r);
+        // One pass of x ⊙ (f ⊙ e) has the bits of the two passes.
+        let x = ndarray::arr2(&[[0.7, 1.1, -3.0], [2.5, -0.9, 0.125]]);
+        let two_passes = zip_map(x.view(), scale_columns(&f, &ec).view(), |x, g| x * g);
+        let one = times_scaled_columns(x.view(), &f, &ec);
+        assert!(one
+            .iter()
+            .zip(&two_passes)
+            .all(|(a, b): (&f64, &f64)| a.to_bits() == b.to_bits()));
     }
 }

@@ -92,6 +92,12 @@ impl Chunk {
     fn gated<T: Scalar>(&self, x: &ArrayView2<T>, decay: ArrayView2<T>) -> Array2<T> {
         self.as_stored(Stage::Gated, fused::zip_map(x.view(), decay, |x, e| x * e))
     }
+
+    /// [`Chunk::gated`] by the chunk's exponential `which`, without forming
+    /// it ([`Intra::times_exp`]).
+    fn gated_by<T: Scalar>(&self, ch: &Intra<T>, x: ArrayView2<T>, which: Exp) -> Array2<T> {
+        self.as_stored(Stage::Gated, ch.times_exp(x, which))
+    }
 }
 
 /// `chunk::forward(x, opt, C)`.
@@ -162,6 +168,19 @@ impl<T: Scalar> Intra<T> {
             unreachable!("a chunk that does not rebuild its exponentials keeps them")
         };
         f.rebuild(mid, which).map(CowArray::from)
+    }
+
+    /// `x ⊙` the exponential `which`, `[c, K]`, unrounded: in one pass
+    /// through the middle row (the same operations as rebuilding the
+    /// exponential first), or with the direct exponential the chunk keeps.
+    fn times_exp(&self, x: ArrayView2<T>, which: Exp) -> Array2<T> {
+        if let Some(all) = &self.direct_exps {
+            return fused::zip_map(x, all[which as usize].view(), |x, e| x * e);
+        }
+        let (Some(f), Some(mid)) = (&self.factors, &self.mid_exps) else {
+            unreachable!("a chunk that does not rebuild its exponentials keeps them")
+        };
+        f.times(x, mid, which)
     }
 
     fn decay_last(&self) -> Array1<T> {
@@ -263,6 +282,16 @@ impl<T: Scalar> Factors<T> {
             Exp::Gx => fused::scale_columns(&self.exp_, e_mid),
             Exp::Last => fused::scale_columns(&self.em, e_last),
         })
+    }
+
+    /// `x ⊙` the exponential `which` as [`Factors::rebuild`] forms it, in one
+    /// pass, `[c, K]`.
+    fn times(&self, x: ArrayView2<T>, (e_mid, e_last): &(Vec<T>, Vec<T>), which: Exp) -> Array2<T> {
+        match which {
+            Exp::G => fused::times_scaled_columns(x, &self.ep, e_mid),
+            Exp::Gx => fused::times_scaled_columns(x, &self.exp_, e_mid),
+            Exp::Last => fused::times_scaled_columns(x, &self.em, e_last),
+        }
     }
 }
 
@@ -454,10 +483,7 @@ impl Chunk {
         // else formed directly and kept (`Intra::exps`).
         let mid = factors.as_ref().and_then(|_| fused::mid_row_exps(&g));
         let (direct, ax) = match (&factors, &mid) {
-            (Some(f), Some(mid)) => {
-                let [egx] = f.rebuild(mid, [Exp::Gx]);
-                (None, self.gated(&a, egx.view()))
-            }
+            (Some(f), Some(mid)) => (None, self.as_stored(Stage::Gated, f.times(a, mid, Exp::Gx))),
             _ => {
                 let all = direct_exps(&g, &gx);
                 let ax = self.gated(&a, all[Exp::Gx as usize].view());
@@ -540,19 +566,12 @@ impl Chunk {
         for ch in intra {
             let c = ch.len();
             let v = rows(&x.v, ch.start, c).slice_move(s![.., cols.clone()]);
-            let (eg, dl) = if read_out {
-                let [eg, dl] = ch.exps([Exp::G, Exp::Last]);
-                (Some(eg), dl)
-            } else {
-                let [dl] = ch.exps([Exp::Last]);
-                (None, dl)
-            };
             // The state as stored, a copy only where it is rounded.
             let hn = self.policy.stored(Stage::H, state.view());
             let hn = hn.view();
             // v2 = u + w h and, with the readout, qg h: one product.
-            let qg =
-                eg.map(|eg| self.gated(&self.q_read(rows(&x.q, ch.start, c)).view(), eg.view()));
+            let qg = read_out
+                .then(|| self.gated_by(ch, self.q_read(rows(&x.q, ch.start, c)).view(), Exp::G));
             let wh = match &qg {
                 Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
                 None => gemm::dot(ch.w.view(), hn.view()),
@@ -573,11 +592,11 @@ impl Chunk {
             }
             let terms = [
                 &gemm::dot(
-                    self.gated(&rows(&x.k, ch.start, c), dl.view()).t(),
+                    self.gated_by(ch, rows(&x.k, ch.start, c), Exp::Last).t(),
                     v.view(),
                 ),
                 &gemm::dot(
-                    self.gated(&rows(&x.b, ch.start, c), dl.view()).t(),
+                    self.gated_by(ch, rows(&x.b, ch.start, c), Exp::Last).t(),
                     v2n.view(),
                 ),
             ];
@@ -679,13 +698,12 @@ impl Chunk {
         let (c, st) = (ch.len(), ch.start);
         let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
-        let [eg, dl] = ch.exps([Exp::G, Exp::Last]);
-        let qg = self.gated(&self.q_read(q).view(), eg.view());
+        let qg = self.gated_by(ch, self.q_read(q).view(), Exp::G);
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
         fused::add_assign(
             &mut dv2,
-            gemm::dot(self.gated(&b, dl.view()).view(), ds_used.view()).view(),
+            gemm::dot(self.gated_by(ch, b, Exp::Last).view(), ds_used.view()).view(),
         );
         let dv2 = self.as_stored(Stage::Dv, dv2);
         let terms = [
