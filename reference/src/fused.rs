@@ -175,6 +175,34 @@ pub fn mid_row<T>(g: &Array2<T>) -> ArrayView1<'_, T> {
     g.row(g.nrows() / 2)
 }
 
+/// `x[r, c] − g_m[c]` for the [`mid_row`] `g_m` of `g` (`x`, `g` `[c, K]`),
+/// or `None` when an element's magnitude exceeds `limit` (NaN does not).
+/// Two passes that vectorise, where `x − g_m` broadcast by `ndarray` and an
+/// early-exit search did not.
+pub fn minus_mid_row<T: Scalar>(g: &Array2<T>, x: &Array2<T>, limit: f64) -> Option<Array2<T>> {
+    assert_eq!(
+        g.dim(),
+        x.dim(),
+        "minus_mid_row: operands of different shapes"
+    );
+    let mid = mid_row(g).to_vec();
+    let xs = flat(x.view());
+    let (o, over) = simd::dispatch(
+        #[inline(always)]
+        || {
+            let mut o = Vec::with_capacity(xs.len());
+            for row in xs.chunks_exact(mid.len().max(1)) {
+                o.extend(row.iter().zip(&mid).map(|(&x, &m)| x - m));
+            }
+            let over = o
+                .iter()
+                .fold(false, |over, d| over | (d.f64().abs() > limit));
+            (o, over)
+        },
+    );
+    (!over).then(|| Array2::from_shape_vec(x.raw_dim(), o).expect("same shape"))
+}
+
 /// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, for the [`mid_row`] `m`
 /// and the last row of `g [c, K]`: the per-column factors that
 /// [`scale_columns`] turns `exp(Γ − Γ_m)` and `exp(Γ_m − Γ)` into `exp(Γ)`
@@ -293,6 +321,13 @@ mod tests {
         // A transposed (not standard layout) operand reads the same elements.
         let ft = f.t().to_owned();
         assert_eq!(scale_rows(ft.t(), &er), want_r);
+        // Differences from the middle row, refused past the limit.
+        let g = ndarray::arr2(&[[-1.0, -2.0], [-1.5, -4.0], [-2.25, -9.0]]);
+        let want = &g - &g.row(1).insert_axis(ndarray::Axis(0));
+        assert_eq!(minus_mid_row(&g, &g, 5.0), Some(want));
+        assert_eq!(minus_mid_row(&g, &g, 4.9), None);
+        let nan = g.mapv(|v| if v == -9.0 { f64::NAN } else { v });
+        assert!(minus_mid_row(&g, &nan, 4.9).is_some());
         // One pass of x ⊙ (f ⊙ e) has the bits of the two passes.
         let x = ndarray::arr2(&[[0.7, 1.1, -3.0], [2.5, -0.9, 0.125]]);
         let two_passes = zip_map(x.view(), scale_columns(&f, &ec).view(), |x, g| x * g);

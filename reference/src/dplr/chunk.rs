@@ -298,12 +298,11 @@ impl<T: Scalar> Factors<T> {
 /// The factors when every exponent stays far from overflow in `T`; `None`
 /// sends the caller to the pairwise differences.
 fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
-    let mid = fused::mid_row(g).to_owned().insert_axis(Axis(0));
-    let (mut d, mut dx) = (g - &mid, gx - &mid);
     let limit = 0.4 * T::max_value().ln().f64();
-    if d.iter().chain(dx.iter()).any(|v| v.f64().abs() > limit) {
-        return None;
-    }
+    let (mut d, mut dx) = (
+        fused::minus_mid_row(g, g, limit)?,
+        fused::minus_mid_row(g, gx, limit)?,
+    );
     d.mapv_inplace(|v| v.exp());
     let em = fused::reciprocals(d.view());
     dx.mapv_inplace(|v| v.exp());

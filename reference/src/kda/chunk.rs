@@ -245,12 +245,8 @@ impl Chunk {
         if self.policy.safe_gate_midpoint {
             return None;
         }
-        let mid = fused::mid_row(g).to_owned();
         let limit = 0.4 * T::max_value().ln().f64();
-        let mut diff = g - &mid.insert_axis(Axis(0));
-        if diff.iter().any(|v| v.f64().abs() > limit) {
-            return None;
-        }
+        let mut diff = fused::minus_mid_row(g, g, limit)?;
         // exp(Γ_m − Γ) as 1/exp(Γ − Γ_m) (a division, not an exponential),
         // but as FLA's own exp2 where that is emulated.
         let em = self.policy.exp2.then(|| diff.mapv(|v| self.policy.exp(-v)));
