@@ -203,6 +203,11 @@ pub fn minus_mid_row<T: Scalar>(g: &Array2<T>, x: &Array2<T>, limit: f64) -> Opt
     (!over).then(|| Array2::from_shape_vec(x.raw_dim(), o).expect("same shape"))
 }
 
+/// `exp` of the last row of `g [c, K]` (`exp(Γ_last)`), `[K]`.
+pub fn exps_of_last_row<T: Scalar>(g: &Array2<T>) -> Array1<T> {
+    g.row(g.nrows() - 1).mapv(|v| v.exp())
+}
+
 /// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, for the [`mid_row`] `m`
 /// and the last row of `g [c, K]`: the per-column factors that
 /// [`scale_columns`] turns `exp(Γ − Γ_m)` and `exp(Γ_m − Γ)` into `exp(Γ)`

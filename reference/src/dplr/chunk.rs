@@ -145,6 +145,8 @@ pub struct Intra<T> {
     /// `(exp(Γ_m), exp(Γ_last − Γ_m))` ([`fused::mid_row_exps`]), `[K]`
     /// each, where the exponentials are rebuilt through the middle row.
     mid_exps: Option<(Vec<T>, Vec<T>)>,
+    /// `exp(Γ_last)`, `[K]`: read by the state passes and the backward.
+    decay_last: Array1<T>,
 }
 
 impl<T: Scalar> Intra<T> {
@@ -183,8 +185,9 @@ impl<T: Scalar> Intra<T> {
         f.times(x, mid, which)
     }
 
-    fn decay_last(&self) -> Array1<T> {
-        self.g_cumsum.row(self.len() - 1).mapv(|v| v.exp())
+    /// `exp(Γ_last)`, `[K]` (formed once, in the intra stage).
+    fn decay_last(&self) -> &Array1<T> {
+        &self.decay_last
     }
 
     /// `M_chunk = Diag(exp Γ_last) + (B ⊙ exp(Γ_last − Γ))ᵀ w`, `[K, K]`.
@@ -507,6 +510,7 @@ impl Chunk {
             direct_exps: direct,
             factors,
             mid_exps: mid,
+            decay_last: fused::exps_of_last_row(&g),
             g_cumsum: g,
         }
     }
@@ -600,7 +604,7 @@ impl Chunk {
                 ),
             ];
             out.push(hn, v2n.view());
-            fused::decay_add(&mut state, &ch.decay_last(), &terms);
+            fused::decay_add(&mut state, ch.decay_last(), &terms);
         }
         out.finish(state)
     }
@@ -709,7 +713,7 @@ impl Chunk {
             &gemm::dot(qg.t(), dout.view()),
             &gemm::dot(ch.w.t(), dv2.view()),
         ];
-        fused::decay_add(ds, &ch.decay_last(), &terms);
+        fused::decay_add(ds, ch.decay_last(), &terms);
         dv2
     }
 
@@ -758,7 +762,7 @@ impl Chunk {
         // `tl.sum((b_h * b_dh).to(tl.float32))`: the product of the two bf16
         // operands is rounded to bf16 before the fp32 sum (`chunk_dplr_bwd_o`).
         let hdh = self.as_stored(Stage::BwdOperands, fused::zip_map(h, ds, |h, d| h * d));
-        let mut dgamma_last: Array1<T> = hdh.sum_axis(Axis(1)) * &decay_last;
+        let mut dgamma_last: Array1<T> = hdh.sum_axis(Axis(1)) * decay_last;
         // The fp32 accumulators `b_dk`, `b_db` of `chunk_dplr_bwd_o` (one
         // product), and their bf16 stores `dkg`, `dbg`.
         let dkbg_acc = tri::stacked_dot(&[v, v2], ds.t());

@@ -156,6 +156,8 @@ pub struct Intra<T> {
     /// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, where the exponentials
     /// are rebuilt through the middle row ([`Chunk::exps`]).
     mid_exps: Option<(Vec<T>, Vec<T>)>,
+    /// `exp(Γ_last)`, `[K]`: read by the state passes and the backward.
+    decay_last: Array1<T>,
 }
 
 impl<T: Scalar> Intra<T> {
@@ -167,9 +169,9 @@ impl<T: Scalar> Intra<T> {
         self.len() == 0
     }
 
-    /// `exp(Γ_last)`, `[K]`.
-    pub fn decay_last(&self) -> Array1<T> {
-        self.g_cumsum.row(self.len() - 1).mapv(|v| v.exp())
+    /// `exp(Γ_last)`, `[K]` (formed once, in the intra stage).
+    pub fn decay_last(&self) -> &Array1<T> {
+        &self.decay_last
     }
 
     /// `M_chunk = Diag(exp Γ_last) − kgᵀ w`, `[K, K]`.
@@ -432,6 +434,7 @@ impl Chunk {
         self.policy.round(Stage::Gated, &mut kg);
         Intra {
             start,
+            decay_last: fused::exps_of_last_row(&g_cumsum),
             g_cumsum,
             n_inv,
             akk,
@@ -521,7 +524,7 @@ impl Chunk {
             out.push(hn, vn.view());
             fused::decay_add(
                 &mut state,
-                &ch.decay_last(),
+                ch.decay_last(),
                 &[&gemm::dot(ch.kg.t(), vn.view())],
             );
         }
@@ -627,7 +630,7 @@ impl Chunk {
             gemm::dot(ch.w.t(), dvn.view()).view(),
             |a, b| a - b,
         );
-        fused::decay_add(ds, &ch.decay_last(), &[&local]);
+        fused::decay_add(ds, ch.decay_last(), &[&local]);
         dvn
     }
 
@@ -661,7 +664,7 @@ impl Chunk {
         tri::mask_lower(&mut daqk, true);
         // State pass: S' = Diag(e^Γlast) h + kgᵀ v_new, v_new = u − w h.
         let dkg = gemm::dot(vn.view(), ds.t());
-        let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * &decay_last;
+        let mut dgamma_last: Array1<T> = self.decay_sums(h, ds) * decay_last;
         let dw = self.operand(dqg_dw.slice(s![c.., ..]).mapv(|x| -x));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
