@@ -143,6 +143,25 @@ pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T
     );
 }
 
+/// Cumulative sum down the rows of `g [c, K]`, in place: row `r` becomes
+/// `row_r + row_{r−1}` (already summed), column by column in order (Γ from
+/// the per-token log-decays).
+pub fn cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
+    let (c, kd) = g.dim();
+    let data = flat_mut(g);
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            for r in 1..c {
+                let (done, rest) = data.split_at_mut(r * kd);
+                for (x, &y) in rest[..kd].iter_mut().zip(&done[(r - 1) * kd..]) {
+                    *x += y;
+                }
+            }
+        },
+    );
+}
+
 /// Reverse cumulative sum down the rows of `g [c, K]`, in place: the
 /// gradient of an in-chunk cumulative sum (`Γ_r = Σ_{i≤r} g_i`).
 pub fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>) {

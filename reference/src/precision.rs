@@ -287,24 +287,7 @@ impl Policy {
                     *cur = s.round(*cur + prev)
                 });
             }
-            None => {
-                // Row by row on the flat data (ndarray's `accumulate_axis_inplace`
-                // walks it element by element).
-                let kd = g.ncols().max(1);
-                let data = crate::fused::flat_mut(g);
-                crate::simd::dispatch(
-                    #[inline(always)]
-                    || {
-                        for r in 1..data.len() / kd {
-                            let (done, rest) = data.split_at_mut(r * kd);
-                            let prev = &done[(r - 1) * kd..];
-                            for (cur, &p) in rest[..kd].iter_mut().zip(prev) {
-                                *cur += p;
-                            }
-                        }
-                    },
-                );
-            }
+            None => crate::fused::cumsum_rows(g),
         }
     }
 

@@ -76,16 +76,7 @@ impl Chunk {
     /// dtype, so `Aqk`, `Aqb` and `qg` see it rounded (exact when `scale` is a
     /// power of two). The backward's own products use the raw `q`.
     fn q_read<'a, T: Scalar>(&self, q: ArrayView2<'a, T>) -> CowArray<'a, T, Ix2> {
-        self.stored_view(Stage::Activations, q)
-    }
-
-    /// `a` as `stage` stores it: borrowed when the policy does not round it.
-    fn stored_view<'a, T: Scalar>(
-        &self,
-        stage: Stage,
-        a: ArrayView2<'a, T>,
-    ) -> CowArray<'a, T, Ix2> {
-        self.policy.stored(stage, a)
+        self.policy.stored(Stage::Activations, q)
     }
 
     /// `x ⊙ decay` as FLA stores it (`qg`, `kg`, `ag`, `bg`).
@@ -166,10 +157,17 @@ impl<T: Scalar> Intra<T> {
         if let Some(all) = &self.direct_exps {
             return which.map(|e| all[e as usize].view().into());
         }
-        let (Some(f), Some(mid)) = (&self.factors, &self.mid_exps) else {
-            unreachable!("a chunk that does not rebuild its exponentials keeps them")
-        };
+        let (f, mid) = self.through_mid();
         f.rebuild(mid, which).map(CowArray::from)
+    }
+
+    /// The factors and middle-row exponentials of a chunk that rebuilds its
+    /// exponentials (one without its direct exponentials).
+    fn through_mid(&self) -> (&Factors<T>, &(Vec<T>, Vec<T>)) {
+        match (&self.factors, &self.mid_exps) {
+            (Some(f), Some(mid)) => (f, mid),
+            _ => unreachable!("a chunk that does not rebuild its exponentials keeps them"),
+        }
     }
 
     /// `x ⊙` the exponential `which`, `[c, K]`, unrounded: in one pass
@@ -179,9 +177,7 @@ impl<T: Scalar> Intra<T> {
         if let Some(all) = &self.direct_exps {
             return fused::zip_map(x, all[which as usize].view(), |x, e| x * e);
         }
-        let (Some(f), Some(mid)) = (&self.factors, &self.mid_exps) else {
-            unreachable!("a chunk that does not rebuild its exponentials keeps them")
-        };
+        let (f, mid) = self.through_mid();
         f.times(x, mid, which)
     }
 
@@ -749,7 +745,9 @@ impl Chunk {
         // dqg, dkg, dbg, dw; `chunk_dplr_bwd_wy`: dag) in the token dtype.
         // One product for dqg = dO hᵀ and dw = dv2 hᵀ (v2 = u + w h).
         let dqg_dw = tri::stacked_dot(&[dout, dv2], h.t());
-        let dqg = self.stored_view(Stage::BwdOperands, dqg_dw.slice(s![..c, ..]));
+        let dqg = self
+            .policy
+            .stored(Stage::BwdOperands, dqg_dw.slice(s![..c, ..]));
         // dAqk and (below) dAak multiply by vᵀ: one packing of it.
         let dz = tri::lower_t_dot(ch.p.view(), dv2);
         let [mut daqk, mut daak] = tri::dot_t_lower_each([dout, dz.view()], v, false);
@@ -767,10 +765,12 @@ impl Chunk {
         // product), and their bf16 stores `dkg`, `dbg`.
         let dkbg_acc = tri::stacked_dot(&[v, v2], ds.t());
         let (dkg_acc, dbg_acc) = (dkbg_acc.slice(s![..c, ..]), dkbg_acc.slice(s![c.., ..]));
-        let dkgl = self.stored_view(Stage::BwdOperands, dkg_acc);
-        let dbgl = self.stored_view(Stage::BwdOperands, dbg_acc);
+        let dkgl = self.policy.stored(Stage::BwdOperands, dkg_acc);
+        let dbgl = self.policy.stored(Stage::BwdOperands, dbg_acc);
         fused::add_assign(&mut dv, gemm::dot(kgl.view(), ds.view()).view());
-        let dw = self.stored_view(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]));
+        let dw = self
+            .policy
+            .stored(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]));
         // u = P (Aak V), w = P (e^Γx ⊙ A), P = (I − Aab)^{-1}.
         let zv = tri::lower_dot(ch.aak.view(), v);
         let ax = self.gated(&a, egx.view());
