@@ -115,6 +115,22 @@ pub fn reciprocals<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
     zip_map(x, x, |x, _| T::one() / x)
 }
 
+/// `exp` of each element of `x` in place, at the CPU's vector width
+/// ([`Scalar::exp_bounded`], within an ulp); every `|x|` must be at most
+/// `EXP_BOUND·ln(MAX)` ([`crate::scalar::EXP_BOUND`]); NaN stays NaN.
+pub fn exps_bounded<T: Scalar>(x: &mut Array2<T>) {
+    let x = flat_mut(x);
+    let bound = crate::scalar::EXP_BOUND * T::max_value().ln().f64();
+    debug_assert!(
+        !x.iter().any(|v| v.f64().abs() > bound),
+        "exps_bounded: |x| over {bound}"
+    );
+    simd::dispatch(
+        #[inline(always)]
+        || x.iter_mut().for_each(|v| *v = v.exp_bounded()),
+    );
+}
+
 /// `x ⊙ f` for each pair `(x, f)` of same-shape arrays.
 pub fn products<T: Scalar, const N: usize>(
     pairs: [(ArrayView2<T>, ArrayView2<T>); N],
@@ -307,6 +323,22 @@ pub fn scale_rows<T: Scalar>(f: ArrayView2<T>, e: &[T]) -> Array2<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exps_in_place_are_the_bounded_exp_of_each_element() {
+        // 37 columns: whole vectors and a remainder at every width.
+        let x = Array2::from_shape_fn((5, 37), |(r, c)| (r as f64 - 2.0) * 31.7 + c as f64 * 0.61);
+        let mut e = x.clone();
+        e[[3, 5]] = f64::NAN;
+        exps_bounded(&mut e);
+        for ((r, c), v) in e.indexed_iter() {
+            if (r, c) == (3, 5) {
+                assert!(v.is_nan());
+            } else {
+                assert_eq!(v.to_bits(), x[[r, c]].exp_bounded().to_bits(), "[{r}, {c}]");
+            }
+        }
+    }
 
     #[test]
     fn column_factors_rebuild_the_exponentials_or_refuse_to_underflow() {

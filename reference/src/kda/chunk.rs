@@ -17,7 +17,7 @@ use crate::fused::{self, RowStack};
 use crate::gemm;
 use crate::op::{self, Engine, Operator};
 use crate::precision::{Feature, Policy, Stage};
-use crate::scalar::Scalar;
+use crate::scalar::{Scalar, EXP_BOUND};
 use crate::tri;
 use crate::varlen::{
     for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
@@ -240,20 +240,25 @@ impl Chunk {
     }
 
     /// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` through the chunk's middle row `m`, when
-    /// every exponent stays far from overflow in `T` (|x| ≤ 0.4·ln(max));
+    /// every exponent stays far from overflow in `T` (|x| ≤ `EXP_BOUND`·ln(max));
     /// `None` under the safe-gate emulation or when the decay range is too
     /// wide, and the pairwise differences are used instead.
     fn factors<T: Scalar>(&self, g: &Array2<T>) -> Option<(Array2<T>, Array2<T>)> {
         if self.policy.safe_gate_midpoint {
             return None;
         }
-        let limit = 0.4 * T::max_value().ln().f64();
+        let limit = EXP_BOUND * T::max_value().ln().f64();
         let mut diff = fused::minus_mid_row(g, g, limit)?;
-        // exp(Γ_m − Γ) as 1/exp(Γ − Γ_m) (a division, not an exponential),
-        // but as FLA's own exp2 where that is emulated.
-        let em = self.policy.exp2.then(|| diff.mapv(|v| self.policy.exp(-v)));
-        diff.mapv_inplace(|v| self.policy.exp(v));
-        let em = em.unwrap_or_else(|| fused::reciprocals(diff.view()));
+        if self.policy.exp2 {
+            // Both as FLA's own exp2.
+            let em = diff.mapv(|v| self.policy.exp(-v));
+            diff.mapv_inplace(|v| self.policy.exp(v));
+            return Some((diff, em));
+        }
+        // c·K exponentials per chunk, vectorised; exp(Γ_m − Γ) as
+        // 1/exp(Γ − Γ_m) (a division, not an exponential).
+        fused::exps_bounded(&mut diff);
+        let em = fused::reciprocals(diff.view());
         Some((diff, em))
     }
 
