@@ -97,10 +97,39 @@ fn bf16_bits(v: f64) -> u16 {
 /// result's memory on every core while the device computes takes it off
 /// the path from the last kernel to the f64 results.
 pub(crate) fn mapped_zeros(n: usize) -> Vec<f64> {
-    let mut v = vec![0.0; n];
-    v.par_chunks_mut(1 << 18).for_each(|c| c.fill(0.0));
+    // Not `vec![0.0; n]`: reused memory would be zeroed on one core first.
+    let mut v: Vec<f64> = Vec::with_capacity(n);
+    advise_huge_pages(v.spare_capacity_mut());
+    v.spare_capacity_mut()
+        .par_chunks_mut(1 << 18)
+        .for_each(|c| c.fill(std::mem::MaybeUninit::new(0.0)));
+    // SAFETY: the loop above wrote all `n` elements.
+    unsafe { v.set_len(n) };
     v
 }
+
+/// Asks Linux to back the whole 2 MiB pages of `buf` with transparent huge
+/// pages. That matters where they are enabled for `madvise` only, as on
+/// the GPU hosts lent: an 800 MB result then maps in about 400 faults
+/// instead of 200,000, and the host's download time stops swinging with
+/// the faulting (KDA, T = 8192, H = 96, K = V = 128 on an H100 host: the
+/// download took 120–163 ms against 230–402 ms). Advice only: on an error
+/// the pages stay 4 KiB.
+#[cfg(target_os = "linux")]
+fn advise_huge_pages<T>(buf: &mut [T]) {
+    const HUGE: usize = 2 << 20;
+    let start = buf.as_mut_ptr() as usize;
+    let end = start + std::mem::size_of_val(buf);
+    let (lo, hi) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
+    if lo < hi {
+        // SAFETY: `lo..hi` lies inside `buf`, which this process owns; the
+        // advice changes no contents.
+        unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages<T>(_: &mut [T]) {}
 
 /// Null for an optional pointer argument.
 static NULL: u64 = 0;
@@ -716,7 +745,20 @@ fn nvrtc_candidates() -> Vec<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::bf16_bits;
+    use super::{bf16_bits, mapped_zeros};
+
+    /// Every element is zero, whether the buffer covers whole huge pages,
+    /// part of one or none.
+    #[test]
+    fn mapped_zeros_are_zeros() {
+        for n in [0, 1, 1000, (4 << 20) / 8 + 3, (6 << 20) / 8] {
+            // Freed memory of the same size, likely handed out again.
+            drop(vec![f64::NAN; n]);
+            let v = mapped_zeros(n);
+            assert_eq!(v.len(), n);
+            assert!(v.iter().all(|x| x.to_bits() == 0), "n = {n}");
+        }
+    }
 
     /// The fast path gives `half`'s bits: on every bf16 value, their
     /// neighbours and midpoints, f32 values, f64 values no f32 holds, the
