@@ -825,13 +825,12 @@ impl Chunk {
         for l in last {
             dgamma_last += &l;
         }
-        self.blocks_backward(
+        blocks_backward(
             ch,
             [&q, &k, &a, &b],
             [&daqk, &daqb, &daab, &daak],
             [&mut dq, &mut dk, &mut da, &mut db],
-            &mut dgamma,
-            &mut dgx,
+            [&mut dgamma, &mut dgx],
         );
         // Γlast is Γ's last row; Γx = Γ − gk; Γ = cumsum(gk).
         let mut last = dgamma.row_mut(c - 1);
@@ -842,100 +841,117 @@ impl Chunk {
         let rows = [dq, dk, da, db, dgk];
         (ChunkGrads { rows, dv }, [daqk, daqb, daab, daak])
     }
+}
 
-    /// Through the four A blocks (pairwise decays `e^{Γ_i − Γ_j}` for Aqk/Aqb,
-    /// `e^{Γx_i − Γ_j}` for Aab/Aak): gradients of q, k, a, b, Γ and Γx.
-    #[allow(clippy::too_many_arguments)]
-    fn blocks_backward<T: Scalar>(
-        &self,
-        ch: &Intra<T>,
-        [q, k, a, b]: [&ArrayView2<T>; 4],
-        [daqk, daqb, daab, daak]: [&Array2<T>; 4],
-        [dq, dk, da, db]: [&mut Array2<T>; 4],
-        dgamma: &mut Array2<T>,
-        dgx: &mut Array2<T>,
-    ) {
-        let (g, gx) = match &ch.decays {
-            Decays::Pairs { g, gx } => (g, gx),
-            Decays::Factors(f) => {
-                // Γ_m cancels in every product, so it is held constant.
-                let [qa, ax, kb, bb] = fused::products([
-                    (q.view(), f.ep.view()),
-                    (a.view(), f.exp_.view()),
-                    (k.view(), f.em.view()),
-                    (b.view(), f.em.view()),
-                ]);
-                let (l, lt) = (
-                    |x: &Array2<T>, y: &Array2<T>| tri::lower_dot(x.view(), y.view()),
-                    |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
-                );
-                let sum = |mut a: Array2<T>, b: Array2<T>| {
-                    fused::add_assign(&mut a, b.view());
-                    a
-                };
-                let dqa = sum(l(daqk, &kb), l(daqb, &bb));
-                let dax = sum(l(daab, &bb), l(daak, &kb));
-                let dkb = sum(lt(daqk, &qa), lt(daak, &ax));
-                let dbb = sum(lt(daqb, &qa), lt(daab, &ax));
-                let flats = [
-                    dqa.view(),
-                    dax.view(),
-                    dkb.view(),
-                    dbb.view(),
-                    qa.view(),
-                    ax.view(),
-                    kb.view(),
-                    bb.view(),
-                    f.ep.view(),
-                    f.exp_.view(),
-                    f.em.view(),
-                ]
-                .map(fused::flat);
-                let n = dqa.len();
-                let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_] =
-                    flats.each_ref().map(|x| &x[..n]);
-                let [dq_, da_, dk_, db_, dg_, dgx_] =
-                    [dq, da, dk, db, dgamma, dgx].map(|x| &mut fused::flat_mut(x)[..n]);
-                crate::simd::dispatch(
-                    #[inline(always)]
-                    || {
-                        for i in 0..n {
-                            dq_[i] += dqa_[i] * ep_[i];
-                            da_[i] += dax_[i] * exp_[i];
-                            dk_[i] += dkb_[i] * em_[i];
-                            db_[i] += dbb_[i] * em_[i];
-                            dg_[i] += dqa_[i] * qa_[i] - dkb_[i] * kb_[i] - dbb_[i] * bb_[i];
-                            dgx_[i] += dax_[i] * ax_[i];
-                        }
-                    },
-                );
-                return;
+/// Through the four A blocks (pairwise decays `e^{Γ_i − Γ_j}` for Aqk/Aqb,
+/// `e^{Γx_i − Γ_j}` for Aab/Aak): gradients of q, k, a, b, Γ and Γx.
+fn blocks_backward<T: Scalar>(
+    ch: &Intra<T>,
+    x: [&ArrayView2<T>; 4],
+    da_blocks: [&Array2<T>; 4],
+    grads: [&mut Array2<T>; 4],
+    dgammas: [&mut Array2<T>; 2],
+) {
+    match &ch.decays {
+        Decays::Factors(f) => factored_blocks_backward(f, x, da_blocks, grads, dgammas),
+        Decays::Pairs { g, gx } => pairwise_blocks_backward(g, gx, x, da_blocks, grads, dgammas),
+    }
+}
+
+/// [`blocks_backward`] through the middle-row factors: products of
+/// the factored operands.
+fn factored_blocks_backward<T: Scalar>(
+    f: &Factors<T>,
+    [q, k, a, b]: [&ArrayView2<T>; 4],
+    [daqk, daqb, daab, daak]: [&Array2<T>; 4],
+    [dq, dk, da, db]: [&mut Array2<T>; 4],
+    [dgamma, dgx]: [&mut Array2<T>; 2],
+) {
+    // Γ_m cancels in every product, so it is held constant.
+    let [qa, ax, kb, bb] = fused::products([
+        (q.view(), f.ep.view()),
+        (a.view(), f.exp_.view()),
+        (k.view(), f.em.view()),
+        (b.view(), f.em.view()),
+    ]);
+    let (l, lt) = (
+        |x: &Array2<T>, y: &Array2<T>| tri::lower_dot(x.view(), y.view()),
+        |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
+    );
+    let sum = |mut a: Array2<T>, b: Array2<T>| {
+        fused::add_assign(&mut a, b.view());
+        a
+    };
+    let dqa = sum(l(daqk, &kb), l(daqb, &bb));
+    let dax = sum(l(daab, &bb), l(daak, &kb));
+    let dkb = sum(lt(daqk, &qa), lt(daak, &ax));
+    let dbb = sum(lt(daqb, &qa), lt(daab, &ax));
+    let flats = [
+        dqa.view(),
+        dax.view(),
+        dkb.view(),
+        dbb.view(),
+        qa.view(),
+        ax.view(),
+        kb.view(),
+        bb.view(),
+        f.ep.view(),
+        f.exp_.view(),
+        f.em.view(),
+    ]
+    .map(fused::flat);
+    let n = dqa.len();
+    let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_] =
+        flats.each_ref().map(|x| &x[..n]);
+    let [dq_, da_, dk_, db_, dg_, dgx_] =
+        [dq, da, dk, db, dgamma, dgx].map(|x| &mut fused::flat_mut(x)[..n]);
+    crate::simd::dispatch(
+        #[inline(always)]
+        || {
+            for i in 0..n {
+                dq_[i] += dqa_[i] * ep_[i];
+                da_[i] += dax_[i] * exp_[i];
+                dk_[i] += dkb_[i] * em_[i];
+                db_[i] += dbb_[i] * em_[i];
+                dg_[i] += dqa_[i] * qa_[i] - dkb_[i] * kb_[i] - dbb_[i] * bb_[i];
+                dgx_[i] += dax_[i] * ax_[i];
             }
-        };
-        let (c, kd) = (ch.len(), k.ncols());
-        for i in 0..c {
-            for j in 0..=i {
-                let (p_qk, p_qb, p_ab, p_ak) =
-                    (daqk[[i, j]], daqb[[i, j]], daab[[i, j]], daak[[i, j]]);
-                for d in 0..kd {
-                    let e1 = (g[[i, d]] - g[[j, d]]).exp();
-                    let (qi, kj, bj) = (q[[i, d]], k[[j, d]], b[[j, d]]);
-                    dq[[i, d]] += (p_qk * kj + p_qb * bj) * e1;
-                    dk[[j, d]] += p_qk * qi * e1;
-                    db[[j, d]] += p_qb * qi * e1;
-                    let t1 = (p_qk * kj + p_qb * bj) * qi * e1;
-                    dgamma[[i, d]] += t1;
-                    dgamma[[j, d]] -= t1;
-                    if j < i {
-                        let e2 = (gx[[i, d]] - g[[j, d]]).exp();
-                        let ai = a[[i, d]];
-                        da[[i, d]] += (p_ab * bj + p_ak * kj) * e2;
-                        db[[j, d]] += p_ab * ai * e2;
-                        dk[[j, d]] += p_ak * ai * e2;
-                        let t2 = (p_ab * bj + p_ak * kj) * ai * e2;
-                        dgx[[i, d]] += t2;
-                        dgamma[[j, d]] -= t2;
-                    }
+        },
+    );
+}
+
+/// [`blocks_backward`] from the pairwise differences of Γ and Γx
+/// (`[c, K]` each), where a factor would overflow.
+fn pairwise_blocks_backward<T: Scalar>(
+    g: &Array2<T>,
+    gx: &Array2<T>,
+    [q, k, a, b]: [&ArrayView2<T>; 4],
+    [daqk, daqb, daab, daak]: [&Array2<T>; 4],
+    [dq, dk, da, db]: [&mut Array2<T>; 4],
+    [dgamma, dgx]: [&mut Array2<T>; 2],
+) {
+    let (c, kd) = g.dim();
+    for i in 0..c {
+        for j in 0..=i {
+            let (p_qk, p_qb, p_ab, p_ak) = (daqk[[i, j]], daqb[[i, j]], daab[[i, j]], daak[[i, j]]);
+            for d in 0..kd {
+                let e1 = (g[[i, d]] - g[[j, d]]).exp();
+                let (qi, kj, bj) = (q[[i, d]], k[[j, d]], b[[j, d]]);
+                dq[[i, d]] += (p_qk * kj + p_qb * bj) * e1;
+                dk[[j, d]] += p_qk * qi * e1;
+                db[[j, d]] += p_qb * qi * e1;
+                let t1 = (p_qk * kj + p_qb * bj) * qi * e1;
+                dgamma[[i, d]] += t1;
+                dgamma[[j, d]] -= t1;
+                if j < i {
+                    let e2 = (gx[[i, d]] - g[[j, d]]).exp();
+                    let ai = a[[i, d]];
+                    da[[i, d]] += (p_ab * bj + p_ak * kj) * e2;
+                    db[[j, d]] += p_ab * ai * e2;
+                    dk[[j, d]] += p_ak * ai * e2;
+                    let t2 = (p_ab * bj + p_ak * kj) * ai * e2;
+                    dgx[[i, d]] += t2;
+                    dgamma[[j, d]] -= t2;
                 }
             }
         }
