@@ -117,10 +117,10 @@ pub fn reciprocals<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
 
 /// `exp` of each element of `x` in place, at the CPU's vector width
 /// ([`Scalar::exp_bounded`], within an ulp); every `|x|` must be at most
-/// `EXP_BOUND·ln(MAX)` ([`crate::scalar::EXP_BOUND`]); NaN stays NaN.
+/// [`crate::scalar::exp_bound`]; NaN stays NaN.
 pub fn exps_bounded<T: Scalar>(x: &mut Array2<T>) {
     let x = flat_mut(x);
-    let bound = crate::scalar::EXP_BOUND * T::max_value().ln().f64();
+    let bound = crate::scalar::exp_bound::<T>();
     debug_assert!(
         !x.iter().any(|v| v.f64().abs() > bound),
         "exps_bounded: |x| over {bound}"

@@ -34,8 +34,8 @@ pub trait Scalar:
     /// Widens to `f64` (exact).
     fn f64(self) -> f64;
 
-    /// `exp(self)` within one ulp for `|self| ≤ 0.4·ln(MAX)` ([`EXP_BOUND`];
-    /// not checked: the caller bounds its arguments). `f64` and `f32` use
+    /// `exp(self)` within one ulp for `|self| ≤` [`exp_bound`] (not
+    /// checked: the caller bounds its arguments). `f64` and `f32` use
     /// plain arithmetic with no branch, so a loop of it vectorises under
     /// [`crate::simd::dispatch`] with the same bits at every width, where
     /// the libm `exp` (the default) is one scalar call per element.
@@ -44,9 +44,13 @@ pub trait Scalar:
     }
 }
 
-/// The fraction of `ln(MAX)` that [`Scalar::exp_bounded`] accepts (its
-/// power of two stays far inside the normal range).
-pub const EXP_BOUND: f64 = 0.4;
+/// The largest `|x|` that [`Scalar::exp_bounded`] accepts in `T`,
+/// `0.4·ln(MAX)`: its power of two stays far inside the normal range, and
+/// a product of two such exponentials stays finite (the chunked engines'
+/// middle-row factors check their exponents against it).
+pub fn exp_bound<T: Scalar>() -> f64 {
+    0.4 * T::max_value().ln().f64()
+}
 
 /// The Cody–Waite reduction shared by both widths: `x = n·ln2 + r` with
 /// `|r| ≤ ln2/2`, the integer `n` rounded by adding `shift` (1.5·2^p: `n`
@@ -136,8 +140,8 @@ impl Scalar for f32 {
     }
     #[inline(always)]
     fn exp_bounded(self) -> Self {
-        // Shift 1.5·2^23; ln 2 = 355/512 (exact in 9 bits) + a remainder. The series stops at
-        // r^7/7!.
+        // Shift 1.5·2^23; ln 2 = 355/512 (exact in 9 bits) + a remainder.
+        // The series stops at r^7/7!.
         const F64: [f64; 6] = inverse_factorials();
         let f = F64.map(|v| v as f32);
         let (t, r) = reduce(
@@ -155,22 +159,16 @@ impl Scalar for f32 {
 mod tests {
     use super::*;
 
-    /// Distance in units in the last place between two finite values of
-    /// one sign.
-    fn ulps(a: u64, b: u64) -> u64 {
-        a.abs_diff(b)
-    }
-
     #[test]
     fn bounded_exp_is_within_an_ulp_of_libm_in_f64() {
-        let bound = EXP_BOUND * f64::MAX.ln();
+        let bound = exp_bound::<f64>();
         let n = 300_000;
         let draws = crate::rng::Stream::new(3, "exp_bounded").uniforms(n, -1.0, 1.0);
         let mut exact = 0;
         for (i, u) in draws.into_iter().enumerate() {
             // The whole range, the reduced range and tiny arguments.
             let x = u * [bound, 1.0, 1e-9][i % 3];
-            let d = ulps(x.exp().to_bits(), x.exp_bounded().to_bits());
+            let d = x.exp().to_bits().abs_diff(x.exp_bounded().to_bits());
             assert!(d <= 1, "exp_bounded({x:e}) is {d} ulps from libm");
             exact += usize::from(d == 0);
         }
@@ -178,7 +176,7 @@ mod tests {
         assert!(exact > n * 9 / 10, "{exact} of {n} equal to libm");
         for x in [0.0, -0.0, bound, -bound, 0.5 * std::f64::consts::LN_2] {
             assert!(
-                ulps(x.exp().to_bits(), x.exp_bounded().to_bits()) <= 1,
+                x.exp().to_bits().abs_diff(x.exp_bounded().to_bits()) <= 1,
                 "{x}"
             );
         }
@@ -188,13 +186,13 @@ mod tests {
 
     #[test]
     fn bounded_exp_is_within_an_ulp_of_the_rounded_exp_in_f32() {
-        let bound = EXP_BOUND as f32 * f32::MAX.ln();
+        let bound = exp_bound::<f32>() as f32;
         // Every 101st f32 of each sign up to the bound (~4·10^7 values).
         let top = bound.to_bits();
         for bits in (0..=top).step_by(101).chain([top]) {
             for x in [f32::from_bits(bits), -f32::from_bits(bits)] {
                 let want = (x as f64).exp() as f32;
-                let d = ulps(want.to_bits().into(), x.exp_bounded().to_bits().into());
+                let d = want.to_bits().abs_diff(x.exp_bounded().to_bits());
                 assert!(
                     d <= 1,
                     "exp_bounded({x:e}) is {d} ulps from exp rounded to f32"

@@ -18,7 +18,7 @@ use crate::fused::{self, RowStack};
 use crate::gemm;
 use crate::op::{self, Engine, Operator};
 use crate::precision::{Feature, Policy, Stage};
-use crate::scalar::{Scalar, EXP_BOUND};
+use crate::scalar::{exp_bound, Scalar};
 use crate::simd;
 use crate::tri;
 use crate::varlen::{
@@ -307,7 +307,7 @@ impl<T: Scalar> Factors<T> {
 /// The factors when every exponent stays far from overflow in `T`; `None`
 /// sends the caller to the pairwise differences.
 fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
-    let limit = EXP_BOUND * T::max_value().ln().f64();
+    let limit = exp_bound::<T>();
     let (mut d, mut dx) = (
         fused::minus_mid_row(g, g, limit)?,
         fused::minus_mid_row(g, gx, limit)?,

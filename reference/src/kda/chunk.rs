@@ -17,7 +17,7 @@ use crate::fused::{self, RowStack};
 use crate::gemm;
 use crate::op::{self, Engine, Operator};
 use crate::precision::{Feature, Policy, Stage};
-use crate::scalar::{Scalar, EXP_BOUND};
+use crate::scalar::{exp_bound, Scalar};
 use crate::tri;
 use crate::varlen::{
     for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
@@ -240,14 +240,14 @@ impl Chunk {
     }
 
     /// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` through the chunk's middle row `m`, when
-    /// every exponent stays far from overflow in `T` (|x| ≤ `EXP_BOUND`·ln(max));
+    /// every exponent stays far from overflow in `T` (|x| ≤ [`exp_bound`]);
     /// `None` under the safe-gate emulation or when the decay range is too
     /// wide, and the pairwise differences are used instead.
     fn factors<T: Scalar>(&self, g: &Array2<T>) -> Option<(Array2<T>, Array2<T>)> {
         if self.policy.safe_gate_midpoint {
             return None;
         }
-        let limit = EXP_BOUND * T::max_value().ln().f64();
+        let limit = exp_bound::<T>();
         let mut diff = fused::minus_mid_row(g, g, limit)?;
         if self.policy.exp2 {
             // Both as FLA's own exp2.
