@@ -125,14 +125,8 @@ pub struct Intra<T> {
     /// `w = P (exp(Γx) ⊙ A)`, `[c, K]`; `u = P (Aak V)`, `[c, V]`.
     pub w: Array2<T>,
     pub u: Array2<T>,
-    /// `exp(Γ)`, `exp(Γx)` and `exp(Γ_last − Γ)`, `[c, K]` each, only when
-    /// they are not rebuilt through the middle row ([`Intra::exps`]).
-    direct_exps: Option<[Array2<T>; 3]>,
-    /// How the backward forms the pairwise decays.
+    /// How the chunk's exponentials and pairwise decays are formed.
     decays: Decays<T>,
-    /// `(exp(Γ_m), exp(Γ_last − Γ_m))` ([`fused::mid_row_exps`]), `[K]`
-    /// each, where the exponentials are rebuilt through the middle row.
-    mid_exps: Option<(Vec<T>, Vec<T>)>,
     /// `exp(Γ_last)`, `[K]`: read by the state passes and the backward.
     decay_last: Array1<T>,
 }
@@ -151,19 +145,9 @@ impl<T: Scalar> Intra<T> {
     /// intermediates small, or the direct exponentials it keeps otherwise.
     /// The same bits as in its intra stage.
     pub fn exps<const N: usize>(&self, which: [Exp; N]) -> [CowArray<'_, T, Ix2>; N] {
-        if let Some(all) = &self.direct_exps {
-            return which.map(|e| all[e as usize].view().into());
-        }
-        let (f, mid) = self.through_mid();
-        f.rebuild(mid, which).map(CowArray::from)
-    }
-
-    /// The factors and middle-row exponentials of a chunk that rebuilds its
-    /// exponentials (one without its direct exponentials).
-    fn through_mid(&self) -> (&Factors<T>, &(Vec<T>, Vec<T>)) {
-        match (&self.decays, &self.mid_exps) {
-            (Decays::Factors(f), Some(mid)) => (f, mid),
-            _ => unreachable!("a chunk that does not rebuild its exponentials keeps them"),
+        match &self.decays {
+            Decays::Mid { f, mid } => f.rebuild(mid, which).map(CowArray::from),
+            Decays::Pairs { exps, .. } => which.map(|e| exps[e as usize].view().into()),
         }
     }
 
@@ -171,11 +155,12 @@ impl<T: Scalar> Intra<T> {
     /// through the middle row (the same operations as rebuilding the
     /// exponential first), or with the direct exponential the chunk keeps.
     fn times_exp(&self, x: ArrayView2<T>, which: Exp) -> Array2<T> {
-        if let Some(all) = &self.direct_exps {
-            return fused::zip_map(x, all[which as usize].view(), |x, e| x * e);
+        match &self.decays {
+            Decays::Mid { f, mid } => f.times(x, mid, which),
+            Decays::Pairs { exps, .. } => {
+                fused::zip_map(x, exps[which as usize].view(), |x, e| x * e)
+            }
         }
-        let (f, mid) = self.through_mid();
-        f.times(x, mid, which)
     }
 
     /// `exp(Γ_last)`, `[K]` (formed once, in the intra stage).
@@ -255,16 +240,27 @@ fn rows<T: Scalar, S: Data<Elem = T>>(
     x.slice(s![start..start + c, ..])
 }
 
-/// How a chunk's pairwise decays `exp(Γ_i − Γ_j)`, `exp(Γx_i − Γ_j)` are
-/// formed: through the middle row, or (where a factor would overflow) from
-/// the pairwise differences of the cumulative log-decays.
+/// How a chunk forms its pairwise decays `exp(Γ_i − Γ_j)`,
+/// `exp(Γx_i − Γ_j)` and its exponentials `exp(Γ)`, `exp(Γx)`,
+/// `exp(Γ_last − Γ)` ([`Intra::exps`]).
 #[derive(Clone, Debug)]
 enum Decays<T> {
-    Factors(Factors<T>),
-    /// Γ (inclusive) and Γx = Γ − gk (exclusive), `[c, K]` each.
+    /// Through the middle row `m`: the factors, and `(exp(Γ_m),
+    /// exp(Γ_last − Γ_m))` ([`fused::mid_row_exps`], `[K]` each) that
+    /// rebuild the exponentials from them. Cheap, and it keeps a chunk's
+    /// stored intermediates small.
+    Mid {
+        f: Factors<T>,
+        mid: (Vec<T>, Vec<T>),
+    },
+    /// Where a factor would overflow: from the pairwise differences of Γ
+    /// (inclusive) and Γx = Γ − gk (exclusive), `[c, K]` each, with the
+    /// exponentials formed directly and kept (`[Exp; 3]` order, `[c, K]`
+    /// each).
     Pairs {
         g: Array2<T>,
         gx: Array2<T>,
+        exps: [Array2<T>; 3],
     },
 }
 
@@ -458,9 +454,18 @@ impl Chunk {
         let mut g = rows(&x.gk, start, c).to_owned();
         self.policy.cumsum_rows(&mut g);
         let gx = fused::zip_map(g.view(), rows(&x.gk, start, c), |g, gk| g - gk);
-        let factors = factors(&g, &gx);
-        let (aqk, aqb, aab, aak) = match &factors {
-            Some(f) => {
+        let decay_last = fused::exps_of_last_row(&g);
+        // The factors bound every row's distance to Γ_m, Γx_0 = 0 included,
+        // so the middle-row exponentials are normal wherever they exist.
+        let decays = match factors(&g, &gx).zip(fused::mid_row_exps(&g)) {
+            Some((f, mid)) => Decays::Mid { f, mid },
+            None => {
+                let exps = direct_exps(&g, &gx);
+                Decays::Pairs { g, gx, exps }
+            }
+        };
+        let (aqk, aqb, aab, aak) = match &decays {
+            Decays::Mid { f, .. } => {
                 // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
                 let [qa, ax, kb, bb] = fused::products([
                     (q, f.ep.view()),
@@ -478,7 +483,7 @@ impl Chunk {
                 let [aqk, aqb, aab, aak] = blocks;
                 (aqk, aqb, aab, aak)
             }
-            None => pair_blocks(&g, &gx, [&q, &k, &a, &b]),
+            Decays::Pairs { g, gx, .. } => pair_blocks(g, gx, [&q, &k, &a, &b]),
         };
         // FLA's `chunk_dplr_fwd_intra` rounds all four blocks to the token
         // dtype (`Aab`, `Aak` through `.to(Aqb.dtype)` into fp32 tensors).
@@ -488,27 +493,15 @@ impl Chunk {
             Stage::Akk,
             crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
-        // Rebuilt through the middle row where the column factors allow,
-        // else formed directly and kept (`Intra::exps`).
-        let mid = factors.as_ref().and_then(|_| fused::mid_row_exps(&g));
-        let (direct, ax) = match (&factors, &mid) {
-            (Some(f), Some(mid)) => (None, self.as_stored(Stage::Gated, f.times(a, mid, Exp::Gx))),
-            _ => {
-                let all = direct_exps(&g, &gx);
-                let ax = self.gated(&a, all[Exp::Gx as usize].view());
-                (Some(all), ax)
-            }
+        let ax = match &decays {
+            Decays::Mid { f, mid } => self.as_stored(Stage::Gated, f.times(a, mid, Exp::Gx)),
+            Decays::Pairs { exps, .. } => self.gated(&a, exps[Exp::Gx as usize].view()),
         };
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(
             Stage::U,
             tri::lower_dot(p.view(), tri::lower_dot(aak.view(), v).view()),
         );
-        let decay_last = fused::exps_of_last_row(&g);
-        let decays = match factors {
-            Some(f) => Decays::Factors(f),
-            None => Decays::Pairs { g, gx },
-        };
         Intra {
             start,
             aqk,
@@ -517,9 +510,7 @@ impl Chunk {
             p,
             w,
             u,
-            direct_exps: direct,
             decays,
-            mid_exps: mid,
             decay_last,
         }
     }
@@ -853,8 +844,10 @@ fn blocks_backward<T: Scalar>(
     dgammas: [&mut Array2<T>; 2],
 ) {
     match &ch.decays {
-        Decays::Factors(f) => factored_blocks_backward(f, x, da_blocks, grads, dgammas),
-        Decays::Pairs { g, gx } => pairwise_blocks_backward(g, gx, x, da_blocks, grads, dgammas),
+        Decays::Mid { f, .. } => factored_blocks_backward(f, x, da_blocks, grads, dgammas),
+        Decays::Pairs { g, gx, .. } => {
+            pairwise_blocks_backward(g, gx, x, da_blocks, grads, dgammas)
+        }
     }
 }
 

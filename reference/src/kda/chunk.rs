@@ -147,15 +147,8 @@ pub struct Intra<T> {
     pub qg: Array2<T>,
     /// `K ⊙ exp(Γ_last − Γ)`, `[c, K]`.
     pub kg: Array2<T>,
-    /// `exp(Γ)` and `exp(Γ_last − Γ)`, `[c, K]` each, unrounded, when they
-    /// are not rebuilt through the middle row (see [`Chunk::exps`]).
-    direct_exps: Option<[Array2<T>; 2]>,
-    /// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` through the middle row `m`, kept for
-    /// the backward (`None` where a pairwise difference is used instead).
-    pub factors: Option<(Array2<T>, Array2<T>)>,
-    /// `(exp(Γ_m), exp(Γ_last − Γ_m))`, `[K]` each, where the exponentials
-    /// are rebuilt through the middle row ([`Chunk::exps`]).
-    mid_exps: Option<(Vec<T>, Vec<T>)>,
+    /// How the chunk forms its pairwise decays and exponentials.
+    decays: Decays<T>,
     /// `exp(Γ_last)`, `[K]`: read by the state passes and the backward.
     decay_last: Array1<T>,
 }
@@ -184,17 +177,58 @@ impl<T: Scalar> Intra<T> {
     }
 }
 
-/// `(exp(Γ), exp(Γ_last − Γ))`, `[c, K]` each, rebuilt from the factors
-/// `(exp(Γ − Γ_m), exp(Γ_m − Γ))` and `mid_exps`:
-/// `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`.
-fn through_mid<T: Scalar>(
-    (ep, em): &(Array2<T>, Array2<T>),
-    (e_mid, e_last): &(Vec<T>, Vec<T>),
-) -> [Array2<T>; 2] {
-    [
-        fused::scale_columns(ep, e_mid),
-        fused::scale_columns(em, e_last),
-    ]
+/// How a chunk forms its pairwise decays `exp(Γ_r − Γ_s)` and its
+/// exponentials `(exp(Γ), exp(Γ_last − Γ))` ([`Decays::exps`]).
+#[derive(Clone, Debug)]
+enum Decays<T> {
+    /// Through the middle row `m`: the factors `(exp(Γ − Γ_m),
+    /// exp(Γ_m − Γ))`, `[c, K]` each, and `(exp(Γ_m), exp(Γ_last − Γ_m))`,
+    /// `[K]` each, that rebuild the exponentials from them. Cheap, and it
+    /// keeps a chunk's stored intermediates small.
+    Mid {
+        factors: (Array2<T>, Array2<T>),
+        mid: (Vec<T>, Vec<T>),
+    },
+    /// The factors for the pairwise decays, with the exponentials formed
+    /// directly and kept (`[c, K]` each, unrounded): under FLA's `exp2`, or
+    /// where a middle-row exponential is not normal.
+    Factored {
+        factors: (Array2<T>, Array2<T>),
+        exps: [Array2<T>; 2],
+    },
+    /// Each pairwise decay from its difference (where a factor would
+    /// overflow, or under FLA's `safe_gate`), with the exponentials formed
+    /// directly and kept.
+    Pairs { exps: [Array2<T>; 2] },
+}
+
+impl<T: Scalar> Decays<T> {
+    /// The middle-row factors, where the pairwise decays go through them.
+    fn factors(&self) -> Option<&(Array2<T>, Array2<T>)> {
+        match self {
+            Decays::Mid { factors, .. } | Decays::Factored { factors, .. } => Some(factors),
+            Decays::Pairs { .. } => None,
+        }
+    }
+
+    /// `(exp(Γ), exp(Γ_last − Γ))`, `[c, K]` each (`exp(Γ_last − Γ)` is at
+    /// most 1: no overflow): rebuilt through the middle row as
+    /// `exp(Γ − Γ_m)·exp(Γ_m)` and `exp(Γ_m − Γ)·exp(Γ_last − Γ_m)`, or the
+    /// direct exponentials kept. The same bits in the intra stage and after.
+    fn exps(&self) -> [CowArray<'_, T, Ix2>; 2] {
+        match self {
+            Decays::Mid {
+                factors: (ep, em),
+                mid: (e_mid, e_last),
+            } => [
+                fused::scale_columns(ep, e_mid).into(),
+                fused::scale_columns(em, e_last).into(),
+            ],
+            Decays::Factored { exps: [eg, tl], .. } | Decays::Pairs { exps: [eg, tl] } => {
+                [eg.into(), tl.into()]
+            }
+        }
+    }
 }
 
 /// Forward intermediates of one head.
@@ -343,18 +377,6 @@ impl Chunk {
         fused::mid_row_exps(g_cumsum)
     }
 
-    /// `(exp(Γ), exp(Γ_last − Γ))` of `ch`, `[c, K]` each (`exp(Γ_last − Γ)`
-    /// is at most 1: no overflow): rebuilt through the middle row, which is
-    /// cheap and keeps a chunk's stored intermediates small, or the direct
-    /// exponentials it keeps otherwise. The same bits as in its intra stage.
-    fn exps<'a, T: Scalar>(&self, ch: &'a Intra<T>) -> [CowArray<'a, T, Ix2>; 2] {
-        match (&ch.direct_exps, &ch.factors, &ch.mid_exps) {
-            (Some([eg, tl]), _, _) => [eg.into(), tl.into()],
-            (None, Some(f), Some(mid)) => through_mid(f, mid).map(CowArray::from),
-            _ => unreachable!("a chunk that does not rebuild its exponentials keeps them"),
-        }
-    }
-
     /// `(exp(Γ), exp(Γ_last − Γ))` formed directly from Γ, `[c, K]` each.
     fn direct_exps<T: Scalar>(&self, g_cumsum: &Array2<T>) -> [Array2<T>; 2] {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
@@ -398,12 +420,17 @@ impl Chunk {
         let beta_v = beta.to_vec();
         let akk = fused::scale_columns(&n_inv, &beta_v);
         self.policy.round(Stage::Aqk, &mut aqk);
-        let mid_exps = self.mid_exps(&g_cumsum, factors.as_ref());
-        let stored = mid_exps.is_none();
-        let [eg, tl] = match (&factors, &mid_exps) {
-            (Some(f), Some(mid)) => through_mid(f, mid),
-            _ => self.direct_exps(&g_cumsum),
+        let decays = match (self.mid_exps(&g_cumsum, factors.as_ref()), factors) {
+            (Some(mid), Some(factors)) => Decays::Mid { factors, mid },
+            (None, Some(factors)) => Decays::Factored {
+                factors,
+                exps: self.direct_exps(&g_cumsum),
+            },
+            (_, None) => Decays::Pairs {
+                exps: self.direct_exps(&g_cumsum),
+            },
         };
+        let [eg, tl] = decays.exps();
         let [mut qg, mut kg] = fused::products([(q, eg.view()), (k, tl.view())]);
         let (mut w, mut u) = if [Stage::W, Stage::U, Stage::KBeta]
             .into_iter()
@@ -449,9 +476,7 @@ impl Chunk {
             u,
             qg,
             kg,
-            direct_exps: stored.then_some([eg, tl]),
-            factors,
-            mid_exps,
+            decays,
         }
     }
 
@@ -674,7 +699,7 @@ impl Chunk {
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
         let k = x.k.slice(rows);
-        let [eg, tl] = self.exps(ch);
+        let [eg, tl] = ch.decays.exps();
         let kd_ = self.operand(fused::zip_map(eg.view(), k, |e, k| e * k));
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
         let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false);
@@ -819,7 +844,7 @@ impl Chunk {
         if let Some(st) = self.policy.storage(Stage::IntraDots) {
             return self.intra_backward_subchunks(st, ch, q, k, k_col, daqk, dp, dq, dk, dgamma);
         }
-        if let Some((ep, em)) = &ch.factors {
+        if let Some((ep, em)) = ch.decays.factors() {
             // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
             // Γ_m cancels in every product, so it is held constant.
             let [a, b, cc] = fused::products([(q, ep.view()), (k, em.view()), (k, ep.view())]);
