@@ -3,14 +3,16 @@
 //! way out; everything else is read as stored.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
-use deltaref::dplr::{self as oracle, DplrDims, DplrGrads, DplrInputs, DplrOptions, DplrOutputs};
+use deltaref::dplr::{
+    self as oracle, DplrDims, DplrGrads, DplrInputs, DplrOptions, DplrOutputs, DplrRefs,
+};
 use deltaref::varlen::{self, Segment};
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
 use deltaref::Dtype;
 
-use crate::device::{arg_in, arg_opt, elementwise, grid, Gpu, Input};
+use crate::device::{arg_in, arg_opt, elementwise, grid, mapped_zeros, Gpu, Input};
 use crate::error::{GpuError, Result};
 use crate::kernels::{check_sizes, prep_defines, Defines, DPLR_NAIVE, PREP};
 use crate::pieces::upload_ranges;
@@ -48,21 +50,22 @@ struct Grads {
 }
 
 impl<'g> Problem<'g> {
+    /// Uploads and pre-processes a problem the caller validated (`d` its
+    /// sizes).
     fn new(
         gpu: &'g Gpu,
-        x: &DplrInputs<f64>,
+        d: DplrDims,
+        x: &DplrRefs<'_, f64>,
         opts: &DplrOptions,
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
         storage: Dtype,
     ) -> Result<Problem<'g>> {
-        let d = oracle::validate(x, opts)?;
-        oracle::validate_upstream(&d, d_o, dht)?;
         check_sizes(d.k, d.v, d.b * d.t)?;
         let scale = opts.scale.unwrap_or(1.0 / (d.k as f64).sqrt()) as f32;
         let ntok = d.b * d.t;
         let defs = prep_defines(storage);
-        let raw_q = gpu.upload_input("q", &x.q, storage)?;
+        let raw_q = gpu.upload_input("q", x.q, storage)?;
         let mut q = gpu.zeros::<f32>("q", ntok * d.h * d.k)?;
         let f = gpu.function(&PREP, defs, "prep_rows")?;
         let (rows, kd, no_l2) = ((ntok * d.h) as i64, d.k as i32, 0i32);
@@ -88,13 +91,13 @@ impl<'g> Problem<'g> {
             d,
             storage,
             scale,
-            k: convert("k", &x.k)?,
-            a: convert("a", &x.a)?,
-            b: convert("b", &x.b)?,
-            gk: convert("gk", &x.gk)?,
-            v: convert("v", &x.v)?,
+            k: convert("k", x.k)?,
+            a: convert("a", x.a)?,
+            b: convert("b", x.b)?,
+            gk: convert("gk", x.gk)?,
+            v: convert("v", x.v)?,
             d_o: convert("do", d_o)?,
-            h0: up32("initial_state", x.initial_state.as_ref())?,
+            h0: up32("initial_state", x.initial_state)?,
             dht: up32("dht", dht)?,
             raw_q,
             q,
@@ -225,10 +228,50 @@ impl Recurrence for Problem<'_> {
     }
 }
 
-/// DPLR forward and backward on the GPU (naive engine; CP when `imp.cp` is set).
+/// Host memory for the token-sized results, mapped while the device
+/// computes (see [`mapped_zeros`]).
+struct Landing {
+    o: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    da: Vec<f64>,
+    db: Vec<f64>,
+    dgk: Vec<f64>,
+}
+
+impl Landing {
+    fn new(x: &DplrRefs<'_, f64>) -> Landing {
+        Landing {
+            o: mapped_zeros(x.v.len()),
+            dq: mapped_zeros(x.q.len()),
+            dk: mapped_zeros(x.k.len()),
+            dv: mapped_zeros(x.v.len()),
+            da: mapped_zeros(x.a.len()),
+            db: mapped_zeros(x.b.len()),
+            dgk: mapped_zeros(x.gk.len()),
+        }
+    }
+}
+
+/// DPLR forward and backward on the GPU (naive engine; CP when `imp.cp` is
+/// set): `o`, `final_state` and every gradient (shaped like the oracle's),
+/// with kernel and host timings.
 pub fn run(
     gpu: &Gpu,
     x: &DplrInputs<f64>,
+    opts: &DplrOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+    imp: &GpuImpl,
+) -> Result<Run<DplrOutputs<f64>, DplrGrads<f64>>> {
+    run_refs(gpu, &x.refs(), opts, d_o, dht, imp)
+}
+
+/// [`run`] on inputs borrowed where they live (a case's tensors, uncopied).
+pub fn run_refs(
+    gpu: &Gpu,
+    x: &DplrRefs<'_, f64>,
     opts: &DplrOptions,
     d_o: &ArrayD<f64>,
     dht: Option<&ArrayD<f64>>,
@@ -240,71 +283,112 @@ pub fn run(
                 .into(),
         ));
     }
-    let p = Problem::new(gpu, x, opts, d_o, dht, imp.storage)?;
-    let d = p.d;
-    let segs = varlen::sequences(d.b, d.t, x.cu_seqlens.as_deref())?;
+    let compiled = gpu.compile_seconds();
+    let t = std::time::Instant::now();
+    let d = oracle::validate_refs(x, opts)?;
+    oracle::validate_upstream(&d, d_o, dht)?;
+    let check_s = t.elapsed().as_secs_f64();
+    let p = Problem::new(gpu, d, x, opts, d_o, dht, imp.storage)?;
+    gpu.sync("DPLR inputs")?;
+    let upload_s = t.elapsed().as_secs_f64();
+    let mut run = run_problem(&p, x, imp)?;
+    run.timings.upload_s = upload_s;
+    run.timings.check_s = check_s;
+    run.timings.compile_s = gpu.compile_seconds() - compiled;
+    Ok(run)
+}
+
+/// The kernels of an uploaded problem, and its results fetched into host
+/// memory mapped meanwhile on the other cores.
+fn run_problem(
+    p: &Problem,
+    x: &DplrRefs<'_, f64>,
+    imp: &GpuImpl,
+) -> Result<Run<DplrOutputs<f64>, DplrGrads<f64>>> {
+    let (gpu, d) = (p.gpu, p.d);
+    let segs = varlen::sequences(d.b, d.t, x.cu_seqlens)?;
     let plan = imp
         .cp
         .as_ref()
-        .map(|spec| spec.build(d.b, d.t, x.cu_seqlens.as_deref()))
+        .map(|spec| spec.build(d.b, d.t, x.cu_seqlens))
         .transpose()?;
     let mut o = gpu.zeros::<f32>("o", p.tokens() * d.h * d.v)?;
-    let (ht, forward_s) = gpu.timed("DPLR forward", || match &plan {
-        None => p.forward(&segs, p.h0.as_ref(), Some(&mut o)),
-        Some(plan) => cp::forward(&p, plan, p.h0.as_ref(), &mut o),
-    })?;
-    let ((g, dh0), backward_s) = gpu.timed("DPLR backward", || {
-        let mut g = p.scratch_grads()?;
-        let dh0 = match &plan {
-            None => p.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
-            Some(plan) => cp::backward(&p, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+    std::thread::scope(|s| {
+        let landing = s.spawn(|| Landing::new(x));
+        let (ht, forward_s) = gpu.timed("DPLR forward", || match &plan {
+            None => p.forward(&segs, p.h0.as_ref(), Some(&mut o)),
+            Some(plan) => cp::forward(p, plan, p.h0.as_ref(), &mut o),
+        })?;
+        let ((g, dh0), backward_s) = gpu.timed("DPLR backward", || {
+            let mut g = p.scratch_grads()?;
+            let dh0 = match &plan {
+                None => p.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+                Some(plan) => cp::backward(p, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
+            };
+            Ok((g, dh0))
+        })?;
+        let t = std::time::Instant::now();
+        let host = landing.join().expect("mapping the results' memory");
+        let dq = p.chain_dq(&g.dq)?;
+        let token = |what: &str, t: CudaSlice<f32>, like: &ArrayD<f64>, out: Vec<f64>| {
+            gpu.fetch_into(what, t, like.shape(), Some(p.storage), out)
         };
-        Ok((g, dh0))
-    })?;
-    // dq with respect to the unscaled q: a GVA "group" of one head, no l2norm.
-    let mut dq = gpu.zeros::<f32>("dq", p.tokens() * d.h * d.k)?;
-    let f = gpu.function(&PREP, prep_defines(p.storage), "group_l2norm_bwd")?;
-    let (rows, h, one, k, no_l2) = (
-        (p.tokens() * d.h) as i64,
-        d.h as i32,
-        1i32,
-        d.k as i32,
-        0i32,
-    );
-    let mut b = gpu.stream().launch_builder(&f);
-    b.arg(&g.dq);
-    arg_in(&mut b, &p.raw_q);
-    b.arg(&mut dq)
-        .arg(&rows)
-        .arg(&h)
-        .arg(&one)
-        .arg(&k)
-        .arg(&no_l2)
-        .arg(&p.scale);
-    gpu.launch(b, "group_l2norm_bwd", elementwise(p.tokens() * d.h))?;
-    let token = Some(p.storage);
-    let state = [d.n, d.h, d.k, d.v];
-    Ok(Run {
-        outputs: DplrOutputs {
-            o: gpu.fetch("o", o, x.v.shape(), token)?,
+        let state = [d.n, d.h, d.k, d.v];
+        let outputs = DplrOutputs {
+            o: token("o", o, x.v, host.o)?,
             final_state: Some(gpu.fetch("final_state", ht, &state, None)?),
-        },
-        grads: DplrGrads {
-            dq: gpu.fetch("dq", dq, x.q.shape(), token)?,
-            dk: gpu.fetch("dk", g.dk, x.k.shape(), token)?,
-            dv: gpu.fetch("dv", g.dv, x.v.shape(), token)?,
-            da: gpu.fetch("da", g.da, x.a.shape(), token)?,
-            db: gpu.fetch("db", g.db, x.b.shape(), token)?,
-            dgk: gpu.fetch("dgk", g.dgk, x.gk.shape(), token)?,
-            dh0: match &x.initial_state {
+        };
+        let grads = DplrGrads {
+            dq: token("dq", dq, x.q, host.dq)?,
+            dk: token("dk", g.dk, x.k, host.dk)?,
+            dv: token("dv", g.dv, x.v, host.dv)?,
+            da: token("da", g.da, x.a, host.da)?,
+            db: token("db", g.db, x.b, host.db)?,
+            dgk: token("dgk", g.dgk, x.gk, host.dgk)?,
+            dh0: match x.initial_state {
                 Some(_) => Some(gpu.fetch("dh0", dh0, &state, None)?),
                 None => None,
             },
-        },
-        timings: Timings {
-            forward_s,
-            backward_s,
-            ..Timings::default()
-        },
+        };
+        gpu.sync("DPLR results")?;
+        Ok(Run {
+            outputs,
+            grads,
+            timings: Timings {
+                forward_s,
+                backward_s,
+                download_s: t.elapsed().as_secs_f64(),
+                ..Timings::default()
+            },
+        })
     })
+}
+
+impl Problem<'_> {
+    /// `dq` with respect to the unscaled `q`, `[NTOK, H, K]`: a GVA "group"
+    /// of one head, no l2norm.
+    fn chain_dq(&self, dq_scaled: &CudaSlice<f32>) -> Result<CudaSlice<f32>> {
+        let (gpu, d) = (self.gpu, self.d);
+        let mut dq = gpu.zeros::<f32>("dq", self.tokens() * d.h * d.k)?;
+        let f = gpu.function(&PREP, prep_defines(self.storage), "group_l2norm_bwd")?;
+        let (rows, h, one, k, no_l2) = (
+            (self.tokens() * d.h) as i64,
+            d.h as i32,
+            1i32,
+            d.k as i32,
+            0i32,
+        );
+        let mut b = gpu.stream().launch_builder(&f);
+        b.arg(dq_scaled);
+        arg_in(&mut b, &self.raw_q);
+        b.arg(&mut dq)
+            .arg(&rows)
+            .arg(&h)
+            .arg(&one)
+            .arg(&k)
+            .arg(&no_l2)
+            .arg(&self.scale);
+        gpu.launch(b, "group_l2norm_bwd", elementwise(self.tokens() * d.h))?;
+        Ok(dq)
+    }
 }

@@ -64,12 +64,13 @@ pub struct Timings {
     pub forward_s: f64,
     pub backward_s: f64,
     /// Checking the inputs, converting them to the storage dtype, copying
-    /// them to the device and the pre-processing kernels (KDA).
+    /// them to the device and the pre-processing kernels (KDA, DPLR).
     pub upload_s: f64,
     /// The checks alone (shapes, options, every value finite), part of
-    /// `upload_s` (KDA).
+    /// `upload_s` (KDA, DPLR).
     pub check_s: f64,
-    /// Gradient chain kernels, copies back and the widening to f64 (KDA).
+    /// Gradient chain kernels, copies back and the widening to f64 (KDA,
+    /// DPLR).
     pub download_s: f64,
     /// Compiling (or loading from the PTX cache) kernel modules during the
     /// run; part of the phase that first needed them.

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use deltaref::dplr::{Dplr, DplrInputs, DplrOptions};
+use deltaref::dplr::{Dplr, DplrGrads, DplrInputs, DplrOptions, DplrOutputs, DplrRefs};
 use deltaref::gdn::{Gdn, GdnGrads, GdnInputs, GdnOutputs};
 use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOptions, KdaOutputs, KdaRefs};
 use deltaref::op::OpSpec;
@@ -160,6 +160,22 @@ fn kda_refs(case: &Case) -> Result<KdaRefs<'_, f64>, deltaref::Error> {
     })
 }
 
+/// A DPLR case's inputs, borrowed from the case.
+fn dplr_refs(case: &Case) -> Result<DplrRefs<'_, f64>, deltaref::Error> {
+    let get = |name: &str| case.tensors.get(name);
+    let need = |name: &str| get(name).ok_or_else(|| missing(case, name));
+    Ok(DplrRefs {
+        q: need("q")?,
+        k: need("k")?,
+        v: need("v")?,
+        a: need("a")?,
+        b: need("b")?,
+        gk: need("gk")?,
+        initial_state: get("initial_state"),
+        cu_seqlens: case.cu_seqlens.as_deref(),
+    })
+}
+
 /// A case's upstream gradients `(do, dht)`, borrowed; `do` is required.
 fn upstream_refs(case: &Case) -> Result<(&ArrayD<f64>, Option<&ArrayD<f64>>), deltaref::Error> {
     let [d_o, dht] = case.meta.op.upstream() else {
@@ -185,10 +201,23 @@ pub fn dplr(
     dht: Option<&ArrayD<f64>>,
 ) -> Result<(Tensors, Timings), ComputeError> {
     let r = deltaref_gpu::dplr::run(device()?, x, opts, d_o, dht, imp)?;
-    Ok((
-        outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads)),
-        r.timings,
-    ))
+    Ok((dplr_tensors(r.outputs, r.grads), r.timings))
+}
+
+/// DPLR's results under FLA's names, moved like [`kda_tensors`]'.
+pub fn dplr_tensors(out: DplrOutputs<f64>, gr: DplrGrads<f64>) -> Tensors {
+    named::<Dplr>(
+        vec![Some(out.o), out.final_state],
+        vec![
+            Some(gr.dq),
+            Some(gr.dk),
+            Some(gr.dv),
+            Some(gr.da),
+            Some(gr.db),
+            Some(gr.dgk),
+            gr.dh0,
+        ],
+    )
 }
 
 /// Token-shift outputs and gradients on the GPU.
@@ -205,14 +234,23 @@ pub fn token_shift(
     ))
 }
 
-/// A case's results on the GPU. KDA reads the case's tensors where they
-/// are (a long case's inputs are gigabytes: no copy).
+/// A case's results on the GPU. KDA and DPLR read the case's tensors where
+/// they are (a long case's inputs are gigabytes: no copy).
 pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeError> {
-    if case.meta.op == Op::Kda {
-        let (x, (d_o, dht)) = (kda_refs(case)?, upstream_refs(case)?);
-        let opts = case.meta.kda_options();
-        let r = deltaref_gpu::kda::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
-        return Ok((kda_tensors(r.outputs, r.grads), r.timings));
+    match case.meta.op {
+        Op::Kda => {
+            let (x, (d_o, dht)) = (kda_refs(case)?, upstream_refs(case)?);
+            let opts = case.meta.kda_options();
+            let r = deltaref_gpu::kda::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
+            return Ok((kda_tensors(r.outputs, r.grads), r.timings));
+        }
+        Op::Dplr => {
+            let (x, (d_o, dht)) = (dplr_refs(case)?, upstream_refs(case)?);
+            let opts = case.meta.dplr_options();
+            let r = deltaref_gpu::dplr::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
+            return Ok((dplr_tensors(r.outputs, r.grads), r.timings));
+        }
+        _ => {}
     }
     let (d_o, dht) = upstream_refs(case)?;
     match case.inputs()? {
@@ -237,11 +275,12 @@ pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeErr
 #[cfg(test)]
 mod tests {
     use deltaref::gdn::{GdnOptions, OnKda};
-    use deltaref::inputs::{self, GdnSpec, KdaSpec, Layout};
+    use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout};
 
     use super::*;
 
-    /// The moving name maps give what the copying [`outputs::map`] gives.
+    /// The moving name maps give what the copying [`outputs::map`] gives
+    /// (KDA, GDN, DPLR).
     #[test]
     fn moved_results_are_the_mapped_ones() {
         let spec = KdaSpec {
@@ -287,5 +326,25 @@ mod tests {
         let want = outputs::map::<f64, Gdn>(&out, Some(&gr));
         assert_eq!(want.len(), 10, "{:?}", want.keys());
         assert_eq!(gdn_tensors(out, gr), want);
+
+        let spec = DplrSpec {
+            layout: Layout::varlen(&[5, 3]),
+            h: 2,
+            k: 4,
+            v: 3,
+            initial_state: true,
+            seed: 3,
+        };
+        let g = inputs::dplr(&spec);
+        let opts = DplrOptions {
+            output_final_state: true,
+            ..Default::default()
+        };
+        let e = deltaref::dplr::naive::Naive;
+        let out = deltaref::op::forward(&e, &g.inputs, &opts).unwrap();
+        let gr = deltaref::op::backward(&e, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+        let want = outputs::map::<f64, Dplr>(&out, Some(&gr));
+        assert_eq!(want.len(), 9, "{:?}", want.keys());
+        assert_eq!(dplr_tensors(out, gr), want);
     }
 }

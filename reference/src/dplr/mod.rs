@@ -40,6 +40,37 @@ pub struct DplrInputs<T> {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+/// DPLR inputs borrowed where they live (a case file's tensors): what
+/// validation and the GPU upload read, without copying a tensor. Shapes as
+/// in [`DplrInputs`].
+#[derive(Clone, Copy, Debug)]
+pub struct DplrRefs<'a, T> {
+    pub q: &'a ArrayD<T>,
+    pub k: &'a ArrayD<T>,
+    pub v: &'a ArrayD<T>,
+    pub a: &'a ArrayD<T>,
+    pub b: &'a ArrayD<T>,
+    pub gk: &'a ArrayD<T>,
+    pub initial_state: Option<&'a ArrayD<T>>,
+    pub cu_seqlens: Option<&'a [i64]>,
+}
+
+impl<T> DplrInputs<T> {
+    /// The inputs borrowed.
+    pub fn refs(&self) -> DplrRefs<'_, T> {
+        DplrRefs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            a: &self.a,
+            b: &self.b,
+            gk: &self.gk,
+            initial_state: self.initial_state.as_ref(),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        }
+    }
+}
+
 impl<T: Scalar> DplrInputs<T> {
     /// The same inputs in another scalar.
     pub fn cast<U: Scalar>(&self) -> DplrInputs<U> {
@@ -151,23 +182,28 @@ pub struct DplrHeadGrads<T> {
 }
 
 pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
-    let qs = expect_rank("q", "B,T,H,K", &x.q)?;
+    validate_refs(&x.refs(), opt)
+}
+
+/// [`validate`] on borrowed inputs.
+pub fn validate_refs<T: Scalar>(x: &DplrRefs<'_, T>, opt: &DplrOptions) -> Result<DplrDims> {
+    let qs = expect_rank("q", "B,T,H,K", x.q)?;
     let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
     if h == 0 || k == 0 {
         return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
     }
-    for (name, a) in [("k", &x.k), ("a", &x.a), ("b", &x.b), ("gk", &x.gk)] {
+    for (name, a) in [("k", x.k), ("a", x.a), ("b", x.b), ("gk", x.gk)] {
         expect_shape(name, "[B,T,H,K]", qs, a.shape())?;
     }
-    let vs = expect_rank("v", "B,T,H,V", &x.v)?;
+    let vs = expect_rank("v", "B,T,H,V", x.v)?;
     if vs[3] == 0 {
         return Err(Error::shape("v", "[B,T,H,V] with V ≥ 1", vs));
     }
     expect_shape("v", "[B,T,H,V]", &[b, t, h, vs[3]], vs)?;
     let v = vs[3];
-    let segments = varlen::sequences(b, t, x.cu_seqlens.as_deref())?;
+    let segments = varlen::sequences(b, t, x.cu_seqlens)?;
     let n = segments.len();
-    if let Some(h0) = &x.initial_state {
+    if let Some(h0) = x.initial_state {
         expect_shape("initial_state", "[N,H,K,V]", &[n, h, k, v], h0.shape())?;
         check_finite("initial_state", h0)?;
     }
@@ -175,12 +211,12 @@ pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrD
         check_finite_option("scale", sc)?;
     }
     for (name, a) in [
-        ("q", &x.q),
-        ("k", &x.k),
-        ("v", &x.v),
-        ("a", &x.a),
-        ("b", &x.b),
-        ("gk", &x.gk),
+        ("q", x.q),
+        ("k", x.k),
+        ("v", x.v),
+        ("a", x.a),
+        ("b", x.b),
+        ("gk", x.gk),
     ] {
         check_finite(name, a)?;
     }

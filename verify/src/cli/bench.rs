@@ -262,7 +262,7 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
         );
     }
     for r in rows {
-        // KDA runs time their host parts; other ops leave them zero.
+        // KDA and DPLR runs time their host parts; other ops leave them zero.
         if let (Some(f), Some(b), Some(u @ 0.0..), Some(k), Some(d), Some(c)) = (
             r.forward_s,
             r.backward_s,
