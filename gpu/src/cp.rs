@@ -5,8 +5,8 @@
 //! the oracle's [`Plan`] (FLA's `FLACPContext` rules).
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
-use deltaref::cp::plan::{Plan, RankMeta};
-use deltaref::varlen::Segment;
+use deltaref::cp::plan::{Plan, PlanSpec, RankMeta};
+use deltaref::varlen::{self, Segment};
 
 use crate::device::{arg_opt, grid, Gpu};
 use crate::error::Result;
@@ -47,6 +47,53 @@ pub(crate) trait Recurrence {
 
     /// Throw-away gradient buffers (for the backward pre-process).
     fn scratch_grads(&self) -> Result<Self::Grads>;
+}
+
+/// A run's two phases on the device: the final states, the gradients and
+/// `dh0`, with each phase's seconds.
+pub(crate) struct Phases<G> {
+    pub ht: CudaSlice<f32>,
+    pub grads: G,
+    pub dh0: CudaSlice<f32>,
+    pub forward_s: f64,
+    pub backward_s: f64,
+}
+
+/// The forward of `rec` (writing `o`) and then its backward, over the
+/// sequences of a `[B, T]` batch (or of `cu_seqlens`), split over ranks by
+/// `cp` when given; each phase timed with the stream drained (`op` names
+/// them in errors).
+pub(crate) fn forward_backward<R: Recurrence>(
+    rec: &R,
+    op: &str,
+    (b, t, cu_seqlens): (usize, usize, Option<&[i64]>),
+    cp: Option<&PlanSpec>,
+    (h0, dht): (Option<&CudaSlice<f32>>, Option<&CudaSlice<f32>>),
+    o: &mut CudaSlice<f32>,
+) -> Result<Phases<R::Grads>> {
+    let segs = &varlen::sequences(b, t, cu_seqlens)?;
+    let plan = cp.map(|spec| spec.build(b, t, cu_seqlens)).transpose()?;
+    let plan = plan.as_ref();
+    let gpu = rec.gpu();
+    let (ht, forward_s) = gpu.timed(&format!("{op} forward"), || match plan {
+        None => rec.forward(segs, h0, Some(o)),
+        Some(plan) => forward(rec, plan, h0, o),
+    })?;
+    let ((grads, dh0), backward_s) = gpu.timed(&format!("{op} backward"), || {
+        let mut g = rec.scratch_grads()?;
+        let dh0 = match plan {
+            None => rec.backward(segs, h0, dht, &mut g)?,
+            Some(plan) => backward(rec, plan, h0, dht, &mut g)?,
+        };
+        Ok((g, dh0))
+    })?;
+    Ok(Phases {
+        ht,
+        grads,
+        dh0,
+        forward_s,
+        backward_s,
+    })
 }
 
 /// Elements of one `[heads, K, V]` state.

@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use deltaref::dplr::{
     self as oracle, DplrDims, DplrGrads, DplrInputs, DplrOptions, DplrOutputs, DplrRefs,
 };
-use deltaref::varlen::{self, Segment};
+use deltaref::varlen::Segment;
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
@@ -228,32 +228,6 @@ impl Recurrence for Problem<'_> {
     }
 }
 
-/// Host memory for the token-sized results, mapped while the device
-/// computes (see [`mapped_zeros`]).
-struct Landing {
-    o: Vec<f64>,
-    dq: Vec<f64>,
-    dk: Vec<f64>,
-    dv: Vec<f64>,
-    da: Vec<f64>,
-    db: Vec<f64>,
-    dgk: Vec<f64>,
-}
-
-impl Landing {
-    fn new(x: &DplrRefs<'_, f64>) -> Landing {
-        Landing {
-            o: mapped_zeros(x.v.len()),
-            dq: mapped_zeros(x.q.len()),
-            dk: mapped_zeros(x.k.len()),
-            dv: mapped_zeros(x.v.len()),
-            da: mapped_zeros(x.a.len()),
-            db: mapped_zeros(x.b.len()),
-            dgk: mapped_zeros(x.gk.len()),
-        }
-    }
-}
-
 /// DPLR forward and backward on the GPU (naive engine; CP when `imp.cp` is
 /// set): `o`, `final_state` and every gradient (shaped like the oracle's),
 /// with kernel and host timings.
@@ -306,47 +280,36 @@ fn run_problem(
     imp: &GpuImpl,
 ) -> Result<Run<DplrOutputs<f64>, DplrGrads<f64>>> {
     let (gpu, d) = (p.gpu, p.d);
-    let segs = varlen::sequences(d.b, d.t, x.cu_seqlens)?;
-    let plan = imp
-        .cp
-        .as_ref()
-        .map(|spec| spec.build(d.b, d.t, x.cu_seqlens))
-        .transpose()?;
     let mut o = gpu.zeros::<f32>("o", p.tokens() * d.h * d.v)?;
     std::thread::scope(|s| {
-        let landing = s.spawn(|| Landing::new(x));
-        let (ht, forward_s) = gpu.timed("DPLR forward", || match &plan {
-            None => p.forward(&segs, p.h0.as_ref(), Some(&mut o)),
-            Some(plan) => cp::forward(p, plan, p.h0.as_ref(), &mut o),
-        })?;
-        let ((g, dh0), backward_s) = gpu.timed("DPLR backward", || {
-            let mut g = p.scratch_grads()?;
-            let dh0 = match &plan {
-                None => p.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
-                Some(plan) => cp::backward(p, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
-            };
-            Ok((g, dh0))
-        })?;
+        // The results' host memory, mapped on the other cores meanwhile
+        // (see `mapped_zeros`).
+        let lens = [x.v, x.q, x.k, x.v, x.a, x.b, x.gk].map(|t| t.len());
+        let landing = s.spawn(move || lens.map(mapped_zeros));
+        let (batch, io) = ((d.b, d.t, x.cu_seqlens), (p.h0.as_ref(), p.dht.as_ref()));
+        let ph = cp::forward_backward(p, "DPLR", batch, imp.cp.as_ref(), io, &mut o)?;
         let t = std::time::Instant::now();
-        let host = landing.join().expect("mapping the results' memory");
+        let [o_host, dq_host, dk_host, dv_host, da_host, db_host, dgk_host] =
+            landing.join().expect("mapping the results' memory");
+        let g = ph.grads;
         let dq = p.chain_dq(&g.dq)?;
         let token = |what: &str, t: CudaSlice<f32>, like: &ArrayD<f64>, out: Vec<f64>| {
             gpu.fetch_into(what, t, like.shape(), Some(p.storage), out)
         };
         let state = [d.n, d.h, d.k, d.v];
         let outputs = DplrOutputs {
-            o: token("o", o, x.v, host.o)?,
-            final_state: Some(gpu.fetch("final_state", ht, &state, None)?),
+            o: token("o", o, x.v, o_host)?,
+            final_state: Some(gpu.fetch("final_state", ph.ht, &state, None)?),
         };
         let grads = DplrGrads {
-            dq: token("dq", dq, x.q, host.dq)?,
-            dk: token("dk", g.dk, x.k, host.dk)?,
-            dv: token("dv", g.dv, x.v, host.dv)?,
-            da: token("da", g.da, x.a, host.da)?,
-            db: token("db", g.db, x.b, host.db)?,
-            dgk: token("dgk", g.dgk, x.gk, host.dgk)?,
+            dq: token("dq", dq, x.q, dq_host)?,
+            dk: token("dk", g.dk, x.k, dk_host)?,
+            dv: token("dv", g.dv, x.v, dv_host)?,
+            da: token("da", g.da, x.a, da_host)?,
+            db: token("db", g.db, x.b, db_host)?,
+            dgk: token("dgk", g.dgk, x.gk, dgk_host)?,
             dh0: match x.initial_state {
-                Some(_) => Some(gpu.fetch("dh0", dh0, &state, None)?),
+                Some(_) => Some(gpu.fetch("dh0", ph.dh0, &state, None)?),
                 None => None,
             },
         };
@@ -355,8 +318,8 @@ fn run_problem(
             outputs,
             grads,
             timings: Timings {
-                forward_s,
-                backward_s,
+                forward_s: ph.forward_s,
+                backward_s: ph.backward_s,
                 download_s: t.elapsed().as_secs_f64(),
                 ..Timings::default()
             },

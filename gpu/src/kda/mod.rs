@@ -12,7 +12,6 @@ use deltaref::gates::{Gate, L2NORM_EPS};
 use deltaref::kda::{
     self as oracle, KdaDims, KdaGrads, KdaInputs, KdaOptions, KdaOutputs, KdaRefs,
 };
-use deltaref::varlen;
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
@@ -334,7 +333,7 @@ impl<'g> Problem<'g> {
         g: Grads,
         dh0: CudaSlice<f32>,
         x: &KdaRefs<'_, f64>,
-        host: Landing,
+        [dq_host, dk_host, dv_host, dg_host, dbeta_host]: [Vec<f64>; 5],
     ) -> Result<KdaGrads<f64>> {
         let dq = self.chain_qk(&g.dq, &self.raw_q, self.scale)?;
         let dk = self.chain_qk(&g.dk, &self.raw_k, 1.0)?;
@@ -350,11 +349,11 @@ impl<'g> Problem<'g> {
         };
         let shape_of = |a: &ArrayD<f64>| a.shape().to_vec();
         Ok(KdaGrads {
-            dq: token("dq", dq, x.q, host.dq)?,
-            dk: token("dk", dk, x.k, host.dk)?,
-            dv: token("dv", g.dv, x.v, host.dv)?,
-            dg: token("dg", dg, x.g, host.dg)?,
-            dbeta: token("dbeta", dbeta, x.beta, host.dbeta)?,
+            dq: token("dq", dq, x.q, dq_host)?,
+            dk: token("dk", dk, x.k, dk_host)?,
+            dv: token("dv", g.dv, x.v, dv_host)?,
+            dg: token("dg", dg, x.g, dg_host)?,
+            dbeta: token("dbeta", dbeta, x.beta, dbeta_host)?,
             da_log: match (da_log, x.a_log) {
                 (Some(t), Some(a)) => Some(fetch("dA_log", t, &shape_of(a), false)?),
                 _ => None,
@@ -368,30 +367,6 @@ impl<'g> Problem<'g> {
                 None => None,
             },
         })
-    }
-}
-
-/// Host memory for the token-sized results, mapped while the device
-/// computes (see [`mapped_zeros`]).
-struct Landing {
-    o: Vec<f64>,
-    dq: Vec<f64>,
-    dk: Vec<f64>,
-    dv: Vec<f64>,
-    dg: Vec<f64>,
-    dbeta: Vec<f64>,
-}
-
-impl Landing {
-    fn new(x: &KdaRefs<'_, f64>) -> Landing {
-        Landing {
-            o: mapped_zeros(x.v.len()),
-            dq: mapped_zeros(x.q.len()),
-            dk: mapped_zeros(x.k.len()),
-            dv: mapped_zeros(x.v.len()),
-            dg: mapped_zeros(x.g.len()),
-            dbeta: mapped_zeros(x.beta.len()),
-        }
     }
 }
 
@@ -466,44 +441,28 @@ fn run_with<R: Recurrence<Grads = Grads>>(
     imp: &GpuImpl,
 ) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
     let (gpu, d) = (p.gpu, p.d);
-    let segs = varlen::sequences(d.b, d.t, x.cu_seqlens)?;
-    let plan = imp
-        .cp
-        .as_ref()
-        .map(|spec| spec.build(d.b, d.t, x.cu_seqlens))
-        .transpose()?;
     let mut o = gpu.zeros::<f32>("o", p.tokens() * d.hv * d.v)?;
     std::thread::scope(|s| {
-        // The results' host memory is mapped on the other cores while the
-        // device computes.
-        let landing = s.spawn(|| Landing::new(x));
-        let (ht, forward_s) = gpu.timed("KDA forward", || match &plan {
-            None => rec.forward(&segs, p.h0.as_ref(), Some(&mut o)),
-            Some(plan) => cp::forward(rec, plan, p.h0.as_ref(), &mut o),
-        })?;
-        let ((grads, dh0), backward_s) = gpu.timed("KDA backward", || {
-            let mut g = Grads::zeros(p)?;
-            let dh0 = match &plan {
-                None => rec.backward(&segs, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
-                Some(plan) => cp::backward(rec, plan, p.h0.as_ref(), p.dht.as_ref(), &mut g)?,
-            };
-            Ok((g, dh0))
-        })?;
+        // The results' host memory, mapped on the other cores meanwhile
+        // (see `mapped_zeros`).
+        let lens = [x.v, x.q, x.k, x.v, x.g, x.beta].map(|t| t.len());
+        let landing = s.spawn(move || lens.map(mapped_zeros));
+        let (batch, io) = ((d.b, d.t, x.cu_seqlens), (p.h0.as_ref(), p.dht.as_ref()));
+        let ph = cp::forward_backward(rec, "KDA", batch, imp.cp.as_ref(), io, &mut o)?;
         let t = std::time::Instant::now();
-        let mut host = landing.join().expect("mapping the results' memory");
-        let o_host = std::mem::take(&mut host.o);
-        let grads = p.chain(grads, dh0, x, host)?;
+        let [o_host, grads_host @ ..] = landing.join().expect("mapping the results' memory");
+        let grads = p.chain(ph.grads, ph.dh0, x, grads_host)?;
         let outputs = KdaOutputs {
             o: gpu.fetch_into("o", o, x.v.shape(), Some(p.storage), o_host)?,
-            final_state: Some(gpu.fetch("final_state", ht, &[d.n, d.hv, d.k, d.v], None)?),
+            final_state: Some(gpu.fetch("final_state", ph.ht, &[d.n, d.hv, d.k, d.v], None)?),
         };
         gpu.sync("KDA results")?;
         Ok(Run {
             outputs,
             grads,
             timings: Timings {
-                forward_s,
-                backward_s,
+                forward_s: ph.forward_s,
+                backward_s: ph.backward_s,
                 download_s: t.elapsed().as_secs_f64(),
                 ..Timings::default()
             },
