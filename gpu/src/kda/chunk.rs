@@ -1,6 +1,7 @@
 //! The chunked KDA kernels (`kda_chunk.cu`, FLA's `chunk_kda` structure) as a
-//! [`Recurrence`]: intra-chunk stage, state pass, output; backward recomputes
-//! the forward intermediates, runs the dh pass, then each chunk's backward.
+//! `Recurrence` (`crate::cp`): intra-chunk stage, state pass, output;
+//! backward recomputes the forward intermediates, runs the dh pass, then each
+//! chunk's backward.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use deltaref::tensor::check_chunk_size;

@@ -1,4 +1,5 @@
-//! The naive recurrent KDA kernels (`kda_naive.cu`) as a [`Recurrence`].
+//! The naive recurrent KDA kernels (`kda_naive.cu`) as a `Recurrence`
+//! (`crate::cp`).
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 use deltaref::varlen::Segment;

@@ -3,8 +3,8 @@
 //! option names). Reading validates everything and never panics; writing is
 //! atomic (temporary file + rename, see [`files`]).
 //!
-//! Split by job: [`error`] (what can go wrong), [`meta`] (the `case`
-//! metadata and the ops' names), [`dtype`] (storage dtypes), [`io`] (files,
+//! Split by job: `error` (what can go wrong), `meta` (the `case`
+//! metadata and the ops' names), `dtype` (storage dtypes), `io` (files,
 //! framing, candidates); this module holds the case in memory.
 
 mod dtype;
