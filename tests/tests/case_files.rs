@@ -321,6 +321,42 @@ fn tensor_problems_name_the_tensor() {
     assert!(e.contains("missing tensor `x`"), "{e}");
 }
 
+/// KDA and DPLR cases are checked where their tensors are (no copy of the
+/// inputs): a bad input, upstream gradient or stored result is refused by
+/// name, as through the copying path.
+#[test]
+fn kda_and_dplr_cases_are_checked_in_place() {
+    for (op, gate, required) in [(Op::Kda, "g", "beta"), (Op::Dplr, "gk", "b")] {
+        let good = generate(&spec(op)).expect("generated");
+        good.validate().expect("a generated case is valid");
+        // The error of `good` broken by `f`, which must name `name`.
+        let broken = |name: &str, f: &dyn Fn(&mut Case)| -> String {
+            let mut c = good.clone();
+            f(&mut c);
+            let e = c.validate().expect_err(name).to_string();
+            assert!(e.contains(&format!("`{name}`")), "{op:?} {name}: {e}");
+            e
+        };
+        // An input, an upstream gradient and two stored results.
+        for name in [gate, "q", "do", "dq", "o"] {
+            let e = broken(name, &|c: &mut Case| {
+                c.tensors.get_mut(name).unwrap()[[0, 1, 0, 0]] = f64::NAN;
+            });
+            assert!(e.contains("non-finite"), "{op:?} {name}: {e}");
+        }
+        for name in ["k", "v", "dk"] {
+            broken(name, &|c: &mut Case| {
+                c.tensors
+                    .insert(name.into(), ndarray::ArrayD::zeros(vec![1, 2, 3, 4]));
+            });
+        }
+        let e = broken(required, &|c: &mut Case| {
+            c.tensors.remove(required);
+        });
+        assert!(e.contains("missing"), "{op:?} {required}: {e}");
+    }
+}
+
 fn one_x_with(data: &[u8]) -> Vec<u8> {
     let h = format!(
         r#"{{{META_TS},"x":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[0,8]}},"dy":{{"dtype":"F64","shape":[1,1,1],"data_offsets":[8,16]}}}}"#

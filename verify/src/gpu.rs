@@ -4,9 +4,9 @@
 
 use std::sync::OnceLock;
 
-use deltaref::dplr::{Dplr, DplrGrads, DplrInputs, DplrOptions, DplrOutputs, DplrRefs};
+use deltaref::dplr::{Dplr, DplrGrads, DplrInputs, DplrOptions, DplrOutputs};
 use deltaref::gdn::{Gdn, GdnGrads, GdnInputs, GdnOutputs};
-use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOptions, KdaOutputs, KdaRefs};
+use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOptions, KdaOutputs};
 use deltaref::op::OpSpec;
 use deltaref::token_shift::{TokenShift, TokenShiftInputs};
 use deltaref_gpu::{Gpu, GpuError, GpuImpl, Timings};
@@ -143,55 +143,6 @@ fn named<O: OpSpec>(outputs: Vec<Option<ArrayD<f64>>>, grads: Vec<Option<ArrayD<
         .collect()
 }
 
-/// A KDA case's inputs, borrowed from the case.
-fn kda_refs(case: &Case) -> Result<KdaRefs<'_, f64>, deltaref::Error> {
-    let get = |name: &str| case.tensors.get(name);
-    let need = |name: &str| get(name).ok_or_else(|| missing(case, name));
-    Ok(KdaRefs {
-        q: need("q")?,
-        k: need("k")?,
-        v: need("v")?,
-        g: need("g")?,
-        beta: need("beta")?,
-        a_log: get("A_log"),
-        dt_bias: get("dt_bias"),
-        initial_state: get("initial_state"),
-        cu_seqlens: case.cu_seqlens.as_deref(),
-    })
-}
-
-/// A DPLR case's inputs, borrowed from the case.
-fn dplr_refs(case: &Case) -> Result<DplrRefs<'_, f64>, deltaref::Error> {
-    let get = |name: &str| case.tensors.get(name);
-    let need = |name: &str| get(name).ok_or_else(|| missing(case, name));
-    Ok(DplrRefs {
-        q: need("q")?,
-        k: need("k")?,
-        v: need("v")?,
-        a: need("a")?,
-        b: need("b")?,
-        gk: need("gk")?,
-        initial_state: get("initial_state"),
-        cu_seqlens: case.cu_seqlens.as_deref(),
-    })
-}
-
-/// A case's upstream gradients `(do, dht)`, borrowed; `do` is required.
-fn upstream_refs(case: &Case) -> Result<(&ArrayD<f64>, Option<&ArrayD<f64>>), deltaref::Error> {
-    let [d_o, dht] = case.meta.op.upstream() else {
-        unreachable!("two upstream names per op")
-    };
-    let d_o = case.tensors.get(*d_o).ok_or_else(|| missing(case, d_o))?;
-    Ok((d_o, case.tensors.get(*dht)))
-}
-
-fn missing(case: &Case, name: &str) -> deltaref::Error {
-    deltaref::Error::missing(
-        name,
-        format!("required input of op {}", case.meta.op.name()),
-    )
-}
-
 /// DPLR outputs and gradients on the GPU.
 pub fn dplr(
     imp: &GpuImpl,
@@ -239,20 +190,20 @@ pub fn token_shift(
 pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeError> {
     match case.meta.op {
         Op::Kda => {
-            let (x, (d_o, dht)) = (kda_refs(case)?, upstream_refs(case)?);
+            let (x, (d_o, dht)) = (case.kda_refs()?, case.upstream_refs()?);
             let opts = case.meta.kda_options();
             let r = deltaref_gpu::kda::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
             return Ok((kda_tensors(r.outputs, r.grads), r.timings));
         }
         Op::Dplr => {
-            let (x, (d_o, dht)) = (dplr_refs(case)?, upstream_refs(case)?);
+            let (x, (d_o, dht)) = (case.dplr_refs()?, case.upstream_refs()?);
             let opts = case.meta.dplr_options();
             let r = deltaref_gpu::dplr::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
             return Ok((dplr_tensors(r.outputs, r.grads), r.timings));
         }
         _ => {}
     }
-    let (d_o, dht) = upstream_refs(case)?;
+    let (d_o, dht) = case.upstream_refs()?;
     match case.inputs()? {
         Inputs::Kda(x) => kda(imp, &x, &case.meta.kda_options(), d_o, dht),
         Inputs::Gdn(x) => {

@@ -17,9 +17,9 @@ mod meta;
 use std::collections::BTreeMap;
 
 use deltaref::conv::{CausalConv1d, ConvInputs};
-use deltaref::dplr::DplrInputs;
+use deltaref::dplr::{DplrInputs, DplrRefs};
 use deltaref::gdn::{Gdn, GdnInputs};
-use deltaref::kda::KdaInputs;
+use deltaref::kda::{KdaInputs, KdaRefs};
 use deltaref::op::Operator;
 use deltaref::token_shift::TokenShiftInputs;
 use ndarray::ArrayD;
@@ -75,12 +75,43 @@ impl Case {
         self.tensors.get(name).map(deltaref::tensor::cast)
     }
 
-    fn need(&self, name: &str) -> Result<ArrayD<f64>, deltaref::Error> {
-        self.get(name).ok_or_else(|| {
+    /// A required tensor, borrowed; missing, an error naming the op.
+    fn need_ref(&self, name: &str) -> Result<&ArrayD<f64>, deltaref::Error> {
+        self.tensors.get(name).ok_or_else(|| {
             deltaref::Error::missing(
                 name,
                 format!("required input of op {}", self.meta.op.name()),
             )
+        })
+    }
+
+    /// A KDA case's inputs, borrowed (a GDN case's have the same names).
+    pub fn kda_refs(&self) -> Result<KdaRefs<'_, f64>, deltaref::Error> {
+        let get = |name: &str| self.tensors.get(name);
+        Ok(KdaRefs {
+            q: self.need_ref("q")?,
+            k: self.need_ref("k")?,
+            v: self.need_ref("v")?,
+            g: self.need_ref("g")?,
+            beta: self.need_ref("beta")?,
+            a_log: get("A_log"),
+            dt_bias: get("dt_bias"),
+            initial_state: get("initial_state"),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        })
+    }
+
+    /// A DPLR case's inputs, borrowed.
+    pub fn dplr_refs(&self) -> Result<DplrRefs<'_, f64>, deltaref::Error> {
+        Ok(DplrRefs {
+            q: self.need_ref("q")?,
+            k: self.need_ref("k")?,
+            v: self.need_ref("v")?,
+            a: self.need_ref("a")?,
+            b: self.need_ref("b")?,
+            gk: self.need_ref("gk")?,
+            initial_state: self.tensors.get("initial_state"),
+            cu_seqlens: self.cu_seqlens.as_deref(),
         })
     }
 
@@ -92,10 +123,16 @@ impl Case {
 
     /// The upstream gradients `(do, dht)` (`(dy, dfinal_cache)`); `do` is required.
     pub fn upstream(&self) -> Result<(ArrayD<f64>, Option<ArrayD<f64>>), deltaref::Error> {
+        let (d_o, dht) = self.upstream_refs()?;
+        Ok((deltaref::tensor::cast(d_o), dht.map(deltaref::tensor::cast)))
+    }
+
+    /// [`Case::upstream`], borrowed.
+    pub fn upstream_refs(&self) -> Result<(&ArrayD<f64>, Option<&ArrayD<f64>>), deltaref::Error> {
         let [d_o, dht] = self.meta.op.upstream() else {
             unreachable!("two upstream names per op")
         };
-        Ok((self.need(d_o)?, self.get(dht)))
+        Ok((self.need_ref(d_o)?, self.tensors.get(*dht)))
     }
 
     /// The inputs and the upstream gradients `(do, dht)`, moved out of the
@@ -212,32 +249,58 @@ impl Case {
     }
 
     /// Checks inputs, upstream gradients and stored results for consistency
-    /// with the reference crate's validation.
+    /// with the reference crate's validation. KDA and DPLR inputs and every
+    /// stored result are checked where they are (a long case holds
+    /// gigabytes of them); the other ops' inputs through a copy.
     pub fn validate(&self) -> Result<(), deltaref::Error> {
-        let (d_o, dht) = self.upstream()?;
+        let (d_o, dht) = self.upstream_refs()?;
+        match self.meta.op {
+            Op::Kda => check_kda(&self.kda_refs()?, &self.meta, d_o, dht)?,
+            Op::Dplr => check_dplr(&self.dplr_refs()?, &self.meta, d_o, dht)?,
+            Op::Gdn | Op::CausalConv1d | Op::TokenShift => self.check_copied(d_o, dht)?,
+        }
+        let op = self.meta.op;
+        for (name, x) in self.tensors.iter() {
+            if op.results().contains(&name.as_str()) {
+                if let Some(want) = self.result_shape(name) {
+                    deltaref::tensor::expect_shape(
+                        name,
+                        "(as its input counterpart)",
+                        &want,
+                        x.shape(),
+                    )?;
+                }
+                deltaref::tensor::check_finite(name, x)?;
+            } else if is_intermediate(op, name) {
+                deltaref::tensor::check_finite(name, x)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Case::validate`]'s input checks on a copy of the inputs.
+    fn check_copied(
+        &self,
+        d_o: &ArrayD<f64>,
+        dht: Option<&ArrayD<f64>>,
+    ) -> Result<(), deltaref::Error> {
         match self.inputs()? {
-            Inputs::Kda(x) => {
-                let d = deltaref::kda::validate(&x, &self.meta.kda_options())?;
-                deltaref::kda::validate_upstream(&d, &d_o, dht.as_ref())?;
-            }
-            Inputs::Dplr(x) => {
-                let d = deltaref::dplr::validate(&x, &self.meta.dplr_options())?;
-                deltaref::dplr::validate_upstream(&d, &d_o, dht.as_ref())?;
-            }
+            Inputs::Kda(x) => check_kda(&x.refs(), &self.meta, d_o, dht),
+            Inputs::Dplr(x) => check_dplr(&x.refs(), &self.meta, d_o, dht),
             Inputs::Gdn(x) => {
                 let opts = self.meta.gdn_options();
                 let p = <Gdn as Operator<f64>>::prepare(&x, &opts)?;
-                <Gdn as Operator<f64>>::validate_upstream(&p, &d_o, dht.as_ref())?;
+                <Gdn as Operator<f64>>::validate_upstream(&p, d_o, dht)
             }
             Inputs::CausalConv1d(x) => {
                 let opts = self.meta.conv_options();
                 let p = <CausalConv1d as Operator<f64>>::prepare(&x, &opts)?;
-                <CausalConv1d as Operator<f64>>::validate_upstream(&p, &d_o, dht.as_ref())?;
+                <CausalConv1d as Operator<f64>>::validate_upstream(&p, d_o, dht)
             }
             Inputs::TokenShift(x) => {
                 let (d, _) = deltaref::token_shift::validate(&x)?;
                 deltaref::tensor::expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], d_o.shape())?;
-                if let Some(h) = &dht {
+                if let Some(h) = dht {
                     deltaref::tensor::expect_shape(
                         "dfinal_cache",
                         "[N,D]",
@@ -245,23 +308,9 @@ impl Case {
                         h.shape(),
                     )?;
                 }
+                Ok(())
             }
         }
-        for (name, x) in self.results() {
-            if let Some(want) = self.result_shape(&name) {
-                deltaref::tensor::expect_shape(
-                    &name,
-                    "(as its input counterpart)",
-                    &want,
-                    x.shape(),
-                )?;
-            }
-            deltaref::tensor::check_finite(&name, &x)?;
-        }
-        for (name, x) in self.intermediates() {
-            deltaref::tensor::check_finite(&name, &x)?;
-        }
-        Ok(())
     }
 
     /// The outputs and gradients the oracle computes for this case: every
@@ -300,4 +349,26 @@ impl Case {
             d => like(d.strip_prefix('d')?),
         }
     }
+}
+
+/// A KDA case's input and upstream checks.
+fn check_kda(
+    x: &KdaRefs<'_, f64>,
+    meta: &CaseMeta,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+) -> Result<(), deltaref::Error> {
+    let d = deltaref::kda::validate_refs(x, &meta.kda_options())?;
+    deltaref::kda::validate_upstream(&d, d_o, dht)
+}
+
+/// A DPLR case's input and upstream checks.
+fn check_dplr(
+    x: &DplrRefs<'_, f64>,
+    meta: &CaseMeta,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+) -> Result<(), deltaref::Error> {
+    let d = deltaref::dplr::validate_refs(x, &meta.dplr_options())?;
+    deltaref::dplr::validate_upstream(&d, d_o, dht)
 }
