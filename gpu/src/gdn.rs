@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 
 use deltaref::gates::Gate;
-use deltaref::gdn::{self as oracle, GdnGrads, GdnInputs, GdnOptions, GdnOutputs};
+use deltaref::gdn::{self as oracle, GdnGrads, GdnInputs, GdnOptions, GdnOutputs, GdnRefs};
 use deltaref::kda::{self, KdaOptions, KdaRefs};
 use deltaref::tensor::expect_shape;
 use ndarray::ArrayD;
@@ -27,23 +27,30 @@ pub fn run(
     dht: Option<&ArrayD<f64>>,
     imp: &GpuImpl,
 ) -> Result<Run<GdnOutputs<f64>, GdnGrads<f64>>> {
+    run_refs(gpu, &x.refs(), opts, d_o, dht, imp)
+}
+
+/// [`run`] on inputs borrowed where they live (a case's tensors, uncopied).
+pub fn run_refs(
+    gpu: &Gpu,
+    x: &GdnRefs<'_, f64>,
+    opts: &GdnOptions,
+    d_o: &ArrayD<f64>,
+    dht: Option<&ArrayD<f64>>,
+    imp: &GpuImpl,
+) -> Result<Run<GdnOutputs<f64>, GdnGrads<f64>>> {
     let t = std::time::Instant::now();
-    oracle::validate(x, opts)?;
-    let h0 = x.initial_state.as_ref().map(|s| kv_layout(opts, s));
+    oracle::validate_refs(x, opts)?;
+    let h0 = x.initial_state.map(|s| kv_layout(opts, s));
     let dht = match dht {
         Some(s) => Some(upstream_state(x, opts, s)?),
         None => None,
     };
     let refs = KdaRefs {
-        q: &x.q,
-        k: &x.k,
-        v: &x.v,
-        g: &x.g,
-        beta: &x.beta,
         a_log: None,
         dt_bias: None,
         initial_state: h0.as_deref(),
-        cu_seqlens: x.cu_seqlens.as_deref(),
+        ..*x
     };
     let mut kopts = KdaOptions {
         scale: opts.scale,
@@ -60,8 +67,8 @@ pub fn run(
     let refs = if opts.use_gate_in_kernel {
         kopts.gate = Gate::Kda;
         KdaRefs {
-            a_log: x.a_log.as_ref(),
-            dt_bias: x.dt_bias.as_ref(),
+            a_log: x.a_log,
+            dt_bias: x.dt_bias,
             ..refs
         }
     } else {
@@ -105,16 +112,13 @@ fn kv_layout<'a>(opts: &GdnOptions, s: &'a ArrayD<f64>) -> Cow<'a, ArrayD<f64>> 
 /// `dht` in KDA's layout, its shape checked in the options' layout first
 /// (swapping needs four axes).
 fn upstream_state<'a>(
-    x: &GdnInputs<f64>,
+    x: &GdnRefs<'_, f64>,
     opts: &GdnOptions,
     dht: &'a ArrayD<f64>,
 ) -> Result<Cow<'a, ArrayD<f64>>> {
     if opts.state_v_first {
         let (q, v) = (x.q.shape(), x.v.shape());
-        let n = x
-            .cu_seqlens
-            .as_ref()
-            .map_or(q[0], |cu| cu.len().saturating_sub(1));
+        let n = x.cu_seqlens.map_or(q[0], |cu| cu.len().saturating_sub(1));
         expect_shape(
             "dht",
             "[N,HV,V,K] (state_v_first)",

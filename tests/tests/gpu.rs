@@ -351,43 +351,64 @@ fn gdn_kernels_match_the_oracle() {
     }
 }
 
-/// A DPLR case runs from its own tensors (`verify`'s GPU path: no copy of
-/// the inputs, results moved into the name map) with the bits of a run on
-/// copied inputs, and times its host side: checks, uploads, downloads.
+/// DPLR and GDN cases run from their own tensors (`verify`'s GPU path: no
+/// copy of the inputs, results moved into the name map) with the bits of a
+/// run on copied inputs, and time their host side: checks, uploads,
+/// downloads.
 #[cfg_attr(
     not(deltaref_gpu_tests),
     ignore = "needs a CUDA GPU: build with DELTAREF_GPU_TESTS=1 (see README)"
 )]
 #[test]
-fn dplr_case_runs_from_its_own_tensors() {
+fn cases_run_from_their_own_tensors() {
     let _one_at_a_time = gpu();
     let dev = deltaref_verify::gpu::device().expect("a GPU");
-    for dtype in [Dtype::F32, Dtype::Bf16] {
-        let case = generate(&GenSpec {
-            lengths: Some(vec![30, 0, 18]),
-            shape: Some(vec![1, 48, 2, 16, 8]),
-            initial_state: true,
-            dtype,
-            seed: 4,
-            ..GenSpec::new(Op::Dplr)
-        })
-        .expect("generated");
-        for cp in [None, Some(PlanSpec::World(2))] {
-            let imp = imp(Engine::Naive, cp.clone(), dtype);
-            let (got, t) = deltaref_verify::gpu::case(&imp, &case).expect("GPU run");
-            let Inputs::Dplr(x) = case.inputs().expect("inputs") else {
-                panic!("a DPLR case has DPLR inputs")
-            };
-            let (d_o, dht) = case.upstream().expect("upstream");
-            let opts = case.meta.dplr_options();
-            let copied =
-                deltaref_gpu::dplr::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp).expect("GPU run");
-            let want = outputs::map::<f64, Dplr>(&copied.outputs, Some(&copied.grads));
-            assert!(got == want, "{dtype:?} cp={cp:?}: in place ≠ copied");
-            assert!(
-                t.check_s > 0.0 && t.upload_s > t.check_s && t.download_s > 0.0,
-                "{dtype:?} cp={cp:?}: host timings {t:?}"
-            );
+    let dplr = GenSpec {
+        shape: Some(vec![1, 48, 2, 16, 8]),
+        ..GenSpec::new(Op::Dplr)
+    };
+    let gdn = GenSpec {
+        shape: Some(vec![1, 48, 1, 2, 16, 8]),
+        gate: Gate::Kda,
+        use_qk_l2norm_in_kernel: true,
+        ..GenSpec::new(Op::Gdn)
+    };
+    for spec in [dplr, gdn] {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let case = generate(&GenSpec {
+                lengths: Some(vec![30, 0, 18]),
+                initial_state: true,
+                dtype,
+                seed: 4,
+                ..spec.clone()
+            })
+            .expect("generated");
+            for cp in [None, Some(PlanSpec::World(2))] {
+                let what = format!("{:?} {dtype:?} cp={cp:?}", spec.op);
+                let imp = imp(Engine::Naive, cp.clone(), dtype);
+                let (got, t) = deltaref_verify::gpu::case(&imp, &case).expect("GPU run");
+                let (d_o, dht) = case.upstream().expect("upstream");
+                let want = match case.inputs().expect("inputs") {
+                    Inputs::Dplr(x) => {
+                        let opts = case.meta.dplr_options();
+                        let r = deltaref_gpu::dplr::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
+                        let r = r.expect("GPU run");
+                        outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads))
+                    }
+                    Inputs::Gdn(x) => {
+                        let opts = case.meta.gdn_options();
+                        let r = deltaref_gpu::gdn::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
+                        let r = r.expect("GPU run");
+                        outputs::map::<f64, Gdn>(&r.outputs, Some(&r.grads))
+                    }
+                    _ => panic!("{what}: not a DPLR or GDN case"),
+                };
+                assert!(got == want, "{what}: in place ≠ copied");
+                assert!(
+                    t.check_s > 0.0 && t.upload_s > t.check_s && t.download_s > 0.0,
+                    "{what}: host timings {t:?}"
+                );
+            }
         }
     }
 }

@@ -4,9 +4,9 @@
 
 use std::sync::OnceLock;
 
-use deltaref::dplr::{Dplr, DplrGrads, DplrInputs, DplrOptions, DplrOutputs};
+use deltaref::dplr::{Dplr, DplrGrads, DplrInputs, DplrOutputs};
 use deltaref::gdn::{Gdn, GdnGrads, GdnInputs, GdnOutputs};
-use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOptions, KdaOutputs};
+use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOutputs};
 use deltaref::op::OpSpec;
 use deltaref::token_shift::{TokenShift, TokenShiftInputs};
 use deltaref_gpu::{Gpu, GpuError, GpuImpl, Timings};
@@ -115,18 +115,6 @@ pub fn stored_dplr(x: &DplrInputs<f64>, s: Dtype) -> DplrInputs<f64> {
     }
 }
 
-/// KDA outputs and gradients on the GPU.
-pub fn kda(
-    imp: &GpuImpl,
-    x: &KdaInputs<f64>,
-    opts: &KdaOptions,
-    d_o: &ArrayD<f64>,
-    dht: Option<&ArrayD<f64>>,
-) -> Result<(Tensors, Timings), ComputeError> {
-    let r = deltaref_gpu::kda::run(device()?, x, opts, d_o, dht, imp)?;
-    Ok((kda_tensors(r.outputs, r.grads), r.timings))
-}
-
 /// Outputs and gradients in the order of `O`'s declared names, absent ones skipped.
 fn named<O: OpSpec>(outputs: Vec<Option<ArrayD<f64>>>, grads: Vec<Option<ArrayD<f64>>>) -> Tensors {
     assert_eq!(
@@ -141,18 +129,6 @@ fn named<O: OpSpec>(outputs: Vec<Option<ArrayD<f64>>>, grads: Vec<Option<ArrayD<
         .chain(O::GRADS.iter().zip(grads))
         .filter_map(|(name, t)| Some((name.to_string(), t?)))
         .collect()
-}
-
-/// DPLR outputs and gradients on the GPU.
-pub fn dplr(
-    imp: &GpuImpl,
-    x: &DplrInputs<f64>,
-    opts: &DplrOptions,
-    d_o: &ArrayD<f64>,
-    dht: Option<&ArrayD<f64>>,
-) -> Result<(Tensors, Timings), ComputeError> {
-    let r = deltaref_gpu::dplr::run(device()?, x, opts, d_o, dht, imp)?;
-    Ok((dplr_tensors(r.outputs, r.grads), r.timings))
 }
 
 /// DPLR's results under FLA's names, moved like [`kda_tensors`]'.
@@ -185,35 +161,33 @@ pub fn token_shift(
     ))
 }
 
-/// A case's results on the GPU. KDA and DPLR read the case's tensors where
-/// they are (a long case's inputs are gigabytes: no copy).
+/// A case's results on the GPU. KDA, GDN and DPLR read the case's tensors
+/// where they are (a long case's inputs are gigabytes: no copy).
 pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeError> {
+    let (d_o, dht) = case.upstream_refs()?;
     match case.meta.op {
         Op::Kda => {
-            let (x, (d_o, dht)) = (case.kda_refs()?, case.upstream_refs()?);
-            let opts = case.meta.kda_options();
+            let (x, opts) = (case.kda_refs()?, case.meta.kda_options());
             let r = deltaref_gpu::kda::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
-            return Ok((kda_tensors(r.outputs, r.grads), r.timings));
+            Ok((kda_tensors(r.outputs, r.grads), r.timings))
         }
-        Op::Dplr => {
-            let (x, (d_o, dht)) = (case.dplr_refs()?, case.upstream_refs()?);
-            let opts = case.meta.dplr_options();
-            let r = deltaref_gpu::dplr::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
-            return Ok((dplr_tensors(r.outputs, r.grads), r.timings));
-        }
-        _ => {}
-    }
-    let (d_o, dht) = case.upstream_refs()?;
-    match case.inputs()? {
-        Inputs::Kda(x) => kda(imp, &x, &case.meta.kda_options(), d_o, dht),
-        Inputs::Gdn(x) => {
-            let opts = case.meta.gdn_options();
-            let r = deltaref_gpu::gdn::run(device()?, &x, &opts, d_o, dht, imp)?;
+        Op::Gdn => {
+            let (x, opts) = (case.kda_refs()?, case.meta.gdn_options());
+            let r = deltaref_gpu::gdn::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
             Ok((gdn_tensors(r.outputs, r.grads), r.timings))
         }
-        Inputs::Dplr(x) => dplr(imp, &x, &case.meta.dplr_options(), d_o, dht),
-        Inputs::TokenShift(x) => token_shift(imp, &x, d_o, dht),
-        Inputs::CausalConv1d(_) => Err(ComputeError::Input(deltaref::Error::option(
+        Op::Dplr => {
+            let (x, opts) = (case.dplr_refs()?, case.meta.dplr_options());
+            let r = deltaref_gpu::dplr::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
+            Ok((dplr_tensors(r.outputs, r.grads), r.timings))
+        }
+        Op::TokenShift => {
+            let Inputs::TokenShift(x) = case.inputs()? else {
+                unreachable!("a token-shift case's inputs are token-shift inputs")
+            };
+            token_shift(imp, &x, d_o, dht)
+        }
+        Op::CausalConv1d => Err(ComputeError::Input(deltaref::Error::option(
             "impl",
             format!(
                 "no GPU kernels for op {}: use a CPU implementation (naive, chunk, cp)",
@@ -225,8 +199,10 @@ pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeErr
 
 #[cfg(test)]
 mod tests {
+    use deltaref::dplr::DplrOptions;
     use deltaref::gdn::{GdnOptions, OnKda};
     use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout};
+    use deltaref::kda::KdaOptions;
 
     use super::*;
 

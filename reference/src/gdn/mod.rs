@@ -52,6 +52,28 @@ pub struct GdnInputs<T> {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+/// GDN inputs borrowed where they live (a case file's tensors): KDA's
+/// names and borrowed form, with GDN's shapes (as in [`GdnInputs`]: the gate
+/// `g [B, T, HV]`, `A_log` and `dt_bias` `[HV]`).
+pub type GdnRefs<'a, T> = kda::KdaRefs<'a, T>;
+
+impl<T> GdnInputs<T> {
+    /// The inputs borrowed.
+    pub fn refs(&self) -> GdnRefs<'_, T> {
+        GdnRefs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+            a_log: self.a_log.as_ref(),
+            dt_bias: self.dt_bias.as_ref(),
+            initial_state: self.initial_state.as_ref(),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        }
+    }
+}
+
 impl<T: Scalar> GdnInputs<T> {
     /// The same inputs in another scalar.
     pub fn cast<U: Scalar>(&self) -> GdnInputs<U> {
@@ -126,9 +148,14 @@ fn kv_layout<T: Scalar>(opt: &GdnOptions, s: &ArrayD<T>) -> ArrayD<T> {
 /// Checks what KDA's validation cannot see: `g` is one scalar per head, the
 /// gate parameters are per head, and the `state_v_first` state shape.
 pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
-    let qs = expect_rank("q", "B,T,H,K", &x.q)?;
+    validate_refs(&x.refs(), opt)
+}
+
+/// [`validate`] on borrowed inputs.
+pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<()> {
+    let qs = expect_rank("q", "B,T,H,K", x.q)?;
     let (b, t, kd) = (qs[0], qs[1], qs[3]);
-    let vs = expect_rank("v", "B,T,HV,V", &x.v)?;
+    let vs = expect_rank("v", "B,T,HV,V", x.v)?;
     let (hv, vd) = (vs[2], vs[3]);
     expect_shape(
         "g",
@@ -137,7 +164,7 @@ pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
         x.g.shape(),
     )?;
     if opt.use_gate_in_kernel {
-        let a = x.a_log.as_ref().ok_or_else(|| {
+        let a = x.a_log.ok_or_else(|| {
             Error::missing(
                 "A_log",
                 "use_gate_in_kernel computes −exp(A_log)·softplus(g + dt_bias): A_log [HV] is required",
@@ -145,7 +172,7 @@ pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
         })?;
         expect_shape("A_log", "[HV]", &[hv], a.shape())?;
         check_finite("A_log", a)?;
-        if let Some(d) = &x.dt_bias {
+        if let Some(d) = x.dt_bias {
             expect_shape("dt_bias", "[HV]", &[hv], d.shape())?;
             check_finite("dt_bias", d)?;
         }
@@ -155,8 +182,8 @@ pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
             "A_log/dt_bias were given but use_gate_in_kernel is false (g is already the decay)",
         ));
     }
-    if let (Some(h0), true) = (&x.initial_state, opt.state_v_first) {
-        let n = match &x.cu_seqlens {
+    if let (Some(h0), true) = (x.initial_state, opt.state_v_first) {
+        let n = match x.cu_seqlens {
             Some(cu) => cu.len().saturating_sub(1),
             None => b,
         };
