@@ -131,7 +131,7 @@ fn named<O: OpSpec>(outputs: Vec<Option<ArrayD<f64>>>, grads: Vec<Option<ArrayD<
         .collect()
 }
 
-/// DPLR's results under FLA's names, moved like [`kda_tensors`]'.
+/// DPLR's results under FLA's names, moved (not copied), as [`kda_tensors`] does.
 pub fn dplr_tensors(out: DplrOutputs<f64>, gr: DplrGrads<f64>) -> Tensors {
     named::<Dplr>(
         vec![Some(out.o), out.final_state],
