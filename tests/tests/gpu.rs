@@ -21,7 +21,7 @@ use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl};
 use deltaref_tests::ratio;
 use deltaref_verify::case::{Inputs, Op};
 use deltaref_verify::generate::{generate, GenSpec};
-use deltaref_verify::gpu::{stored, stored_gdn, stored_kda};
+use deltaref_verify::gpu::{stored, stored_dplr, stored_gdn, stored_kda};
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::ArrayD;
 
@@ -434,11 +434,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         ..Default::default()
     };
     for (storage, tol) in [(Dtype::F32, 1e-5), (Dtype::Bf16, 5e-3)] {
-        let mut x = g.inputs.clone();
-        for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.a, &mut x.b, &mut x.gk] {
-            *t = stored(t, storage);
-        }
-        x.initial_state = x.initial_state.as_ref().map(round_f32);
+        let x = stored_dplr(&g.inputs, storage);
         let d_o = stored(&g.d_o, storage);
         let dht = round_f32(&g.dht);
         let truth = outputs::all::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))

@@ -457,7 +457,7 @@ impl Chunk {
         let decay_last = fused::exps_of_last_row(&g);
         // The factors bound every row's distance to Γ_m, Γx_0 = 0 included,
         // so the middle-row exponentials are normal wherever they exist.
-        let decays = match factors(&g, &gx).zip(fused::mid_row_exps(&g)) {
+        let decays = match factors(&g, &gx).and_then(|f| Some((f, fused::mid_row_exps(&g)?))) {
             Some((f, mid)) => Decays::Mid { f, mid },
             None => {
                 let exps = direct_exps(&g, &gx);

@@ -207,20 +207,28 @@ impl Case {
 
     /// The stored outputs and gradients (empty for a fixture without them).
     pub fn results(&self) -> Tensors {
-        self.tensors_where(|k| self.meta.op.results().contains(&k))
+        owned(self.result_refs())
     }
 
     /// The stored intermediates ([`INTERMEDIATE_NAMES`]) of a case or candidate.
     pub fn intermediates(&self) -> Tensors {
-        self.tensors_where(|k| is_intermediate(self.meta.op, k))
+        owned(self.intermediate_refs())
     }
 
-    fn tensors_where(&self, keep: impl Fn(&str) -> bool) -> Tensors {
+    /// [`Case::results`], borrowed.
+    fn result_refs(&self) -> impl Iterator<Item = (&String, &ArrayD<f64>)> {
+        let op = self.meta.op;
         self.tensors
             .iter()
-            .filter(|(k, _)| keep(k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect()
+            .filter(move |(k, _)| op.results().contains(&k.as_str()))
+    }
+
+    /// [`Case::intermediates`], borrowed.
+    fn intermediate_refs(&self) -> impl Iterator<Item = (&String, &ArrayD<f64>)> {
+        let op = self.meta.op;
+        self.tensors
+            .iter()
+            .filter(move |(k, _)| is_intermediate(op, k))
     }
 
     /// A copy whose inputs and upstream gradients went through `round`
@@ -259,21 +267,19 @@ impl Case {
             Op::Dplr => check_dplr(&self.dplr_refs()?, &self.meta, d_o, dht)?,
             Op::Gdn | Op::CausalConv1d | Op::TokenShift => self.check_copied(d_o, dht)?,
         }
-        let op = self.meta.op;
-        for (name, x) in self.tensors.iter() {
-            if op.results().contains(&name.as_str()) {
-                if let Some(want) = self.result_shape(name) {
-                    deltaref::tensor::expect_shape(
-                        name,
-                        "(as its input counterpart)",
-                        &want,
-                        x.shape(),
-                    )?;
-                }
-                deltaref::tensor::check_finite(name, x)?;
-            } else if is_intermediate(op, name) {
-                deltaref::tensor::check_finite(name, x)?;
+        for (name, x) in self.result_refs() {
+            if let Some(want) = self.result_shape(name) {
+                deltaref::tensor::expect_shape(
+                    name,
+                    "(as its input counterpart)",
+                    &want,
+                    x.shape(),
+                )?;
             }
+            deltaref::tensor::check_finite(name, x)?;
+        }
+        for (name, x) in self.intermediate_refs() {
+            deltaref::tensor::check_finite(name, x)?;
         }
         Ok(())
     }
@@ -349,6 +355,11 @@ impl Case {
             d => like(d.strip_prefix('d')?),
         }
     }
+}
+
+/// Named tensors copied out of their borrows.
+fn owned<'a>(refs: impl Iterator<Item = (&'a String, &'a ArrayD<f64>)>) -> Tensors {
+    refs.map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
 /// A KDA case's input and upstream checks.
