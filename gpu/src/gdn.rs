@@ -5,12 +5,9 @@
 //! pre-processing kernels; `state_v_first` states are swapped on the host
 //! (they are `[N, HV, K, V]`-sized, not token-sized).
 
-use std::borrow::Cow;
-
 use deltaref::gates::Gate;
 use deltaref::gdn::{self as oracle, GdnGrads, GdnInputs, GdnOptions, GdnOutputs, GdnRefs};
-use deltaref::kda::{self, KdaOptions, KdaRefs};
-use deltaref::tensor::expect_shape;
+use deltaref::kda::{KdaOptions, KdaRefs};
 use ndarray::ArrayD;
 
 use crate::device::Gpu;
@@ -40,46 +37,30 @@ pub fn run_refs(
     imp: &GpuImpl,
 ) -> Result<Run<GdnOutputs<f64>, GdnGrads<f64>>> {
     let t = std::time::Instant::now();
-    oracle::validate_refs(x, opts)?;
-    let h0 = x.initial_state.map(|s| kv_layout(opts, s));
-    let dht = match dht {
-        Some(s) => Some(upstream_state(x, opts, s)?),
-        None => None,
+    let d = oracle::validate_refs(x, opts)?;
+    oracle::validate_upstream(&d, opts, d_o, dht)?;
+    let h0 = x.initial_state.map(|s| oracle::kv_layout(opts, s));
+    let dht = dht.map(|s| oracle::kv_layout(opts, s));
+    let kopts = KdaOptions {
+        output_final_state: true,
+        // The in-kernel gate runs on the device, per head, from the raw `g`.
+        gate: if opts.use_gate_in_kernel {
+            Gate::Kda
+        } else {
+            Gate::None
+        },
+        ..oracle::kda_options(opts)
     };
     let refs = KdaRefs {
-        a_log: None,
-        dt_bias: None,
         initial_state: h0.as_deref(),
         ..*x
-    };
-    let mut kopts = KdaOptions {
-        scale: opts.scale,
-        output_final_state: true,
-        use_qk_l2norm_in_kernel: opts.use_qk_l2norm_in_kernel,
-        gate: Gate::None,
-        use_beta_sigmoid_in_kernel: opts.use_beta_sigmoid_in_kernel,
-        allow_neg_eigval: opts.allow_neg_eigval,
-    };
-    // KDA's checks on the decay form; the in-kernel gate's parameters were
-    // checked above, and KDA's inputs cannot carry a per-head one.
-    let d = kda::validate_refs(&refs, &kopts)?;
-    kda::validate_upstream(&d, d_o, dht.as_deref())?;
-    let refs = if opts.use_gate_in_kernel {
-        kopts.gate = Gate::Kda;
-        KdaRefs {
-            a_log: x.a_log,
-            dt_bias: x.dt_bias,
-            ..refs
-        }
-    } else {
-        refs
     };
     let checked_s = t.elapsed().as_secs_f64();
     let r = crate::kda::run_validated(gpu, d, &refs, &kopts, d_o, dht.as_deref(), imp)?;
     let mut timings = r.timings;
     timings.upload_s += checked_s;
     timings.check_s = checked_s;
-    let back = |s: ArrayD<f64>| kv_layout(opts, &s).into_owned();
+    let back = |s: ArrayD<f64>| oracle::kv_layout_owned(opts, s);
     Ok(Run {
         outputs: GdnOutputs {
             o: r.outputs.o,
@@ -97,34 +78,4 @@ pub fn run_refs(
         },
         timings,
     })
-}
-
-/// A state-shaped tensor in KDA's `[N, HV, K, V]` from the options' layout
-/// (the swap is its own inverse).
-fn kv_layout<'a>(opts: &GdnOptions, s: &'a ArrayD<f64>) -> Cow<'a, ArrayD<f64>> {
-    if opts.state_v_first {
-        Cow::Owned(oracle::swap_state(s))
-    } else {
-        Cow::Borrowed(s)
-    }
-}
-
-/// `dht` in KDA's layout, its shape checked in the options' layout first
-/// (swapping needs four axes).
-fn upstream_state<'a>(
-    x: &GdnRefs<'_, f64>,
-    opts: &GdnOptions,
-    dht: &'a ArrayD<f64>,
-) -> Result<Cow<'a, ArrayD<f64>>> {
-    if opts.state_v_first {
-        let (q, v) = (x.q.shape(), x.v.shape());
-        let n = x.cu_seqlens.map_or(q[0], |cu| cu.len().saturating_sub(1));
-        expect_shape(
-            "dht",
-            "[N,HV,V,K] (state_v_first)",
-            &[n, v[2], v[3], q[3]],
-            dht.shape(),
-        )?;
-    }
-    Ok(kv_layout(opts, dht))
 }

@@ -64,13 +64,12 @@ pub struct Timings {
     pub forward_s: f64,
     pub backward_s: f64,
     /// Checking the inputs, converting them to the storage dtype, copying
-    /// them to the device and the pre-processing kernels (KDA, DPLR).
+    /// them to the device and the pre-processing kernels.
     pub upload_s: f64,
     /// The checks alone (shapes, options, every value finite), part of
-    /// `upload_s` (KDA, DPLR).
+    /// `upload_s`.
     pub check_s: f64,
-    /// Gradient chain kernels, copies back and the widening to f64 (KDA,
-    /// DPLR).
+    /// Gradient chain kernels, copies back and the widening to f64.
     pub download_s: f64,
     /// Compiling (or loading from the PTX cache) kernel modules during the
     /// run; part of the phase that first needed them.

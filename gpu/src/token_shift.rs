@@ -3,7 +3,7 @@
 //! and in backward hands that token its gradient.
 
 use cudarc::driver::PushKernelArg;
-use deltaref::token_shift::{self as oracle, TokenShiftGrads, TokenShiftInputs, TokenShiftOutputs};
+use deltaref::token_shift::{self as oracle, TokenShiftGrads, TokenShiftOutputs, TokenShiftRefs};
 use ndarray::{s, ArrayD, Axis};
 
 use crate::device::{arg_in, arg_in_opt, arg_opt, elementwise, Gpu};
@@ -23,7 +23,12 @@ struct Piece {
     send_back: Option<usize>,
 }
 
-fn piece_table(x: &TokenShiftInputs<f64>, imp: &GpuImpl, b: usize, t: usize) -> Result<Vec<Piece>> {
+fn piece_table(
+    x: &TokenShiftRefs<'_, f64>,
+    imp: &GpuImpl,
+    b: usize,
+    t: usize,
+) -> Result<Vec<Piece>> {
     let whole = |seq: usize, start: usize, end: usize, base: usize| Piece {
         row: [(base + start) as i32, (base + end) as i32, seq as i32, -1],
         seq,
@@ -31,13 +36,13 @@ fn piece_table(x: &TokenShiftInputs<f64>, imp: &GpuImpl, b: usize, t: usize) -> 
         send_back: None,
     };
     let Some(spec) = &imp.cp else {
-        let segs = deltaref::varlen::sequences(b, t, x.cu_seqlens.as_deref())?;
+        let segs = deltaref::varlen::sequences(b, t, x.cu_seqlens)?;
         return Ok(segs
             .iter()
             .map(|s| whole(s.seq, s.start, s.end, s.batch * t))
             .collect());
     };
-    let plan = spec.build(b, t, x.cu_seqlens.as_deref())?;
+    let plan = spec.build(b, t, x.cu_seqlens)?;
     let mut out = vec![];
     for rm in &plan.ranks {
         for (i, seg) in rm.pieces.iter().enumerate() {
@@ -52,24 +57,26 @@ fn piece_table(x: &TokenShiftInputs<f64>, imp: &GpuImpl, b: usize, t: usize) -> 
     Ok(out)
 }
 
-/// Token-shift forward and backward on the GPU.
+/// Token-shift forward and backward on the GPU, from inputs borrowed where
+/// they live (a case's tensors, uncopied).
 pub fn run(
     gpu: &Gpu,
-    x: &TokenShiftInputs<f64>,
+    x: &TokenShiftRefs<'_, f64>,
     dy: &ArrayD<f64>,
     dfinal_cache: Option<&ArrayD<f64>>,
     imp: &GpuImpl,
 ) -> Result<Run<TokenShiftOutputs<f64>, TokenShiftGrads<f64>>> {
-    let (d, _) = oracle::validate(x)?;
+    let t = std::time::Instant::now();
+    let (d, _) = oracle::validate_refs(x)?;
     oracle::validate_upstream(&d, dy, dfinal_cache)?;
+    let check_s = t.elapsed().as_secs_f64();
     check_sizes(1, 1, d.b * d.t)?;
     let table = piece_table(x, imp, d.b, d.t)?;
     let defs = prep_defines(imp.storage);
     let ntok = d.b * d.t;
-    let xs = gpu.upload_input("x", &x.x, imp.storage)?;
+    let xs = gpu.upload_input("x", x.x, imp.storage)?;
     let cache = x
         .cache
-        .as_ref()
         .map(|c| gpu.upload_input("cache", c, imp.storage))
         .transpose()?;
     let dys = gpu.upload_input("dy", dy, imp.storage)?;
@@ -91,6 +98,7 @@ pub fn run(
         gpu.upload("pieces", &bwd_rows)?,
         gpu.upload("send-back targets", &to)?,
     );
+    let upload_s = t.elapsed().as_secs_f64();
     let mut y = gpu.zeros::<f32>("y", ntok * d.d)?;
     let mut last = gpu.zeros::<f32>("last tokens", np * d.d)?;
     let threads = d.d.min(1024);
@@ -124,13 +132,14 @@ pub fn run(
         b.arg(&mut dx).arg(&dprev).arg(&to_dev).arg(&s).arg(&dd);
         gpu.launch(b, "ts_send_back", elementwise(np * d.d))
     })?;
+    let t = std::time::Instant::now();
     let token = Some(imp.storage);
     let last = gpu.fetch("final cache", last, &[np, d.d], None)?;
     let dprev = gpu.fetch("dcache", dprev, &[np, d.d], None)?;
     // Sequences without tokens pass cache → final_cache and dfinal_cache → dcache.
     let mut final_cache = x
         .cache
-        .clone()
+        .cloned()
         .unwrap_or_else(|| ArrayD::zeros(vec![d.n, d.d]));
     let mut dcache = dfinal_cache
         .cloned()
@@ -147,18 +156,23 @@ pub fn run(
                 .assign(&dprev.index_axis(Axis(0), i));
         }
     }
+    let outputs = TokenShiftOutputs {
+        y: gpu.fetch("y", y, x.x.shape(), token)?,
+        final_cache,
+    };
+    let grads = TokenShiftGrads {
+        dx: gpu.fetch("dx", dx, x.x.shape(), token)?,
+        dcache: x.cache.map(|_| dcache),
+    };
     Ok(Run {
-        outputs: TokenShiftOutputs {
-            y: gpu.fetch("y", y, x.x.shape(), token)?,
-            final_cache,
-        },
-        grads: TokenShiftGrads {
-            dx: gpu.fetch("dx", dx, x.x.shape(), token)?,
-            dcache: x.cache.as_ref().map(|_| dcache),
-        },
+        outputs,
+        grads,
         timings: Timings {
             forward_s,
             backward_s,
+            upload_s,
+            check_s,
+            download_s: t.elapsed().as_secs_f64(),
             ..Timings::default()
         },
     })

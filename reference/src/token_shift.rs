@@ -36,6 +36,27 @@ impl<T: Scalar> TokenShiftInputs<T> {
     }
 }
 
+/// Token-shift inputs borrowed where they live (a case file's tensors):
+/// what validation and the GPU upload read, uncopied. Shapes as in
+/// [`TokenShiftInputs`].
+#[derive(Clone, Copy, Debug)]
+pub struct TokenShiftRefs<'a, T> {
+    pub x: &'a ArrayD<T>,
+    pub cache: Option<&'a ArrayD<T>>,
+    pub cu_seqlens: Option<&'a [i64]>,
+}
+
+impl<T> TokenShiftInputs<T> {
+    /// The inputs borrowed.
+    pub fn refs(&self) -> TokenShiftRefs<'_, T> {
+        TokenShiftRefs {
+            x: &self.x,
+            cache: self.cache.as_ref(),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        }
+    }
+}
+
 /// `y [B, T, D]`, `final_cache [N, D]`.
 #[derive(Clone, Debug)]
 pub struct TokenShiftOutputs<T> {
@@ -58,16 +79,24 @@ pub struct TokenShiftDims {
     pub n: usize,
 }
 
+/// Validates shapes, `cu_seqlens` and finiteness; returns sizes and sequences.
 pub fn validate<T: Scalar>(x: &TokenShiftInputs<T>) -> Result<(TokenShiftDims, Vec<Segment>)> {
-    let xs = expect_rank("x", "B,T,D", &x.x)?;
+    validate_refs(&x.refs())
+}
+
+/// [`validate`] on borrowed inputs.
+pub fn validate_refs<T: Scalar>(
+    x: &TokenShiftRefs<'_, T>,
+) -> Result<(TokenShiftDims, Vec<Segment>)> {
+    let xs = expect_rank("x", "B,T,D", x.x)?;
     let (b, t, d) = (xs[0], xs[1], xs[2]);
     if d == 0 {
         return Err(Error::shape("x", "[B,T,D] with D ≥ 1", xs));
     }
-    let segs = varlen::sequences(b, t, x.cu_seqlens.as_deref())?;
+    let segs = varlen::sequences(b, t, x.cu_seqlens)?;
     let n = segs.len();
-    check_finite("x", &x.x)?;
-    if let Some(c) = &x.cache {
+    check_finite("x", x.x)?;
+    if let Some(c) = x.cache {
         expect_shape("cache", "[N,D]", &[n, d], c.shape())?;
         check_finite("cache", c)?;
     }

@@ -310,9 +310,14 @@ fn f32_close_to_f64() {
     }
 }
 
+/// The forward's error for `x`, which must name `tensor`; the in-place
+/// check a case file and the GPU go through (`gdn::validate_refs`) must
+/// give the same.
 fn expect_err(x: &GdnInputs<f64>, opt: &GdnOptions, tensor: &str) -> Error {
     let e = op::forward(&NAIVE, x, opt).expect_err("must be refused");
     let msg = e.to_string();
+    let in_place = gdn::validate_refs(&x.refs(), opt).expect_err("validate_refs must refuse it");
+    assert_eq!(in_place.to_string(), msg, "`{tensor}`: in place vs prepare");
     assert!(
         msg.contains(tensor),
         "error for `{tensor}` does not name it: {msg}"
@@ -361,6 +366,32 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
         expect_err(&x, &gate, "A_log"),
         Error::NonFinite { .. }
     ));
+    // Finite parameters whose decay −exp(A_log)·softplus(g + dt_bias) is not.
+    let mut x = g.clone();
+    x.a_log.as_mut().unwrap()[[1]] = 800.0;
+    assert!(matches!(
+        expect_err(&x, &gate, "g"),
+        Error::NonFinite { .. }
+    ));
+    // What KDA's validation sees on the decay form.
+    let mut x = g.clone();
+    x.q[[0, 5, 1, 2]] = f64::NAN;
+    assert!(matches!(
+        expect_err(&x, &gate, "q"),
+        Error::NonFinite { .. }
+    ));
+    let mut x = g.clone();
+    x.k = ArrayD::zeros(vec![1, 7, 2, 4]);
+    assert!(matches!(expect_err(&x, &gate, "k"), Error::Shape { .. }));
+    let mut x = g.clone();
+    x.beta = ArrayD::zeros(vec![1, 7, 2]);
+    assert!(matches!(expect_err(&x, &gate, "beta"), Error::Shape { .. }));
+    let mut x = g.clone();
+    x.initial_state.as_mut().unwrap()[[1, 3, 4, 2]] = f64::NEG_INFINITY;
+    assert!(matches!(
+        expect_err(&x, &gate, "initial_state"),
+        Error::NonFinite { .. }
+    ));
     // state_v_first: [N,HV,V,K]; the [K,V] layout is refused (K ≠ V here).
     let vfirst = GdnOptions {
         state_v_first: true,
@@ -383,6 +414,17 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
     )
     .expect_err("dht of the wrong rank");
     assert!(e.to_string().contains("dht"), "{e}");
+    // The in-place upstream check refuses it the same way, and a NaN in `do`.
+    let d = gdn::validate_refs(&x.refs(), &vfirst).expect("valid inputs");
+    let d_o = ArrayD::zeros(vec![1, 7, 4, 3]);
+    let in_place = gdn::validate_upstream(&d, &vfirst, &d_o, Some(&ArrayD::zeros(vec![2, 4])))
+        .expect_err("dht of the wrong rank");
+    assert_eq!(in_place.to_string(), e.to_string());
+    let mut bad = d_o.clone();
+    bad[[0, 6, 3, 2]] = f64::NAN;
+    let e = gdn::validate_upstream(&d, &vfirst, &bad, None).expect_err("NaN in do");
+    assert!(matches!(e, Error::NonFinite { .. }), "{e}");
+    assert!(e.to_string().contains("`do`"), "{e}");
 }
 
 #[test]

@@ -321,13 +321,56 @@ fn tensor_problems_name_the_tensor() {
     assert!(e.contains("missing tensor `x`"), "{e}");
 }
 
-/// KDA and DPLR cases are checked where their tensors are (no copy of the
+/// Every op's cases are checked where their tensors are (no copy of the
 /// inputs): a bad input, upstream gradient or stored result is refused by
-/// name, as through the copying path.
+/// name, as the oracle refuses it.
 #[test]
-fn kda_and_dplr_cases_are_checked_in_place() {
-    for (op, gate, required) in [(Op::Kda, "g", "beta"), (Op::Dplr, "gk", "b")] {
-        let good = generate(&spec(op)).expect("generated");
+fn cases_are_checked_in_place() {
+    // Per op: the spec, tensors to make non-finite (an input, an upstream
+    // gradient, stored results), tensors to give a wrong shape, and a
+    // required input to drop.
+    let ops: [(GenSpec, &[&str], &[&str], &str); 5] = [
+        (
+            spec(Op::Kda),
+            &["g", "q", "do", "dq", "o"],
+            &["k", "v", "dk"],
+            "beta",
+        ),
+        (
+            spec(Op::Dplr),
+            &["gk", "q", "do", "dq", "o"],
+            &["k", "v", "dk"],
+            "b",
+        ),
+        (
+            GenSpec {
+                gate: Gate::Kda,
+                state_v_first: true,
+                ..spec(Op::Gdn)
+            },
+            &["g", "A_log", "initial_state", "dht", "dg"],
+            &["k", "beta", "dht", "final_state"],
+            "A_log",
+        ),
+        (
+            spec(Op::TokenShift),
+            &["x", "cache", "dy", "dfinal_cache", "dx", "final_cache"],
+            &["cache", "dfinal_cache", "dcache"],
+            "x",
+        ),
+        (
+            GenSpec {
+                bias: true,
+                ..spec(Op::CausalConv1d)
+            },
+            &["x", "weight", "bias", "dy", "dweight", "y"],
+            &["weight", "bias", "initial_state", "dbias"],
+            "weight",
+        ),
+    ];
+    for (gen, non_finite, misshapen, required) in ops {
+        let op = gen.op;
+        let good = generate(&gen).expect("generated");
         good.validate().expect("a generated case is valid");
         // The error of `good` broken by `f`, which must name `name`.
         let broken = |name: &str, f: &dyn Fn(&mut Case)| -> String {
@@ -337,14 +380,15 @@ fn kda_and_dplr_cases_are_checked_in_place() {
             assert!(e.contains(&format!("`{name}`")), "{op:?} {name}: {e}");
             e
         };
-        // An input, an upstream gradient and two stored results.
-        for name in [gate, "q", "do", "dq", "o"] {
+        for &name in non_finite {
             let e = broken(name, &|c: &mut Case| {
-                c.tensors.get_mut(name).unwrap()[[0, 1, 0, 0]] = f64::NAN;
+                let t = c.tensors.get_mut(name).expect(name);
+                let last = t.len() - 1;
+                t.as_slice_mut().expect("standard layout")[last] = f64::NAN;
             });
             assert!(e.contains("non-finite"), "{op:?} {name}: {e}");
         }
-        for name in ["k", "v", "dk"] {
+        for &name in misshapen {
             broken(name, &|c: &mut Case| {
                 c.tensors
                     .insert(name.into(), ndarray::ArrayD::zeros(vec![1, 2, 3, 4]));

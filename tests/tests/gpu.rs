@@ -351,7 +351,7 @@ fn gdn_kernels_match_the_oracle() {
     }
 }
 
-/// DPLR and GDN cases run from their own tensors (`verify`'s GPU path: no
+/// DPLR, GDN and token-shift cases run from their own tensors (`verify`'s GPU path: no
 /// copy of the inputs, results moved into the name map) with the bits of a
 /// run on copied inputs, and time their host side: checks, uploads,
 /// downloads.
@@ -373,7 +373,11 @@ fn cases_run_from_their_own_tensors() {
         use_qk_l2norm_in_kernel: true,
         ..GenSpec::new(Op::Gdn)
     };
-    for spec in [dplr, gdn] {
+    let token_shift = GenSpec {
+        shape: Some(vec![1, 48, 24]),
+        ..GenSpec::new(Op::TokenShift)
+    };
+    for spec in [dplr, gdn, token_shift] {
         for dtype in [Dtype::F32, Dtype::Bf16] {
             let case = generate(&GenSpec {
                 lengths: Some(vec![30, 0, 18]),
@@ -401,7 +405,18 @@ fn cases_run_from_their_own_tensors() {
                         let r = r.expect("GPU run");
                         outputs::map::<f64, Gdn>(&r.outputs, Some(&r.grads))
                     }
-                    _ => panic!("{what}: not a DPLR or GDN case"),
+                    Inputs::TokenShift(x) => {
+                        let r = deltaref_gpu::token_shift::run(
+                            dev,
+                            &x.refs(),
+                            &d_o,
+                            dht.as_ref(),
+                            &imp,
+                        );
+                        let r = r.expect("GPU run");
+                        outputs::map::<f64, TokenShift>(&r.outputs, Some(&r.grads))
+                    }
+                    _ => panic!("{what}: not a DPLR, GDN or token-shift case"),
                 };
                 assert!(got == want, "{what}: in place ≠ copied");
                 assert!(
@@ -482,7 +497,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
     ] {
         let run = deltaref_gpu::token_shift::run(
             &gpu,
-            &g.inputs,
+            &g.inputs.refs(),
             &g.d_o,
             Some(&g.dht),
             &imp(Engine::Naive, cp.clone(), Dtype::F32),

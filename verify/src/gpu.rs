@@ -8,13 +8,13 @@ use deltaref::dplr::{Dplr, DplrGrads, DplrInputs, DplrOutputs};
 use deltaref::gdn::{Gdn, GdnGrads, GdnInputs, GdnOutputs};
 use deltaref::kda::{Kda, KdaGrads, KdaInputs, KdaOutputs};
 use deltaref::op::OpSpec;
-use deltaref::token_shift::{TokenShift, TokenShiftInputs};
+use deltaref::token_shift::{TokenShift, TokenShiftGrads, TokenShiftOutputs};
 use deltaref_gpu::{Gpu, GpuError, GpuImpl, Timings};
 use ndarray::ArrayD;
 
-use crate::case::{Case, Dtype, Inputs, Op};
+use crate::case::{Case, Dtype, Op};
 pub use crate::compute::ComputeError;
-use crate::outputs::{self, Tensors};
+use crate::outputs::Tensors;
 
 /// The process's GPU (device 0), opened once; a failed probe is retried on
 /// the next call and its error returned.
@@ -147,22 +147,16 @@ pub fn dplr_tensors(out: DplrOutputs<f64>, gr: DplrGrads<f64>) -> Tensors {
     )
 }
 
-/// Token-shift outputs and gradients on the GPU.
-pub fn token_shift(
-    imp: &GpuImpl,
-    x: &TokenShiftInputs<f64>,
-    dy: &ArrayD<f64>,
-    dfinal_cache: Option<&ArrayD<f64>>,
-) -> Result<(Tensors, Timings), ComputeError> {
-    let r = deltaref_gpu::token_shift::run(device()?, x, dy, dfinal_cache, imp)?;
-    Ok((
-        outputs::map::<f64, TokenShift>(&r.outputs, Some(&r.grads)),
-        r.timings,
-    ))
+/// Token-shift's results under FLA's names, moved (not copied).
+pub fn token_shift_tensors(out: TokenShiftOutputs<f64>, gr: TokenShiftGrads<f64>) -> Tensors {
+    named::<TokenShift>(
+        vec![Some(out.y), Some(out.final_cache)],
+        vec![Some(gr.dx), gr.dcache],
+    )
 }
 
-/// A case's results on the GPU. KDA, GDN and DPLR read the case's tensors
-/// where they are (a long case's inputs are gigabytes: no copy).
+/// A case's results on the GPU, read from the case's tensors where they
+/// are (a long case's inputs are gigabytes: no copy).
 pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeError> {
     let (d_o, dht) = case.upstream_refs()?;
     match case.meta.op {
@@ -182,10 +176,9 @@ pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeErr
             Ok((dplr_tensors(r.outputs, r.grads), r.timings))
         }
         Op::TokenShift => {
-            let Inputs::TokenShift(x) = case.inputs()? else {
-                unreachable!("a token-shift case's inputs are token-shift inputs")
-            };
-            token_shift(imp, &x, d_o, dht)
+            let x = case.token_shift_refs()?;
+            let r = deltaref_gpu::token_shift::run(device()?, &x, d_o, dht, imp)?;
+            Ok((token_shift_tensors(r.outputs, r.grads), r.timings))
         }
         Op::CausalConv1d => Err(ComputeError::Input(deltaref::Error::option(
             "impl",
@@ -201,13 +194,14 @@ pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeErr
 mod tests {
     use deltaref::dplr::DplrOptions;
     use deltaref::gdn::{GdnOptions, OnKda};
-    use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout};
+    use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
     use deltaref::kda::KdaOptions;
 
     use super::*;
+    use crate::outputs;
 
     /// The moving name maps give what the copying [`outputs::map`] gives
-    /// (KDA, GDN, DPLR).
+    /// (KDA, GDN, DPLR, token-shift).
     #[test]
     fn moved_results_are_the_mapped_ones() {
         let spec = KdaSpec {
@@ -273,5 +267,18 @@ mod tests {
         let want = outputs::map::<f64, Dplr>(&out, Some(&gr));
         assert_eq!(want.len(), 9, "{:?}", want.keys());
         assert_eq!(dplr_tensors(out, gr), want);
+
+        let spec = TokenShiftSpec {
+            layout: Layout::varlen(&[5, 0, 3]),
+            d: 3,
+            cache: true,
+            seed: 3,
+        };
+        let g = inputs::token_shift(&spec);
+        let out = deltaref::token_shift::forward(&g.inputs).unwrap();
+        let gr = deltaref::token_shift::backward(&g.inputs, &g.d_o, Some(&g.dht)).unwrap();
+        let want = outputs::map::<f64, TokenShift>(&out, Some(&gr));
+        assert_eq!(want.len(), 4, "{:?}", want.keys());
+        assert_eq!(token_shift_tensors(out, gr), want);
     }
 }

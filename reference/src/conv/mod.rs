@@ -88,6 +88,30 @@ pub struct ConvInputs<T> {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
+/// Causal conv1d inputs borrowed where they live (a case file's tensors):
+/// what validation reads, uncopied. Shapes as in [`ConvInputs`].
+#[derive(Clone, Copy, Debug)]
+pub struct ConvRefs<'a, T> {
+    pub x: &'a ArrayD<T>,
+    pub weight: &'a ArrayD<T>,
+    pub bias: Option<&'a ArrayD<T>>,
+    pub initial_state: Option<&'a ArrayD<T>>,
+    pub cu_seqlens: Option<&'a [i64]>,
+}
+
+impl<T> ConvInputs<T> {
+    /// The inputs borrowed.
+    pub fn refs(&self) -> ConvRefs<'_, T> {
+        ConvRefs {
+            x: &self.x,
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            initial_state: self.initial_state.as_ref(),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        }
+    }
+}
+
 impl<T: Scalar> ConvInputs<T> {
     /// The same inputs in another scalar.
     pub fn cast<U: Scalar>(&self) -> ConvInputs<U> {
@@ -137,12 +161,17 @@ pub struct ConvDims {
 
 /// Validates shapes, `cu_seqlens` and finiteness; returns sizes and sequences.
 pub fn validate<T: Scalar>(x: &ConvInputs<T>) -> Result<(ConvDims, Vec<Segment>)> {
-    let xs = expect_rank("x", "B,T,D", &x.x)?;
+    validate_refs(&x.refs())
+}
+
+/// [`validate`] on borrowed inputs.
+pub fn validate_refs<T: Scalar>(x: &ConvRefs<'_, T>) -> Result<(ConvDims, Vec<Segment>)> {
+    let xs = expect_rank("x", "B,T,D", x.x)?;
     let (b, t, d) = (xs[0], xs[1], xs[2]);
     if d == 0 {
         return Err(Error::shape("x", "[B,T,D] with D ≥ 1", xs));
     }
-    let ws = expect_rank("weight", "D,W", &x.weight)?;
+    let ws = expect_rank("weight", "D,W", x.weight)?;
     if ws[0] != d || ws[1] == 0 {
         return Err(Error::shape(
             "weight",
@@ -151,17 +180,17 @@ pub fn validate<T: Scalar>(x: &ConvInputs<T>) -> Result<(ConvDims, Vec<Segment>)
         ));
     }
     let w = ws[1];
-    let segs = varlen::sequences(b, t, x.cu_seqlens.as_deref())?;
+    let segs = varlen::sequences(b, t, x.cu_seqlens)?;
     let n = segs.len();
-    if let Some(bias) = &x.bias {
+    if let Some(bias) = x.bias {
         expect_shape("bias", "[D]", &[d], bias.shape())?;
     }
-    if let Some(h0) = &x.initial_state {
+    if let Some(h0) = x.initial_state {
         expect_shape("initial_state", "[N,D,W]", &[n, d, w], h0.shape())?;
     }
-    check_finite("x", &x.x)?;
-    check_finite("weight", &x.weight)?;
-    for (name, a) in [("bias", &x.bias), ("initial_state", &x.initial_state)] {
+    check_finite("x", x.x)?;
+    check_finite("weight", x.weight)?;
+    for (name, a) in [("bias", x.bias), ("initial_state", x.initial_state)] {
         if let Some(a) = a {
             check_finite(name, a)?;
         }

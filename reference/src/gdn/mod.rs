@@ -14,6 +14,8 @@
 //! (`dt_bias [HV]`, not KDA's `[HV·K]`) and the `state_v_first` state layout
 //! `[N, HV, V, K]`. The drivers, CP and intra-card come from [`crate::op`].
 
+use std::borrow::Cow;
+
 use ndarray::{
     s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Zip,
 };
@@ -136,23 +138,89 @@ pub fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
     t.as_standard_layout().into_owned()
 }
 
-/// Swaps a state-shaped tensor between GDN's layout and KDA's `[N, HV, K, V]`.
-fn kv_layout<T: Scalar>(opt: &GdnOptions, s: &ArrayD<T>) -> ArrayD<T> {
+/// A state-shaped tensor in KDA's `[N, HV, K, V]` from the options' layout,
+/// or back (the swap is its own inverse); borrowed when there is no swap.
+pub fn kv_layout<'a, T: Scalar>(opt: &GdnOptions, s: &'a ArrayD<T>) -> Cow<'a, ArrayD<T>> {
     if opt.state_v_first {
-        swap_state(s)
+        Cow::Owned(swap_state(s))
     } else {
-        s.clone()
+        Cow::Borrowed(s)
     }
 }
 
-/// Checks what KDA's validation cannot see: `g` is one scalar per head, the
-/// gate parameters are per head, and the `state_v_first` state shape.
-pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<()> {
+/// [`kv_layout`] of an owned state (moved when there is no swap).
+pub fn kv_layout_owned<T: Scalar>(opt: &GdnOptions, s: ArrayD<T>) -> ArrayD<T> {
+    if opt.state_v_first {
+        swap_state(&s)
+    } else {
+        s
+    }
+}
+
+/// The KDA options that compute a GDN problem once its decay is evaluated.
+pub fn kda_options(opt: &GdnOptions) -> KdaOptions {
+    KdaOptions {
+        scale: opt.scale,
+        output_final_state: opt.output_final_state,
+        use_qk_l2norm_in_kernel: opt.use_qk_l2norm_in_kernel,
+        gate: Gate::None,
+        use_beta_sigmoid_in_kernel: opt.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval: opt.allow_neg_eigval,
+    }
+}
+
+/// Validates inputs and options as [`Operator::prepare`] does: GDN's own
+/// checks, then KDA's on the decay; returns KDA's sizes.
+pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<KdaDims> {
     validate_refs(&x.refs(), opt)
 }
 
-/// [`validate`] on borrowed inputs.
-pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<()> {
+/// [`validate`] on borrowed inputs. The copies it makes are `[B, T, HV]`
+/// (the in-kernel decay) and state-sized (a `state_v_first` swap), never
+/// a `[B, T, H, K]` tensor.
+pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<KdaDims> {
+    validate_own(x, opt)?;
+    let decay = if opt.use_gate_in_kernel {
+        check_finite("g", x.g)?;
+        Some(in_kernel_decay(x).into_dyn())
+    } else {
+        None
+    };
+    let h0 = x.initial_state.map(|s| kv_layout(opt, s));
+    let kx = GdnRefs {
+        g: decay.as_ref().unwrap_or(x.g),
+        a_log: None,
+        dt_bias: None,
+        initial_state: h0.as_deref(),
+        ..*x
+    };
+    kda::validate_refs(&kx, &kda_options(opt))
+}
+
+/// Validates `do [B, T, HV, V]` and `dht` (in the options' state layout)
+/// against validated sizes `d`.
+pub fn validate_upstream<T: Scalar>(
+    d: &KdaDims,
+    opt: &GdnOptions,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+) -> Result<()> {
+    kda::validate_upstream(d, d_o, None)?;
+    if let Some(dht) = dht {
+        let (dims, want) = if opt.state_v_first {
+            ("[N,HV,V,K] (state_v_first)", [d.n, d.hv, d.v, d.k])
+        } else {
+            ("[N,HV,K,V]", [d.n, d.hv, d.k, d.v])
+        };
+        expect_shape("dht", dims, &want, dht.shape())?;
+        check_finite("dht", dht)?;
+    }
+    Ok(())
+}
+
+/// What KDA's validation cannot see: `g` is one scalar per head, the gate
+/// parameters are per head, and the `state_v_first` state shape.
+fn validate_own<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<()> {
     let qs = expect_rank("q", "B,T,H,K", x.q)?;
     let (b, t, kd) = (qs[0], qs[1], qs[3]);
     let vs = expect_rank("v", "B,T,HV,V", x.v)?;
@@ -197,36 +265,30 @@ pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<
     Ok(())
 }
 
-/// The per-head decay `−exp(A_log[h])·softplus(g + dt_bias[h])` `[B, T, HV]`
-/// and its partial derivatives `(∂/∂g, ∂/∂A_log)`, element by element.
-fn in_kernel_gate<T: Scalar>(x: &GdnInputs<T>) -> (Array3<T>, Array3<T>, Array3<T>) {
+/// `f(g + dt_bias[h], A_log[h])` for every element of `g [B, T, HV]`.
+fn per_gate_element<T: Scalar>(x: &GdnRefs<'_, T>, f: impl Fn(T, T) -> T) -> Array3<T> {
     let g = x.g.view().into_dimensionality::<Ix3>().expect("validated");
-    let a_log: Vec<T> = x.a_log.iter().flatten().copied().collect();
-    let bias: Option<Vec<T>> = x.dt_bias.as_ref().map(|d| d.iter().copied().collect());
-    let mut out = (
-        Array3::zeros(g.raw_dim()),
-        Array3::zeros(g.raw_dim()),
-        Array3::zeros(g.raw_dim()),
-    );
-    Zip::indexed(&mut out.0)
-        .and(&mut out.1)
-        .and(&mut out.2)
-        .and(&g)
-        .for_each(|(_, _, h), gd, dx, da, &raw| {
-            let shifted = raw + bias.as_ref().map_or(T::zero(), |b| b[h]);
-            (*gd, *dx, *da) = gates::gate_eval(Gate::Kda, shifted, Some(a_log[h]));
-        });
-    out
+    let a_log: Vec<T> = x.a_log.into_iter().flatten().copied().collect();
+    let bias: Option<Vec<T>> = x.dt_bias.map(|d| d.iter().copied().collect());
+    Zip::indexed(&g)
+        .map_collect(|(_, _, h), &raw| f(raw + bias.as_ref().map_or(T::zero(), |b| b[h]), a_log[h]))
+}
+
+/// The per-head decay `−exp(A_log[h])·softplus(g + dt_bias[h])` `[B, T, HV]`.
+fn in_kernel_decay<T: Scalar>(x: &GdnRefs<'_, T>) -> Array3<T> {
+    per_gate_element(x, |shifted, a| {
+        gates::gate_eval(Gate::Kda, shifted, Some(a)).0
+    })
 }
 
 /// The KDA problem that computes this GDN problem: the decay evaluated (in
 /// kernel gate), the scalar gate left `[B, T, HV]` for KDA to broadcast, the
 /// state in `[N, HV, K, V]`.
 pub fn to_kda<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<(KdaInputs<T>, KdaOptions)> {
-    validate(x, opt)?;
+    validate_own(&x.refs(), opt)?;
     let g = if opt.use_gate_in_kernel {
         check_finite("g", &x.g)?;
-        in_kernel_gate(x).0.into_dyn()
+        in_kernel_decay(&x.refs()).into_dyn()
     } else {
         x.g.clone()
     };
@@ -238,18 +300,13 @@ pub fn to_kda<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<(KdaInput
         beta: x.beta.clone(),
         a_log: None,
         dt_bias: None,
-        initial_state: x.initial_state.as_ref().map(|s| kv_layout(opt, s)),
+        initial_state: x
+            .initial_state
+            .as_ref()
+            .map(|s| kv_layout(opt, s).into_owned()),
         cu_seqlens: x.cu_seqlens.clone(),
     };
-    let kopt = KdaOptions {
-        scale: opt.scale,
-        output_final_state: opt.output_final_state,
-        use_qk_l2norm_in_kernel: opt.use_qk_l2norm_in_kernel,
-        gate: Gate::None,
-        use_beta_sigmoid_in_kernel: opt.use_beta_sigmoid_in_kernel,
-        allow_neg_eigval: opt.allow_neg_eigval,
-    };
-    Ok((kx, kopt))
+    Ok((kx, kda_options(opt)))
 }
 
 /// Chains KDA's gradients (decay `dg [B, T, HV]`, states in `[K, V]`) back to
@@ -257,7 +314,10 @@ pub fn to_kda<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<(KdaInput
 fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions) -> GdnGrads<T> {
     let (dg, da_log, ddt_bias) = if opt.use_gate_in_kernel {
         let ddecay = g.dg.into_dimensionality::<Ix3>().expect("[B,T,HV]");
-        let (_, dgate_dx, dgate_da) = in_kernel_gate(x);
+        // The decay's partial derivatives ∂/∂g and ∂/∂A_log.
+        let eval = |s, a| gates::gate_eval(Gate::Kda, s, Some(a));
+        let dgate_dx = per_gate_element(&x.refs(), |s, a| eval(s, a).1);
+        let dgate_da = per_gate_element(&x.refs(), |s, a| eval(s, a).2);
         let dg = &ddecay * &dgate_dx;
         // Serial sums in index order: the result does not depend on threads.
         let per_head = |a: &Array3<T>| a.sum_axis(Axis(0)).sum_axis(Axis(0));
@@ -275,7 +335,7 @@ fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions)
         dbeta: g.dbeta,
         da_log,
         ddt_bias,
-        dh0: g.dh0.map(|s| kv_layout(opt, &s)),
+        dh0: g.dh0.map(|s| kv_layout_owned(opt, s)),
     }
 }
 
@@ -450,18 +510,11 @@ impl<T: Scalar> Operator<T> for Gdn {
         d_o: &ArrayD<T>,
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
-        kda::validate_upstream(&p.dims, d_o, None)?;
-        let d = p.dims;
-        if let Some(dht) = dht {
-            let (dims, want) = if p.state_v_first {
-                ("[N,HV,V,K] (state_v_first)", [d.n, d.hv, d.v, d.k])
-            } else {
-                ("[N,HV,K,V]", [d.n, d.hv, d.k, d.v])
-            };
-            expect_shape("dht", dims, &want, dht.shape())?;
-            check_finite("dht", dht)?;
-        }
-        Ok(())
+        let opt = GdnOptions {
+            state_v_first: p.state_v_first,
+            ..Default::default()
+        };
+        validate_upstream(&p.dims, &opt, d_o, dht)
     }
 
     fn dht_view<'d>(opt: &GdnOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {
@@ -481,7 +534,7 @@ impl<T: Scalar> Operator<T> for Gdn {
             o: o.into_dyn(),
             final_state: opt
                 .output_final_state
-                .then(|| kv_layout(opt, &final_state.into_dyn())),
+                .then(|| kv_layout_owned(opt, final_state.into_dyn())),
         }
     }
 

@@ -16,12 +16,11 @@ mod meta;
 
 use std::collections::BTreeMap;
 
-use deltaref::conv::{CausalConv1d, ConvInputs};
-use deltaref::dplr::{DplrInputs, DplrRefs};
-use deltaref::gdn::{Gdn, GdnInputs};
-use deltaref::kda::{KdaInputs, KdaRefs};
-use deltaref::op::Operator;
-use deltaref::token_shift::TokenShiftInputs;
+use deltaref::conv::{self, ConvInputs, ConvRefs};
+use deltaref::dplr::{self, DplrInputs, DplrRefs};
+use deltaref::gdn::{self, GdnInputs};
+use deltaref::kda::{self, KdaInputs, KdaRefs};
+use deltaref::token_shift::{self, TokenShiftInputs, TokenShiftRefs};
 use ndarray::ArrayD;
 
 use crate::outputs::Tensors;
@@ -110,6 +109,26 @@ impl Case {
             a: self.need_ref("a")?,
             b: self.need_ref("b")?,
             gk: self.need_ref("gk")?,
+            initial_state: self.tensors.get("initial_state"),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        })
+    }
+
+    /// A token-shift case's inputs, borrowed.
+    pub fn token_shift_refs(&self) -> Result<TokenShiftRefs<'_, f64>, deltaref::Error> {
+        Ok(TokenShiftRefs {
+            x: self.need_ref("x")?,
+            cache: self.tensors.get("cache"),
+            cu_seqlens: self.cu_seqlens.as_deref(),
+        })
+    }
+
+    /// A causal conv1d case's inputs, borrowed.
+    pub fn conv_refs(&self) -> Result<ConvRefs<'_, f64>, deltaref::Error> {
+        Ok(ConvRefs {
+            x: self.need_ref("x")?,
+            weight: self.need_ref("weight")?,
+            bias: self.tensors.get("bias"),
             initial_state: self.tensors.get("initial_state"),
             cu_seqlens: self.cu_seqlens.as_deref(),
         })
@@ -257,15 +276,33 @@ impl Case {
     }
 
     /// Checks inputs, upstream gradients and stored results for consistency
-    /// with the reference crate's validation. KDA and DPLR inputs and every
-    /// stored result are checked where they are (a long case holds
-    /// gigabytes of them); the other ops' inputs through a copy.
+    /// with the reference crate's validation, each where it is (a long case
+    /// holds gigabytes of them): no token-sized tensor is copied.
     pub fn validate(&self) -> Result<(), deltaref::Error> {
         let (d_o, dht) = self.upstream_refs()?;
-        match self.meta.op {
-            Op::Kda => check_kda(&self.kda_refs()?, &self.meta, d_o, dht)?,
-            Op::Dplr => check_dplr(&self.dplr_refs()?, &self.meta, d_o, dht)?,
-            Op::Gdn | Op::CausalConv1d | Op::TokenShift => self.check_copied(d_o, dht)?,
+        let meta = &self.meta;
+        match meta.op {
+            Op::Kda => {
+                let d = kda::validate_refs(&self.kda_refs()?, &meta.kda_options())?;
+                kda::validate_upstream(&d, d_o, dht)?;
+            }
+            Op::Dplr => {
+                let d = dplr::validate_refs(&self.dplr_refs()?, &meta.dplr_options())?;
+                dplr::validate_upstream(&d, d_o, dht)?;
+            }
+            Op::Gdn => {
+                let opts = meta.gdn_options();
+                let d = gdn::validate_refs(&self.kda_refs()?, &opts)?;
+                gdn::validate_upstream(&d, &opts, d_o, dht)?;
+            }
+            Op::TokenShift => {
+                let (d, _) = token_shift::validate_refs(&self.token_shift_refs()?)?;
+                token_shift::validate_upstream(&d, d_o, dht)?;
+            }
+            Op::CausalConv1d => {
+                let (d, _) = conv::validate_refs(&self.conv_refs()?)?;
+                conv::validate_upstream(&d, d_o, dht)?;
+            }
         }
         for (name, x) in self.result_refs() {
             if let Some(want) = self.result_shape(name) {
@@ -282,41 +319,6 @@ impl Case {
             deltaref::tensor::check_finite(name, x)?;
         }
         Ok(())
-    }
-
-    /// [`Case::validate`]'s input checks on a copy of the inputs.
-    fn check_copied(
-        &self,
-        d_o: &ArrayD<f64>,
-        dht: Option<&ArrayD<f64>>,
-    ) -> Result<(), deltaref::Error> {
-        match self.inputs()? {
-            Inputs::Kda(x) => check_kda(&x.refs(), &self.meta, d_o, dht),
-            Inputs::Dplr(x) => check_dplr(&x.refs(), &self.meta, d_o, dht),
-            Inputs::Gdn(x) => {
-                let opts = self.meta.gdn_options();
-                let p = <Gdn as Operator<f64>>::prepare(&x, &opts)?;
-                <Gdn as Operator<f64>>::validate_upstream(&p, d_o, dht)
-            }
-            Inputs::CausalConv1d(x) => {
-                let opts = self.meta.conv_options();
-                let p = <CausalConv1d as Operator<f64>>::prepare(&x, &opts)?;
-                <CausalConv1d as Operator<f64>>::validate_upstream(&p, d_o, dht)
-            }
-            Inputs::TokenShift(x) => {
-                let (d, _) = deltaref::token_shift::validate(&x)?;
-                deltaref::tensor::expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], d_o.shape())?;
-                if let Some(h) = dht {
-                    deltaref::tensor::expect_shape(
-                        "dfinal_cache",
-                        "[N,D]",
-                        &[d.n, d.d],
-                        h.shape(),
-                    )?;
-                }
-                Ok(())
-            }
-        }
     }
 
     /// The outputs and gradients the oracle computes for this case: every
@@ -360,26 +362,4 @@ impl Case {
 /// Named tensors copied out of their borrows.
 fn owned<'a>(refs: impl Iterator<Item = (&'a String, &'a ArrayD<f64>)>) -> Tensors {
     refs.map(|(k, v)| (k.clone(), v.clone())).collect()
-}
-
-/// A KDA case's input and upstream checks.
-fn check_kda(
-    x: &KdaRefs<'_, f64>,
-    meta: &CaseMeta,
-    d_o: &ArrayD<f64>,
-    dht: Option<&ArrayD<f64>>,
-) -> Result<(), deltaref::Error> {
-    let d = deltaref::kda::validate_refs(x, &meta.kda_options())?;
-    deltaref::kda::validate_upstream(&d, d_o, dht)
-}
-
-/// A DPLR case's input and upstream checks.
-fn check_dplr(
-    x: &DplrRefs<'_, f64>,
-    meta: &CaseMeta,
-    d_o: &ArrayD<f64>,
-    dht: Option<&ArrayD<f64>>,
-) -> Result<(), deltaref::Error> {
-    let d = deltaref::dplr::validate_refs(x, &meta.dplr_options())?;
-    deltaref::dplr::validate_upstream(&d, d_o, dht)
 }
