@@ -3,9 +3,7 @@
 //! way out; everything else is read as stored.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
-use deltaref::dplr::{
-    self as oracle, DplrDims, DplrGrads, DplrInputs, DplrOptions, DplrOutputs, DplrRefs,
-};
+use deltaref::dplr::{self as oracle, DplrDims, DplrGrads, DplrOptions, DplrOutputs, DplrRefs};
 use deltaref::varlen::Segment;
 use ndarray::ArrayD;
 
@@ -229,21 +227,10 @@ impl Recurrence for Problem<'_> {
 }
 
 /// DPLR forward and backward on the GPU (naive engine; CP when `imp.cp` is
-/// set): `o`, `final_state` and every gradient (shaped like the oracle's),
-/// with kernel and host timings.
+/// set) from inputs borrowed where they live (`DplrInputs::refs`, or a
+/// case's tensors, uncopied): `o`, `final_state` and every gradient (shaped
+/// like the oracle's), with kernel and host timings.
 pub fn run(
-    gpu: &Gpu,
-    x: &DplrInputs<f64>,
-    opts: &DplrOptions,
-    d_o: &ArrayD<f64>,
-    dht: Option<&ArrayD<f64>>,
-    imp: &GpuImpl,
-) -> Result<Run<DplrOutputs<f64>, DplrGrads<f64>>> {
-    run_refs(gpu, &x.refs(), opts, d_o, dht, imp)
-}
-
-/// [`run`] on inputs borrowed where they live (a case's tensors, uncopied).
-pub fn run_refs(
     gpu: &Gpu,
     x: &DplrRefs<'_, f64>,
     opts: &DplrOptions,

@@ -6,7 +6,7 @@
 //! (they are `[N, HV, K, V]`-sized, not token-sized).
 
 use deltaref::gates::Gate;
-use deltaref::gdn::{self as oracle, GdnGrads, GdnInputs, GdnOptions, GdnOutputs, GdnRefs};
+use deltaref::gdn::{self as oracle, GdnGrads, GdnOptions, GdnOutputs, GdnRefs};
 use deltaref::kda::{KdaOptions, KdaRefs};
 use ndarray::ArrayD;
 
@@ -14,21 +14,11 @@ use crate::device::Gpu;
 use crate::error::Result;
 use crate::{GpuImpl, Run};
 
-/// GDN forward and backward on the GPU: `o`, `final_state` (in the
-/// options' state layout) and every gradient, shaped like the oracle's.
+/// GDN forward and backward on the GPU from inputs borrowed where they
+/// live (`GdnInputs::refs`, or a case's tensors, uncopied): `o`,
+/// `final_state` (in the options' state layout) and every gradient, shaped
+/// like the oracle's, with kernel and host timings.
 pub fn run(
-    gpu: &Gpu,
-    x: &GdnInputs<f64>,
-    opts: &GdnOptions,
-    d_o: &ArrayD<f64>,
-    dht: Option<&ArrayD<f64>>,
-    imp: &GpuImpl,
-) -> Result<Run<GdnOutputs<f64>, GdnGrads<f64>>> {
-    run_refs(gpu, &x.refs(), opts, d_o, dht, imp)
-}
-
-/// [`run`] on inputs borrowed where they live (a case's tensors, uncopied).
-pub fn run_refs(
     gpu: &Gpu,
     x: &GdnRefs<'_, f64>,
     opts: &GdnOptions,

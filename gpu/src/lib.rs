@@ -17,7 +17,7 @@
 //! # fn demo(x: &deltaref::kda::KdaInputs<f64>, d_o: &ndarray::ArrayD<f64>) -> deltaref_gpu::Result<()> {
 //! let gpu = Gpu::probe()?; // GpuError::NoDriver on a machine without a GPU
 //! let imp = GpuImpl { engine: Engine::Chunk(64), cp: None, storage: Dtype::Bf16 };
-//! let run = deltaref_gpu::kda::run(&gpu, x, &Default::default(), d_o, None, &imp)?;
+//! let run = deltaref_gpu::kda::run(&gpu, &x.refs(), &Default::default(), d_o, None, &imp)?;
 //! println!("o {:?}, forward {:.3} ms", run.outputs.o.shape(), run.timings.forward_s * 1e3);
 //! # Ok(()) }
 //! ```

@@ -102,7 +102,7 @@ fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let dht = round_f32(&g.dht);
     let truth = outputs::all::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))
         .expect("valid inputs");
-    let run = deltaref_gpu::kda::run(gpu, &x, &spec.opts, &d_o, Some(&dht), imp)
+    let run = deltaref_gpu::kda::run(gpu, &x.refs(), &spec.opts, &d_o, Some(&dht), imp)
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
         truth,
@@ -267,7 +267,7 @@ fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let naive = OnKda(kda::naive::Naive);
     let truth =
         outputs::all::<f64, _>(&naive, &x, &spec.opts, &d_o, Some(&dht)).expect("valid inputs");
-    let run = deltaref_gpu::gdn::run(gpu, &x, &spec.opts, &d_o, Some(&dht), imp)
+    let run = deltaref_gpu::gdn::run(gpu, &x.refs(), &spec.opts, &d_o, Some(&dht), imp)
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
         truth,
@@ -395,13 +395,21 @@ fn cases_run_from_their_own_tensors() {
                 let want = match case.inputs().expect("inputs") {
                     Inputs::Dplr(x) => {
                         let opts = case.meta.dplr_options();
-                        let r = deltaref_gpu::dplr::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
+                        let r = deltaref_gpu::dplr::run(
+                            dev,
+                            &x.refs(),
+                            &opts,
+                            &d_o,
+                            dht.as_ref(),
+                            &imp,
+                        );
                         let r = r.expect("GPU run");
                         outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads))
                     }
                     Inputs::Gdn(x) => {
                         let opts = case.meta.gdn_options();
-                        let r = deltaref_gpu::gdn::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
+                        let r =
+                            deltaref_gpu::gdn::run(dev, &x.refs(), &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
                         outputs::map::<f64, Gdn>(&r.outputs, Some(&r.grads))
                     }
@@ -461,7 +469,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         ] {
             let run = deltaref_gpu::dplr::run(
                 &gpu,
-                &x,
+                &x.refs(),
                 &opts,
                 &d_o,
                 Some(&dht),
@@ -522,7 +530,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
     x.q[[0, 3, 0, 2]] = f64::NAN;
     let e = deltaref_gpu::kda::run(
         &gpu,
-        &x,
+        &x.refs(),
         &spec.opts,
         &g.d_o,
         None,
@@ -541,7 +549,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
     let g = inputs::kda(&big);
     let e = deltaref_gpu::kda::run(
         &gpu,
-        &g.inputs,
+        &g.inputs.refs(),
         &big.opts,
         &g.d_o,
         None,
@@ -552,7 +560,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
     let g = inputs::kda(&spec);
     let e = deltaref_gpu::kda::run(
         &gpu,
-        &g.inputs,
+        &g.inputs.refs(),
         &spec.opts,
         &g.d_o,
         None,
@@ -578,7 +586,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
         .unwrap();
     let e = deltaref_gpu::gdn::run(
         &gpu,
-        &g.inputs,
+        &g.inputs.refs(),
         &spec.opts,
         &g.d_o,
         Some(&flat_dht),

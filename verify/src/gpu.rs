@@ -162,17 +162,17 @@ pub fn case(imp: &GpuImpl, case: &Case) -> Result<(Tensors, Timings), ComputeErr
     match case.meta.op {
         Op::Kda => {
             let (x, opts) = (case.kda_refs()?, case.meta.kda_options());
-            let r = deltaref_gpu::kda::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
+            let r = deltaref_gpu::kda::run(device()?, &x, &opts, d_o, dht, imp)?;
             Ok((kda_tensors(r.outputs, r.grads), r.timings))
         }
         Op::Gdn => {
             let (x, opts) = (case.kda_refs()?, case.meta.gdn_options());
-            let r = deltaref_gpu::gdn::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
+            let r = deltaref_gpu::gdn::run(device()?, &x, &opts, d_o, dht, imp)?;
             Ok((gdn_tensors(r.outputs, r.grads), r.timings))
         }
         Op::Dplr => {
             let (x, opts) = (case.dplr_refs()?, case.meta.dplr_options());
-            let r = deltaref_gpu::dplr::run_refs(device()?, &x, &opts, d_o, dht, imp)?;
+            let r = deltaref_gpu::dplr::run(device()?, &x, &opts, d_o, dht, imp)?;
             Ok((dplr_tensors(r.outputs, r.grads), r.timings))
         }
         Op::TokenShift => {

@@ -9,9 +9,7 @@ pub mod naive;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use deltaref::gates::{Gate, L2NORM_EPS};
-use deltaref::kda::{
-    self as oracle, KdaDims, KdaGrads, KdaInputs, KdaOptions, KdaOutputs, KdaRefs,
-};
+use deltaref::kda::{self as oracle, KdaDims, KdaGrads, KdaOptions, KdaOutputs, KdaRefs};
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
@@ -376,21 +374,11 @@ type GateGrads = (
     Option<CudaSlice<f32>>,
 );
 
-/// KDA forward and backward on the GPU: `o`, `final_state` and every
-/// gradient (shaped like the oracle's), with kernel timings.
+/// KDA forward and backward on the GPU from inputs borrowed where they
+/// live (`KdaInputs::refs`, or a case's tensors, uncopied): `o`,
+/// `final_state` and every gradient (shaped like the oracle's), with kernel
+/// and host timings.
 pub fn run(
-    gpu: &Gpu,
-    x: &KdaInputs<f64>,
-    opts: &KdaOptions,
-    d_o: &ArrayD<f64>,
-    dht: Option<&ArrayD<f64>>,
-    imp: &GpuImpl,
-) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
-    run_refs(gpu, &x.refs(), opts, d_o, dht, imp)
-}
-
-/// [`run`] on inputs borrowed where they live (a case's tensors, uncopied).
-pub fn run_refs(
     gpu: &Gpu,
     x: &KdaRefs<'_, f64>,
     opts: &KdaOptions,
@@ -409,7 +397,7 @@ pub fn run_refs(
     Ok(run)
 }
 
-/// [`run_refs`] on a problem the caller validated (`d` its sizes; see
+/// [`run`] on a problem the caller validated (`d` its sizes; see
 /// [`Problem::new`]).
 pub(crate) fn run_validated(
     gpu: &Gpu,
