@@ -28,7 +28,7 @@ pub fn run(
 ) -> Result<Run<GdnOutputs<f64>, GdnGrads<f64>>> {
     let t = std::time::Instant::now();
     let d = oracle::validate_refs(x, opts)?;
-    oracle::validate_upstream(&d, opts, d_o, dht)?;
+    oracle::validate_upstream(&d, opts.state_v_first, d_o, dht)?;
     let h0 = x.initial_state.map(|s| oracle::kv_layout(opts, s));
     let dht = dht.map(|s| oracle::kv_layout(opts, s));
     let kopts = KdaOptions {

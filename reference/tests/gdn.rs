@@ -417,12 +417,12 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
     // The in-place upstream check refuses it the same way, and a NaN in `do`.
     let d = gdn::validate_refs(&x.refs(), &vfirst).expect("valid inputs");
     let d_o = ArrayD::zeros(vec![1, 7, 4, 3]);
-    let in_place = gdn::validate_upstream(&d, &vfirst, &d_o, Some(&ArrayD::zeros(vec![2, 4])))
+    let in_place = gdn::validate_upstream(&d, true, &d_o, Some(&ArrayD::zeros(vec![2, 4])))
         .expect_err("dht of the wrong rank");
     assert_eq!(in_place.to_string(), e.to_string());
     let mut bad = d_o.clone();
     bad[[0, 6, 3, 2]] = f64::NAN;
-    let e = gdn::validate_upstream(&d, &vfirst, &bad, None).expect_err("NaN in do");
+    let e = gdn::validate_upstream(&d, true, &bad, None).expect_err("NaN in do");
     assert!(matches!(e, Error::NonFinite { .. }), "{e}");
     assert!(e.to_string().contains("`do`"), "{e}");
 }

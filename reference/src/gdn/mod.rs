@@ -197,17 +197,17 @@ pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<
     kda::validate_refs(&kx, &kda_options(opt))
 }
 
-/// Validates `do [B, T, HV, V]` and `dht` (in the options' state layout)
-/// against validated sizes `d`.
+/// Validates `do [B, T, HV, V]` and `dht` (`[N, HV, V, K]` with
+/// `state_v_first`, else `[N, HV, K, V]`) against validated sizes `d`.
 pub fn validate_upstream<T: Scalar>(
     d: &KdaDims,
-    opt: &GdnOptions,
+    state_v_first: bool,
     d_o: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<()> {
     kda::validate_upstream(d, d_o, None)?;
     if let Some(dht) = dht {
-        let (dims, want) = if opt.state_v_first {
+        let (dims, want) = if state_v_first {
             ("[N,HV,V,K] (state_v_first)", [d.n, d.hv, d.v, d.k])
         } else {
             ("[N,HV,K,V]", [d.n, d.hv, d.k, d.v])
@@ -510,11 +510,7 @@ impl<T: Scalar> Operator<T> for Gdn {
         d_o: &ArrayD<T>,
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
-        let opt = GdnOptions {
-            state_v_first: p.state_v_first,
-            ..Default::default()
-        };
-        validate_upstream(&p.dims, &opt, d_o, dht)
+        validate_upstream(&p.dims, p.state_v_first, d_o, dht)
     }
 
     fn dht_view<'d>(opt: &GdnOptions, dht: &'d ArrayD<T>) -> ArrayView4<'d, T> {

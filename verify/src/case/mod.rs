@@ -293,7 +293,7 @@ impl Case {
             Op::Gdn => {
                 let opts = meta.gdn_options();
                 let d = gdn::validate_refs(&self.kda_refs()?, &opts)?;
-                gdn::validate_upstream(&d, &opts, d_o, dht)?;
+                gdn::validate_upstream(&d, opts.state_v_first, d_o, dht)?;
             }
             Op::TokenShift => {
                 let (d, _) = token_shift::validate_refs(&self.token_shift_refs()?)?;
