@@ -17,18 +17,17 @@
 use std::borrow::Cow;
 
 use ndarray::{
-    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Zip,
+    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Ix4,
+    Zip,
 };
 
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
-use crate::kda::{
-    self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, PreparedGrads,
-};
+use crate::kda::{self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaOptions, PreparedGrads};
 use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
-use crate::varlen::Segment;
+use crate::varlen::{self, Segment};
 
 /// GDN inputs in FLA's layout.
 #[derive(Clone, Debug)]
@@ -179,6 +178,12 @@ pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<KdaDims
 /// (the in-kernel decay) and state-sized (a `state_v_first` swap), never
 /// a `[B, T, H, K]` tensor.
 pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<KdaDims> {
+    Ok(checked_decay(x, opt)?.0)
+}
+
+/// [`validate_refs`], also returning the log-space decay `[B, T, HV]`
+/// (evaluated with the in-kernel gate, else `g` itself).
+fn checked_decay<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<(KdaDims, Array3<T>)> {
     validate_own(x, opt)?;
     let decay = if opt.use_gate_in_kernel {
         check_finite("g", x.g)?;
@@ -194,7 +199,12 @@ pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<
         initial_state: h0.as_deref(),
         ..*x
     };
-    kda::validate_refs(&kx, &kda_options(opt))
+    let d = kda::validate_refs(&kx, &kda_options(opt))?;
+    let decay = match decay {
+        Some(g) => g,
+        None => x.g.clone(),
+    };
+    Ok((d, decay.into_dimensionality().expect("validated [B,T,HV]")))
 }
 
 /// Validates `do [B, T, HV, V]` and `dht` (`[N, HV, V, K]` with
@@ -281,34 +291,6 @@ fn in_kernel_decay<T: Scalar>(x: &GdnRefs<'_, T>) -> Array3<T> {
     })
 }
 
-/// The KDA problem that computes this GDN problem: the decay evaluated (in
-/// kernel gate), the scalar gate left `[B, T, HV]` for KDA to broadcast, the
-/// state in `[N, HV, K, V]`.
-pub fn to_kda<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<(KdaInputs<T>, KdaOptions)> {
-    validate_own(&x.refs(), opt)?;
-    let g = if opt.use_gate_in_kernel {
-        check_finite("g", &x.g)?;
-        in_kernel_decay(&x.refs()).into_dyn()
-    } else {
-        x.g.clone()
-    };
-    let kx = KdaInputs {
-        q: x.q.clone(),
-        k: x.k.clone(),
-        v: x.v.clone(),
-        g,
-        beta: x.beta.clone(),
-        a_log: None,
-        dt_bias: None,
-        initial_state: x
-            .initial_state
-            .as_ref()
-            .map(|s| kv_layout(opt, s).into_owned()),
-        cu_seqlens: x.cu_seqlens.clone(),
-    };
-    Ok((kx, kda_options(opt)))
-}
-
 /// Chains KDA's gradients (decay `dg [B, T, HV]`, states in `[K, V]`) back to
 /// GDN's inputs: through the in-kernel gate and the state layout.
 fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions) -> GdnGrads<T> {
@@ -347,9 +329,9 @@ pub struct Prepared<'a, T> {
     pub scale: f64,
     pub segments: Vec<Segment>,
     /// `[B, T, H, K]`, l2-normalised if asked.
-    pub q: Array4<T>,
+    pub q: CowArray<'a, T, Ix4>,
     /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: Array4<T>,
+    pub k: CowArray<'a, T, Ix4>,
     /// `[B, T, HV, V]`
     pub v: ArrayView4<'a, T>,
     /// `[B, T, HV]` log-space decay.
@@ -360,34 +342,29 @@ pub struct Prepared<'a, T> {
     pub h0: Option<Array4<T>>,
     /// States are `[N, HV, V, K]` in the public tensors.
     pub state_v_first: bool,
-    /// The KDA problem it was prepared as (for the chain rule).
-    kda: (KdaInputs<T>, KdaOptions),
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
+    /// Validates `x` and applies l2norm, the gate and beta sigmoid; `q`,
+    /// `k` and `v` stay views of the inputs where nothing changes them.
     pub fn new(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Self> {
-        let (kx, kopt) = to_kda(x, opt)?;
-        let kp = kda::Prepared::new(&kx, &kopt)?;
-        let g =
-            kx.g.view()
-                .into_dimensionality::<Ix3>()
-                .expect("validated")
-                .to_owned();
-        let (dims, scale, segments) = (kp.dims, kp.scale, kp.segments.clone());
-        let (q, k, beta) = (kp.q.into_owned(), kp.k.into_owned(), kp.beta);
-        let h0 = kx.initial_state.as_ref().map(tensor::to4);
+        let (dims, g) = checked_decay(&x.refs(), opt)?;
+        let kopt = kda_options(opt);
+        let kda::Activations { q, k, beta } = kda::Activations::new(&x.refs(), &kopt);
         Ok(Prepared {
             dims,
-            scale,
-            segments,
+            scale: kopt.scale_for(dims.k),
+            segments: varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?,
             q,
             k,
             v: tensor::view4(&x.v),
             g,
             beta,
-            h0,
+            h0: x
+                .initial_state
+                .as_ref()
+                .map(|s| tensor::to4(&kv_layout(opt, s))),
             state_v_first: opt.state_v_first,
-            kda: (kx, kopt),
         })
     }
 }
@@ -541,9 +518,19 @@ impl<T: Scalar> Operator<T> for Gdn {
         pieces: Vec<(Segment, usize, KdaHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> GdnGrads<T> {
-        let (kx, kopt) = &p.kda;
-        let kp = kda::Prepared::new(kx, kopt).expect("validated by prepare");
-        let g = PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(kx, kopt, &kp);
+        // A scalar gate's chain reads neither `g` nor the gate parameters
+        // (GDN's in-kernel gate is chained by `grads_from_kda`).
+        let kx = GdnRefs {
+            a_log: None,
+            dt_bias: None,
+            ..x.refs()
+        };
+        let g = PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(
+            &kx,
+            &kda_options(opt),
+            p.dims,
+            p.scale,
+        );
         grads_from_kda(g, x, opt)
     }
 

@@ -110,6 +110,13 @@ pub struct KdaOptions {
     pub allow_neg_eigval: bool,
 }
 
+impl KdaOptions {
+    /// The query scale for key dimension `k`: `scale`, else `k^-0.5`.
+    pub fn scale_for(&self, k: usize) -> f64 {
+        self.scale.unwrap_or(1.0 / (k as f64).sqrt())
+    }
+}
+
 /// `o [B, T, HV, V]`, `final_state [N, HV, K, V]` when asked for.
 #[derive(Clone, Debug)]
 pub struct KdaOutputs<T> {
@@ -396,17 +403,43 @@ impl<'a, T: Scalar> Prepared<'a, T> {
 
     /// Validates `x` and applies l2norm, scale, gate and beta sigmoid.
     pub fn new(x: &'a KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
-        let dims = validate(x, opt)?;
-        let scale = opt.scale.unwrap_or(1.0 / (dims.k as f64).sqrt());
-        let segments = varlen::sequences(dims.b, dims.t, x.cu_seqlens.as_deref())?;
-        let (q, k) = (tensor::view4(&x.q), tensor::view4(&x.k));
+        let x = &x.refs();
+        let dims = validate_refs(x, opt)?;
+        let segments = varlen::sequences(dims.b, dims.t, x.cu_seqlens)?;
+        let Activations { q, k, beta } = Activations::new(x, opt);
+        Ok(Prepared {
+            dims,
+            scale: opt.scale_for(dims.k),
+            segments,
+            q,
+            k,
+            v: tensor::view4(x.v),
+            g: gate_terms(x, opt, &dims).0,
+            beta,
+            h0: x.initial_state.map(tensor::view4),
+            opt: *opt,
+        })
+    }
+}
+
+/// The in-kernel activations of validated inputs: `q`, `k` `[B, T, H, K]`
+/// (l2-normalised if asked, else views of the inputs) and β `[B, T, HV]`
+/// (after the sigmoid if asked). GDN's are KDA's.
+pub struct Activations<'a, T> {
+    pub q: CowArray<'a, T, Ix4>,
+    pub k: CowArray<'a, T, Ix4>,
+    pub beta: Array3<T>,
+}
+
+impl<'a, T: Scalar> Activations<'a, T> {
+    pub fn new(x: &KdaRefs<'a, T>, opt: &KdaOptions) -> Self {
+        let (q, k) = (tensor::view4(x.q), tensor::view4(x.k));
         let (q, k) = if opt.use_qk_l2norm_in_kernel {
             let l2 = |x| CowArray::from(gates::l2norm_fwd(&x));
             (l2(q), l2(k))
         } else {
             (CowArray::from(q), CowArray::from(k))
         };
-        let g = gate_terms(x, opt, &dims).0;
         let beta = x
             .beta
             .view()
@@ -419,18 +452,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
                     b
                 }
             });
-        Ok(Prepared {
-            dims,
-            scale,
-            segments,
-            q,
-            k,
-            v: tensor::view4(&x.v),
-            g,
-            beta,
-            h0: x.initial_state.as_ref().map(tensor::view4),
-            opt: *opt,
-        })
+        Activations { q, k, beta }
     }
 }
 
@@ -551,7 +573,7 @@ impl<T: Scalar> Operator<T> for Kda {
         pieces: Vec<(Segment, usize, KdaHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> KdaGrads<T> {
-        PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(x, opt, p)
+        PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(&x.refs(), opt, p.dims, p.scale)
     }
 
     fn output_tensors(out: &KdaOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
@@ -584,7 +606,7 @@ impl<T: Scalar> Operator<T> for Kda {
 /// derivatives `(∂g/∂x, ∂g/∂A_log)` (x = raw g + dt_bias), element by element.
 #[allow(clippy::type_complexity)]
 fn gate_terms<'a, T: Scalar>(
-    x: &'a KdaInputs<T>,
+    x: &KdaRefs<'a, T>,
     opt: &KdaOptions,
     d: &KdaDims,
 ) -> (CowArray<'a, T, Ix4>, Option<(Array4<T>, Array4<T>)>) {
@@ -594,13 +616,13 @@ fn gate_terms<'a, T: Scalar>(
         let g4 = g3.insert_axis(Axis(3));
         CowArray::from(g4.broadcast(shape).expect("broadcast over K").to_owned())
     } else {
-        CowArray::from(tensor::view4(&x.g))
+        CowArray::from(tensor::view4(x.g))
     };
     if opt.gate == Gate::None {
         return (raw, None);
     }
-    let flat = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| a.iter().copied().collect::<Vec<T>>());
-    let (a_log, dt_bias) = (flat(&x.a_log), flat(&x.dt_bias));
+    let flat = |a: Option<&ArrayD<T>>| a.map(|a| a.iter().copied().collect::<Vec<T>>());
+    let (a_log, dt_bias) = (flat(x.a_log), flat(x.dt_bias));
     let (mut g, mut dx, mut da) = (raw.into_owned(), Array4::zeros(shape), Array4::zeros(shape));
     ndarray::Zip::indexed(&mut g)
         .and(&mut dx)
@@ -680,9 +702,15 @@ impl<T: Scalar> PreparedGrads<T> {
         }
     }
 
-    /// Chain rule through GVA, scale, l2norm, gate and beta sigmoid.
-    pub fn chain(self, x: &KdaInputs<T>, opt: &KdaOptions, p: &Prepared<T>) -> KdaGrads<T> {
-        let d = p.dims;
+    /// Chain rule through GVA, `scale`, l2norm, gate and beta sigmoid, for
+    /// inputs `x` of sizes `d`.
+    pub fn chain(
+        self,
+        x: &KdaRefs<'_, T>,
+        opt: &KdaOptions,
+        d: KdaDims,
+        scale: f64,
+    ) -> KdaGrads<T> {
         // Sum each GVA group of value heads onto its q/k head, in head order,
         // then scale: `(0 + a_0 + a_1 + …) · factor`. With one value head per
         // q/k head that is a map in place (same bits, no new tensor).
@@ -701,11 +729,11 @@ impl<T: Scalar> PreparedGrads<T> {
             }
             out
         };
-        let mut dq = group_sum(self.dq, T::c(p.scale));
+        let mut dq = group_sum(self.dq, T::c(scale));
         let mut dk = group_sum(self.dk, T::one());
         if opt.use_qk_l2norm_in_kernel {
-            dq = gates::l2norm_bwd(&tensor::view4(&x.q), &dq);
-            dk = gates::l2norm_bwd(&tensor::view4(&x.k), &dk);
+            dq = gates::l2norm_bwd(&tensor::view4(x.q), &dq);
+            dk = gates::l2norm_bwd(&tensor::view4(x.k), &dk);
         }
         let (dg, da_log, ddt_bias) = gate_backward(x, opt, &d, self.dg);
         let dbeta = if opt.use_beta_sigmoid_in_kernel {
@@ -728,14 +756,14 @@ impl<T: Scalar> PreparedGrads<T> {
             dbeta: dbeta.into_dyn(),
             da_log,
             ddt_bias,
-            dh0: x.initial_state.as_ref().map(|_| self.dh0.into_dyn()),
+            dh0: x.initial_state.map(|_| self.dh0.into_dyn()),
         }
     }
 }
 
 /// Returns `(dg shaped like x.g, dA_log, ddt_bias)` from the decay gradient.
 fn gate_backward<T: Scalar>(
-    x: &KdaInputs<T>,
+    x: &KdaRefs<'_, T>,
     opt: &KdaOptions,
     d: &KdaDims,
     dgate: Array4<T>,
@@ -759,10 +787,10 @@ fn gate_backward<T: Scalar>(
             .sum_axis(Axis(0));
         dbias.slice_mut(s![h * d.k..(h + 1) * d.k]).assign(&col);
     }
-    let shape_of = |a: &Option<ArrayD<T>>| a.as_ref().map(|a| IxDyn(a.shape()));
+    let shape_of = |a: Option<&ArrayD<T>>| a.map(|a| IxDyn(a.shape()));
     (
         dg.into_dyn(),
-        shape_of(&x.a_log).map(|s| da.into_shape_with_order(s).expect("A_log is [HV]")),
-        shape_of(&x.dt_bias).map(|s| dbias.into_shape_with_order(s).expect("dt_bias is [HV*K]")),
+        shape_of(x.a_log).map(|s| da.into_shape_with_order(s).expect("A_log is [HV]")),
+        shape_of(x.dt_bias).map(|s| dbias.into_shape_with_order(s).expect("dt_bias is [HV*K]")),
     )
 }
