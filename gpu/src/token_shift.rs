@@ -4,6 +4,7 @@
 
 use cudarc::driver::PushKernelArg;
 use deltaref::token_shift::{self as oracle, TokenShiftGrads, TokenShiftOutputs, TokenShiftRefs};
+use deltaref::varlen::Segment;
 use ndarray::{s, ArrayD, Axis};
 
 use crate::device::{arg_in, arg_in_opt, arg_opt, elementwise, Gpu};
@@ -23,8 +24,11 @@ struct Piece {
     send_back: Option<usize>,
 }
 
+/// The pieces of the validated sequences `segs` of a `[B, T]` batch, whole
+/// or split over ranks by `imp.cp`.
 fn piece_table(
-    x: &TokenShiftRefs<'_, f64>,
+    segs: &[Segment],
+    cu_seqlens: Option<&[i64]>,
     imp: &GpuImpl,
     b: usize,
     t: usize,
@@ -36,13 +40,12 @@ fn piece_table(
         send_back: None,
     };
     let Some(spec) = &imp.cp else {
-        let segs = deltaref::varlen::sequences(b, t, x.cu_seqlens)?;
         return Ok(segs
             .iter()
             .map(|s| whole(s.seq, s.start, s.end, s.batch * t))
             .collect());
     };
-    let plan = spec.build(b, t, x.cu_seqlens)?;
+    let plan = spec.build(b, t, cu_seqlens)?;
     let mut out = vec![];
     for rm in &plan.ranks {
         for (i, seg) in rm.pieces.iter().enumerate() {
@@ -67,11 +70,11 @@ pub fn run(
     imp: &GpuImpl,
 ) -> Result<Run<TokenShiftOutputs<f64>, TokenShiftGrads<f64>>> {
     let t = std::time::Instant::now();
-    let (d, _) = oracle::validate_refs(x)?;
+    let (d, segs) = oracle::validate_refs(x)?;
     oracle::validate_upstream(&d, dy, dfinal_cache)?;
     let check_s = t.elapsed().as_secs_f64();
     check_sizes(1, 1, d.b * d.t)?;
-    let table = piece_table(x, imp, d.b, d.t)?;
+    let table = piece_table(&segs, x.cu_seqlens, imp, d.b, d.t)?;
     let defs = prep_defines(imp.storage);
     let ntok = d.b * d.t;
     let xs = gpu.upload_input("x", x.x, imp.storage)?;

@@ -178,12 +178,21 @@ pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<KdaDims
 /// (the in-kernel decay) and state-sized (a `state_v_first` swap), never
 /// a `[B, T, H, K]` tensor.
 pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<KdaDims> {
-    Ok(checked_decay(x, opt)?.0)
+    Ok(checked(x, opt)?.dims)
 }
 
-/// [`validate_refs`], also returning the log-space decay `[B, T, HV]`
-/// (evaluated with the in-kernel gate, else `g` itself).
-fn checked_decay<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<(KdaDims, Array3<T>)> {
+/// What [`validate_refs`] checks and derives on the way.
+struct Checked<'a, T: Clone> {
+    dims: KdaDims,
+    /// The log-space decay `[B, T, HV]` (evaluated with the in-kernel gate,
+    /// else `g` itself).
+    decay: Array3<T>,
+    /// The initial state in `[N, HV, K, V]`, borrowed unless swapped.
+    h0: Option<Cow<'a, ArrayD<T>>>,
+}
+
+/// [`validate_refs`], keeping the decay and the initial state in KDA's layout.
+fn checked<'a, T: Scalar>(x: &GdnRefs<'a, T>, opt: &GdnOptions) -> Result<Checked<'a, T>> {
     validate_own(x, opt)?;
     let decay = if opt.use_gate_in_kernel {
         check_finite("g", x.g)?;
@@ -199,12 +208,16 @@ fn checked_decay<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<(Kda
         initial_state: h0.as_deref(),
         ..*x
     };
-    let d = kda::validate_refs(&kx, &kda_options(opt))?;
+    let dims = kda::validate_refs(&kx, &kda_options(opt))?;
     let decay = match decay {
         Some(g) => g,
         None => x.g.clone(),
     };
-    Ok((d, decay.into_dimensionality().expect("validated [B,T,HV]")))
+    Ok(Checked {
+        dims,
+        decay: decay.into_dimensionality().expect("validated [B,T,HV]"),
+        h0,
+    })
 }
 
 /// Validates `do [B, T, HV, V]` and `dht` (`[N, HV, V, K]` with
@@ -338,17 +351,18 @@ pub struct Prepared<'a, T> {
     pub g: Array3<T>,
     /// `[B, T, HV]`
     pub beta: Array3<T>,
-    /// `[N, HV, K, V]`
-    pub h0: Option<Array4<T>>,
+    /// `[N, HV, K, V]` (a view of the input unless `state_v_first` swapped it)
+    pub h0: Option<CowArray<'a, T, Ix4>>,
     /// States are `[N, HV, V, K]` in the public tensors.
     pub state_v_first: bool,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
     /// Validates `x` and applies l2norm, the gate and beta sigmoid; `q`,
-    /// `k` and `v` stay views of the inputs where nothing changes them.
+    /// `k`, `v` and the initial state stay views of the inputs where nothing
+    /// changes them.
     pub fn new(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Self> {
-        let (dims, g) = checked_decay(&x.refs(), opt)?;
+        let Checked { dims, decay, h0 } = checked(&x.refs(), opt)?;
         let kopt = kda_options(opt);
         let kda::Activations { q, k, beta } = kda::Activations::new(&x.refs(), &kopt);
         Ok(Prepared {
@@ -358,12 +372,12 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             q,
             k,
             v: tensor::view4(&x.v),
-            g,
+            g: decay,
             beta,
-            h0: x
-                .initial_state
-                .as_ref()
-                .map(|s| tensor::to4(&kv_layout(opt, s))),
+            h0: h0.map(|s| match s {
+                Cow::Borrowed(s) => CowArray::from(tensor::view4(s)),
+                Cow::Owned(s) => CowArray::from(s.into_dimensionality::<Ix4>().expect("validated")),
+            }),
             state_v_first: opt.state_v_first,
         })
     }
