@@ -1,11 +1,16 @@
 //! The chunked engines' matrix products, `out[i, j] = Σ_p a[i, p]·b[p, j]`.
 //!
 //! Every element is one sum started from zero and accumulated in order
-//! `p = 0, 1, …` with a separate multiply and add. The order is part of this
-//! definition, not of the CPU or the blocking: the results are the same bits
-//! on every machine, at every vector width ([`crate::simd::dispatch`]) and
-//! thread count. (A BLAS kernel picks FMA where the CPU has it and splits
-//! long sums into blocks, so its bits depend on the machine.)
+//! `p = 0, 1, …`, each term added by a fused multiply-add `s ← a·b + s`
+//! (one rounding). The order is part of this definition, not of the CPU or
+//! the blocking, and IEEE 754 defines the fused operation exactly: the
+//! vector kernels use the CPU's FMA instructions, the baseline build
+//! `mul_add` (libm's correctly rounded `fma`), so the results are the same
+//! bits on every machine, at every vector width ([`crate::simd::dispatch`])
+//! and thread count. (A BLAS kernel splits long sums into blocks and picks
+//! FMA only where the CPU has it, so its bits depend on the machine.) FMA
+//! issues one instruction per term where a separate multiply and add issue
+//! two, which is most of these products' time.
 //!
 //! The kernel keeps a block of `MR × NR` sums in registers and walks `p`
 //! once for the block, reading a row of `NR` columns of `b` and one element
@@ -74,33 +79,38 @@ unsafe fn product<T: Scalar>(
     }
     // The kernel reads rows of `b` as contiguous vectors.
     let b = rows_contiguous(b);
-    let (b_ptr, b_row) = (b.as_ptr(), b.strides()[0]);
-    let (sa, [out_row, out_col]) = (a.strides(), out_strides);
-    let mats = Mats {
-        a: a.as_ptr(),
-        a_row: sa[0],
-        a_col: sa[1],
-        b: b_ptr,
-        b_row,
-        out,
-        out_row,
-        out_col,
-        p,
-    };
+    let mats = Mats::new(a, b.view(), out, out_strides);
+    // SAFETY: every offset the kernels form is inside the shapes [m, p],
+    // [p, n] and [m, n] with the operands' strides.
+    unsafe { mats.run_fused(m, n) }
+}
+
+/// `a b` for `a [M, P]` and `b [P, N]` by the same blocking with a separate
+/// multiply and add per term (two roundings), for the peak microbenchmark
+/// ([`crate::ops::peak_gflops`]): the mul+add throughput of the CPU without
+/// FMA. Returns `[M, N]`.
+pub(crate) fn dot_unfused(a: ArrayView2<f64>, b: ArrayView2<f64>) -> Array2<f64> {
+    let ((m, p), n) = (a.dim(), b.ncols());
+    assert_eq!(p, b.nrows(), "gemm: [{m}, {p}]·[{}, {n}]", b.nrows());
+    let b = rows_contiguous(b);
+    let mut out: Vec<f64> = Vec::with_capacity(m * n);
+    let mats = Mats::new(a, b.view(), out.as_mut_ptr(), [n as isize, 1]);
     simd::dispatch(
         #[inline(always)]
         || {
-            // SAFETY: every offset the kernels form is inside the shapes
-            // [m, p], [p, n] and [m, n] with the operands' strides.
+            // SAFETY: as in `product`, with `out` an [m, n] row-major block.
             unsafe {
                 if simd::width() == simd::Width::Avx512 {
-                    mats.run::<4, 16>(m, n)
+                    mats.run::<4, 16, false>(m, n)
                 } else {
-                    mats.run::<4, 8>(m, n)
+                    mats.run::<4, 8, false>(m, n)
                 }
             }
         },
     );
+    // SAFETY: the kernel wrote all `m · n` elements.
+    unsafe { out.set_len(m * n) };
+    Array2::from_shape_vec((m, n), out).expect("[M, N]")
 }
 
 /// `b` as the kernel reads it, with contiguous rows: borrowed when they
@@ -236,35 +246,102 @@ struct Mats<T> {
 }
 
 impl<T: Scalar> Mats<T> {
+    /// `a [M, P]`, `b [P, N]` with contiguous rows, and the `[M, N]` block at
+    /// `out` with strides `out_strides`.
+    fn new(a: ArrayView2<T>, b: ArrayView2<T>, out: *mut T, out_strides: [isize; 2]) -> Self {
+        debug_assert!(b.strides()[1] == 1 || b.ncols() <= 1);
+        let sa = a.strides();
+        Mats {
+            a: a.as_ptr(),
+            a_row: sa[0],
+            a_col: sa[1],
+            b: b.as_ptr(),
+            b_row: b.strides()[0],
+            out,
+            out_row: out_strides[0],
+            out_col: out_strides[1],
+            p: a.ncols(),
+        }
+    }
+
+    /// All of `out [m, n]` with fused multiply-adds, at the CPU's
+    /// [`simd::width`].
+    unsafe fn run_fused(&self, m: usize, n: usize) {
+        self.run_fused_at(simd::width(), m, n)
+    }
+
+    /// [`Self::run_fused`] at `width` (which the CPU must have): the vector
+    /// kernel for `f64` and `f32` with AVX-512 or AVX2 (both with FMA), else
+    /// `mul_add` element by element (the same bits).
+    unsafe fn run_fused_at(&self, width: simd::Width, m: usize, n: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use simd::Width::{Avx2, Avx512};
+            match (width, self.cast::<f64>(), self.cast::<f32>()) {
+                (Avx512, Some(x), _) => return x86::run_avx512::<x86::F64x8>(x, m, n),
+                (Avx512, _, Some(x)) => return x86::run_avx512::<x86::F32x16>(x, m, n),
+                (Avx2, Some(x), _) => return x86::run_avx2::<x86::F64x4>(x, m, n),
+                (Avx2, _, Some(x)) => return x86::run_avx2::<x86::F32x8>(x, m, n),
+                _ => {}
+            }
+        }
+        match width {
+            simd::Width::Baseline => self.run::<4, 8, true>(m, n),
+            _ => simd::dispatch(
+                #[inline(always)]
+                || self.run::<4, 8, true>(m, n),
+            ),
+        }
+    }
+
+    /// `self` as the operands of `U` when `T` is `U`.
+    fn cast<U: Scalar>(&self) -> Option<&Mats<U>> {
+        let same = std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>();
+        // SAFETY: `Mats<T>` and `Mats<U>` are the same type when `T` is `U`.
+        same.then(|| unsafe { &*(self as *const Mats<T>).cast::<Mats<U>>() })
+    }
+
     /// All of `out [m, n]`: `MR × NR` blocks, then the edges with narrower
-    /// blocks (the sums do not depend on the block shape).
+    /// blocks (the sums do not depend on the block shape). `FUSED` picks
+    /// `mul_add` over a separate multiply and add.
     #[inline(always)]
-    unsafe fn run<const MR: usize, const NR: usize>(&self, m: usize, n: usize) {
+    unsafe fn run<const MR: usize, const NR: usize, const FUSED: bool>(&self, m: usize, n: usize) {
         let mut j = 0;
         while j + NR <= n {
-            self.rows::<NR, MR>(j, m);
+            self.rows::<NR, MR, FUSED>(j, m);
             j += NR;
         }
+        self.edge_columns::<MR, FUSED>(j, m, n);
+    }
+
+    /// Columns `j .. n` (fewer than a block's) of every row, 4 then 1 at a time.
+    #[inline(always)]
+    unsafe fn edge_columns<const MR: usize, const FUSED: bool>(
+        &self,
+        mut j: usize,
+        m: usize,
+        n: usize,
+    ) {
         while j + 4 <= n {
-            self.rows::<4, MR>(j, m);
+            self.rows::<4, MR, FUSED>(j, m);
             j += 4;
         }
         while j < n {
-            self.rows::<1, MR>(j, m);
+            self.rows::<1, MR, FUSED>(j, m);
             j += 1;
         }
     }
 
     /// Columns `j .. j + NR` of every row.
     #[inline(always)]
-    unsafe fn rows<const NR: usize, const MR: usize>(&self, j: usize, m: usize) {
+    unsafe fn rows<const NR: usize, const MR: usize, const FUSED: bool>(&self, j: usize, m: usize) {
         let mut i = 0;
         while i + MR <= m {
-            self.block::<MR, NR>(i, j);
+            self.block::<MR, NR, FUSED>(i, j);
             i += MR;
         }
         while i < m {
-            self.block::<1, NR>(i, j);
+            self.block::<1, NR, FUSED>(i, j);
             i += 1;
         }
     }
@@ -273,7 +350,11 @@ impl<T: Scalar> Mats<T> {
     /// the block in vector registers this way, not with iterators.)
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn block<const MR: usize, const NR: usize>(&self, i: usize, j: usize) {
+    unsafe fn block<const MR: usize, const NR: usize, const FUSED: bool>(
+        &self,
+        i: usize,
+        j: usize,
+    ) {
         let mut acc = [[T::zero(); NR]; MR];
         let a = self.a.offset(i as isize * self.a_row);
         let b = self.b.add(j);
@@ -282,7 +363,11 @@ impl<T: Scalar> Mats<T> {
             for r in 0..MR {
                 let a_rk = *a.offset(r as isize * self.a_row + k * self.a_col);
                 for c in 0..NR {
-                    acc[r][c] += a_rk * b_k[c];
+                    acc[r][c] = if FUSED {
+                        a_rk.mul_add(b_k[c], acc[r][c])
+                    } else {
+                        acc[r][c] + a_rk * b_k[c]
+                    };
                 }
             }
         }
@@ -302,6 +387,175 @@ impl<T: Scalar> Mats<T> {
     }
 }
 
+/// The vector kernels: `4 × 2` vectors of sums in registers (`4 × 16` f64
+/// or `4 × 32` f32 with AVX-512, half as many columns with AVX2): eight
+/// independent FMA chains, enough to cover the instruction's latency on two
+/// FMA pipes.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::Mats;
+    use crate::scalar::Scalar;
+
+    /// A vector register of `LANES` elements of `T`.
+    pub(super) trait Lanes: Copy {
+        type T: Scalar;
+        const LANES: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(x: Self::T) -> Self;
+        unsafe fn load(p: *const Self::T) -> Self;
+        unsafe fn store(self, p: *mut Self::T);
+        /// `a·b + self`, rounded once.
+        unsafe fn fmadd(self, a: Self, b: Self) -> Self;
+    }
+
+    macro_rules! lanes {
+        ($name:ident, $t:ty, $n:expr, $v:ty, $zero:ident, $splat:ident, $load:ident, $store:ident, $fmadd:ident) => {
+            #[derive(Clone, Copy)]
+            pub(super) struct $name($v);
+
+            impl Lanes for $name {
+                type T = $t;
+                const LANES: usize = $n;
+                #[inline(always)]
+                unsafe fn zero() -> Self {
+                    $name($zero())
+                }
+                #[inline(always)]
+                unsafe fn splat(x: $t) -> Self {
+                    $name($splat(x))
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const $t) -> Self {
+                    $name($load(p))
+                }
+                #[inline(always)]
+                unsafe fn store(self, p: *mut $t) {
+                    $store(p, self.0)
+                }
+                #[inline(always)]
+                unsafe fn fmadd(self, a: Self, b: Self) -> Self {
+                    $name($fmadd(a.0, b.0, self.0))
+                }
+            }
+        };
+    }
+
+    lanes!(
+        F64x8,
+        f64,
+        8,
+        __m512d,
+        _mm512_setzero_pd,
+        _mm512_set1_pd,
+        _mm512_loadu_pd,
+        _mm512_storeu_pd,
+        _mm512_fmadd_pd
+    );
+    lanes!(
+        F32x16,
+        f32,
+        16,
+        __m512,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_fmadd_ps
+    );
+    lanes!(
+        F64x4,
+        f64,
+        4,
+        __m256d,
+        _mm256_setzero_pd,
+        _mm256_set1_pd,
+        _mm256_loadu_pd,
+        _mm256_storeu_pd,
+        _mm256_fmadd_pd
+    );
+    lanes!(
+        F32x8,
+        f32,
+        8,
+        __m256,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_fmadd_ps
+    );
+
+    /// # Safety
+    /// The CPU has AVX-512F; the operands are as [`Mats::run_fused`] needs.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn run_avx512<V: Lanes>(x: &Mats<V::T>, m: usize, n: usize) {
+        run::<V>(x, m, n)
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; the operands are as [`Mats::run_fused`] needs.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn run_avx2<V: Lanes>(x: &Mats<V::T>, m: usize, n: usize) {
+        run::<V>(x, m, n)
+    }
+
+    /// Blocks of `4` rows and `2·LANES` columns; the rows and columns left
+    /// over by the generic kernel (`mul_add`, compiled here to the same FMA
+    /// instructions).
+    #[inline(always)]
+    unsafe fn run<V: Lanes>(x: &Mats<V::T>, m: usize, n: usize) {
+        let (m4, nv) = (m / 4 * 4, n / (2 * V::LANES) * (2 * V::LANES));
+        for j in (0..nv).step_by(2 * V::LANES) {
+            for i in (0..m4).step_by(4) {
+                block::<V>(x, i, j);
+            }
+        }
+        for i in m4..m {
+            for j in (0..nv).step_by(4) {
+                x.block::<1, 4, true>(i, j);
+            }
+        }
+        x.edge_columns::<4, true>(nv, m, n);
+    }
+
+    /// The `4 × 2·LANES` block of sums at `(i, j)`.
+    #[inline(always)]
+    unsafe fn block<V: Lanes>(x: &Mats<V::T>, i: usize, j: usize) {
+        let mut acc = [[V::zero(); 2]; 4];
+        let a = x.a.offset(i as isize * x.a_row);
+        let b = x.b.add(j);
+        for k in 0..x.p as isize {
+            let b_k = b.offset(k * x.b_row);
+            let b_k = [V::load(b_k), V::load(b_k.add(V::LANES))];
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let a_rk = V::splat(*a.offset(r as isize * x.a_row + k * x.a_col));
+                for (s, &b_kc) in acc_r.iter_mut().zip(&b_k) {
+                    *s = s.fmadd(a_rk, b_kc);
+                }
+            }
+        }
+        let out = x
+            .out
+            .offset(i as isize * x.out_row + j as isize * x.out_col);
+        for (r, acc_r) in acc.iter().enumerate() {
+            let row = out.offset(r as isize * x.out_row);
+            if x.out_col == 1 {
+                acc_r[0].store(row);
+                acc_r[1].store(row.add(V::LANES));
+            } else {
+                let mut sums = [<V::T as num_traits::Zero>::zero(); 32];
+                acc_r[0].store(sums.as_mut_ptr());
+                acc_r[1].store(sums.as_mut_ptr().add(V::LANES));
+                for (c, &s) in sums[..2 * V::LANES].iter().enumerate() {
+                    *row.offset(c as isize * x.out_col) = s;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use ndarray::s;
@@ -314,42 +568,89 @@ mod tests {
     }
 
     /// The definition, one element at a time.
-    fn sequential(a: ArrayView2<f64>, b: ArrayView2<f64>) -> Array2<f64> {
+    fn sequential<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
         Array2::from_shape_fn((a.nrows(), b.ncols()), |(i, j)| {
-            let mut s = 0.0;
+            let mut s = T::zero();
             for k in 0..a.ncols() {
-                s += a[[i, k]] * b[[k, j]];
+                s = a[[i, k]].mul_add(b[[k, j]], s);
             }
             s
         })
     }
 
-    fn same_bits(x: &Array2<f64>, y: &Array2<f64>) -> bool {
-        x.shape() == y.shape() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+    /// `a b` by the kernel of `width`.
+    fn fused_at<T: Scalar>(width: simd::Width, a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
+        let (m, n) = (a.nrows(), b.ncols());
+        let b = rows_contiguous(b);
+        let mut out = Array2::from_elem((m, n), T::nan());
+        let mats = Mats::new(a, b.view(), out.as_mut_ptr(), [n as isize, 1]);
+        unsafe { mats.run_fused_at(width, m, n) };
+        out
+    }
+
+    /// The widths this CPU runs.
+    fn widths() -> Vec<simd::Width> {
+        let mut w = vec![simd::Width::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("fma") {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                w.push(simd::Width::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                w.push(simd::Width::Avx512);
+            }
+        }
+        w
+    }
+
+    fn same_bits<T: Scalar>(x: &Array2<T>, y: &Array2<T>) -> bool {
+        x.shape() == y.shape()
+            && x.iter()
+                .zip(y)
+                .all(|(p, q)| p.to_f64().unwrap().to_bits() == q.to_f64().unwrap().to_bits())
     }
 
     #[test]
-    fn every_element_is_the_sequential_sum() {
-        // Full blocks, edges of every width, empty sums, empty results.
-        for (m, p, n) in [
+    fn every_element_is_the_fused_sequential_sum_at_every_width() {
+        // Full blocks of both types at both vector widths, edges of every
+        // size, empty sums, empty results.
+        let shapes = [
             (32, 64, 64),
             (7, 5, 3),
             (13, 33, 37),
+            (10, 17, 77),
             (4, 0, 16),
             (0, 3, 2),
             (9, 1, 1),
-        ] {
+        ];
+        for width in widths() {
+            for (m, p, n) in shapes {
+                let (a, b) = (draw("a", m, p), draw("b", p, n));
+                let want = sequential(a.view(), b.view());
+                assert!(
+                    same_bits(&fused_at(width, a.view(), b.view()), &want),
+                    "{width:?} f64 {m} {p} {n}"
+                );
+                let (a32, b32) = (a.mapv(|x| x as f32), b.mapv(|x| x as f32));
+                assert!(
+                    same_bits(
+                        &fused_at(width, a32.view(), b32.view()),
+                        &sequential(a32.view(), b32.view())
+                    ),
+                    "{width:?} f32 {m} {p} {n}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_layout_reads_the_same_elements() {
+        for (m, p, n) in [(32, 64, 64), (13, 33, 37), (9, 1, 1)] {
             let (a, b) = (draw("a", m, p), draw("b", p, n));
-            assert!(
-                same_bits(&dot(a.view(), b.view()), &sequential(a.view(), b.view())),
-                "{m} {p} {n}"
-            );
-            // Transposed and strided operands read the same elements.
+            let want = sequential(a.view(), b.view());
+            assert!(same_bits(&dot(a.view(), b.view()), &want), "{m} {p} {n}");
             let (at, bt) = (a.t().to_owned(), b.t().to_owned());
-            assert!(
-                same_bits(&dot(at.t(), bt.t()), &sequential(a.view(), b.view())),
-                "{m} {p} {n} t"
-            );
+            assert!(same_bits(&dot(at.t(), bt.t()), &want), "{m} {p} {n} t");
         }
         let a = draw("a", 20, 30);
         let b = draw("b", 40, 50);
@@ -358,22 +659,35 @@ mod tests {
         // Reversed axes (negative strides) too.
         let (ar, br) = (a.slice(s![..;-1, ..10]), b.slice(s![..10;-1, ..;-1]));
         assert!(same_bits(&dot(ar, br), &sequential(ar, br)));
-        // f32 fills other register blocks.
-        let (a32, b32) = (
-            a.mapv(|x| x as f32),
-            b.slice(s![..30, ..]).mapv(|x| x as f32),
-        );
-        let want = Array2::from_shape_fn((20, 50), |(i, j)| {
-            let mut s = 0.0f32;
-            for k in 0..30 {
-                s += a32[[i, k]] * b32[[k, j]];
-            }
-            s
+    }
+
+    /// `−1·1 + (1 + 2⁻³⁰)(1 − 2⁻³⁰)`: the second product is `1 − 2⁻⁶⁰`,
+    /// which rounds to 1 on its own, so only a fused add keeps the `−2⁻⁶⁰`.
+    #[test]
+    fn each_term_is_rounded_once() {
+        let e = 2f64.powi(-30);
+        let a = ndarray::arr2(&[[-1.0, 1.0 + e]]);
+        let b = ndarray::arr2(&[[1.0], [1.0 - e]]);
+        for width in widths() {
+            assert_eq!(
+                fused_at(width, a.view(), b.view())[[0, 0]],
+                -(e * e),
+                "{width:?}"
+            );
+        }
+        assert_eq!(dot(a.view(), b.view())[[0, 0]], -(e * e));
+        assert_eq!(dot_unfused(a.view(), b.view())[[0, 0]], 0.0);
+    }
+
+    /// The peak's kernel: a separate multiply and add, in the same order.
+    #[test]
+    fn the_unfused_kernel_rounds_twice() {
+        let (a, b) = (draw("a", 13, 33), draw("b", 33, 37));
+        let want = Array2::from_shape_fn((13, 37), |(i, j)| {
+            (0..33).fold(0.0, |s, k| s + a[[i, k]] * b[[k, j]])
         });
-        assert!(dot(a32.view(), b32.view())
-            .iter()
-            .zip(&want)
-            .all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert!(same_bits(&dot_unfused(a.view(), b.view()), &want));
+        assert!(!same_bits(&dot(a.view(), b.view()), &want));
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //! the widest the CPU has. The results are bit-identical: LLVM never fuses
 //! `a * b + c` into an FMA or reorders a floating-point sum without
 //! fast-math flags (which Rust never sets), so wider vectors only change how
-//! many independent lanes one instruction handles.
+//! many independent lanes one instruction handles. A fused multiply-add is
+//! only where the code asks for one (`mul_add`, in [`crate::gemm`]): one
+//! rounding, by the FMA instruction here (both widths require FMA) and by
+//! libm's `fma` in the baseline code, so the same bits there too.
 //!
 //! Only code inlined into the closure is recompiled, so the closure and the
 //! hot loops it calls are `#[inline(always)]`.
@@ -45,10 +48,11 @@ pub fn width() -> Width {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            if !set("DELTAREF_NO_AVX512") && std::arch::is_x86_feature_detected!("avx512f") {
+            let fma = std::arch::is_x86_feature_detected!("fma");
+            if !set("DELTAREF_NO_AVX512") && fma && std::arch::is_x86_feature_detected!("avx512f") {
                 return Width::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2") {
+            if fma && std::arch::is_x86_feature_detected!("avx2") {
                 return Width::Avx2;
             }
         }
@@ -62,19 +66,19 @@ pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     match width() {
         Width::Avx512 => {
-            #[target_feature(enable = "avx512f")]
+            #[target_feature(enable = "avx512f,fma")]
             unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
-            // SAFETY: the CPU supports AVX-512F (checked by `width`).
+            // SAFETY: the CPU supports AVX-512F and FMA (checked by `width`).
             return unsafe { avx512(f) };
         }
         Width::Avx2 => {
-            #[target_feature(enable = "avx2")]
+            #[target_feature(enable = "avx2,fma")]
             unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
-            // SAFETY: the CPU supports AVX2 (checked by `width`).
+            // SAFETY: the CPU supports AVX2 and FMA (checked by `width`).
             return unsafe { avx2(f) };
         }
         Width::Baseline => {}
