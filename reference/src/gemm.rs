@@ -371,18 +371,29 @@ impl<T: Scalar> Mats<T> {
                 }
             }
         }
-        let out = self
-            .out
-            .offset(i as isize * self.out_row + j as isize * self.out_col);
         for (r, acc_r) in acc.iter().enumerate() {
-            let row = out.offset(r as isize * self.out_row);
+            let row = self.out_at(i + r, j);
             if self.out_col == 1 {
                 std::ptr::write_unaligned(row.cast::<[T; NR]>(), *acc_r);
             } else {
-                for (c, &s) in acc_r.iter().enumerate() {
-                    *row.offset(c as isize * self.out_col) = s;
-                }
+                self.write_strided(row, acc_r);
             }
+        }
+    }
+
+    /// Where `out[i, j]` is.
+    #[inline(always)]
+    unsafe fn out_at(&self, i: usize, j: usize) -> *mut T {
+        self.out
+            .offset(i as isize * self.out_row + j as isize * self.out_col)
+    }
+
+    /// Writes `sums` to the row of `out` that starts at `row`, when its
+    /// columns are not contiguous.
+    #[inline(always)]
+    unsafe fn write_strided(&self, row: *mut T, sums: &[T]) {
+        for (c, &s) in sums.iter().enumerate() {
+            *row.offset(c as isize * self.out_col) = s;
         }
     }
 }
@@ -536,11 +547,8 @@ mod x86 {
                 }
             }
         }
-        let out = x
-            .out
-            .offset(i as isize * x.out_row + j as isize * x.out_col);
         for (r, acc_r) in acc.iter().enumerate() {
-            let row = out.offset(r as isize * x.out_row);
+            let row = x.out_at(i + r, j);
             if x.out_col == 1 {
                 acc_r[0].store(row);
                 acc_r[1].store(row.add(V::LANES));
@@ -548,9 +556,7 @@ mod x86 {
                 let mut sums = [<V::T as num_traits::Zero>::zero(); 32];
                 acc_r[0].store(sums.as_mut_ptr());
                 acc_r[1].store(sums.as_mut_ptr().add(V::LANES));
-                for (c, &s) in sums[..2 * V::LANES].iter().enumerate() {
-                    *row.offset(c as isize * x.out_col) = s;
-                }
+                x.write_strided(row, &sums[..2 * V::LANES]);
             }
         }
     }
