@@ -249,7 +249,7 @@ impl<T: Scalar> Mats<T> {
     /// `a [M, P]`, `b [P, N]` with contiguous rows, and the `[M, N]` block at
     /// `out` with strides `out_strides`.
     fn new(a: ArrayView2<T>, b: ArrayView2<T>, out: *mut T, out_strides: [isize; 2]) -> Self {
-        debug_assert!(b.strides()[1] == 1 || b.ncols() <= 1);
+        debug_assert!(b.is_empty() || b.strides()[1] == 1 || b.ncols() <= 1);
         let sa = a.strides();
         Mats {
             a: a.as_ptr(),

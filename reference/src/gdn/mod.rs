@@ -20,6 +20,7 @@ use ndarray::{
     s, Array1, Array2, Array3, Array4, ArrayD, ArrayView2, ArrayView4, Axis, CowArray, Ix3, Ix4,
     Zip,
 };
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
@@ -29,68 +30,18 @@ use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
 
-/// GDN inputs in FLA's layout.
-#[derive(Clone, Debug)]
-pub struct GdnInputs<T> {
-    /// `[B, T, H, K]`
-    pub q: ArrayD<T>,
-    /// `[B, T, H, K]`
-    pub k: ArrayD<T>,
-    /// `[B, T, HV, V]`, HV a multiple of H (GVA)
-    pub v: ArrayD<T>,
-    /// `[B, T, HV]` log-space decay, or the raw gate input with
-    /// `use_gate_in_kernel`.
-    pub g: ArrayD<T>,
-    /// `[B, T, HV]` (a logit with `use_beta_sigmoid_in_kernel`)
-    pub beta: ArrayD<T>,
-    /// `[HV]`, the in-kernel gate's decay rate
-    pub a_log: Option<ArrayD<T>>,
-    /// `[HV]`, the in-kernel gate's bias
-    pub dt_bias: Option<ArrayD<T>>,
-    /// `[N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`)
-    pub initial_state: Option<ArrayD<T>>,
-    /// `[N + 1]`, varlen mode (B = 1)
-    pub cu_seqlens: Option<Vec<i64>>,
-}
+/// GDN inputs in FLA's layout: KDA's fields (so the same `refs` and
+/// `cast`), with GDN's shapes: `q`, `k [B, T, H, K]`, `v [B, T, HV, V]`
+/// (HV a multiple of H), one gate per head `g [B, T, HV]` (log-space decay,
+/// or the raw gate input with `use_gate_in_kernel`), `beta [B, T, HV]`,
+/// `A_log` and `dt_bias` `[HV]` (the in-kernel gate's decay rate and bias),
+/// `initial_state [N, HV, K, V]` (`[N, HV, V, K]` with `state_v_first`) and
+/// `cu_seqlens [N + 1]` in varlen mode (B = 1).
+pub type GdnInputs<T> = kda::KdaInputs<T>;
 
 /// GDN inputs borrowed where they live (a case file's tensors): KDA's
-/// names and borrowed form, with GDN's shapes (as in [`GdnInputs`]: the gate
-/// `g [B, T, HV]`, `A_log` and `dt_bias` `[HV]`).
+/// borrowed form, with GDN's shapes (as in [`GdnInputs`]).
 pub type GdnRefs<'a, T> = kda::KdaRefs<'a, T>;
-
-impl<T> GdnInputs<T> {
-    /// The inputs borrowed.
-    pub fn refs(&self) -> GdnRefs<'_, T> {
-        GdnRefs {
-            q: &self.q,
-            k: &self.k,
-            v: &self.v,
-            g: &self.g,
-            beta: &self.beta,
-            a_log: self.a_log.as_ref(),
-            dt_bias: self.dt_bias.as_ref(),
-            initial_state: self.initial_state.as_ref(),
-            cu_seqlens: self.cu_seqlens.as_deref(),
-        }
-    }
-}
-
-impl<T: Scalar> GdnInputs<T> {
-    /// The same inputs in another scalar.
-    pub fn cast<U: Scalar>(&self) -> GdnInputs<U> {
-        GdnInputs {
-            q: tensor::cast(&self.q),
-            k: tensor::cast(&self.k),
-            v: tensor::cast(&self.v),
-            g: tensor::cast(&self.g),
-            beta: tensor::cast(&self.beta),
-            a_log: tensor::cast_opt(&self.a_log),
-            dt_bias: tensor::cast_opt(&self.dt_bias),
-            initial_state: tensor::cast_opt(&self.initial_state),
-            cu_seqlens: self.cu_seqlens.clone(),
-        }
-    }
-}
 
 /// FLA `chunk_gated_delta_rule` options (names as in FLA 0.6.0).
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
@@ -288,13 +239,27 @@ fn validate_own<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<()> {
     Ok(())
 }
 
-/// `f(g + dt_bias[h], A_log[h])` for every element of `g [B, T, HV]`.
-fn per_gate_element<T: Scalar>(x: &GdnRefs<'_, T>, f: impl Fn(T, T) -> T) -> Array3<T> {
+/// `f(g + dt_bias[h], A_log[h])` for every element of `g [B, T, HV]`, in
+/// parallel over the tokens (element by element, so the same bits on any
+/// number of threads).
+fn per_gate_element<T: Scalar, U: Send>(
+    x: &GdnRefs<'_, T>,
+    f: impl Fn(T, T) -> U + Sync,
+) -> Array3<U> {
     let g = x.g.view().into_dimensionality::<Ix3>().expect("validated");
+    let (b, t, hv) = g.dim();
     let a_log: Vec<T> = x.a_log.into_iter().flatten().copied().collect();
     let bias: Option<Vec<T>> = x.dt_bias.map(|d| d.iter().copied().collect());
-    Zip::indexed(&g)
-        .map_collect(|(_, _, h), &raw| f(raw + bias.as_ref().map_or(T::zero(), |b| b[h]), a_log[h]))
+    let shifted = |raw: T, h: usize| raw + bias.as_ref().map_or(T::zero(), |b| b[h]);
+    let out: Vec<U> = (0..b * t)
+        .into_par_iter()
+        .flat_map_iter(|bt| {
+            let row = g.slice(s![bt / t, bt % t, ..]);
+            (0..hv).map(move |h| (row[h], h))
+        })
+        .map(|(raw, h)| f(shifted(raw, h), a_log[h]))
+        .collect();
+    Array3::from_shape_vec((b, t, hv), out).expect("[B, T, HV]")
 }
 
 /// The per-head decay `−exp(A_log[h])·softplus(g + dt_bias[h])` `[B, T, HV]`.
@@ -310,13 +275,19 @@ fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions)
     let (dg, da_log, ddt_bias) = if opt.use_gate_in_kernel {
         let ddecay = g.dg.into_dimensionality::<Ix3>().expect("[B,T,HV]");
         // The decay's partial derivatives ∂/∂g and ∂/∂A_log.
-        let eval = |s, a| gates::gate_eval(Gate::Kda, s, Some(a));
-        let dgate_dx = per_gate_element(&x.refs(), |s, a| eval(s, a).1);
-        let dgate_da = per_gate_element(&x.refs(), |s, a| eval(s, a).2);
-        let dg = &ddecay * &dgate_dx;
+        let partials = per_gate_element(&x.refs(), |s, a| {
+            let (_, dx, da) = gates::gate_eval(Gate::Kda, s, Some(a));
+            (dx, da)
+        });
+        let chain = |part: fn(&(T, T)) -> T| {
+            Zip::from(&ddecay)
+                .and(&partials)
+                .map_collect(|&dd, p| dd * part(p))
+        };
+        let dg = chain(|p| p.0);
         // Serial sums in index order: the result does not depend on threads.
         let per_head = |a: &Array3<T>| a.sum_axis(Axis(0)).sum_axis(Axis(0));
-        let da: Array1<T> = per_head(&(&ddecay * &dgate_da));
+        let da: Array1<T> = per_head(&chain(|p| p.1));
         let ddt = x.dt_bias.as_ref().map(|_| per_head(&dg).into_dyn());
         (dg.into_dyn(), Some(da.into_dyn()), ddt)
     } else {

@@ -39,7 +39,7 @@ pub struct KdaInputs<T> {
     pub beta: ArrayD<T>,
     /// `[HV]`, used by the in-kernel gates
     pub a_log: Option<ArrayD<T>>,
-    /// `[HV * K]`, used by the in-kernel gates
+    /// `[HV * K]` (`[HV]` for GDN), used by the in-kernel gates
     pub dt_bias: Option<ArrayD<T>>,
     /// `[N, HV, K, V]`
     pub initial_state: Option<ArrayD<T>>,
