@@ -132,9 +132,10 @@ const PEAK_SHAPE: (usize, usize, usize) = (64, 32, 64);
 /// `iters` products of [`PEAK_SHAPE`] by [`crate::gemm`]'s blocking with a
 /// separate multiply and add per term ([`crate::gemm::dot_unfused`]: the
 /// engines' products fuse them), at the vector width
-/// [`crate::simd::dispatch`] gives the engines. It keeps more sums in flight than a chain of
-/// `x = x·m + a` can (measured here: 88 against 117 GFLOP/s per core with
-/// AVX-512), so it finds the mul+add pipes' limit rather than their latency.
+/// [`crate::simd::dispatch`] gives the engines. It keeps more sums in
+/// flight than a chain of `x = x·m + a` can (measured here: 88 against 117
+/// GFLOP/s per core with AVX-512), so it finds the mul+add pipes' limit
+/// rather than their latency.
 fn products(iters: u64) -> f64 {
     let (m, p, n) = PEAK_SHAPE;
     let a = ndarray::Array2::from_shape_fn((m, p), |(i, j)| 1.0 + (i * p + j) as f64 * 1e-3);
