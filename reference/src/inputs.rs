@@ -53,13 +53,9 @@ impl Layout {
     }
 }
 
-fn tensor(seed: u64, name: &str, shape: &[usize], f: impl Fn(f64) -> f64) -> ArrayD<f64> {
+fn tensor(seed: u64, name: &str, shape: &[usize], f: impl Fn(f64) -> f64 + Sync) -> ArrayD<f64> {
     let n = shape.iter().product();
-    let v = Stream::new(seed, name)
-        .normals(n)
-        .into_iter()
-        .map(f)
-        .collect();
+    let v = Stream::new(seed, name).par_map(n, |_, x| f(x));
     Array::from_shape_vec(IxDyn(shape), v).expect("size matches")
 }
 
@@ -75,16 +71,11 @@ fn channel_tensor(
     name: &str,
     shape: &[usize],
     channel_dims: usize,
-    f: impl Fn(f64, usize) -> f64,
+    f: impl Fn(f64, usize) -> f64 + Sync,
 ) -> ArrayD<f64> {
     let width: usize = shape[shape.len() - channel_dims..].iter().product();
     let n = shape.iter().product();
-    let v = Stream::new(seed, name)
-        .normals(n)
-        .into_iter()
-        .enumerate()
-        .map(|(i, x)| f(x, i % width.max(1)))
-        .collect();
+    let v = Stream::new(seed, name).par_map(n, |i, x| f(x, i % width.max(1)));
     Array::from_shape_vec(IxDyn(shape), v).expect("size matches")
 }
 

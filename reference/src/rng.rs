@@ -12,6 +12,8 @@
 //! - standard normal (approximate, Irwin–Hall): `Σ_{j<12} u_j − 6`
 //!   (mean 0, variance 1, bounded by ±6), additions only, so it is exact.
 
+use rayon::prelude::*;
+
 /// SplitMix64 finaliser.
 pub fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -53,7 +55,19 @@ impl Stream {
 
     /// `n` normals, element order.
     pub fn normals(&self, n: usize) -> Vec<f64> {
-        (0..n as u64).map(|i| self.normal(i)).collect()
+        self.par_map(n, |_, x| x)
+    }
+
+    /// `f(i, normal(i))` for `i < n`, element order. Each element is drawn
+    /// on its own, so the elements are computed in parallel with the same
+    /// bits on any number of threads (a long case draws hundreds of
+    /// millions).
+    pub fn par_map(&self, n: usize, f: impl Fn(usize, f64) -> f64 + Sync) -> Vec<f64> {
+        (0..n)
+            .into_par_iter()
+            .with_min_len(1 << 14)
+            .map(|i| f(i, self.normal(i as u64)))
+            .collect()
     }
 
     /// `n` uniforms in `[lo, hi)`.
@@ -80,6 +94,33 @@ mod tests {
             mean.abs() < 0.1 && (var - 1.0).abs() < 0.15,
             "mean {mean} var {var}"
         );
+    }
+
+    #[test]
+    fn parallel_draws_are_the_element_by_element_ones() {
+        let s = Stream::new(3, "x");
+        let n = 100_000;
+        let one_by_one: Vec<u64> = (0..n as u64).map(|i| s.normal(i).to_bits()).collect();
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let drawn = pool.install(|| s.par_map(n, |i, x| x + i as f64));
+            let want = one_by_one
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| (f64::from_bits(b) + i as f64).to_bits());
+            assert!(
+                drawn.iter().map(|x| x.to_bits()).eq(want),
+                "{threads} threads"
+            );
+            let normals = pool.install(|| s.normals(n));
+            assert!(normals
+                .iter()
+                .map(|x| x.to_bits())
+                .eq(one_by_one.iter().copied()));
+        }
     }
 
     #[test]
