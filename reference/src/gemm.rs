@@ -32,6 +32,15 @@ pub fn stacked<'a, T: Scalar>(
     n: usize,
     parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
 ) -> Array2<T> {
+    stacked_with::<T, true>(n, parts)
+}
+
+/// [`stacked`], each term added by a fused multiply-add (`FUSED`) or by a
+/// separate multiply and add.
+fn stacked_with<'a, T: Scalar, const FUSED: bool>(
+    n: usize,
+    parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
+) -> Array2<T> {
     let m: usize = parts.iter().map(|(a, _)| a.nrows()).sum();
     let mut out: Vec<T> = Vec::with_capacity(m * n);
     let mut r0 = 0;
@@ -39,7 +48,7 @@ pub fn stacked<'a, T: Scalar>(
         assert_eq!(b.ncols(), n, "gemm: stacked product width");
         // SAFETY: rows `r0 .. r0 + mᵢ` of the `[m, n]` row-major block.
         unsafe {
-            product(
+            product::<T, FUSED>(
                 a.view(),
                 b.view(),
                 out.as_mut_ptr().add(r0 * n),
@@ -59,14 +68,15 @@ pub fn dot_to<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, mut out: ArrayViewM
     let so = out.strides();
     let so = [so[0], so[1]];
     // SAFETY: `out` is an `[M, N]` view with strides `so`.
-    unsafe { product(a, b, out.as_mut_ptr(), so) }
+    unsafe { product::<T, true>(a, b, out.as_mut_ptr(), so) }
 }
 
-/// `a b` written to the `[M, N]` block at `out` with strides `out_strides`.
+/// `a b` written to the `[M, N]` block at `out` with strides `out_strides`,
+/// by fused multiply-adds (`FUSED`) or a separate multiply and add per term.
 ///
 /// # Safety
 /// `out` with `out_strides` must address `[M, N]` writable elements.
-unsafe fn product<T: Scalar>(
+unsafe fn product<T: Scalar, const FUSED: bool>(
     a: ArrayView2<T>,
     b: ArrayView2<T>,
     out: *mut T,
@@ -82,7 +92,13 @@ unsafe fn product<T: Scalar>(
     let mats = Mats::new(a, b.view(), out, out_strides);
     // SAFETY: every offset the kernels form is inside the shapes [m, p],
     // [p, n] and [m, n] with the operands' strides.
-    unsafe { mats.run_fused(m, n) }
+    unsafe {
+        if FUSED {
+            mats.run_fused(m, n)
+        } else {
+            mats.run_unfused(m, n)
+        }
+    }
 }
 
 /// `a b` for `a [M, P]` and `b [P, N]` by the same blocking with a separate
@@ -90,27 +106,7 @@ unsafe fn product<T: Scalar>(
 /// ([`crate::ops::peak_gflops`]): the mul+add throughput of the CPU without
 /// FMA. Returns `[M, N]`.
 pub(crate) fn dot_unfused(a: ArrayView2<f64>, b: ArrayView2<f64>) -> Array2<f64> {
-    let ((m, p), n) = (a.dim(), b.ncols());
-    assert_eq!(p, b.nrows(), "gemm: [{m}, {p}]·[{}, {n}]", b.nrows());
-    let b = rows_contiguous(b);
-    let mut out: Vec<f64> = Vec::with_capacity(m * n);
-    let mats = Mats::new(a, b.view(), out.as_mut_ptr(), [n as isize, 1]);
-    simd::dispatch(
-        #[inline(always)]
-        || {
-            // SAFETY: as in `product`, with `out` an [m, n] row-major block.
-            unsafe {
-                if simd::width() == simd::Width::Avx512 {
-                    mats.run::<4, 16, false>(m, n)
-                } else {
-                    mats.run::<4, 8, false>(m, n)
-                }
-            }
-        },
-    );
-    // SAFETY: the kernel wrote all `m · n` elements.
-    unsafe { out.set_len(m * n) };
-    Array2::from_shape_vec((m, n), out).expect("[M, N]")
+    stacked_with::<f64, false>(b.ncols(), &[(a, b)])
 }
 
 /// `b` as the kernel reads it, with contiguous rows: borrowed when they
@@ -292,6 +288,20 @@ impl<T: Scalar> Mats<T> {
                 || self.run::<4, 8, true>(m, n),
             ),
         }
+    }
+
+    /// All of `out [m, n]` with a separate multiply and add per term.
+    unsafe fn run_unfused(&self, m: usize, n: usize) {
+        simd::dispatch(
+            #[inline(always)]
+            || {
+                if simd::width() == simd::Width::Avx512 {
+                    self.run::<4, 16, false>(m, n)
+                } else {
+                    self.run::<4, 8, false>(m, n)
+                }
+            },
+        )
     }
 
     /// `self` as the operands of `U` when `T` is `U`.

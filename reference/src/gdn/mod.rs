@@ -136,8 +136,8 @@ pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<
 struct Checked<'a, T: Clone> {
     dims: KdaDims,
     /// The log-space decay `[B, T, HV]` (evaluated with the in-kernel gate,
-    /// else `g` itself).
-    decay: Array3<T>,
+    /// else a view of `g`).
+    decay: CowArray<'a, T, Ix3>,
     /// The initial state in `[N, HV, K, V]`, borrowed unless swapped.
     h0: Option<Cow<'a, ArrayD<T>>>,
 }
@@ -161,8 +161,8 @@ fn checked<'a, T: Scalar>(x: &GdnRefs<'a, T>, opt: &GdnOptions) -> Result<Checke
     };
     let dims = kda::validate_refs(&kx, &kda_options(opt))?;
     let decay = match decay {
-        Some(g) => g,
-        None => x.g.clone(),
+        Some(g) => CowArray::from(g),
+        None => CowArray::from(x.g.view()),
     };
     Ok(Checked {
         dims,
@@ -240,8 +240,8 @@ fn validate_own<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<()> {
 }
 
 /// `f(g + dt_bias[h], A_log[h])` for every element of `g [B, T, HV]`, in
-/// parallel over the tokens (element by element, so the same bits on any
-/// number of threads).
+/// parallel (element by element, so the same bits on any number of
+/// threads).
 fn per_gate_element<T: Scalar, U: Send>(
     x: &GdnRefs<'_, T>,
     f: impl Fn(T, T) -> U + Sync,
@@ -251,13 +251,13 @@ fn per_gate_element<T: Scalar, U: Send>(
     let a_log: Vec<T> = x.a_log.into_iter().flatten().copied().collect();
     let bias: Option<Vec<T>> = x.dt_bias.map(|d| d.iter().copied().collect());
     let shifted = |raw: T, h: usize| raw + bias.as_ref().map_or(T::zero(), |b| b[h]);
-    let out: Vec<U> = (0..b * t)
+    let out: Vec<U> = (0..b * t * hv)
         .into_par_iter()
-        .flat_map_iter(|bt| {
-            let row = g.slice(s![bt / t, bt % t, ..]);
-            (0..hv).map(move |h| (row[h], h))
+        .with_min_len(1 << 12)
+        .map(|i| {
+            let (bt, h) = (i / hv, i % hv);
+            f(shifted(g[[bt / t, bt % t, h]], h), a_log[h])
         })
-        .map(|(raw, h)| f(shifted(raw, h), a_log[h]))
         .collect();
     Array3::from_shape_vec((b, t, hv), out).expect("[B, T, HV]")
 }
@@ -318,8 +318,9 @@ pub struct Prepared<'a, T> {
     pub k: CowArray<'a, T, Ix4>,
     /// `[B, T, HV, V]`
     pub v: ArrayView4<'a, T>,
-    /// `[B, T, HV]` log-space decay.
-    pub g: Array3<T>,
+    /// `[B, T, HV]` log-space decay (a view of `g` unless the in-kernel gate
+    /// evaluated it).
+    pub g: CowArray<'a, T, Ix3>,
     /// `[B, T, HV]`
     pub beta: Array3<T>,
     /// `[N, HV, K, V]` (a view of the input unless `state_v_first` swapped it)
