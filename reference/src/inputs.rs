@@ -54,9 +54,7 @@ impl Layout {
 }
 
 fn tensor(seed: u64, name: &str, shape: &[usize], f: impl Fn(f64) -> f64 + Sync) -> ArrayD<f64> {
-    let n = shape.iter().product();
-    let v = Stream::new(seed, name).par_map(n, |_, x| f(x));
-    Array::from_shape_vec(IxDyn(shape), v).expect("size matches")
+    channel_tensor(seed, name, shape, 0, |x, _| f(x))
 }
 
 fn normal(seed: u64, name: &str, shape: &[usize]) -> ArrayD<f64> {
