@@ -637,5 +637,5 @@ fn back_row_pass<T: Scalar, const START: bool, const FINISH: bool>(
             sums[3].tail += ds[j] * r[j];
         }
     }
-    sums.map(DotSum::finish)
+    DotSum::finish4(sums)
 }
