@@ -27,9 +27,8 @@ pub fn run(
     imp: &GpuImpl,
 ) -> Result<Run<GdnOutputs<f64>, GdnGrads<f64>>> {
     let t = std::time::Instant::now();
-    let d = oracle::validate_refs(x, opts)?;
+    let (d, h0) = oracle::validate_refs_kv(x, opts)?;
     oracle::validate_upstream(&d, opts.state_v_first, d_o, dht)?;
-    let h0 = x.initial_state.map(|s| oracle::kv_layout(opts, s));
     let dht = dht.map(|s| oracle::kv_layout(opts, s));
     let kopts = KdaOptions {
         output_final_state: true,

@@ -204,8 +204,18 @@ fn state_v_first_is_the_transposed_layout() {
     );
     assert_ne!(
         a.final_state.unwrap().shape(),
-        x.initial_state.unwrap().shape()
+        x.initial_state.as_ref().unwrap().shape()
     );
+    // What validation hands a caller running GDN as KDA: the initial state
+    // in [N,HV,K,V], swapped once from state_v_first, borrowed otherwise.
+    let kv_h0 = g.inputs.initial_state.as_ref().unwrap();
+    let (_, swapped) = gdn::validate_refs_kv(&x.refs(), &vk).unwrap();
+    let swapped = swapped.unwrap();
+    assert!(matches!(swapped, std::borrow::Cow::Owned(_)));
+    assert_eq!(&*swapped, kv_h0);
+    let (_, borrowed) = gdn::validate_refs_kv(&g.inputs.refs(), &kv).unwrap();
+    let borrowed = borrowed.unwrap();
+    assert!(matches!(borrowed, std::borrow::Cow::Borrowed(h) if std::ptr::eq(h, kv_h0)));
 }
 
 fn loss(x: &GdnInputs<f64>, opt: &GdnOptions, d_o: &ArrayD<f64>, dht: &ArrayD<f64>) -> f64 {

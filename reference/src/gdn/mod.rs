@@ -132,6 +132,19 @@ pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<
     Ok(checked(x, opt)?.dims)
 }
 
+/// [`validate_refs`], also returning the initial state in KDA's
+/// `[N, HV, K, V]` layout (borrowed unless `state_v_first` swapped it), for
+/// callers that run GDN as KDA: the swap made to validate it is the one
+/// they use.
+#[allow(clippy::type_complexity)]
+pub fn validate_refs_kv<'a, T: Scalar>(
+    x: &GdnRefs<'a, T>,
+    opt: &GdnOptions,
+) -> Result<(KdaDims, Option<Cow<'a, ArrayD<T>>>)> {
+    let c = checked(x, opt)?;
+    Ok((c.dims, c.h0))
+}
+
 /// What [`validate_refs`] checks and derives on the way.
 struct Checked<'a, T: Clone> {
     dims: KdaDims,
