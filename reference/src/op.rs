@@ -28,12 +28,12 @@
 //! 3. Register the module in `lib.rs`. The drivers, CP, thread determinism
 //!    and the result maps come for free.
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4, ArrayViewMut2};
 
 use crate::error::Result;
 use crate::scalar::Scalar;
 use crate::tensor;
-use crate::varlen::{par_pairs, Segment};
+use crate::varlen::{par_pairs, par_pairs_with, Segment};
 
 /// What an operator is called, FLA's way; the single source of its names.
 pub trait OpSpec {
@@ -136,6 +136,33 @@ pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
     fn grad_tensors(gr: &Self::Grads) -> Vec<Option<&ArrayD<T>>>;
     /// `dh0 [K, V]` of a piece's gradients.
     fn head_dh0(g: &Self::HeadGrads) -> &Array2<T>;
+    /// Every pair's gradients, written in place by [`forward_backward`]
+    /// (one sink per pair, [`Operator::grads_sinks`]) and turned into the
+    /// public gradients by [`Operator::chain_grads`]: for the per-token
+    /// gradients, the full tensors before the chain rule, so that no pair
+    /// keeps a copy of its own.
+    type GradsBuf: Send;
+    /// One pair's share of a [`Operator::GradsBuf`].
+    type GradsSink<'s>: Send
+    where
+        T: 's;
+    /// An empty (zero) buffer for every pair of `p`.
+    fn grads_buf(p: &Self::Prepared<'_>) -> Self::GradsBuf;
+    /// `b` split into one sink per (sequence, head) pair, in pair order.
+    fn grads_sinks<'s>(
+        b: &'s mut Self::GradsBuf,
+        p: &Self::Prepared<'_>,
+    ) -> Vec<Self::GradsSink<'s>>;
+    /// A piece's gradients, computed elsewhere, written into its sink.
+    fn write_grads(sink: Self::GradsSink<'_>, g: Self::HeadGrads);
+    /// The public gradients from a filled buffer (the chain rule through the
+    /// pre-processing).
+    fn chain_grads(
+        x: &Self::Inputs,
+        opt: &Self::Options,
+        p: &Self::Prepared<'_>,
+        b: Self::GradsBuf,
+    ) -> Self::Grads;
     /// f64 inputs narrowed to `T` (the oracle's truth is f64).
     fn narrow(x: &<Self as Operator<f64>>::Inputs) -> <Self as Operator<T>>::Inputs
     where
@@ -177,6 +204,28 @@ pub trait Engine<T: Scalar>: Sync {
         (self.forward(x, h0), self.backward(x, h0, d_o, dht))
     }
 
+    /// [`Engine::forward_backward`] writing its results into `out`, views of
+    /// the run's full tensors. By default the owned results are copied in;
+    /// an engine that produces them row by row writes them there directly.
+    fn forward_backward_into(
+        &self,
+        x: &<Self::Op as Operator<T>>::Head<'_>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        out: HeadSink<'_, T, Self::Op>,
+    ) {
+        let ((o, s_l), g) = self.forward_backward(x, h0, d_o, dht);
+        let HeadSink {
+            o: mut o_out,
+            final_state: mut s_out,
+            grads,
+        } = out;
+        o_out.assign(&o);
+        s_out.assign(&s_l);
+        <Self::Op as Operator<T>>::write_grads(grads, g);
+    }
+
     /// The transition `M [K, K]` with `S_L = M S_0 + S_L|_{S_0 = 0}`.
     ///
     /// Default: the state recurrence is linear in `(S, v)`, so running it with
@@ -196,6 +245,44 @@ pub trait Engine<T: Scalar>: Sync {
         T: 'a,
     {
         p
+    }
+}
+
+/// One (sequence, head) pair's share of a forward+backward run's results,
+/// written in place ([`Engine::forward_backward_into`]): views of the full
+/// tensors.
+pub struct HeadSink<'s, T: Scalar, O: Operator<T>> {
+    /// `o [L, V]`
+    pub o: ArrayViewMut2<'s, T>,
+    /// `S_L [K, V]`
+    pub final_state: ArrayViewMut2<'s, T>,
+    pub grads: O::GradsSink<'s>,
+}
+
+/// A [`Operator::GradsBuf`] that keeps each pair's gradients as its engine
+/// returns them, for operators whose gradients are not only per-token
+/// tensors (a convolution's weight gradient sums over the pairs).
+pub struct Collected<G>(Vec<Option<G>>);
+
+impl<G> Collected<G> {
+    pub fn new(pairs: usize) -> Self {
+        Collected((0..pairs).map(|_| None).collect())
+    }
+
+    /// One slot per pair, in pair order.
+    pub fn sinks(&mut self) -> Vec<&mut Option<G>> {
+        self.0.iter_mut().collect()
+    }
+
+    /// The public gradients through [`Operator::grads`].
+    pub fn chain<T: Scalar, O: Operator<T, HeadGrads = G>>(
+        self,
+        x: &O::Inputs,
+        opt: &O::Options,
+        p: &O::Prepared<'_>,
+    ) -> O::Grads {
+        let pieces = self.0.into_iter().map(|g| g.expect("every pair ran"));
+        assemble_grads::<T, O>(x, opt, p, pieces.collect())
     }
 }
 
@@ -255,15 +342,23 @@ pub fn backward<T: Scalar, E: Engine<T>>(
     dht: Option<&ArrayD<T>>,
 ) -> Result<<E::Op as Operator<T>>::Grads> {
     let p = engine.stored(E::Op::prepare(x, opt)?);
-    let results = per_pair_upstream::<T, E::Op, _, _>(&p, opt, d_o, dht, |head, h0, d_o, dht| {
-        engine.backward(head, h0, d_o, dht)
-    })?;
+    let pairs = vec![(); p.segments().len() * p.shape().heads];
+    let results = per_pair_upstream::<T, E::Op, _, _, _>(
+        &p,
+        opt,
+        d_o,
+        dht,
+        pairs,
+        |head, h0, d_o, dht, ()| engine.backward(head, h0, d_o, dht),
+    )?;
     Ok(assemble_grads::<T, E::Op>(x, opt, &p, results))
 }
 
 /// [`forward`] and [`backward`] in one run, the same bits; an engine that
 /// overrides [`Engine::forward_backward`] skips its backward's recompute
-/// of the forward. Returns `(outputs, gradients)`.
+/// of the forward. Every pair writes its results straight into the full
+/// tensors ([`Engine::forward_backward_into`]). Returns `(outputs,
+/// gradients)`.
 #[allow(clippy::type_complexity)]
 pub fn forward_backward<T: Scalar, E: Engine<T>>(
     engine: &E,
@@ -276,37 +371,59 @@ pub fn forward_backward<T: Scalar, E: Engine<T>>(
     <E::Op as Operator<T>>::Grads,
 )> {
     let p = engine.stored(E::Op::prepare(x, opt)?);
-    let results = per_pair_upstream::<T, E::Op, _, _>(&p, opt, d_o, dht, |head, h0, d_o, dht| {
-        engine.forward_backward(head, h0, d_o, dht)
-    })?;
-    let (fwd, grads): (Vec<_>, Vec<_>) = results.into_iter().unzip();
+    let d = p.shape();
+    let segments = p.segments();
+    let mut o = tensor::zeros(ndarray::Ix4(d.b, d.t, d.heads, d.v));
+    let mut ht = tensor::zeros(ndarray::Ix4(d.n, d.heads, d.k, d.v));
+    let mut grads = E::Op::grads_buf(&p);
+    let sinks: Vec<HeadSink<T, E::Op>> = tensor::pair_blocks_mut(o.view_mut(), segments)
+        .into_iter()
+        .zip(tensor::pair_states_mut(ht.view_mut(), segments))
+        .zip(E::Op::grads_sinks(&mut grads, &p))
+        .map(|((o, final_state), grads)| HeadSink {
+            o,
+            final_state,
+            grads,
+        })
+        .collect();
+    per_pair_upstream::<T, E::Op, _, _, _>(
+        &p,
+        opt,
+        d_o,
+        dht,
+        sinks,
+        |head, h0, d_o, dht, sink| engine.forward_backward_into(head, h0, d_o, dht, sink),
+    )?;
     Ok((
-        assemble_outputs::<T, E::Op>(&p, opt, fwd),
-        assemble_grads::<T, E::Op>(x, opt, &p, grads),
+        E::Op::outputs(opt, o, ht),
+        E::Op::chain_grads(x, opt, &p, grads),
     ))
 }
 
-/// `f(head, h0, d_o [L, V], dht [K, V])` over every pair, in pair order,
-/// after checking the upstream gradients.
-fn per_pair_upstream<T, O, R, F>(
+/// `f(head, h0, d_o [L, V], dht [K, V], item)` over every pair with its
+/// own `item` (in pair order), in parallel, after checking the upstream
+/// gradients; the results in pair order.
+fn per_pair_upstream<T, O, I, R, F>(
     p: &O::Prepared<'_>,
     opt: &O::Options,
     d_o: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
+    items: Vec<I>,
     f: F,
 ) -> Result<Vec<R>>
 where
     T: Scalar,
     O: Operator<T>,
+    I: Send,
     R: Send,
-    F: Fn(&O::Head<'_>, ArrayView2<T>, ArrayView2<T>, ArrayView2<T>) -> R + Sync + Send,
+    F: Fn(&O::Head<'_>, ArrayView2<T>, ArrayView2<T>, ArrayView2<T>, I) -> R + Sync + Send,
 {
     let d = p.shape();
     O::validate_upstream(p, d_o, dht)?;
     let d_o = O::upstream_view(d_o);
     let dht = dht.map(|a| O::dht_view(opt, a));
     let segments = p.segments();
-    Ok(par_pairs(segments.len(), d.heads, |si, h| {
+    Ok(par_pairs_with(items, d.heads, |si, h, item| {
         let seg = &segments[si];
         let dht_h = match &dht {
             Some(a) => a.slice(s![seg.seq, h, .., ..]).to_owned(),
@@ -315,8 +432,9 @@ where
         f(
             &O::head(p, seg, h),
             initial_state(p, seg.seq, h).view(),
-            tensor::head_rows(d_o.view(), seg, h).view(),
+            tensor::head_view(d_o.view(), seg, h),
             dht_h.view(),
+            item,
         )
     }))
 }

@@ -42,6 +42,15 @@ pub trait Scalar:
     fn exp_bounded(self) -> Self {
         self.exp()
     }
+
+    /// `dst[i] = src[i].exp()` with libm's bits: `f64` runs glibc's
+    /// algorithm on vectors ([`crate::exp`]), others call libm per element.
+    #[inline(always)]
+    fn exp_into(src: &[Self], dst: &mut [Self]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = x.exp();
+        }
+    }
 }
 
 /// The largest `|x|` that [`Scalar::exp_bounded`] accepts in `T`,
@@ -125,6 +134,10 @@ impl Scalar for f64 {
             f64::from_bits(0x3DEA_39EF_3579_3C76),
         );
         taylor(r, F) * f64::from_bits(t.to_bits().wrapping_add(1023) << 52)
+    }
+    #[inline(always)]
+    fn exp_into(src: &[f64], dst: &mut [f64]) {
+        crate::exp::exp_into(src, dst)
     }
 }
 

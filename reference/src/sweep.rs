@@ -1,7 +1,7 @@
 //! Pieces shared by the naive engines, which sweep a `[K, V]` state held as
 //! a row-major slice once or twice per token.
 
-use ndarray::{Array2, ArrayBase, ArrayView2, Data, Ix2};
+use ndarray::{ArrayBase, ArrayView2, CowArray, Data, DataMut, Ix2};
 
 use crate::scalar::Scalar;
 
@@ -50,29 +50,126 @@ pub fn run_tokens<T: Copy>(
     }
 }
 
-/// The backward schedule matching [`run_tokens`]: blocks in reverse; each block's entering states `S_{t−1}` (`kv` values
-/// each) are rebuilt from its checkpoint by `replay(t, S_{t−1}, S_t)`, then
-/// `back(start, end, states, ds)` runs the block's reverse sweeps, taking
-/// `ds` from `∂L/∂S_{end−1}` to `∂L/∂S_{start−1}`. Memory: one block of states.
+/// The backward schedule matching [`run_tokens`]: blocks in reverse; each
+/// block's entering states `S_{t−1}` (`kv` values each) are rebuilt from its
+/// checkpoint by `replay(t, S_{t−1}, S_t)`, then `back(start, end, states,
+/// ds)` runs the block's reverse sweeps, taking `ds` from `∂L/∂S_{end−1}` to
+/// `∂L/∂S_{start−1}`. The states `replay` and `back` see, and `ds` between
+/// the two conversions here, are in the [`Pairs`] layout of `pairs`; `ds`
+/// enters and leaves row-major. Memory: one block of states.
 #[inline(always)]
 pub fn reverse_blocks<T: Scalar>(
     l: usize,
-    kv: usize,
+    pairs: Pairs,
     checkpoints: &[T],
     ds: &mut [T],
     replay: impl Fn(usize, &[T], &mut [T]),
     mut back: impl FnMut(usize, usize, &[T], &mut [T]),
 ) {
-    let bl = block_len(l);
-    let mut prev = vec![T::zero(); bl * kv];
+    let (bl, kv) = (block_len(l), pairs.len());
+    let mut prev = crate::scratch::zeros(bl * kv);
+    let mut ds_pairs = crate::scratch::zeros(kv);
+    pairs.pack(ds, &mut ds_pairs);
     for (blk, start) in (0..l).step_by(bl).enumerate().rev() {
         let end = (start + bl).min(l);
-        prev[..kv].copy_from_slice(&checkpoints[blk * kv..(blk + 1) * kv]);
+        pairs.pack(&checkpoints[blk * kv..(blk + 1) * kv], &mut prev[..kv]);
         for t in start..end - 1 {
             let (done, next) = prev.split_at_mut((t + 1 - start) * kv);
             replay(t, &done[(t - start) * kv..], &mut next[..kv]);
         }
-        back(start, end, &prev, ds);
+        back(start, end, &prev, &mut ds_pairs);
+    }
+    pairs.unpack(&ds_pairs, ds);
+}
+
+/// The layout of a `[K, V]` state in the reverse sweeps: rows in pairs
+/// (`2p`, `2p + 1`; an odd last row alone), each pair's `2V` values
+/// interleaved by chunks of four columns (`[row 2p, cols 4c..4c+4; row
+/// 2p+1, the same cols]` for each full chunk `c`), then the two rows'
+/// leftover `V mod 4` columns one row after the other. A row pass then reads
+/// two rows' chunks as one contiguous run of eight values, which is one
+/// AVX-512 register of `f64` and needs no shuffle, while each row keeps its
+/// own 4-lane sums (the order the bits come from).
+#[derive(Clone, Copy, Debug)]
+pub struct Pairs {
+    pub k: usize,
+    pub v: usize,
+}
+
+/// Rows `row .. row + rows` of a [`Pairs`] state (`rows` is 2, or 1 for an
+/// odd last row): `rows · V` values from `row · V`.
+#[derive(Clone, Copy, Debug)]
+pub struct Group {
+    pub row: usize,
+    pub rows: usize,
+}
+
+impl Group {
+    /// The group's values in a [`Pairs`] state of `v` columns.
+    #[inline(always)]
+    pub fn range(&self, v: usize) -> std::ops::Range<usize> {
+        self.row * v..(self.row + self.rows) * v
+    }
+}
+
+impl Pairs {
+    pub fn len(&self) -> usize {
+        self.k * self.v
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The row groups in row order.
+    #[inline(always)]
+    pub fn groups(&self) -> impl Iterator<Item = Group> {
+        let k = self.k;
+        (0..k.div_ceil(2)).map(move |p| Group {
+            row: 2 * p,
+            rows: (k - 2 * p).min(2),
+        })
+    }
+
+    /// Row-major `src` into this layout.
+    #[inline(always)]
+    pub fn pack<T: Copy>(&self, src: &[T], dst: &mut [T]) {
+        for g in self.groups() {
+            let rows = &src[g.range(self.v)];
+            let group = &mut dst[g.range(self.v)];
+            self.each_chunk(g, rows.len(), |row_at, group_at, n| {
+                group[group_at..group_at + n].copy_from_slice(&rows[row_at..row_at + n]);
+            });
+        }
+    }
+
+    /// This layout back to row-major.
+    #[inline(always)]
+    pub fn unpack<T: Copy>(&self, src: &[T], dst: &mut [T]) {
+        for g in self.groups() {
+            let group = &src[g.range(self.v)];
+            let rows = &mut dst[g.range(self.v)];
+            self.each_chunk(g, rows.len(), |row_at, group_at, n| {
+                rows[row_at..row_at + n].copy_from_slice(&group[group_at..group_at + n]);
+            });
+        }
+    }
+
+    /// `f(row_at, group_at, n)` for each run of `n` values that sits at
+    /// `row_at` in a group's rows (row-major, `len` values) and at
+    /// `group_at` in the group's block of this layout.
+    #[inline(always)]
+    fn each_chunk(&self, g: Group, len: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let (v, full) = (self.v, self.v / 4 * 4);
+        debug_assert_eq!(len, g.rows * v);
+        for c in 0..full / 4 {
+            for h in 0..g.rows {
+                f(h * v + 4 * c, 4 * (c * g.rows + h), 4);
+            }
+        }
+        for h in 0..g.rows {
+            f(h * v + full, full * g.rows + h * (v - full), v - full);
+        }
     }
 }
 
@@ -84,24 +181,140 @@ pub fn state<T: Scalar>(a: ArrayView2<T>) -> Vec<T> {
         .0
 }
 
-/// Row `t` of a row-major (standard-layout) array.
+/// Asks the CPU to start loading `a` into the cache: the rows a sweep will
+/// read next, which sit `heads · D` values apart in `[B, T, heads, D]`
+/// tensors (the backward walks them in reverse), where the hardware
+/// prefetchers do not follow.
+#[inline(always)]
+pub fn prefetch<T>(a: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(a);
+        let start = a.as_ptr().cast::<i8>();
+        for at in (0..bytes).step_by(64) {
+            // SAFETY: SSE is part of x86-64; a prefetch reads nothing and
+            // never faults, and `at` stays inside `a`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(at)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = a;
+}
+
+/// `a` where its rows are contiguous (a head's rows of a `[B, T, heads, D]`
+/// tensor, strided by the other heads), else a row-major copy: what
+/// [`row`] reads.
+pub fn contiguous_rows<T: Clone>(a: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
+    if a.ncols() <= 1 || a.strides()[1] == 1 {
+        CowArray::from(a)
+    } else {
+        CowArray::from(a.as_standard_layout().into_owned())
+    }
+}
+
+/// Row `t` of a `[rows, cols]` array whose rows are contiguous (row-major,
+/// or rows of a larger row-major tensor).
 #[inline(always)]
 pub fn row<T, S: Data<Elem = T>>(a: &ArrayBase<S, Ix2>, t: usize) -> &[T] {
-    let n = a.ncols();
-    &a.as_slice().expect("row-major")[t * n..(t + 1) * n]
+    a.row(t).to_slice().expect("contiguous rows")
 }
 
-/// Row `t` of a row-major array, mutable.
+/// Row `t` of an array with contiguous rows, mutable.
 #[inline(always)]
-pub fn row_mut<T>(a: &mut Array2<T>, t: usize) -> &mut [T] {
-    let n = a.ncols();
-    &mut a.as_slice_mut().expect("row-major")[t * n..(t + 1) * n]
+pub fn row_mut<T, S: DataMut<Elem = T>>(a: &mut ArrayBase<S, Ix2>, t: usize) -> &mut [T] {
+    a.row_mut(t).into_slice().expect("contiguous rows")
 }
 
-/// A chunk of four as an array. Row kernels load their chunks into arrays
-/// and store the results after the arithmetic: with loads and stores apart,
-/// LLVM vectorises the four lanes without proving the rows never overlap.
+/// `x`'s whole chunks of four, each written twice in a row (`out[8c + 4h +
+/// l] = x[4c + l]`): a `[V]` vector as it meets a [`Pairs`] row pair, so that
+/// a pair's chunk and the vector's chunk load alike.
 #[inline(always)]
-pub fn quad<T: Copy>(a: &[T]) -> [T; 4] {
-    a.try_into().expect("4 elements")
+pub fn spread<T: Copy>(x: &[T], out: &mut [T]) {
+    for (o, q) in out.chunks_exact_mut(8).zip(x.chunks_exact(4)) {
+        o[..4].copy_from_slice(q);
+        o[4..].copy_from_slice(q);
+    }
+}
+
+/// The first `n` whole chunks of `N` of `a`. Row kernels index these (each
+/// chunk one array, each slice cut to the loop's length) so that no index in
+/// the loop is checked.
+#[inline(always)]
+pub fn chunks<T, const N: usize>(a: &[T], n: usize) -> &[[T; N]] {
+    &a.as_chunks::<N>().0[..n]
+}
+
+/// [`chunks`], mutable.
+#[inline(always)]
+pub fn chunks_mut<T, const N: usize>(a: &mut [T], n: usize) -> &mut [[T; N]] {
+    &mut a.as_chunks_mut::<N>().0[..n]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Row-major values of a `[k, v]` state numbered by place.
+    fn numbered(k: usize, v: usize) -> Vec<f64> {
+        (0..k * v).map(|i| i as f64).collect()
+    }
+
+    /// Every (row, column) lands where the layout's doc says, and unpacking
+    /// gives the state back, for odd and even `K` and every `V mod 4`.
+    #[test]
+    fn pairs_place_each_value_as_documented_and_unpack_back() {
+        for k in [1, 2, 3, 4, 7] {
+            for v in [1, 3, 4, 5, 8, 10] {
+                let p = Pairs { k, v };
+                let src = numbered(k, v);
+                let mut packed = vec![f64::NAN; k * v];
+                p.pack(&src, &mut packed);
+                let full = v / 4 * 4;
+                for i in 0..k {
+                    let (row0, rows) = (i / 2 * 2, (k - i / 2 * 2).min(2));
+                    let h = i - row0;
+                    for j in 0..v {
+                        let at = row0 * v
+                            + if j < full {
+                                (j / 4) * 4 * rows + 4 * h + j % 4
+                            } else {
+                                full * rows + h * (v - full) + j - full
+                            };
+                        assert_eq!(packed[at], src[i * v + j], "K={k} V={v} ({i}, {j})");
+                    }
+                }
+                let mut back = vec![f64::NAN; k * v];
+                p.unpack(&packed, &mut back);
+                assert_eq!(back, src, "K={k} V={v}");
+            }
+        }
+    }
+
+    #[test]
+    fn spread_writes_each_chunk_of_four_twice() {
+        let x: Vec<f64> = (0..9).map(f64::from).collect();
+        let mut out = vec![0.0; 16];
+        spread(&x, &mut out);
+        assert_eq!(
+            out,
+            [0., 1., 2., 3., 0., 1., 2., 3., 4., 5., 6., 7., 4., 5., 6., 7.]
+        );
+    }
+
+    /// Rows of a head strided by the other heads are read in place; rows
+    /// that are not contiguous are copied to row-major.
+    #[test]
+    fn contiguous_rows_borrow_only_contiguous_rows() {
+        let a = ndarray::Array2::from_shape_fn((4, 6), |(i, j)| (10 * i + j) as f64);
+        let strided = a.slice(ndarray::s![.., ..3]);
+        let kept = contiguous_rows(strided);
+        assert!(kept.is_view());
+        assert_eq!(row(&kept, 2), &[20.0, 21.0, 22.0]);
+        let columns = a.t();
+        let copied = contiguous_rows(columns);
+        assert!(!copied.is_view());
+        assert_eq!(row(&copied, 1), &[1.0, 11.0, 21.0, 31.0]);
+        prefetch(row(&copied, 1));
+    }
 }

@@ -3,8 +3,11 @@
 //! `[L, D]` blocks the engines work on.
 
 use ndarray::{
-    s, Array2, Array4, ArrayBase, ArrayD, ArrayView2, ArrayView4, CowArray, Data, Ix2, Ix4,
+    s, Array, Array2, Array4, ArrayBase, ArrayD, ArrayView, ArrayView2, ArrayView4, ArrayViewMut,
+    ArrayViewMut2, ArrayViewMut4, Axis, CowArray, Data, Dimension, Ix4, RemoveAxis,
 };
+
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::scalar::Scalar;
@@ -46,11 +49,10 @@ pub fn check_finite<T: Scalar>(tensor: &str, x: &ArrayD<T>) -> Result<()> {
     };
     // A long case's tensor holds 10⁸ values: one core scans it for a tenth
     // of a second. Parts in order, so the first bad index is the same.
-    let first_bad = if flat.len() >= PAR_CAST {
-        use rayon::prelude::*;
-        flat.par_chunks(PAR_CAST)
+    let first_bad = if flat.len() >= PAR_FILL {
+        flat.par_chunks(PAR_FILL)
             .enumerate()
-            .find_map_first(|(i, part)| scan(part).map(|p| i * PAR_CAST + p))
+            .find_map_first(|(i, part)| scan(part).map(|p| i * PAR_FILL + p))
     } else {
         scan(flat)
     };
@@ -123,20 +125,34 @@ pub fn gather<T: Scalar, S: Data<Elem = T>>(
     Array2::from_shape_vec(rows.raw_dim(), out).expect("L×D")
 }
 
-/// Rows `seg.start..seg.end` of head `h` of `x [B, T, heads, D]` as
-/// `[L, D]` in standard layout: a view where they already are so (one head,
-/// or one row), else a copy ([`gather`]).
-pub fn head_rows<'a, T: Scalar>(
-    x: ArrayView4<'a, T>,
-    seg: &Segment,
-    h: usize,
-) -> CowArray<'a, T, Ix2> {
-    let rows = x.slice_move(s![seg.batch, seg.start..seg.end, h, ..]);
-    if rows.is_standard_layout() {
-        CowArray::from(rows)
-    } else {
-        CowArray::from(gather(&x, seg, h))
+/// A zero tensor of `shape`, written by every rayon thread at once when it
+/// is large: a run's result tensors are tens of MiB, and the allocator
+/// hands back memory that is either to be cleared or still to be faulted
+/// in, which one thread would do alone before any pair starts.
+pub fn zeros<T: Scalar, D: Dimension>(shape: D) -> Array<T, D> {
+    let n = shape.size();
+    if n < PAR_FILL {
+        return Array::zeros(shape);
     }
+    let mut v = Vec::with_capacity(n);
+    v.par_extend(rayon::iter::repeat_n(T::zero(), n).with_min_len(1 << 16));
+    Array::from_shape_vec(shape, v).expect("n elements")
+}
+
+/// `a` in standard layout: borrowed where it already is, else a copy.
+pub fn standard<T: Clone, D: Dimension>(a: ArrayView<'_, T, D>) -> CowArray<'_, T, D> {
+    if a.is_standard_layout() {
+        CowArray::from(a)
+    } else {
+        CowArray::from(a.as_standard_layout().into_owned())
+    }
+}
+
+/// Rows `seg.start..seg.end` of head `h` of `x [B, T, heads, D]`, `[L, D]`,
+/// borrowed: strided by the other heads, each row contiguous where `x` is
+/// row-major.
+pub fn head_view<'a, T>(x: ArrayView4<'a, T>, seg: &Segment, h: usize) -> ArrayView2<'a, T> {
+    x.slice_move(s![seg.batch, seg.start..seg.end, h, ..])
 }
 
 /// Writes an `[L, D]` block back at the place `gather` took it from.
@@ -171,12 +187,89 @@ pub fn assemble<T: Scalar>(
     out
 }
 
+/// Each segment's rows `seg.start..seg.end` of batch row `seg.batch` of a
+/// `[B, T, …]` view, as disjoint mutable views `[L, …]`, in the order of
+/// `segments`. Segments of one batch row must not overlap (those of
+/// validated inputs never do).
+pub fn segments_mut<'a, T, D: RemoveAxis>(
+    x: ArrayViewMut<'a, T, D>,
+    segments: &[Segment],
+) -> Vec<ArrayViewMut<'a, T, D::Smaller>> {
+    let mut batch: Vec<_> = split_axis(x, Axis(0)).into_iter().map(Some).collect();
+    let mut order: Vec<usize> = (0..segments.len()).collect();
+    order.sort_by_key(|&i| (segments[i].batch, segments[i].start));
+    let mut out: Vec<_> = segments.iter().map(|_| None).collect();
+    // The rest of the current batch row, starting at token `from`.
+    let (mut rest, mut from, mut current) = (None, 0, usize::MAX);
+    for i in order {
+        let seg = segments[i];
+        if seg.batch != current {
+            (rest, from, current) = (batch[seg.batch].take(), 0, seg.batch);
+        }
+        let row = rest
+            .take()
+            .expect("segments of one batch row do not overlap");
+        let (_, row) = row.split_at(Axis(0), seg.start - from);
+        let (piece, row) = row.split_at(Axis(0), seg.len());
+        (out[i], rest, from) = (Some(piece), Some(row), seg.end);
+    }
+    out.into_iter().map(|v| v.expect("every segment")).collect()
+}
+
+/// Splits `x` along `axis` into its `n` single-index views, that axis
+/// removed.
+pub fn split_axis<'a, T, D: RemoveAxis>(
+    mut x: ArrayViewMut<'a, T, D>,
+    axis: Axis,
+) -> Vec<ArrayViewMut<'a, T, D::Smaller>> {
+    let n = x.len_of(axis);
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (one, rest) = x.split_at(axis, 1);
+        out.push(one.index_axis_move(axis, 0));
+        x = rest;
+    }
+    out
+}
+
+/// The `[L, …]` block of each (segment, head) pair of a `[B, T, heads, …]`
+/// view, in pair order (segment-major), as disjoint mutable views.
+pub fn pair_blocks_mut<'a, T, D>(
+    x: ArrayViewMut<'a, T, D>,
+    segments: &[Segment],
+) -> Vec<ArrayViewMut<'a, T, <D::Smaller as Dimension>::Smaller>>
+where
+    D: RemoveAxis,
+    D::Smaller: RemoveAxis,
+{
+    segments_mut(x, segments)
+        .into_iter()
+        .flat_map(|piece| split_axis(piece, Axis(1)))
+        .collect()
+}
+
+/// The `[K, V]` state of each (segment, head) pair of an `[N, heads, K, V]`
+/// view (row `seg.seq`), in pair order, as disjoint mutable views. Each
+/// sequence has one segment (the drivers without CP).
+pub fn pair_states_mut<'a, T>(
+    x: ArrayViewMut4<'a, T>,
+    segments: &[Segment],
+) -> Vec<ArrayViewMut2<'a, T>> {
+    let mut seqs: Vec<_> = split_axis(x, Axis(0)).into_iter().map(Some).collect();
+    segments
+        .iter()
+        .flat_map(|seg| {
+            let seq = seqs[seg.seq].take().expect("one segment per sequence");
+            split_axis(seq, Axis(0))
+        })
+        .collect()
+}
+
 /// Converts between scalars (through `f64`: exact widening, rounded narrowing).
 pub fn cast<T: Scalar, U: Scalar>(x: &ArrayD<T>) -> ArrayD<U> {
     // A long case's tensors hold 10⁸ values: convert them on every core.
     match x.as_slice() {
         Some(s) if s.len() >= PAR_CAST => {
-            use rayon::prelude::*;
             let v = s
                 .par_iter()
                 .with_min_len(1 << 16)
@@ -190,6 +283,10 @@ pub fn cast<T: Scalar, U: Scalar>(x: &ArrayD<T>) -> ArrayD<U> {
 
 /// Elements from which [`cast`] runs in parallel.
 const PAR_CAST: usize = 1 << 20;
+
+/// Elements from which [`zeros`] and [`check_finite`] use every thread
+/// (a bench-shape tensor, `[1, 1024, 4, 64]`, is 2¹⁸).
+const PAR_FILL: usize = 1 << 16;
 
 /// `cast` over an optional tensor.
 pub fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>> {
@@ -243,18 +340,79 @@ impl<T: Scalar> DotSum<T> {
         let l = std::hint::black_box(self.lanes);
         (l[0] + l[1]) + (l[2] + l[3]) + self.tail
     }
+}
 
-    /// [`finish`](Self::finish) of four sums at once, with the same bits.
-    /// Pairing the lanes across the sums (`lo = [a₀+a₁, b₀+b₁, …]`,
-    /// `hi = [a₂+a₃, …]`) makes the three adds of each sum vector adds over
-    /// all four instead of twelve scalar ones: the KDA naive backward, which
-    /// finishes four sums per state row, runs about 15 % faster.
+/// `S` sums of [`dot`]'s order for each of the `N / 4` (1 or 2) state rows
+/// of a row group in the [`crate::sweep::Pairs`] layout, as a row pass
+/// accumulates them: `lanes[s][4h + l]` is row `h`'s lane `l` of sum `s`,
+/// `tails[s][h]` its tail.
+#[derive(Clone, Copy, Debug)]
+pub struct RowSums<T, const N: usize, const S: usize> {
+    pub lanes: [[T; N]; S],
+    pub tails: [[T; 2]; S],
+}
+
+impl<T: Scalar, const N: usize, const S: usize> Default for RowSums<T, N, S> {
     #[inline(always)]
-    pub fn finish4(sums: [Self; 4]) -> [T; 4] {
-        let [a, b, c, d] = std::hint::black_box(sums.map(|s| s.lanes));
-        let lo = [a[0] + a[1], b[0] + b[1], c[0] + c[1], d[0] + d[1]];
-        let hi = [a[2] + a[3], b[2] + b[3], c[2] + c[3], d[2] + d[3]];
-        std::array::from_fn(|i| (lo[i] + hi[i]) + sums[i].tail)
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Scalar, const N: usize, const S: usize> RowSums<T, N, S> {
+    #[inline(always)]
+    pub fn new() -> Self {
+        RowSums {
+            lanes: [[T::zero(); N]; S],
+            tails: [[-T::zero(); 2]; S],
+        }
+    }
+
+    /// Keeps the sums of rows `row .. row + N / 4` in `out`, unfinished.
+    #[inline(always)]
+    pub fn store(&self, row: usize, out: &mut SweepSums<T, S>) {
+        for s in 0..S {
+            out.lanes[s][4 * row..4 * row + N].copy_from_slice(&self.lanes[s]);
+            let rows = N / 4;
+            out.tails[s][row..row + rows].copy_from_slice(&self.tails[s][..rows]);
+        }
+    }
+}
+
+/// The `S` sums of every row of a `[K, V]` state over one sweep, kept
+/// unfinished by the row passes ([`RowSums::store`]) and finished together
+/// once the sweep is done: the sums feed only the per-row gradients, so the
+/// adds that finish them run as vectors over the rows instead of as a few
+/// scalar adds and shuffles after each row group.
+#[derive(Clone, Debug)]
+pub struct SweepSums<T, const S: usize> {
+    /// `[K · 4]` each: row `i`'s lanes at `4i ..`.
+    lanes: [Vec<T>; S],
+    /// `[K]` each.
+    tails: [Vec<T>; S],
+    /// `[K]` each: the finished sums, [`dot`]'s bits.
+    pub done: [Vec<T>; S],
+}
+
+impl<T: Scalar, const S: usize> SweepSums<T, S> {
+    pub fn new(k: usize) -> Self {
+        SweepSums {
+            lanes: std::array::from_fn(|_| vec![T::zero(); 4 * k]),
+            tails: std::array::from_fn(|_| vec![T::zero(); k]),
+            done: std::array::from_fn(|_| vec![T::zero(); k]),
+        }
+    }
+
+    /// `done[s][i] = (l₀ + l₁) + (l₂ + l₃) + tail` for the sums kept, as
+    /// [`DotSum::finish`].
+    #[inline(always)]
+    pub fn finish(&mut self) {
+        for s in 0..S {
+            let rows = self.lanes[s].chunks_exact(4).zip(&self.tails[s]);
+            for (d, (l, &tail)) in self.done[s].iter_mut().zip(rows) {
+                *d = ((l[0] + l[1]) + (l[2] + l[3])) + tail;
+            }
+        }
     }
 }
 
@@ -333,88 +491,155 @@ mod tests {
         assert_eq!(placed.iter().filter(|&&v| v != 0.0).count(), 14);
     }
 
-    /// Four sums finished together have the bits of each finished alone,
-    /// in f64 and f32, for lanes of mixed magnitudes and signs (where the
-    /// order of the adds shows in the result) and for `−0` and empty tails.
+    /// The row passes' sums, kept per row group (one row, or a pair in
+    /// the `Pairs` layout) and finished over the sweep, have the bits of
+    /// each row's [`DotSum::finish`], in f64 and f32, for lanes of mixed
+    /// magnitudes and signs (where the order of the adds shows in the
+    /// result) and for `−0`, `+0` and non-empty tails.
     #[test]
-    fn four_sums_finish_with_the_bits_of_each() {
+    fn sweep_sums_finish_with_the_bits_of_each_dot_sum() {
         fn check<T: Scalar + std::fmt::Debug>(rng: &crate::rng::Stream) {
+            const K: usize = 5;
             let mut reordered_differs = false;
-            for case in 0..2000u64 {
-                let sums: [DotSum<T>; 4] = std::array::from_fn(|s| {
-                    let draw = |l: u64| {
-                        let (x, e) = (
-                            rng.normal(case * 40 + s as u64 * 8 + l),
-                            rng.uniform(case, s as u64 * 8 + l),
-                        );
-                        T::c(x * 2f64.powi((e * 60.0) as i32 - 30))
-                    };
-                    let tail = match case % 3 {
-                        0 => -T::zero(),
-                        1 => T::zero(),
-                        _ => draw(4),
-                    };
-                    DotSum {
-                        lanes: [draw(0), draw(1), draw(2), draw(3)],
-                        tail,
-                    }
+            for case in 0..400u64 {
+                let draw = |s: usize, i: usize, l: u64| {
+                    let n = case * 4000 + (s * K + i) as u64 * 8 + l;
+                    let (x, e) = (rng.normal(n), rng.uniform(n, 1));
+                    T::c(x * 2f64.powi((e * 60.0) as i32 - 30))
+                };
+                let alone: [[DotSum<T>; 3]; K] = std::array::from_fn(|i| {
+                    std::array::from_fn(|s| DotSum {
+                        lanes: std::array::from_fn(|l| draw(s, i, l as u64)),
+                        tail: match (case + i as u64) % 3 {
+                            0 => -T::zero(),
+                            1 => T::zero(),
+                            _ => draw(s, i, 4),
+                        },
+                    })
                 });
-                let alone = sums.map(DotSum::finish);
-                let together = DotSum::finish4(sums);
-                for (a, b) in alone.iter().zip(&together) {
-                    assert_eq!(a.f64().to_bits(), b.f64().to_bits(), "{sums:?}");
+                let mut kept = SweepSums::<T, 3>::new(K);
+                // Rows 0-1 and 2-3 as pairs, row 4 alone.
+                for row in [0, 2] {
+                    let mut pair = RowSums::<T, 8, 3>::new();
+                    for (h, sums) in alone[row..row + 2].iter().enumerate() {
+                        for (s, d) in sums.iter().enumerate() {
+                            pair.lanes[s][4 * h..4 * h + 4].copy_from_slice(&d.lanes);
+                            pair.tails[s][h] = d.tail;
+                        }
+                    }
+                    pair.store(row, &mut kept);
                 }
-                let l = sums[0].lanes;
-                reordered_differs |= ((l[0] + l[2]) + (l[1] + l[3]) + sums[0].tail) != alone[0];
+                let mut one = RowSums::<T, 4, 3>::new();
+                for (s, d) in alone[4].iter().enumerate() {
+                    one.lanes[s] = d.lanes;
+                    one.tails[s][0] = d.tail;
+                }
+                one.store(4, &mut kept);
+                kept.finish();
+                for (i, sums) in alone.iter().enumerate() {
+                    for (s, d) in sums.iter().enumerate() {
+                        let want = d.finish();
+                        assert_eq!(kept.done[s][i].f64().to_bits(), want.f64().to_bits());
+                        let l = d.lanes;
+                        reordered_differs |= ((l[0] + l[2]) + (l[1] + l[3]) + d.tail) != want;
+                    }
+                }
             }
             assert!(
                 reordered_differs,
                 "the draws never expose the order of the adds"
             );
         }
-        let rng = crate::rng::Stream::new(3, "finish4");
+        let rng = crate::rng::Stream::new(3, "sweep sums");
         check::<f64>(&rng);
         check::<f32>(&rng);
     }
 
-    /// One head's rows are borrowed where they are contiguous (one head, or
-    /// one row of several) and copied where they are strided; either way
-    /// they are the head's values in standard layout.
+    /// The (segment, head) views of a run's tensors cover every element
+    /// once and sit where the segment's rows and the head are, for batch
+    /// rows and for packed sequences (an empty one among them); the state
+    /// views likewise per (sequence, head).
     #[test]
-    fn head_rows_borrow_contiguous_rows_and_copy_strided_ones() {
-        let one = Array4::from_shape_fn((2, 7, 1, 3), |(b, t, _, d)| (100 * b + 10 * t + d) as f64);
-        let rows = head_rows(one.view(), &seg(1, 2, 6), 0);
-        assert!(rows.is_view() && rows.is_standard_layout());
-        assert_eq!(
-            rows.as_ptr(),
-            one.slice(s![1, 2, 0, ..]).as_ptr(),
-            "borrowed"
-        );
-        assert_eq!(rows, one.slice(s![1, 2..6, 0, ..]));
-        let three =
-            Array4::from_shape_fn((1, 7, 3, 2), |(_, t, h, d)| (100 * h + 10 * t + d) as f64);
-        let strided = head_rows(three.view(), &seg(0, 1, 5), 2);
-        assert!(strided.is_owned() && strided.is_standard_layout());
-        assert_eq!(strided, gather(&three, &seg(0, 1, 5), 2));
-        assert!(
-            head_rows(three.view(), &seg(0, 4, 5), 1).is_view(),
-            "a single row"
-        );
+    fn pair_views_partition_the_tensors() {
+        let heads = 3;
+        let layouts = [
+            (2, 9, vec![seg(0, 0, 9), seg(1, 0, 9)]),
+            (
+                1,
+                20,
+                vec![seg_in(0, 0, 5), seg_in(1, 5, 5), seg_in(2, 5, 20)],
+            ),
+        ];
+        for (b, t, segments) in layouts {
+            let mut x = Array4::<f64>::from_elem((b, t, heads, 2), -1.0);
+            for (i, mut v) in pair_blocks_mut(x.view_mut(), &segments)
+                .into_iter()
+                .enumerate()
+            {
+                assert_eq!(v.dim(), (segments[i / heads].len(), 2));
+                v.fill(i as f64);
+            }
+            for ((bi, ti, h, _), &v) in x.indexed_iter() {
+                let si = segments
+                    .iter()
+                    .position(|s| s.batch == bi && (s.start..s.end).contains(&ti))
+                    .expect("every token is in a segment");
+                assert_eq!(v, (si * heads + h) as f64, "[{bi}, {ti}, {h}]");
+            }
+            let n = segments.len();
+            let mut states = Array4::<f64>::from_elem((n, heads, 2, 2), -1.0);
+            for (i, mut v) in pair_states_mut(states.view_mut(), &segments)
+                .into_iter()
+                .enumerate()
+            {
+                v.fill(i as f64);
+            }
+            for ((si, h, _, _), &v) in states.indexed_iter() {
+                assert_eq!(
+                    v,
+                    (segments.iter().position(|s| s.seq == si).unwrap() * heads + h) as f64
+                );
+            }
+        }
+    }
+
+    /// A sequence of a packed batch (batch row 0).
+    fn seg_in(seq: usize, start: usize, end: usize) -> Segment {
+        Segment {
+            seq,
+            batch: 0,
+            start,
+            end,
+        }
+    }
+
+    /// One head's rows, borrowed: the head's values, strided by the other
+    /// heads.
+    #[test]
+    fn head_view_is_the_heads_rows() {
+        let three = Array4::from_shape_fn((2, 7, 3, 3), |(b, t, h, d)| {
+            (1000 * b + 100 * t + 10 * h + d) as f64
+        });
+        let rows = head_view(three.view(), &seg(1, 2, 6), 2);
+        assert_eq!(rows, gather(&three, &seg(1, 2, 6), 2));
+        assert_eq!(rows.strides(), &[9, 1]);
     }
 
     /// A tensor long enough to be scanned in parallel parts names the
     /// first bad value, not whichever part finished first.
     #[test]
     fn check_finite_names_the_first_bad_index_of_a_long_tensor() {
-        let mut x = ArrayD::<f64>::zeros(ndarray::IxDyn(&[3 * PAR_CAST / 4 + 2, 4]));
+        let mut x = ArrayD::<f64>::zeros(ndarray::IxDyn(&[3 * PAR_FILL / 4 + 2, 4]));
+        // The scan splits into parts of PAR_FILL values; both bad values lie
+        // past the first part.
         assert!(check_finite("x", &x).is_ok());
         let flat = x.as_slice_mut().expect("standard layout");
-        flat[2 * PAR_CAST + 7] = f64::INFINITY;
-        flat[PAR_CAST + 3] = f64::NAN;
+        flat[2 * PAR_FILL + 7] = f64::INFINITY;
+        flat[PAR_FILL + 3] = f64::NAN;
         match check_finite("x", &x) {
             Err(Error::NonFinite { tensor, index, .. }) => {
                 assert_eq!(tensor, "x");
-                let at = PAR_CAST + 3;
+                let at = PAR_FILL + 3;
                 assert_eq!(index, vec![at / 4, at % 4]);
             }
             other => panic!("expected NonFinite, got {other:?}"),

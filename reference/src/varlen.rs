@@ -106,13 +106,24 @@ where
     R: Send,
     F: Fn(usize, usize) -> R + Sync + Send,
 {
-    let pairs = n_segments * heads;
-    let busy = pairs >= rayon::current_num_threads();
-    (0..pairs)
+    par_pairs_with(vec![(); n_segments * heads], heads, |si, h, ()| f(si, h))
+}
+
+/// [`par_pairs`] with one `item` per pair (in pair order) handed to
+/// `f(segment, head, item)`.
+pub fn par_pairs_with<I, R, F>(items: Vec<I>, heads: usize, f: F) -> Vec<R>
+where
+    I: Send,
+    R: Send,
+    F: Fn(usize, usize, I) -> R + Sync + Send,
+{
+    let busy = items.len() >= rayon::current_num_threads();
+    items
         .into_par_iter()
-        .map(|i| {
+        .enumerate()
+        .map(|(i, item)| {
             let _busy = BusyGuard::set(busy);
-            f(i / heads, i % heads)
+            f(i / heads, i % heads, item)
         })
         .collect()
 }

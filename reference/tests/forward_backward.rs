@@ -3,13 +3,16 @@
 //! engine (the chunked ones keep their forward's intermediates instead of
 //! recomputing them).
 
+use deltaref::conv::{Activation, ConvOptions, Direct};
 use deltaref::cp::plan::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;
-use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
+use deltaref::gdn::{GdnOptions, OnKda};
+use deltaref::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{self, KdaOptions};
 use deltaref::op::{self, Engine, OpSpec, Operator};
+use deltaref::token_shift::Shift;
 use ndarray::ArrayD;
 
 /// Panics unless both lists hold the same tensors, bit for bit.
@@ -30,8 +33,9 @@ fn assert_same_bits(what: &str, a: &[(&str, &ArrayD<f64>)], b: &[(&str, &ArrayD<
     }
 }
 
-/// `op::forward_backward` against `op::forward` then `op::backward`, and
-/// the CP forms over three unequal ranks against `cp::forward` then
+/// `op::forward_backward` (each pair writing into the run's tensors)
+/// against `op::forward` then `op::backward` (per-pair results assembled),
+/// and the CP forms over three unequal ranks against `cp::forward` then
 /// `cp::backward`.
 fn check<E: Engine<f64>>(
     what: &str,
@@ -41,14 +45,7 @@ fn check<E: Engine<f64>>(
     d_o: &ArrayD<f64>,
     dht: &ArrayD<f64>,
 ) {
-    let out = op::forward(engine, x, opt).expect("valid");
-    let gr = op::backward(engine, x, opt, d_o, Some(dht)).expect("valid");
-    let (out1, gr1) = op::forward_backward(engine, x, opt, d_o, Some(dht)).expect("valid");
-    assert_same_bits(
-        what,
-        &op::named::<f64, E::Op>(&out, Some(&gr)),
-        &op::named::<f64, E::Op>(&out1, Some(&gr1)),
-    );
+    check_op(what, engine, x, opt, d_o, dht);
     let (plan, cpo) = (PlanSpec::Cuts(vec![70, 200]), CpOptions::default());
     let (out, _) = cp::forward(engine, x, opt, &plan, &cpo).expect("valid");
     let (gr, _) = cp::backward(engine, x, opt, d_o, Some(dht), &plan, &cpo).expect("valid");
@@ -108,4 +105,120 @@ fn dplr_forward_backward_has_the_separate_runs_bits() {
         let chunk = dplr::chunk::Chunk::new(c).expect("valid");
         check(&format!("dplr chunk C={c}"), &chunk, x, &opts, d_o, dht);
     }
+}
+
+/// The `op` half of [`check`] (CP splits packed batches only).
+fn check_op<E: Engine<f64>>(
+    what: &str,
+    engine: &E,
+    x: &<E::Op as Operator<f64>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<f64>,
+    dht: &ArrayD<f64>,
+) {
+    let out = op::forward(engine, x, opt).expect("valid");
+    let gr = op::backward(engine, x, opt, d_o, Some(dht)).expect("valid");
+    let (out1, gr1) = op::forward_backward(engine, x, opt, d_o, Some(dht)).expect("valid");
+    assert_same_bits(
+        what,
+        &op::named::<f64, E::Op>(&out, Some(&gr)),
+        &op::named::<f64, E::Op>(&out1, Some(&gr1)),
+    );
+}
+
+/// Batch rows, odd K and V not a multiple of four (a row pair and a lone
+/// row, chunk tails), and a packed batch with an empty sequence.
+#[test]
+fn naive_engines_write_every_layout_in_place() {
+    for layout in [Layout::batch(2, 260), Layout::varlen(&[150, 0, 110])] {
+        let opts = KdaOptions {
+            output_final_state: true,
+            ..Default::default()
+        };
+        let g = inputs::kda(&KdaSpec {
+            layout: layout.clone(),
+            h: 3,
+            hv: 3,
+            k: 7,
+            v: 9,
+            opts,
+            initial_state: true,
+            scalar_gate: false,
+            seed: 8,
+        });
+        check_op(
+            "kda naive K=7 V=9",
+            &kda::naive::Naive,
+            &g.inputs,
+            &opts,
+            &g.d_o,
+            &g.dht,
+        );
+        let dopts = DplrOptions {
+            output_final_state: true,
+            ..Default::default()
+        };
+        let d = inputs::dplr(&DplrSpec {
+            layout,
+            h: 3,
+            k: 7,
+            v: 9,
+            initial_state: true,
+            seed: 9,
+        });
+        check_op(
+            "dplr naive K=7 V=9",
+            &dplr::naive::Naive,
+            &d.inputs,
+            &dopts,
+            &d.d_o,
+            &d.dht,
+        );
+    }
+}
+
+/// The operators whose pairs' results are copied into the run's tensors
+/// (GDN through KDA's engines, token-shift and causal conv1d).
+#[test]
+fn other_operators_forward_backward_has_the_separate_runs_bits() {
+    let layout = Layout::varlen(&[150, 0, 106]);
+    let opts = GdnOptions {
+        output_final_state: true,
+        use_gate_in_kernel: true,
+        ..Default::default()
+    };
+    let g = inputs::gdn(&GdnSpec {
+        layout: layout.clone(),
+        h: 2,
+        hv: 4,
+        k: 8,
+        v: 6,
+        opts,
+        initial_state: true,
+        seed: 10,
+    });
+    let (x, d_o, dht) = (&g.inputs, &g.d_o, &g.dht);
+    check("gdn naive", &OnKda(kda::naive::Naive), x, &opts, d_o, dht);
+    let chunk = OnKda(kda::chunk::Chunk::new(32).expect("valid"));
+    check("gdn chunk", &chunk, x, &opts, d_o, dht);
+    let t = inputs::token_shift(&TokenShiftSpec {
+        layout: layout.clone(),
+        d: 5,
+        cache: true,
+        seed: 11,
+    });
+    check("token shift", &Shift, &t.inputs, &(), &t.d_o, &t.dht);
+    let c = inputs::conv(&ConvSpec {
+        layout,
+        d: 6,
+        w: 4,
+        bias: true,
+        initial_state: true,
+        seed: 12,
+    });
+    let copts = ConvOptions {
+        activation: Activation::Silu,
+        output_final_state: true,
+    };
+    check("causal conv1d", &Direct, &c.inputs, &copts, &c.d_o, &c.dht);
 }

@@ -1,5 +1,7 @@
-//! The naive engines read a head's tensors row by row; a head whose arrays
-//! (and `do`) are column-major gives the same bits as a row-major one.
+//! Heads reach the engines in several layouts: a head's rows of the
+//! `[B, T, H, D]` tensors (strided by the other heads, `q` still to be
+//! scaled), a row-major copy with `q` scaled ([`KdaHead::standard`]), and
+//! column-major arrays. Every engine gives the same bits for each.
 
 use deltaref::dplr::{self, Dplr, DplrHead, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
@@ -25,13 +27,45 @@ fn upstream(l: usize, kd: usize, vd: usize) -> (Array2<f64>, Array2<f64>) {
     (d_o, dht)
 }
 
+/// Forward and backward bits of `engine` on each head in `heads`, all
+/// equal; `do` column-major for the column-major head.
+fn same_bits<E: Engine<f64>>(
+    engine: &E,
+    heads: &[<E::Op as Operator<f64>>::Head<'_>],
+    h0: &Array2<f64>,
+    d_o: &Array2<f64>,
+    dht: &Array2<f64>,
+    grads: impl Fn(&<E::Op as Operator<f64>>::HeadGrads) -> Vec<u64>,
+) {
+    let runs: Vec<_> = heads
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let d_o = if i == 2 {
+                column_major(d_o)
+            } else {
+                d_o.clone()
+            };
+            let (o, s) = engine.forward(x, h0.view());
+            let gr = engine.backward(x, h0.view(), d_o.view(), dht.view());
+            (bits([&o, &s]), grads(&gr))
+        })
+        .collect();
+    for (i, r) in runs.iter().enumerate().skip(1) {
+        assert!(
+            *r == runs[0],
+            "head form {i} differs from the borrowed head"
+        );
+    }
+}
+
 #[test]
-fn kda_naive_does_not_depend_on_memory_layout() {
+fn kda_engines_do_not_depend_on_memory_layout() {
     let opts = KdaOptions::default();
     let g = inputs::kda(&KdaSpec {
         layout: Layout::batch(1, 37),
-        h: 1,
-        hv: 1,
+        h: 3,
+        hv: 3,
         k: 6,
         v: 5,
         opts,
@@ -40,41 +74,45 @@ fn kda_naive_does_not_depend_on_memory_layout() {
         seed: 4,
     });
     let p = kda::Prepared::new(&g.inputs, &opts).unwrap();
-    let x = Kda::head(&p, &p.segments[0], 0);
+    let x = Kda::head(&p, &p.segments[0], 1);
+    assert!(x.q.is_view() && !x.q.is_standard_layout(), "a strided view");
+    let xs = x.standard();
+    assert_eq!(xs.scale, 1.0);
     let xf = KdaHead {
         q: column_major(&x.q).into(),
         k: column_major(&x.k).into(),
         v: column_major(&x.v).into(),
         g: column_major(&x.g).into(),
         beta: x.beta.clone(),
+        scale: x.scale,
     };
-    let h0 = op::initial_state(&p, 0, 0);
+    let heads = [x.clone(), xs, xf];
+    let h0 = op::initial_state(&p, 0, 1);
     let (d_o, dht) = upstream(37, 6, 5);
-    let n = kda::naive::Naive;
-    let (o, s) = n.forward(&x, h0.view());
-    let (of, sf) = n.forward(&xf, h0.view());
-    assert_eq!(bits([&o, &s]), bits([&of, &sf]));
-    let gr = n.backward(&x, h0.view(), d_o.view(), dht.view());
-    let grf = n.backward(&xf, h0.view(), column_major(&d_o).view(), dht.view());
-    assert_eq!(
-        bits([&gr.dq, &gr.dk, &gr.dv, &gr.dg, &gr.dh0]),
-        bits([&grf.dq, &grf.dk, &grf.dv, &grf.dg, &grf.dh0])
-    );
-    assert_eq!(gr.dbeta, grf.dbeta);
+    let grads = |g: &kda::KdaHeadGrads<f64>| {
+        let mut b = bits([&g.dq, &g.dk, &g.dv, &g.dg, &g.dh0]);
+        b.extend(g.dbeta.iter().map(|v| v.to_bits()));
+        b
+    };
+    same_bits(&kda::naive::Naive, &heads, &h0, &d_o, &dht, grads);
+    let chunk = kda::chunk::Chunk::new(16).unwrap();
+    same_bits(&chunk, &heads, &h0, &d_o, &dht, grads);
 }
 
 #[test]
-fn dplr_naive_does_not_depend_on_memory_layout() {
+fn dplr_engines_do_not_depend_on_memory_layout() {
     let g = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, 37),
-        h: 1,
+        h: 3,
         k: 6,
         v: 5,
         initial_state: true,
         seed: 4,
     });
     let p = dplr::Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
-    let x = Dplr::head(&p, &p.segments[0], 0);
+    let x = Dplr::head(&p, &p.segments[0], 2);
+    assert!(x.q.is_view() && !x.q.is_standard_layout(), "a strided view");
+    let xs = x.standard();
     let xf = DplrHead {
         q: column_major(&x.q).into(),
         k: column_major(&x.k).into(),
@@ -82,17 +120,14 @@ fn dplr_naive_does_not_depend_on_memory_layout() {
         b: column_major(&x.b).into(),
         gk: column_major(&x.gk).into(),
         v: column_major(&x.v).into(),
+        scale: x.scale,
     };
-    let h0 = op::initial_state(&p, 0, 0);
+    let heads = [x.clone(), xs, xf];
+    let h0 = op::initial_state(&p, 0, 2);
     let (d_o, dht) = upstream(37, 6, 5);
-    let n = dplr::naive::Naive;
-    let (o, s) = n.forward(&x, h0.view());
-    let (of, sf) = n.forward(&xf, h0.view());
-    assert_eq!(bits([&o, &s]), bits([&of, &sf]));
-    let gr = n.backward(&x, h0.view(), d_o.view(), dht.view());
-    let grf = n.backward(&xf, h0.view(), column_major(&d_o).view(), dht.view());
-    assert_eq!(
-        bits([&gr.dq, &gr.dk, &gr.dv, &gr.da, &gr.db, &gr.dgk, &gr.dh0]),
-        bits([&grf.dq, &grf.dk, &grf.dv, &grf.da, &grf.db, &grf.dgk, &grf.dh0])
-    );
+    let grads =
+        |g: &dplr::DplrHeadGrads<f64>| bits([&g.dq, &g.dk, &g.dv, &g.da, &g.db, &g.dgk, &g.dh0]);
+    same_bits(&dplr::naive::Naive, &heads, &h0, &d_o, &dht, grads);
+    let chunk = dplr::chunk::Chunk::new(16).unwrap();
+    same_bits(&chunk, &heads, &h0, &d_o, &dht, grads);
 }

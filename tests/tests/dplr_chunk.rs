@@ -72,6 +72,7 @@ fn prefix(x: &DplrHead<f64>, n: usize) -> DplrHead<'static, f64> {
         b: cut(&x.b),
         gk: cut(&x.gk),
         v: cut(&x.v),
+        scale: x.scale,
     }
 }
 

@@ -76,6 +76,7 @@ fn prefix(x: &KdaHead<f64>, n: usize) -> KdaHead<'static, f64> {
         v: x.v.slice(s![..n, ..]).to_owned().into(),
         g: x.g.slice(s![..n, ..]).to_owned().into(),
         beta: x.beta.slice(s![..n]).to_owned().into(),
+        scale: x.scale,
     }
 }
 

@@ -86,7 +86,7 @@ impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
         let g = self.engine.backward(
             &E::Op::head(self.p, seg, h),
             h0,
-            tensor::head_rows(d_o.view(), seg, h).view(),
+            tensor::head_view(d_o.view(), seg, h),
             dht,
         );
         let dh0 = E::Op::head_dh0(&g).clone();
@@ -106,7 +106,7 @@ impl<T: Scalar, E: Engine<T>> Local<'_, '_, T, E> {
         let (fwd, g) = self.engine.forward_backward(
             &E::Op::head(self.p, seg, h),
             h0,
-            tensor::head_rows(d_o.view(), seg, h).view(),
+            tensor::head_view(d_o.view(), seg, h),
             dht,
         );
         let dh0 = E::Op::head_dh0(&g).clone();

@@ -443,6 +443,7 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
 impl Chunk {
     /// The intra-chunk stage for tokens `start..start + c`.
     pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
+        let x = &x.standard();
         let q_read = self.q_read(rows(&x.q, start, c));
         let (q, k, a, b, v) = (
             q_read.view(),
@@ -516,6 +517,7 @@ impl Chunk {
     }
 
     pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
+        let x = &x.standard();
         // Independent per chunk: in parallel, collected in chunk order.
         par_chunks(x.len().div_ceil(self.chunk_size), |n| {
             let start = n * self.chunk_size;
@@ -529,7 +531,7 @@ impl Chunk {
         x: &DplrHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
-        self.forward_pass(x, h0, true)
+        self.forward_pass(&x.standard(), h0, true)
     }
 
     /// The forward pass; without `read_out` (what the backward recomputes)
@@ -617,7 +619,8 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, true)
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, true)
     }
 
     /// The backward pass given the forward's intermediates `fwd`; the
@@ -966,7 +969,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, false)
             .grads
     }
 
@@ -978,13 +982,15 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
         let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
+        let grads = self.backward_from(x, &fwd, d_o.view(), dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
     }
 
     /// `M = Π M_chunk`, later chunks on the left.
     fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
+        let x = &x.standard();
         let mut m = Array2::eye(x.k_dim());
         for ch in self.intras(x) {
             m = gemm::dot(

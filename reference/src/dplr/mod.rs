@@ -9,7 +9,7 @@
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{Array2, Array4, ArrayD, ArrayView4, CowArray, Ix2};
+use ndarray::{Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2};
 
 use rayon::prelude::*;
 
@@ -129,10 +129,12 @@ pub struct DplrDims {
     pub n: usize,
 }
 
-/// One head of one sequence (or CP piece); `q` already times `scale`.
+/// One head of one sequence (or CP piece). [`Dplr::head`] borrows each
+/// tensor: the head's rows of a `[B, T, H, D]` tensor, strided by the other
+/// heads (rows contiguous).
 #[derive(Clone, Debug)]
 pub struct DplrHead<'h, T> {
-    /// `[L, K]`
+    /// `[L, K]`; the query is `q · scale`.
     pub q: CowArray<'h, T, Ix2>,
     pub k: CowArray<'h, T, Ix2>,
     pub a: CowArray<'h, T, Ix2>,
@@ -140,6 +142,9 @@ pub struct DplrHead<'h, T> {
     pub gk: CowArray<'h, T, Ix2>,
     /// `[L, V]`
     pub v: CowArray<'h, T, Ix2>,
+    /// The query's factor, applied as `q` is read: each query element is
+    /// the product `q · scale`.
+    pub scale: T,
 }
 
 impl<T: Scalar> DplrHead<'_, T> {
@@ -152,6 +157,26 @@ impl<T: Scalar> DplrHead<'_, T> {
             b: self.b.into_owned().into(),
             gk: self.gk.into_owned().into(),
             v: self.v.into_owned().into(),
+            scale: self.scale,
+        }
+    }
+
+    /// The head in standard layout with `scale` applied to `q` (`scale`
+    /// 1), borrowing what already is so: what the chunked engine indexes.
+    pub fn standard<'a>(&'a self) -> DplrHead<'a, T> {
+        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.view());
+        DplrHead {
+            q: if self.scale == T::one() {
+                rows(&self.q)
+            } else {
+                CowArray::from(rows(&self.q).mapv(|e| e * self.scale))
+            },
+            k: rows(&self.k),
+            a: rows(&self.a),
+            b: rows(&self.b),
+            gk: rows(&self.gk),
+            v: rows(&self.v),
+            scale: T::one(),
         }
     }
 
@@ -179,6 +204,66 @@ pub struct DplrHeadGrads<T> {
     pub dgk: Array2<T>,
     /// `[K, V]`
     pub dh0: Array2<T>,
+}
+
+impl<T: Scalar> DplrHeadGrads<T> {
+    /// Zero gradients of an `L`-token piece with a `[K, V]` state.
+    pub fn zeros(l: usize, k: usize, v: usize) -> Self {
+        let z = || Array2::zeros((l, k));
+        DplrHeadGrads {
+            dq: z(),
+            dk: z(),
+            dv: Array2::zeros((l, v)),
+            da: z(),
+            db: z(),
+            dgk: z(),
+            dh0: Array2::zeros((k, v)),
+        }
+    }
+
+    pub fn view_mut(&mut self) -> DplrHeadGradsMut<'_, T> {
+        DplrHeadGradsMut {
+            dq: self.dq.view_mut(),
+            dk: self.dk.view_mut(),
+            dv: self.dv.view_mut(),
+            da: self.da.view_mut(),
+            db: self.db.view_mut(),
+            dgk: self.dgk.view_mut(),
+            dh0: self.dh0.view_mut(),
+        }
+    }
+}
+
+/// [`DplrHeadGrads`] as views where an engine writes them: a piece's own
+/// arrays, or its rows of a run's full tensors ([`PreparedGrads`]).
+pub struct DplrHeadGradsMut<'s, T> {
+    /// `[L, K]`
+    pub dq: ArrayViewMut2<'s, T>,
+    /// `[L, K]`
+    pub dk: ArrayViewMut2<'s, T>,
+    /// `[L, V]`
+    pub dv: ArrayViewMut2<'s, T>,
+    /// `[L, K]`
+    pub da: ArrayViewMut2<'s, T>,
+    /// `[L, K]`
+    pub db: ArrayViewMut2<'s, T>,
+    /// `[L, K]`
+    pub dgk: ArrayViewMut2<'s, T>,
+    /// `[K, V]`
+    pub dh0: ArrayViewMut2<'s, T>,
+}
+
+impl<T: Scalar> DplrHeadGradsMut<'_, T> {
+    /// Writes `g` here.
+    pub fn assign(mut self, g: &DplrHeadGrads<T>) {
+        self.dq.assign(&g.dq);
+        self.dk.assign(&g.dk);
+        self.dv.assign(&g.dv);
+        self.da.assign(&g.da);
+        self.db.assign(&g.db);
+        self.dgk.assign(&g.dgk);
+        self.dh0.assign(&g.dh0);
+    }
 }
 
 pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
@@ -318,16 +403,17 @@ impl<T: Scalar> Operator<T> for Dplr {
         Prepared::new(x, opt)
     }
 
-    /// Head `h` of `seg`, `q` times `scale`.
+    /// Head `h` of `seg`, borrowed.
     fn head<'p>(p: &'p Prepared<'_, T>, seg: &Segment, h: usize) -> DplrHead<'p, T> {
-        let rows = |x: ArrayView4<'p, T>| tensor::head_rows(x, seg, h);
+        let rows = |x: ArrayView4<'p, T>| tensor::head_view(x, seg, h).into();
         DplrHead {
-            q: CowArray::from(tensor::gather(&p.q, seg, h).mapv_into(|e| e * T::c(p.scale))),
+            q: rows(p.q.view()),
             k: rows(p.k.view()),
             a: rows(p.a.view()),
             b: rows(p.b.view()),
             gk: rows(p.gk.view()),
             v: rows(p.v.view()),
+            scale: T::c(p.scale),
         }
     }
 
@@ -389,6 +475,36 @@ impl<T: Scalar> Operator<T> for Dplr {
         &g.dh0
     }
 
+    type GradsBuf = PreparedGrads<T>;
+    type GradsSink<'s>
+        = DplrHeadGradsMut<'s, T>
+    where
+        T: 's;
+
+    fn grads_buf(p: &Prepared<'_, T>) -> PreparedGrads<T> {
+        PreparedGrads::zeros(&p.dims)
+    }
+
+    fn grads_sinks<'s>(
+        b: &'s mut PreparedGrads<T>,
+        p: &Prepared<'_, T>,
+    ) -> Vec<DplrHeadGradsMut<'s, T>> {
+        b.sinks(&p.segments)
+    }
+
+    fn write_grads(sink: DplrHeadGradsMut<'_, T>, g: DplrHeadGrads<T>) {
+        sink.assign(&g);
+    }
+
+    fn chain_grads(
+        x: &DplrInputs<T>,
+        opt: &DplrOptions,
+        p: &Prepared<'_, T>,
+        b: PreparedGrads<T>,
+    ) -> DplrGrads<T> {
+        b.chain(x, opt, p)
+    }
+
     fn narrow(x: &DplrInputs<f64>) -> DplrInputs<T> {
         x.cast()
     }
@@ -422,6 +538,53 @@ pub struct PreparedGrads<T> {
 }
 
 impl<T: Scalar> PreparedGrads<T> {
+    /// Zero gradients for a problem of sizes `d`.
+    pub fn zeros(d: &DplrDims) -> Self {
+        let tokens = |w| tensor::zeros(ndarray::Ix4(d.b, d.t, d.h, w));
+        PreparedGrads {
+            dq: tokens(d.k),
+            dk: tokens(d.k),
+            dv: tokens(d.v),
+            da: tokens(d.k),
+            db: tokens(d.k),
+            dgk: tokens(d.k),
+            dh0: Array4::zeros((d.n, d.h, d.k, d.v)),
+        }
+    }
+
+    /// Each (segment, head) pair's rows of these tensors, in pair order, as
+    /// one piece's gradients.
+    pub fn sinks(&mut self, segments: &[Segment]) -> Vec<DplrHeadGradsMut<'_, T>> {
+        let [dq, dk, dv, da, db, dgk] = [
+            &mut self.dq,
+            &mut self.dk,
+            &mut self.dv,
+            &mut self.da,
+            &mut self.db,
+            &mut self.dgk,
+        ]
+        .map(|a| tensor::pair_blocks_mut(a.view_mut(), segments).into_iter());
+        let dh0 = tensor::pair_states_mut(self.dh0.view_mut(), segments);
+        dq.zip(dk)
+            .zip(dv)
+            .zip(da)
+            .zip(db)
+            .zip(dgk)
+            .zip(dh0)
+            .map(
+                |((((((dq, dk), dv), da), db), dgk), dh0)| DplrHeadGradsMut {
+                    dq,
+                    dk,
+                    dv,
+                    da,
+                    db,
+                    dgk,
+                    dh0,
+                },
+            )
+            .collect()
+    }
+
     /// The per-token gradients of `(segment, head, gradients)` pieces, one
     /// tensor per parallel task, and `dh0 [N, H, K, V]`. The pieces are
     /// freed on return.

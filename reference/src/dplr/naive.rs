@@ -15,15 +15,22 @@
 //! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
 //! on everything they call per token.
 
-use ndarray::{Array2, ArrayD, ArrayView2, CowArray, Ix2};
+use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
-use super::{Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs};
+use super::{
+    Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
+    DplrOutputs,
+};
 use crate::error::Result;
-use crate::op::{self, Engine};
+use crate::op::{self, Engine, HeadSink};
 use crate::scalar::Scalar;
+use crate::scratch::{self, Rows};
 use crate::simd;
-use crate::sweep::{quad, reverse_blocks, row, row_mut, run_tokens, state, TILE};
-use crate::tensor::{dot, DotSum};
+use crate::sweep::{
+    chunks, chunks_mut, contiguous_rows, prefetch, reverse_blocks, row, row_mut, run_tokens,
+    spread, state, Group, Pairs, TILE,
+};
+use crate::tensor::{dot, RowSums, SweepSums};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;
@@ -41,16 +48,24 @@ pub fn backward<T: Scalar>(
     op::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// What a sweep does to row `i` of the state: the finish of token `t − 1`
-/// (`S_i ← e_i S_i + b_i w + k_i v`, then `o += q_i S_i`) and the start of
-/// token `t` (`w' += a_i S_i`).
-#[derive(Clone, Copy, Debug, Default)]
-struct RowCoef<T> {
-    e: T,
-    b: T,
-    k: T,
-    q: T,
-    a: T,
+/// What a sweep does to row `i` of the state, one `[K]` slice per
+/// coefficient: the finish of token `t − 1` (`S_i ← e_i S_i + b_i w + k_i
+/// v`, then `o += q_i S_i`) and the start of token `t` (`w' += a_i S_i`).
+/// Those of absent halves are empty.
+#[derive(Clone, Copy)]
+struct Coefs<'a, T> {
+    e: &'a [T],
+    b: &'a [T],
+    k: &'a [T],
+    q: &'a [T],
+    a: &'a [T],
+}
+
+impl<T> Coefs<'_, T> {
+    /// `K`: one of the halves is present.
+    fn len(&self) -> usize {
+        self.e.len().max(self.a.len())
+    }
 }
 
 /// The `[V]` vectors of a sweep: `w` and `v` of the finished token, and the
@@ -68,16 +83,16 @@ struct SweepIo<'a, T> {
 #[inline(always)]
 fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    rows: &[RowCoef<T>],
+    rows: Coefs<T>,
     io: &mut SweepIo<T>,
 ) {
     let vd = s.len() / rows.len();
     let full = vd / TILE * TILE;
     for j0 in (0..full).step_by(TILE) {
-        sweep_tile::<T, TILE, FIN, READ, START>(s, rows, j0, io);
+        sweep_tile::<T, TILE, FIN, READ, START>(s, vd, rows, j0, io);
     }
     for j0 in full..vd {
-        sweep_tile::<T, 1, FIN, READ, START>(s, rows, j0, io);
+        sweep_tile::<T, 1, FIN, READ, START>(s, vd, rows, j0, io);
     }
 }
 
@@ -87,11 +102,11 @@ fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
 #[inline(always)]
 fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    rows: &[RowCoef<T>],
+    vd: usize,
+    c: Coefs<T>,
     j0: usize,
     io: &mut SweepIo<T>,
 ) {
-    let vd = s.len() / rows.len();
     let cols = j0..j0 + W;
     let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
     let zeros = [T::zero(); W];
@@ -101,18 +116,18 @@ fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, cons
         (zeros, zeros)
     };
     let (mut o, mut w_next) = (zeros, zeros);
-    for (s_row, c) in s.chunks_exact_mut(vd).zip(rows) {
+    for (i, s_row) in s.chunks_exact_mut(vd).enumerate() {
         let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
         let mut x = *s_tile;
         for j in 0..W {
             if FIN {
-                x[j] = c.e * x[j] + c.b * w[j] + c.k * v[j];
+                x[j] = c.e[i] * x[j] + c.b[i] * w[j] + c.k[i] * v[j];
             }
             if READ {
-                o[j] += c.q * x[j];
+                o[j] += c.q[i] * x[j];
             }
             if START {
-                w_next[j] += c.a * x[j];
+                w_next[j] += c.a[i] * x[j];
             }
         }
         *s_tile = x;
@@ -128,35 +143,39 @@ fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, cons
 /// One head's tensors as the sweeps read them, row by row: in standard
 /// layout (borrowed when they already are), with the decay `e^gk` computed
 /// once.
-struct Tokens<'a, T> {
+struct Tokens<'a, T: Scalar> {
     q: CowArray<'a, T, Ix2>,
     k: CowArray<'a, T, Ix2>,
     a: CowArray<'a, T, Ix2>,
     b: CowArray<'a, T, Ix2>,
     v: CowArray<'a, T, Ix2>,
+    /// `q`'s factor ([`DplrHead::scale`]), applied as `q` is read.
+    scale: T,
     /// `e^gk [L, K]`
-    decay: Array2<T>,
+    decay: Rows<T>,
 }
 
 /// What a forward run records besides the final state.
-struct Record<'a, T> {
+struct Record<'a, T: Scalar> {
     /// `o [L, V]`
-    o: Option<&'a mut Array2<T>>,
+    o: Option<ArrayViewMut2<'a, T>>,
     /// `w = aᵀ S_{t−1}`, `[L, V]`.
-    w: Option<&'a mut Array2<T>>,
+    w: Option<&'a mut Rows<T>>,
     /// The states at the checkpoints of [`run_tokens`], appended.
     checkpoints: Option<&'a mut Vec<T>>,
 }
 
 impl<'a, T: Scalar> Tokens<'a, T> {
+    #[inline(always)]
     fn new(x: &'a DplrHead<T>) -> Self {
         Tokens {
-            q: x.q.as_standard_layout(),
-            k: x.k.as_standard_layout(),
-            a: x.a.as_standard_layout(),
-            b: x.b.as_standard_layout(),
-            v: x.v.as_standard_layout(),
-            decay: x.gk.as_standard_layout().mapv(T::exp),
+            q: contiguous_rows(x.q.view()),
+            k: contiguous_rows(x.k.view()),
+            a: contiguous_rows(x.a.view()),
+            b: contiguous_rows(x.b.view()),
+            v: contiguous_rows(x.v.view()),
+            scale: x.scale,
+            decay: Rows::exp(contiguous_rows(x.gk.view()).view()),
         }
     }
 
@@ -171,7 +190,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             checkpoints,
         } = rec;
         let (mut w_cur, mut w_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
-        let mut rows = vec![RowCoef::default(); kd];
+        let mut q_buf = vec![T::zero(); kd];
         let mut o_row = vec![T::zero(); if o.is_some() { vd } else { 0 }];
         run_tokens(
             l,
@@ -179,19 +198,24 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             checkpoints,
             #[inline(always)]
             |s: &mut [T], fin, start| {
+                if let Some(n) = start.map(|t| t + 1).filter(|&n| n < l) {
+                    for a in [&self.q, &self.k, &self.a, &self.b, &self.v] {
+                        prefetch(row(a, n));
+                    }
+                }
                 let mut io = SweepIo {
                     w: &w_cur,
                     v: fin.map_or(&[], |p| row(&self.v, p)),
                     o: &mut o_row,
                     w_next: &mut w_next,
                 };
-                self.sweep(s, &mut rows, fin, start, &mut io);
+                self.sweep(s, &mut q_buf, fin, start, &mut io);
                 if let (Some(o), Some(p)) = (&mut o, fin) {
                     row_mut(o, p).copy_from_slice(&o_row);
                 }
                 if let Some(t) = start {
                     if let Some(ws) = &mut w {
-                        row_mut(ws, t).copy_from_slice(&w_next);
+                        ws.row_mut(t).copy_from_slice(&w_next);
                     }
                     std::mem::swap(&mut w_cur, &mut w_next);
                 }
@@ -205,31 +229,27 @@ impl<'a, T: Scalar> Tokens<'a, T> {
     fn sweep(
         &self,
         s: &mut [T],
-        rows: &mut [RowCoef<T>],
+        q_buf: &mut [T],
         fin: Option<usize>,
         start: Option<usize>,
         io: &mut SweepIo<T>,
     ) {
         let read = fin.is_some() && !io.o.is_empty();
-        if let Some(t) = fin {
-            let coefs = row(&self.decay, t)
-                .iter()
-                .zip(row(&self.b, t))
-                .zip(row(&self.k, t));
-            for (c, ((&e, &b), &k)) in rows.iter_mut().zip(coefs) {
-                (c.e, c.b, c.k) = (e, b, k);
-            }
-            if read {
-                for (c, &q) in rows.iter_mut().zip(row(&self.q, t)) {
-                    c.q = q;
+        let none = &[][..];
+        let (e, b, k, q) = match fin {
+            Some(t) => {
+                if read {
+                    for (c, &q) in q_buf.iter_mut().zip(row(&self.q, t)) {
+                        *c = q * self.scale;
+                    }
                 }
+                let q = if read { &q_buf[..] } else { none };
+                (self.decay.row(t), row(&self.b, t), row(&self.k, t), q)
             }
-        }
-        if let Some(t) = start {
-            for (c, &a) in rows.iter_mut().zip(row(&self.a, t)) {
-                c.a = a;
-            }
-        }
+            None => (none, none, none, none),
+        };
+        let a = start.map_or(none, |t| row(&self.a, t));
+        let rows = Coefs { e, b, k, q, a };
         match (fin.is_some(), read, start.is_some()) {
             (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
             (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
@@ -240,24 +260,60 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         }
     }
 
-    /// `S_t = Diag(e^gk) S_{t−1} + b wᵀ + k vᵀ` from the kept `w_t`: the
-    /// forward sweep's operations without the reductions.
+    /// `S_t = Diag(e^gk) S_{t−1} + b wᵀ + k vᵀ` from the kept `w_t`, on
+    /// [`Pairs`] states: the forward sweep's operations without the
+    /// reductions.
     #[inline(always)]
     fn replay(&self, t: usize, w: &[T], s_prev: &[T], s: &mut [T]) {
+        if t + 1 < self.k.nrows() {
+            for a in [&self.b, &self.k, &self.v] {
+                prefetch(row(a, t + 1));
+            }
+        }
         let (e, b, k, v) = (
-            row(&self.decay, t),
+            self.decay.row(t),
             row(&self.b, t),
             row(&self.k, t),
             row(&self.v, t),
         );
-        let rows = s
-            .chunks_exact_mut(w.len())
-            .zip(s_prev.chunks_exact(w.len()));
-        for (i, (s_row, p_row)) in rows.enumerate() {
-            let (ei, bi, ki) = (e[i], b[i], k[i]);
-            for (((sj, &pj), &wj), &vj) in s_row.iter_mut().zip(p_row).zip(w).zip(v) {
-                *sj = ei * pj + bi * wj + ki * vj;
+        let vd = w.len();
+        for g in (Pairs { k: e.len(), v: vd }).groups() {
+            let coef = |h: usize| {
+                let i = g.row + h.min(g.rows - 1);
+                [e[i], b[i], k[i]]
+            };
+            let (s, p) = (&mut s[g.range(vd)], &s_prev[g.range(vd)]);
+            match g.rows {
+                2 => replay_group::<T, 8>(s, p, w, v, [coef(0), coef(1)]),
+                _ => replay_group::<T, 4>(s, p, w, v, [coef(0); 2]),
             }
+        }
+    }
+}
+
+/// [`Tokens::replay`] of one row group (`N / 4` rows), `coef[h] = (e, b, k)`
+/// of its row `h`: `s = (e·p + b·w) + k·v`.
+#[inline(always)]
+fn replay_group<T: Scalar, const N: usize>(
+    s: &mut [T],
+    p: &[T],
+    w: &[T],
+    v: &[T],
+    coef: [[T; 3]; 2],
+) {
+    let (rows, full) = (N / 4, w.len() / 4 * 4);
+    let lane = |c: usize| -> [T; N] { std::array::from_fn(|l| coef[l / 4][c]) };
+    let (e, b, k) = (lane(0), lane(1), lane(2));
+    let quads = w.chunks_exact(4).zip(v.chunks_exact(4));
+    for ((s, p), (w, v)) in s.chunks_exact_mut(N).zip(p.chunks_exact(N)).zip(quads) {
+        let out: [T; N] = std::array::from_fn(|l| e[l] * p[l] + b[l] * w[l % 4] + k[l] * v[l % 4]);
+        s.copy_from_slice(&out);
+    }
+    let tail = w.len() - full;
+    for (h, [e, b, k]) in coef.into_iter().take(rows).enumerate() {
+        let at = full * rows + h * tail;
+        for j in 0..tail {
+            s[at + j] = e * p[at + j] + b * w[full + j] + k * v[full + j];
         }
     }
 }
@@ -279,10 +335,12 @@ impl<T: Scalar> Engine<T> for Naive {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
+        let mut gr = DplrHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
         simd::dispatch(
             #[inline(always)]
-            || backward_head(x, h0, d_o, dht, None).1,
-        )
+            || backward_head(x, h0, d_o, dht, None, None, gr.view_mut()),
+        );
+        gr
     }
 
     /// The backward's own forward run reads out `o` on the way: one run
@@ -294,13 +352,33 @@ impl<T: Scalar> Engine<T> for Naive {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
+        let (mut o, mut s_l) = (
+            Array2::zeros((x.len(), x.v_dim())),
+            Array2::zeros(h0.raw_dim()),
+        );
+        let mut gr = DplrHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
+        let (o_out, s_out) = (Some(o.view_mut()), Some(s_l.view_mut()));
         simd::dispatch(
             #[inline(always)]
-            || {
-                let mut o = Array2::zeros((x.len(), x.v_dim()));
-                let (s_l, gr) = backward_head(x, h0, d_o, dht, Some(&mut o));
-                ((o, s_l), gr)
-            },
+            || backward_head(x, h0, d_o, dht, o_out, s_out, gr.view_mut()),
+        );
+        ((o, s_l), gr)
+    }
+
+    /// [`Engine::forward_backward`] writing `o`, `S_L` and the gradients
+    /// row by row into the run's tensors.
+    fn forward_backward_into(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        out: HeadSink<'_, T, Dplr>,
+    ) {
+        let (o, s_l) = (Some(out.o), Some(out.final_state));
+        simd::dispatch(
+            #[inline(always)]
+            || backward_head(x, h0, d_o, dht, o, s_l, out.grads),
         )
     }
 }
@@ -310,7 +388,7 @@ fn forward_head<T: Scalar>(x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Ar
     let mut s = state(h0);
     let mut o = Array2::zeros((x.len(), x.v_dim()));
     let rec = Record {
-        o: Some(&mut o),
+        o: Some(o.view_mut()),
         w: None,
         checkpoints: None,
     };
@@ -318,135 +396,182 @@ fn forward_head<T: Scalar>(x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Ar
     (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
 }
 
-/// The gradients from a forward run that keeps the checkpoints and the
-/// `w` rows, reading out `o` into `o` when given; returns `(S_L, grads)`.
+/// The gradients, written into `gr`, from a forward run that keeps the
+/// checkpoints and the `w` rows, reading out `o` and `S_L` into `o` and
+/// `final_state` when given.
 #[inline(always)]
 fn backward_head<T: Scalar>(
     x: &DplrHead<T>,
     h0: ArrayView2<T>,
     d_o: ArrayView2<T>,
     dht: ArrayView2<T>,
-    o: Option<&mut Array2<T>>,
-) -> (Array2<T>, DplrHeadGrads<T>) {
+    o: Option<ArrayViewMut2<T>>,
+    final_state: Option<ArrayViewMut2<T>>,
+    gr: DplrHeadGradsMut<T>,
+) {
     let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-    let kv = kd * vd;
     let tokens = Tokens::new(x);
-    let mut ws = Array2::zeros((l, vd));
-    let mut checkpoints = Vec::new();
+    let mut ws = Rows::zeros(l, vd);
+    let mut checkpoints = scratch::with_capacity(0);
     let rec = Record {
         o,
         w: Some(&mut ws),
-        checkpoints: Some(&mut checkpoints),
+        checkpoints: Some(&mut *checkpoints),
     };
     let mut s = state(h0);
     tokens.run(&mut s, rec);
-    let s_l = Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V");
-    let d_o = d_o.as_standard_layout();
-    let z = || Array2::zeros((l, kd));
+    if let Some(mut out) = final_state {
+        out.assign(&ArrayView2::from_shape((kd, vd), &s).expect("K×V"));
+    }
+    let d_o = contiguous_rows(d_o);
     let mut back = Backward {
         tokens: &tokens,
         ws: &ws,
-        d_o: d_o.as_slice().expect("standard layout"),
+        d_o: d_o.view(),
         dw: vec![T::zero(); vd],
         dw_next: vec![T::zero(); vd],
-        gr: DplrHeadGrads {
-            dq: z(),
-            dk: z(),
-            dv: Array2::zeros((l, vd)),
-            da: z(),
-            db: z(),
-            dgk: z(),
-            dh0: Array2::zeros((kd, vd)),
-        },
+        spread: Spread::new(vd),
+        sums: SweepSums::new(kd),
+        gr,
     };
     let mut ds = state(dht);
     reverse_blocks(
         l,
-        kv,
+        Pairs { k: kd, v: vd },
         &checkpoints,
         &mut ds,
         #[inline(always)]
-        |t, s_prev: &[T], s: &mut [T]| tokens.replay(t, row(&ws, t), s_prev, s),
+        |t, s_prev: &[T], s: &mut [T]| tokens.replay(t, ws.row(t), s_prev, s),
         #[inline(always)]
         |start, end, prev: &[T], ds: &mut [T]| back.block(start, end, prev, ds),
     );
-    let mut gr = back.gr;
-    gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
-    (s_l, gr)
+    back.gr
+        .dh0
+        .assign(&ArrayView2::from_shape((kd, vd), &ds).expect("K×V"));
 }
 
 /// The reverse sweeps and the gradients they fill.
-struct Backward<'a, T> {
+struct Backward<'a, 'g, T: Scalar> {
     tokens: &'a Tokens<'a, T>,
     /// `w = aᵀ S_{t−1}`, `[L, V]`.
-    ws: &'a Array2<T>,
-    /// `do [L, V]`, row-major.
-    d_o: &'a [T],
+    ws: &'a Rows<T>,
+    /// `do [L, V]`
+    d_o: ArrayView2<'a, T>,
     /// `dw = dS_tᵀ b` of the token whose start backward comes next.
     dw: Vec<T>,
     /// `dw` of the token before, accumulated by its finish backward.
     dw_next: Vec<T>,
-    gr: DplrHeadGrads<T>,
+    /// The `[V]` vectors of the current sweep as a row pair reads them.
+    spread: Spread<T>,
+    /// The sweep's row sums: `[S_{t−1} row · dw]` of the start, then
+    /// `[S_{t−2} row · do, ds · v, ds · w, ds · S_{t−2} row]` of the finish.
+    sums: SweepSums<T, 5>,
+    gr: DplrHeadGradsMut<'g, T>,
 }
 
-impl<T: Scalar> Backward<'_, T> {
+/// `dw`, `do`, `v` and `w` through [`spread`], `[2V]` each.
+struct Spread<T> {
+    dw: Vec<T>,
+    d_o: Vec<T>,
+    v: Vec<T>,
+    w: Vec<T>,
+}
+
+impl<T: Scalar> Spread<T> {
+    fn new(v: usize) -> Self {
+        let z = || vec![T::zero(); 2 * v];
+        Spread {
+            dw: z(),
+            d_o: z(),
+            v: z(),
+            w: z(),
+        }
+    }
+}
+
+impl<T: Scalar> Backward<'_, '_, T> {
     /// Tokens `start .. end` in reverse; `prev` holds `S_{t−1}` for each and
-    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit.
-    /// Sweep `t` runs the start backward of token `t` and the finish backward
-    /// of token `t − 1`, row by row.
+    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit (all in
+    /// the [`Pairs`] layout). Sweep `t` runs the start backward of token `t`
+    /// and the finish backward of token `t − 1`, a row group at a time.
     #[inline(always)]
     fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
         let x = self.tokens;
-        let (vd, kv) = (x.v.ncols(), x.k.ncols() * x.v.ncols());
+        let (kd, vd) = (x.k.ncols(), x.v.ncols());
+        let kv = kd * vd;
         let state = |t: usize| &prev[(t - start) * kv..(t - start + 1) * kv];
         for t in (start..=end).rev() {
-            let start_back = (t < end).then(|| StartBack {
-                t,
-                a: row(&x.a, t),
-                e: row(&x.decay, t),
-                dw: &self.dw,
-                s_prev: state(t),
-            });
-            let finish_back = (t > start).then(|| {
+            if t >= 2 {
+                // The finish backward of the next sweep reads token t − 2.
+                let p = t - 2;
+                for a in [&x.q, &x.k, &x.b, &x.v] {
+                    prefetch(row(a, p));
+                }
+                prefetch(row(&self.d_o, p));
+            }
+            // Built inline (not through a closure): every call here must
+            // compile for the dispatched vector width.
+            let start_back = if t < end {
+                Some(StartBack {
+                    t,
+                    a: row(&x.a, t),
+                    e: x.decay.row(t),
+                    dw: &self.dw,
+                    s_prev: state(t),
+                })
+            } else {
+                None
+            };
+            let finish_back = if t > start {
                 let p = t - 1;
-                let (w, v, d_o) = (row(self.ws, p), row(&x.v, p), &self.d_o[p * vd..t * vd]);
-                FinishBack {
+                let (w, v, d_o) = (self.ws.row(p), row(&x.v, p), row(&self.d_o, p));
+                Some(FinishBack {
                     t: p,
                     q: row(&x.q, p),
+                    scale: x.scale,
                     k: row(&x.k, p),
                     b: row(&x.b, p),
-                    e: row(&x.decay, p),
+                    e: x.decay.row(p),
                     w,
                     v,
                     d_o,
                     wdo: dot(w, d_o),
                     vdo: dot(v, d_o),
                     s_prev: state(p),
-                }
-            });
+                })
+            } else {
+                None
+            };
+            let (b, a) = (start_back.as_ref(), finish_back.as_ref());
+            let sp = &mut self.spread;
+            if b.is_some() {
+                spread(&self.dw, &mut sp.dw);
+            }
+            if let Some(a) = a {
+                spread(a.d_o, &mut sp.d_o);
+                spread(a.v, &mut sp.v);
+                spread(a.w, &mut sp.w);
+            }
             let gr = &mut self.gr;
-            for (i, ds_row) in ds.chunks_exact_mut(vd).enumerate() {
-                let dv = finish_back
-                    .as_ref()
-                    .map_or(&mut [][..], |a| row_mut(&mut gr.dv, a.t));
-                let r = back_row(
-                    i,
-                    ds_row,
-                    start_back.as_ref(),
-                    finish_back.as_ref(),
-                    &mut self.dw_next,
-                    dv,
-                );
-                if let Some(b) = &start_back {
-                    gr.da[[b.t, i]] = r.da;
-                }
-                if let Some(a) = &finish_back {
-                    let (t, [dq, dk, db, dgk]) = (a.t, r.finish);
-                    (gr.dq[[t, i]], gr.dk[[t, i]]) = (dq, dk);
-                    (gr.db[[t, i]], gr.dgk[[t, i]]) = (db, dgk);
+            // The finish backward accumulates `dw` of the token before and
+            // `dv` of the finished token (its gradient row) over the rows.
+            let dv = a.map_or(&mut [][..], |a| row_mut(&mut gr.dv, a.t));
+            let acc = [&mut self.dw_next[..], dv];
+            let [dw_next, dv] = acc;
+            for g in (Pairs { k: kd, v: vd }).groups() {
+                let (ds, sums) = (&mut ds[g.range(vd)], &mut self.sums);
+                match g.rows {
+                    2 => back_group::<T, 8>(g, ds, b, a, Some(sp), dw_next, dv, sums),
+                    _ => back_group::<T, 4>(g, ds, b, a, None, dw_next, dv, sums),
                 }
             }
-            if finish_back.is_some() {
+            self.sums.finish();
+            let [s_dw, s_do, ds_v, ds_w, ds_s] = &self.sums.done;
+            if let Some(b) = b {
+                row_mut(&mut gr.da, b.t).copy_from_slice(s_dw);
+            }
+            if let Some(a) = a {
+                a.grads([s_do, ds_v, ds_w, ds_s], gr);
                 std::mem::swap(&mut self.dw, &mut self.dw_next);
                 self.dw_next.iter_mut().for_each(|d| *d = T::zero());
             }
@@ -461,6 +586,8 @@ impl<T: Scalar> Backward<'_, T> {
 struct FinishBack<'a, T> {
     t: usize,
     q: &'a [T],
+    /// `q`'s factor.
+    scale: T,
     k: &'a [T],
     b: &'a [T],
     e: &'a [T],
@@ -471,168 +598,46 @@ struct FinishBack<'a, T> {
     wdo: T,
     /// `v · do`
     vdo: T,
-    /// `S_{t−1}`
+    /// `S_{t−1}` ([`Pairs`] layout)
     s_prev: &'a [T],
-}
-
-/// The per-row gradients of one reverse sweep: `da_i` of the started token
-/// and `[dq_i, dk_i, db_i, dgk_i]` of the finished one (zero when absent).
-struct RowGrads<T> {
-    da: T,
-    finish: [T; 4],
-}
-
-/// Row `i` of reverse sweep `t`: the start backward of token `t` (updating
-/// `ds`), then the finish backward of token `t − 1` (updating `ds`, `dw_next`
-/// and `dv`). Both are elementwise along the row, so running them in one pass
-/// gives the bits of running them one after the other, with the five
-/// reductions overlapping instead of each waiting on its own adds.
-#[inline(always)]
-fn back_row<T: Scalar>(
-    i: usize,
-    ds: &mut [T],
-    start: Option<&StartBack<T>>,
-    finish: Option<&FinishBack<T>>,
-    dw_next: &mut [T],
-    dv: &mut [T],
-) -> RowGrads<T> {
-    let n = ds.len();
-    let st = start.map_or_else(StartRow::default, |b| b.row(i, n));
-    let fi = finish.map_or_else(FinishRow::default, |a| a.row(i, n));
-    let sums = match (start.is_some(), finish.is_some()) {
-        (true, true) => back_row_pass::<T, true, true>(ds, &st, &fi, dw_next, dv),
-        (true, false) => back_row_pass::<T, true, false>(ds, &st, &fi, dw_next, dv),
-        (false, true) => back_row_pass::<T, false, true>(ds, &st, &fi, dw_next, dv),
-        (false, false) => [T::zero(); 5],
-    };
-    let finish = finish.map_or([T::zero(); 4], |a| a.grads(i, &fi, &sums));
-    RowGrads {
-        da: sums[0],
-        finish,
-    }
-}
-
-/// Row `i` of a [`StartBack`]: `ds ← e_i ds + a_i dw`, `da_i = S_{t−1} row · dw`.
-#[derive(Default)]
-struct StartRow<'a, T> {
-    e: T,
-    a: T,
-    s_prev: &'a [T],
-    dw: &'a [T],
-}
-
-/// Row `i` of a [`FinishBack`]: `ds += q_i do`, `dw += b_i ds`,
-/// `dv += k_i ds`, with `S_{t−1} row · do`, `ds · v`, `ds · w` and
-/// `ds · S_{t−1} row`.
-#[derive(Default)]
-struct FinishRow<'a, T> {
-    q: T,
-    b: T,
-    k: T,
-    s_prev: &'a [T],
-    d_o: &'a [T],
-    v: &'a [T],
-    w: &'a [T],
-}
-
-/// The pass of [`back_row`] for the halves present (`START`, `FINISH`);
-/// returns the reductions in [`dot`]'s order: `[S_{t−1} row · dw]` of the
-/// start, then `[S_{t−2} row · do, ds · v, ds · w, ds · S_{t−2} row]` of the
-/// finish.
-#[inline(always)]
-fn back_row_pass<T: Scalar, const START: bool, const FINISH: bool>(
-    ds: &mut [T],
-    st: &StartRow<T>,
-    fi: &FinishRow<T>,
-    dw_next: &mut [T],
-    dv: &mut [T],
-) -> [T; 5] {
-    let n = ds.len();
-    let (s1, dw) = if START {
-        (&st.s_prev[..n], &st.dw[..n])
-    } else {
-        (&[][..], &[][..])
-    };
-    let (s2, d_o, v, w) = if FINISH {
-        (&fi.s_prev[..n], &fi.d_o[..n], &fi.v[..n], &fi.w[..n])
-    } else {
-        (&[][..], &[][..], &[][..], &[][..])
-    };
-    let (dw_next, dv) = if FINISH {
-        (&mut dw_next[..n], &mut dv[..n])
-    } else {
-        (&mut [][..], &mut [][..])
-    };
-    let mut sums = [DotSum::new(); 5];
-    let full = n / 4 * 4;
-    for j in (0..full).step_by(4) {
-        let q4 = j..j + 4;
-        let mut d = quad(&ds[q4.clone()]);
-        if START {
-            let (sq, dwq) = (quad(&s1[q4.clone()]), quad(&dw[q4.clone()]));
-            for l in 0..4 {
-                sums[0].lanes[l] += sq[l] * dwq[l];
-                d[l] = st.e * d[l] + st.a * dwq[l];
-            }
-        }
-        if FINISH {
-            let (sq, doq) = (quad(&s2[q4.clone()]), quad(&d_o[q4.clone()]));
-            let (vq, wq) = (quad(&v[q4.clone()]), quad(&w[q4.clone()]));
-            let (mut dwv, mut dvv) = (quad(&dw_next[q4.clone()]), quad(&dv[q4.clone()]));
-            for l in 0..4 {
-                sums[1].lanes[l] += sq[l] * doq[l];
-                d[l] += fi.q * doq[l];
-                sums[2].lanes[l] += d[l] * vq[l];
-                sums[3].lanes[l] += d[l] * wq[l];
-                sums[4].lanes[l] += d[l] * sq[l];
-                dwv[l] += fi.b * d[l];
-                dvv[l] += fi.k * d[l];
-            }
-            dw_next[q4.clone()].copy_from_slice(&dwv);
-            dv[q4.clone()].copy_from_slice(&dvv);
-        }
-        ds[q4].copy_from_slice(&d);
-    }
-    for j in full..n {
-        if START {
-            sums[0].tail += s1[j] * dw[j];
-            ds[j] = st.e * ds[j] + st.a * dw[j];
-        }
-        if FINISH {
-            sums[1].tail += s2[j] * d_o[j];
-            ds[j] += fi.q * d_o[j];
-            sums[2].tail += ds[j] * v[j];
-            sums[3].tail += ds[j] * w[j];
-            sums[4].tail += ds[j] * s2[j];
-            dw_next[j] += fi.b * ds[j];
-            dv[j] += fi.k * ds[j];
-        }
-    }
-    sums.map(DotSum::finish)
 }
 
 impl<T: Scalar> FinishBack<'_, T> {
     #[inline(always)]
-    fn row(&self, i: usize, n: usize) -> FinishRow<'_, T> {
-        FinishRow {
-            q: self.q[i],
-            b: self.b[i],
-            k: self.k[i],
-            s_prev: &self.s_prev[i * n..(i + 1) * n],
+    fn rows<'s>(&'s self, g: Group, n: usize, sp: Option<&'s Spread<T>>) -> FinishRows<'s, T> {
+        let last = g.row + g.rows - 1;
+        let pick = |x: &[T]| [x[g.row], x[last]];
+        FinishRows {
+            q: pick(self.q).map(|q| q * self.scale),
+            b: pick(self.b),
+            k: pick(self.k),
+            s_prev: &self.s_prev[g.range(n)],
             d_o: self.d_o,
             v: self.v,
             w: self.w,
+            d_o_n: sp.map_or(self.d_o, |s| &s.d_o),
+            v_n: sp.map_or(self.v, |s| &s.v),
+            w_n: sp.map_or(self.w, |s| &s.w),
         }
     }
 
-    /// `[dq_i, dk_i, db_i, dgk_i]` from the row's reductions.
+    /// `dq`, `dk`, `db` and `dgk` of token `t` from the rows' reductions
+    /// `[S_{t−1} row · do, ds · v, ds · w, ds · S_{t−1} row]`.
     #[inline(always)]
-    fn grads(&self, i: usize, fi: &FinishRow<T>, sums: &[T; 5]) -> [T; 4] {
-        let [_, s_do, ds_v, ds_w, ds_s] = *sums;
-        let e = self.e[i];
+    fn grads(&self, sums: [&[T]; 4], gr: &mut DplrHeadGradsMut<T>) {
+        let [s_do, ds_v, ds_w, ds_s] = sums;
+        let t = self.t;
+        let coefs = self.e.iter().zip(self.b).zip(self.k);
         // o_j = Σ_i q_i S_t[i, j] with S_t row i = e S_{t−1} row + b_i w + k_i v.
-        let dq = e * s_do + fi.b * self.wdo + fi.k * self.vdo;
-        [dq, ds_v, ds_w, e * ds_s]
+        for (dq, (((&e, &b), &k), &s_do)) in row_mut(&mut gr.dq, t).iter_mut().zip(coefs.zip(s_do))
+        {
+            *dq = e * s_do + b * self.wdo + k * self.vdo;
+        }
+        row_mut(&mut gr.dk, t).copy_from_slice(ds_v);
+        row_mut(&mut gr.db, t).copy_from_slice(ds_w);
+        for ((dgk, &e), &ds_s) in row_mut(&mut gr.dgk, t).iter_mut().zip(self.e).zip(ds_s) {
+            *dgk = e * ds_s;
+        }
     }
 }
 
@@ -644,18 +649,182 @@ struct StartBack<'a, T> {
     e: &'a [T],
     /// `dw = dS_tᵀ b`
     dw: &'a [T],
-    /// `S_{t−1}`
+    /// `S_{t−1}` ([`Pairs`] layout)
     s_prev: &'a [T],
 }
 
 impl<T: Scalar> StartBack<'_, T> {
     #[inline(always)]
-    fn row(&self, i: usize, n: usize) -> StartRow<'_, T> {
-        StartRow {
-            e: self.e[i],
-            a: self.a[i],
-            s_prev: &self.s_prev[i * n..(i + 1) * n],
+    fn rows<'s>(&'s self, g: Group, n: usize, sp: Option<&'s Spread<T>>) -> StartRows<'s, T> {
+        let last = g.row + g.rows - 1;
+        StartRows {
+            e: [self.e[g.row], self.e[last]],
+            a: [self.a[g.row], self.a[last]],
+            s_prev: &self.s_prev[g.range(n)],
             dw: self.dw,
+            dw_n: sp.map_or(self.dw, |s| &s.dw),
         }
     }
+}
+
+/// Row group `g` of reverse sweep `t` (`N / 4` rows): the start backward of
+/// token `t` (updating `ds`), then the finish backward of token `t − 1`
+/// (updating `ds`, `dw_next` and `dv`). Both are elementwise along a row, so
+/// running them in one pass gives the bits of running them one after the
+/// other, with the reductions overlapping instead of each waiting on its own
+/// adds. The group's sums are kept unfinished in `out`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn back_group<T: Scalar, const N: usize>(
+    g: Group,
+    ds: &mut [T],
+    start: Option<&StartBack<T>>,
+    finish: Option<&FinishBack<T>>,
+    sp: Option<&Spread<T>>,
+    dw_next: &mut [T],
+    dv: &mut [T],
+    out: &mut SweepSums<T, 5>,
+) {
+    let n = ds.len() / g.rows;
+    let st = match start {
+        Some(b) => b.rows(g, n, sp),
+        None => StartRows::default(),
+    };
+    let fi = match finish {
+        Some(a) => a.rows(g, n, sp),
+        None => FinishRows::default(),
+    };
+    let sums = match (start.is_some(), finish.is_some()) {
+        (true, true) => back_group_pass::<T, N, true, true>(ds, &st, &fi, dw_next, dv),
+        (true, false) => back_group_pass::<T, N, true, false>(ds, &st, &fi, dw_next, dv),
+        (false, true) => back_group_pass::<T, N, false, true>(ds, &st, &fi, dw_next, dv),
+        (false, false) => return,
+    };
+    sums.store(g.row, out);
+}
+
+/// The rows of a [`StartBack`] group: `ds ← e_i ds + a_i dw`,
+/// `da_i = S_{t−1} row · dw`.
+#[derive(Default)]
+struct StartRows<'a, T> {
+    e: [T; 2],
+    a: [T; 2],
+    s_prev: &'a [T],
+    dw: &'a [T],
+    /// `dw` as the group's chunks meet it (through [`spread`] for a pair).
+    dw_n: &'a [T],
+}
+
+/// The rows of a [`FinishBack`] group: `ds += q_i do`, `dw += b_i ds`,
+/// `dv += k_i ds`, with `S_{t−1} row · do`, `ds · v`, `ds · w` and
+/// `ds · S_{t−1} row`.
+#[derive(Default)]
+struct FinishRows<'a, T> {
+    q: [T; 2],
+    b: [T; 2],
+    k: [T; 2],
+    s_prev: &'a [T],
+    d_o: &'a [T],
+    v: &'a [T],
+    w: &'a [T],
+    /// `do`, `v` and `w` as the group's chunks meet them.
+    d_o_n: &'a [T],
+    v_n: &'a [T],
+    w_n: &'a [T],
+}
+
+/// The pass of [`back_group`] for the halves present (`START`, `FINISH`)
+/// over `N / 4` rows in the [`Pairs`] layout; returns the rows' sums in
+/// [`dot`]'s order: `[S_{t−1} row · dw]` of the start, then
+/// `[S_{t−2} row · do, ds · v, ds · w, ds · S_{t−2} row]` of the finish.
+#[inline(always)]
+fn back_group_pass<T: Scalar, const N: usize, const START: bool, const FINISH: bool>(
+    ds: &mut [T],
+    st: &StartRows<T>,
+    fi: &FinishRows<T>,
+    dw_next: &mut [T],
+    dv: &mut [T],
+) -> RowSums<T, N, 5> {
+    let rows = N / 4;
+    let n = ds.len() / rows;
+    let (full, nq) = (n / 4 * 4, n / 4);
+    let per_row = |c: [T; 2]| -> [T; N] { std::array::from_fn(|l| c[l / 4]) };
+    let (se, sa) = (per_row(st.e), per_row(st.a));
+    let (fq, fb, fk) = (per_row(fi.q), per_row(fi.b), per_row(fi.k));
+    let (s1, dw) = if START {
+        (chunks::<T, N>(st.s_prev, nq), chunks::<T, N>(st.dw_n, nq))
+    } else {
+        (&[][..], &[][..])
+    };
+    let (s2, d_o, v, w) = if FINISH {
+        (
+            chunks::<T, N>(fi.s_prev, nq),
+            chunks::<T, N>(fi.d_o_n, nq),
+            chunks::<T, N>(fi.v_n, nq),
+            chunks::<T, N>(fi.w_n, nq),
+        )
+    } else {
+        (&[][..], &[][..], &[][..], &[][..])
+    };
+    let (dw_q, dv_q) = if FINISH {
+        (chunks_mut::<T, 4>(dw_next, nq), chunks_mut::<T, 4>(dv, nq))
+    } else {
+        (&mut [][..], &mut [][..])
+    };
+    let ds_groups = chunks_mut::<T, N>(ds, nq);
+    let mut sums = RowSums::<T, N, 5>::new();
+    for c in 0..nq {
+        let mut d = ds_groups[c];
+        if START {
+            let (s, dw) = (s1[c], dw[c]);
+            for l in 0..N {
+                sums.lanes[0][l] += s[l] * dw[l];
+                d[l] = se[l] * d[l] + sa[l] * dw[l];
+            }
+        }
+        if FINISH {
+            let (s, d_o, v, w) = (s2[c], d_o[c], v[c], w[c]);
+            let (mut pb, mut pk) = ([T::zero(); N], [T::zero(); N]);
+            for l in 0..N {
+                sums.lanes[1][l] += s[l] * d_o[l];
+                d[l] += fq[l] * d_o[l];
+                sums.lanes[2][l] += d[l] * v[l];
+                sums.lanes[3][l] += d[l] * w[l];
+                sums.lanes[4][l] += d[l] * s[l];
+                pb[l] = fb[l] * d[l];
+                pk[l] = fk[l] * d[l];
+            }
+            // dw and dv gain row 2p's products, then row 2p+1's: each
+            // element's order is the row order of the one-row pass.
+            for (u, p) in [(&mut dw_q[c], pb), (&mut dv_q[c], pk)] {
+                for h in 0..rows {
+                    for l in 0..4 {
+                        u[l] += p[h * 4 + l];
+                    }
+                }
+            }
+        }
+        ds_groups[c] = d;
+    }
+    let tail = n - full;
+    for h in 0..rows {
+        let at = full * rows + h * tail;
+        for j in 0..tail {
+            let (x, c) = (at + j, full + j);
+            if START {
+                sums.tails[0][h] += st.s_prev[x] * st.dw[c];
+                ds[x] = st.e[h] * ds[x] + st.a[h] * st.dw[c];
+            }
+            if FINISH {
+                sums.tails[1][h] += fi.s_prev[x] * fi.d_o[c];
+                ds[x] += fi.q[h] * fi.d_o[c];
+                sums.tails[2][h] += ds[x] * fi.v[c];
+                sums.tails[3][h] += ds[x] * fi.w[c];
+                sums.tails[4][h] += ds[x] * fi.s_prev[x];
+                dw_next[c] += fi.b[h] * ds[x];
+                dv[c] += fi.k[h] * ds[x];
+            }
+        }
+    }
+    sums
 }

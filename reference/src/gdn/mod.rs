@@ -24,8 +24,10 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
-use crate::kda::{self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaOptions, PreparedGrads};
-use crate::op::{self, Engine, OpSpec, Operator, Shape};
+use crate::kda::{
+    self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaOptions, PreparedGrads,
+};
+use crate::op::{self, Engine, HeadSink, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
@@ -421,6 +423,28 @@ impl<T: Scalar, E: Engine<T, Op = Kda>> Engine<T> for OnKda<E> {
         self.0.forward_backward(x, h0, d_o, dht)
     }
 
+    /// GDN's per-pair results are KDA's: the KDA engine writes them.
+    fn forward_backward_into(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        out: HeadSink<'_, T, Gdn>,
+    ) {
+        let HeadSink {
+            o,
+            final_state,
+            grads,
+        } = out;
+        let out = HeadSink::<T, Kda> {
+            o,
+            final_state,
+            grads,
+        };
+        self.0.forward_backward_into(x, h0, d_o, dht, out)
+    }
+
     fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
         self.0.transition(x)
     }
@@ -447,6 +471,24 @@ impl OpSpec for Gdn {
     }
 }
 
+/// GDN's gradients from the KDA run's (its value heads' [`PreparedGrads`]).
+fn chain<T: Scalar>(
+    x: &GdnInputs<T>,
+    opt: &GdnOptions,
+    p: &Prepared<'_, T>,
+    g: PreparedGrads<T>,
+) -> GdnGrads<T> {
+    // A scalar gate's chain reads neither `g` nor the gate parameters
+    // (GDN's in-kernel gate is chained by `grads_from_kda`).
+    let kx = GdnRefs {
+        a_log: None,
+        dt_bias: None,
+        ..x.refs()
+    };
+    let g = g.chain(&kx, &kda_options(opt), p.dims, p.scale);
+    grads_from_kda(g, x, opt)
+}
+
 impl<T: Scalar> Operator<T> for Gdn {
     type Inputs = GdnInputs<T>;
     type Outputs = GdnOutputs<T>;
@@ -466,14 +508,14 @@ impl<T: Scalar> Operator<T> for Gdn {
     /// `hv / G` (GVA), q times `scale`, the scalar gate repeated over K.
     fn head<'p>(p: &'p Prepared<'_, T>, seg: &Segment, hv: usize) -> KdaHead<'p, T> {
         let hq = hv / p.dims.groups();
-        let scale = T::c(p.scale);
         let g = p.g.slice(s![seg.batch, seg.start..seg.end, hv]);
         KdaHead {
-            q: CowArray::from(tensor::gather(&p.q, seg, hq).mapv_into(|e| e * scale)),
-            k: tensor::head_rows(p.k.view(), seg, hq),
-            v: tensor::head_rows(p.v.view(), seg, hv),
+            q: tensor::head_view(p.q.view(), seg, hq).into(),
+            k: tensor::head_view(p.k.view(), seg, hq).into(),
+            v: tensor::head_view(p.v.view(), seg, hv).into(),
             g: CowArray::from(Array2::from_shape_fn((seg.len(), p.dims.k), |(t, _)| g[t])),
             beta: CowArray::from(p.beta.slice(s![seg.batch, seg.start..seg.end, hv])),
+            scale: T::c(p.scale),
         }
     }
 
@@ -517,20 +559,7 @@ impl<T: Scalar> Operator<T> for Gdn {
         pieces: Vec<(Segment, usize, KdaHeadGrads<T>)>,
         dh0: Array4<T>,
     ) -> GdnGrads<T> {
-        // A scalar gate's chain reads neither `g` nor the gate parameters
-        // (GDN's in-kernel gate is chained by `grads_from_kda`).
-        let kx = GdnRefs {
-            a_log: None,
-            dt_bias: None,
-            ..x.refs()
-        };
-        let g = PreparedGrads::from_pieces(&p.dims, pieces, dh0).chain(
-            &kx,
-            &kda_options(opt),
-            p.dims,
-            p.scale,
-        );
-        grads_from_kda(g, x, opt)
+        chain(x, opt, p, PreparedGrads::from_pieces(&p.dims, pieces, dh0))
     }
 
     fn output_tensors(out: &GdnOutputs<T>) -> Vec<Option<&ArrayD<T>>> {
@@ -552,6 +581,36 @@ impl<T: Scalar> Operator<T> for Gdn {
 
     fn head_dh0(g: &KdaHeadGrads<T>) -> &Array2<T> {
         &g.dh0
+    }
+
+    type GradsBuf = PreparedGrads<T>;
+    type GradsSink<'s>
+        = KdaHeadGradsMut<'s, T>
+    where
+        T: 's;
+
+    fn grads_buf(p: &Prepared<'_, T>) -> PreparedGrads<T> {
+        PreparedGrads::zeros(&p.dims)
+    }
+
+    fn grads_sinks<'s>(
+        b: &'s mut PreparedGrads<T>,
+        p: &Prepared<'_, T>,
+    ) -> Vec<KdaHeadGradsMut<'s, T>> {
+        b.sinks(&p.segments)
+    }
+
+    fn write_grads(sink: KdaHeadGradsMut<'_, T>, g: KdaHeadGrads<T>) {
+        sink.assign(&g);
+    }
+
+    fn chain_grads(
+        x: &GdnInputs<T>,
+        opt: &GdnOptions,
+        p: &Prepared<'_, T>,
+        b: PreparedGrads<T>,
+    ) -> GdnGrads<T> {
+        chain(x, opt, p, b)
     }
 
     fn narrow(x: &GdnInputs<f64>) -> GdnInputs<T> {

@@ -389,6 +389,7 @@ impl Chunk {
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
     pub fn intra<T: Scalar>(&self, x: &KdaHead<T>, start: usize, c: usize) -> Intra<T> {
+        let x = &x.standard();
         let rows = s![start..start + c, ..];
         let (q, k, v) = (x.q.slice(rows), x.k.slice(rows), x.v.slice(rows));
         let beta = x.beta.slice(s![start..start + c]);
@@ -482,6 +483,7 @@ impl Chunk {
 
     /// All chunks' intra stages of one head.
     pub fn intras<T: Scalar>(&self, x: &KdaHead<T>) -> Vec<Intra<T>> {
+        let x = &x.standard();
         // Independent per chunk: in parallel, collected in chunk order.
         par_chunks(x.len().div_ceil(self.chunk_size), |n| {
             let start = n * self.chunk_size;
@@ -495,7 +497,7 @@ impl Chunk {
         x: &KdaHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
-        self.forward_pass(x, h0, true)
+        self.forward_pass(&x.standard(), h0, true)
     }
 
     /// The forward pass; without `read_out` (what the backward recomputes)
@@ -569,7 +571,8 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, true)
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, true)
     }
 
     /// The backward pass given the forward's intermediates `fwd`; the
@@ -1011,7 +1014,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, false)
             .grads
     }
 
@@ -1023,8 +1027,9 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
         let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
+        let grads = self.backward_from(x, &fwd, d_o.view(), dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
     }
 

@@ -11,8 +11,8 @@ pub mod chunk;
 pub mod naive;
 
 use ndarray::{
-    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView4, Axis, CowArray, Ix1, Ix2, Ix3, Ix4,
-    IxDyn,
+    s, Array1, Array2, Array3, Array4, ArrayD, ArrayView4, ArrayViewMut1, ArrayViewMut2, Axis,
+    CowArray, Ix1, Ix2, Ix3, Ix4, IxDyn,
 };
 
 use crate::error::{Error, Result};
@@ -165,12 +165,13 @@ impl KdaDims {
 }
 
 /// One head of one sequence (or CP piece), after pre-processing: the only
-/// thing an engine sees. Each tensor is in standard layout, borrowed from
-/// the [`Prepared`] tensors where they hold it so (one head per block of a
-/// long case), else its own copy.
+/// thing an engine sees. [`Kda::head`] borrows each tensor from the
+/// [`Prepared`] ones: the head's rows of a `[B, T, H, D]` tensor, strided
+/// by the other heads (rows contiguous). Engines read rows as they are
+/// or make the copies they need.
 #[derive(Clone, Debug)]
 pub struct KdaHead<'h, T> {
-    /// `[L, K]`, l2-normalised if asked, times `scale`.
+    /// `[L, K]`, l2-normalised if asked; the query is `q · scale`.
     pub q: CowArray<'h, T, Ix2>,
     /// `[L, K]`, l2-normalised if asked.
     pub k: CowArray<'h, T, Ix2>,
@@ -180,6 +181,9 @@ pub struct KdaHead<'h, T> {
     pub g: CowArray<'h, T, Ix2>,
     /// `[L]`
     pub beta: CowArray<'h, T, Ix1>,
+    /// The query's factor (FLA's `scale`), applied as `q` is read: each
+    /// query element is the product `q · scale`.
+    pub scale: T,
 }
 
 impl<T: Scalar> KdaHead<'_, T> {
@@ -191,6 +195,25 @@ impl<T: Scalar> KdaHead<'_, T> {
             v: self.v.into_owned().into(),
             g: self.g.into_owned().into(),
             beta: self.beta.into_owned().into(),
+            scale: self.scale,
+        }
+    }
+
+    /// The head in standard layout with `scale` applied to `q` (`scale`
+    /// 1), borrowing what already is so: what the chunked engine indexes.
+    pub fn standard<'a>(&'a self) -> KdaHead<'a, T> {
+        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.view());
+        KdaHead {
+            q: if self.scale == T::one() {
+                rows(&self.q)
+            } else {
+                CowArray::from(rows(&self.q).mapv(|e| e * self.scale))
+            },
+            k: rows(&self.k),
+            v: rows(&self.v),
+            g: rows(&self.g),
+            beta: tensor::standard(self.beta.view()),
+            scale: T::one(),
         }
     }
 
@@ -218,6 +241,60 @@ pub struct KdaHeadGrads<T> {
     pub dbeta: Array1<T>,
     /// `[K, V]`
     pub dh0: Array2<T>,
+}
+
+impl<T: Scalar> KdaHeadGrads<T> {
+    /// Zero gradients of an `L`-token piece with a `[K, V]` state.
+    pub fn zeros(l: usize, k: usize, v: usize) -> Self {
+        KdaHeadGrads {
+            dq: Array2::zeros((l, k)),
+            dk: Array2::zeros((l, k)),
+            dv: Array2::zeros((l, v)),
+            dg: Array2::zeros((l, k)),
+            dbeta: Array1::zeros(l),
+            dh0: Array2::zeros((k, v)),
+        }
+    }
+
+    pub fn view_mut(&mut self) -> KdaHeadGradsMut<'_, T> {
+        KdaHeadGradsMut {
+            dq: self.dq.view_mut(),
+            dk: self.dk.view_mut(),
+            dv: self.dv.view_mut(),
+            dg: self.dg.view_mut(),
+            dbeta: self.dbeta.view_mut(),
+            dh0: self.dh0.view_mut(),
+        }
+    }
+}
+
+/// [`KdaHeadGrads`] as views where an engine writes them: a piece's own
+/// arrays, or its rows of a run's full tensors ([`PreparedGrads`]).
+pub struct KdaHeadGradsMut<'s, T> {
+    /// `[L, K]`
+    pub dq: ArrayViewMut2<'s, T>,
+    /// `[L, K]`
+    pub dk: ArrayViewMut2<'s, T>,
+    /// `[L, V]`
+    pub dv: ArrayViewMut2<'s, T>,
+    /// `[L, K]`
+    pub dg: ArrayViewMut2<'s, T>,
+    /// `[L]`
+    pub dbeta: ArrayViewMut1<'s, T>,
+    /// `[K, V]`
+    pub dh0: ArrayViewMut2<'s, T>,
+}
+
+impl<T: Scalar> KdaHeadGradsMut<'_, T> {
+    /// Writes `g` here.
+    pub fn assign(mut self, g: &KdaHeadGrads<T>) {
+        self.dq.assign(&g.dq);
+        self.dk.assign(&g.dk);
+        self.dv.assign(&g.dv);
+        self.dg.assign(&g.dg);
+        self.dbeta.assign(&g.dbeta);
+        self.dh0.assign(&g.dh0);
+    }
 }
 
 /// Validates inputs and options; returns the problem sizes.
@@ -524,17 +601,16 @@ impl<T: Scalar> Operator<T> for Kda {
         Prepared::new(x, opt)
     }
 
-    /// Head `hv` of `seg`: q/k come from q/k head `hv / G` (GVA); q is
-    /// multiplied by `scale`.
+    /// Head `hv` of `seg`, borrowed: q/k come from q/k head `hv / G` (GVA).
     fn head<'p>(p: &'p Prepared<'_, T>, seg: &Segment, hv: usize) -> KdaHead<'p, T> {
         let hq = hv / p.dims.groups();
-        let scale = T::c(p.scale);
         KdaHead {
-            q: CowArray::from(tensor::gather(&p.q, seg, hq).mapv_into(|e| e * scale)),
-            k: tensor::head_rows(p.k.view(), seg, hq),
-            v: tensor::head_rows(p.v.view(), seg, hv),
-            g: tensor::head_rows(p.g.view(), seg, hv),
+            q: tensor::head_view(p.q.view(), seg, hq).into(),
+            k: tensor::head_view(p.k.view(), seg, hq).into(),
+            v: tensor::head_view(p.v.view(), seg, hv).into(),
+            g: tensor::head_view(p.g.view(), seg, hv).into(),
             beta: CowArray::from(p.beta.slice(s![seg.batch, seg.start..seg.end, hv])),
+            scale: T::c(p.scale),
         }
     }
 
@@ -595,6 +671,36 @@ impl<T: Scalar> Operator<T> for Kda {
 
     fn head_dh0(g: &KdaHeadGrads<T>) -> &Array2<T> {
         &g.dh0
+    }
+
+    type GradsBuf = PreparedGrads<T>;
+    type GradsSink<'s>
+        = KdaHeadGradsMut<'s, T>
+    where
+        T: 's;
+
+    fn grads_buf(p: &Prepared<'_, T>) -> PreparedGrads<T> {
+        PreparedGrads::zeros(&p.dims)
+    }
+
+    fn grads_sinks<'s>(
+        b: &'s mut PreparedGrads<T>,
+        p: &Prepared<'_, T>,
+    ) -> Vec<KdaHeadGradsMut<'s, T>> {
+        b.sinks(&p.segments)
+    }
+
+    fn write_grads(sink: KdaHeadGradsMut<'_, T>, g: KdaHeadGrads<T>) {
+        sink.assign(&g);
+    }
+
+    fn chain_grads(
+        x: &KdaInputs<T>,
+        opt: &KdaOptions,
+        p: &Prepared<'_, T>,
+        b: PreparedGrads<T>,
+    ) -> KdaGrads<T> {
+        b.chain(&x.refs(), opt, p.dims, p.scale)
     }
 
     fn narrow(x: &KdaInputs<f64>) -> KdaInputs<T> {
@@ -668,6 +774,47 @@ pub struct PreparedGrads<T> {
 }
 
 impl<T: Scalar> PreparedGrads<T> {
+    /// Zero gradients for a problem of sizes `d`.
+    pub fn zeros(d: &KdaDims) -> Self {
+        let tokens = |w| tensor::zeros(Ix4(d.b, d.t, d.hv, w));
+        PreparedGrads {
+            dq: tokens(d.k),
+            dk: tokens(d.k),
+            dv: tokens(d.v),
+            dg: tokens(d.k),
+            dbeta: Array3::zeros((d.b, d.t, d.hv)),
+            dh0: Array4::zeros((d.n, d.hv, d.k, d.v)),
+        }
+    }
+
+    /// Each (segment, value head) pair's rows of these tensors, in pair
+    /// order, as one piece's gradients.
+    pub fn sinks(&mut self, segments: &[Segment]) -> Vec<KdaHeadGradsMut<'_, T>> {
+        let (dq, dk, dv, dg) = (
+            tensor::pair_blocks_mut(self.dq.view_mut(), segments),
+            tensor::pair_blocks_mut(self.dk.view_mut(), segments),
+            tensor::pair_blocks_mut(self.dv.view_mut(), segments),
+            tensor::pair_blocks_mut(self.dg.view_mut(), segments),
+        );
+        let dbeta = tensor::pair_blocks_mut(self.dbeta.view_mut(), segments);
+        let dh0 = tensor::pair_states_mut(self.dh0.view_mut(), segments);
+        dq.into_iter()
+            .zip(dk)
+            .zip(dv)
+            .zip(dg)
+            .zip(dbeta)
+            .zip(dh0)
+            .map(|(((((dq, dk), dv), dg), dbeta), dh0)| KdaHeadGradsMut {
+                dq,
+                dk,
+                dv,
+                dg,
+                dbeta,
+                dh0,
+            })
+            .collect()
+    }
+
     /// The per-token gradients of `(segment, value head, gradients)` pieces,
     /// one tensor per parallel task, and `dh0 [N, HV, K, V]`. The pieces are
     /// freed on return.

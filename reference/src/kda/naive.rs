@@ -19,15 +19,21 @@
 //! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
 //! on everything they call per token.
 
-use ndarray::{Array1, Array2, ArrayD, ArrayView1, ArrayView2, CowArray, Ix2};
+use ndarray::{Array2, ArrayD, ArrayView1, ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
-use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs};
+use super::{
+    Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
+};
 use crate::error::Result;
-use crate::op::{self, Engine};
+use crate::op::{self, Engine, HeadSink};
 use crate::scalar::Scalar;
+use crate::scratch::{self, Rows};
 use crate::simd;
-use crate::sweep::{quad, reverse_blocks, row, row_mut, run_tokens, state, TILE};
-use crate::tensor::{dot, DotSum};
+use crate::sweep::{
+    chunks, chunks_mut, contiguous_rows, prefetch, reverse_blocks, row, row_mut, run_tokens,
+    spread, state, Group, Pairs, TILE,
+};
+use crate::tensor::{dot, RowSums, SweepSums};
 
 /// The naive recurrent engine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -48,15 +54,39 @@ pub fn backward<T: Scalar>(
     op::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// What a sweep does to row `i` of the state: the finish of token `t − 1`
-/// (`S_i += c_i r` with `c = β k`, then `o += q_i S_i`) and the start of
-/// token `t` (`S_i *= e_i`, then `r' −= k_i S_i`).
-#[derive(Clone, Copy, Debug, Default)]
-struct RowCoef<T> {
-    c: T,
-    q: T,
-    e: T,
-    k: T,
+/// What a sweep does to row `i` of the state, one `[K]` slice per
+/// coefficient: the finish of token `t − 1` (`S_i += c_i r` with `c = β k`,
+/// then `o += q_i S_i`) and the start of token `t` (`S_i *= e_i`, then
+/// `r' −= k_i S_i`). Those of absent halves are empty.
+#[derive(Clone, Copy)]
+struct Coefs<'a, T> {
+    c: &'a [T],
+    q: &'a [T],
+    e: &'a [T],
+    k: &'a [T],
+}
+
+impl<T> Coefs<'_, T> {
+    /// `K`: one of the halves is present.
+    fn len(&self) -> usize {
+        self.c.len().max(self.e.len())
+    }
+}
+
+/// The finish's `[K]` coefficients of a sweep, computed per token: `c = β k`
+/// and `q · scale`.
+struct FinishCoefs<T> {
+    c: Vec<T>,
+    q: Vec<T>,
+}
+
+impl<T: Scalar> FinishCoefs<T> {
+    fn new(k: usize) -> Self {
+        FinishCoefs {
+            c: vec![T::zero(); k],
+            q: vec![T::zero(); k],
+        }
+    }
 }
 
 /// The `[V]` vectors of a sweep: the residual `r` of the finished token, the
@@ -74,16 +104,16 @@ struct SweepIo<'a, T> {
 #[inline(always)]
 fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    rows: &[RowCoef<T>],
+    rows: Coefs<T>,
     io: &mut SweepIo<T>,
 ) {
     let vd = s.len() / rows.len();
     let full = vd / TILE * TILE;
     for j0 in (0..full).step_by(TILE) {
-        sweep_tile::<T, TILE, FIN, READ, START>(s, rows, j0, io);
+        sweep_tile::<T, TILE, FIN, READ, START>(s, vd, rows, j0, io);
     }
     for j0 in full..vd {
-        sweep_tile::<T, 1, FIN, READ, START>(s, rows, j0, io);
+        sweep_tile::<T, 1, FIN, READ, START>(s, vd, rows, j0, io);
     }
 }
 
@@ -93,29 +123,29 @@ fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
 #[inline(always)]
 fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
     s: &mut [T],
-    rows: &[RowCoef<T>],
+    vd: usize,
+    c: Coefs<T>,
     j0: usize,
     io: &mut SweepIo<T>,
 ) {
-    let vd = s.len() / rows.len();
     let cols = j0..j0 + W;
     let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
     let zeros = [T::zero(); W];
     let r = if FIN { tile(io.r) } else { zeros };
     let (mut o, mut r_next) = (zeros, if START { tile(io.v) } else { zeros });
-    for (s_row, c) in s.chunks_exact_mut(vd).zip(rows) {
+    for (i, s_row) in s.chunks_exact_mut(vd).enumerate() {
         let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
         let mut x = *s_tile;
         for j in 0..W {
             if FIN {
-                x[j] += c.c * r[j];
+                x[j] += c.c[i] * r[j];
             }
             if READ {
-                o[j] += c.q * x[j];
+                o[j] += c.q[i] * x[j];
             }
             if START {
-                x[j] *= c.e;
-                r_next[j] -= c.k * x[j];
+                x[j] *= c.e[i];
+                r_next[j] -= c.k[i] * x[j];
             }
         }
         *s_tile = x;
@@ -131,33 +161,37 @@ fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, cons
 /// One head's tensors as the sweeps read them, row by row: in standard
 /// layout (borrowed when they already are), with the decay `e^g` computed
 /// once.
-struct Tokens<'a, T> {
+struct Tokens<'a, T: Scalar> {
     q: CowArray<'a, T, Ix2>,
     k: CowArray<'a, T, Ix2>,
     v: CowArray<'a, T, Ix2>,
+    /// `q`'s factor ([`KdaHead::scale`]), applied as `q` is read.
+    scale: T,
     beta: ArrayView1<'a, T>,
     /// `e^g [L, K]`
-    decay: Array2<T>,
+    decay: Rows<T>,
 }
 
 /// What a forward run records besides the final state.
-struct Record<'a, T> {
+struct Record<'a, T: Scalar> {
     /// `o [L, V]`
-    o: Option<&'a mut Array2<T>>,
+    o: Option<ArrayViewMut2<'a, T>>,
     /// The residuals `r [L, V]`.
-    r: Option<&'a mut Array2<T>>,
+    r: Option<&'a mut Rows<T>>,
     /// The states at the checkpoints of [`run_tokens`], appended.
     checkpoints: Option<&'a mut Vec<T>>,
 }
 
 impl<'a, T: Scalar> Tokens<'a, T> {
+    #[inline(always)]
     fn new(x: &'a KdaHead<T>) -> Self {
         Tokens {
-            q: x.q.as_standard_layout(),
-            k: x.k.as_standard_layout(),
-            v: x.v.as_standard_layout(),
+            q: contiguous_rows(x.q.view()),
+            k: contiguous_rows(x.k.view()),
+            v: contiguous_rows(x.v.view()),
+            scale: x.scale,
             beta: x.beta.view(),
-            decay: x.g.as_standard_layout().mapv(T::exp),
+            decay: Rows::exp(contiguous_rows(x.g.view()).view()),
         }
     }
 
@@ -172,7 +206,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             checkpoints,
         } = rec;
         let (mut r_cur, mut r_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
-        let mut rows = vec![RowCoef::default(); kd];
+        let mut rows = FinishCoefs::new(kd);
         let mut o_row = vec![T::zero(); if o.is_some() { vd } else { 0 }];
         run_tokens(
             l,
@@ -180,6 +214,11 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             checkpoints,
             #[inline(always)]
             |s: &mut [T], fin, start| {
+                if let Some(n) = start.map(|t| t + 1).filter(|&n| n < l) {
+                    for a in [row(&self.q, n), row(&self.k, n), row(&self.v, n)] {
+                        prefetch(a);
+                    }
+                }
                 let mut io = SweepIo {
                     r: &r_cur,
                     v: start.map_or(&[], |t| row(&self.v, t)),
@@ -192,7 +231,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
                 }
                 if let Some(t) = start {
                     if let Some(rs) = &mut r {
-                        row_mut(rs, t).copy_from_slice(&r_next);
+                        rs.row_mut(t).copy_from_slice(&r_next);
                     }
                     std::mem::swap(&mut r_cur, &mut r_next);
                 }
@@ -206,7 +245,7 @@ impl<'a, T: Scalar> Tokens<'a, T> {
     fn sweep(
         &self,
         s: &mut [T],
-        rows: &mut [RowCoef<T>],
+        buf: &mut FinishCoefs<T>,
         fin: Option<usize>,
         start: Option<usize>,
         io: &mut SweepIo<T>,
@@ -214,21 +253,24 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         let read = fin.is_some() && !io.o.is_empty();
         if let Some(t) = fin {
             let (k, beta) = (row(&self.k, t), self.beta[t]);
-            for (c, &ki) in rows.iter_mut().zip(k) {
-                c.c = ki * beta;
+            for (c, &ki) in buf.c.iter_mut().zip(k) {
+                *c = ki * beta;
             }
             if read {
-                for (c, &qi) in rows.iter_mut().zip(row(&self.q, t)) {
-                    c.q = qi;
+                for (c, &qi) in buf.q.iter_mut().zip(row(&self.q, t)) {
+                    *c = qi * self.scale;
                 }
             }
         }
-        if let Some(t) = start {
-            let (e, k) = (row(&self.decay, t), row(&self.k, t));
-            for ((c, &ei), &ki) in rows.iter_mut().zip(e).zip(k) {
-                (c.e, c.k) = (ei, ki);
-            }
-        }
+        let (e, k) = match start {
+            Some(t) => (self.decay.row(t), row(&self.k, t)),
+            None => (&[][..], &[][..]),
+        };
+        let (c, q) = (
+            if fin.is_some() { &buf.c[..] } else { &[] },
+            if read { &buf.q[..] } else { &[] },
+        );
+        let rows = Coefs { c, q, e, k };
         match (fin.is_some(), read, start.is_some()) {
             (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
             (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
@@ -257,10 +299,12 @@ impl<T: Scalar> Engine<T> for Naive {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
+        let mut gr = KdaHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
         simd::dispatch(
             #[inline(always)]
-            || backward_head(x, h0, d_o, dht, None).1,
-        )
+            || backward_head(x, h0, d_o, dht, None, None, gr.view_mut()),
+        );
+        gr
     }
 
     /// The backward's own forward run reads out `o` on the way: one run
@@ -272,13 +316,33 @@ impl<T: Scalar> Engine<T> for Naive {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
+        let (mut o, mut s_l) = (
+            Array2::zeros((x.len(), x.v_dim())),
+            Array2::zeros(h0.raw_dim()),
+        );
+        let mut gr = KdaHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
+        let (o_out, s_out) = (Some(o.view_mut()), Some(s_l.view_mut()));
         simd::dispatch(
             #[inline(always)]
-            || {
-                let mut o = Array2::zeros((x.len(), x.v_dim()));
-                let (s_l, gr) = backward_head(x, h0, d_o, dht, Some(&mut o));
-                ((o, s_l), gr)
-            },
+            || backward_head(x, h0, d_o, dht, o_out, s_out, gr.view_mut()),
+        );
+        ((o, s_l), gr)
+    }
+
+    /// [`Engine::forward_backward`] writing `o`, `S_L` and the gradients
+    /// row by row into the run's tensors.
+    fn forward_backward_into(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        out: HeadSink<'_, T, Kda>,
+    ) {
+        let (o, s_l) = (Some(out.o), Some(out.final_state));
+        simd::dispatch(
+            #[inline(always)]
+            || backward_head(x, h0, d_o, dht, o, s_l, out.grads),
         )
     }
 }
@@ -288,7 +352,7 @@ fn forward_head<T: Scalar>(x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Arr
     let mut s = state(h0);
     let mut o = Array2::zeros((x.len(), x.v_dim()));
     let rec = Record {
-        o: Some(&mut o),
+        o: Some(o.view_mut()),
         r: None,
         checkpoints: None,
     };
@@ -296,128 +360,234 @@ fn forward_head<T: Scalar>(x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Arr
     (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
 }
 
-/// The gradients from a forward run that keeps the checkpoints and the
-/// `r` rows, reading out `o` into `o` when given; returns `(S_L, grads)`.
+/// The gradients, written into `gr`, from a forward run that keeps the
+/// checkpoints and the `r` rows, reading out `o` and `S_L` into `o` and
+/// `final_state` when given.
 #[inline(always)]
 fn backward_head<T: Scalar>(
     x: &KdaHead<T>,
     h0: ArrayView2<T>,
     d_o: ArrayView2<T>,
     dht: ArrayView2<T>,
-    o: Option<&mut Array2<T>>,
-) -> (Array2<T>, KdaHeadGrads<T>) {
+    o: Option<ArrayViewMut2<T>>,
+    final_state: Option<ArrayViewMut2<T>>,
+    gr: KdaHeadGradsMut<T>,
+) {
     let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-    let kv = kd * vd;
     let tokens = Tokens::new(x);
-    let mut rs = Array2::zeros((l, vd));
-    let mut checkpoints = Vec::new();
+    let mut rs = Rows::zeros(l, vd);
+    let mut checkpoints = scratch::with_capacity(0);
     let rec = Record {
         o,
         r: Some(&mut rs),
-        checkpoints: Some(&mut checkpoints),
+        checkpoints: Some(&mut *checkpoints),
     };
     let mut s = state(h0);
     tokens.run(&mut s, rec);
-    let s_l = Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V");
-    let d_o = d_o.as_standard_layout();
+    if let Some(mut out) = final_state {
+        out.assign(&ArrayView2::from_shape((kd, vd), &s).expect("K×V"));
+    }
+    let d_o = contiguous_rows(d_o);
     let mut back = Backward {
         tokens: &tokens,
         rs: &rs,
-        d_o: d_o.as_slice().expect("standard layout"),
+        d_o: d_o.view(),
         du: vec![T::zero(); vd],
         dr: vec![T::zero(); vd],
-        gr: KdaHeadGrads {
-            dq: Array2::zeros((l, kd)),
-            dk: Array2::zeros((l, kd)),
-            dv: Array2::zeros((l, vd)),
-            dg: Array2::zeros((l, kd)),
-            dbeta: Array1::zeros(l),
-            dh0: Array2::zeros((kd, vd)),
-        },
+        spread: Spread::new(vd),
+        sums: SweepSums::new(kd),
+        gr,
     };
     let mut ds = state(dht);
     reverse_blocks(
         l,
-        kv,
+        Pairs { k: kd, v: vd },
         &checkpoints,
         &mut ds,
         #[inline(always)]
-        |t, s_prev: &[T], s: &mut [T]| tokens.replay(t, row(&rs, t), s_prev, s),
+        |t, s_prev: &[T], s: &mut [T]| tokens.replay(t, rs.row(t), s_prev, s),
         #[inline(always)]
         |start, end, prev: &[T], ds: &mut [T]| back.block(start, end, prev, ds),
     );
-    let mut gr = back.gr;
-    gr.dh0 = Array2::from_shape_vec((kd, vd), ds).expect("K×V");
-    (s_l, gr)
+    back.gr
+        .dh0
+        .assign(&ArrayView2::from_shape((kd, vd), &ds).expect("K×V"));
 }
 
 impl<T: Scalar> Tokens<'_, T> {
-    /// `S_t = Diag(e^g) S_{t−1} + β k rᵀ` from the kept residual `r_t`: the
-    /// forward sweep's operations, `(e·s) + (kβ)·r`, without the reduction.
+    /// `S_t = Diag(e^g) S_{t−1} + β k rᵀ` from the kept residual `r_t`, on
+    /// [`Pairs`] states: the forward sweep's operations, `(e·s) + (kβ)·r`,
+    /// without the reduction.
     #[inline(always)]
     fn replay(&self, t: usize, r: &[T], s_prev: &[T], s: &mut [T]) {
         let vd = r.len();
-        let (e, k, beta) = (row(&self.decay, t), row(&self.k, t), self.beta[t]);
-        let rows = s.chunks_exact_mut(vd).zip(s_prev.chunks_exact(vd));
-        for (((s_row, p_row), &ei), &ki) in rows.zip(e).zip(k) {
-            let c = ki * beta;
-            for ((sj, &pj), &rj) in s_row.iter_mut().zip(p_row).zip(r) {
-                *sj = pj * ei + c * rj;
+        if t + 1 < self.k.nrows() {
+            prefetch(row(&self.k, t + 1));
+        }
+        let (e, k, beta) = (self.decay.row(t), row(&self.k, t), self.beta[t]);
+        let pairs = Pairs { k: k.len(), v: vd };
+        for g in pairs.groups() {
+            let coef = |h: usize| {
+                let i = g.row + h.min(g.rows - 1);
+                (e[i], k[i] * beta)
+            };
+            let (s, p) = (&mut s[g.range(vd)], &s_prev[g.range(vd)]);
+            match g.rows {
+                2 => replay_group::<T, 8>(s, p, r, [coef(0), coef(1)]),
+                _ => replay_group::<T, 4>(s, p, r, [coef(0); 2]),
             }
         }
     }
 }
 
+/// [`Tokens::replay`] of one row group (`N / 4` rows), `coef[h] = (e, kβ)`
+/// of its row `h`.
+#[inline(always)]
+fn replay_group<T: Scalar, const N: usize>(s: &mut [T], p: &[T], r: &[T], coef: [(T, T); 2]) {
+    let rows = N / 4;
+    let full = r.len() / 4 * 4;
+    let (e, c): ([T; N], [T; N]) = (
+        std::array::from_fn(|l| coef[l / 4].0),
+        std::array::from_fn(|l| coef[l / 4].1),
+    );
+    for ((s, p), r) in s
+        .chunks_exact_mut(N)
+        .zip(p.chunks_exact(N))
+        .zip(r.chunks_exact(4))
+    {
+        let (pv, rv): ([T; N], [T; 4]) = (p.try_into().expect("N"), r.try_into().expect("4"));
+        let out: [T; N] = std::array::from_fn(|l| pv[l] * e[l] + c[l] * rv[l % 4]);
+        s.copy_from_slice(&out);
+    }
+    let tail = r.len() - full;
+    for (h, &(e, c)) in coef.iter().take(rows).enumerate() {
+        let at = full * rows + h * tail;
+        for j in 0..tail {
+            s[at + j] = p[at + j] * e + c * r[full + j];
+        }
+    }
+}
+
 /// The reverse sweeps and the gradients they fill.
-struct Backward<'a, T> {
+struct Backward<'a, 'g, T: Scalar> {
     tokens: &'a Tokens<'a, T>,
     /// The residuals `r [L, V]`.
-    rs: &'a Array2<T>,
-    /// `do [L, V]`, row-major.
-    d_o: &'a [T],
+    rs: &'a Rows<T>,
+    /// `do [L, V]`
+    d_o: ArrayView2<'a, T>,
     /// `du = dS_tᵀ k`, accumulated by the finish backward.
     du: Vec<T>,
     /// `d(S'ᵀk) = −β du`, consumed by the start backward.
     dr: Vec<T>,
-    gr: KdaHeadGrads<T>,
+    /// The `[V]` vectors of the current sweep as a row pair reads them.
+    spread: Spread<T>,
+    /// The sweep's row sums: `[S_{t−1} row · dr, ds · S_{t−1} row]` of the
+    /// start, `[S_{t−2} row · do, ds · r]` of the finish.
+    sums: SweepSums<T, 4>,
+    gr: KdaHeadGradsMut<'g, T>,
 }
 
-impl<T: Scalar> Backward<'_, T> {
+/// `dr`, `do` and `r` through [`spread`], `[2V]` each.
+struct Spread<T> {
+    dr: Vec<T>,
+    d_o: Vec<T>,
+    r: Vec<T>,
+}
+
+impl<T: Scalar> Spread<T> {
+    fn new(v: usize) -> Self {
+        let z = || vec![T::zero(); 2 * v];
+        Spread {
+            dr: z(),
+            d_o: z(),
+            r: z(),
+        }
+    }
+}
+
+impl<T: Scalar> Backward<'_, '_, T> {
     /// Tokens `start .. end` in reverse; `prev` holds `S_{t−1}` for each and
-    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit.
-    /// Sweep `t` runs the start backward of token `t` and the finish backward
-    /// of token `t − 1`, row by row.
+    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit (all in
+    /// the [`Pairs`] layout). Sweep `t` runs the start backward of token `t`
+    /// and the finish backward of token `t − 1`, a row group at a time.
     #[inline(always)]
     fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
         let x = self.tokens;
-        let (vd, kv) = (x.v.ncols(), x.k.ncols() * x.v.ncols());
+        let (kd, vd) = (x.k.ncols(), x.v.ncols());
+        let kv = kd * vd;
         let state = |t: usize| &prev[(t - start) * kv..(t - start + 1) * kv];
         for t in (start..=end).rev() {
-            let start_back = (t < end).then(|| StartBack {
-                t,
-                k: row(&x.k, t),
-                e: row(&x.decay, t),
-                dr: &self.dr,
-                s_prev: state(t),
-            });
-            let finish_back = (t > start).then(|| {
+            if t >= 2 {
+                // The finish backward of the next sweep reads token t − 2.
+                let p = t - 2;
+                for a in [row(&self.d_o, p), row(&x.q, p), row(&x.k, p)] {
+                    prefetch(a);
+                }
+            }
+            // Built inline (not through a closure): every call here must
+            // compile for the dispatched vector width.
+            let start_back = if t < end {
+                Some(StartBack {
+                    t,
+                    k: row(&x.k, t),
+                    e: x.decay.row(t),
+                    dr: &self.dr,
+                    s_prev: state(t),
+                })
+            } else {
+                None
+            };
+            let finish_back = if t > start {
                 let p = t - 1;
-                let (r, d_o) = (row(self.rs, p), &self.d_o[p * vd..t * vd]);
-                FinishBack {
+                let (r, d_o) = (self.rs.row(p), row(&self.d_o, p));
+                Some(FinishBack {
                     t: p,
                     q: row(&x.q, p),
+                    scale: x.scale,
                     k: row(&x.k, p),
-                    e: row(&x.decay, p),
+                    e: x.decay.row(p),
                     beta: x.beta[p],
                     r,
                     d_o,
                     rdo: dot(r, d_o),
                     s_prev: state(p),
+                })
+            } else {
+                None
+            };
+            let (b, a) = (start_back.as_ref(), finish_back.as_ref());
+            let sp = &mut self.spread;
+            if b.is_some() {
+                spread(&self.dr, &mut sp.dr);
+            }
+            if let Some(a) = a {
+                spread(a.d_o, &mut sp.d_o);
+                spread(a.r, &mut sp.r);
+            }
+            for g in (Pairs { k: kd, v: vd }).groups() {
+                let ds = &mut ds[g.range(vd)];
+                let (du, sums) = (&mut self.du, &mut self.sums);
+                match g.rows {
+                    2 => back_group::<T, 8>(g, ds, b, a, Some(sp), du, sums),
+                    _ => back_group::<T, 4>(g, ds, b, a, None, du, sums),
                 }
-            });
-            for (i, ds_row) in ds.chunks_exact_mut(vd).enumerate() {
-                let (b, a) = (start_back.as_ref(), finish_back.as_ref());
-                back_row(i, ds_row, b, a, &mut self.du, &mut self.gr);
+            }
+            self.sums.finish();
+            let [s_dr, ds_s, s_do, ds_r] = &self.sums.done;
+            let gr = &mut self.gr;
+            if let Some(b) = b {
+                b.grads(
+                    s_dr,
+                    ds_s,
+                    row_mut(&mut gr.dk, b.t),
+                    row_mut(&mut gr.dg, b.t),
+                );
+            }
+            if let Some(a) = a {
+                // dk of the finished token is set here and completed by its
+                // own start backward in the next sweep.
+                let (dq, dk) = (row_mut(&mut gr.dq, a.t), row_mut(&mut gr.dk, a.t));
+                a.grads(s_do, ds_r, dq, dk);
             }
             if let Some(a) = finish_back {
                 a.close(&mut self.du, &mut self.dr, &mut self.gr);
@@ -432,6 +602,8 @@ impl<T: Scalar> Backward<'_, T> {
 struct FinishBack<'a, T> {
     t: usize,
     q: &'a [T],
+    /// `q`'s factor.
+    scale: T,
     k: &'a [T],
     e: &'a [T],
     beta: T,
@@ -439,47 +611,55 @@ struct FinishBack<'a, T> {
     d_o: &'a [T],
     /// `r · do`
     rdo: T,
-    /// `S_{t−1}`
+    /// `S_{t−1}` ([`Pairs`] layout)
     s_prev: &'a [T],
 }
 
 impl<T: Scalar> FinishBack<'_, T> {
     #[inline(always)]
-    fn row(&self, i: usize, n: usize) -> FinishRow<'_, T> {
-        FinishRow {
-            q: self.q[i],
-            k: self.k[i],
-            s_prev: &self.s_prev[i * n..(i + 1) * n],
+    fn rows<'s>(&'s self, g: Group, n: usize, sp: Option<&'s Spread<T>>) -> FinishRows<'s, T> {
+        let last = g.row + g.rows - 1;
+        FinishRows {
+            q: [self.q[g.row] * self.scale, self.q[last] * self.scale],
+            k: [self.k[g.row], self.k[last]],
+            s_prev: &self.s_prev[g.range(n)],
             d_o: self.d_o,
             r: self.r,
+            d_o_n: sp.map_or(self.d_o, |s| &s.d_o),
+            r_n: sp.map_or(self.r, |s| &s.r),
         }
     }
 
-    /// `dq_i` and `dk_i` from the row's reductions `S_{t−1} row · do` and
+    /// `dq` and `dk` from the rows' reductions `S_{t−1} row · do` and
     /// `ds · r`.
     #[inline(always)]
-    fn grads(&self, i: usize, s_do: T, ds_r: T, gr: &mut KdaHeadGrads<T>) {
+    fn grads(&self, s_do: &[T], ds_r: &[T], dq: &mut [T], dk: &mut [T]) {
         // dq_i = S_t row · do with S_t row = e·S_{t−1} row + k_i β r.
-        let (ki, beta) = (self.k[i], self.beta);
-        gr.dq[[self.t, i]] = self.e[i] * s_do + ki * beta * self.rdo;
-        gr.dk[[self.t, i]] = beta * ds_r;
+        let beta = self.beta;
+        let rows = dq.iter_mut().zip(dk).zip(self.e).zip(self.k);
+        for ((((dq, dk), &e), &k), (&s_do, &ds_r)) in rows.zip(s_do.iter().zip(ds_r)) {
+            *dq = e * s_do + k * beta * self.rdo;
+            *dk = beta * ds_r;
+        }
     }
 
     /// After all rows: `dβ = du · r`, `dv = β du`, and `dr = −β du` for the
     /// start backward; `du` is cleared for the next token.
     #[inline(always)]
-    fn close(&self, du: &mut [T], dr: &mut [T], gr: &mut KdaHeadGrads<T>) {
+    fn close(&self, du: &mut [T], dr: &mut [T], gr: &mut KdaHeadGradsMut<T>) {
         let (t, beta) = (self.t, self.beta);
+        // The sum runs in order (its bits); the rest is element-wise.
         let mut dbeta = T::zero();
+        for (&duj, &rj) in du.iter().zip(self.r) {
+            dbeta += duj * rj;
+        }
+        gr.dbeta[t] = dbeta;
         let dv = row_mut(&mut gr.dv, t);
-        let cols = du.iter_mut().zip(dr.iter_mut()).zip(self.r).zip(dv);
-        for (((duj, drj), &rj), dvj) in cols {
-            dbeta += *duj * rj;
+        for ((duj, drj), dvj) in du.iter_mut().zip(dr.iter_mut()).zip(dv) {
             *dvj = beta * *duj;
             *drj = -beta * *duj;
             *duj = T::zero();
         }
-        gr.dbeta[t] = dbeta;
     }
 }
 
@@ -492,150 +672,178 @@ struct StartBack<'a, T> {
     e: &'a [T],
     /// `d(S'ᵀk)`
     dr: &'a [T],
-    /// `S_{t−1}`
+    /// `S_{t−1}` ([`Pairs`] layout)
     s_prev: &'a [T],
 }
 
 impl<T: Scalar> StartBack<'_, T> {
     #[inline(always)]
-    fn row(&self, i: usize, n: usize) -> StartRow<'_, T> {
-        StartRow {
-            k: self.k[i],
-            e: self.e[i],
-            s_prev: &self.s_prev[i * n..(i + 1) * n],
+    fn rows<'s>(&'s self, g: Group, n: usize, sp: Option<&'s Spread<T>>) -> StartRows<'s, T> {
+        let last = g.row + g.rows - 1;
+        StartRows {
+            k: [self.k[g.row], self.k[last]],
+            e: [self.e[g.row], self.e[last]],
+            s_prev: &self.s_prev[g.range(n)],
             dr: self.dr,
+            dr_n: sp.map_or(self.dr, |s| &s.dr),
         }
     }
 
-    /// `dk_i` and `dg_i` from the row's reductions `S_{t−1} row · dr` and
+    /// `dk` and `dg` from the rows' reductions `S_{t−1} row · dr` and
     /// `ds · S_{t−1} row`.
     #[inline(always)]
-    fn grads(&self, i: usize, s_dr: T, ds_s: T, gr: &mut KdaHeadGrads<T>) {
+    fn grads(&self, s_dr: &[T], ds_s: &[T], dk: &mut [T], dg: &mut [T]) {
         // With S' = e·S_{t−1}: dk += S' dr, dg = Σ dS' ⊙ S'.
-        let e = self.e[i];
-        gr.dk[[self.t, i]] += e * s_dr;
-        gr.dg[[self.t, i]] = e * ds_s;
+        let rows = dk.iter_mut().zip(dg).zip(self.e);
+        for (((dk, dg), &e), (&s_dr, &ds_s)) in rows.zip(s_dr.iter().zip(ds_s)) {
+            *dk += e * s_dr;
+            *dg = e * ds_s;
+        }
     }
 }
 
-/// Row `i` of reverse sweep `t`: the start backward of token `t`, then the
-/// finish backward of token `t − 1`. Both are elementwise along the row, so
-/// running them in one pass gives the bits of running them one after the
-/// other, with the four reductions overlapping instead of each waiting on
-/// its own adds.
+/// Row group `g` of reverse sweep `t` (`N / 4` rows): the start backward of
+/// token `t`, then the finish backward of token `t − 1`. Both are
+/// elementwise along a row, so running them in one pass gives the bits of
+/// running them one after the other, with the reductions overlapping instead
+/// of each waiting on its own adds.
 #[inline(always)]
-fn back_row<T: Scalar>(
-    i: usize,
+fn back_group<T: Scalar, const N: usize>(
+    g: Group,
     ds: &mut [T],
     start: Option<&StartBack<T>>,
     finish: Option<&FinishBack<T>>,
+    sp: Option<&Spread<T>>,
     du: &mut [T],
-    gr: &mut KdaHeadGrads<T>,
+    out: &mut SweepSums<T, 4>,
 ) {
-    let n = ds.len();
-    let st = start.map_or_else(StartRow::default, |b| b.row(i, n));
-    let fi = finish.map_or_else(FinishRow::default, |a| a.row(i, n));
-    let [s_dr, ds_s, s_do, ds_r] = match (start.is_some(), finish.is_some()) {
-        (true, true) => back_row_pass::<T, true, true>(ds, &st, &fi, du),
-        (true, false) => back_row_pass::<T, true, false>(ds, &st, &fi, du),
-        (false, true) => back_row_pass::<T, false, true>(ds, &st, &fi, du),
+    let n = du.len();
+    let st = match start {
+        Some(b) => b.rows(g, n, sp),
+        None => StartRows::default(),
+    };
+    let fi = match finish {
+        Some(a) => a.rows(g, n, sp),
+        None => FinishRows::default(),
+    };
+    let sums = match (start.is_some(), finish.is_some()) {
+        (true, true) => back_group_pass::<T, N, true, true>(ds, &st, &fi, du),
+        (true, false) => back_group_pass::<T, N, true, false>(ds, &st, &fi, du),
+        (false, true) => back_group_pass::<T, N, false, true>(ds, &st, &fi, du),
         (false, false) => return,
     };
-    if let Some(b) = start {
-        b.grads(i, s_dr, ds_s, gr);
-    }
-    if let Some(a) = finish {
-        a.grads(i, s_do, ds_r, gr);
-    }
+    sums.store(g.row, out);
 }
 
-/// Row `i` of a [`StartBack`]: `ds += k_i dr`, then `ds *= e_i`, with
+/// The rows of a [`StartBack`] group: `ds += k_i dr`, then `ds *= e_i`, with
 /// `S_{t−1} row · dr` and `ds · S_{t−1} row` taken between the two.
 #[derive(Default)]
-struct StartRow<'a, T> {
-    k: T,
-    e: T,
+struct StartRows<'a, T> {
+    k: [T; 2],
+    e: [T; 2],
     s_prev: &'a [T],
     dr: &'a [T],
+    /// `dr` as the group's chunks meet it (through [`spread`] for a pair).
+    dr_n: &'a [T],
 }
 
-/// Row `i` of a [`FinishBack`]: `ds += q_i do`, `du += k_i ds`, with
+/// The rows of a [`FinishBack`] group: `ds += q_i do`, `du += k_i ds`, with
 /// `S_{t−1} row · do` and `ds · r`.
 #[derive(Default)]
-struct FinishRow<'a, T> {
-    q: T,
-    k: T,
+struct FinishRows<'a, T> {
+    q: [T; 2],
+    k: [T; 2],
     s_prev: &'a [T],
     d_o: &'a [T],
     r: &'a [T],
+    /// `do` and `r` as the group's chunks meet them.
+    d_o_n: &'a [T],
+    r_n: &'a [T],
 }
 
-/// The pass of [`back_row`] for the halves present (`START`, `FINISH`);
-/// returns the reductions in [`dot`]'s order: `[S_{t−1} row · dr,
-/// ds · S_{t−1} row]` of the start, then `[S_{t−2} row · do, ds · r]` of the
-/// finish.
+/// The pass of [`back_group`] for the halves present (`START`, `FINISH`)
+/// over `N / 4` rows in the [`Pairs`] layout; returns, per row, the
+/// reductions in [`dot`]'s order: `[S_{t−1} row · dr, ds · S_{t−1} row]` of
+/// the start, then `[S_{t−2} row · do, ds · r]` of the finish.
 #[inline(always)]
-fn back_row_pass<T: Scalar, const START: bool, const FINISH: bool>(
+fn back_group_pass<T: Scalar, const N: usize, const START: bool, const FINISH: bool>(
     ds: &mut [T],
-    st: &StartRow<T>,
-    fi: &FinishRow<T>,
+    st: &StartRows<T>,
+    fi: &FinishRows<T>,
     du: &mut [T],
-) -> [T; 4] {
-    let n = ds.len();
+) -> RowSums<T, N, 4> {
+    let (n, rows) = (du.len(), N / 4);
+    let (full, nq) = (n / 4 * 4, n / 4);
+    let per_row = |c: [T; 2]| -> [T; N] { std::array::from_fn(|l| c[l / 4]) };
+    let (sk, se, fq, fk) = (per_row(st.k), per_row(st.e), per_row(fi.q), per_row(fi.k));
+    // Whole chunks, each slice cut to the loop's length so that no index
+    // in it is checked.
     let (s1, dr) = if START {
-        (&st.s_prev[..n], &st.dr[..n])
+        (chunks::<T, N>(st.s_prev, nq), chunks::<T, N>(st.dr_n, nq))
     } else {
         (&[][..], &[][..])
     };
-    let (s2, d_o, r, du) = if FINISH {
-        (&fi.s_prev[..n], &fi.d_o[..n], &fi.r[..n], &mut du[..n])
+    let (s2, d_o, r) = if FINISH {
+        (
+            chunks::<T, N>(fi.s_prev, nq),
+            chunks::<T, N>(fi.d_o_n, nq),
+            chunks::<T, N>(fi.r_n, nq),
+        )
     } else {
-        (&[][..], &[][..], &[][..], &mut [][..])
+        (&[][..], &[][..], &[][..])
     };
-    let mut sums = [DotSum::new(); 4];
-    let full = n / 4 * 4;
-    for j in (0..full).step_by(4) {
-        let q4 = j..j + 4;
-        let mut d = quad(&ds[q4.clone()]);
+    let ds_groups = chunks_mut::<T, N>(ds, nq);
+    let du_quads = chunks_mut::<T, 4>(du, nq);
+    let mut sums = RowSums::<T, N, 4>::new();
+    for c in 0..nq {
+        let mut d = ds_groups[c];
         if START {
-            let (sq, drq) = (quad(&s1[q4.clone()]), quad(&dr[q4.clone()]));
-            for l in 0..4 {
-                d[l] += st.k * drq[l];
-                sums[0].lanes[l] += sq[l] * drq[l];
-                sums[1].lanes[l] += d[l] * sq[l];
-                d[l] *= st.e;
+            let (s, dr) = (s1[c], dr[c]);
+            for l in 0..N {
+                d[l] += sk[l] * dr[l];
+                sums.lanes[0][l] += s[l] * dr[l];
+                sums.lanes[1][l] += d[l] * s[l];
+                d[l] *= se[l];
             }
         }
         if FINISH {
-            let (sq, doq, rq) = (
-                quad(&s2[q4.clone()]),
-                quad(&d_o[q4.clone()]),
-                quad(&r[q4.clone()]),
-            );
-            let mut u = quad(&du[q4.clone()]);
-            for l in 0..4 {
-                sums[2].lanes[l] += sq[l] * doq[l];
-                d[l] += fi.q * doq[l];
-                u[l] += fi.k * d[l];
-                sums[3].lanes[l] += d[l] * rq[l];
+            let (s, d_o, r) = (s2[c], d_o[c], r[c]);
+            let mut p = [T::zero(); N];
+            for l in 0..N {
+                sums.lanes[2][l] += s[l] * d_o[l];
+                d[l] += fq[l] * d_o[l];
+                p[l] = fk[l] * d[l];
+                sums.lanes[3][l] += d[l] * r[l];
             }
-            du[q4.clone()].copy_from_slice(&u);
+            // du gains row 2p's products, then row 2p+1's: each element's
+            // order is the row order of the one-row pass.
+            let u = &mut du_quads[c];
+            for h in 0..rows {
+                for l in 0..4 {
+                    u[l] += p[h * 4 + l];
+                }
+            }
         }
-        ds[q4].copy_from_slice(&d);
+        ds_groups[c] = d;
     }
-    for j in full..n {
-        if START {
-            ds[j] += st.k * dr[j];
-            sums[0].tail += s1[j] * dr[j];
-            sums[1].tail += ds[j] * s1[j];
-            ds[j] *= st.e;
-        }
-        if FINISH {
-            sums[2].tail += s2[j] * d_o[j];
-            ds[j] += fi.q * d_o[j];
-            du[j] += fi.k * ds[j];
-            sums[3].tail += ds[j] * r[j];
+    let tail = n - full;
+    for h in 0..rows {
+        let at = full * rows + h * tail;
+        for j in 0..tail {
+            let (x, c) = (at + j, full + j);
+            if START {
+                ds[x] += st.k[h] * st.dr[c];
+                sums.tails[0][h] += st.s_prev[x] * st.dr[c];
+                sums.tails[1][h] += ds[x] * st.s_prev[x];
+                ds[x] *= st.e[h];
+            }
+            if FINISH {
+                sums.tails[2][h] += fi.s_prev[x] * fi.d_o[c];
+                ds[x] += fi.q[h] * fi.d_o[c];
+                du[c] += fi.k[h] * ds[x];
+                sums.tails[3][h] += ds[x] * fi.r[c];
+            }
         }
     }
-    DotSum::finish4(sums)
+    sums
 }
