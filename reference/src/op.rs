@@ -217,12 +217,12 @@ pub trait Engine<T: Scalar>: Sync {
     ) {
         let ((o, s_l), g) = self.forward_backward(x, h0, d_o, dht);
         let HeadSink {
-            o: mut o_out,
-            final_state: mut s_out,
+            o: o_out,
+            final_state: s_out,
             grads,
         } = out;
-        o_out.assign(&o);
-        s_out.assign(&s_l);
+        tensor::copy_into(o_out, o.view());
+        tensor::copy_into(s_out, s_l.view());
         <Self::Op as Operator<T>>::write_grads(grads, g);
     }
 

@@ -142,9 +142,35 @@ pub fn zeros<T: Scalar, D: Dimension>(shape: D) -> Array<T, D> {
 /// `a` in standard layout: borrowed where it already is, else a copy.
 pub fn standard<T: Clone, D: Dimension>(a: ArrayView<'_, T, D>) -> CowArray<'_, T, D> {
     if a.is_standard_layout() {
-        CowArray::from(a)
-    } else {
-        CowArray::from(a.as_standard_layout().into_owned())
+        return CowArray::from(a);
+    }
+    // (A 0- or 1-D view that is not standard is strided.)
+    let last = Axis(a.ndim().saturating_sub(1));
+    if a.ndim() < 2 || a.stride_of(last) != 1 {
+        return CowArray::from(a.as_standard_layout().into_owned());
+    }
+    // Contiguous rows (a head of [B, T, heads, D]): copied a row at a time,
+    // much faster than ndarray's element-wise strided copy.
+    let mut out = Vec::with_capacity(a.len());
+    for row in a.lanes(last) {
+        out.extend_from_slice(row.to_slice().expect("contiguous rows"));
+    }
+    CowArray::from(Array::from_shape_vec(a.raw_dim(), out).expect("same element count"))
+}
+
+/// `dst = src` (same shape), a row at a time where both have contiguous
+/// rows (a pair's rows of a run's tensors), else element by element.
+pub fn copy_into<T: Copy, D: Dimension>(mut dst: ArrayViewMut<'_, T, D>, src: ArrayView<'_, T, D>) {
+    assert_eq!(dst.shape(), src.shape(), "copy_into: shapes");
+    let rows = dst.ndim().checked_sub(1).map(Axis);
+    match rows {
+        Some(last) if dst.stride_of(last) == 1 && src.stride_of(last) == 1 => {
+            for (mut d, s) in dst.lanes_mut(last).into_iter().zip(src.lanes(last)) {
+                let d = d.as_slice_mut().expect("contiguous rows");
+                d.copy_from_slice(s.to_slice().expect("contiguous rows"));
+            }
+        }
+        _ => dst.assign(&src),
     }
 }
 

@@ -255,14 +255,14 @@ pub struct DplrHeadGradsMut<'s, T> {
 
 impl<T: Scalar> DplrHeadGradsMut<'_, T> {
     /// Writes `g` here.
-    pub fn assign(mut self, g: &DplrHeadGrads<T>) {
-        self.dq.assign(&g.dq);
-        self.dk.assign(&g.dk);
-        self.dv.assign(&g.dv);
-        self.da.assign(&g.da);
-        self.db.assign(&g.db);
-        self.dgk.assign(&g.dgk);
-        self.dh0.assign(&g.dh0);
+    pub fn assign(self, g: &DplrHeadGrads<T>) {
+        tensor::copy_into(self.dq, g.dq.view());
+        tensor::copy_into(self.dk, g.dk.view());
+        tensor::copy_into(self.dv, g.dv.view());
+        tensor::copy_into(self.da, g.da.view());
+        tensor::copy_into(self.db, g.db.view());
+        tensor::copy_into(self.dgk, g.dgk.view());
+        tensor::copy_into(self.dh0, g.dh0.view());
     }
 }
 

@@ -287,13 +287,13 @@ pub struct KdaHeadGradsMut<'s, T> {
 
 impl<T: Scalar> KdaHeadGradsMut<'_, T> {
     /// Writes `g` here.
-    pub fn assign(mut self, g: &KdaHeadGrads<T>) {
-        self.dq.assign(&g.dq);
-        self.dk.assign(&g.dk);
-        self.dv.assign(&g.dv);
-        self.dg.assign(&g.dg);
-        self.dbeta.assign(&g.dbeta);
-        self.dh0.assign(&g.dh0);
+    pub fn assign(self, g: &KdaHeadGrads<T>) {
+        tensor::copy_into(self.dq, g.dq.view());
+        tensor::copy_into(self.dk, g.dk.view());
+        tensor::copy_into(self.dv, g.dv.view());
+        tensor::copy_into(self.dg, g.dg.view());
+        tensor::copy_into(self.dbeta, g.dbeta.view());
+        tensor::copy_into(self.dh0, g.dh0.view());
     }
 }
 
