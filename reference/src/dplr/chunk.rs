@@ -11,15 +11,17 @@ use ndarray::{
 };
 
 use super::{
-    Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrInputs, DplrOptions, DplrOutputs, Prepared,
+    Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
+    DplrOutputs, Prepared,
 };
 use crate::error::Result;
-use crate::fused::{self, RowStack};
+use crate::fused;
 use crate::gemm;
-use crate::op::{self, Engine, Operator};
+use crate::op::{self, Engine, HeadSink, Operator};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::{exp_bound, Scalar};
 use crate::simd;
+use crate::tensor;
 use crate::tri;
 use crate::varlen::{
     for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
@@ -634,9 +636,28 @@ impl Chunk {
         dht: ArrayView2<T>,
         keep_blocks: bool,
     ) -> ChunkBackward<T> {
-        let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let mut token_rows = [(); 5].map(|_| RowStack::new(l, kd));
-        let mut dv = RowStack::new(l, vd);
+        let mut grads = DplrHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
+        let (dh, da_blocks) = self.backward_into(x, fwd, d_o, dht, keep_blocks, grads.view_mut());
+        ChunkBackward {
+            dh,
+            da_blocks,
+            grads,
+        }
+    }
+
+    /// [`Chunk::backward_from`] writing the gradients into `gr`, each
+    /// chunk's rows as they are computed; returns `(dh, A-block gradients)`
+    /// (the blocks only with `keep_blocks`).
+    #[allow(clippy::type_complexity)]
+    fn backward_into<T: Scalar>(
+        &self,
+        x: &DplrHead<T>,
+        fwd: &ChunkForward<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        keep_blocks: bool,
+        mut gr: DplrHeadGradsMut<T>,
+    ) -> (Array3<T>, Vec<[Array2<T>; 4]>) {
         let nt = fwd.intra.len();
         let chunks: Vec<_> = fwd
             .intra
@@ -654,6 +675,7 @@ impl Chunk {
             |dh| self.policy.round(Stage::Dh, dh),
             |n, d_o, ds_used, ds| self.state_backward(x, &fwd.intra[n], d_o, ds_used, ds),
         );
+        tensor::copy_into(gr.dh0.view_mut(), dh0.view());
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
         let mut da_blocks = Vec::with_capacity(nt);
@@ -663,30 +685,18 @@ impl Chunk {
             let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
             self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
         };
-        // In chunk order: each chunk's rows follow the previous ones'.
-        for_chunks(nt, step, |_, (grads, blocks): (ChunkGrads<T>, _)| {
-            for (dst, src) in token_rows.iter_mut().zip(&grads.rows) {
-                dst.push(src.view());
+        for_chunks(nt, step, |n, (grads, blocks): (ChunkGrads<T>, _)| {
+            let rows = s![chunks[n].clone(), ..];
+            let token_rows = [&mut gr.dq, &mut gr.dk, &mut gr.da, &mut gr.db, &mut gr.dgk];
+            for (dst, src) in token_rows.into_iter().zip(&grads.rows) {
+                tensor::copy_into(dst.slice_mut(rows), src.view());
             }
-            dv.push(grads.dv.view());
+            tensor::copy_into(gr.dv.slice_mut(rows), grads.dv.view());
             if keep_blocks {
                 da_blocks.push(blocks);
             }
         });
-        let [dq, dk, da, db, dgk] = token_rows.map(RowStack::into_rows);
-        ChunkBackward {
-            dh,
-            da_blocks,
-            grads: DplrHeadGrads {
-                dq,
-                dk,
-                dv: dv.into_rows(),
-                da,
-                db,
-                dgk,
-                dh0,
-            },
-        }
+        (dh, da_blocks)
     }
 
     /// The state pass of one chunk's backward given `ds_used = ∂L/∂(state at
@@ -986,6 +996,22 @@ impl<T: Scalar> Engine<T> for Chunk {
         let fwd = self.forward_pass(x, h0, true);
         let grads = self.backward_from(x, &fwd, d_o.view(), dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
+    }
+
+    /// The gradients written into the run's tensors chunk by chunk.
+    fn forward_backward_into(
+        &self,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        out: HeadSink<'_, T, Dplr>,
+    ) {
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
+        let fwd = self.forward_pass(x, h0, true);
+        tensor::copy_into(out.o, fwd.o.view());
+        tensor::copy_into(out.final_state, fwd.final_state.view());
+        self.backward_into(x, &fwd, d_o.view(), dht, false, out.grads);
     }
 
     /// `M = Π M_chunk`, later chunks on the left.

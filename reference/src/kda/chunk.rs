@@ -11,13 +11,17 @@
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Axis, CowArray, Ix2};
 
-use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
+use super::{
+    Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
+    Prepared,
+};
 use crate::error::Result;
-use crate::fused::{self, RowStack};
+use crate::fused;
 use crate::gemm;
-use crate::op::{self, Engine, Operator};
+use crate::op::{self, Engine, HeadSink, Operator};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::{exp_bound, Scalar};
+use crate::tensor;
 use crate::tri;
 use crate::varlen::{
     for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
@@ -586,10 +590,31 @@ impl Chunk {
         dht: ArrayView2<T>,
         keep_blocks: bool,
     ) -> ChunkBackward<T> {
-        let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-        let [mut dq, mut dk, mut dg] = [(); 3].map(|_| RowStack::new(l, kd));
-        let mut dv = RowStack::new(l, vd);
-        let mut dbeta = Vec::with_capacity(l);
+        let mut grads = KdaHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
+        let (dh, dv_new, daqk, dakk) =
+            self.backward_into(x, fwd, d_o, dht, keep_blocks, grads.view_mut());
+        ChunkBackward {
+            dh,
+            dv_new,
+            daqk,
+            dakk,
+            grads,
+        }
+    }
+
+    /// [`Chunk::backward_from`] writing the gradients into `gr`, each
+    /// chunk's rows as they are computed; returns `(dh, dv_new, dAqk,
+    /// dAkk)` (the blocks only with `keep_blocks`).
+    #[allow(clippy::type_complexity)]
+    fn backward_into<T: Scalar>(
+        &self,
+        x: &KdaHead<T>,
+        fwd: &ChunkForward<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        keep_blocks: bool,
+        mut gr: KdaHeadGradsMut<T>,
+    ) -> (Array3<T>, Array2<T>, Vec<Array2<T>>, Vec<Array2<T>>) {
         let nt = fwd.intra.len();
         let chunks: Vec<_> = fwd
             .intra
@@ -603,40 +628,33 @@ impl Chunk {
             |dh| self.policy.round(Stage::Dh, dh),
             |n, d_o, ds_used, ds| self.state_backward(&fwd.intra[n], d_o, ds_used, ds),
         );
-
+        tensor::copy_into(gr.dh0.view_mut(), dh0.view());
         // The rest of each chunk's backward is independent of the others:
         // in parallel, written back in chunk order.
         let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
         for_chunks(
             nt,
             |n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view()),
-            // In chunk order: each chunk's rows follow the previous ones'.
-            |_, step: ChunkStep<T>| {
-                dq.push(step.dq.view());
-                dk.push(step.dk.view());
-                dv.push(step.dv.view());
-                dg.push(step.dg.view());
-                dbeta.extend(step.dbeta.iter().cloned());
+            |n, step: ChunkStep<T>| {
+                let rows = s![chunks[n].clone(), ..];
+                for (dst, src) in [
+                    (&mut gr.dq, &step.dq),
+                    (&mut gr.dk, &step.dk),
+                    (&mut gr.dv, &step.dv),
+                    (&mut gr.dg, &step.dg),
+                ] {
+                    tensor::copy_into(dst.slice_mut(rows), src.view());
+                }
+                gr.dbeta
+                    .slice_mut(s![chunks[n].clone()])
+                    .assign(&step.dbeta);
                 if keep_blocks {
                     daqk.push(step.daqk);
                     dakk.push(step.dakk);
                 }
             },
         );
-        ChunkBackward {
-            dh,
-            dv_new,
-            daqk,
-            dakk,
-            grads: KdaHeadGrads {
-                dq: dq.into_rows(),
-                dk: dk.into_rows(),
-                dv: dv.into_rows(),
-                dg: dg.into_rows(),
-                dbeta: Array1::from(dbeta),
-                dh0,
-            },
-        }
+        (dh, dv_new, daqk, dakk)
     }
 
     /// The state pass of one chunk's backward given `ds_used = ∂L/∂(state at
@@ -1031,6 +1049,22 @@ impl<T: Scalar> Engine<T> for Chunk {
         let fwd = self.forward_pass(x, h0, true);
         let grads = self.backward_from(x, &fwd, d_o.view(), dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
+    }
+
+    /// The gradients written into the run's tensors chunk by chunk.
+    fn forward_backward_into(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        out: HeadSink<'_, T, Kda>,
+    ) {
+        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
+        let fwd = self.forward_pass(x, h0, true);
+        tensor::copy_into(out.o, fwd.o.view());
+        tensor::copy_into(out.final_state, fwd.final_state.view());
+        self.backward_into(x, &fwd, d_o.view(), dht, false, out.grads);
     }
 
     /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in
