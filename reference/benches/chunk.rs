@@ -30,25 +30,47 @@ fn main() {
         "forward+backward, f64, B=1, {} rayon threads, best of {REPS}",
         rayon::current_num_threads()
     );
-    let peak = ops::peak_gflops(1.0);
-    println!("peak: {peak:.1} GFLOP/s ({})", ops::peak_description());
+    // The peak is sampled before every shape and once at the end, the best
+    // kept, and every row's fraction is against it: one sample, taken while
+    // a shared machine is busy, would flatter every row.
+    let mut peak = 0.0f64;
+    let mut rows = Vec::new();
     for (t, h) in [(t, h), (t * h, 1)] {
         for kd in [64, 128, 256] {
             if only.is_none_or(|o| o == kd) {
-                bench(t, h, kd, peak);
+                peak = peak.max(ops::peak_gflops(0.3));
+                rows.extend(bench(t, h, kd));
             }
         }
     }
+    peak = peak.max(ops::peak_gflops(0.3));
+    println!(
+        "peak: {peak:.1} GFLOP/s ({}), the best of the samples",
+        ops::peak_description()
+    );
+    for r in rows {
+        println!("{}", r.line(peak));
+    }
 }
 
-/// `name  time  GFLOP/s  % of peak` for `ops` operations in `secs`.
-fn rate(name: &str, secs: f64, ops: f64, peak: f64) -> String {
-    let g = ops / secs / 1e9;
-    format!(
-        "{name:<12} {:7.2} ms {g:5.1} GFLOP/s {:4.0}%",
-        secs * 1e3,
-        100.0 * g / peak
-    )
+/// One timed run: `T=… H=… K=V=… op  name` and its time and op count.
+struct Row {
+    label: String,
+    secs: f64,
+    ops: f64,
+}
+
+impl Row {
+    /// `label  time  GFLOP/s  % of peak`.
+    fn line(&self, peak: f64) -> String {
+        let g = self.ops / self.secs / 1e9;
+        format!(
+            "{} {:7.2} ms {g:5.1} GFLOP/s {:4.0}%",
+            self.label,
+            self.secs * 1e3,
+            100.0 * g / peak
+        )
+    }
 }
 
 /// Ops of one forward+backward over `h` heads of `t` tokens, naive form.
@@ -61,7 +83,15 @@ fn chunk_ops(t: usize, h: usize, c: usize, chunk: OpCount) -> f64 {
     chunk.total() * (t / c) as f64 * h as f64
 }
 
-fn bench(t: usize, h: usize, kd: usize, peak: f64) {
+fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let mut row = |op: &str, name: String, secs: f64, ops: f64| {
+        rows.push(Row {
+            label: format!("T={t:<5} H={h} K=V={kd:<4} {op:<5} {name:<12}"),
+            secs,
+            ops,
+        })
+    };
     let opts = KdaOptions {
         output_final_state: true,
         ..Default::default()
@@ -82,14 +112,11 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
         op::forward_backward(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))
             .expect("valid");
     });
-    println!(
-        "T={t:<5} H={h} K=V={kd:<4} kda   {}",
-        rate(
-            "naive",
-            naive,
-            naive_ops(t, h, ops::kda_naive(kd, kd)),
-            peak
-        )
+    row(
+        "kda",
+        "naive".into(),
+        naive,
+        naive_ops(t, h, ops::kda_naive(kd, kd)),
     );
     for c in CHUNK_SIZES {
         let engine = kda::chunk::Chunk::new(c).expect("valid");
@@ -97,10 +124,7 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
             op::forward_backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
         });
         let n = chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd));
-        println!(
-            "T={t:<5} H={h} K=V={kd:<4} kda   {}",
-            rate(&format!("chunk(C={c})"), secs, n, peak)
-        );
+        row("kda", format!("chunk(C={c})"), secs, n);
     }
     let d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
@@ -118,14 +142,11 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
         op::forward_backward(&dplr::naive::Naive, &d.inputs, &dopts, &d.d_o, Some(&d.dht))
             .expect("valid");
     });
-    println!(
-        "T={t:<5} H={h} K=V={kd:<4} dplr  {}",
-        rate(
-            "naive",
-            naive,
-            naive_ops(t, h, ops::dplr_naive(kd, kd)),
-            peak
-        )
+    row(
+        "dplr",
+        "naive".into(),
+        naive,
+        naive_ops(t, h, ops::dplr_naive(kd, kd)),
     );
     for c in CHUNK_SIZES {
         let engine = dplr::chunk::Chunk::new(c).expect("valid");
@@ -133,9 +154,7 @@ fn bench(t: usize, h: usize, kd: usize, peak: f64) {
             op::forward_backward(&engine, &d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
         });
         let n = chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd));
-        println!(
-            "T={t:<5} H={h} K=V={kd:<4} dplr  {}",
-            rate(&format!("chunk(C={c})"), secs, n, peak)
-        );
+        row("dplr", format!("chunk(C={c})"), secs, n);
     }
+    rows
 }

@@ -115,6 +115,88 @@ pub fn gate_eval<T: Scalar>(gate: Gate, x: T, a_log: Option<T>) -> (T, T, T) {
     }
 }
 
+/// [`gate_eval`] over a run of elements of one head, `x[i] = g_raw + dt_bias`
+/// and `a_log` the head's `A_log`: writes the decay into `g` and, with
+/// `derivatives`, `(∂g/∂x, ∂g/∂A_log)` into them. The same bits as
+/// `gate_eval` element by element: `exp(A_log)` is taken once, and the
+/// run's other exponentials together ([`Scalar::exp_into`], glibc's bits on
+/// vectors in `f64`; call it under [`crate::simd::dispatch`]).
+#[inline(always)]
+pub fn gate_eval_run<T: Scalar>(
+    gate: Gate,
+    x: &[T],
+    a_log: Option<T>,
+    g: &mut [T],
+    derivatives: Option<(&mut [T], &mut [T])>,
+) {
+    const RUN: usize = 64;
+    let (mut m, mut e) = ([T::zero(); RUN], [T::zero(); RUN]);
+    let mut derivatives = derivatives;
+    for (at, x) in (0..x.len()).step_by(RUN).zip(x.chunks(RUN)) {
+        let n = x.len();
+        let g = &mut g[at..at + n];
+        let mut d = derivatives
+            .as_mut()
+            .map(|(dx, da)| (&mut dx[at..at + n], &mut da[at..at + n]));
+        match gate {
+            Gate::None => {
+                g.copy_from_slice(x);
+                if let Some((dx, da)) = d {
+                    dx.fill(T::one());
+                    da.fill(T::zero());
+                }
+            }
+            Gate::Kda => {
+                let a = a_log.expect("validated: kda gate needs A_log").exp();
+                // softplus and sigmoid both take exp(−|x|) (at 0, e^0 = e^−0).
+                for (m, &x) in m.iter_mut().zip(x) {
+                    *m = if x > T::zero() { -x } else { x };
+                }
+                T::exp_into(&m[..n], &mut e[..n]);
+                for (i, (&x, &e)) in x.iter().zip(&e[..n]).enumerate() {
+                    let softplus = if x > T::zero() {
+                        x + e.ln_1p()
+                    } else {
+                        e.ln_1p()
+                    };
+                    g[i] = -a * softplus;
+                    if let Some((dx, da)) = d.as_mut() {
+                        let sigmoid = if x >= T::zero() {
+                            T::one() / (T::one() + e)
+                        } else {
+                            e / (T::one() + e)
+                        };
+                        (dx[i], da[i]) = (-a * sigmoid, g[i]);
+                    }
+                }
+            }
+            Gate::LowerBound { lower_bound } => {
+                let lb = T::c(lower_bound);
+                let ea = a_log.map(|al| al.exp());
+                for (m, &x) in m.iter_mut().zip(x) {
+                    let z = ea.map_or(x, |ea| ea * x);
+                    *m = if z >= T::zero() { -z } else { z };
+                }
+                T::exp_into(&m[..n], &mut e[..n]);
+                for (i, (&x, &e)) in x.iter().zip(&e[..n]).enumerate() {
+                    let z = ea.map_or(x, |ea| ea * x);
+                    let s = if z >= T::zero() {
+                        T::one() / (T::one() + e)
+                    } else {
+                        e / (T::one() + e)
+                    };
+                    g[i] = lb * s;
+                    if let Some((dx, da)) = d.as_mut() {
+                        let dg_dz = lb * s * (T::one() - s);
+                        dx[i] = dg_dz * ea.unwrap_or(T::one());
+                        da[i] = if ea.is_some() { dg_dz * z } else { T::zero() };
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// `β = scale · sigmoid(b)` with scale 2 under `allow_neg_eigval`; returns `(β, ∂β/∂b)`.
 pub fn beta_sigmoid<T: Scalar>(b: T, allow_neg_eigval: bool) -> (T, T) {
     let c = if allow_neg_eigval {
@@ -137,6 +219,59 @@ mod tests {
         assert!((softplus(800.0f64) - 800.0).abs() < 1e-12);
         assert!(softplus(-800.0f64) >= 0.0);
         assert!((softplus(0.0f64) - 2f64.ln()).abs() < 1e-15);
+    }
+
+    /// A run of elements gives each element's [`gate_eval`] bits, for every
+    /// gate, with and without `A_log`, in f64 and f32, over signs and
+    /// magnitudes that reach both branches and the sigmoid's saturation.
+    #[test]
+    fn a_run_has_each_elements_bits() {
+        fn check<T: Scalar>() {
+            let rng = crate::rng::Stream::new(5, "gate run");
+            let x: Vec<T> = (0..200u64)
+                .map(|i| match i {
+                    0 => T::zero(),
+                    1 => -T::zero(),
+                    2 => T::c(800.0),
+                    3 => T::c(-800.0),
+                    _ => T::c(rng.normal(i) * 2f64.powi((rng.uniform(i, 1) * 12.0) as i32 - 6)),
+                })
+                .collect();
+            let gates = [
+                Gate::None,
+                Gate::Kda,
+                Gate::LowerBound { lower_bound: -5.0 },
+            ];
+            for gate in gates {
+                for a in [Some(T::c(0.3)), Some(T::c(-1.7)), None] {
+                    if gate == Gate::Kda && a.is_none() {
+                        continue;
+                    }
+                    let n = x.len();
+                    let (mut g, mut dx, mut da) =
+                        (vec![T::nan(); n], vec![T::nan(); n], vec![T::nan(); n]);
+                    crate::simd::dispatch(
+                        #[inline(always)]
+                        || gate_eval_run(gate, &x, a, &mut g, Some((&mut dx, &mut da))),
+                    );
+                    let mut only = vec![T::nan(); n];
+                    gate_eval_run(gate, &x, a, &mut only, None);
+                    for i in 0..n {
+                        let want = gate_eval(gate, x[i], a);
+                        let got = (g[i], dx[i], da[i]);
+                        let same = |p: T, q: T| p.f64().to_bits() == q.f64().to_bits();
+                        assert!(
+                            same(got.0, want.0) && same(got.1, want.1) && same(got.2, want.2),
+                            "{gate:?} {a:?} x = {}: {got:?} vs {want:?}",
+                            x[i]
+                        );
+                        assert!(same(only[i], want.0));
+                    }
+                }
+            }
+        }
+        check::<f64>();
+        check::<f32>();
     }
 
     #[test]

@@ -37,8 +37,27 @@ pub fn zeros<T: Scalar>(len: usize) -> Scratch<T> {
     v
 }
 
+/// A buffer of `len` values that the caller writes in full before it reads
+/// any: a kept buffer keeps what it last held (initialised values, never
+/// read here; zeros past its old length), which saves clearing megabytes
+/// that are about to be overwritten.
+pub fn overwritten<T: Scalar>(len: usize) -> Scratch<T> {
+    let mut v = Scratch(take::<T>(len));
+    v.0.truncate(len);
+    v.0.resize(len, T::zero());
+    v
+}
+
 /// An empty buffer with room for `cap` values.
 pub fn with_capacity<T: Scalar>(cap: usize) -> Scratch<T> {
+    let mut v = take::<T>(cap);
+    v.clear();
+    Scratch(v)
+}
+
+/// A kept buffer with room for `cap` values, as it was given back, or a
+/// new empty one.
+fn take<T: Scalar>(cap: usize) -> Vec<T> {
     let kept = POOL.with(|p| {
         let mut p = p.borrow_mut();
         let at = p.iter().position(|b| {
@@ -51,16 +70,15 @@ pub fn with_capacity<T: Scalar>(cap: usize) -> Scratch<T> {
                 .expect("checked type"),
         )
     });
-    Scratch(kept.unwrap_or_else(|| Vec::with_capacity(cap)))
+    kept.unwrap_or_else(|| Vec::with_capacity(cap))
 }
 
 impl<T: 'static> Drop for Scratch<T> {
     fn drop(&mut self) {
-        let mut v = std::mem::take(&mut self.0);
+        let v = std::mem::take(&mut self.0);
         if v.capacity() * std::mem::size_of::<T>() > MAX_KEPT {
             return;
         }
-        v.clear();
         // During thread teardown the pool may be gone: then the buffer is
         // simply freed.
         let _ = POOL.try_with(|p| {
@@ -99,12 +117,21 @@ impl<T: Scalar> Rows<T> {
         }
     }
 
+    /// A matrix whose every row the caller writes before reading it
+    /// ([`overwritten`]).
+    pub fn overwritten(rows: usize, cols: usize) -> Self {
+        Rows {
+            data: overwritten(rows * cols),
+            cols,
+        }
+    }
+
     /// `e^a` of each element of `a [rows, cols]` (rows contiguous, see
     /// [`crate::sweep::row`]), with libm's bits ([`Scalar::exp_into`]).
     #[inline(always)]
     pub fn exp(a: ArrayView2<'_, T>) -> Self {
         let (rows, cols) = a.dim();
-        let mut out = Self::zeros(rows, cols);
+        let mut out = Self::overwritten(rows, cols);
         for t in 0..rows {
             T::exp_into(crate::sweep::row(&a, t), out.row_mut(t));
         }
@@ -126,8 +153,8 @@ impl<T: Scalar> Rows<T> {
 mod tests {
     use super::*;
 
-    /// A buffer given back is handed out again, cleared: what a pair left
-    /// in it never reaches the next.
+    /// A buffer given back is handed out again: cleared by `zeros` and
+    /// `with_capacity`, as it was by `overwritten`.
     #[test]
     fn buffers_are_reused_and_cleared() {
         let ptr = {
@@ -138,8 +165,16 @@ mod tests {
         let b = zeros::<f64>(900);
         assert_eq!(b.as_ptr(), ptr, "the kept buffer");
         assert!(b.iter().all(|&x| x == 0.0));
+        drop(b);
         let c = with_capacity::<f64>(10);
         assert!(c.is_empty());
+        drop(c);
+        {
+            let mut d = overwritten::<f64>(500);
+            d.fill(3.0);
+        }
+        let e = overwritten::<f64>(600);
+        assert!(e[..500].iter().all(|&x| x == 3.0) && e[500..].iter().all(|&x| x == 0.0));
     }
 
     /// Buffers over [`MAX_KEPT`] go back to the allocator.

@@ -67,7 +67,9 @@ pub fn reverse_blocks<T: Scalar>(
     mut back: impl FnMut(usize, usize, &[T], &mut [T]),
 ) {
     let (bl, kv) = (block_len(l), pairs.len());
-    let mut prev = crate::scratch::zeros(bl * kv);
+    // Each block's states are written (the checkpoint, then the replays)
+    // before its sweeps read them.
+    let mut prev = crate::scratch::overwritten(bl * kv);
     let mut ds_pairs = crate::scratch::zeros(kv);
     pairs.pack(ds, &mut ds_pairs);
     for (blk, start) in (0..l).step_by(bl).enumerate().rev() {

@@ -222,3 +222,53 @@ fn other_operators_forward_backward_has_the_separate_runs_bits() {
     };
     check("causal conv1d", &Direct, &c.inputs, &copts, &c.d_o, &c.dht);
 }
+
+/// The naive engines reuse per-thread working buffers without clearing
+/// all of them (`scratch::overwritten`): a run after other runs on the same
+/// threads has the bits of a run on fresh threads.
+#[test]
+fn reused_buffers_leave_no_trace() {
+    let spec = |k, v, seed| KdaSpec {
+        layout: Layout::varlen(&[70, 0, 45]),
+        h: 2,
+        hv: 2,
+        k,
+        v,
+        opts: KdaOptions::default(),
+        initial_state: true,
+        scalar_gate: false,
+        seed,
+    };
+    let run = |s: &KdaSpec| {
+        let g = inputs::kda(s);
+        let (out, gr) =
+            op::forward_backward(&kda::naive::Naive, &g.inputs, &s.opts, &g.d_o, Some(&g.dht))
+                .expect("valid");
+        op::named::<f64, kda::Kda>(&out, Some(&gr))
+            .into_iter()
+            .map(|(n, t)| (n, t.clone()))
+            .collect::<Vec<_>>()
+    };
+    let target = spec(12, 9, 31);
+    let fresh = {
+        let target = target.clone();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a pool");
+        pool.install(|| run(&target))
+    };
+    for warm in [spec(16, 16, 1), spec(12, 9, 2), spec(7, 20, 3)] {
+        run(&warm);
+    }
+    let warm = run(&target);
+    let as_refs = |v: &Vec<(&'static str, ArrayD<f64>)>| {
+        v.iter().map(|(n, t)| (*n, t.clone())).collect::<Vec<_>>()
+    };
+    let (a, b) = (as_refs(&fresh), as_refs(&warm));
+    assert_same_bits(
+        "after other runs",
+        &a.iter().map(|(n, t)| (*n, t)).collect::<Vec<_>>(),
+        &b.iter().map(|(n, t)| (*n, t)).collect::<Vec<_>>(),
+    );
+}

@@ -411,7 +411,7 @@ fn backward_head<T: Scalar>(
 ) {
     let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
     let tokens = Tokens::new(x);
-    let mut ws = Rows::zeros(l, vd);
+    let mut ws = Rows::overwritten(l, vd);
     let mut checkpoints = scratch::with_capacity(0);
     let rec = Record {
         o,

@@ -491,7 +491,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             q,
             k,
             v: tensor::view4(x.v),
-            g: gate_terms(x, opt, &dims).0,
+            g: gate_terms(x, opt, &dims, false).0,
             beta,
             h0: x.initial_state.map(tensor::view4),
             opt: *opt,
@@ -708,14 +708,18 @@ impl<T: Scalar> Operator<T> for Kda {
     }
 }
 
-/// The decay `g [B, T, HV, K]` and, for an in-kernel gate, its partial
-/// derivatives `(∂g/∂x, ∂g/∂A_log)` (x = raw g + dt_bias), element by element.
+/// The decay `g [B, T, HV, K]` and, for an in-kernel gate with
+/// `derivatives`, its partial derivatives `(∂g/∂x, ∂g/∂A_log)` (x = raw g +
+/// dt_bias), element by element ([`gates::gate_eval_run`] over each row of
+/// `K`, rows in parallel).
 #[allow(clippy::type_complexity)]
 fn gate_terms<'a, T: Scalar>(
     x: &KdaRefs<'a, T>,
     opt: &KdaOptions,
     d: &KdaDims,
+    derivatives: bool,
 ) -> (CowArray<'a, T, Ix4>, Option<(Array4<T>, Array4<T>)>) {
+    use rayon::prelude::*;
     let shape = (d.b, d.t, d.hv, d.k);
     let raw = if d.scalar_gate {
         let g3 = x.g.view().into_dimensionality::<Ix3>().expect("validated");
@@ -729,16 +733,61 @@ fn gate_terms<'a, T: Scalar>(
     }
     let flat = |a: Option<&ArrayD<T>>| a.map(|a| a.iter().copied().collect::<Vec<T>>());
     let (a_log, dt_bias) = (flat(x.a_log), flat(x.dt_bias));
-    let (mut g, mut dx, mut da) = (raw.into_owned(), Array4::zeros(shape), Array4::zeros(shape));
-    ndarray::Zip::indexed(&mut g)
-        .and(&mut dx)
-        .and(&mut da)
-        .for_each(|(_, _, h, kk), g, dx, da| {
-            let bias = dt_bias.as_ref().map_or(T::zero(), |b| b[h * d.k + kk]);
-            let (v, dv, dav) = gates::gate_eval(opt.gate, *g + bias, a_log.as_ref().map(|a| a[h]));
-            (*g, *dx, *da) = (v, dv, dav);
+    let raw = tensor::standard(raw.view());
+    let mut g = Array4::zeros(shape);
+    let (mut dx, mut da) = match derivatives {
+        true => (Array4::zeros(shape), Array4::zeros(shape)),
+        false => (Array4::zeros((0, 0, 0, 0)), Array4::zeros((0, 0, 0, 0))),
+    };
+    let k = d.k;
+    // Rows of K in blocks, a block per task; row r belongs to head r mod HV.
+    const ROWS: usize = 64;
+    let block = ROWS * k;
+    let raw = raw.as_slice().expect("standard layout");
+    let g_blocks = g
+        .as_slice_mut()
+        .expect("standard layout")
+        .par_chunks_mut(block);
+    let mut d_blocks: Vec<_> = if derivatives {
+        let dx = dx
+            .as_slice_mut()
+            .expect("standard layout")
+            .chunks_mut(block);
+        let da = da
+            .as_slice_mut()
+            .expect("standard layout")
+            .chunks_mut(block);
+        dx.zip(da).map(Some).collect()
+    } else {
+        (0..raw.len().div_ceil(block.max(1)))
+            .map(|_| None)
+            .collect()
+    };
+    g_blocks
+        .zip(raw.par_chunks(block))
+        .zip(d_blocks.par_iter_mut())
+        .enumerate()
+        .for_each(|(b, ((g, raw), dv))| {
+            crate::simd::dispatch(
+                #[inline(always)]
+                || {
+                    let mut xs = vec![T::zero(); k];
+                    for (r, (g, raw)) in g.chunks_mut(k).zip(raw.chunks(k)).enumerate() {
+                        let h = (b * ROWS + r) % d.hv;
+                        for (j, (x, &v)) in xs.iter_mut().zip(raw).enumerate() {
+                            *x = v + dt_bias.as_ref().map_or(T::zero(), |bias| bias[h * k + j]);
+                        }
+                        let a = a_log.as_ref().map(|a| a[h]);
+                        let row = r * k..(r + 1) * k;
+                        let derivs = dv
+                            .as_mut()
+                            .map(|(dx, da)| (&mut dx[row.clone()], &mut da[row.clone()]));
+                        gates::gate_eval_run(opt.gate, &xs, a, g, derivs);
+                    }
+                },
+            )
         });
-    (CowArray::from(g), Some((dx, da)))
+    (CowArray::from(g), derivatives.then_some((dx, da)))
 }
 
 /// Validates the upstream gradients `do [B,T,HV,V]` and `dht [N,HV,K,V]`.
@@ -918,7 +967,7 @@ fn gate_backward<T: Scalar>(
     if d.scalar_gate {
         return (dgate.sum_axis(Axis(3)).into_dyn(), None, None);
     }
-    let Some((dg_dx, dg_da)) = gate_terms(x, opt, d).1 else {
+    let Some((dg_dx, dg_da)) = gate_terms(x, opt, d, true).1 else {
         return (dgate.into_dyn(), None, None);
     };
     let dg = &dgate * &dg_dx;

@@ -375,7 +375,7 @@ fn backward_head<T: Scalar>(
 ) {
     let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
     let tokens = Tokens::new(x);
-    let mut rs = Rows::zeros(l, vd);
+    let mut rs = Rows::overwritten(l, vd);
     let mut checkpoints = scratch::with_capacity(0);
     let rec = Record {
         o,

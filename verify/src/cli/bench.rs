@@ -63,7 +63,8 @@ struct Row {
     compile_s: Option<f64>,
     /// Achieved GFLOP/s of a CPU KDA or DPLR row without CP.
     gflops: Option<f64>,
-    /// `gflops` over the measured peak.
+    /// `gflops` over the measured peak (the best of the samples taken
+    /// after each counted row).
     peak_fraction: Option<f64>,
     worst_norm_ratio: f64,
     worst_tensor: String,
@@ -212,8 +213,12 @@ fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
         progress.inc();
         let (worst_norm_ratio, worst_tensor) = worst(&truth, &t.results);
         let gflops = op_count(&imp, &case).map(|n| n / t.wall_s / 1e9);
-        if gflops.is_some() && peak.is_none() {
-            peak = Some(ops::peak_gflops(PEAK_SECONDS));
+        if gflops.is_some() {
+            // Sampled after every counted row, the best kept: a peak taken
+            // once, while a shared machine is busy, would flatter every
+            // row's fraction.
+            let p = ops::peak_gflops(PEAK_SECONDS);
+            peak = Some(peak.map_or(p, |q: f64| q.max(p)));
         }
         rows.push(Row {
             imp: imp.name(),
@@ -225,10 +230,13 @@ fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
             download_s: t.phases.map(|p| p.download_s),
             compile_s: t.phases.map(|p| p.compile_s),
             gflops,
-            peak_fraction: gflops.zip(peak).map(|(g, p)| g / p),
+            peak_fraction: None,
             worst_norm_ratio,
             worst_tensor,
         });
+    }
+    for r in &mut rows {
+        r.peak_fraction = r.gflops.zip(peak).map(|(g, p)| g / p);
     }
     Ok((rows, peak))
 }
