@@ -14,6 +14,10 @@
 //! rayon, results in pair order, so the bits do not depend on the thread
 //! count; [`crate::cp::forward`], [`crate::cp::backward`] and
 //! [`crate::cp::forward_backward`] run the same engine rank by rank.
+//! [`forward_backward`] allocates the run's result tensors once and hands
+//! each pair views of its rows ([`HeadSink`]), which an engine writes as it
+//! goes ([`Engine::forward_backward_into`]): no pair keeps results of its
+//! own and nothing is assembled afterwards.
 //!
 //! # Adding an operator
 //! 1. A folder `src/<op>/` with `mod.rs` holding the public tensors
@@ -21,7 +25,10 @@
 //!    a `Prepared` (validated inputs after FLA's fused pre-processing) that
 //!    implements [`Prepared`], a per-piece `Head` (which may borrow the
 //!    `Prepared` tensors: [`Operator::head`]) and `HeadGrads`, and a marker
-//!    type implementing [`OpSpec`] and [`Operator`].
+//!    type implementing [`OpSpec`] and [`Operator`]. Its `GradsBuf` is the
+//!    gradients' full tensors before the chain rule, split per pair into
+//!    `GradsSink`s; an operator whose gradients are not all per-token
+//!    tensors keeps each pair's as computed ([`Collected`]).
 //! 2. One file per engine (`naive.rs`, `chunk.rs`), each a type implementing
 //!    [`Engine`] with `type Op = <marker>`. Override [`Engine::transition`]
 //!    only when the engine has a cheaper way than the default probe run.

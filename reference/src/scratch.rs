@@ -32,9 +32,14 @@ pub struct Scratch<T: 'static>(Vec<T>);
 
 /// A buffer of `len` zeros, reusing a kept one when one is large enough.
 pub fn zeros<T: Scalar>(len: usize) -> Scratch<T> {
-    let mut v = with_capacity::<T>(len);
-    v.0.resize(len, T::zero());
-    v
+    match kept::<T>(len) {
+        Some(mut v) => {
+            v.clear();
+            v.resize(len, T::zero());
+            Scratch(v)
+        }
+        None => Scratch(fresh(len)),
+    }
 }
 
 /// A buffer of `len` values that the caller writes in full before it reads
@@ -42,23 +47,33 @@ pub fn zeros<T: Scalar>(len: usize) -> Scratch<T> {
 /// read here; zeros past its old length), which saves clearing megabytes
 /// that are about to be overwritten.
 pub fn overwritten<T: Scalar>(len: usize) -> Scratch<T> {
-    let mut v = Scratch(take::<T>(len));
-    v.0.truncate(len);
-    v.0.resize(len, T::zero());
-    v
+    match kept::<T>(len) {
+        Some(mut v) => {
+            v.truncate(len);
+            v.resize(len, T::zero());
+            Scratch(v)
+        }
+        None => Scratch(fresh(len)),
+    }
+}
+
+/// A new buffer of `len` zeros from the allocator's zeroed memory
+/// (`calloc`): freshly mapped pages are already zero, so a long head's
+/// buffers (tens of MiB, never kept) are not cleared in a pass of their own.
+fn fresh<T: Scalar>(len: usize) -> Vec<T> {
+    vec![T::zero(); len]
 }
 
 /// An empty buffer with room for `cap` values.
 pub fn with_capacity<T: Scalar>(cap: usize) -> Scratch<T> {
-    let mut v = take::<T>(cap);
+    let mut v = kept::<T>(cap).unwrap_or_else(|| Vec::with_capacity(cap));
     v.clear();
     Scratch(v)
 }
 
-/// A kept buffer with room for `cap` values, as it was given back, or a
-/// new empty one.
-fn take<T: Scalar>(cap: usize) -> Vec<T> {
-    let kept = POOL.with(|p| {
+/// A kept buffer with room for `cap` values, as it was given back.
+fn kept<T: Scalar>(cap: usize) -> Option<Vec<T>> {
+    POOL.with(|p| {
         let mut p = p.borrow_mut();
         let at = p.iter().position(|b| {
             b.downcast_ref::<Vec<T>>()
@@ -69,8 +84,7 @@ fn take<T: Scalar>(cap: usize) -> Vec<T> {
                 .downcast::<Vec<T>>()
                 .expect("checked type"),
         )
-    });
-    kept.unwrap_or_else(|| Vec::with_capacity(cap))
+    })
 }
 
 impl<T: 'static> Drop for Scratch<T> {
