@@ -266,6 +266,72 @@ pub struct HeadSink<'s, T: Scalar, O: Operator<T>> {
     pub grads: O::GradsSink<'s>,
 }
 
+/// The [`Operator`] items of an operator whose pairs write their gradients
+/// into `$buf` (the prepared tensors' gradients, with `zeros(&p.dims)` and
+/// `sinks(&p.segments)`) through `$sink<'s, T>` views (with `assign`):
+/// `grads_in_place!(PreparedGrads<T>, KdaHeadGradsMut);` inside the impl.
+/// `chain_grads` stays the operator's own.
+#[macro_export]
+macro_rules! grads_in_place {
+    ($buf:ty, $sink:ident) => {
+        type GradsBuf = $buf;
+        type GradsSink<'s>
+            = $sink<'s, T>
+        where
+            T: 's;
+
+        fn grads_buf(p: &Self::Prepared<'_>) -> $buf {
+            <$buf>::zeros(&p.dims)
+        }
+
+        fn grads_sinks<'s>(b: &'s mut $buf, p: &Self::Prepared<'_>) -> Vec<$sink<'s, T>> {
+            b.sinks(&p.segments)
+        }
+
+        fn write_grads(sink: $sink<'_, T>, g: Self::HeadGrads) {
+            sink.assign(&g);
+        }
+    };
+}
+
+/// The [`Operator`] gradient items of an operator that keeps each pair's
+/// gradients as computed ([`Collected`]) and chains them with
+/// [`Operator::grads`]: `grads_collected!();` inside the impl.
+#[macro_export]
+macro_rules! grads_collected {
+    () => {
+        type GradsBuf = $crate::op::Collected<Self::HeadGrads>;
+        type GradsSink<'s>
+            = &'s mut Option<Self::HeadGrads>
+        where
+            T: 's;
+
+        fn grads_buf(p: &Self::Prepared<'_>) -> Self::GradsBuf {
+            $crate::op::Collected::new($crate::op::Prepared::segments(p).len())
+        }
+
+        fn grads_sinks<'s>(
+            b: &'s mut Self::GradsBuf,
+            _: &Self::Prepared<'_>,
+        ) -> Vec<&'s mut Option<Self::HeadGrads>> {
+            b.sinks()
+        }
+
+        fn write_grads(sink: &mut Option<Self::HeadGrads>, g: Self::HeadGrads) {
+            *sink = Some(g);
+        }
+
+        fn chain_grads(
+            x: &Self::Inputs,
+            opt: &Self::Options,
+            p: &Self::Prepared<'_>,
+            b: Self::GradsBuf,
+        ) -> Self::Grads {
+            b.chain::<T, Self>(x, opt, p)
+        }
+    };
+}
+
 /// A [`Operator::GradsBuf`] that keeps each pair's gradients as its engine
 /// returns them, for operators whose gradients are not only per-token
 /// tensors (a convolution's weight gradient sums over the pairs).

@@ -323,35 +323,7 @@ impl<T: Scalar> Operator<T> for TokenShift {
         &g.dcache
     }
 
-    type GradsBuf = op::Collected<TokenShiftHeadGrads<T>>;
-    type GradsSink<'s>
-        = &'s mut Option<TokenShiftHeadGrads<T>>
-    where
-        T: 's;
-
-    fn grads_buf(p: &Prepared<'_, T>) -> Self::GradsBuf {
-        op::Collected::new(op::Prepared::segments(p).len())
-    }
-
-    fn grads_sinks<'s>(
-        b: &'s mut Self::GradsBuf,
-        _: &Prepared<'_, T>,
-    ) -> Vec<&'s mut Option<TokenShiftHeadGrads<T>>> {
-        b.sinks()
-    }
-
-    fn write_grads(sink: &mut Option<TokenShiftHeadGrads<T>>, g: TokenShiftHeadGrads<T>) {
-        *sink = Some(g);
-    }
-
-    fn chain_grads(
-        x: &TokenShiftInputs<T>,
-        opt: &(),
-        p: &Prepared<'_, T>,
-        b: Self::GradsBuf,
-    ) -> TokenShiftGrads<T> {
-        b.chain::<T, Self>(x, opt, p)
-    }
+    crate::grads_collected!();
 
     fn narrow(x: &TokenShiftInputs<f64>) -> TokenShiftInputs<T> {
         x.cast()

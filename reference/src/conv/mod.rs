@@ -576,35 +576,7 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
         &g.dwindow
     }
 
-    type GradsBuf = op::Collected<PieceGrads<T>>;
-    type GradsSink<'s>
-        = &'s mut Option<PieceGrads<T>>
-    where
-        T: 's;
-
-    fn grads_buf(p: &Prepared<'_, T>) -> Self::GradsBuf {
-        op::Collected::new(op::Prepared::segments(p).len())
-    }
-
-    fn grads_sinks<'s>(
-        b: &'s mut Self::GradsBuf,
-        _: &Prepared<'_, T>,
-    ) -> Vec<&'s mut Option<PieceGrads<T>>> {
-        b.sinks()
-    }
-
-    fn write_grads(sink: &mut Option<PieceGrads<T>>, g: PieceGrads<T>) {
-        *sink = Some(g);
-    }
-
-    fn chain_grads(
-        x: &ConvInputs<T>,
-        opt: &ConvOptions,
-        p: &Prepared<'_, T>,
-        b: Self::GradsBuf,
-    ) -> ConvGrads<T> {
-        b.chain::<T, Self>(x, opt, p)
-    }
+    crate::grads_collected!();
 
     fn narrow(x: &ConvInputs<f64>) -> ConvInputs<T> {
         x.cast()

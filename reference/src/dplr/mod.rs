@@ -475,26 +475,7 @@ impl<T: Scalar> Operator<T> for Dplr {
         &g.dh0
     }
 
-    type GradsBuf = PreparedGrads<T>;
-    type GradsSink<'s>
-        = DplrHeadGradsMut<'s, T>
-    where
-        T: 's;
-
-    fn grads_buf(p: &Prepared<'_, T>) -> PreparedGrads<T> {
-        PreparedGrads::zeros(&p.dims)
-    }
-
-    fn grads_sinks<'s>(
-        b: &'s mut PreparedGrads<T>,
-        p: &Prepared<'_, T>,
-    ) -> Vec<DplrHeadGradsMut<'s, T>> {
-        b.sinks(&p.segments)
-    }
-
-    fn write_grads(sink: DplrHeadGradsMut<'_, T>, g: DplrHeadGrads<T>) {
-        sink.assign(&g);
-    }
+    crate::grads_in_place!(PreparedGrads<T>, DplrHeadGradsMut);
 
     fn chain_grads(
         x: &DplrInputs<T>,

@@ -583,26 +583,7 @@ impl<T: Scalar> Operator<T> for Gdn {
         &g.dh0
     }
 
-    type GradsBuf = PreparedGrads<T>;
-    type GradsSink<'s>
-        = KdaHeadGradsMut<'s, T>
-    where
-        T: 's;
-
-    fn grads_buf(p: &Prepared<'_, T>) -> PreparedGrads<T> {
-        PreparedGrads::zeros(&p.dims)
-    }
-
-    fn grads_sinks<'s>(
-        b: &'s mut PreparedGrads<T>,
-        p: &Prepared<'_, T>,
-    ) -> Vec<KdaHeadGradsMut<'s, T>> {
-        b.sinks(&p.segments)
-    }
-
-    fn write_grads(sink: KdaHeadGradsMut<'_, T>, g: KdaHeadGrads<T>) {
-        sink.assign(&g);
-    }
+    crate::grads_in_place!(PreparedGrads<T>, KdaHeadGradsMut);
 
     fn chain_grads(
         x: &GdnInputs<T>,
