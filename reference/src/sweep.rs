@@ -14,26 +14,66 @@ use crate::scalar::Scalar;
 /// not depend on it (each element's operations are the same).
 pub const TILE: usize = 16;
 
-/// Tokens per block of the checkpointed backward: states are kept every
-/// `⌈√L⌉` (at least 16) tokens and recomputed per block, so memory is
-/// `O(√L · K · V)`. The GPU's naive backward uses the same spacing.
+/// Tokens per block of a checkpointed backward at the `O(√L · K · V)`
+/// spacing: `⌈√L⌉`, at least 16. The GPU's naive backward uses it as is;
+/// the CPU engines shorten it to their cache ([`state_block_len`]).
 pub fn block_len(l: usize) -> usize {
     ((l as f64).sqrt().ceil() as usize).max(16)
+}
+
+/// Bytes of replayed states one block may hold on the CPU. A block's
+/// states are written by the replay and read back in reverse by the
+/// sweeps, so they must stay in the cache between the two: at K = V = 256
+/// (512 KiB states) the `√L` block of 32–64 tokens is 16–32 MiB, the size
+/// of the whole L3, and cutting it to 16 tokens (8 MiB) took the naive
+/// forward+backward at T = 4096, H = 1 from 463–469 to 337–342 ms (KDA) and
+/// 506 to 350–363 ms (DPLR) on the AMD VM; at K = V = 64 and 128 a block
+/// under 8 MiB was no faster (README, fifteenth round).
+const BLOCK_BYTES: usize = 8 << 20;
+
+/// Tokens per block of the naive engines' checkpointed backward for states
+/// of `state_bytes`: [`block_len`], shortened so the block's states fit
+/// [`BLOCK_BYTES`], but never below a quarter of it, so the checkpoints
+/// stay `O(√L)` (at most about `4√L` of them). Where the checkpoints fall
+/// does not change a bit: replaying from one repeats the forward's steps.
+pub fn state_block_len(l: usize, state_bytes: usize) -> usize {
+    let sqrt = block_len(l);
+    let fits = BLOCK_BYTES / state_bytes.max(1);
+    sqrt.min(fits.max(sqrt.div_ceil(4)))
+}
+
+/// States a checkpointed backward of `l` tokens holds at once: its
+/// checkpoints and one block ([`state_block_len`]).
+pub fn held_states(l: usize, state_bytes: usize) -> usize {
+    let bl = state_block_len(l, state_bytes);
+    l.div_ceil(bl) + bl
 }
 
 /// The forward schedule of the naive engines over tokens `0 .. l`: sweep
 /// `t` (one call `sweep(s, fin, start)`) finishes token `fin = t − 1` and
 /// starts token `start = t`. With `checkpoints`, the state entering the first
-/// token of every block of [`block_len`] tokens is appended to it, so there
-/// the two halves run as two calls around the copy.
+/// token of every block of [`state_block_len`] tokens is appended to it, so
+/// there the two halves run as two calls around the copy.
 #[inline(always)]
 pub fn run_tokens<T: Copy>(
     l: usize,
     s: &mut [T],
+    checkpoints: Option<&mut Vec<T>>,
+    sweep: impl FnMut(&mut [T], Option<usize>, Option<usize>),
+) {
+    let bl = state_block_len(l, std::mem::size_of_val(s));
+    run_tokens_in_blocks(l, bl, s, checkpoints, sweep)
+}
+
+/// [`run_tokens`] with checkpoints every `bl` tokens.
+#[inline(always)]
+fn run_tokens_in_blocks<T: Copy>(
+    l: usize,
+    bl: usize,
+    s: &mut [T],
     mut checkpoints: Option<&mut Vec<T>>,
     mut sweep: impl FnMut(&mut [T], Option<usize>, Option<usize>),
 ) {
-    let bl = block_len(l);
     if let Some(states) = &mut checkpoints {
         states.reserve(l.div_ceil(bl) * s.len());
     }
@@ -64,9 +104,24 @@ pub fn reverse_blocks<T: Scalar>(
     checkpoints: &[T],
     ds: &mut [T],
     replay: impl Fn(usize, &[T], &mut [T]),
+    back: impl FnMut(usize, usize, &[T], &mut [T]),
+) {
+    let bl = state_block_len(l, pairs.len() * std::mem::size_of::<T>());
+    reverse_blocks_of(l, bl, pairs, checkpoints, ds, replay, back)
+}
+
+/// [`reverse_blocks`] for checkpoints every `bl` tokens.
+#[inline(always)]
+fn reverse_blocks_of<T: Scalar>(
+    l: usize,
+    bl: usize,
+    pairs: Pairs,
+    checkpoints: &[T],
+    ds: &mut [T],
+    replay: impl Fn(usize, &[T], &mut [T]),
     mut back: impl FnMut(usize, usize, &[T], &mut [T]),
 ) {
-    let (bl, kv) = (block_len(l), pairs.len());
+    let kv = pairs.len();
     // Each block's states are written (the checkpoint, then the replays)
     // before its sweeps read them.
     let mut prev = crate::scratch::overwritten(bl * kv);
@@ -318,5 +373,106 @@ mod tests {
         assert!(!copied.is_view());
         assert_eq!(row(&copied, 1), &[1.0, 11.0, 21.0, 31.0]);
         prefetch(row(&copied, 1));
+    }
+
+    /// The toy recurrence `S_t = S_{t−1}·c_t + d_t` run through the
+    /// schedules with checkpoints every `bl` tokens: returns, per token `t`,
+    /// the state the forward left after it and the state the backward's
+    /// block handed over for it (`S_{t−1}`, row-major), and the order in
+    /// which the blocks arrived.
+    #[allow(clippy::type_complexity)]
+    fn toy_schedule(
+        l: usize,
+        bl: usize,
+        pairs: Pairs,
+    ) -> (Vec<Vec<f64>>, Vec<Option<Vec<f64>>>, Vec<usize>) {
+        let c = |t: usize| 0.9 + 0.013 * (t % 7) as f64;
+        let d = |t: usize| 0.1 / (1.0 + t as f64);
+        let start: Vec<f64> = (0..pairs.len()).map(|i| 1.0 + i as f64 / 3.0).collect();
+        let (mut s, mut after, mut checkpoints) = (start.clone(), Vec::new(), Vec::new());
+        run_tokens_in_blocks(l, bl, &mut s, Some(&mut checkpoints), |s, fin, begin| {
+            if let Some(t) = fin {
+                s.iter_mut().for_each(|x| *x += d(t));
+                after.push(s.to_vec());
+            }
+            if let Some(t) = begin {
+                s.iter_mut().for_each(|x| *x *= c(t));
+            }
+        });
+        let (mut entering, mut order) = (vec![None; l], Vec::new());
+        let mut ds = vec![0.5; pairs.len()];
+        reverse_blocks_of(
+            l,
+            bl,
+            pairs,
+            &checkpoints,
+            &mut ds,
+            |t, prev, next| {
+                for (n, p) in next.iter_mut().zip(prev) {
+                    *n = *p * c(t) + d(t);
+                }
+            },
+            |first, end, states, _ds| {
+                order.push(first);
+                for t in first..end {
+                    let mut row_major = vec![0.0; pairs.len()];
+                    pairs.unpack(
+                        &states[(t - first) * pairs.len()..][..pairs.len()],
+                        &mut row_major,
+                    );
+                    entering[t] = Some(row_major);
+                }
+            },
+        );
+        assert_eq!(ds, vec![0.5; pairs.len()], "ds leaves as it entered");
+        let mut before = vec![start];
+        before.extend(after.iter().take(l - 1).cloned());
+        (before, entering, order)
+    }
+
+    /// Wherever the checkpoints fall, every token's block sees the very
+    /// state the forward entered it with (bit for bit), each token once,
+    /// the blocks from the last to the first.
+    #[test]
+    fn replayed_states_do_not_depend_on_the_spacing() {
+        let (l, pairs) = (37, Pairs { k: 3, v: 5 });
+        for bl in [1, 3, 16, 36, 37, 50] {
+            let (before, entering, order) = toy_schedule(l, bl, pairs);
+            for t in 0..l {
+                let got = entering[t]
+                    .as_ref()
+                    .unwrap_or_else(|| panic!("bl={bl}: token {t} never replayed"));
+                let same = got
+                    .iter()
+                    .zip(&before[t])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "bl={bl}: state entering token {t}");
+            }
+            let mut firsts: Vec<usize> = (0..l).step_by(bl).collect();
+            firsts.reverse();
+            assert_eq!(order, firsts, "bl={bl}");
+        }
+    }
+
+    /// The CPU's blocks: `√L` where a block fits 8 MiB, shorter where it
+    /// does not, never below a quarter of `√L`.
+    #[test]
+    fn state_blocks_fit_the_cache_and_keep_checkpoints_o_sqrt_l() {
+        let kib = |n: usize| n << 10;
+        // K = V = 64 f64 states (32 KiB): 32 tokens = 1 MiB, the √L spacing.
+        assert_eq!(state_block_len(1024, kib(32)), block_len(1024));
+        // K = V = 256 (512 KiB): 16 states fill 8 MiB.
+        assert_eq!(state_block_len(4096, kib(512)), 16);
+        assert_eq!(state_block_len(1024, kib(512)), 16);
+        // K = V = 128 (128 KiB) over 65,536 tokens: 64 = 8 MiB = √L / 4.
+        assert_eq!(state_block_len(65536, kib(128)), 64);
+        // 2 MiB states: 4 fill the budget, and √(1 << 20) / 4 = 256 bounds it.
+        assert_eq!(state_block_len(100, 2 << 20), 4);
+        assert_eq!(state_block_len(1 << 20, 2 << 20), 256);
+        for (l, bytes) in [(1, 8), (37, kib(512)), (4096, kib(512)), (1 << 20, 2 << 20)] {
+            let bl = state_block_len(l, bytes);
+            assert_eq!(held_states(l, bytes), l.div_ceil(bl) + bl);
+            assert!(l.div_ceil(bl) <= 4 * block_len(l), "L={l}: checkpoints");
+        }
     }
 }

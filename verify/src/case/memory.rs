@@ -170,7 +170,8 @@ impl Problem {
     /// Bytes an implementation on the CPU holds: copies of the inputs, the
     /// outputs and gradients, and the engine's states (`chunk`: the chunk
     /// size of the chunked engine, whose per-chunk states `h` and `dh` are
-    /// kept; `None`: the naive engine's √T checkpoints per running task).
+    /// kept; `None`: the naive engine's checkpoints and block of replayed
+    /// states per running task, `deltaref::sweep::held_states`).
     pub fn compute_bytes(&self, chunk: Option<usize>) -> u64 {
         let state = sum_of_products(&[&[self.hv.max(self.h), self.k, self.v]]);
         let states = match (self.op, chunk) {
@@ -180,11 +181,13 @@ impl Problem {
                 state.saturating_mul(chunks).saturating_mul(2)
             }
             (_, None) => {
-                let per_task = (self.t as f64).sqrt().ceil() as u64 + 32;
+                let per_head = state / self.hv.max(self.h).max(1) as u64;
+                let per_task = deltaref::sweep::held_states(
+                    self.t,
+                    usize::try_from(per_head.saturating_mul(8)).unwrap_or(usize::MAX),
+                ) as u64;
                 let tasks = rayon::current_num_threads() as u64;
-                (state / self.hv.max(self.h).max(1) as u64)
-                    .saturating_mul(per_task)
-                    .saturating_mul(tasks)
+                per_head.saturating_mul(per_task).saturating_mul(tasks)
             }
         };
         self.input_elements()
