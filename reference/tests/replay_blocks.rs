@@ -6,17 +6,14 @@
 mod common;
 
 use common::assert_close;
-use deltaref::dplr::{self, DplrGrads, DplrOptions, DplrOutputs};
+use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
-use deltaref::kda::{self, KdaGrads, KdaOptions, KdaOutputs};
+use deltaref::kda::{self, KdaOptions};
 use deltaref::op;
 use deltaref::sweep::{block_len, state_block_len};
-use ndarray::ArrayD;
 
 const L: usize = 400;
 const D: usize = 256;
-
-type Named = Vec<(&'static str, ArrayD<f64>)>;
 
 /// The shape below takes the shortened blocks.
 #[test]
@@ -24,37 +21,34 @@ fn the_shape_checkpoints_more_often_than_sqrt_l() {
     assert!(state_block_len(L, D * D * 8) < block_len(L));
 }
 
-fn assert_all_close(what: &str, naive: Named, chunk: Named) {
-    for ((name, n), (_, c)) in naive.iter().zip(&chunk) {
-        assert_close(&format!("{what} {name}"), n, c, 1e-10);
+/// The naive and chunked engines' outputs and gradients on `g` within
+/// 1e-10 of each other, every one present in both.
+fn naive_matches_chunk<O, N, C>(
+    naive: &N,
+    chunk: &C,
+    g: &inputs::Generated<O::Inputs>,
+    opts: &O::Options,
+) where
+    O: op::Operator<f64>,
+    N: op::Engine<f64, Op = O>,
+    C: op::Engine<f64, Op = O>,
+{
+    let (no, ng) = op::forward_backward(naive, &g.inputs, opts, &g.d_o, Some(&g.dht)).unwrap();
+    let (co, cg) = op::forward_backward(chunk, &g.inputs, opts, &g.d_o, Some(&g.dht)).unwrap();
+    let (n, c) = (
+        op::named::<f64, O>(&no, Some(&ng)),
+        op::named::<f64, O>(&co, Some(&cg)),
+    );
+    let names = |v: &[(&'static str, _)]| v.iter().map(|(s, _)| *s).collect::<Vec<_>>();
+    assert_eq!(names(&n), names(&c), "{}: tensors", O::NAME);
+    assert!(
+        n.len() >= 8,
+        "{}: outputs, final state and gradients",
+        O::NAME
+    );
+    for ((name, n), (_, c)) in n.iter().zip(&c) {
+        assert_close(&format!("{} {name}", O::NAME), n, c, 1e-10);
     }
-}
-
-fn kda_named((o, g): (KdaOutputs<f64>, KdaGrads<f64>)) -> Named {
-    vec![
-        ("o", o.o),
-        ("ht", o.final_state.expect("ht")),
-        ("dq", g.dq),
-        ("dk", g.dk),
-        ("dv", g.dv),
-        ("dg", g.dg),
-        ("dbeta", g.dbeta),
-        ("dh0", g.dh0.expect("dh0")),
-    ]
-}
-
-fn dplr_named((o, g): (DplrOutputs<f64>, DplrGrads<f64>)) -> Named {
-    vec![
-        ("o", o.o),
-        ("ht", o.final_state.expect("ht")),
-        ("dq", g.dq),
-        ("dk", g.dk),
-        ("dv", g.dv),
-        ("da", g.da),
-        ("db", g.db),
-        ("dgk", g.dgk),
-        ("dh0", g.dh0.expect("dh0")),
-    ]
 }
 
 #[test]
@@ -74,19 +68,8 @@ fn kda_naive_matches_chunk_with_short_replay_blocks() {
         scalar_gate: false,
         seed: 3,
     });
-    fn run<E: op::Engine<f64, Op = kda::Kda>>(
-        e: &E,
-        g: &inputs::Generated<kda::KdaInputs<f64>>,
-        o: &KdaOptions,
-    ) -> Named {
-        kda_named(op::forward_backward(e, &g.inputs, o, &g.d_o, Some(&g.dht)).unwrap())
-    }
     let chunk = kda::chunk::Chunk::new(64).unwrap();
-    assert_all_close(
-        "KDA",
-        run(&kda::naive::Naive, &g, &opts),
-        run(&chunk, &g, &opts),
-    );
+    naive_matches_chunk(&kda::naive::Naive, &chunk, &g, &opts);
 }
 
 #[test]
@@ -103,17 +86,6 @@ fn dplr_naive_matches_chunk_with_short_replay_blocks() {
         initial_state: true,
         seed: 3,
     });
-    fn run<E: op::Engine<f64, Op = dplr::Dplr>>(
-        e: &E,
-        g: &inputs::Generated<dplr::DplrInputs<f64>>,
-        o: &DplrOptions,
-    ) -> Named {
-        dplr_named(op::forward_backward(e, &g.inputs, o, &g.d_o, Some(&g.dht)).unwrap())
-    }
     let chunk = dplr::chunk::Chunk::new(64).unwrap();
-    assert_all_close(
-        "DPLR",
-        run(&dplr::naive::Naive, &g, &opts),
-        run(&chunk, &g, &opts),
-    );
+    naive_matches_chunk(&dplr::naive::Naive, &chunk, &g, &opts);
 }
