@@ -460,6 +460,19 @@ pub fn check_chunk_size(chunk_size: usize) -> Result<()> {
     }
 }
 
+/// A chunked engine's span of a long pair ([`crate::varlen::in_spans`]):
+/// a positive multiple of its chunk size.
+pub fn check_span_len(span_len: usize, chunk_size: usize) -> Result<()> {
+    if span_len > 0 && span_len.is_multiple_of(chunk_size) {
+        Ok(())
+    } else {
+        Err(Error::option(
+            "span_len",
+            format!("must be a positive multiple of the chunk size {chunk_size}, got {span_len}"),
+        ))
+    }
+}
+
 /// `(I − L)^{-1}` of a strictly lower triangular `L [c, c]` given by
 /// `l(r, s)` (`s < r`), by forward substitution: row `r` of the result
 /// gains `l(r, s) ·` row `s` for each `s < r` with `l(r, s) ≠ 0`, as

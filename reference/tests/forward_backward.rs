@@ -12,7 +12,9 @@ use deltaref::gdn::{GdnOptions, OnKda};
 use deltaref::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{self, KdaOptions};
 use deltaref::op::{self, Engine, OpSpec, Operator};
+use deltaref::precision::{Policy, Stage};
 use deltaref::token_shift::Shift;
+use deltaref::Dtype;
 use ndarray::ArrayD;
 
 /// Panics unless both lists hold the same tensors, bit for bit.
@@ -82,7 +84,57 @@ fn kda_forward_backward_has_the_separate_runs_bits() {
     for c in [16, 32, 64] {
         let chunk = kda::chunk::Chunk::new(c).expect("valid");
         check(&format!("kda chunk C={c}"), &chunk, x, &opts, d_o, dht);
+        check_spans("kda", c, x, &opts, d_o, dht, |span, policy| {
+            chunk.clone().with_policy(policy).with_span_len(span)
+        });
     }
+}
+
+/// Pairs longer than a span run span by span in `op::forward_backward`
+/// (the separate runs do not), ending in a short span: the same bits, also
+/// with the stored states, state gradients and `v_new` rounded to bf16
+/// (what a span's carries must not change either). `engine(span, policy)`
+/// is the chunked engine of size `c` with both.
+fn check_spans<E: Engine<f64>>(
+    what: &str,
+    c: usize,
+    x: &<E::Op as Operator<f64>>::Inputs,
+    opt: &<E::Op as OpSpec>::Options,
+    d_o: &ArrayD<f64>,
+    dht: &ArrayD<f64>,
+    engine: impl Fn(usize, Policy) -> deltaref::Result<E>,
+) {
+    let bf16 = Policy::exact()
+        .with(Stage::H, Dtype::Bf16)
+        .with(Stage::Dh, Dtype::Bf16)
+        .with(Stage::VNew, Dtype::Bf16);
+    for (span, policy) in [(c, Policy::exact()), (c, bf16.clone()), (2 * c, bf16)] {
+        let e = engine(span, policy).expect("valid");
+        let what = format!("{what} chunk C={c}, spans of {span}");
+        check_op(&what, &e, x, opt, d_o, dht);
+    }
+}
+
+/// A span that is not a positive multiple of the chunk size is refused
+/// by name, with the value.
+fn assert_span_refused(span: deltaref::Result<impl std::fmt::Debug>, bad: usize) {
+    let msg = span.expect_err("refused").to_string();
+    assert!(
+        msg.contains("span_len") && msg.contains(&bad.to_string()),
+        "{msg}"
+    );
+}
+
+#[test]
+fn spans_are_positive_multiples_of_the_chunk_size() {
+    let kda_chunk = kda::chunk::Chunk::new(32).expect("valid");
+    let dplr_chunk = dplr::chunk::Chunk::new(32).expect("valid");
+    for bad in [0, 48, 16] {
+        assert_span_refused(kda_chunk.clone().with_span_len(bad), bad);
+        assert_span_refused(dplr_chunk.clone().with_span_len(bad), bad);
+    }
+    assert!(kda_chunk.with_span_len(96).is_ok());
+    assert!(dplr_chunk.with_span_len(96).is_ok());
 }
 
 #[test]
@@ -104,6 +156,9 @@ fn dplr_forward_backward_has_the_separate_runs_bits() {
     for c in [16, 32, 64] {
         let chunk = dplr::chunk::Chunk::new(c).expect("valid");
         check(&format!("dplr chunk C={c}"), &chunk, x, &opts, d_o, dht);
+        check_spans("dplr", c, x, &opts, d_o, dht, |span, policy| {
+            chunk.clone().with_policy(policy).with_span_len(span)
+        });
     }
 }
 

@@ -32,6 +32,9 @@ use crate::varlen::{
 pub struct Chunk {
     pub chunk_size: usize,
     pub policy: Policy,
+    /// Tokens per span of a long pair's forward+backward
+    /// ([`crate::varlen::in_spans`]); a multiple of `chunk_size`.
+    span_len: usize,
 }
 
 impl Chunk {
@@ -41,12 +44,23 @@ impl Chunk {
         Ok(Chunk {
             chunk_size,
             policy: Policy::exact(),
+            span_len: crate::varlen::SPAN_LEN,
         })
     }
 
     /// The same engine with stages rounded per `policy`.
     pub fn with_policy(self, policy: Policy) -> Self {
         Chunk { policy, ..self }
+    }
+
+    /// The same engine with spans of `tokens` (a positive multiple of the
+    /// chunk size) for long pairs. The results do not depend on it.
+    pub fn with_span_len(self, tokens: usize) -> Result<Self> {
+        crate::tensor::check_span_len(tokens, self.chunk_size)?;
+        Ok(Chunk {
+            span_len: tokens,
+            ..self
+        })
     }
 
     /// What a policy may ask of this engine (FLA `chunk_dplr_delta_rule`'s
@@ -191,6 +205,15 @@ pub struct ChunkForward<T> {
     pub v2: Array2<T>,
     pub o: Array2<T>,
     pub final_state: Array2<T>,
+}
+
+impl<T> crate::varlen::SpanForward<T> for ChunkForward<T> {
+    fn o(&self) -> ArrayView2<'_, T> {
+        self.o.view()
+    }
+    fn final_state(&self) -> ArrayView2<'_, T> {
+        self.final_state.view()
+    }
 }
 
 /// Backward intermediates of one head.
@@ -998,7 +1021,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         ((fwd.o, fwd.final_state), grads)
     }
 
-    /// The gradients written into the run's tensors chunk by chunk.
+    /// The gradients written into the run's tensors chunk by chunk; a pair
+    /// longer than a span in spans ([`crate::varlen::in_spans`]).
     fn forward_backward_into(
         &self,
         x: &DplrHead<T>,
@@ -1007,6 +1031,9 @@ impl<T: Scalar> Engine<T> for Chunk {
         dht: ArrayView2<T>,
         out: HeadSink<'_, T, Dplr>,
     ) {
+        if x.len() > self.span_len {
+            return crate::chunked_in_spans!(self, x, h0, d_o, dht, out);
+        }
         let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
         let fwd = self.forward_pass(x, h0, true);
         tensor::copy_into(out.o, fwd.o.view());

@@ -9,7 +9,7 @@
 pub mod chunk;
 pub mod naive;
 
-use ndarray::{Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2};
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2};
 
 use rayon::prelude::*;
 
@@ -164,7 +164,13 @@ impl<T: Scalar> DplrHead<'_, T> {
     /// The head in standard layout with `scale` applied to `q` (`scale`
     /// 1), borrowing what already is so: what the chunked engine indexes.
     pub fn standard<'a>(&'a self) -> DplrHead<'a, T> {
-        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.view());
+        self.standard_rows(0..self.len())
+    }
+
+    /// Rows `r` of [`DplrHead::standard`] (tokens `r` of the pair), copying
+    /// only those rows where a copy is needed.
+    pub fn standard_rows<'a>(&'a self, r: std::ops::Range<usize>) -> DplrHead<'a, T> {
+        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.slice(s![r.clone(), ..]));
         DplrHead {
             q: if self.scale == T::one() {
                 rows(&self.q)
@@ -254,6 +260,25 @@ pub struct DplrHeadGradsMut<'s, T> {
 }
 
 impl<T: Scalar> DplrHeadGradsMut<'_, T> {
+    /// The gradients of tokens `r` (`[r.len(), ·]` views of these), with
+    /// `dh0` written into `dh0` instead: the state gradient at `r.start`.
+    pub fn rows_mut<'a>(
+        &'a mut self,
+        r: std::ops::Range<usize>,
+        dh0: ArrayViewMut2<'a, T>,
+    ) -> DplrHeadGradsMut<'a, T> {
+        let rows = |a: &'a mut ArrayViewMut2<'_, T>| a.slice_mut(s![r.clone(), ..]);
+        DplrHeadGradsMut {
+            dq: rows(&mut self.dq),
+            dk: rows(&mut self.dk),
+            dv: rows(&mut self.dv),
+            da: rows(&mut self.da),
+            db: rows(&mut self.db),
+            dgk: rows(&mut self.dgk),
+            dh0,
+        }
+    }
+
     /// Writes `g` here.
     pub fn assign(self, g: &DplrHeadGrads<T>) {
         tensor::copy_into(self.dq, g.dq.view());

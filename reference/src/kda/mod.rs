@@ -202,7 +202,13 @@ impl<T: Scalar> KdaHead<'_, T> {
     /// The head in standard layout with `scale` applied to `q` (`scale`
     /// 1), borrowing what already is so: what the chunked engine indexes.
     pub fn standard<'a>(&'a self) -> KdaHead<'a, T> {
-        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.view());
+        self.standard_rows(0..self.len())
+    }
+
+    /// Rows `r` of [`KdaHead::standard`] (tokens `r` of the pair), copying
+    /// only those rows where a copy is needed.
+    pub fn standard_rows<'a>(&'a self, r: std::ops::Range<usize>) -> KdaHead<'a, T> {
+        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.slice(s![r.clone(), ..]));
         KdaHead {
             q: if self.scale == T::one() {
                 rows(&self.q)
@@ -212,7 +218,7 @@ impl<T: Scalar> KdaHead<'_, T> {
             k: rows(&self.k),
             v: rows(&self.v),
             g: rows(&self.g),
-            beta: tensor::standard(self.beta.view()),
+            beta: tensor::standard(self.beta.slice(s![r])),
             scale: T::one(),
         }
     }
@@ -286,6 +292,24 @@ pub struct KdaHeadGradsMut<'s, T> {
 }
 
 impl<T: Scalar> KdaHeadGradsMut<'_, T> {
+    /// The gradients of tokens `r` (`[r.len(), ·]` views of these), with
+    /// `dh0` written into `dh0` instead: the state gradient at `r.start`.
+    pub fn rows_mut<'a>(
+        &'a mut self,
+        r: std::ops::Range<usize>,
+        dh0: ArrayViewMut2<'a, T>,
+    ) -> KdaHeadGradsMut<'a, T> {
+        let rows = |a: &'a mut ArrayViewMut2<'_, T>| a.slice_mut(s![r.clone(), ..]);
+        KdaHeadGradsMut {
+            dq: rows(&mut self.dq),
+            dk: rows(&mut self.dk),
+            dv: rows(&mut self.dv),
+            dg: rows(&mut self.dg),
+            dbeta: self.dbeta.slice_mut(s![r]),
+            dh0,
+        }
+    }
+
     /// Writes `g` here.
     pub fn assign(self, g: &KdaHeadGrads<T>) {
         tensor::copy_into(self.dq, g.dq.view());
