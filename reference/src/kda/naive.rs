@@ -10,9 +10,9 @@
 //! Backward is the hand-derived reverse-time recurrence. States are kept only
 //! at checkpoints every `⌈√L⌉` tokens (more often where a block of states
 //! would not fit the cache: `sweep::state_block_len`) and recomputed per
-//! block, so memory is `O(√L · K · V)` rather than `O(L · K · V)`. The checkpoint pass also keeps
-//! the residuals `r [L, V]`, which makes recomputing a token one elementwise
-//! `S ← e^g ⊙ S + β k rᵀ`. The reverse sweep fuses, row by row, the backward
+//! block, so memory is `O(√L · K · V)` rather than `O(L · K · V)`. The
+//! checkpoint pass also keeps the residuals `r [L, V]`, which makes
+//! recomputing a token one elementwise `S ← e^g ⊙ S + β k rᵀ`. The reverse sweep fuses, row by row, the backward
 //! of the start of token `t` with the backward of the finish of token `t − 1`.
 //! A forward+backward run ([`Engine::forward_backward`]) reads out `o` during
 //! the checkpoint pass instead of running the forward again.
