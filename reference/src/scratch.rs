@@ -21,7 +21,7 @@ use crate::scalar::Scalar;
 /// The largest buffer kept for reuse, in bytes.
 pub const MAX_KEPT: usize = 4 << 20;
 /// Buffers kept per thread at most.
-const KEPT: usize = 8;
+pub const KEPT: usize = 8;
 
 thread_local! {
     static POOL: RefCell<Vec<Box<dyn Any>>> = const { RefCell::new(Vec::new()) };

@@ -429,7 +429,7 @@ pub fn exercise_case(bytes: &[u8], op: Op, compute: bool) -> bool {
             "round trip changed the case"
         );
         let _ = c.expected_results();
-        let _ = deltaref_verify::memory::Problem::of_case(&c).compute_bytes(Some(16));
+        let _ = Impl::chunk(16).map(|i| i.memory_needed(&c));
         if compute {
             let _ = Impl::NAIVE.compute(&c, Compute::F64);
         }

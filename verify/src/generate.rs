@@ -14,7 +14,7 @@ use ndarray::{ArrayD, Axis};
 use crate::case::{Case, CaseError, CaseMeta, Dtype, Op};
 use crate::heads::HeadFile;
 use crate::impls::{first_non_finite, Compute, Impl};
-use crate::memory::{self, Problem};
+use crate::memory::{self, Problem, Run};
 use crate::outputs::Tensors;
 use crate::progress::Progress;
 
@@ -143,6 +143,8 @@ impl GenSpec {
             hv,
             k,
             v,
+            l2norm: matches!(self.op, Op::Kda | Op::Gdn) && self.use_qk_l2norm_in_kernel,
+            gate: self.op == Op::Kda && self.gate != Gate::None,
         }
     }
 
@@ -203,11 +205,11 @@ fn put_all(
 pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
     let (layout, dims) = spec.dims()?;
     let problem = spec.problem(&layout, &dims);
-    let need = problem.gen_bytes().saturating_add(if spec.expected {
-        problem.compute_bytes(None)
+    let need = if spec.expected {
+        problem.gen_bytes()
     } else {
-        0
-    });
+        problem.draw_bytes()
+    };
     memory::check("generating this case", need)?;
     let progress = Progress::spinner("drawing the inputs");
     let mut case = draw(spec, layout, &dims);
@@ -219,7 +221,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
         // values; one per thread keeps every core busy): only those heads'
         // engine buffers are live, not every head's.
         let naive = |c: Case| Impl::NAIVE.compute_owned(c, Compute::F64);
-        let truth = (problem.compute_bytes(None) > crate::heads::STREAM_MIN_BYTES)
+        let truth = (problem.compute_bytes(Run::Naive) > crate::heads::STREAM_MIN_BYTES)
             .then(|| crate::heads::compute_by_blocks(&case, rayon::current_num_threads(), naive))
             .flatten()
             .unwrap_or_else(|| Impl::NAIVE.compute(&case, Compute::F64))
@@ -236,14 +238,13 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
 
 /// Generates the case `spec` describes and writes it to `path` (atomically,
 /// the bytes of [`generate`]'s case written by [`Case::write`]); returns the
-/// number of tensors written. A long KDA or DPLR case with H ≥ 2 never
-/// holds its truth whole: see [`generate_streamed`].
+/// number of tensors written. A long KDA or DPLR case never holds its
+/// truth whole: see [`generate_streamed`].
 pub fn generate_to(spec: &GenSpec, path: &Path) -> Result<usize, CaseError> {
     let (layout, dims) = spec.dims()?;
     let problem = spec.problem(&layout, &dims);
     if matches!(spec.op, Op::Kda | Op::Dplr)
-        && problem.h >= 2
-        && problem.compute_bytes(None) > crate::heads::STREAM_MIN_BYTES
+        && problem.compute_bytes(Run::Naive) > crate::heads::STREAM_MIN_BYTES
     {
         return generate_streamed(spec, path, rayon::current_num_threads());
     }
@@ -273,18 +274,19 @@ pub fn generate_streamed(
         )));
     }
     let per_block = per_block.clamp(1, problem.h);
-    let blocks = problem.h.div_ceil(per_block) as u64;
-    // The drawn inputs in f64, then one block at a time: its engine run, or
-    // (inputs only) its stored bytes, its f64 values and validation's copy.
-    let compute = if spec.expected {
-        problem.compute_bytes(None)
-    } else {
-        problem.input_elements().saturating_mul(8 * 3)
-    };
-    let need = problem
-        .input_elements()
-        .saturating_mul(8)
-        .saturating_add(compute / blocks);
+    // The blocks `fill` reads are at most `per_block` heads and at most
+    // verify's (`heads::heads_per_block` of the file's data: the inputs
+    // stored, room for as many f64 results).
+    let inputs = problem.input_elements();
+    let data = inputs
+        .saturating_mul(crate::case::stored_width(spec.dtype) as u64)
+        .saturating_add(if spec.expected {
+            inputs.saturating_mul(8)
+        } else {
+            0
+        });
+    let heads = per_block.min(crate::heads::heads_per_block(data, problem.h));
+    let need = problem.gen_streamed_bytes(heads, spec.expected);
     memory::check("generating this case", need)?;
     let progress = Progress::spinner("drawing the inputs");
     let case = draw(spec, layout, &dims);
@@ -546,12 +548,18 @@ mod tests {
         plain.initial_state = false;
         let mut inputs_only = kda_spec(Dtype::F32);
         inputs_only.expected = false;
+        let mut single = kda_spec(Dtype::Bf16);
+        single.shape = Some(vec![1, 64, 1, 2, 8, 4]);
+        let mut single_dplr = dplr.clone();
+        single_dplr.shape = Some(vec![2, 24, 1, 8, 4]);
         for spec in [
             kda_spec(Dtype::Bf16),
             kda_spec(Dtype::F64),
             plain,
             dplr,
             inputs_only,
+            single,
+            single_dplr,
         ] {
             let whole = whole_bytes(&spec, dir.path());
             for per_block in [1, 2, 3] {

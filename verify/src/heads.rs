@@ -64,17 +64,19 @@ pub struct HeadFile {
 
 impl HeadFile {
     /// Opens `path` for head-block reading when that pays and is safe: a KDA
-    /// or DPLR case of at least `min_bytes` with H ≥ 2 whose tensors all
-    /// have a head axis. `None` means "read it whole", which also reports
-    /// every framing or shape error in the usual words.
+    /// or DPLR case of at least `min_bytes` whose tensors all have a head
+    /// axis. A single head is one block, still read tensor by tensor and
+    /// compared one result at a time, never the whole file at once. `None`
+    /// means "read it whole", which also reports every framing or shape
+    /// error in the usual words.
     pub fn open(path: &Path, min_bytes: u64) -> Result<Option<HeadFile>, CaseError> {
-        Ok(read_header(path, min_bytes).and_then(|h| HeadFile::of_case(path, h, 2)))
+        Ok(read_header(path, min_bytes).and_then(|h| HeadFile::of_case(path, h)))
     }
 
     /// A KDA or DPLR case's head-block view, with blocks of
-    /// [`heads_per_block`]; `None` for other ops, fewer than `min_heads`
-    /// query/key heads, or tensors that do not split by heads.
-    fn of_case(path: &Path, header: Header, min_heads: usize) -> Option<HeadFile> {
+    /// [`heads_per_block`]; `None` for other ops, no query/key head, or
+    /// tensors that do not split by heads.
+    fn of_case(path: &Path, header: Header) -> Option<HeadFile> {
         let Header {
             file,
             metadata,
@@ -88,7 +90,7 @@ impl HeadFile {
             .iter()
             .find(|e| e.name == "q")
             .and_then(|q| q.shape.get(2).copied())
-            .filter(|&h| h >= min_heads)?;
+            .filter(|&h| h >= 1)?;
         let file = HeadFile {
             path: path.to_path_buf(),
             file,
@@ -145,7 +147,7 @@ impl HeadFile {
                 source,
             })?;
         Ok(read_header_of(file, 0)
-            .and_then(|h| HeadFile::of_case(path, h, 1))
+            .and_then(|h| HeadFile::of_case(path, h))
             .map(|f| {
                 let n = per_block.min(f.per_block);
                 f.with_heads_per_block(n)
@@ -237,8 +239,8 @@ impl HeadFile {
 }
 
 /// Query/key heads per block of a file of `data_bytes` after its header:
-/// about [`BLOCK_BYTES`] of stored data, at least one head.
-fn heads_per_block(data_bytes: u64, heads: usize) -> usize {
+/// about `BLOCK_BYTES` (256 MiB) of stored data, at least one head.
+pub fn heads_per_block(data_bytes: u64, heads: usize) -> usize {
     let per_head = data_bytes / heads as u64;
     (BLOCK_BYTES / per_head.max(1)).clamp(1, heads as u64) as usize
 }
@@ -750,7 +752,7 @@ mod tests {
     }
 
     #[test]
-    fn small_token_shift_or_single_head_files_are_read_whole() {
+    fn small_or_token_shift_files_are_read_whole_single_heads_in_one_block() {
         let dir = tempfile::tempdir().unwrap();
         let path = kda_file(dir.path(), Dtype::F64);
         let size = std::fs::metadata(&path).unwrap().len();
@@ -765,7 +767,9 @@ mod tests {
         spec.shape = Some(vec![1, 32, 1, 8, 8]);
         let one = dir.path().join("one.safetensors");
         generate(&spec).unwrap().write(&one).unwrap();
-        assert!(HeadFile::open(&one, 0).unwrap().is_none());
+        let one = HeadFile::open(&one, 0).unwrap().unwrap();
+        let blocks = one.blocks();
+        assert_eq!((one.heads(), blocks.len(), &blocks[0]), (1, 1, &(0..1)));
     }
 
     /// Asking for a result the file does not store names it.

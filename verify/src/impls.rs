@@ -18,6 +18,7 @@ use ndarray::ArrayD;
 
 use crate::case::{Case, CaseError, CaseMeta, CpLayout, Inputs, Op};
 pub use crate::compute::{Compute, ComputeError};
+use crate::memory::Run;
 use crate::outputs::{self, Tensors};
 
 /// `--impl`: an implementation family by its command-line name; parses and
@@ -201,17 +202,60 @@ impl Impl {
         }
     }
 
-    /// Refuses (before any allocation) when running on `case` would need
-    /// more memory than the budget of [`crate::memory`].
+    /// Refuses (before the run allocates) when running on the borrowed
+    /// `case` would take the process over the budget of [`crate::memory`]:
+    /// the case held (inputs and any stored truth), one set of results
+    /// beside it (a truth or another run's) and the run itself.
     pub fn check_memory(&self, case: &Case) -> Result<(), CaseError> {
-        let chunk = match (&self.engine, self.device) {
-            (Engine::Chunk(c), Device::Cpu) => Some(*c),
-            _ => None,
-        };
+        self.check_memory_with(case, case.bytes().saturating_add(case.result_bytes()))
+    }
+
+    /// [`Impl::check_memory`] for a case the run consumes
+    /// ([`Impl::compute_owned`]): its inputs are the run's own copy, and
+    /// `truth_held` says whether a truth computed before it stays alive.
+    pub fn check_memory_owned(&self, case: &Case, truth_held: bool) -> Result<(), CaseError> {
+        self.check_memory_with(case, if truth_held { case.result_bytes() } else { 0 })
+    }
+
+    fn check_memory_with(&self, case: &Case, held: u64) -> Result<(), CaseError> {
         crate::memory::check(
             &format!("impl:{} on this case", self.name()),
-            crate::memory::Problem::of_case(case).compute_bytes(chunk),
+            self.memory_needed(case).saturating_add(held),
         )
+    }
+
+    /// The bytes a CPU run on `case` holds at its peak, its own copy of the
+    /// inputs and its results included ([`crate::memory::Problem::compute_bytes`]
+    /// for this engine and CP plan), without [`crate::memory::fixed_bytes`].
+    pub fn memory_needed(&self, case: &Case) -> u64 {
+        crate::memory::Problem::of_case(case).compute_bytes(self.run_shape(case))
+    }
+
+    /// How the run goes, for its memory estimate: the chunked engine's
+    /// longest piece is a CP interval's (the whole batch's T where the plan
+    /// does not build: the run then refuses the case itself).
+    fn run_shape(&self, case: &Case) -> Run {
+        let Engine::Chunk(chunk_size) = self.engine else {
+            return Run::Naive;
+        };
+        if self.device != Device::Cpu {
+            return Run::Naive;
+        }
+        let p = crate::memory::Problem::of_case(case);
+        let (piece, pieces) = self
+            .cp
+            .as_ref()
+            .and_then(|(spec, _)| {
+                let plan = spec.build(p.b, p.t, case.cu_seqlens.as_deref()).ok()?;
+                let longest = plan.bounds.windows(2).map(|w| w[1] - w[0]).max()?;
+                Some((longest, plan.ranks.len()))
+            })
+            .unwrap_or((p.t, 1));
+        Run::Chunk {
+            chunk_size,
+            piece,
+            pieces,
+        }
     }
 
     /// Outputs and gradients of `case`'s inputs and upstream gradients
@@ -757,9 +801,10 @@ pub fn oracle_truth(case: &Case, path: &std::path::Path) -> Result<Tensors, Case
 }
 
 /// [`oracle_truth`] consuming the case: its inputs move into the engine
-/// instead of being copied.
+/// instead of being copied (the memory check counts one set of results
+/// held beside it: the run the truth is compared with).
 pub fn oracle_truth_owned(case: Case, path: &std::path::Path) -> Result<Tensors, CaseError> {
-    Impl::NAIVE.check_memory(&case)?;
+    Impl::NAIVE.check_memory_owned(&case, true)?;
     let _p = crate::progress::Progress::spinner("computing the f64 oracle's truth");
     let truth = Impl::NAIVE
         .compute_owned(case, Compute::F64)

@@ -17,13 +17,26 @@ pub(super) fn st(tensor: &str, d: Dtype) -> Result<StDtype, String> {
     }
 }
 
+/// Bytes per element stored in `d`, one of [`Dtype::CASE_FILE`].
+pub fn stored_width(d: Dtype) -> usize {
+    match d {
+        Dtype::F64 => 8,
+        Dtype::Bf16 | Dtype::F16 => 2,
+        _ => 4,
+    }
+}
+
 /// `x`'s little-endian bytes in `d`, one of [`Dtype::CASE_FILE`] (checked by [`st`]).
 pub(super) fn encode(d: Dtype, x: &ArrayD<f64>) -> Vec<u8> {
     let it = x.iter().copied();
+    // Sized up front: a growing buffer would hold up to twice the tensor's
+    // bytes, and three times while a reallocation copies it.
+    let mut out = Vec::with_capacity(x.len() * stored_width(d));
     match d {
-        Dtype::F64 => it.flat_map(f64::to_le_bytes).collect(),
-        Dtype::Bf16 => it.flat_map(|v| to_bf16(v).to_le_bytes()).collect(),
-        Dtype::F16 => it.flat_map(|v| to_f16(v).to_le_bytes()).collect(),
-        _ => it.flat_map(|v| (v as f32).to_le_bytes()).collect(),
+        Dtype::F64 => out.extend(it.flat_map(f64::to_le_bytes)),
+        Dtype::Bf16 => out.extend(it.flat_map(|v| to_bf16(v).to_le_bytes())),
+        Dtype::F16 => out.extend(it.flat_map(|v| to_f16(v).to_le_bytes())),
+        _ => out.extend(it.flat_map(|v| (v as f32).to_le_bytes())),
     }
+    out
 }

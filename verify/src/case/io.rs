@@ -7,7 +7,7 @@ use std::path::Path;
 
 use half::{bf16, f16};
 use ndarray::{ArrayD, IxDyn};
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype as StDtype, Metadata, SafeTensors, TensorInfo, TensorView};
 use safetensors::View;
 use serde_json::{Map, Value};
 
@@ -131,15 +131,44 @@ impl Case {
         })
     }
 
-    /// safetensors' own serialisation of tensors without their bytes: the
-    /// length prefix and the header.
-    fn head(&self, path: &Path, header: Vec<(String, HeaderOnly)>) -> Result<Vec<u8>, CaseError> {
-        safetensors::tensor::serialize(header, Some(self.meta_map())).map_err(|e| {
-            CaseError::Format {
-                path: path.display().to_string(),
-                why: e.to_string(),
-            }
-        })
+    /// The length prefix and the header of safetensors' serialisation of
+    /// `header`'s tensors, formed as `safetensors::serialize` forms them
+    /// (tensors in [`data_order`], offsets in that order, the JSON padded
+    /// with spaces to 8 bytes), without its buffer for the whole file.
+    fn head(
+        &self,
+        path: &Path,
+        mut header: Vec<(String, HeaderOnly)>,
+    ) -> Result<Vec<u8>, CaseError> {
+        let format = |why: String| CaseError::Format {
+            path: path.display().to_string(),
+            why,
+        };
+        header.sort_by(data_order);
+        let mut offset = 0;
+        let infos = header
+            .into_iter()
+            .map(|(name, h)| {
+                let start = offset;
+                offset += h.len;
+                let data_offsets = (start, offset);
+                (
+                    name,
+                    TensorInfo {
+                        dtype: h.dtype,
+                        shape: h.shape,
+                        data_offsets,
+                    },
+                )
+            })
+            .collect();
+        let metadata =
+            Metadata::new(Some(self.meta_map()), infos).map_err(|e| format(e.to_string()))?;
+        let mut json = serde_json::to_vec(&metadata).map_err(|e| format(e.to_string()))?;
+        json.resize(json.len().next_multiple_of(8), b' ');
+        let mut head = (json.len() as u64).to_le_bytes().to_vec();
+        head.extend(json);
+        Ok(head)
     }
 
     /// Writes the case atomically as [`Case::write`] does, plus room for
@@ -578,6 +607,24 @@ mod tests {
             "{e}"
         );
         assert!(!path.exists());
+    }
+
+    /// `write` forms the header itself; its file is safetensors' own
+    /// serialisation (`to_bytes`) byte for byte: every stored dtype, an
+    /// integer `cu_seqlens`, names out of order.
+    #[test]
+    fn written_files_are_safetensors_own_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.safetensors");
+        let mut case = Case::new(CaseMeta::new(Op::Kda));
+        let x = |n: usize| ArrayD::from_shape_fn(IxDyn(&[1, n, 3]), |i| i[1] as f64 / 3.0);
+        case.insert("v", x(5), Dtype::F64);
+        case.insert("q", x(4), Dtype::Bf16);
+        case.insert("k", x(3), Dtype::F16);
+        case.insert("beta", x(2), Dtype::F32);
+        case.cu_seqlens = Some(vec![0, 2, 5]);
+        case.write(&path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), case.to_bytes().unwrap());
     }
 
     /// What `fill` refuses is the write's error, and no file is left.

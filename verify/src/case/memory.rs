@@ -74,8 +74,18 @@ pub fn human(bytes: u64) -> String {
     }
 }
 
-/// Refuses `what` when its estimate `bytes` exceeds the budget.
+/// Bytes every run holds whatever its size: [`PROCESS_BYTES`] and the
+/// naive engines' buffers kept per thread for reuse
+/// (`deltaref::scratch`, at most `KEPT` of `MAX_KEPT` bytes each).
+pub fn fixed_bytes() -> u64 {
+    let kept = (deltaref::scratch::KEPT * deltaref::scratch::MAX_KEPT) as u64;
+    PROCESS_BYTES.saturating_add(kept.saturating_mul(rayon::current_num_threads() as u64))
+}
+
+/// Refuses `what` when its estimate `bytes` (plus [`fixed_bytes`])
+/// exceeds the budget.
 pub fn check(what: &str, bytes: u64) -> Result<(), CaseError> {
+    let bytes = bytes.saturating_add(fixed_bytes());
     let explicit = LIMIT.load(Ordering::Relaxed);
     let (budget, source) = if explicit > 0 {
         (explicit, "allowed by --max-memory")
@@ -114,6 +124,12 @@ pub struct Problem {
     pub hv: usize,
     pub k: usize,
     pub v: usize,
+    /// KDA, GDN: `q` and `k` are l2-normed in the kernel (a prepared copy
+    /// of each, and their backward).
+    pub l2norm: bool,
+    /// KDA: a gate activated in the kernel (the activated gate, its
+    /// exponentials and its backward's temporaries).
+    pub gate: bool,
 }
 
 /// `Σ_i Π_j terms[i][j]`, saturating at `u64::MAX` (an overflowing size is
@@ -125,11 +141,24 @@ fn sum_of_products(terms: &[&[usize]]) -> u64 {
         .fold(0u64, u64::saturating_add)
 }
 
-/// Work-space factor: the inputs are held as read, as the engine's
-/// scalar, in the (rounded) copy an implementation works on, and as
-/// gradients, plus the outputs and a stored truth (peak RSS of `verify` on
-/// a KDA case of 10.5 M input elements: 880 MiB ≈ 10.5 M × 8 B × 10.5).
-const COMPUTE_COPIES: u64 = 9;
+/// Bytes of the process itself (code, thread stacks, the allocator's
+/// arenas), part of [`fixed_bytes`].
+pub const PROCESS_BYTES: u64 = 32 << 20;
+
+/// How a computation runs on the CPU, for [`Problem::compute_bytes`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Run {
+    /// The naive engine (and the host side of a GPU run).
+    Naive,
+    /// The chunked engine with chunks of `chunk_size`, over pieces of at
+    /// most `piece` tokens per (sequence, head), `pieces` of them per pair
+    /// (CP: the ranks' intervals, which run side by side).
+    Chunk {
+        chunk_size: usize,
+        piece: usize,
+        pieces: usize,
+    },
+}
 
 impl Problem {
     /// Elements of the inputs and upstream gradients.
@@ -161,39 +190,154 @@ impl Problem {
         }
     }
 
-    /// Bytes `gen` holds: the f64 draws, their rounded copies and the
-    /// serialised file.
-    pub fn gen_bytes(&self) -> u64 {
-        self.input_elements().saturating_mul(8 * 4)
+    /// Bytes `gen` holds without the truth: the f64 draws, then the drawn
+    /// case and one tensor encoded for the file (measured: KDA and GDN 1.2
+    /// inputs, DPLR's draws with their temporaries 1.3, token-shift's and
+    /// conv's one large tensor 1.5).
+    pub fn draw_bytes(&self) -> u64 {
+        let eighths: u64 = match self.op {
+            Op::Kda | Op::Gdn => 11,
+            Op::Dplr => 12,
+            Op::TokenShift | Op::CausalConv1d => 14,
+        };
+        self.input_elements().saturating_mul(eighths)
     }
 
-    /// Bytes an implementation on the CPU holds: copies of the inputs, the
-    /// outputs and gradients, and the engine's states (`chunk`: the chunk
-    /// size of the chunked engine, whose per-chunk states `h` and `dh` are
-    /// kept; `None`: the naive engine's checkpoints and block of replayed
-    /// states per running task, `deltaref::sweep::held_states`).
-    pub fn compute_bytes(&self, chunk: Option<usize>) -> u64 {
-        let state = sum_of_products(&[&[self.hv.max(self.h), self.k, self.v]]);
-        let states = match (self.op, chunk) {
-            (Op::TokenShift, _) => 0,
-            (_, Some(c)) => {
-                let chunks = sum_of_products(&[&[self.b, self.t.div_ceil(c.max(1)) + self.n]]);
-                state.saturating_mul(chunks).saturating_mul(2)
-            }
-            (_, None) => {
-                let per_head = state / self.hv.max(self.h).max(1) as u64;
+    /// Bytes `gen --expected` holds on the whole-case path: the drawn case
+    /// while the naive engine computes its truth from a copy.
+    pub fn gen_bytes(&self) -> u64 {
+        self.input_elements()
+            .saturating_mul(8)
+            .saturating_add(self.compute_bytes(Run::Naive))
+    }
+
+    /// Bytes `gen` holds head block by head block, `heads` query/key heads
+    /// at a time: the largest of the draws, one block's inputs read back
+    /// (their stored bytes and f64 values) and (`expected`) the engine run
+    /// they move into.
+    pub fn gen_streamed_bytes(&self, heads: usize, expected: bool) -> u64 {
+        let block = self.heads_block(heads);
+        let read = block.input_elements().saturating_mul(8);
+        let fill = if expected {
+            read.saturating_mul(2).max(block.compute_bytes(Run::Naive))
+        } else {
+            read.saturating_mul(9) / 4
+        };
+        self.draw_bytes().max(fill)
+    }
+
+    /// The same problem cut to `heads` query/key heads (GVA value heads
+    /// with them), as a head block of it is.
+    pub fn heads_block(&self, heads: usize) -> Problem {
+        let heads = heads.clamp(1, self.h.max(1));
+        Problem {
+            h: heads,
+            hv: heads * (self.hv / self.h.max(1)).max(1),
+            ..*self
+        }
+    }
+
+    /// Bytes a CPU run holds at its peak, its own copy of the inputs
+    /// included (an owned case moves in as that copy): the inputs, the
+    /// outputs and gradients, the prepared inputs (`copy_elements`)
+    /// and the engine's own: the naive engine's checkpoints and block of
+    /// replayed states per pair in flight ([`deltaref::sweep::held_states`]),
+    /// the chunked engine's intermediates of one span
+    /// ([`deltaref::varlen::SPAN_LEN`] tokens at most) per piece in flight,
+    /// [`Problem::chunk_elements`] per token. `verify/tests/memory_estimate.rs`
+    /// checks it against the peak heap of the runs, measured by a counting
+    /// allocator: never below, at most twice above.
+    pub fn compute_bytes(&self, run: Run) -> u64 {
+        self.copy_elements()
+            .saturating_add(self.engine_elements(run))
+            .saturating_mul(8)
+    }
+
+    /// Elements of the inputs, the results and the prepared inputs,
+    /// measured in input sizes: about 2 for KDA and DPLR, 2.2 for GDN, 3
+    /// for token-shift and 4.5 for conv (the factors here: 2.25, 2.5,
+    /// 3.25, 4.75), plus 1.5 copies of `q` and `k` when they are l2-normed
+    /// in the kernel and 4.5 of KDA's gate when it is activated there.
+    fn copy_elements(&self) -> u64 {
+        let quarters: u64 = match self.op {
+            Op::Kda | Op::Dplr => 9,
+            Op::Gdn => 10,
+            Op::TokenShift => 13,
+            Op::CausalConv1d => 19,
+        };
+        let (b, t, h, hv, k) = (self.b, self.t, self.h, self.hv, self.k);
+        let qk = sum_of_products(&[&[2, b, t, h, k]]);
+        let gate = sum_of_products(&[&[b, t, hv, k]]);
+        let l2norm = match (self.op, self.l2norm) {
+            (Op::Kda | Op::Gdn, true) => qk.saturating_mul(3) / 2,
+            _ => 0,
+        };
+        let gate = match (self.op, self.gate) {
+            (Op::Kda, true) => gate.saturating_mul(9) / 2,
+            _ => 0,
+        };
+        (self.input_elements().saturating_mul(quarters) / 4)
+            .saturating_add(l2norm)
+            .saturating_add(gate)
+    }
+
+    /// Elements the engine itself holds at its peak (see [`Problem::compute_bytes`]).
+    fn engine_elements(&self, run: Run) -> u64 {
+        let heads = self.hv.max(self.h);
+        let state = sum_of_products(&[&[self.k, self.v]]);
+        let tasks = rayon::current_num_threads() as u64;
+        match (self.op, run) {
+            (Op::TokenShift | Op::CausalConv1d, _) => 0,
+            (_, Run::Naive) => {
                 let per_task = deltaref::sweep::held_states(
                     self.t,
-                    usize::try_from(per_head.saturating_mul(8)).unwrap_or(usize::MAX),
+                    usize::try_from(state.saturating_mul(8)).unwrap_or(usize::MAX),
                 ) as u64;
-                let tasks = rayon::current_num_threads() as u64;
-                per_head.saturating_mul(per_task).saturating_mul(tasks)
+                let pairs = sum_of_products(&[&[self.n, heads]]);
+                state
+                    .saturating_mul(per_task)
+                    .saturating_mul(tasks.min(pairs))
             }
+            (
+                _,
+                Run::Chunk {
+                    chunk_size,
+                    piece,
+                    pieces,
+                },
+            ) => {
+                // One span per piece in flight, never more tokens than all
+                // the pairs hold; half as much again where fewer pairs than
+                // threads split their chunks over the threads (measured:
+                // 1.3 to 1.5 times, the chunks' pieces collected before
+                // they are assembled).
+                let span = piece.min(self.t).min(deltaref::varlen::SPAN_LEN) as u64;
+                let pairs = sum_of_products(&[&[self.n, heads, pieces]]);
+                let tokens = span
+                    .saturating_mul(tasks.min(pairs))
+                    .min(sum_of_products(&[&[self.b, self.t, heads]]));
+                let tokens = if pairs < tasks {
+                    tokens.saturating_mul(3) / 2
+                } else {
+                    tokens
+                };
+                tokens.saturating_mul(self.chunk_elements(chunk_size))
+            }
+        }
+    }
+
+    /// The chunked engine's intermediates per token of a pair (chunks of
+    /// `c`): KDA's `[c, K]` rows (Γ, `w`, `qg`, `kg`, the decay factors),
+    /// `[c, V]` rows (`u`, `v_new`, `o`, `dv_new`) and `[c, c]` factors
+    /// (the inverse, `Akk`, `Aqk`, the key products), with `h` and `dh`
+    /// per chunk; DPLR's and GDN's more of each.
+    pub fn chunk_elements(&self, c: usize) -> u64 {
+        let (k, v, c) = (self.k as u64, self.v as u64, c.max(1) as u64);
+        let rows = match self.op {
+            Op::Kda => 8 * k + 5 * v + 6 * c,
+            _ => 10 * k + 6 * v + 6 * c,
         };
-        self.input_elements()
-            .saturating_mul(COMPUTE_COPIES)
-            .saturating_add(states)
-            .saturating_mul(8)
+        rows.saturating_add(k.saturating_mul(v).saturating_mul(2) / c)
     }
 
     /// The problem a case holds (from its validated input shapes).
@@ -222,6 +366,8 @@ impl Problem {
                 hv: 1,
                 k: 1,
                 v: at(&q, 2),
+                l2norm: false,
+                gate: false,
             },
             Op::CausalConv1d => Problem {
                 op,
@@ -232,6 +378,8 @@ impl Problem {
                 hv: 1,
                 k: shape("weight").map_or(1, |w| at(&w, 1)),
                 v: at(&q, 2),
+                l2norm: false,
+                gate: false,
             },
             _ => Problem {
                 op,
@@ -242,6 +390,8 @@ impl Problem {
                 hv: at(&v, 2),
                 k: at(&q, 3),
                 v: at(&v, 3),
+                l2norm: case.meta.use_qk_l2norm_in_kernel,
+                gate: case.meta.gate != deltaref::gates::Gate::None,
             },
         }
     }

@@ -25,6 +25,7 @@ use ndarray::ArrayD;
 
 use crate::outputs::Tensors;
 pub use deltaref::Dtype;
+pub use dtype::stored_width;
 pub use error::CaseError;
 pub use io::write_atomic;
 pub use meta::{is_intermediate, CaseMeta, CpLayout, Op, INTERMEDIATE_NAMES};
@@ -339,6 +340,20 @@ impl Case {
                 _ => true,
             })
             .collect()
+    }
+
+    /// Bytes of the case's tensors as held (f64).
+    pub fn bytes(&self) -> u64 {
+        self.tensors.values().map(|t| t.len() as u64 * 8).sum()
+    }
+
+    /// Bytes of the results the oracle computes for the case (f64).
+    pub fn result_bytes(&self) -> u64 {
+        self.expected_results()
+            .into_iter()
+            .filter_map(|n| crate::memory::elements(&self.result_shape(n)?))
+            .fold(0u64, u64::saturating_add)
+            .saturating_mul(8)
     }
 
     /// The shape a result must have: a gradient is shaped like its input,

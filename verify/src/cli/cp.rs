@@ -336,7 +336,8 @@ mod tests {
     }
 
     /// KDA with GVA (H = 3, HV = 6), a gate, initial states and three
-    /// sequences, long-memory draws (the merges carry a state); DPLR.
+    /// sequences, long-memory draws (the merges carry a state); the same
+    /// with a single query/key head (H = 1, HV = 2); DPLR.
     fn files(dir: &Path) -> Vec<PathBuf> {
         let mut kda = GenSpec::new(Op::Kda);
         kda.lengths = Some(vec![5, 40, 19]);
@@ -349,7 +350,9 @@ mod tests {
         dplr.lengths = Some(vec![30, 34]);
         dplr.shape = Some(vec![1, 64, 2, 8, 4]);
         dplr.initial_state = true;
-        [("kda", kda), ("dplr", dplr)]
+        let mut single = kda.clone();
+        single.shape = Some(vec![1, 64, 1, 2, 8, 4]);
+        [("kda", kda), ("single", single), ("dplr", dplr)]
             .into_iter()
             .map(|(name, spec)| {
                 let path = dir.join(format!("{name}.safetensors"));

@@ -228,7 +228,7 @@ fn streamed(a: &Args, file: &HeadFile, cand: Option<&HeadFile>) -> Result<Verify
         let (mut got, candidate) = match cand {
             None => {
                 let (imp, compute) = a.imp.resolve(&case)?;
-                imp.check_memory(&case)?;
+                imp.check_memory_owned(&case, oracle.is_some())?;
                 bar.step(&format!("{of}: computing impl:{}", imp.name()));
                 let got = imp
                     .compute_owned(case, compute)
@@ -265,7 +265,7 @@ fn streamed(a: &Args, file: &HeadFile, cand: Option<&HeadFile>) -> Result<Verify
         bar.inc();
     }
     drop(bar);
-    let (reference, candidate, unchecked) = names.expect("H ≥ 2: at least one block");
+    let (reference, candidate, unchecked) = names.expect("H ≥ 1: at least one block");
     let report = VerifyReport::from_rows(
         &a.case.display().to_string(),
         reference,
@@ -335,16 +335,17 @@ mod tests {
 
     /// `verify --candidate` and `verify --impl` head block by head block
     /// give the whole-case report: a bf16 KDA case with GVA (H = 3,
-    /// HV = 6), gates, an initial state and three sequences, with and
+    /// HV = 6, blocks of two heads; and a single head, H = 1, HV = 2, one
+    /// block), gates, an initial state and three sequences, with and
     /// without stored truth, against a candidate with one tensor off, one
     /// in f32 and one missing, under `--forward-only` and `--allow-partial`.
     #[test]
     fn head_blocks_give_the_whole_cases_report() {
         let dir = tempfile::tempdir().unwrap();
-        for expected in [true, false] {
+        for (expected, (h, hv)) in [(true, (3, 6)), (false, (3, 6)), (true, (1, 2))] {
             let mut spec = GenSpec::new(Op::Kda);
             spec.lengths = Some(vec![5, 40, 19]);
-            spec.shape = Some(vec![1, 64, 3, 6, 8, 4]);
+            spec.shape = Some(vec![1, 64, h, hv, 8, 4]);
             spec.gate = Gate::Kda;
             spec.initial_state = true;
             spec.expected = expected;
