@@ -31,12 +31,17 @@ pub fn softplus<T: Scalar>(x: T) -> T {
 
 /// Normalises the last axis of `[B, T, H, D]`: `y = x / sqrt(Σx² + eps)`.
 pub fn l2norm_fwd<T: Scalar, S: Data<Elem = T>>(x: &ArrayBase<S, Ix4>) -> Array4<T> {
-    let mut y = x.to_owned();
-    for mut row in y.lanes_mut(Axis(3)) {
+    l2norm_owned(x.to_owned())
+}
+
+/// [`l2norm_fwd`] of `x`, normalised in its own buffer (the same values,
+/// without a second tensor of its size).
+pub fn l2norm_owned<T: Scalar>(mut x: Array4<T>) -> Array4<T> {
+    for mut row in x.lanes_mut(Axis(3)) {
         let r = rstd(row.iter().copied());
         row.mapv_inplace(|v| v * r);
     }
-    y
+    x
 }
 
 /// Gradient through `l2norm_fwd`: `dx = r (dy − y (y·dy))`, given the raw `x`.

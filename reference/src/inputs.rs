@@ -308,16 +308,23 @@ pub fn dplr(s: &DplrSpec) -> Generated<DplrInputs<f64>> {
 pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
     let (b, t) = (s.layout.b, s.layout.t);
     let kshape = [b, t, s.h, s.k];
+    // In place throughout: a long case's draw holds the inputs and no
+    // temporaries of their size beside them.
     let l2 = |x: ArrayD<f64>| {
         let x4 = x.into_dimensionality::<ndarray::Ix4>().expect("4-d");
-        gates::l2norm_fwd(&x4).into_dyn()
+        gates::l2norm_owned(x4).into_dyn()
     };
     let kk = l2(channel_tensor(s.seed, "kk", &kshape, 1, |x, d| {
         x * regime.key_weight(d, s.k)
     }));
-    let bscale = tensor(s.seed, "b", &kshape, |x| {
+    // b = kk ⊙ scale in the scale's buffer (a product: the same bits in
+    // either order), then a = −kk in kk's.
+    let mut b_tensor = tensor(s.seed, "b", &kshape, |x| {
         gates::sigmoid(regime.beta_logit(x))
     });
+    b_tensor *= &kk;
+    let mut a_tensor = kk;
+    a_tensor.mapv_inplace(|x| -x);
     let gk_logit = |x: f64, c: usize| match regime {
         _ if regime.slow(s.seed, c) => 0.25 * x - 6.5,
         Regime::Sharp => 0.5 * x + 4.0,
@@ -328,8 +335,8 @@ pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
         q: l2(normal(s.seed, "q", &kshape)),
         k: l2(normal(s.seed, "k", &kshape)),
         v: normal(s.seed, "v", &[b, t, s.h, s.v]),
-        a: kk.mapv(|x| -x),
-        b: &kk * &bscale,
+        a: a_tensor,
+        b: b_tensor,
         gk: channel_tensor(s.seed, "gk", &kshape, 2, |x, c| {
             -0.606_530_659_712_633_4 * gates::sigmoid(gk_logit(x, c))
         }),

@@ -191,13 +191,11 @@ impl Problem {
     }
 
     /// Bytes `gen` holds without the truth: the f64 draws, then the drawn
-    /// case and one tensor encoded for the file (measured: KDA and GDN 1.2
-    /// inputs, DPLR's draws with their temporaries 1.3, token-shift's and
-    /// conv's one large tensor 1.5).
+    /// case and one tensor encoded for the file (measured: KDA, GDN and
+    /// DPLR 1.2 inputs, token-shift's and conv's one large tensor 1.5).
     pub fn draw_bytes(&self) -> u64 {
         let eighths: u64 = match self.op {
-            Op::Kda | Op::Gdn => 11,
-            Op::Dplr => 12,
+            Op::Kda | Op::Gdn | Op::Dplr => 11,
             Op::TokenShift | Op::CausalConv1d => 14,
         };
         self.input_elements().saturating_mul(eighths)
