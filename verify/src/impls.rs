@@ -228,20 +228,21 @@ impl Impl {
     /// inputs and its results included ([`crate::memory::Problem::compute_bytes`]
     /// for this engine and CP plan), without [`crate::memory::fixed_bytes`].
     pub fn memory_needed(&self, case: &Case) -> u64 {
-        crate::memory::Problem::of_case(case).compute_bytes(self.run_shape(case))
+        let p = crate::memory::Problem::of_case(case);
+        p.compute_bytes(self.run_shape(case, &p))
     }
 
-    /// How the run goes, for its memory estimate: the chunked engine's
-    /// longest piece is a CP interval's (the whole batch's T where the plan
-    /// does not build: the run then refuses the case itself).
-    fn run_shape(&self, case: &Case) -> Run {
+    /// How the run goes on `case` (problem `p`), for its memory estimate:
+    /// the chunked engine's longest piece is a CP interval's (the whole
+    /// batch's T where the plan does not build: the run then refuses the
+    /// case itself).
+    fn run_shape(&self, case: &Case, p: &crate::memory::Problem) -> Run {
         let Engine::Chunk(chunk_size) = self.engine else {
             return Run::Naive;
         };
         if self.device != Device::Cpu {
             return Run::Naive;
         }
-        let p = crate::memory::Problem::of_case(case);
         let (piece, pieces) = self
             .cp
             .as_ref()

@@ -12,8 +12,9 @@
 //! would not fit the cache: `sweep::state_block_len`) and recomputed per
 //! block, so memory is `O(√L · K · V)` rather than `O(L · K · V)`. The
 //! checkpoint pass also keeps the residuals `r [L, V]`, which makes
-//! recomputing a token one elementwise `S ← e^g ⊙ S + β k rᵀ`. The reverse sweep fuses, row by row, the backward
-//! of the start of token `t` with the backward of the finish of token `t − 1`.
+//! recomputing a token one elementwise `S ← e^g ⊙ S + β k rᵀ`. The reverse
+//! sweep fuses, row by row, the backward of the start of token `t` with the
+//! backward of the finish of token `t − 1`.
 //! A forward+backward run ([`Engine::forward_backward`]) reads out `o` during
 //! the checkpoint pass instead of running the forward again.
 //!

@@ -17,13 +17,11 @@ pub(super) fn st(tensor: &str, d: Dtype) -> Result<StDtype, String> {
     }
 }
 
-/// Bytes per element stored in `d`, one of [`Dtype::CASE_FILE`].
+/// Bytes per element stored in `d`: its safetensors dtype's (`st`);
+/// f64's for a dtype a case file cannot hold, which `st` refuses where
+/// a tensor is written.
 pub fn stored_width(d: Dtype) -> usize {
-    match d {
-        Dtype::F64 => 8,
-        Dtype::Bf16 | Dtype::F16 => 2,
-        _ => 4,
-    }
+    st("", d).map_or(8, |s| s.bitsize() / 8)
 }
 
 /// `x`'s little-endian bytes in `d`, one of [`Dtype::CASE_FILE`] (checked by [`st`]).
