@@ -219,6 +219,71 @@ pub struct Generated<I> {
     pub dht: ArrayD<f64>,
 }
 
+/// One tensor of a generated problem under its case-file name, drawn when
+/// asked: a long case's inputs are drawn, stored and freed one at a time
+/// (`gen`), each the bits of the whole draw (every tensor draws its own
+/// named stream).
+pub struct Draw {
+    pub name: &'static str,
+    pub shape: Vec<usize>,
+    draw: Box<DrawFn>,
+}
+
+/// How a [`Draw`] forms its tensor from its shape.
+type DrawFn = dyn Fn(&[usize]) -> ArrayD<f64> + Send + Sync;
+
+impl Draw {
+    /// Tensor `name` of `shape`, drawn by `draw(shape)`.
+    pub fn new(
+        name: &'static str,
+        shape: Vec<usize>,
+        draw: impl Fn(&[usize]) -> ArrayD<f64> + Send + Sync + 'static,
+    ) -> Self {
+        Draw {
+            name,
+            shape,
+            draw: Box::new(draw),
+        }
+    }
+
+    /// A standard normal tensor of stream `name`.
+    fn normal(seed: u64, name: &'static str, shape: Vec<usize>) -> Self {
+        Draw::new(name, shape, move |sh| normal(seed, name, sh))
+    }
+
+    /// The tensor, `shape`.
+    pub fn draw(&self) -> ArrayD<f64> {
+        (self.draw)(&self.shape)
+    }
+
+    /// The same tensor with `f` applied to it after each draw.
+    pub fn map(self, f: impl Fn(&mut ArrayD<f64>) + Send + Sync + 'static) -> Self {
+        let Draw { name, shape, draw } = self;
+        Draw::new(name, shape, move |sh| {
+            let mut x = draw(sh);
+            f(&mut x);
+            x
+        })
+    }
+}
+
+/// Every tensor of a list of draws, drawn, by name.
+struct Drawn(std::collections::HashMap<&'static str, ArrayD<f64>>);
+
+impl Drawn {
+    fn all(draws: Vec<Draw>) -> Self {
+        Drawn(draws.iter().map(|d| (d.name, d.draw())).collect())
+    }
+
+    fn take(&mut self, name: &str) -> ArrayD<f64> {
+        self.maybe(name).expect("drawn")
+    }
+
+    fn maybe(&mut self, name: &str) -> Option<ArrayD<f64>> {
+        self.0.remove(name)
+    }
+}
+
 /// FLA's test draws ([`Regime::FlaTest`]): q, k, v normal; `g =
 /// logsigmoid(N)` (raw normal with an in-kernel gate); `beta = sigmoid(N)`
 /// (raw normal with `use_beta_sigmoid_in_kernel`); `A_log = N/2`, `dt_bias =
@@ -232,57 +297,91 @@ pub fn kda(s: &KdaSpec) -> Generated<KdaInputs<f64>> {
 /// `use_qk_l2norm_in_kernel` the keys are scaled by `K^-1/2` (unit norm on
 /// average) so that β ≈ 1 keeps the recurrence stable.
 pub fn kda_in(s: &KdaSpec, regime: Regime) -> Generated<KdaInputs<f64>> {
-    let (b, t) = (s.layout.b, s.layout.t);
+    let mut d = Drawn::all(kda_draws(s, regime));
+    Generated {
+        inputs: KdaInputs {
+            q: d.take("q"),
+            k: d.take("k"),
+            v: d.take("v"),
+            g: d.take("g"),
+            beta: d.take("beta"),
+            a_log: d.maybe("A_log"),
+            dt_bias: d.maybe("dt_bias"),
+            initial_state: d.maybe("initial_state"),
+            cu_seqlens: s.layout.cu_seqlens(),
+        },
+        d_o: d.take("do"),
+        dht: d.take("dht"),
+    }
+}
+
+/// [`kda_in`]'s tensors one by one, under FLA's names (`q`, `k`, `v`, `g`,
+/// `beta`, `A_log` and `dt_bias` with an in-kernel gate, `initial_state`
+/// when asked, `do`, `dht`).
+pub fn kda_draws(s: &KdaSpec, regime: Regime) -> Vec<Draw> {
+    let (b, t, n, seed, k) = (s.layout.b, s.layout.t, s.layout.n(), s.seed, s.k);
     let (gshape, gdims): (Vec<usize>, usize) = if s.scalar_gate {
         (vec![b, t, s.hv], 1)
     } else {
-        (vec![b, t, s.hv, s.k], 2)
+        (vec![b, t, s.hv, k], 2)
     };
     // A scalar gate's channel is its head: index it like key dim 0.
-    let chan = |c: usize| if s.scalar_gate { c * s.k } else { c };
+    let scalar_gate = s.scalar_gate;
+    let chan = move |c: usize| if scalar_gate { c * k } else { c };
     let g = match s.opts.gate {
-        Gate::None => channel_tensor(s.seed, "g", &gshape, gdims, |x, c| {
-            direct_log_decay(regime, regime.slow(s.seed, chan(c)), x)
+        Gate::None => Draw::new("g", gshape, move |sh| {
+            channel_tensor(seed, "g", sh, gdims, |x, c| {
+                direct_log_decay(regime, regime.slow(seed, chan(c)), x)
+            })
         }),
-        gate => tensor(s.seed, "g", &gshape, gate_maps(regime, gate).0),
+        gate => Draw::new("g", gshape, move |sh| {
+            tensor(seed, "g", sh, gate_maps(regime, gate).0)
+        }),
     };
     let beta = if s.opts.use_beta_sigmoid_in_kernel {
-        tensor(s.seed, "beta", &[b, t, s.hv], |x| regime.beta_logit(x))
+        Draw::new("beta", vec![b, t, s.hv], move |sh| {
+            tensor(seed, "beta", sh, |x| regime.beta_logit(x))
+        })
     } else {
-        tensor(s.seed, "beta", &[b, t, s.hv], |x| {
-            gates::sigmoid(regime.beta_logit(x))
+        Draw::new("beta", vec![b, t, s.hv], move |sh| {
+            tensor(seed, "beta", sh, |x| gates::sigmoid(regime.beta_logit(x)))
         })
     };
     let (_, a_log_map, dt_bias_map) = gate_maps(regime, s.opts.gate);
     let key_scale = if regime == Regime::Sharp && !s.opts.use_qk_l2norm_in_kernel {
-        1.0 / (s.k as f64).sqrt()
+        1.0 / (k as f64).sqrt()
     } else {
         1.0
     };
-    let inputs = KdaInputs {
-        q: normal(s.seed, "q", &[b, t, s.h, s.k]),
-        k: channel_tensor(s.seed, "k", &[b, t, s.h, s.k], 1, |x, d| {
-            x * key_scale * regime.key_weight(d, s.k)
-        }),
-        v: normal(s.seed, "v", &[b, t, s.hv, s.v]),
-        g,
-        beta,
-        a_log: (s.opts.gate != Gate::None).then(|| tensor(s.seed, "A_log", &[s.hv], a_log_map)),
-        dt_bias: (s.opts.gate != Gate::None).then(|| {
-            channel_tensor(s.seed, "dt_bias", &[s.hv * s.k], 1, |x, c| {
-                dt_bias_map(x, regime.slow(s.seed, c))
+    let gated = s.opts.gate != Gate::None;
+    let mut draws = vec![
+        Draw::normal(seed, "q", vec![b, t, s.h, k]),
+        Draw::new("k", vec![b, t, s.h, k], move |sh| {
+            channel_tensor(seed, "k", sh, 1, |x, d| {
+                x * key_scale * regime.key_weight(d, k)
             })
         }),
-        initial_state: s
-            .initial_state
-            .then(|| normal(s.seed, "initial_state", &[s.layout.n(), s.hv, s.k, s.v])),
-        cu_seqlens: s.layout.cu_seqlens(),
-    };
-    Generated {
-        inputs,
-        d_o: normal(s.seed, "do", &[b, t, s.hv, s.v]),
-        dht: normal(s.seed, "dht", &[s.layout.n(), s.hv, s.k, s.v]),
+        Draw::normal(seed, "v", vec![b, t, s.hv, s.v]),
+        g,
+        beta,
+    ];
+    if gated {
+        draws.push(Draw::new("A_log", vec![s.hv], move |sh| {
+            tensor(seed, "A_log", sh, a_log_map)
+        }));
+        draws.push(Draw::new("dt_bias", vec![s.hv * k], move |sh| {
+            channel_tensor(seed, "dt_bias", sh, 1, |x, c| {
+                dt_bias_map(x, regime.slow(seed, c))
+            })
+        }));
     }
+    let state = vec![n, s.hv, k, s.v];
+    if s.initial_state {
+        draws.push(Draw::normal(seed, "initial_state", state.clone()));
+    }
+    draws.push(Draw::normal(seed, "do", vec![b, t, s.hv, s.v]));
+    draws.push(Draw::normal(seed, "dht", state));
+    draws
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -306,50 +405,81 @@ pub fn dplr(s: &DplrSpec) -> Generated<DplrInputs<f64>> {
 /// on slow channels (|gk| ~ 1e-3) and ≈ +4 under `sharp`; the scale of `b`
 /// is `sigmoid(beta_logit)` as KDA's β; `kk` low-rank-ish where KDA's keys are.
 pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
-    let (b, t) = (s.layout.b, s.layout.t);
-    let kshape = [b, t, s.h, s.k];
-    // In place throughout: a long case's draw holds the inputs and no
-    // temporaries of their size beside them.
+    let mut d = Drawn::all(dplr_draws(s, regime));
+    Generated {
+        inputs: DplrInputs {
+            q: d.take("q"),
+            k: d.take("k"),
+            v: d.take("v"),
+            a: d.take("a"),
+            b: d.take("b"),
+            gk: d.take("gk"),
+            initial_state: d.maybe("initial_state"),
+            cu_seqlens: s.layout.cu_seqlens(),
+        },
+        d_o: d.take("do"),
+        dht: d.take("dht"),
+    }
+}
+
+/// [`dplr_in`]'s tensors one by one (`q`, `k`, `v`, `a`, `b`, `gk`,
+/// `initial_state` when asked, `do`, `dht`). `a` and `b` share the
+/// normalised `kk`: drawing `a` keeps it for the next draw of `b` (files
+/// store `a` just before `b`), which takes it; `b` drawn without it draws
+/// `kk` again. Either way the same bits.
+pub fn dplr_draws(s: &DplrSpec, regime: Regime) -> Vec<Draw> {
+    let (b, t, n, seed, k) = (s.layout.b, s.layout.t, s.layout.n(), s.seed, s.k);
+    let kshape = vec![b, t, s.h, k];
+    // In place throughout: a draw holds its tensor and no temporaries of
+    // its size beside it (`a` and `b` hold `kk` too).
     let l2 = |x: ArrayD<f64>| {
         let x4 = x.into_dimensionality::<ndarray::Ix4>().expect("4-d");
         gates::l2norm_owned(x4).into_dyn()
     };
-    let kk = l2(channel_tensor(s.seed, "kk", &kshape, 1, |x, d| {
-        x * regime.key_weight(d, s.k)
-    }));
-    // b = kk ⊙ scale in the scale's buffer (a product: the same bits in
-    // either order), then a = −kk in kk's.
-    let mut b_tensor = tensor(s.seed, "b", &kshape, |x| {
-        gates::sigmoid(regime.beta_logit(x))
-    });
-    b_tensor *= &kk;
-    let mut a_tensor = kk;
-    a_tensor.mapv_inplace(|x| -x);
-    let gk_logit = |x: f64, c: usize| match regime {
-        _ if regime.slow(s.seed, c) => 0.25 * x - 6.5,
+    let kk = move |sh: &[usize]| {
+        l2(channel_tensor(seed, "kk", sh, 1, |x, d| {
+            x * regime.key_weight(d, k)
+        }))
+    };
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(None::<ArrayD<f64>>));
+    let kept_b = kept.clone();
+    let gk_logit = move |x: f64, c: usize| match regime {
+        _ if regime.slow(seed, c) => 0.25 * x - 6.5,
         Regime::Sharp => 0.5 * x + 4.0,
         Regime::Mixed => 0.5 * x + 2.0,
         _ => x,
     };
-    let inputs = DplrInputs {
-        q: l2(normal(s.seed, "q", &kshape)),
-        k: l2(normal(s.seed, "k", &kshape)),
-        v: normal(s.seed, "v", &[b, t, s.h, s.v]),
-        a: a_tensor,
-        b: b_tensor,
-        gk: channel_tensor(s.seed, "gk", &kshape, 2, |x, c| {
-            -0.606_530_659_712_633_4 * gates::sigmoid(gk_logit(x, c))
+    let state = vec![n, s.h, k, s.v];
+    let mut draws = vec![
+        Draw::new("q", kshape.clone(), move |sh| l2(normal(seed, "q", sh))),
+        Draw::new("k", kshape.clone(), move |sh| l2(normal(seed, "k", sh))),
+        Draw::normal(seed, "v", vec![b, t, s.h, s.v]),
+        Draw::new("a", kshape.clone(), move |sh| {
+            let kk = kk(sh);
+            let a = kk.mapv(|x| -x);
+            *kept.lock().expect("kk") = Some(kk);
+            a
         }),
-        initial_state: s
-            .initial_state
-            .then(|| normal(s.seed, "initial_state", &[s.layout.n(), s.h, s.k, s.v])),
-        cu_seqlens: s.layout.cu_seqlens(),
-    };
-    Generated {
-        inputs,
-        d_o: normal(s.seed, "do", &[b, t, s.h, s.v]),
-        dht: normal(s.seed, "dht", &[s.layout.n(), s.h, s.k, s.v]),
+        // b = kk ⊙ scale in the scale's buffer (a product: the same bits in
+        // either order).
+        Draw::new("b", kshape.clone(), move |sh| {
+            let mut scale = tensor(seed, "b", sh, |x| gates::sigmoid(regime.beta_logit(x)));
+            let kept = kept_b.lock().expect("kk").take();
+            scale *= &kept.unwrap_or_else(|| kk(sh));
+            scale
+        }),
+        Draw::new("gk", kshape, move |sh| {
+            channel_tensor(seed, "gk", sh, 2, |x, c| {
+                -0.606_530_659_712_633_4 * gates::sigmoid(gk_logit(x, c))
+            })
+        }),
+    ];
+    if s.initial_state {
+        draws.push(Draw::normal(seed, "initial_state", state.clone()));
     }
+    draws.push(Draw::normal(seed, "do", vec![b, t, s.h, s.v]));
+    draws.push(Draw::normal(seed, "dht", state));
+    draws
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -516,5 +646,39 @@ pub fn conv(s: &ConvSpec) -> Generated<ConvInputs<f64>> {
         },
         d_o: normal(s.seed, "dy", &[b, t, s.d]),
         dht: normal(s.seed, "dht", &[n, s.d, s.w]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DPLR's `b` is the same tensor whether drawn alone, after the `a`
+    /// that keeps `kk` for it, or twice; `a` drawn twice is too.
+    #[test]
+    fn shared_kk_changes_no_bits() {
+        let s = DplrSpec {
+            layout: Layout::varlen(&[5, 11]),
+            h: 2,
+            k: 8,
+            v: 4,
+            initial_state: false,
+            seed: 3,
+        };
+        for regime in Regime::ALL {
+            let pick = |draws: &[Draw], name: &str| {
+                let d = draws.iter().find(|d| d.name == name).expect("drawn");
+                assert_eq!(d.shape, vec![1, 16, 2, 8]);
+                d.draw()
+            };
+            let alone = pick(&dplr_draws(&s, regime), "b");
+            let draws = dplr_draws(&s, regime);
+            let a = pick(&draws, "a");
+            assert_eq!(pick(&draws, "b"), alone);
+            assert_eq!(pick(&draws, "b"), alone);
+            assert_eq!(pick(&draws, "a"), a);
+            let whole = dplr_in(&s, regime).inputs;
+            assert_eq!((whole.a, whole.b), (a, alone));
+        }
     }
 }

@@ -1,17 +1,18 @@
 //! `deltaref gen`: deterministic cases with FLA-test-like inputs.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use deltaref::conv::Activation;
 use deltaref::gates::Gate;
 use deltaref::gdn::GdnOptions;
 use deltaref::inputs::{
-    self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec,
+    self, ConvSpec, DplrSpec, Draw, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec,
 };
 use deltaref::kda::KdaOptions;
 use ndarray::{ArrayD, Axis};
 
-use crate::case::{Case, CaseError, CaseMeta, Dtype, Op};
+use crate::case::{result_shape_of, results_of, Case, CaseError, CaseMeta, Drawn, Dtype, Op};
 use crate::heads::HeadFile;
 use crate::impls::{first_non_finite, Compute, Impl};
 use crate::memory::{self, Problem, Run};
@@ -255,8 +256,9 @@ pub fn generate_to(spec: &GenSpec, path: &Path) -> Result<usize, CaseError> {
 
 /// [`generate_to`] in bounded memory, `per_block` query/key heads at a
 /// time (heads never mix, see [`crate::heads`]; KDA and DPLR only). The
-/// inputs are drawn whole (the draws are per tensor), written to the file
-/// in the storage dtype and freed tensor by tensor; then each head block
+/// inputs are drawn one tensor at a time (each tensor is its own random
+/// stream, [`inputs::Draw`]), written to the file in the storage dtype and
+/// freed before the next is drawn; then each head block
 /// of the inputs is read back from the file, validated as a case, and its
 /// f64 truth computed and written into its slices of the result tensors.
 /// The file is byte for byte [`generate_to`]'s.
@@ -267,50 +269,74 @@ pub fn generate_streamed(
 ) -> Result<usize, CaseError> {
     let (layout, dims) = spec.dims()?;
     let problem = spec.problem(&layout, &dims);
-    if !matches!(spec.op, Op::Kda | Op::Dplr) {
-        return Err(CaseError::Usage(format!(
-            "generating head block by head block applies to kda and dplr, not {}",
-            spec.op.name()
-        )));
-    }
+    let draws = head_draws(spec)?;
     let per_block = per_block.clamp(1, problem.h);
     // The blocks `fill` reads are at most `per_block` heads and at most
     // verify's (`heads::heads_per_block` of the file's data: the inputs
     // stored, room for as many f64 results).
+    let width = crate::case::stored_width(spec.dtype);
     let inputs = problem.input_elements();
     let data = inputs
-        .saturating_mul(crate::case::stored_width(spec.dtype) as u64)
+        .saturating_mul(width as u64)
         .saturating_add(if spec.expected {
             inputs.saturating_mul(8)
         } else {
             0
         });
     let heads = per_block.min(crate::heads::heads_per_block(data, problem.h));
-    let need = problem.gen_streamed_bytes(heads, spec.expected);
+    let need = problem.gen_streamed_bytes(heads, spec.expected, width);
     memory::check("generating this case", need)?;
-    let progress = Progress::spinner("drawing the inputs");
-    let case = draw(spec, layout, &dims);
     let results = if spec.expected {
-        planned_results(&case)?
+        let shapes: HashMap<&str, &[usize]> =
+            draws.iter().map(|d| (d.name, d.shape.as_slice())).collect();
+        planned_results(spec.op, |n| shapes.get(n).map(|s| s.to_vec()))?
     } else {
         vec![]
     };
-    progress.step("writing the inputs");
-    case.write_filled(path, &results, |tmp| {
+    let drawn = draws
+        .into_iter()
+        .map(|draw| Drawn {
+            draw,
+            dtype: spec.dtype,
+        })
+        .collect();
+    let mut case = Case::new(spec.meta());
+    case.cu_seqlens = layout.cu_seqlens();
+    let progress = Progress::spinner("drawing and writing the inputs");
+    case.write_filled(path, drawn, &results, |tmp| {
         drop(progress);
         fill(tmp, per_block, &results)
     })
 }
 
-/// The results the oracle computes for `case`, with their shapes.
-fn planned_results(case: &Case) -> Result<Vec<(String, Vec<usize>)>, CaseError> {
-    case.expected_results()
+/// The tensors of a KDA or DPLR case, one draw each: drawn, they are
+/// [`generate`]'s inputs (before rounding to the storage dtype). Other ops
+/// are refused.
+pub fn head_draws(spec: &GenSpec) -> Result<Vec<Draw>, CaseError> {
+    let (layout, dims) = spec.dims()?;
+    match spec.op {
+        Op::Kda => Ok(kda_draws(spec, layout, &dims)),
+        Op::Dplr => Ok(dplr_draws(spec, layout, &dims)),
+        op => Err(CaseError::Usage(format!(
+            "generating head block by head block applies to kda and dplr, not {}",
+            op.name()
+        ))),
+    }
+}
+
+/// The results the oracle computes for a case of `op` whose tensors have
+/// the shapes `shape(name)` gives, with their shapes.
+fn planned_results(
+    op: Op,
+    shape: impl Fn(&str) -> Option<Vec<usize>>,
+) -> Result<Vec<(String, Vec<usize>)>, CaseError> {
+    results_of(op, &shape)
         .into_iter()
         .map(|n| {
-            let shape = case.result_shape(n).ok_or_else(|| {
+            let s = result_shape_of(n, &shape).ok_or_else(|| {
                 CaseError::Usage(format!("the case has no input to shape result `{n}` by"))
             })?;
-            Ok((n.to_string(), shape))
+            Ok((n.to_string(), s))
         })
         .collect()
 }
@@ -385,55 +411,8 @@ fn draw(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Case {
     case.cu_seqlens = layout.cu_seqlens();
     let dt = spec.dtype;
     match spec.op {
-        Op::Kda => {
-            let opts = KdaOptions {
-                scale: spec.scale,
-                output_final_state: true,
-                use_qk_l2norm_in_kernel: spec.use_qk_l2norm_in_kernel,
-                gate: spec.gate,
-                use_beta_sigmoid_in_kernel: spec.use_beta_sigmoid_in_kernel,
-                allow_neg_eigval: spec.allow_neg_eigval,
-            };
-            let s = KdaSpec {
-                layout,
-                h: dims[0],
-                hv: dims[1],
-                k: dims[2],
-                v: dims[3],
-                opts,
-                initial_state: spec.initial_state,
-                scalar_gate: false,
-                seed: spec.seed,
-            };
-            let mut g = inputs::kda_in(&s, spec.regime);
-            if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
-                unit_norm(&mut g.inputs.k);
-            }
-            let named = gated_named!(g.inputs);
-            put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
-        }
-        Op::Dplr => {
-            let s = DplrSpec {
-                layout,
-                h: dims[0],
-                k: dims[1],
-                v: dims[2],
-                initial_state: spec.initial_state,
-                seed: spec.seed,
-            };
-            let g = inputs::dplr_in(&s, spec.regime);
-            let x = g.inputs;
-            let named = vec![
-                ("q", Some(x.q)),
-                ("k", Some(x.k)),
-                ("v", Some(x.v)),
-                ("a", Some(x.a)),
-                ("b", Some(x.b)),
-                ("gk", Some(x.gk)),
-                ("initial_state", x.initial_state),
-            ];
-            put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
-        }
+        Op::Kda => insert_all(&mut case, kda_draws(spec, layout, dims), dt),
+        Op::Dplr => insert_all(&mut case, dplr_draws(spec, layout, dims), dt),
         Op::TokenShift => {
             let g = inputs::token_shift_in(
                 &TokenShiftSpec {
@@ -498,6 +477,57 @@ fn draw(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Case {
         }
     }
     case
+}
+
+/// Draws every tensor of `draws` into `case`, stored in `dtype`.
+fn insert_all(case: &mut Case, draws: Vec<Draw>, dtype: Dtype) {
+    for d in draws {
+        case.insert(d.name, d.draw(), dtype);
+    }
+}
+
+/// A KDA case's tensors, one draw each (unit-norm keys as `spec` asks).
+fn kda_draws(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Vec<Draw> {
+    let opts = KdaOptions {
+        scale: spec.scale,
+        output_final_state: true,
+        use_qk_l2norm_in_kernel: spec.use_qk_l2norm_in_kernel,
+        gate: spec.gate,
+        use_beta_sigmoid_in_kernel: spec.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval: spec.allow_neg_eigval,
+    };
+    let s = KdaSpec {
+        layout,
+        h: dims[0],
+        hv: dims[1],
+        k: dims[2],
+        v: dims[3],
+        opts,
+        initial_state: spec.initial_state,
+        scalar_gate: false,
+        seed: spec.seed,
+    };
+    let unit = spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel;
+    inputs::kda_draws(&s, spec.regime)
+        .into_iter()
+        .map(|d| match d.name {
+            "k" if unit => d.map(unit_norm),
+            _ => d,
+        })
+        .collect()
+}
+
+/// A DPLR case's tensors, one draw each.
+fn dplr_draws(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Vec<Draw> {
+    let s = DplrSpec {
+        layout,
+        h: dims[0],
+        k: dims[1],
+        v: dims[2],
+        initial_state: spec.initial_state,
+        seed: spec.seed,
+    };
+    inputs::dplr_draws(&s, spec.regime)
 }
 
 /// `x / max(‖x‖, 1e-12)` over the last dimension (PyTorch's `F.normalize`), in place.

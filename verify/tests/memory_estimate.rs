@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use deltaref::gates::Gate;
-use deltaref_verify::case::{Dtype, Op};
-use deltaref_verify::generate::{generate, generate_streamed, GenSpec};
+use deltaref_verify::case::{stored_width, Case, Drawn, Dtype, Op};
+use deltaref_verify::generate::{generate, generate_streamed, head_draws, GenSpec};
 use deltaref_verify::impls::{Compute, Impl, ImplName, ImplRequest};
 use deltaref_verify::memory::Problem;
 
@@ -211,6 +211,24 @@ fn generating() {
             continue;
         }
         case.write(&path("whole.safetensors")).unwrap();
+        let drawn = head_draws(&spec)
+            .unwrap()
+            .into_iter()
+            .map(|draw| Drawn {
+                draw,
+                dtype: spec.dtype,
+            })
+            .collect();
+        let (_, draws) = peak_of(|| {
+            Case::new(spec.meta())
+                .write_filled(&path("drawn.safetensors"), drawn, &[], |_| Ok(()))
+                .unwrap()
+        });
+        assert_bounds(
+            &format!("{label}, drawn one by one"),
+            draws,
+            p.streamed_draw_bytes(stored_width(spec.dtype)),
+        );
         for expected in [false, true] {
             spec.expected = expected;
             for heads in [1, p.h] {
@@ -219,7 +237,7 @@ fn generating() {
                 assert_bounds(
                     &format!("{label}, gen (expected: {expected}), {heads} heads a block"),
                     streamed,
-                    p.gen_streamed_bytes(heads, expected),
+                    p.gen_streamed_bytes(heads, expected, stored_width(spec.dtype)),
                 );
             }
         }

@@ -20,6 +20,13 @@ enum Encoded<'a> {
     Int(&'a [i64], Vec<usize>),
 }
 
+/// A tensor of a case file drawn only when its bytes are written
+/// ([`Case::write_filled`]), stored in `dtype`.
+pub struct Drawn {
+    pub draw: deltaref::inputs::Draw,
+    pub dtype: Dtype,
+}
+
 /// A tensor's dtype and shape without its bytes (to build the header alone).
 #[derive(Clone)]
 struct HeaderOnly {
@@ -29,6 +36,15 @@ struct HeaderOnly {
 }
 
 impl HeaderOnly {
+    /// A tensor `name` of `shape` stored in `dtype`, not yet formed.
+    fn planned(name: &str, dtype: Dtype, shape: Vec<usize>) -> Result<HeaderOnly, String> {
+        let dtype = st(name, dtype)?;
+        let len = super::memory::elements(&shape)
+            .and_then(|n| usize::try_from(n.checked_mul(dtype.bitsize() as u64 / 8)?).ok())
+            .ok_or_else(|| format!("tensor `{name}` of shape {shape:?} overflows"))?;
+        Ok(HeaderOnly { dtype, shape, len })
+    }
+
     fn of(v: &impl View) -> HeaderOnly {
         HeaderOnly {
             dtype: v.dtype(),
@@ -171,16 +187,20 @@ impl Case {
         Ok(head)
     }
 
-    /// Writes the case atomically as [`Case::write`] does, plus room for
-    /// `results` (float64, `(name, shape)`) that `fill` writes in place:
-    /// the header and the case's tensors first (each freed once written,
-    /// so the case is consumed), then `fill` runs on the temporary file,
-    /// whose result bytes are zero until it writes them. With every result
-    /// filled, the bytes are those of [`Case::write`] of the case holding
-    /// the results. Returns the number of tensors written.
+    /// Writes the case atomically as [`Case::write`] does, plus the `drawn`
+    /// tensors and room for `results` (float64, `(name, shape)`) that `fill`
+    /// writes in place: the header, then the case's tensors and the drawn
+    /// ones (a drawn tensor is drawn, rounded to its dtype as
+    /// [`Case::insert`] rounds, written and freed in its turn: one alive at a
+    /// time; the case is consumed the same way), then `fill` runs on the
+    /// temporary file, whose result bytes are zero until it writes them.
+    /// With every result filled, the bytes are those of [`Case::write`] of
+    /// the case holding the drawn tensors and the results. Returns the
+    /// number of tensors written.
     pub fn write_filled(
         mut self,
         path: &Path,
+        drawn: Vec<Drawn>,
         results: &[(String, Vec<usize>)],
         fill: impl FnOnce(&Path) -> Result<(), CaseError>,
     ) -> Result<usize, CaseError> {
@@ -194,27 +214,33 @@ impl Case {
             .iter()
             .map(|(n, v)| (n.clone(), HeaderOnly::of(v)))
             .collect();
-        for (name, shape) in results {
-            if header.iter().any(|(n, _)| n == name) {
+        let planned = drawn
+            .iter()
+            .map(|d| {
+                let (name, shape) = (d.draw.name, d.draw.shape.clone());
+                Ok((name.to_string(), HeaderOnly::planned(name, d.dtype, shape)?))
+            })
+            .chain(results.iter().map(|(name, shape)| {
+                Ok((
+                    name.clone(),
+                    HeaderOnly::planned(name, Dtype::F64, shape.clone())?,
+                ))
+            }))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(format)?;
+        for (name, h) in planned {
+            if header.iter().any(|(n, _)| *n == name) {
                 return Err(format(format!(
-                    "result `{name}` is already a tensor of the case"
+                    "`{name}` is planned twice (a tensor of the case, a drawn tensor or a result)"
                 )));
             }
-            let len = super::memory::elements(shape)
-                .and_then(|n| usize::try_from(n.checked_mul(8)?).ok())
-                .ok_or_else(|| format(format!("result `{name}` of shape {shape:?} overflows")))?;
-            header.push((
-                name.clone(),
-                HeaderOnly {
-                    dtype: StDtype::F64,
-                    shape: shape.clone(),
-                    len,
-                },
-            ));
+            header.push((name, h));
         }
         let head = self.head(path, header.clone())?;
         header.sort_by(data_order);
         let count = header.len();
+        let mut drawn: std::collections::HashMap<&str, Drawn> =
+            drawn.into_iter().map(|d| (d.draw.name, d)).collect();
         let mut failed = None;
         super::files::write_atomic_with(path, |tmp| {
             use std::os::unix::fs::FileExt;
@@ -231,6 +257,17 @@ impl Case {
                 if let Some(x) = self.tensors.remove(name) {
                     let dt = self.dtypes.get(name).copied().unwrap_or(Dtype::F64);
                     f.write_all_at(&encode(dt, &x), at)?;
+                } else if let Some(d) = drawn.remove(name.as_str()) {
+                    let x = d.draw.draw();
+                    if x.shape() != h.shape.as_slice() {
+                        failed = Some(format(format!(
+                            "tensor `{name}` was drawn with shape {:?}, planned as {:?}",
+                            x.shape(),
+                            h.shape
+                        )));
+                        return Err(std::io::Error::other("a drawn tensor's shape"));
+                    }
+                    f.write_all_at(&encode(d.dtype, &super::stored(x, d.dtype)), at)?;
                 } else if name == "cu_seqlens" {
                     let cu = self.cu_seqlens.take().unwrap_or_default();
                     let bytes: Vec<u8> = cu.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -591,19 +628,18 @@ mod tests {
         case.insert("x", ArrayD::zeros(IxDyn(&[1, 2, 3])), Dtype::F64);
         let e = case
             .clone()
-            .write_filled(&path, &[("x".into(), vec![1, 2, 3])], |_| Ok(()))
+            .write_filled(&path, vec![], &[("x".into(), vec![1, 2, 3])], |_| Ok(()))
             .unwrap_err()
             .to_string();
-        assert!(
-            e.contains("result `x` is already a tensor of the case"),
-            "{e}"
-        );
+        assert!(e.contains("`x` is planned twice"), "{e}");
         let e = case
-            .write_filled(&path, &[("y".into(), vec![usize::MAX, 2])], |_| Ok(()))
+            .write_filled(&path, vec![], &[("y".into(), vec![usize::MAX, 2])], |_| {
+                Ok(())
+            })
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("result `y` of shape") && e.contains("overflows"),
+            e.contains("tensor `y` of shape") && e.contains("overflows"),
             "{e}"
         );
         assert!(!path.exists());
@@ -627,6 +663,43 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), case.to_bytes().unwrap());
     }
 
+    /// A drawn tensor is written as the case holding it writes it (rounded
+    /// to its dtype, in data order among the case's own); one drawn with
+    /// another shape than planned is refused by name, and no file is left.
+    #[test]
+    fn drawn_tensors_are_written_as_held_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.safetensors");
+        let x = |n: usize| ArrayD::from_shape_fn(IxDyn(&[1, n, 3]), |i| i[1] as f64 / 3.0);
+        let draw = |name, n: usize, wrong: bool| Drawn {
+            draw: deltaref::inputs::Draw::new(name, vec![1, n, 3], move |_| {
+                x(n + usize::from(wrong))
+            }),
+            dtype: Dtype::Bf16,
+        };
+        let mut case = Case::new(CaseMeta::new(Op::Kda));
+        case.insert("v", x(5), Dtype::F64);
+        case.cu_seqlens = Some(vec![0, 2, 5]);
+        let mut whole = case.clone();
+        whole.insert("q", x(4), Dtype::Bf16);
+        whole.insert("beta", x(2), Dtype::Bf16);
+        let drawn = vec![draw("q", 4, false), draw("beta", 2, false)];
+        case.clone()
+            .write_filled(&path, drawn, &[], |_| Ok(()))
+            .unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), whole.to_bytes().unwrap());
+        std::fs::remove_file(&path).unwrap();
+        let e = case
+            .write_filled(&path, vec![draw("q", 4, true)], &[], |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tensor `q` was drawn with shape [1, 5, 3], planned as [1, 4, 3]"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
     /// What `fill` refuses is the write's error, and no file is left.
     #[test]
     fn a_failed_fill_leaves_no_file() {
@@ -635,7 +708,7 @@ mod tests {
         let mut case = Case::new(CaseMeta::new(Op::TokenShift));
         case.insert("x", ArrayD::zeros(IxDyn(&[1, 2, 3])), Dtype::Bf16);
         let e = case
-            .write_filled(&path, &[("y".into(), vec![1, 2, 3])], |_| {
+            .write_filled(&path, vec![], &[("y".into(), vec![1, 2, 3])], |_| {
                 Err(CaseError::Usage("no truth".into()))
             })
             .unwrap_err()

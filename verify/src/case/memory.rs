@@ -210,10 +210,12 @@ impl Problem {
     }
 
     /// Bytes `gen` holds head block by head block, `heads` query/key heads
-    /// at a time: the largest of the draws, one block's inputs read back
+    /// at a time, storing `width` bytes per element: the largest draw
+    /// ([`Problem::streamed_draw_bytes`]), one block's inputs read back
     /// (their stored bytes and f64 values) and (`expected`) the engine run
     /// they move into.
-    pub fn gen_streamed_bytes(&self, heads: usize, expected: bool) -> u64 {
+    pub fn gen_streamed_bytes(&self, heads: usize, expected: bool, width: usize) -> u64 {
+        let draw = self.streamed_draw_bytes(width);
         let block = self.heads_block(heads);
         let read = block.input_elements().saturating_mul(8);
         let fill = if expected {
@@ -221,7 +223,43 @@ impl Problem {
         } else {
             read.saturating_mul(9) / 4
         };
-        self.draw_bytes().max(fill)
+        draw.max(fill)
+    }
+
+    /// Bytes of a KDA or DPLR case's inputs drawn and written one at a
+    /// time, stored in `width` bytes per element: the largest input in f64
+    /// and its stored bytes (DPLR's `a` with the `kk` it keeps for `b`
+    /// beside it, [`deltaref::inputs::dplr_draws`]), and 64 KiB for the
+    /// file's header and the plan of its tensors.
+    pub fn streamed_draw_bytes(&self, width: usize) -> u64 {
+        let per_element = match self.op {
+            Op::Dplr => 16 + width as u64,
+            _ => 8 + width as u64,
+        };
+        self.largest_input()
+            .saturating_mul(per_element)
+            .saturating_add(64 << 10)
+    }
+
+    /// Elements of the largest input or upstream gradient of a KDA, GDN or
+    /// DPLR problem: a token-major `[B, T, heads, K or V]` tensor or a
+    /// state `[N, heads, K, V]`.
+    fn largest_input(&self) -> u64 {
+        let Problem {
+            b,
+            t,
+            n,
+            h,
+            hv,
+            k,
+            v,
+            ..
+        } = *self;
+        [[b, t, h, k], [b, t, hv, v], [b, t, hv, k], [n, hv, k, v]]
+            .iter()
+            .filter_map(|s| elements(s))
+            .max()
+            .unwrap_or(u64::MAX)
     }
 
     /// The same problem cut to `heads` query/key heads (GVA value heads

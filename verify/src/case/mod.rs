@@ -27,7 +27,7 @@ use crate::outputs::Tensors;
 pub use deltaref::Dtype;
 pub use dtype::stored_width;
 pub use error::CaseError;
-pub use io::write_atomic;
+pub use io::{write_atomic, Drawn};
 pub use meta::{is_intermediate, CaseMeta, CpLayout, Op, INTERMEDIATE_NAMES};
 
 /// One case in memory: metadata, float tensors (widened to f64) and their
@@ -63,11 +63,8 @@ impl Case {
     }
 
     /// Adds a float tensor stored as `dtype` (its values are rounded to it).
-    pub fn insert(&mut self, name: &str, mut x: ArrayD<f64>, dtype: Dtype) {
-        if dtype != Dtype::F64 {
-            x.mapv_inplace(|v| dtype.round(v));
-        }
-        self.tensors.insert(name.to_string(), x);
+    pub fn insert(&mut self, name: &str, x: ArrayD<f64>, dtype: Dtype) {
+        self.tensors.insert(name.to_string(), stored(x, dtype));
         self.dtypes.insert(name.to_string(), dtype);
     }
 
@@ -325,21 +322,11 @@ impl Case {
     /// The outputs and gradients the oracle computes for this case: every
     /// result name, less the gradients of optional inputs it lacks.
     pub fn expected_results(&self) -> Vec<&'static str> {
-        let has = |n: &str| self.tensors.contains_key(n);
-        self.meta
-            .op
-            .results()
-            .iter()
-            .copied()
-            .filter(|&n| match n {
-                "dA_log" => has("A_log"),
-                "ddt_bias" => has("dt_bias"),
-                "dh0" => has("initial_state"),
-                "dcache" => has("cache"),
-                "dbias" => has("bias"),
-                _ => true,
-            })
-            .collect()
+        results_of(self.meta.op, |n| self.shape_of(n))
+    }
+
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.tensors.get(name).map(|t| t.shape().to_vec())
     }
 
     /// Bytes of the case's tensors as held (f64).
@@ -359,19 +346,52 @@ impl Case {
     /// The shape a result must have: a gradient is shaped like its input,
     /// `o`/`y` like `do`/`dy`, a final state like `dht` when present.
     pub fn result_shape(&self, name: &str) -> Option<Vec<usize>> {
-        let like = |n: &str| self.tensors.get(n).map(|t| t.shape().to_vec());
-        match name {
-            "o" => like("do"),
-            "y" => like("dy"),
-            "final_state" => like("dht").or_else(|| like("initial_state")),
-            "final_cache" => like("dfinal_cache").or_else(|| like("cache")),
-            "dh0" => like("initial_state"),
-            "dcache" => like("cache"),
-            "dA_log" => like("A_log"),
-            "ddt_bias" => like("dt_bias"),
-            d => like(d.strip_prefix('d')?),
-        }
+        result_shape_of(name, |n| self.shape_of(n))
     }
+}
+
+/// [`Case::expected_results`] of a case of `op` whose tensors have the
+/// shapes `shape(name)` gives (`None`: no such tensor).
+pub fn results_of(op: Op, shape: impl Fn(&str) -> Option<Vec<usize>>) -> Vec<&'static str> {
+    let has = |n: &str| shape(n).is_some();
+    op.results()
+        .iter()
+        .copied()
+        .filter(|&n| match n {
+            "dA_log" => has("A_log"),
+            "ddt_bias" => has("dt_bias"),
+            "dh0" => has("initial_state"),
+            "dcache" => has("cache"),
+            "dbias" => has("bias"),
+            _ => true,
+        })
+        .collect()
+}
+
+/// [`Case::result_shape`] given the case's tensor shapes as [`results_of`].
+pub fn result_shape_of(
+    name: &str,
+    shape: impl Fn(&str) -> Option<Vec<usize>>,
+) -> Option<Vec<usize>> {
+    match name {
+        "o" => shape("do"),
+        "y" => shape("dy"),
+        "final_state" => shape("dht").or_else(|| shape("initial_state")),
+        "final_cache" => shape("dfinal_cache").or_else(|| shape("cache")),
+        "dh0" => shape("initial_state"),
+        "dcache" => shape("cache"),
+        "dA_log" => shape("A_log"),
+        "ddt_bias" => shape("dt_bias"),
+        d => shape(d.strip_prefix('d')?),
+    }
+}
+
+/// `x` rounded to the values `dtype` stores (in place).
+fn stored(mut x: ArrayD<f64>, dtype: Dtype) -> ArrayD<f64> {
+    if dtype != Dtype::F64 {
+        x.mapv_inplace(|v| dtype.round(v));
+    }
+    x
 }
 
 /// Named tensors copied out of their borrows.
