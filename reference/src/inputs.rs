@@ -268,11 +268,11 @@ impl Draw {
 }
 
 /// Every tensor of a list of draws, drawn, by name.
-struct Drawn(std::collections::HashMap<&'static str, ArrayD<f64>>);
+struct AllDrawn(std::collections::HashMap<&'static str, ArrayD<f64>>);
 
-impl Drawn {
+impl AllDrawn {
     fn all(draws: Vec<Draw>) -> Self {
-        Drawn(draws.iter().map(|d| (d.name, d.draw())).collect())
+        AllDrawn(draws.iter().map(|d| (d.name, d.draw())).collect())
     }
 
     fn take(&mut self, name: &str) -> ArrayD<f64> {
@@ -297,7 +297,7 @@ pub fn kda(s: &KdaSpec) -> Generated<KdaInputs<f64>> {
 /// `use_qk_l2norm_in_kernel` the keys are scaled by `K^-1/2` (unit norm on
 /// average) so that β ≈ 1 keeps the recurrence stable.
 pub fn kda_in(s: &KdaSpec, regime: Regime) -> Generated<KdaInputs<f64>> {
-    let mut d = Drawn::all(kda_draws(s, regime));
+    let mut d = AllDrawn::all(kda_draws(s, regime));
     Generated {
         inputs: KdaInputs {
             q: d.take("q"),
@@ -405,7 +405,7 @@ pub fn dplr(s: &DplrSpec) -> Generated<DplrInputs<f64>> {
 /// on slow channels (|gk| ~ 1e-3) and ≈ +4 under `sharp`; the scale of `b`
 /// is `sigmoid(beta_logit)` as KDA's β; `kk` low-rank-ish where KDA's keys are.
 pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
-    let mut d = Drawn::all(dplr_draws(s, regime));
+    let mut d = AllDrawn::all(dplr_draws(s, regime));
     Generated {
         inputs: DplrInputs {
             q: d.take("q"),

@@ -1,6 +1,5 @@
 //! `deltaref gen`: deterministic cases with FLA-test-like inputs.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use deltaref::conv::Activation;
@@ -287,9 +286,10 @@ pub fn generate_streamed(
     let need = problem.gen_streamed_bytes(heads, spec.expected, width);
     memory::check("generating this case", need)?;
     let results = if spec.expected {
-        let shapes: HashMap<&str, &[usize]> =
-            draws.iter().map(|d| (d.name, d.shape.as_slice())).collect();
-        planned_results(spec.op, |n| shapes.get(n).map(|s| s.to_vec()))?
+        planned_results(spec.op, |n| {
+            let d = draws.iter().find(|d| d.name == n)?;
+            Some(d.shape.clone())
+        })?
     } else {
         vec![]
     };
