@@ -148,6 +148,12 @@ impl GenSpec {
         }
     }
 
+    /// Whether the keys are drawn unit-norm (`unit_norm_keys`, which an
+    /// in-kernel l2norm makes moot).
+    fn draws_unit_norm_keys(&self) -> bool {
+        self.unit_norm_keys && !self.use_qk_l2norm_in_kernel
+    }
+
     pub fn meta(&self) -> CaseMeta {
         let mut m = CaseMeta::new(self.op);
         m.scale = self.scale;
@@ -167,23 +173,6 @@ impl GenSpec {
         m.regime = (self.regime != Regime::FlaTest).then_some(self.regime);
         m
     }
-}
-
-/// KDA's and GDN's inputs under FLA's names (the same for both ops).
-macro_rules! gated_named {
-    ($x:expr) => {{
-        let x = $x;
-        vec![
-            ("q", Some(x.q)),
-            ("k", Some(x.k)),
-            ("v", Some(x.v)),
-            ("g", Some(x.g)),
-            ("beta", Some(x.beta)),
-            ("A_log", x.a_log),
-            ("dt_bias", x.dt_bias),
-            ("initial_state", x.initial_state),
-        ]
-    }};
 }
 
 /// Moves the named tensors and the upstream gradients into `case`.
@@ -451,10 +440,20 @@ fn draw(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Case {
                 seed: spec.seed,
             };
             let mut g = inputs::gdn_in(&s, spec.regime);
-            if spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel {
+            if spec.draws_unit_norm_keys() {
                 unit_norm(&mut g.inputs.k);
             }
-            let named = gated_named!(g.inputs);
+            let x = g.inputs;
+            let named = vec![
+                ("q", Some(x.q)),
+                ("k", Some(x.k)),
+                ("v", Some(x.v)),
+                ("g", Some(x.g)),
+                ("beta", Some(x.beta)),
+                ("A_log", x.a_log),
+                ("dt_bias", x.dt_bias),
+                ("initial_state", x.initial_state),
+            ];
             put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
         }
         Op::CausalConv1d => {
@@ -507,7 +506,7 @@ fn kda_draws(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Vec<Draw> {
         scalar_gate: false,
         seed: spec.seed,
     };
-    let unit = spec.unit_norm_keys && !spec.use_qk_l2norm_in_kernel;
+    let unit = spec.draws_unit_norm_keys();
     inputs::kda_draws(&s, spec.regime)
         .into_iter()
         .map(|d| match d.name {
