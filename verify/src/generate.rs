@@ -258,7 +258,7 @@ pub fn generate_streamed(
     let (layout, dims) = spec.dims()?;
     let problem = spec.problem(&layout, &dims);
     let draws = head_draws(spec)?;
-    let per_block = per_block.clamp(1, problem.h);
+    let per_block = fill_heads(per_block, spec.expected).clamp(1, problem.h);
     // The blocks `fill` reads are at most `per_block` heads and at most
     // verify's (`heads::heads_per_block` of the file's data: the inputs
     // stored, room for as many f64 results).
@@ -296,6 +296,19 @@ pub fn generate_streamed(
         drop(progress);
         fill(tmp, per_block, &results)
     })
+}
+
+/// Query/key heads per block that [`generate_streamed`] asked for
+/// `per_block` reads back at a time: `per_block` to compute the truth of
+/// (`expected`), which runs the block's heads in parallel; else one, since
+/// a block only read back and validated runs on one thread and one head
+/// holds the least.
+pub fn fill_heads(per_block: usize, expected: bool) -> usize {
+    if expected {
+        per_block
+    } else {
+        1
+    }
 }
 
 /// The tensors of a KDA or DPLR case, one draw each: drawn, they are

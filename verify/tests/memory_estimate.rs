@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use deltaref::gates::Gate;
 use deltaref_verify::case::{stored_width, Case, Drawn, Dtype, Op};
-use deltaref_verify::generate::{generate, generate_streamed, head_draws, GenSpec};
+use deltaref_verify::generate::{fill_heads, generate, generate_streamed, head_draws, GenSpec};
 use deltaref_verify::impls::{Compute, Impl, ImplName, ImplRequest};
 use deltaref_verify::memory::Problem;
 
@@ -237,7 +237,11 @@ fn generating() {
                 assert_bounds(
                     &format!("{label}, gen (expected: {expected}), {heads} heads a block"),
                     streamed,
-                    p.gen_streamed_bytes(heads, expected, stored_width(spec.dtype)),
+                    p.gen_streamed_bytes(
+                        fill_heads(heads, expected),
+                        expected,
+                        stored_width(spec.dtype),
+                    ),
                 );
             }
         }
