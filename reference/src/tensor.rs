@@ -4,7 +4,7 @@
 
 use ndarray::{
     s, Array, Array2, Array4, ArrayBase, ArrayD, ArrayView, ArrayView2, ArrayView4, ArrayViewMut,
-    ArrayViewMut2, ArrayViewMut4, Axis, CowArray, Data, Dimension, Ix4, RemoveAxis,
+    ArrayViewMut2, ArrayViewMut4, Axis, CowArray, Data, Dimension, Ix2, Ix4, RemoveAxis,
 };
 
 use rayon::prelude::*;
@@ -156,6 +156,31 @@ pub fn standard<T: Clone, D: Dimension>(a: ArrayView<'_, T, D>) -> CowArray<'_, 
         out.extend_from_slice(row.to_slice().expect("contiguous rows"));
     }
     CowArray::from(Array::from_shape_vec(a.raw_dim(), out).expect("same element count"))
+}
+
+/// `a · scale` in standard layout (`a` itself, borrowed or copied by
+/// [`standard`], when `scale` is 1): a head's queries with the attention
+/// scale folded in. The rows of a head of `[B, T, heads, D]` are scaled a
+/// row at a time, in one pass.
+pub fn scaled_standard<T: Scalar>(a: ArrayView2<'_, T>, scale: T) -> CowArray<'_, T, Ix2> {
+    if scale == T::one() {
+        return standard(a);
+    }
+    if a.is_standard_layout() || a.stride_of(Axis(1)) != 1 {
+        return a.mapv(|e| e * scale).into();
+    }
+    let mut out = Vec::with_capacity(a.len());
+    for row in a.rows() {
+        out.extend(
+            row.to_slice()
+                .expect("contiguous rows")
+                .iter()
+                .map(|&e| e * scale),
+        );
+    }
+    Array2::from_shape_vec(a.raw_dim(), out)
+        .expect("same element count")
+        .into()
 }
 
 /// `dst = src` (same shape), a row at a time where both have contiguous
@@ -506,6 +531,28 @@ pub fn unit_lower_inverse<T: Scalar>(c: usize, l: impl Fn(usize, usize) -> T) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A head's rows of `[T, heads, D]` (contiguous rows, strided), a
+    /// standard array and a column view are each scaled element for
+    /// element as `mapv` scales them; scale 1 borrows a standard view.
+    #[test]
+    fn scaled_standard_is_mapv_for_every_layout() {
+        let x = Array::from_shape_fn((5, 3, 4), |(t, h, d)| (t * 12 + h * 4 + d) as f64 / 7.0);
+        let head = x.slice(s![.., 1, ..]);
+        let cols = x.slice(s![.., .., 2]);
+        let standard = head.to_owned();
+        for (what, a) in [
+            ("head rows", head),
+            ("standard", standard.view()),
+            ("columns", cols),
+        ] {
+            let got = scaled_standard(a, 0.3);
+            assert!(got.is_standard_layout(), "{what}");
+            assert_eq!(got, a.mapv(|e| e * 0.3), "{what}");
+            assert_eq!(scaled_standard(a, 1.0), a, "{what}");
+        }
+        assert!(scaled_standard(standard.view(), 1.0).is_view());
+    }
 
     fn seg(batch: usize, start: usize, end: usize) -> Segment {
         Segment {

@@ -210,11 +210,7 @@ impl<T: Scalar> KdaHead<'_, T> {
     pub fn standard_rows<'a>(&'a self, r: std::ops::Range<usize>) -> KdaHead<'a, T> {
         let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.slice(s![r.clone(), ..]));
         KdaHead {
-            q: if self.scale == T::one() {
-                rows(&self.q)
-            } else {
-                CowArray::from(rows(&self.q).mapv(|e| e * self.scale))
-            },
+            q: tensor::scaled_standard(self.q.slice(s![r.clone(), ..]), self.scale),
             k: rows(&self.k),
             v: rows(&self.v),
             g: rows(&self.g),
