@@ -298,11 +298,11 @@ pub fn generate_streamed(
     })
 }
 
-/// Query/key heads per block that [`generate_streamed`] asked for
-/// `per_block` reads back at a time: `per_block` to compute the truth of
-/// (`expected`), which runs the block's heads in parallel; else one, since
-/// a block only read back and validated runs on one thread and one head
-/// holds the least.
+/// How many query/key heads [`generate_streamed`], asked for `per_block`,
+/// reads back at a time: `per_block` when it computes the truth
+/// (`expected`), which runs a block's heads in parallel; else one, since
+/// a block that is only read back and validated runs on one thread, and
+/// one head holds the least.
 pub fn fill_heads(per_block: usize, expected: bool) -> usize {
     if expected {
         per_block
