@@ -257,7 +257,7 @@ pub fn generate_streamed(
 ) -> Result<usize, CaseError> {
     let (layout, dims) = spec.dims()?;
     let problem = spec.problem(&layout, &dims);
-    let draws = head_draws(spec)?;
+    let drawn = head_draws(spec)?;
     let per_block = fill_heads(per_block, spec.expected).clamp(1, problem.h);
     // The blocks `fill` reads are at most `per_block` heads and at most
     // verify's (`heads::heads_per_block` of the file's data: the inputs
@@ -276,19 +276,12 @@ pub fn generate_streamed(
     memory::check("generating this case", need)?;
     let results = if spec.expected {
         planned_results(spec.op, |n| {
-            let d = draws.iter().find(|d| d.name == n)?;
-            Some(d.shape.clone())
+            let d = drawn.iter().find(|d| d.draw.name == n)?;
+            Some(d.draw.shape.clone())
         })?
     } else {
         vec![]
     };
-    let drawn = draws
-        .into_iter()
-        .map(|draw| Drawn {
-            draw,
-            dtype: spec.dtype,
-        })
-        .collect();
     let mut case = Case::new(spec.meta());
     case.cu_seqlens = layout.cu_seqlens();
     let progress = Progress::spinner("drawing and writing the inputs");
@@ -311,19 +304,28 @@ pub fn fill_heads(per_block: usize, expected: bool) -> usize {
     }
 }
 
-/// The tensors of a KDA or DPLR case, one draw each: drawn, they are
-/// [`generate`]'s inputs (before rounding to the storage dtype). Other ops
-/// are refused.
-pub fn head_draws(spec: &GenSpec) -> Result<Vec<Draw>, CaseError> {
+/// The tensors of a KDA or DPLR case, one draw each, stored in the spec's
+/// dtype: drawn and rounded, they are [`generate`]'s inputs. Other ops are
+/// refused.
+pub fn head_draws(spec: &GenSpec) -> Result<Vec<Drawn>, CaseError> {
     let (layout, dims) = spec.dims()?;
-    match spec.op {
-        Op::Kda => Ok(kda_draws(spec, layout, &dims)),
-        Op::Dplr => Ok(dplr_draws(spec, layout, &dims)),
-        op => Err(CaseError::Usage(format!(
-            "generating head block by head block applies to kda and dplr, not {}",
-            op.name()
-        ))),
-    }
+    let draws = match spec.op {
+        Op::Kda => kda_draws(spec, layout, &dims),
+        Op::Dplr => dplr_draws(spec, layout, &dims),
+        op => {
+            return Err(CaseError::Usage(format!(
+                "generating head block by head block applies to kda and dplr, not {}",
+                op.name()
+            )))
+        }
+    };
+    Ok(draws
+        .into_iter()
+        .map(|draw| Drawn {
+            draw,
+            dtype: spec.dtype,
+        })
+        .collect())
 }
 
 /// The results the oracle computes for a case of `op` whose tensors have

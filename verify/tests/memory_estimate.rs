@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
 
 use deltaref::gates::Gate;
-use deltaref_verify::case::{stored_width, Case, Drawn, Dtype, Op};
+use deltaref_verify::case::{stored_width, Case, Dtype, Op};
 use deltaref_verify::generate::{fill_heads, generate, generate_streamed, head_draws, GenSpec};
 use deltaref_verify::impls::{Compute, Impl, ImplName, ImplRequest};
 use deltaref_verify::memory::Problem;
@@ -211,14 +211,7 @@ fn generating() {
             continue;
         }
         case.write(&path("whole.safetensors")).unwrap();
-        let drawn = head_draws(&spec)
-            .unwrap()
-            .into_iter()
-            .map(|draw| Drawn {
-                draw,
-                dtype: spec.dtype,
-            })
-            .collect();
+        let drawn = head_draws(&spec).unwrap();
         let (_, draws) = peak_of(|| {
             Case::new(spec.meta())
                 .write_filled(&path("drawn.safetensors"), drawn, &[], |_| Ok(()))
