@@ -497,6 +497,16 @@ impl<T: Clone + Zero + Send + Sync> StateGradColumns<T> {
         Self::join(parts)
     }
 
+    /// `dh0 [K, V]` alone: `dh` `[0, K, V]` and `dv_new` `[0, V]`.
+    fn only_dh0(dh0: Array2<T>) -> Self {
+        let (kd, vd) = dh0.dim();
+        StateGradColumns {
+            dh: Array3::zeros((0, kd, vd)),
+            dv_new: Array2::zeros((0, vd)),
+            dh0,
+        }
+    }
+
     /// The blocks of [`par_columns`] as one, `w = V`.
     fn join(parts: Vec<Self>) -> Self {
         let (mut dh, mut dv_new, mut dh0) = (vec![], vec![], vec![]);
@@ -511,6 +521,121 @@ impl<T: Clone + Zero + Send + Sync> StateGradColumns<T> {
             dh0: join_columns(dh0),
         }
     }
+}
+
+/// A chunked engine's forward over one pair of `l` tokens in chunks of
+/// `chunk_size` (the last may be shorter), from `h0 [K, V]`: `intra(n)` is chunk `n`'s state-independent stage and
+/// `step(ch, state, rows, cols)` its state step over the value columns
+/// `cols` (it pushes the chunk's stored state, `v_new` and, with
+/// `read_out`, `o` to `rows`, and carries `state [K, w]` over the chunk).
+///
+/// Where the chunks run in parallel ([`par_chunks`]) every intra stage comes
+/// first, then the state pass split over value columns ([`par_columns`]).
+/// Where the pair has its thread to itself, it goes chunk by chunk, each
+/// intra stage straight before its state step, which reads it while it is
+/// still in cache. Both do the same operations on the same operands: the
+/// same bits. Returns the intra stages in chunk order and the state pass.
+pub fn forward_chunks<T, I, FI, FS>(
+    l: usize,
+    chunk_size: usize,
+    h0: ArrayView2<T>,
+    read_out: bool,
+    intra: FI,
+    step: FS,
+) -> (Vec<I>, StateColumns<T>)
+where
+    T: Clone + Zero + Send + Sync,
+    I: Send + Sync,
+    FI: Fn(usize) -> I + Sync + Send,
+    FS: Fn(&I, &mut Array2<T>, &mut StateRows<T>, Range<usize>) + Sync + Send,
+{
+    let nt = l.div_ceil(chunk_size);
+    if chunks_in_parallel() {
+        let intras = par_chunks(nt, intra);
+        let pass = StateColumns::par_pass(h0, |h0, cols| {
+            let mut rows = StateRows::new(nt, l, h0.dim(), read_out);
+            let mut state = h0.to_owned();
+            for ch in &intras {
+                step(ch, &mut state, &mut rows, cols.clone());
+            }
+            rows.finish(state)
+        });
+        return (intras, pass);
+    }
+    let mut rows = StateRows::new(nt, l, h0.dim(), read_out);
+    let mut state = h0.to_owned();
+    let intras = (0..nt)
+        .map(|n| {
+            let ch = intra(n);
+            step(&ch, &mut state, &mut rows, 0..h0.ncols());
+            ch
+        })
+        .collect();
+    (intras, rows.finish(state))
+}
+
+/// A chunked engine's backward over one pair whose chunks `chunks` tile the
+/// rows of `do [L, V]`, from `dht [K, V]`. `store` and `state_step` are
+/// [`StateGradColumns::par_pass`]'s; `chunk_step(n, dh_n, dv_new_n)` is the
+/// rest of chunk `n`'s backward given the state gradient at its end as
+/// stored (`[K, V]`) and its rows of `v_new`'s gradient (`[c, V]`), and
+/// `consume(n, result)` takes each chunk's result.
+///
+/// Where the chunks run in parallel, or with `keep`, the state pass runs
+/// first (split over value columns) and stores `dh [NT, K, V]` and `dv_new
+/// [L, V]`; then the chunk steps run in parallel batches ([`for_chunks`])
+/// and are consumed in chunk order. Where the pair has its thread to itself
+/// (and without `keep`), it goes chunk by chunk from the last, each chunk's
+/// step straight after its state step, while the state step's operands and
+/// results are in cache. The same operations either way: the same bits.
+/// Returns the state gradient at the pair's start in `dh0`, and `dh`,
+/// `dv_new` with `keep` (else `[0, K, V]` and `[0, V]`).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_chunks<T, R, S, F, G, C>(
+    d_o: ArrayView2<T>,
+    dht: ArrayView2<T>,
+    chunks: &[Range<usize>],
+    keep: bool,
+    store: S,
+    state_step: F,
+    chunk_step: G,
+    mut consume: C,
+) -> StateGradColumns<T>
+where
+    T: Clone + Zero + Send + Sync,
+    R: Send,
+    S: Fn(&mut ArrayViewMut2<T>) + Sync + Send,
+    F: Fn(usize, ArrayView2<T>, ArrayView2<T>, &mut Array2<T>) -> Array2<T> + Sync + Send,
+    G: Fn(usize, ArrayView2<T>, ArrayView2<T>) -> R + Sync + Send,
+    C: FnMut(usize, R),
+{
+    if keep || chunks_in_parallel() {
+        let pass = StateGradColumns::par_pass(d_o, dht, chunks, store, state_step);
+        for_chunks(
+            chunks.len(),
+            |n| {
+                chunk_step(
+                    n,
+                    pass.dh.index_axis(Axis(0), n),
+                    pass.dv_new.slice(s![chunks[n].clone(), ..]),
+                )
+            },
+            consume,
+        );
+        return if keep {
+            pass
+        } else {
+            StateGradColumns::only_dh0(pass.dh0)
+        };
+    }
+    let (mut ds, mut ds_used) = (dht.to_owned(), dht.to_owned());
+    for n in (0..chunks.len()).rev() {
+        ds_used.assign(&ds);
+        store(&mut ds_used.view_mut());
+        let dv_new = state_step(n, d_o, ds_used.view(), &mut ds);
+        consume(n, chunk_step(n, ds_used.view(), dv_new.view()));
+    }
+    StateGradColumns::only_dh0(ds)
 }
 
 #[cfg(test)]
@@ -586,6 +711,96 @@ mod tests {
             assert_eq!(got.dv_new, ndarray::concatenate(Axis(0), &rows).unwrap());
             assert_eq!(got.dh0, ds);
         }
+    }
+
+    /// `f` run as one pair on `threads` threads: with one thread the pair
+    /// fills them (chunk by chunk), with more it does not (staged, the
+    /// chunks and value columns split).
+    fn as_one_pair<R: Send>(threads: usize, f: impl Fn() -> R + Sync + Send) -> R {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("a pool");
+        pool.install(|| par_pairs(1, 1, |_, _| f()).pop().expect("one pair"))
+    }
+
+    /// A toy forward (`v_new = intra + state row 0`, `o = 2 v_new`, the
+    /// state adding `v_new`'s column sums to every row) and a toy backward
+    /// (the recurrence of `state_grad_pass_writes_every_block_and_row`, the
+    /// chunk step returning its operands): chunk by chunk and staged (V =
+    /// 20 in column blocks of 8, 8 and 4) hand every step the same operands
+    /// and give the same results; `dh` and `dv_new` are kept only with
+    /// `keep`.
+    #[test]
+    fn chunk_by_chunk_and_staged_schedules_agree() {
+        let (l, kd, vd) = (11, 3, 20);
+        let chunks = [0..4, 4..8, 8..11];
+        let h0 = Array2::from_shape_fn((kd, vd), |(i, j)| (i * 3 + j) as f64 * 0.25);
+        let forward = || {
+            forward_chunks(
+                l,
+                4,
+                h0.view(),
+                true,
+                |n| {
+                    Array2::from_shape_fn((chunks[n].len(), vd), |(r, j)| {
+                        (n * 50 + r * 7 + j) as f64
+                    })
+                },
+                |ch: &Array2<f64>, state, out, cols| {
+                    let vn = &ch.slice(s![.., cols]) + &state.row(0);
+                    out.push_o((&vn * 2.0).view());
+                    out.push(state.view(), vn.view());
+                    *state += &vn.sum_axis(Axis(0));
+                },
+            )
+        };
+        let (want_intra, want) = as_one_pair(3, forward);
+        let (got_intra, got) = as_one_pair(1, forward);
+        assert_eq!(got_intra, want_intra);
+        assert_eq!(
+            (got.h, got.v_new, got.o, got.state),
+            (want.h, want.v_new, want.o, want.state)
+        );
+
+        let d_o = Array2::from_shape_fn((l, vd), |(t, j)| (t * 7 + j) as f64 * 0.5);
+        let dht = Array2::from_shape_fn((kd, vd), |(i, j)| (i + j) as f64 - 9.0);
+        let backward = |keep: bool| {
+            let mut steps = vec![];
+            let pass = backward_chunks(
+                d_o.view(),
+                dht.view(),
+                &chunks,
+                keep,
+                |x: &mut ArrayViewMut2<f64>| x.mapv_inplace(|v| v * 2.0),
+                |n, d_o: ArrayView2<f64>, ds_used: ArrayView2<f64>, ds: &mut Array2<f64>| {
+                    let rows = d_o.slice(s![chunks[n].clone(), ..]);
+                    *ds += &rows.sum_axis(Axis(0));
+                    &rows + &ds_used.row(0)
+                },
+                |n, ds_used, dvn| (n, ds_used.to_owned(), dvn.to_owned()),
+                |n, step| {
+                    assert_eq!(n, step.0);
+                    steps.push(step);
+                },
+            );
+            steps.sort_by_key(|s| s.0);
+            (pass, steps)
+        };
+        let (want, want_steps) = as_one_pair(3, || backward(true));
+        for keep in [false, true] {
+            let (got, got_steps) = as_one_pair(1, || backward(keep));
+            assert_eq!(got_steps, want_steps, "keep {keep}");
+            assert_eq!(got.dh0, want.dh0, "keep {keep}");
+            if keep {
+                assert_eq!((&got.dh, &got.dv_new), (&want.dh, &want.dv_new));
+            } else {
+                assert_eq!((got.dh.len(), got.dv_new.len()), (0, 0));
+            }
+        }
+        let (staged, _) = as_one_pair(3, || backward(false));
+        assert_eq!((staged.dh.len(), staged.dv_new.len()), (0, 0));
+        assert_eq!(staged.dh0, want.dh0);
     }
 
     /// Chunks that leave a row unwritten (or overlap) are refused, not read

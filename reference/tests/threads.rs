@@ -4,6 +4,7 @@ use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
+use deltaref::op;
 use ndarray::ArrayD;
 
 fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
@@ -92,7 +93,10 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
 /// parallel over the chunks of one head, and their state passes over blocks
 /// of value columns: one sequence and one head of many (partly short)
 /// chunks, so the chunks and columns, not the heads, are what is split
-/// (V = 20: blocks of 8, 8 and 4 columns on 3 or 4 threads).
+/// (V = 20: blocks of 8, 8 and 4 columns on 3 or 4 threads). On one thread
+/// the two pairs fill the threads and each runs chunk by chunk, each intra
+/// stage before its state step and each chunk's backward after its state
+/// step. The one-run forward+backward gives the separate runs' bits.
 #[test]
 fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
     let opts = KdaOptions {
@@ -115,6 +119,16 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
     let run_kda = || {
         let o = kda::chunk::forward(&g.inputs, &opts, 16).expect("valid");
         let gr = kda::chunk::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht), 16).expect("valid");
+        let engine = kda::chunk::Chunk::new(16).expect("a chunk size");
+        let (o1, gr1) =
+            op::forward_backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+        assert_eq!(o1.o, o.o);
+        assert_eq!(o1.final_state, o.final_state);
+        assert_eq!(
+            [&gr1.dq, &gr1.dk, &gr1.dv, &gr1.dg],
+            [&gr.dq, &gr.dk, &gr.dv, &gr.dg]
+        );
+        assert_eq!((&gr1.dbeta, &gr1.dh0), (&gr.dbeta, &gr.dh0));
         bits(&[
             &o.o,
             o.final_state.as_ref().unwrap(),
@@ -145,6 +159,16 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
     let run_dplr = || {
         let o = dplr::chunk::forward(&d.inputs, &dopts, 16).expect("valid");
         let gr = dplr::chunk::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht), 16).expect("valid");
+        let engine = dplr::chunk::Chunk::new(16).expect("a chunk size");
+        let (o1, gr1) =
+            op::forward_backward(&engine, &d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+        assert_eq!(o1.o, o.o);
+        assert_eq!(o1.final_state, o.final_state);
+        assert_eq!(
+            [&gr1.dq, &gr1.dk, &gr1.dv, &gr1.da, &gr1.db, &gr1.dgk],
+            [&gr.dq, &gr.dk, &gr.dv, &gr.da, &gr.db, &gr.dgk]
+        );
+        assert_eq!(gr1.dh0, gr.dh0);
         bits(&[
             &o.o,
             o.final_state.as_ref().unwrap(),

@@ -24,7 +24,8 @@ use crate::simd;
 use crate::tensor;
 use crate::tri;
 use crate::varlen::{
-    for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
+    backward_chunks, forward_chunks, par_chunks, par_pairs, Segment, StateColumns,
+    StateGradColumns, StateRows,
 };
 
 /// The chunked engine.
@@ -468,18 +469,18 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
 impl Chunk {
     /// The intra-chunk stage for tokens `start..start + c`.
     pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
-        let x = &x.standard();
-        let q_read = self.q_read(rows(&x.q, start, c));
+        let x = &x.standard_rows(start..start + c);
+        let q_read = self.q_read(x.q.view());
         let (q, k, a, b, v) = (
             q_read.view(),
-            rows(&x.k, start, c),
-            rows(&x.a, start, c),
-            rows(&x.b, start, c),
-            rows(&x.v, start, c),
+            x.k.view(),
+            x.a.view(),
+            x.b.view(),
+            x.v.view(),
         );
-        let mut g = rows(&x.gk, start, c).to_owned();
+        let mut g = x.gk.view().to_owned();
         self.policy.cumsum_rows(&mut g);
-        let gx = fused::zip_map(g.view(), rows(&x.gk, start, c), |g, gk| g - gk);
+        let gx = fused::zip_map(g.view(), x.gk.view(), |g, gk| g - gk);
         let decay_last = fused::exps_of_last_row(&g);
         // The factors bound every row's distance to Γ_m, Γx_0 = 0 included,
         // so the middle-row exponentials are normal wherever they exist.
@@ -542,12 +543,14 @@ impl Chunk {
     }
 
     pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
-        let x = &x.standard();
         // Independent per chunk: in parallel, collected in chunk order.
-        par_chunks(x.len().div_ceil(self.chunk_size), |n| {
-            let start = n * self.chunk_size;
-            self.intra(x, start, self.chunk_size.min(x.len() - start))
-        })
+        par_chunks(x.len().div_ceil(self.chunk_size), |n| self.intra_of(x, n))
+    }
+
+    /// Chunk `n`'s intra stage.
+    fn intra_of<T: Scalar>(&self, x: &DplrHead<T>, n: usize) -> Intra<T> {
+        let start = n * self.chunk_size;
+        self.intra(x, start, self.chunk_size.min(x.len() - start))
     }
 
     /// The forward pass with every intermediate.
@@ -556,7 +559,7 @@ impl Chunk {
         x: &DplrHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
-        self.forward_pass(&x.standard(), h0, true)
+        self.forward_pass(x, h0, true)
     }
 
     /// The forward pass; without `read_out` (what the backward recomputes)
@@ -567,10 +570,14 @@ impl Chunk {
         h0: ArrayView2<T>,
         read_out: bool,
     ) -> ChunkForward<T> {
-        let intra = self.intras(x);
-        let StateColumns { h, v_new, o, state } = StateColumns::par_pass(h0, |h0, cols| {
-            self.state_pass(x, &intra, h0, cols, read_out)
-        });
+        let (intra, StateColumns { h, v_new, o, state }) = forward_chunks(
+            x.len(),
+            self.chunk_size,
+            h0,
+            read_out,
+            |n| self.intra_of(x, n),
+            |ch, state, out, cols| self.state_step(x, ch, state, out, cols, read_out),
+        );
         ChunkForward {
             intra,
             h,
@@ -580,60 +587,51 @@ impl Chunk {
         }
     }
 
-    /// The forward state pass over the value columns `cols` of every chunk
-    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of
-    /// the initial state); `v_new` is `v2`.
-    fn state_pass<T: Scalar>(
+    /// One chunk's forward state step over the value columns `cols`
+    /// ([`crate::varlen::par_columns`]): pushes the state entering it as
+    /// stored, `v2` (its `v_new`) and (with `read_out`) `o` to `out`, and
+    /// carries `state` (`[K, w]`, those columns) over the chunk.
+    fn state_step<T: Scalar>(
         &self,
         x: &DplrHead<T>,
-        intra: &[Intra<T>],
-        h0: ArrayView2<T>,
+        ch: &Intra<T>,
+        state: &mut Array2<T>,
+        out: &mut StateRows<T>,
         cols: std::ops::Range<usize>,
         read_out: bool,
-    ) -> StateColumns<T> {
-        let mut out = StateRows::new(intra.len(), x.len(), h0.dim(), read_out);
-        let mut state = h0.to_owned();
-        for ch in intra {
-            let c = ch.len();
-            let v = rows(&x.v, ch.start, c).slice_move(s![.., cols.clone()]);
-            // The state as stored, a copy only where it is rounded.
-            let hn = self.policy.stored(Stage::H, state.view());
-            let hn = hn.view();
-            // v2 = u + w h and, with the readout, qg h: one product.
-            let qg = read_out
-                .then(|| self.gated_by(ch, self.q_read(rows(&x.q, ch.start, c)).view(), Exp::G));
-            let wh = match &qg {
-                Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
-                None => gemm::dot(ch.w.view(), hn.view()),
-            };
-            let v2n = self.as_stored(
-                Stage::VNew,
-                fused::zip_map(
-                    ch.u.slice(s![.., cols.clone()]),
-                    wh.slice(s![..c, ..]),
-                    |u, x| u + x,
-                ),
-            );
-            if read_out {
-                let mut o = tri::lower_dot(ch.aqk.view(), v);
-                fused::add_assign(&mut o, tri::lower_dot(ch.aqb.view(), v2n.view()).view());
-                fused::add_assign(&mut o, wh.slice(s![c.., ..]));
-                out.push_o(o.view());
-            }
-            let terms = [
-                &gemm::dot(
-                    self.gated_by(ch, rows(&x.k, ch.start, c), Exp::Last).t(),
-                    v.view(),
-                ),
-                &gemm::dot(
-                    self.gated_by(ch, rows(&x.b, ch.start, c), Exp::Last).t(),
-                    v2n.view(),
-                ),
-            ];
-            out.push(hn, v2n.view());
-            fused::decay_add(&mut state, ch.decay_last(), &terms);
+    ) {
+        let c = ch.len();
+        let x = &x.standard_rows(ch.start..ch.start + c);
+        let v = x.v.slice(s![.., cols.clone()]);
+        // The state as stored, a copy only where it is rounded.
+        let hn = self.policy.stored(Stage::H, state.view());
+        let hn = hn.view();
+        // v2 = u + w h and, with the readout, qg h: one product.
+        let qg = read_out.then(|| self.gated_by(ch, self.q_read(x.q.view()).view(), Exp::G));
+        let wh = match &qg {
+            Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
+            None => gemm::dot(ch.w.view(), hn.view()),
+        };
+        let v2n = self.as_stored(
+            Stage::VNew,
+            fused::zip_map(
+                ch.u.slice(s![.., cols.clone()]),
+                wh.slice(s![..c, ..]),
+                |u, x| u + x,
+            ),
+        );
+        if read_out {
+            let mut o = tri::lower_dot(ch.aqk.view(), v);
+            fused::add_assign(&mut o, tri::lower_dot(ch.aqb.view(), v2n.view()).view());
+            fused::add_assign(&mut o, wh.slice(s![c.., ..]));
+            out.push_o(o.view());
         }
-        out.finish(state)
+        let terms = [
+            &gemm::dot(self.gated_by(ch, x.k.view(), Exp::Last).t(), v.view()),
+            &gemm::dot(self.gated_by(ch, x.b.view(), Exp::Last).t(), v2n.view()),
+        ];
+        out.push(hn, v2n.view());
+        fused::decay_add(state, ch.decay_last(), &terms);
     }
 
     /// The backward pass with every intermediate.
@@ -644,13 +642,12 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, true)
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, true)
     }
 
-    /// The backward pass given the forward's intermediates `fwd`; the
-    /// per-chunk A-block gradients are kept only with `keep_blocks` (else
-    /// left empty: only the intermediates need them).
+    /// The backward pass given the forward's intermediates `fwd`; `dh` and
+    /// the per-chunk A-block gradients are kept only with `keep_blocks`
+    /// (else left empty: only the intermediates need them).
     fn backward_from<T: Scalar>(
         &self,
         x: &DplrHead<T>,
@@ -669,8 +666,8 @@ impl Chunk {
     }
 
     /// [`Chunk::backward_from`] writing the gradients into `gr`, each
-    /// chunk's rows as they are computed; returns `(dh, A-block gradients)`
-    /// (the blocks only with `keep_blocks`).
+    /// chunk's rows as they are computed; returns `(dh, A-block gradients)`,
+    /// both empty without `keep_blocks`.
     #[allow(clippy::type_complexity)]
     fn backward_into<T: Scalar>(
         &self,
@@ -681,44 +678,33 @@ impl Chunk {
         keep_blocks: bool,
         mut gr: DplrHeadGradsMut<T>,
     ) -> (Array3<T>, Vec<[Array2<T>; 4]>) {
-        let nt = fwd.intra.len();
         let chunks: Vec<_> = fwd
             .intra
             .iter()
             .map(|ch| ch.start..ch.start + ch.len())
             .collect();
-        let StateGradColumns {
-            dh,
-            dv_new: dv2,
-            dh0,
-        } = StateGradColumns::par_pass(
+        let mut da_blocks = vec![];
+        let StateGradColumns { dh, dh0, .. } = backward_chunks(
             d_o,
             dht,
             &chunks,
+            keep_blocks,
             |dh| self.policy.round(Stage::Dh, dh),
             |n, d_o, ds_used, ds| self.state_backward(x, &fwd.intra[n], d_o, ds_used, ds),
+            |n, ds, dv2n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, ds, dv2n),
+            |n, (grads, blocks): (ChunkGrads<T>, _)| {
+                let rows = s![chunks[n].clone(), ..];
+                let token_rows = [&mut gr.dq, &mut gr.dk, &mut gr.da, &mut gr.db, &mut gr.dgk];
+                for (dst, src) in token_rows.into_iter().zip(&grads.rows) {
+                    tensor::copy_into(dst.slice_mut(rows), src.view());
+                }
+                tensor::copy_into(gr.dv.slice_mut(rows), grads.dv.view());
+                if keep_blocks {
+                    da_blocks.push(blocks);
+                }
+            },
         );
         tensor::copy_into(gr.dh0.view_mut(), dh0.view());
-        // The rest of each chunk's backward is independent of the others:
-        // in parallel, written back in chunk order.
-        let mut da_blocks = Vec::with_capacity(nt);
-        let step = |n: usize| {
-            let ch = &fwd.intra[n];
-            let ds = dh.index_axis(Axis(0), n);
-            let dv2n = dv2.slice(s![ch.start..ch.start + ch.len(), ..]);
-            self.chunk_backward(x, ch, fwd, n, d_o, ds, dv2n)
-        };
-        for_chunks(nt, step, |n, (grads, blocks): (ChunkGrads<T>, _)| {
-            let rows = s![chunks[n].clone(), ..];
-            let token_rows = [&mut gr.dq, &mut gr.dk, &mut gr.da, &mut gr.db, &mut gr.dgk];
-            for (dst, src) in token_rows.into_iter().zip(&grads.rows) {
-                tensor::copy_into(dst.slice_mut(rows), src.view());
-            }
-            tensor::copy_into(gr.dv.slice_mut(rows), grads.dv.view());
-            if keep_blocks {
-                da_blocks.push(blocks);
-            }
-        });
         (dh, da_blocks)
     }
 
@@ -735,7 +721,8 @@ impl Chunk {
         ds: &mut Array2<T>,
     ) -> Array2<T> {
         let (c, st) = (ch.len(), ch.start);
-        let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
+        let x = &x.standard_rows(st..st + c);
+        let (q, b) = (x.q.view(), x.b.view());
         let dout = d_o.slice(s![st..st + c, ..]);
         let qg = self.gated_by(ch, self.q_read(q).view(), Exp::G);
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
@@ -769,13 +756,8 @@ impl Chunk {
     ) -> (ChunkGrads<T>, [Array2<T>; 4]) {
         let (c, st) = (ch.len(), ch.start);
         let r = s![st..st + c, ..];
-        let (q, k, a, b, v) = (
-            rows(&x.q, st, c),
-            rows(&x.k, st, c),
-            rows(&x.a, st, c),
-            rows(&x.b, st, c),
-            rows(&x.v, st, c),
-        );
+        let x = &x.standard_rows(st..st + c);
+        let (q, k, a, b, v) = (x.q.view(), x.k.view(), x.a.view(), x.b.view(), x.v.view());
         let h = fwd.h.index_axis(Axis(0), n);
         let v2 = fwd.v2.slice(r);
         let dout = d_o.slice(r);
@@ -1002,8 +984,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, false)
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
             .grads
     }
 
@@ -1015,9 +996,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
         let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o.view(), dht, false).grads;
+        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
     }
 
@@ -1034,16 +1014,14 @@ impl<T: Scalar> Engine<T> for Chunk {
         if x.len() > self.span_len {
             return crate::chunked_in_spans!(self, x, h0, d_o, dht, out);
         }
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
         let fwd = self.forward_pass(x, h0, true);
         tensor::copy_into(out.o, fwd.o.view());
         tensor::copy_into(out.final_state, fwd.final_state.view());
-        self.backward_into(x, &fwd, d_o.view(), dht, false, out.grads);
+        self.backward_into(x, &fwd, d_o, dht, false, out.grads);
     }
 
     /// `M = Π M_chunk`, later chunks on the left.
     fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
-        let x = &x.standard();
         let mut m = Array2::eye(x.k_dim());
         for ch in self.intras(x) {
             m = gemm::dot(

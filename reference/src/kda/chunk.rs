@@ -24,7 +24,8 @@ use crate::scalar::{exp_bound, Scalar};
 use crate::tensor;
 use crate::tri;
 use crate::varlen::{
-    for_chunks, par_chunks, par_pairs, Segment, StateColumns, StateGradColumns, StateRows,
+    backward_chunks, forward_chunks, par_chunks, par_pairs, Segment, StateColumns,
+    StateGradColumns, StateRows,
 };
 
 /// The chunked engine.
@@ -416,11 +417,12 @@ impl Chunk {
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
     pub fn intra<T: Scalar>(&self, x: &KdaHead<T>, start: usize, c: usize) -> Intra<T> {
-        let x = &x.standard();
-        let rows = s![start..start + c, ..];
-        let (q, k, v) = (x.q.slice(rows), x.k.slice(rows), x.v.slice(rows));
-        let beta = x.beta.slice(s![start..start + c]);
-        let mut g_cumsum = x.g.slice(rows).to_owned();
+        // Only the chunk's rows are copied (where the head's rows are
+        // strided or q is to be scaled), not the whole head.
+        let x = &x.standard_rows(start..start + c);
+        let (q, k, v) = (x.q.view(), x.k.view(), x.v.view());
+        let beta = x.beta.view();
+        let mut g_cumsum = x.g.to_owned();
         self.policy.cumsum_rows(&mut g_cumsum);
         let factors = self.factors(&g_cumsum);
         let fwd_dots = self.policy.storage(Stage::FwdDots);
@@ -510,12 +512,14 @@ impl Chunk {
 
     /// All chunks' intra stages of one head.
     pub fn intras<T: Scalar>(&self, x: &KdaHead<T>) -> Vec<Intra<T>> {
-        let x = &x.standard();
         // Independent per chunk: in parallel, collected in chunk order.
-        par_chunks(x.len().div_ceil(self.chunk_size), |n| {
-            let start = n * self.chunk_size;
-            self.intra(x, start, self.chunk_size.min(x.len() - start))
-        })
+        par_chunks(x.len().div_ceil(self.chunk_size), |n| self.intra_of(x, n))
+    }
+
+    /// Chunk `n`'s intra stage.
+    fn intra_of<T: Scalar>(&self, x: &KdaHead<T>, n: usize) -> Intra<T> {
+        let start = n * self.chunk_size;
+        self.intra(x, start, self.chunk_size.min(x.len() - start))
     }
 
     /// The forward pass with every intermediate.
@@ -524,7 +528,7 @@ impl Chunk {
         x: &KdaHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
-        self.forward_pass(&x.standard(), h0, true)
+        self.forward_pass(x, h0, true)
     }
 
     /// The forward pass; without `read_out` (what the backward recomputes)
@@ -535,10 +539,14 @@ impl Chunk {
         h0: ArrayView2<T>,
         read_out: bool,
     ) -> ChunkForward<T> {
-        let intra = self.intras(x);
-        let StateColumns { h, v_new, o, state } = StateColumns::par_pass(h0, |h0, cols| {
-            self.state_pass(x, &intra, h0, cols, read_out)
-        });
+        let (intra, StateColumns { h, v_new, o, state }) = forward_chunks(
+            x.len(),
+            self.chunk_size,
+            h0,
+            read_out,
+            |n| self.intra_of(x, n),
+            |ch, state, out, cols| self.state_step(ch, state, out, cols, read_out),
+        );
         ChunkForward {
             intra,
             h,
@@ -548,46 +556,38 @@ impl Chunk {
         }
     }
 
-    /// The forward state pass over the value columns `cols` of every chunk
-    /// ([`crate::varlen::par_columns`]), from `h0` `[K, w]` (those columns of
-    /// the initial state); without `read_out`, `o` is `[0, w]`.
-    fn state_pass<T: Scalar>(
+    /// One chunk's forward state step over the value columns `cols`
+    /// ([`crate::varlen::par_columns`]): pushes the state entering it as
+    /// stored, `v_new` and (with `read_out`) `o` to `out`, and carries
+    /// `state` (`[K, w]`, those columns) over the chunk.
+    fn state_step<T: Scalar>(
         &self,
-        x: &KdaHead<T>,
-        intra: &[Intra<T>],
-        h0: ArrayView2<T>,
+        ch: &Intra<T>,
+        state: &mut Array2<T>,
+        out: &mut StateRows<T>,
         cols: std::ops::Range<usize>,
         read_out: bool,
-    ) -> StateColumns<T> {
-        let mut out = StateRows::new(intra.len(), x.len(), h0.dim(), read_out);
-        let mut state = h0.to_owned();
-        for ch in intra {
-            // The state as stored, a copy only where it is rounded.
-            let hn = self.policy.stored(Stage::H, state.view());
-            let hn = hn.view();
-            // v_new = u − w h and, with the readout, qg h: one product.
-            let c = ch.len();
-            let wh = if read_out {
-                tri::stacked_dot(&[ch.w.view(), ch.qg.view()], hn)
-            } else {
-                gemm::dot(ch.w.view(), hn.view())
-            };
-            let u = ch.u.slice(s![.., cols.clone()]);
-            let mut vn = fused::zip_map(u, wh.slice(s![..c, ..]), |u, x| u - x);
-            self.policy.round(Stage::VNew, &mut vn);
-            if read_out {
-                let mut av = tri::lower_dot(ch.aqk.view(), vn.view());
-                fused::add_assign(&mut av, wh.slice(s![c.., ..]));
-                out.push_o(av.view());
-            }
-            out.push(hn, vn.view());
-            fused::decay_add(
-                &mut state,
-                ch.decay_last(),
-                &[&gemm::dot(ch.kg.t(), vn.view())],
-            );
+    ) {
+        // The state as stored, a copy only where it is rounded.
+        let hn = self.policy.stored(Stage::H, state.view());
+        let hn = hn.view();
+        // v_new = u − w h and, with the readout, qg h: one product.
+        let c = ch.len();
+        let wh = if read_out {
+            tri::stacked_dot(&[ch.w.view(), ch.qg.view()], hn)
+        } else {
+            gemm::dot(ch.w.view(), hn.view())
+        };
+        let u = ch.u.slice(s![.., cols]);
+        let mut vn = fused::zip_map(u, wh.slice(s![..c, ..]), |u, x| u - x);
+        self.policy.round(Stage::VNew, &mut vn);
+        if read_out {
+            let mut av = tri::lower_dot(ch.aqk.view(), vn.view());
+            fused::add_assign(&mut av, wh.slice(s![c.., ..]));
+            out.push_o(av.view());
         }
-        out.finish(state)
+        out.push(hn, vn.view());
+        fused::decay_add(state, ch.decay_last(), &[&gemm::dot(ch.kg.t(), vn.view())]);
     }
 
     /// The backward pass with every intermediate.
@@ -598,13 +598,12 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, true)
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, true)
     }
 
-    /// The backward pass given the forward's intermediates `fwd`; the
-    /// per-chunk A-block gradients are kept only with `keep_blocks` (else
-    /// left empty: only the intermediates need them).
+    /// The backward pass given the forward's intermediates `fwd`; `dh`,
+    /// `dv_new` and the per-chunk A-block gradients are kept only with
+    /// `keep_blocks` (else left empty: only the intermediates need them).
     fn backward_from<T: Scalar>(
         &self,
         x: &KdaHead<T>,
@@ -627,7 +626,7 @@ impl Chunk {
 
     /// [`Chunk::backward_from`] writing the gradients into `gr`, each
     /// chunk's rows as they are computed; returns `(dh, dv_new, dAqk,
-    /// dAkk)` (the blocks only with `keep_blocks`).
+    /// dAkk)`, all empty without `keep_blocks`.
     #[allow(clippy::type_complexity)]
     fn backward_into<T: Scalar>(
         &self,
@@ -638,26 +637,20 @@ impl Chunk {
         keep_blocks: bool,
         mut gr: KdaHeadGradsMut<T>,
     ) -> (Array3<T>, Array2<T>, Vec<Array2<T>>, Vec<Array2<T>>) {
-        let nt = fwd.intra.len();
         let chunks: Vec<_> = fwd
             .intra
             .iter()
             .map(|ch| ch.start..ch.start + ch.len())
             .collect();
-        let StateGradColumns { dh, dv_new, dh0 } = StateGradColumns::par_pass(
+        let (mut daqk, mut dakk) = (vec![], vec![]);
+        let StateGradColumns { dh, dv_new, dh0 } = backward_chunks(
             d_o,
             dht,
             &chunks,
+            keep_blocks,
             |dh| self.policy.round(Stage::Dh, dh),
             |n, d_o, ds_used, ds| self.state_backward(&fwd.intra[n], d_o, ds_used, ds),
-        );
-        tensor::copy_into(gr.dh0.view_mut(), dh0.view());
-        // The rest of each chunk's backward is independent of the others:
-        // in parallel, written back in chunk order.
-        let (mut daqk, mut dakk) = (Vec::with_capacity(nt), Vec::with_capacity(nt));
-        for_chunks(
-            nt,
-            |n| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, dh.view(), dv_new.view()),
+            |n, ds, dvn| self.chunk_backward(x, &fwd.intra[n], fwd, n, d_o, ds, dvn),
             |n, step: ChunkStep<T>| {
                 let rows = s![chunks[n].clone(), ..];
                 for (dst, src) in [
@@ -677,6 +670,7 @@ impl Chunk {
                 }
             },
         );
+        tensor::copy_into(gr.dh0.view_mut(), dh0.view());
         (dh, dv_new, daqk, dakk)
     }
 
@@ -708,9 +702,9 @@ impl Chunk {
         dvn
     }
 
-    /// Backward through chunk `n` given the state gradients at the chunks'
-    /// ends `dh [NT, K, V]` and `dv_new [L, V]` (from the state pass): the
-    /// chunk's token gradients.
+    /// Backward through chunk `n` given the state gradient at its end as
+    /// stored, `ds [K, V]`, and its rows of `dv_new`, `[c, V]` (from the
+    /// state pass): the chunk's token gradients.
     #[allow(clippy::too_many_arguments)]
     fn chunk_backward<T: Scalar>(
         &self,
@@ -719,16 +713,14 @@ impl Chunk {
         fwd: &ChunkForward<T>,
         n: usize,
         d_o: ArrayView2<T>,
-        dh: ndarray::ArrayView3<T>,
-        dv_new: ArrayView2<T>,
+        ds: ArrayView2<T>,
+        dvn: ArrayView2<T>,
     ) -> ChunkStep<T> {
         let c = ch.len();
         let rows = s![ch.start..ch.start + c, ..];
         let h = fwd.h.index_axis(Axis(0), n);
-        let ds = dh.index_axis(Axis(0), n);
         let vn = fwd.v_new.slice(rows);
         let dout = d_o.slice(rows);
-        let dvn = dv_new.slice(rows);
         let decay_last = ch.decay_last();
         // Output: O = qg h + Aqk v_new; v_new = u − w h. One product gives
         // dqg = dO hᵀ and −dw = dv_new hᵀ.
@@ -742,19 +734,20 @@ impl Chunk {
         let dw = self.operand(dqg_dw.slice(s![c.., ..]).mapv(|x| -x));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
-        let k = x.k.slice(rows);
+        let x = &x.standard_rows(ch.start..ch.start + c);
+        let k = x.k.view();
         let [eg, tl] = ch.decays.exps();
         let kd_ = self.operand(fused::zip_map(eg.view(), k, |e, k| e * k));
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
         let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false);
         fused::add_assign(
             &mut dakk,
-            tri::dot_t_lower(du.view(), x.v.slice(rows), false).view(),
+            tri::dot_t_lower(du.view(), x.v.view(), false).view(),
         );
         tri::mask_lower(&mut dakk, true);
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
         let dv = tri::lower_t_dot(ch.akk.view(), du.view());
-        let beta = x.beta.slice(s![ch.start..ch.start + c]);
+        let beta = x.beta.view();
         let beta_v = beta.to_vec();
         let mut dbeta: Array1<T> =
             fused::zip_map(dakk.view(), ch.n_inv.view(), |a, n| a * n).sum_axis(Axis(0));
@@ -773,7 +766,7 @@ impl Chunk {
         // With qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ), kd = e^Γ ⊙ K, one pass:
         // dq = dqg e^Γ, dk = dkd e^Γ + dkg e^(Γlast − Γ),
         // dΓ = dkd kd + dqg qg − dkg kg and dΓlast += Σ_rows dkg kg.
-        let q = x.q.slice(rows);
+        let q = x.q.view();
         let kd = x.k_dim();
         let (mut dq, mut dk, mut dgamma) = (
             Array2::zeros((c, kd)),
@@ -1055,8 +1048,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o.view(), dht, false)
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
             .grads
     }
 
@@ -1068,9 +1060,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
         let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o.view(), dht, false).grads;
+        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
     }
 
@@ -1087,11 +1078,10 @@ impl<T: Scalar> Engine<T> for Chunk {
         if x.len() > self.span_len {
             return crate::chunked_in_spans!(self, x, h0, d_o, dht, out);
         }
-        let (x, d_o) = (&x.standard(), d_o.as_standard_layout());
         let fwd = self.forward_pass(x, h0, true);
         tensor::copy_into(out.o, fwd.o.view());
         tensor::copy_into(out.final_state, fwd.final_state.view());
-        self.backward_into(x, &fwd, d_o.view(), dht, false, out.grads);
+        self.backward_into(x, &fwd, d_o, dht, false, out.grads);
     }
 
     /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in
