@@ -469,18 +469,18 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
 impl Chunk {
     /// The intra-chunk stage for tokens `start..start + c`.
     pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
-        let x = &x.standard_rows(start..start + c);
-        let q_read = self.q_read(x.q.view());
+        let x = &x.standard();
+        let q_read = self.q_read(rows(&x.q, start, c));
         let (q, k, a, b, v) = (
             q_read.view(),
-            x.k.view(),
-            x.a.view(),
-            x.b.view(),
-            x.v.view(),
+            rows(&x.k, start, c),
+            rows(&x.a, start, c),
+            rows(&x.b, start, c),
+            rows(&x.v, start, c),
         );
-        let mut g = x.gk.view().to_owned();
+        let mut g = rows(&x.gk, start, c).to_owned();
         self.policy.cumsum_rows(&mut g);
-        let gx = fused::zip_map(g.view(), x.gk.view(), |g, gk| g - gk);
+        let gx = fused::zip_map(g.view(), rows(&x.gk, start, c), |g, gk| g - gk);
         let decay_last = fused::exps_of_last_row(&g);
         // The factors bound every row's distance to Γ_m, Γx_0 = 0 included,
         // so the middle-row exponentials are normal wherever they exist.
@@ -543,6 +543,7 @@ impl Chunk {
     }
 
     pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
+        let x = &x.standard();
         // Independent per chunk: in parallel, collected in chunk order.
         par_chunks(x.len().div_ceil(self.chunk_size), |n| self.intra_of(x, n))
     }
@@ -559,7 +560,7 @@ impl Chunk {
         x: &DplrHead<T>,
         h0: ArrayView2<T>,
     ) -> ChunkForward<T> {
-        self.forward_pass(x, h0, true)
+        self.forward_pass(&x.standard(), h0, true)
     }
 
     /// The forward pass; without `read_out` (what the backward recomputes)
@@ -601,13 +602,13 @@ impl Chunk {
         read_out: bool,
     ) {
         let c = ch.len();
-        let x = &x.standard_rows(ch.start..ch.start + c);
-        let v = x.v.slice(s![.., cols.clone()]);
+        let v = rows(&x.v, ch.start, c).slice_move(s![.., cols.clone()]);
         // The state as stored, a copy only where it is rounded.
         let hn = self.policy.stored(Stage::H, state.view());
         let hn = hn.view();
         // v2 = u + w h and, with the readout, qg h: one product.
-        let qg = read_out.then(|| self.gated_by(ch, self.q_read(x.q.view()).view(), Exp::G));
+        let qg = read_out
+            .then(|| self.gated_by(ch, self.q_read(rows(&x.q, ch.start, c)).view(), Exp::G));
         let wh = match &qg {
             Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
             None => gemm::dot(ch.w.view(), hn.view()),
@@ -627,8 +628,14 @@ impl Chunk {
             out.push_o(o.view());
         }
         let terms = [
-            &gemm::dot(self.gated_by(ch, x.k.view(), Exp::Last).t(), v.view()),
-            &gemm::dot(self.gated_by(ch, x.b.view(), Exp::Last).t(), v2n.view()),
+            &gemm::dot(
+                self.gated_by(ch, rows(&x.k, ch.start, c), Exp::Last).t(),
+                v.view(),
+            ),
+            &gemm::dot(
+                self.gated_by(ch, rows(&x.b, ch.start, c), Exp::Last).t(),
+                v2n.view(),
+            ),
         ];
         out.push(hn, v2n.view());
         fused::decay_add(state, ch.decay_last(), &terms);
@@ -642,6 +649,7 @@ impl Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ChunkBackward<T> {
+        let x = &x.standard();
         self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, true)
     }
 
@@ -721,8 +729,7 @@ impl Chunk {
         ds: &mut Array2<T>,
     ) -> Array2<T> {
         let (c, st) = (ch.len(), ch.start);
-        let x = &x.standard_rows(st..st + c);
-        let (q, b) = (x.q.view(), x.b.view());
+        let (q, b) = (rows(&x.q, st, c), rows(&x.b, st, c));
         let dout = d_o.slice(s![st..st + c, ..]);
         let qg = self.gated_by(ch, self.q_read(q).view(), Exp::G);
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
@@ -756,8 +763,13 @@ impl Chunk {
     ) -> (ChunkGrads<T>, [Array2<T>; 4]) {
         let (c, st) = (ch.len(), ch.start);
         let r = s![st..st + c, ..];
-        let x = &x.standard_rows(st..st + c);
-        let (q, k, a, b, v) = (x.q.view(), x.k.view(), x.a.view(), x.b.view(), x.v.view());
+        let (q, k, a, b, v) = (
+            rows(&x.q, st, c),
+            rows(&x.k, st, c),
+            rows(&x.a, st, c),
+            rows(&x.b, st, c),
+            rows(&x.v, st, c),
+        );
         let h = fwd.h.index_axis(Axis(0), n);
         let v2 = fwd.v2.slice(r);
         let dout = d_o.slice(r);
@@ -984,6 +996,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
+        let x = &x.standard();
         self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
             .grads
     }
@@ -996,6 +1009,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
+        let x = &x.standard();
         let fwd = self.forward_pass(x, h0, true);
         let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
         ((fwd.o, fwd.final_state), grads)
@@ -1014,6 +1028,11 @@ impl<T: Scalar> Engine<T> for Chunk {
         if x.len() > self.span_len {
             return crate::chunked_in_spans!(self, x, h0, d_o, dht, out);
         }
+        // A chunk's rows of the head are read by its intra stage, state
+        // step, state backward and chunk backward: one copy of the head
+        // serves them all (copying each chunk's rows where it is read, as
+        // KDA's two readers do, was level here and slower on one long pair).
+        let x = &x.standard();
         let fwd = self.forward_pass(x, h0, true);
         tensor::copy_into(out.o, fwd.o.view());
         tensor::copy_into(out.final_state, fwd.final_state.view());
@@ -1022,6 +1041,7 @@ impl<T: Scalar> Engine<T> for Chunk {
 
     /// `M = Π M_chunk`, later chunks on the left.
     fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
+        let x = &x.standard();
         let mut m = Array2::eye(x.k_dim());
         for ch in self.intras(x) {
             m = gemm::dot(
