@@ -417,12 +417,11 @@ impl Chunk {
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
     pub fn intra<T: Scalar>(&self, x: &KdaHead<T>, start: usize, c: usize) -> Intra<T> {
-        // Only the chunk's rows are copied (where the head's rows are
-        // strided or q is to be scaled), not the whole head.
-        let x = &x.standard_rows(start..start + c);
-        let (q, k, v) = (x.q.view(), x.k.view(), x.v.view());
-        let beta = x.beta.view();
-        let mut g_cumsum = x.g.to_owned();
+        let rows = s![start..start + c, ..];
+        let [q, k] = qk_rows(x, start..start + c);
+        let (q, k, v) = (q.view(), k.view(), x.v.slice(rows));
+        let beta = x.beta.slice(s![start..start + c]);
+        let mut g_cumsum = tensor::standard(x.g.slice(rows)).into_owned();
         self.policy.cumsum_rows(&mut g_cumsum);
         let factors = self.factors(&g_cumsum);
         let fwd_dots = self.policy.storage(Stage::FwdDots);
@@ -734,20 +733,20 @@ impl Chunk {
         let dw = self.operand(dqg_dw.slice(s![c.., ..]).mapv(|x| -x));
         let du = &dvn;
         // WY: w = Akk (e^Γ ⊙ K), u = Akk V, Akk = N Diag(β), N = (I + L)^{-1}.
-        let x = &x.standard_rows(ch.start..ch.start + c);
-        let k = x.k.view();
+        let [q, k] = qk_rows(x, ch.start..ch.start + c);
+        let k = k.view();
         let [eg, tl] = ch.decays.exps();
         let kd_ = self.operand(fused::zip_map(eg.view(), k, |e, k| e * k));
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
         let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false);
         fused::add_assign(
             &mut dakk,
-            tri::dot_t_lower(du.view(), x.v.view(), false).view(),
+            tri::dot_t_lower(du.view(), x.v.slice(rows), false).view(),
         );
         tri::mask_lower(&mut dakk, true);
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
         let dv = tri::lower_t_dot(ch.akk.view(), du.view());
-        let beta = x.beta.view();
+        let beta = x.beta.slice(s![ch.start..ch.start + c]);
         let beta_v = beta.to_vec();
         let mut dbeta: Array1<T> =
             fused::zip_map(dakk.view(), ch.n_inv.view(), |a, n| a * n).sum_axis(Axis(0));
@@ -766,7 +765,7 @@ impl Chunk {
         // With qg = Q ⊙ e^Γ, kg = K ⊙ e^(Γlast − Γ), kd = e^Γ ⊙ K, one pass:
         // dq = dqg e^Γ, dk = dkd e^Γ + dkg e^(Γlast − Γ),
         // dΓ = dkd kd + dqg qg − dkg kg and dΓlast += Σ_rows dkg kg.
-        let q = x.q.view();
+        let q = q.view();
         let kd = x.k_dim();
         let (mut dq, mut dk, mut dgamma) = (
             Array2::zeros((c, kd)),
@@ -1019,6 +1018,20 @@ impl Chunk {
             }
         }
     }
+}
+
+/// Tokens `r` of the head's query (scaled) and key, `[c, K]` each, in
+/// standard layout for the element-wise passes: copied only where the
+/// head's rows are strided or the query is to be scaled. (The products read
+/// `v`'s rows where they are; Γ is copied once, into the cumulative sum.)
+fn qk_rows<'a, T: Scalar>(
+    x: &'a KdaHead<'_, T>,
+    r: std::ops::Range<usize>,
+) -> [CowArray<'a, T, Ix2>; 2] {
+    [
+        tensor::scaled_standard(x.q.slice(s![r.clone(), ..]), x.scale),
+        tensor::standard(x.k.slice(s![r, ..])),
+    ]
 }
 
 /// One chunk's token gradients (rows of `dq`, `dk`, `dv`, `dg`, `dbeta`)
