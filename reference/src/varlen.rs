@@ -2,7 +2,8 @@
 //! packed along T by `cu_seqlens` (FlashAttention/FLA convention); and how an
 //! engine's work splits over rayon's threads without changing a bit: over
 //! (sequence, head) pairs, and with fewer pairs than threads over a pair's
-//! chunks and its state's value columns.
+//! chunks and its state's value columns (a chunked engine's pair then runs
+//! stage by stage; with as many pairs as threads, chunk by chunk).
 
 use std::ops::Range;
 
@@ -524,10 +525,11 @@ impl<T: Clone + Zero + Send + Sync> StateGradColumns<T> {
 }
 
 /// A chunked engine's forward over one pair of `l` tokens in chunks of
-/// `chunk_size` (the last may be shorter), from `h0 [K, V]`: `intra(n)` is chunk `n`'s state-independent stage and
-/// `step(ch, state, rows, cols)` its state step over the value columns
-/// `cols` (it pushes the chunk's stored state, `v_new` and, with
-/// `read_out`, `o` to `rows`, and carries `state [K, w]` over the chunk).
+/// `chunk_size` (the last may be shorter), from `h0 [K, V]`: `intra(n)` is
+/// chunk `n`'s state-independent stage and `step(ch, state, out, cols)` its
+/// state step over the value columns `cols` (it pushes the chunk's stored
+/// state, `v_new` and, with `read_out`, `o` to `out`, and carries `state
+/// [K, w]` over the chunk).
 ///
 /// Where the chunks run in parallel ([`par_chunks`]) every intra stage comes
 /// first, then the state pass split over value columns ([`par_columns`]).
@@ -553,25 +555,25 @@ where
     if chunks_in_parallel() {
         let intras = par_chunks(nt, intra);
         let pass = StateColumns::par_pass(h0, |h0, cols| {
-            let mut rows = StateRows::new(nt, l, h0.dim(), read_out);
+            let mut out = StateRows::new(nt, l, h0.dim(), read_out);
             let mut state = h0.to_owned();
             for ch in &intras {
-                step(ch, &mut state, &mut rows, cols.clone());
+                step(ch, &mut state, &mut out, cols.clone());
             }
-            rows.finish(state)
+            out.finish(state)
         });
         return (intras, pass);
     }
-    let mut rows = StateRows::new(nt, l, h0.dim(), read_out);
+    let mut out = StateRows::new(nt, l, h0.dim(), read_out);
     let mut state = h0.to_owned();
     let intras = (0..nt)
         .map(|n| {
             let ch = intra(n);
-            step(&ch, &mut state, &mut rows, 0..h0.ncols());
+            step(&ch, &mut state, &mut out, 0..h0.ncols());
             ch
         })
         .collect();
-    (intras, rows.finish(state))
+    (intras, out.finish(state))
 }
 
 /// A chunked engine's backward over one pair whose chunks `chunks` tile the
