@@ -257,9 +257,9 @@ macro_rules! chunked_in_spans {
             |r| x.standard_rows(r),
             |xs, h0, read_out| engine.forward_pass(xs, h0, read_out),
             |xs, r, fwd, ds, dh0| {
-                let d_o = $crate::tensor::standard(d_o.slice(ndarray::s![r.clone(), ..]));
+                let d_o = d_o.slice(ndarray::s![r.clone(), ..]);
                 let sink = grads.rows_mut(r, dh0);
-                engine.backward_into(xs, fwd, d_o.view(), ds, false, sink);
+                engine.backward_into(xs, fwd, d_o, ds, false, sink);
             },
         );
         $crate::tensor::copy_into(grads.dh0, dh0.view());
