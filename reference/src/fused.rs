@@ -11,6 +11,7 @@ use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2};
 
 use crate::scalar::Scalar;
 use crate::simd;
+use crate::stagger;
 
 /// The elements of `a` in row-major order: borrowed when `a` is in standard
 /// layout (the arrays the engines build, whole rows of them), else copied
@@ -42,9 +43,13 @@ pub fn zip_map<T: Scalar>(
     let (xs, ys) = (flat(a), flat(b));
     let o = simd::dispatch(
         #[inline(always)]
-        || xs.iter().zip(ys.iter()).map(|(&x, &y)| f(x, y)).collect(),
+        || {
+            let mut o = stagger::vec(xs.len());
+            o.extend(xs.iter().zip(ys.iter()).map(|(&x, &y)| f(x, y)));
+            o
+        },
     );
-    Array2::from_shape_vec(a.raw_dim(), o).expect("same shape")
+    stagger::array(o, a.raw_dim())
 }
 
 /// `a ← f(a, b)` element by element for same-shape `a`, `b` (as [`zip_map`]).
@@ -225,17 +230,18 @@ pub fn minus_mid_row<T: Scalar>(g: &Array2<T>, x: &Array2<T>, limit: f64) -> Opt
     let (o, over) = simd::dispatch(
         #[inline(always)]
         || {
-            let mut o = Vec::with_capacity(xs.len());
+            let mut o = stagger::vec(xs.len());
+            let pad = o.len();
             for row in xs.chunks_exact(mid.len().max(1)) {
                 o.extend(row.iter().zip(&mid).map(|(&x, &m)| x - m));
             }
-            let over = o
+            let over = o[pad..]
                 .iter()
                 .fold(false, |over, d| over | (d.f64().abs() > limit));
             (o, over)
         },
     );
-    (!over).then(|| Array2::from_shape_vec(x.raw_dim(), o).expect("same shape"))
+    (!over).then(|| stagger::array(o, x.raw_dim()))
 }
 
 /// `exp` of the last row of `g [c, K]` (`exp(Γ_last)`), `[K]`.
@@ -264,14 +270,14 @@ pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
     let o = simd::dispatch(
         #[inline(always)]
         || {
-            let mut o = Vec::with_capacity(xs.len());
+            let mut o = stagger::vec(xs.len());
             for row in xs.chunks_exact(e.len()) {
                 o.extend(row.iter().zip(e).map(|(&x, &e)| x * e));
             }
             o
         },
     );
-    Array2::from_shape_vec(f.raw_dim(), o).expect("same shape")
+    stagger::array(o, f.raw_dim())
 }
 
 /// `x ⊙ scale_columns(f, e)` in one pass: `x[r, c]·(f[r, c]·e[c])`, the
@@ -292,7 +298,7 @@ pub fn times_scaled_columns<T: Scalar>(x: ArrayView2<T>, f: &Array2<T>, e: &[T])
     let o = simd::dispatch(
         #[inline(always)]
         || {
-            let mut o = Vec::with_capacity(xs.len());
+            let mut o = stagger::vec(xs.len());
             let rows = xs.chunks_exact(e.len().max(1));
             for (xr, fr) in rows.zip(fs.chunks_exact(e.len().max(1))) {
                 o.extend(xr.iter().zip(fr).zip(e).map(|((&x, &f), &e)| x * (f * e)));
@@ -300,7 +306,7 @@ pub fn times_scaled_columns<T: Scalar>(x: ArrayView2<T>, f: &Array2<T>, e: &[T])
             o
         },
     );
-    Array2::from_shape_vec(x.raw_dim(), o).expect("same shape")
+    stagger::array(o, x.raw_dim())
 }
 
 /// `f[r, c] · e[r]`: each row of `f [R, C]` scaled by its factor `e [R]`.
@@ -310,14 +316,14 @@ pub fn scale_rows<T: Scalar>(f: ArrayView2<T>, e: &[T]) -> Array2<T> {
     let o = simd::dispatch(
         #[inline(always)]
         || {
-            let mut o = Vec::with_capacity(xs.len());
+            let mut o = stagger::vec(xs.len());
             for (row, &e) in xs.chunks_exact(f.ncols().max(1)).zip(e) {
                 o.extend(row.iter().map(|&x| x * e));
             }
             o
         },
     );
-    Array2::from_shape_vec(f.raw_dim(), o).expect("same shape")
+    stagger::array(o, f.raw_dim())
 }
 
 #[cfg(test)]

@@ -42,7 +42,8 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
     parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
 ) -> Array2<T> {
     let m: usize = parts.iter().map(|(a, _)| a.nrows()).sum();
-    let mut out: Vec<T> = Vec::with_capacity(m * n);
+    let mut out: Vec<T> = crate::stagger::vec(m * n);
+    let pad = out.len();
     let mut r0 = 0;
     for (a, b) in parts {
         assert_eq!(b.ncols(), n, "gemm: stacked product width");
@@ -51,15 +52,15 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
             product::<T, FUSED>(
                 a.view(),
                 b.view(),
-                out.as_mut_ptr().add(r0 * n),
+                out.as_mut_ptr().add(pad + r0 * n),
                 [n as isize, 1],
             )
         };
         r0 += a.nrows();
     }
     // SAFETY: the parts wrote rows `0 .. m`, every element of each.
-    unsafe { out.set_len(m * n) };
-    Array2::from_shape_vec((m, n), out).expect("[M, N]")
+    unsafe { out.set_len(pad + m * n) };
+    crate::stagger::array(out, ndarray::Ix2(m, n))
 }
 
 /// Writes `a b` into `out [M, N]` (any strides), overwriting it.
@@ -117,9 +118,11 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
         return b.into();
     }
     let (p, n) = b.dim();
-    let mut out: Vec<T> = Vec::with_capacity(p * n);
+    let mut out: Vec<T> = crate::stagger::vec(p * n);
+    let pad = out.len();
     let (src, [s_row, s_col]) = (b.as_ptr(), [b.strides()[0], b.strides()[1]]);
-    let dst = out.as_mut_ptr();
+    // SAFETY: `pad` is inside the allocation (`out`'s length).
+    let dst = unsafe { out.as_mut_ptr().add(pad) };
     let at = |k: usize, j: usize| k as isize * s_row + j as isize * s_col;
     let full = |x: usize| x / TILE * TILE;
     // Shuffles move the f64 tiles 2–5× faster than the generic copy
@@ -181,8 +184,8 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
         },
     );
     // SAFETY: the tiles and the rest cover all `p · n` elements.
-    unsafe { out.set_len(p * n) };
-    Array2::from_shape_vec((p, n), out).expect("[P, N]").into()
+    unsafe { out.set_len(pad + p * n) };
+    crate::stagger::array(out, ndarray::Ix2(p, n)).into()
 }
 
 /// Side of the square tiles [`rows_contiguous`] transposes in registers.

@@ -26,6 +26,7 @@ pub mod rng;
 pub mod scalar;
 pub mod scratch;
 pub mod simd;
+pub mod stagger;
 pub mod sweep;
 pub mod tensor;
 pub mod token_shift;

@@ -140,7 +140,9 @@ pub fn zeros<T: Scalar, D: Dimension>(shape: D) -> Array<T, D> {
 }
 
 /// `a` in standard layout: borrowed where it already is, else a copy.
-pub fn standard<T: Clone, D: Dimension>(a: ArrayView<'_, T, D>) -> CowArray<'_, T, D> {
+pub fn standard<T: Clone + num_traits::Zero, D: Dimension>(
+    a: ArrayView<'_, T, D>,
+) -> CowArray<'_, T, D> {
     if a.is_standard_layout() {
         return CowArray::from(a);
     }
@@ -151,11 +153,11 @@ pub fn standard<T: Clone, D: Dimension>(a: ArrayView<'_, T, D>) -> CowArray<'_, 
     }
     // Contiguous rows (a head of [B, T, heads, D]): copied a row at a time,
     // much faster than ndarray's element-wise strided copy.
-    let mut out = Vec::with_capacity(a.len());
+    let mut out = crate::stagger::vec(a.len());
     for row in a.lanes(last) {
         out.extend_from_slice(row.to_slice().expect("contiguous rows"));
     }
-    CowArray::from(Array::from_shape_vec(a.raw_dim(), out).expect("same element count"))
+    CowArray::from(crate::stagger::array(out, a.raw_dim()))
 }
 
 /// `a · scale` in standard layout (`a` itself, borrowed or copied by
@@ -169,7 +171,7 @@ pub fn scaled_standard<T: Scalar>(a: ArrayView2<'_, T>, scale: T) -> CowArray<'_
     if a.is_standard_layout() || a.stride_of(Axis(1)) != 1 {
         return a.mapv(|e| e * scale).into();
     }
-    let mut out = Vec::with_capacity(a.len());
+    let mut out = crate::stagger::vec(a.len());
     for row in a.rows() {
         out.extend(
             row.to_slice()
@@ -178,9 +180,7 @@ pub fn scaled_standard<T: Scalar>(a: ArrayView2<'_, T>, scale: T) -> CowArray<'_
                 .map(|&e| e * scale),
         );
     }
-    Array2::from_shape_vec(a.raw_dim(), out)
-        .expect("same element count")
-        .into()
+    crate::stagger::array(out, a.raw_dim()).into()
 }
 
 /// `dst = src` (same shape), a row at a time where both have contiguous
@@ -505,7 +505,8 @@ pub fn check_span_len(span_len: usize, chunk_size: usize) -> Result<()> {
 /// `−0`), so only columns `..= s` are touched: the same bits as adding
 /// whole rows, without the copies. Returns the unit lower triangular `[c, c]`.
 pub fn unit_lower_inverse<T: Scalar>(c: usize, l: impl Fn(usize, usize) -> T) -> Array2<T> {
-    let mut n = Array2::<T>::eye(c);
+    let mut n = crate::stagger::zeros((c, c));
+    n.diag_mut().fill(T::one());
     let data = n.as_slice_mut().expect("standard layout");
     crate::simd::dispatch(
         #[inline(always)]

@@ -83,7 +83,7 @@ pub fn dot_t_lower_each<T: Scalar, const N: usize>(
     let bt = gemm::rows_contiguous(b.t());
     a.map(|a| {
         let c = a.nrows();
-        let mut out = Array2::zeros((c, b.nrows()));
+        let mut out = crate::stagger::zeros((c, b.nrows()));
         for (r0, r1) in blocks(c) {
             let inner = if b_lower { r1 } else { a.ncols() };
             gemm::dot_to(

@@ -426,7 +426,8 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
     let [q, k, b, eg, egx, dl, ax, kgl, bgl, dax, dqg, dkg, dbg, dkg_acc, dbg_acc] =
         ins.each_ref().map(|a| &a[..n]);
     // The rows are written once each below (no zero fill first).
-    let mut rows = [(); 6].map(|_| Vec::with_capacity(n));
+    let mut rows = [(); 6].map(|_| crate::stagger::vec(n));
+    let pad = rows.each_ref().map(Vec::len);
     let mut last = [(); 2].map(|_| vec![T::zero(); kd]);
     // Slices of known lengths (`n`, `kd`): the loops below then have no
     // bounds checks and vectorise.
@@ -455,11 +456,12 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
             }
         },
     );
-    for r in &mut rows {
-        // SAFETY: the loop above wrote elements `0..n` of every row vector.
-        unsafe { r.set_len(n) };
+    for (r, pad) in rows.iter_mut().zip(pad) {
+        // SAFETY: the loop above wrote the `n` elements after the padding
+        // of every row vector.
+        unsafe { r.set_len(pad + n) };
     }
-    let shape = |v: Vec<T>| Array2::from_shape_vec((c, kd), v).expect("[c, K]");
+    let shape = |v: Vec<T>| crate::stagger::array(v, ndarray::Ix2(c, kd));
     GateGrads {
         rows: rows.map(shape),
         last: last.map(Array1::from),

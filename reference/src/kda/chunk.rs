@@ -768,9 +768,9 @@ impl Chunk {
         let q = q.view();
         let kd = x.k_dim();
         let (mut dq, mut dk, mut dgamma) = (
-            Array2::zeros((c, kd)),
-            Array2::zeros((c, kd)),
-            Array2::zeros((c, kd)),
+            crate::stagger::zeros((c, kd)),
+            crate::stagger::zeros((c, kd)),
+            crate::stagger::zeros((c, kd)),
         );
         let mut dkg_kg_sum = vec![T::zero(); kd];
         let flats = [
