@@ -9,7 +9,7 @@
 //! (15 inputs, 6 outputs) took 13.4 µs per 32×64 chunk inside a run, 7.6 µs
 //! with the arrays staggered, and its A-block backward 33 µs, 25 µs
 //! (one thread, AMD EPYC Zen 4; 10.2 µs and 3.8 µs alone, inputs staggered
-//! only). Arrays made here start [`COLOURS`] different numbers of cache
+//! only). Arrays made here start 16 different numbers of cache
 //! lines in, in turn, so the arrays a pass reads and writes fall in
 //! different sets. Only addresses change, no value.
 
@@ -35,7 +35,7 @@ thread_local! {
 /// A vector for an array of `n` elements: leading zeros (the array's
 /// stagger, none for a small array) and room for the `n` elements, which
 /// the caller pushes (or writes into the spare capacity) before
-/// [`array`] makes the array of them.
+/// [`array()`] makes the array of them.
 pub fn vec<T: Clone + Zero>(n: usize) -> Vec<T> {
     let size = std::mem::size_of::<T>();
     let pad = if n * size < MIN_BYTES {
@@ -54,7 +54,7 @@ pub fn vec<T: Clone + Zero>(n: usize) -> Vec<T> {
 }
 
 /// The array of `shape` (row-major) of the elements of `v` after its
-/// padding, for a `v` from [`vec`] that has had all of them pushed. The
+/// padding, for a `v` from [`vec()`] that has had all of them pushed. The
 /// padding stays in the allocation, before the array's data.
 pub fn array<T, D: Dimension>(v: Vec<T>, shape: D) -> Array<T, D> {
     let pad = v

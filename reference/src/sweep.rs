@@ -33,7 +33,7 @@ const BLOCK_BYTES: usize = 8 << 20;
 
 /// Tokens per block of the naive engines' checkpointed backward for states
 /// of `state_bytes`: [`block_len`], shortened so the block's states fit
-/// [`BLOCK_BYTES`], but never below a quarter of it, so the checkpoints
+/// `BLOCK_BYTES`, but never below a quarter of it, so the checkpoints
 /// stay `O(√L)` (at most about `4√L` of them). Where the checkpoints fall
 /// does not change a bit: replaying from one repeats the forward's steps.
 pub fn state_block_len(l: usize, state_bytes: usize) -> usize {
