@@ -58,7 +58,8 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
         };
         r0 += a.nrows();
     }
-    // SAFETY: the parts wrote rows `0 .. m`, every element of each.
+    // SAFETY: the parts wrote rows `0 .. m` after the padding, every
+    // element of each.
     unsafe { out.set_len(pad + m * n) };
     crate::stagger::array(out, ndarray::Ix2(m, n))
 }

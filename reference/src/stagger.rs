@@ -5,13 +5,13 @@
 //! C = 32, K = 64; `[c, c]` 8 KiB), and the allocator hands out blocks of
 //! such sizes at the same address modulo 4 KiB. Element `i` of every array
 //! then falls in the same set of the 8-way L1 cache, and a fused pass over
-//! more than 8 of them evicts its own lines at every step. DPLR's gate pass
-//! (15 inputs, 6 outputs) took 13.4 µs per 32×64 chunk inside a run, 7.6 µs
-//! with the arrays staggered, and its A-block backward 33 µs, 25 µs
-//! (one thread, AMD EPYC Zen 4; 10.2 µs and 3.8 µs alone, inputs staggered
-//! only). Arrays made here start 16 different numbers of cache
-//! lines in, in turn, so the arrays a pass reads and writes fall in
-//! different sets. Only addresses change, no value.
+//! more than 8 of them evicts its own lines at every step. Measured on one
+//! thread of an AMD EPYC Zen 4, per 32×64 chunk inside a run: DPLR's gate
+//! pass (15 inputs, 6 outputs) took 13.4 µs, 7.6 µs with the arrays
+//! staggered; its A-block backward 33 µs, 25 µs. Arrays made here start
+//! [`COLOURS`] different numbers of cache lines in, in turn, so the arrays
+//! a pass reads and writes fall in different sets. Only addresses change,
+//! no value.
 
 use std::cell::Cell;
 
@@ -23,7 +23,7 @@ const LINE: usize = 64;
 /// Different starting lines, used in turn: one pass's arrays (at most 21)
 /// then share a set at most two at a time, and the padding stays under
 /// 1 KiB per array.
-const COLOURS: usize = 16;
+pub const COLOURS: usize = 16;
 /// Arrays smaller than this many bytes are not staggered: they take a few
 /// lines of a set at most.
 const MIN_BYTES: usize = 1024;
