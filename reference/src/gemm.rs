@@ -43,24 +43,18 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
 ) -> Array2<T> {
     let m: usize = parts.iter().map(|(a, _)| a.nrows()).sum();
     let mut out: Vec<T> = crate::stagger::vec(m * n);
-    let pad = out.len();
+    // The block starts after the padding, where the spare capacity does.
+    let block = out.spare_capacity_mut().as_mut_ptr().cast::<T>();
     let mut r0 = 0;
     for (a, b) in parts {
         assert_eq!(b.ncols(), n, "gemm: stacked product width");
         // SAFETY: rows `r0 .. r0 + mᵢ` of the `[m, n]` row-major block.
-        unsafe {
-            product::<T, FUSED>(
-                a.view(),
-                b.view(),
-                out.as_mut_ptr().add(pad + r0 * n),
-                [n as isize, 1],
-            )
-        };
+        unsafe { product::<T, FUSED>(a.view(), b.view(), block.add(r0 * n), [n as isize, 1]) };
         r0 += a.nrows();
     }
     // SAFETY: the parts wrote rows `0 .. m` after the padding, every
     // element of each.
-    unsafe { out.set_len(pad + m * n) };
+    unsafe { out.set_len(out.len() + m * n) };
     crate::stagger::array(out, ndarray::Ix2(m, n))
 }
 
@@ -120,10 +114,9 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
     }
     let (p, n) = b.dim();
     let mut out: Vec<T> = crate::stagger::vec(p * n);
-    let pad = out.len();
     let (src, [s_row, s_col]) = (b.as_ptr(), [b.strides()[0], b.strides()[1]]);
-    // SAFETY: `pad` is inside the allocation (`out`'s length).
-    let dst = unsafe { out.as_mut_ptr().add(pad) };
+    // After the padding, where the spare capacity starts.
+    let dst = out.spare_capacity_mut().as_mut_ptr().cast::<T>();
     let at = |k: usize, j: usize| k as isize * s_row + j as isize * s_col;
     let full = |x: usize| x / TILE * TILE;
     // Shuffles move the f64 tiles 2–5× faster than the generic copy
@@ -185,7 +178,7 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
         },
     );
     // SAFETY: the tiles and the rest cover all `p · n` elements.
-    unsafe { out.set_len(pad + p * n) };
+    unsafe { out.set_len(out.len() + p * n) };
     crate::stagger::array(out, ndarray::Ix2(p, n)).into()
 }
 

@@ -427,7 +427,6 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
         ins.each_ref().map(|a| &a[..n]);
     // The rows are written once each below (no zero fill first).
     let mut rows = [(); 6].map(|_| crate::stagger::vec(n));
-    let pad = rows.each_ref().map(Vec::len);
     let mut last = [(); 2].map(|_| vec![T::zero(); kd]);
     // Slices of known lengths (`n`, `kd`): the loops below then have no
     // bounds checks and vectorise.
@@ -456,10 +455,10 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
             }
         },
     );
-    for (r, pad) in rows.iter_mut().zip(pad) {
-        // SAFETY: the loop above wrote the `n` elements after the padding
-        // of every row vector.
-        unsafe { r.set_len(pad + n) };
+    for r in &mut rows {
+        // SAFETY: the loop above wrote the `n` elements of every row
+        // vector's spare capacity, which starts after its padding.
+        unsafe { r.set_len(r.len() + n) };
     }
     let shape = |v: Vec<T>| crate::stagger::array(v, ndarray::Ix2(c, kd));
     GateGrads {
