@@ -164,6 +164,21 @@ pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T
     );
 }
 
+/// `s ← (s ⊙ e) + a₁ b₁ + a₂ b₂ …` for `s [K, V]`, `e [K]` (one decay per
+/// row) and `aᵢ [K, nᵢ]`, `bᵢ [nᵢ, V]`: each element's sum goes on from its
+/// decayed value through every product's terms ([`crate::gemm::dot_add`]),
+/// with no separate product to store and add.
+pub fn decay_add_products<T: Scalar>(
+    s: &mut Array2<T>,
+    e: &Array1<T>,
+    products: &[(ArrayView2<T>, ArrayView2<T>)],
+) {
+    decay_add(s, e, &[]);
+    for (a, b) in products {
+        crate::gemm::dot_add(a.view(), b.view(), s.view_mut());
+    }
+}
+
 /// Cumulative sum down the rows of `g [c, K]`, in place: row `r` becomes
 /// `row_r + row_{r−1}` (already summed), column by column in order (Γ from
 /// the per-token log-decays).

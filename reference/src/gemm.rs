@@ -1,8 +1,8 @@
 //! The chunked engines' matrix products, `out[i, j] = Σ_p a[i, p]·b[p, j]`.
 //!
-//! Every element is one sum started from zero and accumulated in order
-//! `p = 0, 1, …`, each term added by a fused multiply-add `s ← a·b + s`
-//! (one rounding). The order is part of this definition, not of the CPU or
+//! Every element is one sum started from zero (or, for [`dot_add`], from the
+//! element's value in the output) and accumulated in order `p = 0, 1, …`,
+//! each term added by a fused multiply-add `s ← a·b + s` (one rounding). The order is part of this definition, not of the CPU or
 //! the blocking, and IEEE 754 defines the fused operation exactly: the
 //! vector kernels use the CPU's FMA instructions, the baseline build
 //! `mul_add` (libm's correctly rounded `fma`), so the results are the same
@@ -35,6 +35,21 @@ pub fn stacked<'a, T: Scalar>(
     stacked_with::<T, true>(n, parts)
 }
 
+/// Adds the products `aᵢ bᵢ` (`aᵢ [mᵢ, P]`, `bᵢ [P, N]`) to the rows of
+/// `out [Σ mᵢ, N]`, part by part, as [`dot_add`] does.
+pub fn stacked_add<'a, T: Scalar>(
+    parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
+    mut out: ArrayViewMut2<T>,
+) {
+    let mut r0 = 0;
+    for (a, b) in parts {
+        let r1 = r0 + a.nrows();
+        dot_add(a.view(), b.view(), out.slice_mut(ndarray::s![r0..r1, ..]));
+        r0 = r1;
+    }
+    assert_eq!(r0, out.nrows(), "gemm: stacked sum's rows");
+}
+
 /// [`stacked`], each term added by a fused multiply-add (`FUSED`) or by a
 /// separate multiply and add.
 fn stacked_with<'a, T: Scalar, const FUSED: bool>(
@@ -49,7 +64,15 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
     for (a, b) in parts {
         assert_eq!(b.ncols(), n, "gemm: stacked product width");
         // SAFETY: rows `r0 .. r0 + mᵢ` of the `[m, n]` row-major block.
-        unsafe { product::<T, FUSED>(a.view(), b.view(), block.add(r0 * n), [n as isize, 1]) };
+        unsafe {
+            product::<T, FUSED>(
+                a.view(),
+                b.view(),
+                block.add(r0 * n),
+                [n as isize, 1],
+                Start::Zero,
+            )
+        };
         r0 += a.nrows();
     }
     // SAFETY: the parts wrote rows `0 .. m` after the padding, every
@@ -59,24 +82,54 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
 }
 
 /// Writes `a b` into `out [M, N]` (any strides), overwriting it.
-pub fn dot_to<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, mut out: ArrayViewMut2<T>) {
+pub fn dot_to<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+    into_view(a, b, out, Start::Zero)
+}
+
+/// `out ← out + a b` for `out [M, N]` (any strides): each element's sum
+/// starts from its value in `out` instead of zero and goes on in order, so
+/// `dot_to(a₁, b₁, out)` then `dot_add(a₂, b₂, out)` has the bits of one
+/// product over the joined inner dimension, `[a₁ a₂]·[b₁; b₂]`: one
+/// rounding per term, none for the sum of the parts.
+pub fn dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+    into_view(a, b, out, Start::Out)
+}
+
+/// `a b` into the view `out`, each sum started from `start`.
+fn into_view<T: Scalar>(
+    a: ArrayView2<T>,
+    b: ArrayView2<T>,
+    mut out: ArrayViewMut2<T>,
+    start: Start,
+) {
     assert_eq!(out.dim(), (a.nrows(), b.ncols()), "gemm: output shape");
     let so = out.strides();
     let so = [so[0], so[1]];
     // SAFETY: `out` is an `[M, N]` view with strides `so`.
-    unsafe { product::<T, true>(a, b, out.as_mut_ptr(), so) }
+    unsafe { product::<T, true>(a, b, out.as_mut_ptr(), so, start) }
+}
+
+/// Where each element's sum starts: zero (a product), or the element's
+/// value in the output (a product added to it).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Start {
+    Zero,
+    Out,
 }
 
 /// `a b` written to the `[M, N]` block at `out` with strides `out_strides`,
-/// by fused multiply-adds (`FUSED`) or a separate multiply and add per term.
+/// by fused multiply-adds (`FUSED`) or a separate multiply and add per term,
+/// each sum started from `start`.
 ///
 /// # Safety
-/// `out` with `out_strides` must address `[M, N]` writable elements.
+/// `out` with `out_strides` must address `[M, N]` writable elements, all
+/// initialised with `Start::Out`.
 unsafe fn product<T: Scalar, const FUSED: bool>(
     a: ArrayView2<T>,
     b: ArrayView2<T>,
     out: *mut T,
     out_strides: [isize; 2],
+    start: Start,
 ) {
     let ((m, p), (p2, n)) = (a.dim(), b.dim());
     assert_eq!(p, p2, "gemm: [{m}, {p}]·[{p2}, {n}]");
@@ -85,7 +138,7 @@ unsafe fn product<T: Scalar, const FUSED: bool>(
     }
     // The kernel reads rows of `b` as contiguous vectors.
     let b = rows_contiguous(b);
-    let mats = Mats::new(a, b.view(), out, out_strides);
+    let mats = Mats::new(a, b.view(), out, out_strides, start);
     // SAFETY: every offset the kernels form is inside the shapes [m, p],
     // [p, n] and [m, n] with the operands' strides.
     unsafe {
@@ -236,12 +289,19 @@ struct Mats<T> {
     out_row: isize,
     out_col: isize,
     p: usize,
+    start: Start,
 }
 
 impl<T: Scalar> Mats<T> {
     /// `a [M, P]`, `b [P, N]` with contiguous rows, and the `[M, N]` block at
-    /// `out` with strides `out_strides`.
-    fn new(a: ArrayView2<T>, b: ArrayView2<T>, out: *mut T, out_strides: [isize; 2]) -> Self {
+    /// `out` with strides `out_strides`, whose sums start from `start`.
+    fn new(
+        a: ArrayView2<T>,
+        b: ArrayView2<T>,
+        out: *mut T,
+        out_strides: [isize; 2],
+        start: Start,
+    ) -> Self {
         debug_assert!(b.is_empty() || b.strides()[1] == 1 || b.ncols() <= 1);
         let sa = a.strides();
         Mats {
@@ -254,6 +314,7 @@ impl<T: Scalar> Mats<T> {
             out_row: out_strides[0],
             out_col: out_strides[1],
             p: a.ncols(),
+            start,
         }
     }
 
@@ -342,13 +403,34 @@ impl<T: Scalar> Mats<T> {
     /// Columns `j .. j + NR` of every row.
     #[inline(always)]
     unsafe fn rows<const NR: usize, const MR: usize, const FUSED: bool>(&self, j: usize, m: usize) {
+        // The start as a constant: a branch inside the block keeps LLVM from
+        // holding the sums in registers (the no-FMA kernel ran at 40–70 % of
+        // its speed).
+        match self.start {
+            Start::Zero => self.rows_from::<NR, MR, FUSED, false>(j, m),
+            Start::Out => self.rows_from::<NR, MR, FUSED, true>(j, m),
+        }
+    }
+
+    /// [`Self::rows`], the sums started from `out` (`FROM_OUT`) or zero.
+    #[inline(always)]
+    unsafe fn rows_from<
+        const NR: usize,
+        const MR: usize,
+        const FUSED: bool,
+        const FROM_OUT: bool,
+    >(
+        &self,
+        j: usize,
+        m: usize,
+    ) {
         let mut i = 0;
         while i + MR <= m {
-            self.block::<MR, NR, FUSED>(i, j);
+            self.block::<MR, NR, FUSED, FROM_OUT>(i, j);
             i += MR;
         }
         while i < m {
-            self.block::<1, NR, FUSED>(i, j);
+            self.block::<1, NR, FUSED, FROM_OUT>(i, j);
             i += 1;
         }
     }
@@ -357,12 +439,20 @@ impl<T: Scalar> Mats<T> {
     /// the block in vector registers this way, not with iterators.)
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn block<const MR: usize, const NR: usize, const FUSED: bool>(
+    unsafe fn block<const MR: usize, const NR: usize, const FUSED: bool, const FROM_OUT: bool>(
         &self,
         i: usize,
         j: usize,
     ) {
         let mut acc = [[T::zero(); NR]; MR];
+        if FROM_OUT {
+            for r in 0..MR {
+                let row = self.out_at(i + r, j);
+                for c in 0..NR {
+                    acc[r][c] = *row.offset(c as isize * self.out_col);
+                }
+            }
+        }
         let a = self.a.offset(i as isize * self.a_row);
         let b = self.b.add(j);
         for k in 0..self.p as isize {
@@ -524,24 +614,58 @@ mod x86 {
     /// instructions).
     #[inline(always)]
     unsafe fn run<V: Lanes>(x: &Mats<V::T>, m: usize, n: usize) {
-        let (m4, nv) = (m / 4 * 4, n / (2 * V::LANES) * (2 * V::LANES));
-        for j in (0..nv).step_by(2 * V::LANES) {
-            for i in (0..m4).step_by(4) {
-                block::<V>(x, i, j);
-            }
-        }
-        for i in m4..m {
-            for j in (0..nv).step_by(4) {
-                x.block::<1, 4, true>(i, j);
-            }
+        let nv = n / (2 * V::LANES) * (2 * V::LANES);
+        match x.start {
+            super::Start::Zero => vector_columns::<V, false>(x, m, nv),
+            super::Start::Out => vector_columns::<V, true>(x, m, nv),
         }
         x.edge_columns::<4, true>(nv, m, n);
     }
 
+    /// The `2·LANES` sums of the row of `out` that starts at `row`, as
+    /// vectors.
+    #[inline(always)]
+    unsafe fn start_row<V: Lanes>(x: &Mats<V::T>, row: *const V::T) -> [V; 2] {
+        if x.out_col == 1 {
+            return [V::load(row), V::load(row.add(V::LANES))];
+        }
+        let sums: [V::T; 32] = std::array::from_fn(|c| {
+            if c < 2 * V::LANES {
+                *row.offset(c as isize * x.out_col)
+            } else {
+                <V::T as num_traits::Zero>::zero()
+            }
+        });
+        [V::load(sums.as_ptr()), V::load(sums.as_ptr().add(V::LANES))]
+    }
+
+    /// Columns `..nv` (whole blocks of `2·LANES`) of every row: `4 × 2·LANES`
+    /// blocks, then the rows left one at a time; the sums started from `out`
+    /// (`FROM_OUT`) or zero, a constant as in [`Mats::rows`].
+    #[inline(always)]
+    unsafe fn vector_columns<V: Lanes, const FROM_OUT: bool>(x: &Mats<V::T>, m: usize, nv: usize) {
+        let m4 = m / 4 * 4;
+        for j in (0..nv).step_by(2 * V::LANES) {
+            for i in (0..m4).step_by(4) {
+                block::<V, FROM_OUT>(x, i, j);
+            }
+        }
+        for i in m4..m {
+            for j in (0..nv).step_by(4) {
+                x.block::<1, 4, true, FROM_OUT>(i, j);
+            }
+        }
+    }
+
     /// The `4 × 2·LANES` block of sums at `(i, j)`.
     #[inline(always)]
-    unsafe fn block<V: Lanes>(x: &Mats<V::T>, i: usize, j: usize) {
+    unsafe fn block<V: Lanes, const FROM_OUT: bool>(x: &Mats<V::T>, i: usize, j: usize) {
         let mut acc = [[V::zero(); 2]; 4];
+        if FROM_OUT {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                *acc_r = start_row::<V>(x, x.out_at(i + r, j));
+            }
+        }
         let a = x.a.offset(i as isize * x.a_row);
         let b = x.b.add(j);
         for k in 0..x.p as isize {
@@ -596,7 +720,7 @@ mod tests {
         let (m, n) = (a.nrows(), b.ncols());
         let b = rows_contiguous(b);
         let mut out = Array2::from_elem((m, n), T::nan());
-        let mats = Mats::new(a, b.view(), out.as_mut_ptr(), [n as isize, 1]);
+        let mats = Mats::new(a, b.view(), out.as_mut_ptr(), [n as isize, 1], Start::Zero);
         unsafe { mats.run_fused_at(width, m, n) };
         out
     }
@@ -701,6 +825,78 @@ mod tests {
         });
         assert!(same_bits(&dot_unfused(a.view(), b.view()), &want));
         assert!(!same_bits(&dot(a.view(), b.view()), &want));
+    }
+
+    /// `a b` added to `out` by the kernel of `width`.
+    fn added_at<T: Scalar>(
+        width: simd::Width,
+        a: ArrayView2<T>,
+        b: ArrayView2<T>,
+        mut out: ArrayViewMut2<T>,
+    ) {
+        let b = rows_contiguous(b);
+        let so = [out.strides()[0], out.strides()[1]];
+        let mats = Mats::new(a, b.view(), out.as_mut_ptr(), so, Start::Out);
+        unsafe { mats.run_fused_at(width, a.nrows(), b.ncols()) };
+    }
+
+    /// Each element goes on from its value in `out`: the bits of the
+    /// sequential sum over the joined inner dimension, at every width, into
+    /// contiguous and strided outputs, with edges and an empty sum.
+    #[test]
+    fn an_added_product_continues_each_sum() {
+        for width in widths() {
+            for (m, p1, p2, n) in [
+                (32, 64, 32, 64),
+                (13, 7, 33, 37),
+                (9, 3, 0, 1),
+                (5, 0, 4, 20),
+            ] {
+                let (a1, a2) = (draw("a1", m, p1), draw("a2", m, p2));
+                let (b1, b2) = (draw("b1", p1, n), draw("b2", p2, n));
+                let want = sequential(
+                    ndarray::concatenate![ndarray::Axis(1), a1, a2].view(),
+                    ndarray::concatenate![ndarray::Axis(0), b1, b2].view(),
+                );
+                let mut out = sequential(a1.view(), b1.view());
+                added_at(width, a2.view(), b2.view(), out.view_mut());
+                assert!(same_bits(&out, &want), "{width:?} {m} {p1} {p2} {n}");
+                // Strided: the transpose of a row-major block.
+                let mut out_t = sequential(a1.view(), b1.view()).t().to_owned();
+                added_at(
+                    width,
+                    a2.view(),
+                    b2.view(),
+                    out_t.view_mut().reversed_axes(),
+                );
+                assert!(same_bits(&out_t.t().to_owned(), &want), "{width:?} strided");
+                let f32s = |x: &Array2<f64>| x.mapv(|v| v as f32);
+                let (a1, a2, b1, b2) = (f32s(&a1), f32s(&a2), f32s(&b1), f32s(&b2));
+                let want = sequential(
+                    ndarray::concatenate![ndarray::Axis(1), a1, a2].view(),
+                    ndarray::concatenate![ndarray::Axis(0), b1, b2].view(),
+                );
+                let mut out = sequential(a1.view(), b1.view());
+                added_at(width, a2.view(), b2.view(), out.view_mut());
+                assert!(same_bits(&out, &want), "{width:?} f32");
+            }
+        }
+        let (a, b) = (draw("a", 6, 8), draw("b", 8, 10));
+        let mut out = Array2::zeros((6, 10));
+        dot_add(a.view(), b.view(), out.view_mut());
+        assert!(same_bits(&out, &sequential(a.view(), b.view())));
+        // Part by part down the rows.
+        let (a1, a2) = (draw("a1", 4, 8), draw("a2", 3, 5));
+        let (b1, b2) = (draw("b1", 8, 10), draw("b2", 5, 10));
+        let mut out = draw("o", 7, 10);
+        let mut want = out.clone();
+        stacked_add(
+            &[(a1.view(), b1.view()), (a2.view(), b2.view())],
+            out.view_mut(),
+        );
+        dot_add(a1.view(), b1.view(), want.slice_mut(s![..4, ..]));
+        dot_add(a2.view(), b2.view(), want.slice_mut(s![4.., ..]));
+        assert!(same_bits(&out, &want));
     }
 
     #[test]

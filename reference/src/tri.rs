@@ -9,7 +9,7 @@
 //! the start or the end of the sum); with finite values `x + 0·y` is `x`
 //! and `0 + x` is `x`, so the results have the full product's bits.
 
-use ndarray::{s, Array2, ArrayView2};
+use ndarray::{s, Array2, ArrayView2, ArrayViewMut2};
 
 use crate::gemm;
 use crate::scalar::Scalar;
@@ -43,25 +43,51 @@ fn blocks(c: usize) -> impl Iterator<Item = (usize, usize)> {
 /// `b [C, N]`: row block `r0..r1` reads `a`'s columns `..r1` only.
 /// Returns `[C, N]`.
 pub fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
-    let parts: Vec<_> = blocks(a.nrows())
-        .map(|(r0, r1)| (a.slice(s![r0..r1, ..r1]), b.slice(s![..r1, ..])))
-        .collect();
-    gemm::stacked(b.ncols(), &parts)
+    gemm::stacked(b.ncols(), &lower_parts(a, b))
+}
+
+/// `out ← out + a b` ([`lower_dot`]'s product added as [`gemm::dot_add`]
+/// adds: each sum goes on from `out`'s element). `out` is `[C, N]`.
+pub fn lower_dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+    gemm::stacked_add(&lower_parts(a, b), out)
+}
+
+/// [`lower_dot`]'s row blocks, as the products that make them.
+fn lower_parts<'a, T: Scalar>(
+    a: ArrayView2<'a, T>,
+    b: ArrayView2<'a, T>,
+) -> Vec<(ArrayView2<'a, T>, ArrayView2<'a, T>)> {
+    blocks(a.nrows())
+        .map(|(r0, r1)| (a.slice_move(s![r0..r1, ..r1]), b.slice_move(s![..r1, ..])))
+        .collect()
 }
 
 /// `aᵀ b` for a lower triangular `a [C, C]` and `b [C, N]`: row block
 /// `r0..r1` of the result reads rows `r0..` of `a` and `b` only.
 /// Returns `[C, N]`.
 pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
-    let parts: Vec<_> = blocks(a.ncols())
+    gemm::stacked(b.ncols(), &lower_t_parts(a, b))
+}
+
+/// `out ← out + aᵀ b` ([`lower_t_dot`]'s product added as
+/// [`gemm::dot_add`] adds). `out` is `[C, N]`.
+pub fn lower_t_dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+    gemm::stacked_add(&lower_t_parts(a, b), out)
+}
+
+/// [`lower_t_dot`]'s row blocks, as the products that make them.
+fn lower_t_parts<'a, T: Scalar>(
+    a: ArrayView2<'a, T>,
+    b: ArrayView2<'a, T>,
+) -> Vec<(ArrayView2<'a, T>, ArrayView2<'a, T>)> {
+    blocks(a.ncols())
         .map(|(r0, r1)| {
             (
-                a.slice(s![r0.., r0..r1]).reversed_axes(),
-                b.slice(s![r0.., ..]),
+                a.slice_move(s![r0.., r0..r1]).reversed_axes(),
+                b.slice_move(s![r0.., ..]),
             )
         })
-        .collect();
-    gemm::stacked(b.ncols(), &parts)
+        .collect()
 }
 
 /// The blocks on and below the diagonal of `a bᵀ` (`a [C, N]`, `b [C, N]`);
@@ -82,18 +108,42 @@ pub fn dot_t_lower_each<T: Scalar, const N: usize>(
 ) -> [Array2<T>; N] {
     let bt = gemm::rows_contiguous(b.t());
     a.map(|a| {
-        let c = a.nrows();
-        let mut out = crate::stagger::zeros((c, b.nrows()));
-        for (r0, r1) in blocks(c) {
-            let inner = if b_lower { r1 } else { a.ncols() };
-            gemm::dot_to(
-                a.slice(s![r0..r1, ..inner]),
-                bt.slice(s![..inner, ..r1]),
-                out.slice_mut(s![r0..r1, ..r1]),
-            );
-        }
+        let mut out = crate::stagger::zeros((a.nrows(), b.nrows()));
+        lower_blocks_of(a, bt.view(), b_lower, out.view_mut(), gemm::dot_to);
         out
     })
+}
+
+/// `out ← out + a bᵀ` on the blocks [`dot_t_lower`] computes, each sum
+/// going on from `out`'s element ([`gemm::dot_add`]); the blocks above the
+/// diagonal are left as they are. `out` is `[C, C]`.
+pub fn dot_t_lower_add<T: Scalar>(
+    a: ArrayView2<T>,
+    b: ArrayView2<T>,
+    b_lower: bool,
+    out: ArrayViewMut2<T>,
+) {
+    let bt = gemm::rows_contiguous(b.t());
+    lower_blocks_of(a, bt.view(), b_lower, out, gemm::dot_add);
+}
+
+/// `product(a block, bt block, out block)` for the row blocks of `a [C, N]`
+/// and the blocks of `bt [N, C]` on and below the diagonal.
+fn lower_blocks_of<T: Scalar>(
+    a: ArrayView2<T>,
+    bt: ArrayView2<T>,
+    b_lower: bool,
+    mut out: ArrayViewMut2<T>,
+    product: fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>),
+) {
+    for (r0, r1) in blocks(a.nrows()) {
+        let inner = if b_lower { r1 } else { a.ncols() };
+        product(
+            a.slice(s![r0..r1, ..inner]),
+            bt.slice(s![..inner, ..r1]),
+            out.slice_mut(s![r0..r1, ..r1]),
+        );
+    }
 }
 
 /// `[a₁; a₂; …] b`: the products `aᵢ b` (`aᵢ [mᵢ, n]`, `b [n, p]`)
@@ -194,6 +244,53 @@ mod tests {
                 &both.slice(s![m1.., ..]).to_owned(),
                 &gemm::dot(a2.view(), b.t())
             ));
+        }
+    }
+
+    /// `[a₁ a₂]` side by side, the inner dimensions joined.
+    fn joined(a1: ArrayView2<f64>, a2: ArrayView2<f64>) -> Array2<f64> {
+        ndarray::concatenate![ndarray::Axis(1), a1, a2]
+    }
+
+    /// A product added to another has the bits of the full product over the
+    /// joined inner dimension, and `dot_t_lower_add` leaves the blocks above
+    /// the diagonal as they were.
+    #[test]
+    fn added_products_have_the_joined_full_products_bits() {
+        for (c, n) in [(16, 8), (32, 64), (64, 48), (40, 24), (7, 5)] {
+            let (l1, l2) = (draw("l1", c, c, true), draw("l2", c, c, true));
+            let (b1, b2) = (draw("b1", c, n, false), draw("b2", c, n, false));
+            let b12 = ndarray::concatenate![ndarray::Axis(0), b1, b2];
+            let mut sum = lower_dot(l1.view(), b1.view());
+            lower_dot_add(l2.view(), b2.view(), sum.view_mut());
+            let want = gemm::dot(joined(l1.view(), l2.view()).view(), b12.view());
+            assert!(same_bits(&sum, &want), "lower_dot_add {c} {n}");
+            let mut sum = lower_t_dot(l1.view(), b1.view());
+            lower_t_dot_add(l2.view(), b2.view(), sum.view_mut());
+            let want = gemm::dot(joined(l1.t(), l2.t()).view(), b12.view());
+            assert!(same_bits(&sum, &want), "lower_t_dot_add {c} {n}");
+
+            let (a1, a2) = (draw("a1", c, n, false), draw("a2", c, c, false));
+            let mut sum = dot_t_lower(a1.view(), b1.view(), false);
+            let upper = sum.mapv(|_| 7.0) - lower_part(sum.mapv(|_| 7.0));
+            // Distinct values above the blocks, to see that they are kept.
+            sum += &upper.mapv(|x| x * 3.0);
+            let before = sum.clone();
+            dot_t_lower_add(a2.view(), l2.view(), true, sum.view_mut());
+            let full = gemm::dot(
+                joined(a1.view(), a2.view()).view(),
+                joined(b1.view(), l2.view()).t(),
+            );
+            assert!(
+                same_bits(&lower_part(sum.clone()), &lower_part(full)),
+                "dot_t_lower_add {c} {n}"
+            );
+            let blocked = dot_t_lower(a2.view(), l2.view(), true);
+            for ((i, j), &v) in sum.indexed_iter() {
+                if blocked[[i, j]] == 0.0 && j > i {
+                    assert_eq!(v.to_bits(), before[[i, j]].to_bits(), "{i} {j} kept");
+                }
+            }
         }
     }
 

@@ -7,7 +7,8 @@
 //! differences of the in-chunk cumulative log-decay, so nothing overflows.
 
 use ndarray::{
-    s, Array1, Array2, Array3, ArrayBase, ArrayD, ArrayView2, Axis, CowArray, Data, Ix2,
+    s, Array1, Array2, Array3, ArrayBase, ArrayD, ArrayView2, ArrayViewMut2, Axis, CowArray, Data,
+    Ix2,
 };
 
 use super::{
@@ -607,39 +608,34 @@ impl Chunk {
         // The state as stored, a copy only where it is rounded.
         let hn = self.policy.stored(Stage::H, state.view());
         let hn = hn.view();
-        // v2 = u + w h and, with the readout, qg h: one product.
         let qg = read_out
             .then(|| self.gated_by(ch, self.q_read(rows(&x.q, ch.start, c)).view(), Exp::G));
-        let wh = match &qg {
-            Some(qg) => tri::stacked_dot(&[ch.w.view(), qg.view()], hn),
-            None => gemm::dot(ch.w.view(), hn.view()),
-        };
+        // v2 = u + w h.
         let v2n = self.as_stored(
             Stage::VNew,
             fused::zip_map(
                 ch.u.slice(s![.., cols.clone()]),
-                wh.slice(s![..c, ..]),
+                gemm::dot(ch.w.view(), hn).view(),
                 |u, x| u + x,
             ),
         );
-        if read_out {
+        // o = Aqk V + Aqb v2 + qg h, one sum per element.
+        if let Some(qg) = &qg {
             let mut o = tri::lower_dot(ch.aqk.view(), v);
-            fused::add_assign(&mut o, tri::lower_dot(ch.aqb.view(), v2n.view()).view());
-            fused::add_assign(&mut o, wh.slice(s![c.., ..]));
+            tri::lower_dot_add(ch.aqb.view(), v2n.view(), o.view_mut());
+            gemm::dot_add(qg.view(), hn, o.view_mut());
             out.push_o(o.view());
         }
-        let terms = [
-            &gemm::dot(
-                self.gated_by(ch, rows(&x.k, ch.start, c), Exp::Last).t(),
-                v.view(),
-            ),
-            &gemm::dot(
-                self.gated_by(ch, rows(&x.b, ch.start, c), Exp::Last).t(),
-                v2n.view(),
-            ),
-        ];
+        let (kgl, bgl) = (
+            self.gated_by(ch, rows(&x.k, ch.start, c), Exp::Last),
+            self.gated_by(ch, rows(&x.b, ch.start, c), Exp::Last),
+        );
         out.push(hn, v2n.view());
-        fused::decay_add(state, ch.decay_last(), &terms);
+        fused::decay_add_products(
+            state,
+            ch.decay_last(),
+            &[(kgl.t(), v.view()), (bgl.t(), v2n.view())],
+        );
     }
 
     /// The backward pass with every intermediate.
@@ -735,16 +731,14 @@ impl Chunk {
         let qg = self.gated_by(ch, self.q_read(q).view(), Exp::G);
         // S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2, v2 = u + w h.
         let mut dv2 = tri::lower_t_dot(ch.aqb.view(), dout);
-        fused::add_assign(
-            &mut dv2,
-            gemm::dot(self.gated_by(ch, b, Exp::Last).view(), ds_used.view()).view(),
-        );
+        let bgl = self.gated_by(ch, b, Exp::Last);
+        gemm::dot_add(bgl.view(), ds_used, dv2.view_mut());
         let dv2 = self.as_stored(Stage::Dv, dv2);
-        let terms = [
-            &gemm::dot(qg.t(), dout.view()),
-            &gemm::dot(ch.w.t(), dv2.view()),
-        ];
-        fused::decay_add(ds, ch.decay_last(), &terms);
+        fused::decay_add_products(
+            ds,
+            ch.decay_last(),
+            &[(qg.t(), dout), (ch.w.t(), dv2.view())],
+        );
         dv2
     }
 
@@ -789,6 +783,7 @@ impl Chunk {
         let mut daqb = tri::dot_t_lower(dout, v2, false);
         tri::mask_lower(&mut daqk, true);
         tri::mask_lower(&mut daqb, true);
+        // dv = Aqkᵀ dO + (K ⊙ dl) ds + Aakᵀ dz, one sum per element (below).
         let mut dv = tri::lower_t_dot(ch.aqk.view(), dout);
         // State: S' = Diag(e^Γlast) h + (K ⊙ dl)ᵀ V + (B ⊙ dl)ᵀ v2.
         let (kgl, bgl) = (self.gated(&k, dl.view()), self.gated(&b, dl.view()));
@@ -802,7 +797,7 @@ impl Chunk {
         let (dkg_acc, dbg_acc) = (dkbg_acc.slice(s![..c, ..]), dkbg_acc.slice(s![c.., ..]));
         let dkgl = self.policy.stored(Stage::BwdOperands, dkg_acc);
         let dbgl = self.policy.stored(Stage::BwdOperands, dbg_acc);
-        fused::add_assign(&mut dv, gemm::dot(kgl.view(), ds.view()).view());
+        gemm::dot_add(kgl.view(), ds, dv.view_mut());
         let dw = self
             .policy
             .stored(Stage::BwdOperands, dqg_dw.slice(s![c.., ..]));
@@ -811,12 +806,9 @@ impl Chunk {
         let ax = self.gated(&a, egx.view());
         // Only dP's strict lower triangle reaches dAab (P is unit lower triangular).
         let mut dp = tri::dot_t_lower(dv2, zv.view(), false);
-        fused::add_assign(
-            &mut dp,
-            tri::dot_t_lower(dw.view(), ax.view(), false).view(),
-        );
+        tri::dot_t_lower_add(dw.view(), ax.view(), false, dp.view_mut());
         tri::mask_lower(&mut daak, false);
-        fused::add_assign(&mut dv, tri::lower_t_dot(ch.aak.view(), dz.view()).view());
+        tri::lower_t_dot_add(ch.aak.view(), dz.view(), dv.view_mut());
         let dax = self.as_stored(Stage::BwdOperands, tri::lower_t_dot(ch.p.view(), dw.view()));
         let mut daab = tri::dot_t_lower(
             tri::lower_t_dot(ch.p.view(), dp.view()).view(),
@@ -898,18 +890,20 @@ fn factored_blocks_backward<T: Scalar>(
         (k.view(), f.em.view()),
         (b.view(), f.em.view()),
     ]);
-    let (l, lt) = (
-        |x: &Array2<T>, y: &Array2<T>| tri::lower_dot(x.view(), y.view()),
-        |x: &Array2<T>, y: &Array2<T>| tri::lower_t_dot(x.view(), y.view()),
-    );
-    let sum = |mut a: Array2<T>, b: Array2<T>| {
-        fused::add_assign(&mut a, b.view());
-        a
+    // Each a sum of two products, one sum per element.
+    let sum = |first: fn(ArrayView2<T>, ArrayView2<T>) -> Array2<T>,
+               then: fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>),
+               [(a1, b1), (a2, b2)]: [(&Array2<T>, &Array2<T>); 2]| {
+        let mut s = first(a1.view(), b1.view());
+        then(a2.view(), b2.view(), s.view_mut());
+        s
     };
-    let dqa = sum(l(daqk, &kb), l(daqb, &bb));
-    let dax = sum(l(daab, &bb), l(daak, &kb));
-    let dkb = sum(lt(daqk, &qa), lt(daak, &ax));
-    let dbb = sum(lt(daqb, &qa), lt(daab, &ax));
+    let (l, l_add) = (tri::lower_dot, tri::lower_dot_add);
+    let (lt, lt_add) = (tri::lower_t_dot, tri::lower_t_dot_add);
+    let dqa = sum(l, l_add, [(daqk, &kb), (daqb, &bb)]);
+    let dax = sum(l, l_add, [(daab, &bb), (daak, &kb)]);
+    let dkb = sum(lt, lt_add, [(daqk, &qa), (daak, &ax)]);
+    let dbb = sum(lt, lt_add, [(daqb, &qa), (daab, &ax)]);
     let flats = [
         dqa.view(),
         dax.view(),

@@ -739,10 +739,7 @@ impl Chunk {
         let kd_ = self.operand(fused::zip_map(eg.view(), k, |e, k| e * k));
         // Only the lower triangle of dAkk reaches an input (Akk is lower triangular).
         let mut dakk = tri::dot_t_lower(dw.view(), kd_.view(), false);
-        fused::add_assign(
-            &mut dakk,
-            tri::dot_t_lower(du.view(), x.v.slice(rows), false).view(),
-        );
+        tri::dot_t_lower_add(du.view(), x.v.slice(rows), false, dakk.view_mut());
         tri::mask_lower(&mut dakk, true);
         let dkd = tri::lower_t_dot(ch.akk.view(), dw.view());
         let dv = tri::lower_t_dot(ch.akk.view(), du.view());
@@ -891,10 +888,8 @@ impl Chunk {
             // The ∂/∂k_s side reads C with the rounded k·β (only under that stage).
             let cc_col = self.policy.storage(Stage::KBetaBwd).map(|_| &k_col * ep);
             let mut db = tri::lower_t_dot(daqk.view(), a.view());
-            fused::add_assign(
-                &mut db,
-                tri::lower_t_dot(dp.view(), cc_col.as_ref().unwrap_or(&cc).view()).view(),
-            );
+            let cc = cc_col.as_ref().unwrap_or(&cc);
+            tri::lower_t_dot_add(dp.view(), cc.view(), db.view_mut());
             let flats = [
                 da.view(),
                 dc.view(),
