@@ -2,12 +2,13 @@
 //!
 //! Every element is one sum started from zero (or, for [`dot_add`], from the
 //! element's value in the output) and accumulated in order `p = 0, 1, …`,
-//! each term added by a fused multiply-add `s ← a·b + s` (one rounding). The order is part of this definition, not of the CPU or
-//! the blocking, and IEEE 754 defines the fused operation exactly: the
-//! vector kernels use the CPU's FMA instructions, the baseline build
-//! `mul_add` (libm's correctly rounded `fma`), so the results are the same
-//! bits on every machine, at every vector width ([`crate::simd::dispatch`])
-//! and thread count. (A BLAS kernel splits long sums into blocks and picks
+//! each term added by a fused multiply-add `s ← a·b + s` (one rounding).
+//! The order is part of this definition, not of the CPU or the blocking,
+//! and IEEE 754 defines the fused operation exactly: the vector kernels use
+//! the CPU's FMA instructions, the baseline build `mul_add` (libm's
+//! correctly rounded `fma`), so the results are the same bits on every
+//! machine, at every vector width ([`crate::simd::dispatch`]) and thread
+//! count. (A BLAS kernel splits long sums into blocks and picks
 //! FMA only where the CPU has it, so its bits depend on the machine.) FMA
 //! issues one instruction per term where a separate multiply and add issue
 //! two, which is most of these products' time.
@@ -122,8 +123,8 @@ enum Start {
 /// each sum started from `start`.
 ///
 /// # Safety
-/// `out` with `out_strides` must address `[M, N]` writable elements, all
-/// initialised with `Start::Out`.
+/// `out` with `out_strides` must address `[M, N]` writable elements,
+/// initialised ones with `Start::Out`.
 unsafe fn product<T: Scalar, const FUSED: bool>(
     a: ArrayView2<T>,
     b: ArrayView2<T>,
