@@ -841,9 +841,30 @@ mod tests {
         unsafe { mats.run_fused_at(width, a.nrows(), b.ncols()) };
     }
 
-    /// Each element goes on from its value in `out`: the bits of the
-    /// sequential sum over the joined inner dimension, at every width, into
-    /// contiguous and strided outputs, with edges and an empty sum.
+    /// `a₂ b₂` added by the kernel of `width` to `a₁ b₁`, into a contiguous
+    /// and a strided output (the transpose of a row-major block), has the
+    /// bits of the sequential sum over the joined inner dimension.
+    fn check_added<T: Scalar>(width: simd::Width, [a1, a2, b1, b2]: [&Array2<T>; 4]) {
+        let want = sequential(
+            ndarray::concatenate![ndarray::Axis(1), *a1, *a2].view(),
+            ndarray::concatenate![ndarray::Axis(0), *b1, *b2].view(),
+        );
+        let what = format!("{width:?} {:?} {:?}", a1.dim(), a2.dim());
+        let mut out = sequential(a1.view(), b1.view());
+        added_at(width, a2.view(), b2.view(), out.view_mut());
+        assert!(same_bits(&out, &want), "{what}");
+        let mut out_t = sequential(a1.view(), b1.view()).t().to_owned();
+        added_at(
+            width,
+            a2.view(),
+            b2.view(),
+            out_t.view_mut().reversed_axes(),
+        );
+        assert!(same_bits(&out_t.t().to_owned(), &want), "{what} strided");
+    }
+
+    /// Each element goes on from its value in `out`, at every width, f64
+    /// and f32, with edges and an empty sum.
     #[test]
     fn an_added_product_continues_each_sum() {
         for width in widths() {
@@ -855,31 +876,9 @@ mod tests {
             ] {
                 let (a1, a2) = (draw("a1", m, p1), draw("a2", m, p2));
                 let (b1, b2) = (draw("b1", p1, n), draw("b2", p2, n));
-                let want = sequential(
-                    ndarray::concatenate![ndarray::Axis(1), a1, a2].view(),
-                    ndarray::concatenate![ndarray::Axis(0), b1, b2].view(),
-                );
-                let mut out = sequential(a1.view(), b1.view());
-                added_at(width, a2.view(), b2.view(), out.view_mut());
-                assert!(same_bits(&out, &want), "{width:?} {m} {p1} {p2} {n}");
-                // Strided: the transpose of a row-major block.
-                let mut out_t = sequential(a1.view(), b1.view()).t().to_owned();
-                added_at(
-                    width,
-                    a2.view(),
-                    b2.view(),
-                    out_t.view_mut().reversed_axes(),
-                );
-                assert!(same_bits(&out_t.t().to_owned(), &want), "{width:?} strided");
-                let f32s = |x: &Array2<f64>| x.mapv(|v| v as f32);
-                let (a1, a2, b1, b2) = (f32s(&a1), f32s(&a2), f32s(&b1), f32s(&b2));
-                let want = sequential(
-                    ndarray::concatenate![ndarray::Axis(1), a1, a2].view(),
-                    ndarray::concatenate![ndarray::Axis(0), b1, b2].view(),
-                );
-                let mut out = sequential(a1.view(), b1.view());
-                added_at(width, a2.view(), b2.view(), out.view_mut());
-                assert!(same_bits(&out, &want), "{width:?} f32");
+                check_added(width, [&a1, &a2, &b1, &b2]);
+                let [a1, a2, b1, b2] = [a1, a2, b1, b2].map(|x| x.mapv(|v| v as f32));
+                check_added(width, [&a1, &a2, &b1, &b2]);
             }
         }
         let (a, b) = (draw("a", 6, 8), draw("b", 8, 10));
