@@ -14,12 +14,28 @@
 
 use rayon::prelude::*;
 
+/// Uniform draws summed per normal.
+const IRWIN_HALL: u64 = 12;
+
 /// SplitMix64 finaliser.
+#[inline(always)]
 pub fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// `x as f64` for `x < 2^53` (exact), in operations that vectorise at any
+/// width: each 32-bit half is placed in the mantissa of `2^52` and the
+/// power taken off (exact), and the halves' sum is an integer below `2^53`,
+/// so exact too. (`as f64` of a `u64` is one scalar conversion per element
+/// below AVX-512DQ, which kept [`Stream::normals_into`] off vectors.)
+#[inline(always)]
+fn exact_f64(x: u64) -> f64 {
+    const TWO_52: u64 = 0x4330_0000_0000_0000;
+    let half = |h: u64| f64::from_bits(TWO_52 | h) - f64::from_bits(TWO_52);
+    half(x >> 32) * (1u64 << 32) as f64 + half(x & 0xffff_ffff)
 }
 
 /// FNV-1a 64 of a name.
@@ -43,14 +59,15 @@ impl Stream {
     }
 
     /// Uniform in `[0, 1)` for element `i`, draw `j < 16`.
+    #[inline(always)]
     pub fn uniform(&self, i: u64, j: u64) -> f64 {
         let bits = mix(self.key ^ mix(i.wrapping_mul(16).wrapping_add(j)));
-        (bits >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        exact_f64(bits >> 11) * (1.0 / (1u64 << 53) as f64)
     }
 
     /// Approximately standard normal for element `i` (Irwin–Hall of 12).
     pub fn normal(&self, i: u64) -> f64 {
-        (0..12).map(|j| self.uniform(i, j)).sum::<f64>() - 6.0
+        (0..IRWIN_HALL).map(|j| self.uniform(i, j)).sum::<f64>() - 6.0
     }
 
     /// `n` normals, element order.
@@ -63,11 +80,68 @@ impl Stream {
     /// bits on any number of threads (a long case draws hundreds of
     /// millions).
     pub fn par_map(&self, n: usize, f: impl Fn(usize, f64) -> f64 + Sync) -> Vec<f64> {
-        (0..n)
-            .into_par_iter()
-            .with_min_len(1 << 14)
-            .map(|i| f(i, self.normal(i as u64)))
-            .collect()
+        const PER_TASK: usize = 1 << 14;
+        let mut out = vec![0.0; n];
+        out.par_chunks_mut(PER_TASK)
+            .enumerate()
+            .for_each(|(task, part)| {
+                let first = task * PER_TASK;
+                self.normals_into(first as u64, part);
+                for (i, x) in (first..).zip(part.iter_mut()) {
+                    *x = f(i, *x);
+                }
+            });
+        out
+    }
+
+    /// `out[k] = normal(first + k)`, with [`Stream::normal`]'s bits: a block
+    /// of elements at a time, each of the twelve draws for the whole block
+    /// before the next, so the generator's integer steps run on vectors
+    /// (the sums are the same additions in the same order; starting them at
+    /// +0 rather than `sum`'s −0 changes nothing, the draws being ≥ 0). One
+    /// thread of the Zen 4 VM: 44 ns a normal element by element, 14 ns in
+    /// blocks with AVX-512DQ (30 with AVX2).
+    fn normals_into(&self, first: u64, out: &mut [f64]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::width() == crate::simd::Width::Avx512
+            && std::arch::is_x86_feature_detected!("avx512dq")
+        {
+            // AVX-512DQ multiplies 64-bit lanes in one instruction.
+            #[target_feature(enable = "avx512f,avx512dq")]
+            unsafe fn dq(s: &Stream, first: u64, out: &mut [f64]) {
+                s.normals_block(first, out)
+            }
+            // SAFETY: the CPU has AVX-512F and AVX-512DQ (checked above).
+            return unsafe { dq(self, first, out) };
+        }
+        if crate::simd::width() == crate::simd::Width::Baseline {
+            // Without vectors the blocks only add work.
+            for (i, x) in (first..).zip(out.iter_mut()) {
+                *x = self.normal(i);
+            }
+            return;
+        }
+        crate::simd::dispatch(
+            #[inline(always)]
+            || self.normals_block(first, out),
+        )
+    }
+
+    #[inline(always)]
+    fn normals_block(&self, first: u64, out: &mut [f64]) {
+        const BLOCK: usize = 64;
+        for (b, part) in out.chunks_mut(BLOCK).enumerate() {
+            let base = first + (b * BLOCK) as u64;
+            let mut sums = [0.0; BLOCK];
+            for j in 0..IRWIN_HALL {
+                for (k, s) in (0u64..).zip(sums.iter_mut()) {
+                    *s += self.uniform(base + k, j);
+                }
+            }
+            for (x, s) in part.iter_mut().zip(sums) {
+                *x = s - 6.0;
+            }
+        }
     }
 
     /// `n` uniforms in `[lo, hi)`.
@@ -120,6 +194,47 @@ mod tests {
                 .iter()
                 .map(|x| x.to_bits())
                 .eq(one_by_one.iter().copied()));
+        }
+    }
+
+    #[test]
+    fn blocks_of_draws_are_the_element_by_element_ones() {
+        let s = Stream::new(9, "blocks");
+        // Offsets and lengths around the 64-element blocks, and elements
+        // whose index needs more than 32 bits.
+        for first in [0u64, 1, 63, 64, 1000, (1 << 32) - 5, (1 << 40) + 3] {
+            for len in [0usize, 1, 7, 63, 64, 65, 200] {
+                let want: Vec<u64> = (first..first + len as u64)
+                    .map(|i| s.normal(i).to_bits())
+                    .collect();
+                for path in ["dispatched", "block"] {
+                    let mut got = vec![f64::NAN; len];
+                    match path {
+                        "dispatched" => s.normals_into(first, &mut got),
+                        _ => s.normals_block(first, &mut got),
+                    }
+                    assert!(
+                        got.iter().map(|x| x.to_bits()).eq(want.iter().copied()),
+                        "{path}: first {first}, len {len}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exact_conversion_is_the_cast() {
+        let mut edges = vec![
+            0u64,
+            1,
+            (1 << 32) - 1,
+            1 << 32,
+            (1 << 32) + 1,
+            (1 << 53) - 1,
+        ];
+        edges.extend((0..10_000).map(|i| mix(i) >> 11));
+        for x in edges {
+            assert_eq!(exact_f64(x).to_bits(), (x as f64).to_bits(), "{x}");
         }
     }
 
