@@ -127,6 +127,8 @@ impl Stream {
         )
     }
 
+    /// [`Stream::normals_into`]'s loop, compiled at the caller's width: 64
+    /// sums of the block, draw `j` added to each before draw `j + 1`.
     #[inline(always)]
     fn normals_block(&self, first: u64, out: &mut [f64]) {
         const BLOCK: usize = 64;
