@@ -30,7 +30,7 @@ pub fn mix(mut z: u64) -> u64 {
 /// width: each 32-bit half is placed in the mantissa of `2^52` and the
 /// power taken off (exact), and the halves' sum is an integer below `2^53`,
 /// so exact too. (`as f64` of a `u64` is one scalar conversion per element
-/// below AVX-512DQ, which kept [`Stream::normals_into`] off vectors.)
+/// without AVX-512DQ, which kept [`Stream::normals_into`] off vectors.)
 #[inline(always)]
 fn exact_f64(x: u64) -> f64 {
     const TWO_52: u64 = 0x4330_0000_0000_0000;
@@ -102,18 +102,6 @@ impl Stream {
     /// thread of the Zen 4 VM: 44 ns a normal element by element, 14 ns in
     /// blocks with AVX-512DQ (30 with AVX2).
     fn normals_into(&self, first: u64, out: &mut [f64]) {
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::width() == crate::simd::Width::Avx512
-            && std::arch::is_x86_feature_detected!("avx512dq")
-        {
-            // AVX-512DQ multiplies 64-bit lanes in one instruction.
-            #[target_feature(enable = "avx512f,avx512dq")]
-            unsafe fn dq(s: &Stream, first: u64, out: &mut [f64]) {
-                s.normals_block(first, out)
-            }
-            // SAFETY: the CPU has AVX-512F and AVX-512DQ (checked above).
-            return unsafe { dq(self, first, out) };
-        }
         if crate::simd::width() == crate::simd::Width::Baseline {
             // Without vectors the blocks only add work.
             for (i, x) in (first..).zip(out.iter_mut()) {
@@ -199,6 +187,9 @@ mod tests {
         }
     }
 
+    /// `out[k] = normal(first + k)` by one of the paths.
+    type Draw = fn(&Stream, u64, &mut [f64]);
+
     #[test]
     fn blocks_of_draws_are_the_element_by_element_ones() {
         let s = Stream::new(9, "blocks");
@@ -209,12 +200,12 @@ mod tests {
                 let want: Vec<u64> = (first..first + len as u64)
                     .map(|i| s.normal(i).to_bits())
                     .collect();
-                for path in ["dispatched", "block"] {
+                for (path, draw) in [
+                    ("dispatched", Stream::normals_into as Draw),
+                    ("block", Stream::normals_block),
+                ] {
                     let mut got = vec![f64::NAN; len];
-                    match path {
-                        "dispatched" => s.normals_into(first, &mut got),
-                        _ => s.normals_block(first, &mut got),
-                    }
+                    draw(&s, first, &mut got);
                     assert!(
                         got.iter().map(|x| x.to_bits()).eq(want.iter().copied()),
                         "{path}: first {first}, len {len}"

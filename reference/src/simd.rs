@@ -49,7 +49,11 @@ pub fn width() -> Width {
         #[cfg(target_arch = "x86_64")]
         {
             let fma = std::arch::is_x86_feature_detected!("fma");
-            if !set("DELTAREF_NO_AVX512") && fma && std::arch::is_x86_feature_detected!("avx512f") {
+            // DQ (64-bit integer multiplies and conversions on vectors) is on
+            // every AVX-512 CPU but the Xeon Phi; the random draws need it.
+            let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512dq");
+            if !set("DELTAREF_NO_AVX512") && fma && avx512 {
                 return Width::Avx512;
             }
             if fma && std::arch::is_x86_feature_detected!("avx2") {
@@ -66,11 +70,12 @@ pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     match width() {
         Width::Avx512 => {
-            #[target_feature(enable = "avx512f,fma")]
+            #[target_feature(enable = "avx512f,avx512dq,fma")]
             unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
                 f()
             }
-            // SAFETY: the CPU supports AVX-512F and FMA (checked by `width`).
+            // SAFETY: the CPU supports AVX-512F, AVX-512DQ and FMA (checked by
+            // `width`).
             return unsafe { avx512(f) };
         }
         Width::Avx2 => {
