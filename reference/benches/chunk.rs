@@ -10,15 +10,18 @@
 
 mod common;
 
-use common::best_of;
-
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
 use deltaref::op;
 use deltaref::ops::{self, OpCount};
+use deltaref::timing::Quartiles;
 
-const REPS: usize = 5;
+/// Rounds per shape: at least `MIN_ROUNDS`, then more while the shape's
+/// rounds have taken less than `ROUND_BUDGET_S`, at most `MAX_ROUNDS`.
+const MIN_ROUNDS: usize = 5;
+const MAX_ROUNDS: usize = 25;
+const ROUND_BUDGET_S: f64 = 4.0;
 const CHUNK_SIZES: [usize; 3] = [16, 32, 64];
 
 fn main() {
@@ -27,7 +30,8 @@ fn main() {
     // `cargo bench` passes `--bench`; a number picks one K=V.
     let only: Option<usize> = std::env::args().skip(1).find_map(|a| a.parse().ok());
     println!(
-        "forward+backward, f64, B=1, {} rayon threads, best of {REPS}",
+        "forward+backward, f64, B=1, {} rayon threads; per shape every engine once per round \
+         ({MIN_ROUNDS} to {MAX_ROUNDS} rounds, ~{ROUND_BUDGET_S} s), after one untimed round",
         rayon::current_num_threads()
     );
     // The peak is sampled before every shape and once at the end, the best
@@ -48,26 +52,39 @@ fn main() {
         "peak: {peak:.1} GFLOP/s ({}), the best of the samples",
         ops::peak_description()
     );
+    println!(
+        "{:<39} {:>9} {:>9} {:>13} {:>6}  ÷ naive: median (quartiles) of the rounds",
+        "", "best ms", "median ms", "GFLOP/s best", "% peak",
+    );
     for r in rows {
         println!("{}", r.line(peak));
     }
 }
 
-/// One timed run: `T=… H=… K=V=… op  name` and its time and op count.
+/// One engine's rounds: `T=… H=… K=V=… op  name`, its best and median time,
+/// its op count, and its time over its operator's naive engine in the same
+/// round (`None` for naive itself).
 struct Row {
     label: String,
-    secs: f64,
+    best: f64,
+    median: f64,
     ops: f64,
+    vs_naive: Option<Quartiles>,
 }
 
 impl Row {
-    /// `label  time  GFLOP/s  % of peak`.
+    /// `label  best  median  GFLOP/s  % of peak  ÷ naive`, the GFLOP/s from
+    /// the best time (the peak is the best of its samples too).
     fn line(&self, peak: f64) -> String {
-        let g = self.ops / self.secs / 1e9;
+        let g = self.ops / self.best / 1e9;
+        let ratio = self.vs_naive.map_or(String::new(), |q| {
+            format!("{:.3} ({:.3}–{:.3})", q.median, q.low, q.high)
+        });
         format!(
-            "{} {:7.2} ms {g:5.1} GFLOP/s {:4.0}%",
+            "{} {:9.2} {:9.2} {g:13.1} {:5.0}%  {ratio}",
             self.label,
-            self.secs * 1e3,
+            self.best * 1e3,
+            self.median * 1e3,
             100.0 * g / peak
         )
     }
@@ -83,15 +100,17 @@ fn chunk_ops(t: usize, h: usize, c: usize, chunk: OpCount) -> f64 {
     chunk.total() * (t / c) as f64 * h as f64
 }
 
+/// A timed engine: what its row says, its op count, the index of its
+/// operator's naive job, and one forward+backward run.
+struct Job<'a> {
+    op: &'static str,
+    name: String,
+    ops: f64,
+    naive: usize,
+    run: Box<dyn Fn() + 'a>,
+}
+
 fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
-    let mut rows = Vec::new();
-    let mut row = |op: &str, name: String, secs: f64, ops: f64| {
-        rows.push(Row {
-            label: format!("T={t:<5} H={h} K=V={kd:<4} {op:<5} {name:<12}"),
-            secs,
-            ops,
-        })
-    };
     let opts = KdaOptions {
         output_final_state: true,
         ..Default::default()
@@ -107,25 +126,6 @@ fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
         scalar_gate: false,
         seed: 0,
     });
-    let run = |e: &dyn Fn()| best_of(REPS, e);
-    let naive = run(&|| {
-        op::forward_backward(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))
-            .expect("valid");
-    });
-    row(
-        "kda",
-        "naive".into(),
-        naive,
-        naive_ops(t, h, ops::kda_naive(kd, kd)),
-    );
-    for c in CHUNK_SIZES {
-        let engine = kda::chunk::Chunk::new(c).expect("valid");
-        let secs = run(&|| {
-            op::forward_backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
-        });
-        let n = chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd));
-        row("kda", format!("chunk(C={c})"), secs, n);
-    }
     let d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
@@ -138,23 +138,65 @@ fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
         output_final_state: true,
         ..Default::default()
     };
-    let naive = run(&|| {
-        op::forward_backward(&dplr::naive::Naive, &d.inputs, &dopts, &d.d_o, Some(&d.dht))
-            .expect("valid");
+    // The jobs borrow the inputs; the chunked ones own their engine.
+    let (g, d, dopts) = (&g, &d, &dopts);
+    let mut jobs: Vec<Job> = vec![Job {
+        op: "kda",
+        name: "naive".into(),
+        ops: naive_ops(t, h, ops::kda_naive(kd, kd)),
+        naive: 0,
+        run: Box::new(|| {
+            op::forward_backward(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))
+                .expect("valid");
+        }),
+    }];
+    for c in CHUNK_SIZES {
+        let engine = kda::chunk::Chunk::new(c).expect("valid");
+        jobs.push(Job {
+            op: "kda",
+            name: format!("chunk(C={c})"),
+            ops: chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd)),
+            naive: 0,
+            run: Box::new(move || {
+                op::forward_backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht))
+                    .expect("valid");
+            }),
+        });
+    }
+    let dplr_naive = jobs.len();
+    jobs.push(Job {
+        op: "dplr",
+        name: "naive".into(),
+        ops: naive_ops(t, h, ops::dplr_naive(kd, kd)),
+        naive: dplr_naive,
+        run: Box::new(|| {
+            op::forward_backward(&dplr::naive::Naive, &d.inputs, dopts, &d.d_o, Some(&d.dht))
+                .expect("valid");
+        }),
     });
-    row(
-        "dplr",
-        "naive".into(),
-        naive,
-        naive_ops(t, h, ops::dplr_naive(kd, kd)),
-    );
     for c in CHUNK_SIZES {
         let engine = dplr::chunk::Chunk::new(c).expect("valid");
-        let secs = run(&|| {
-            op::forward_backward(&engine, &d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+        jobs.push(Job {
+            op: "dplr",
+            name: format!("chunk(C={c})"),
+            ops: chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd)),
+            naive: dplr_naive,
+            run: Box::new(move || {
+                op::forward_backward(&engine, &d.inputs, dopts, &d.d_o, Some(&d.dht))
+                    .expect("valid");
+            }),
         });
-        let n = chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd));
-        row("dplr", format!("chunk(C={c})"), secs, n);
     }
-    rows
+    let runs: Vec<&dyn Fn()> = jobs.iter().map(|j| &*j.run).collect();
+    let rounds = common::rounds(&runs, MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S);
+    jobs.iter()
+        .enumerate()
+        .map(|(i, j)| Row {
+            label: format!("T={t:<5} H={h} K=V={kd:<4} {:<5} {:<12}", j.op, j.name),
+            best: rounds.best(i).expect("rounds ran"),
+            median: rounds.quartiles(i).expect("rounds ran").median,
+            ops: j.ops,
+            vs_naive: (i != j.naive).then(|| rounds.ratio(i, j.naive).expect("rounds ran")),
+        })
+        .collect()
 }

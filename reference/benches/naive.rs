@@ -5,8 +5,6 @@
 
 mod common;
 
-use common::best_of;
-
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
@@ -16,7 +14,7 @@ fn main() {
     let (t, h, kd, vd) = (1024, 4, 64, 64);
     let threads = rayon::current_num_threads();
     println!(
-        "naive forward+backward, f64, B=1 T={t} H={h} K=V={kd}, {threads} rayon threads, mimalloc"
+        "naive forward+backward, f64, B=1 T={t} H={h} K=V={kd}, {threads} rayon threads, mimalloc, best of 5 to 25 interleaved rounds"
     );
 
     let opts = KdaOptions {
@@ -35,22 +33,18 @@ fn main() {
         seed: 0,
     };
     let g = inputs::kda(&spec);
-    let kda_s = best_of(5, || {
-        kda::naive::forward(&g.inputs, &opts).expect("valid");
-        kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
-    });
-    println!(
-        "kda  naive fwd+bwd: {:8.4} s   (FLA torch naive ~2.2 s; target < 0.05 s)",
-        kda_s
-    );
-    let fwd = best_of(5, || {
-        kda::naive::forward(&g.inputs, &opts).expect("valid");
-    });
-    let bwd = best_of(5, || {
-        kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
-    });
-    println!("     forward {fwd:8.4} s, backward {bwd:8.4} s");
-
+    let kda: [&dyn Fn(); 3] = [
+        &|| {
+            kda::naive::forward(&g.inputs, &opts).expect("valid");
+            kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+        },
+        &|| {
+            kda::naive::forward(&g.inputs, &opts).expect("valid");
+        },
+        &|| {
+            kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+        },
+    ];
     let d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
@@ -63,19 +57,30 @@ fn main() {
         output_final_state: true,
         ..Default::default()
     };
-    let dplr_s = best_of(5, || {
-        dplr::naive::forward(&d.inputs, &dopts).expect("valid");
-        dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
-    });
-    println!(
-        "dplr naive fwd+bwd: {:8.4} s   (FLA torch naive ~3.3 s; target < 0.05 s)",
-        dplr_s
-    );
-    let fwd = best_of(5, || {
-        dplr::naive::forward(&d.inputs, &dopts).expect("valid");
-    });
-    let bwd = best_of(5, || {
-        dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
-    });
-    println!("     forward {fwd:8.4} s, backward {bwd:8.4} s");
+    let dplr: [&dyn Fn(); 3] = [
+        &|| {
+            dplr::naive::forward(&d.inputs, &dopts).expect("valid");
+            dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+        },
+        &|| {
+            dplr::naive::forward(&d.inputs, &dopts).expect("valid");
+        },
+        &|| {
+            dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+        },
+    ];
+    let jobs: Vec<&dyn Fn()> = kda.into_iter().chain(dplr).collect();
+    let rounds = common::rounds(&jobs, 5, 25, 3.0);
+    let best = |i| rounds.best(i).expect("rounds ran");
+    for (i, (op, fla)) in [("kda ", 2.2), ("dplr", 3.3)].into_iter().enumerate() {
+        println!(
+            "{op} naive fwd+bwd: {:8.4} s   (FLA torch naive ~{fla} s; target < 0.05 s)",
+            best(3 * i)
+        );
+        println!(
+            "     forward {:8.4} s, backward {:8.4} s",
+            best(3 * i + 1),
+            best(3 * i + 2)
+        );
+    }
 }

@@ -29,6 +29,7 @@ pub mod simd;
 pub mod stagger;
 pub mod sweep;
 pub mod tensor;
+pub mod timing;
 pub mod token_shift;
 pub mod tri;
 pub mod varlen;

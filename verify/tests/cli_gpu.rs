@@ -167,7 +167,7 @@ fn bench_times_implementations_with_their_errors() {
         "--impls",
         "naive,chunk,cp",
         "--reps",
-        "1",
+        "2",
         "--json",
     ]);
     assert_eq!(rc, 0, "{err}");
@@ -176,8 +176,17 @@ fn bench_times_implementations_with_their_errors() {
     assert_eq!(rows.len(), 3);
     let peak = json["peak_gflops"].as_f64().expect("a measured peak");
     assert!(peak > 0.0, "{json}");
-    for r in rows {
-        assert!(r["total_s"].as_f64().expect("seconds") > 0.0);
+    for (i, r) in rows.iter().enumerate() {
+        let best = r["total_s"].as_f64().expect("seconds");
+        assert!(best > 0.0 && r["median_s"].as_f64().expect("seconds") >= best);
+        // Each row against the first in the same rounds: none for the first.
+        let ratio = &r["ratio_to_first"];
+        if i == 0 {
+            assert!(ratio.is_null(), "{r}");
+        } else {
+            let q = ["low", "median", "high"].map(|k| ratio[k].as_f64().expect("quartile"));
+            assert!(0.0 < q[0] && q[0] <= q[1] && q[1] <= q[2], "{r}");
+        }
         // GFLOP/s for the CPU engines; none for CP (no op count).
         let cp = r["imp"].as_str().expect("name").starts_with("cp");
         assert_eq!(r["gflops"].as_f64().is_some(), !cp, "{r}");

@@ -1,6 +1,9 @@
 //! Timing helper shared by the benchmarks.
 
+use std::convert::Infallible;
 use std::time::Instant;
+
+use deltaref::timing::{self, Rounds};
 
 // The `deltaref` binary's allocator (see verify/src/main.rs): with glibc's,
 // page faults on the per-call buffers dominate the timings.
@@ -26,13 +29,17 @@ pub fn tune_allocator() {
     }
 }
 
-/// Best wall time of `reps` runs, in seconds.
-pub fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
+/// `jobs` in interleaved rounds after one untimed round (the first runs'
+/// page faults and cold caches): at least `min` rounds, then more while
+/// they have taken less than `budget_s` seconds, at most `max`.
+pub fn rounds(jobs: &[&dyn Fn()], min: usize, max: usize, budget_s: f64) -> Rounds {
+    jobs.iter().for_each(|j| j());
+    let mut rounds = Rounds::new(jobs.len());
+    let start = Instant::now();
+    while rounds.len() < min || (rounds.len() < max && start.elapsed().as_secs_f64() < budget_s) {
+        rounds
+            .run(|i| Ok::<_, Infallible>(timing::seconds(jobs[i])))
+            .unwrap_or_else(|e| match e {});
+    }
+    rounds
 }

@@ -12,6 +12,7 @@ use std::time::Instant;
 use clap::Args as ClapArgs;
 use deltaref::gates::Gate;
 use deltaref::ops;
+use deltaref::timing::{Quartiles, Rounds};
 use deltaref_gpu::Timings;
 use deltaref_verify::case::{Case, CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
@@ -36,7 +37,10 @@ pub struct Args {
     /// CP world size for cp and gpu-cp.
     #[arg(long, default_value_t = 2)]
     pub world: usize,
-    /// Runs per implementation (1 to 1000); the best time is reported.
+    /// Rounds (1 to 1000), each running every implementation once, so that
+    /// a busy spell of a shared machine falls on all of them alike; the best
+    /// and median times are reported, and each row's time over the first
+    /// implementation's in the same round.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
     /// Print JSON.
@@ -52,6 +56,11 @@ struct Row {
     imp: String,
     /// Best wall time of forward+backward, seconds.
     total_s: f64,
+    /// Median wall time over the rounds, seconds.
+    median_s: f64,
+    /// Quartiles over the rounds of this row's time over the first row's
+    /// in the same round (`None` for the first row).
+    ratio_to_first: Option<Ratio>,
     /// GPU device time of the forward and backward phases (best run).
     forward_s: Option<f64>,
     backward_s: Option<f64>,
@@ -68,6 +77,24 @@ struct Row {
     peak_fraction: Option<f64>,
     worst_norm_ratio: f64,
     worst_tensor: String,
+}
+
+/// [`Quartiles`] of a ratio, as JSON.
+#[derive(Debug, Serialize, Clone, Copy)]
+struct Ratio {
+    low: f64,
+    median: f64,
+    high: f64,
+}
+
+impl From<Quartiles> for Ratio {
+    fn from(q: Quartiles) -> Self {
+        Ratio {
+            low: q.low,
+            median: q.median,
+            high: q.high,
+        }
+    }
 }
 
 /// Seconds the mul+add peak microbenchmark runs for.
@@ -142,30 +169,13 @@ fn worst(truth: &Tensors, got: &Tensors) -> (f64, String) {
         })
 }
 
-/// The best of `reps` runs: wall seconds, the GPU phases, the results.
-struct Timed {
+/// An implementation's fastest run so far: wall seconds, the GPU phases,
+/// and its worst error against the truth (scored when it became the fastest,
+/// so no run's results outlive the next run).
+struct Best {
     wall_s: f64,
     phases: Option<Timings>,
-    results: Tensors,
-}
-
-fn time(imp: &Impl, case: &Case, path: &std::path::Path, reps: usize) -> Result<Timed, CaseError> {
-    let mut best: Option<Timed> = None;
-    for _ in 0..reps {
-        let t = Instant::now();
-        let (results, phases) = imp
-            .timed_compute(case, Compute::F64)
-            .map_err(CaseError::computing(path))?;
-        let wall_s = t.elapsed().as_secs_f64();
-        if best.as_ref().is_none_or(|b| wall_s < b.wall_s) {
-            best = Some(Timed {
-                wall_s,
-                phases,
-                results,
-            });
-        }
-    }
-    Ok(best.expect("at least one run"))
+    worst: (f64, String),
 }
 
 /// The rows, and the measured peak GFLOP/s when a row has an op count.
@@ -190,54 +200,90 @@ fn go(a: &Args) -> Result<(Vec<Row>, Option<f64>), CaseError> {
             v
         }
     };
+    let imps = names
+        .into_iter()
+        .map(|name| {
+            let args = ImplArgs {
+                imp: name,
+                chunk_size: None,
+                world: name.is_cp().then_some(a.world),
+                layout: None,
+                cuts: None,
+                cp_engine: None,
+                compute: None,
+                precision: None,
+                gpu_dtype: None,
+            };
+            let (imp, _) = args.resolve(&case)?;
+            imp.check_memory(&case)?;
+            Ok(imp)
+        })
+        .collect::<Result<Vec<Impl>, CaseError>>()?;
     let truth = oracle_truth(&case, &path)?;
-    let mut rows = vec![];
+    let counts: Vec<Option<f64>> = imps.iter().map(|imp| op_count(imp, &case)).collect();
+    let counted = counts.iter().flatten().count();
+    let mut best: Vec<Option<Best>> = imps.iter().map(|_| None).collect();
+    let mut rounds = Rounds::new(imps.len());
     let mut peak = None;
-    let progress = Progress::bar(names.len() as u64, "bench");
-    for name in names {
-        progress.step(&format!("bench {name}"));
-        let args = ImplArgs {
-            imp: name,
-            chunk_size: None,
-            world: name.is_cp().then_some(a.world),
-            layout: None,
-            cuts: None,
-            cp_engine: None,
-            compute: None,
-            precision: None,
-            gpu_dtype: None,
-        };
-        let (imp, _) = args.resolve(&case)?;
-        imp.check_memory(&case)?;
-        let t = time(&imp, &case, &path, a.reps)?;
-        progress.inc();
-        let (worst_norm_ratio, worst_tensor) = worst(&truth, &t.results);
-        let gflops = op_count(&imp, &case).map(|n| n / t.wall_s / 1e9);
-        if gflops.is_some() {
-            // Sampled after every counted row, the best kept: a peak taken
-            // once, while a shared machine is busy, would flatter every
-            // row's fraction.
+    let progress = Progress::bar((a.reps * imps.len()) as u64, "bench");
+    while rounds.len() < a.reps {
+        let round = rounds.len() + 1;
+        rounds.run(|i| {
+            let imp = &imps[i];
+            progress.step(&format!("bench {} (round {})", imp.name(), round));
+            let t = Instant::now();
+            let (results, phases) = imp
+                .timed_compute(&case, Compute::F64)
+                .map_err(CaseError::computing(&path))?;
+            let wall_s = t.elapsed().as_secs_f64();
+            progress.inc();
+            if best[i].as_ref().is_none_or(|b| wall_s < b.wall_s) {
+                best[i] = Some(Best {
+                    wall_s,
+                    phases,
+                    worst: worst(&truth, &results),
+                });
+            }
+            Ok::<_, CaseError>(wall_s)
+        })?;
+        if rounds.len() <= counted {
+            // As many samples as counted rows, between rounds, the best
+            // kept: a peak taken once, while a shared machine is busy, would
+            // flatter every row's fraction.
             let p = ops::peak_gflops(PEAK_SECONDS);
             peak = Some(peak.map_or(p, |q: f64| q.max(p)));
         }
-        rows.push(Row {
-            imp: imp.name(),
-            total_s: t.wall_s,
-            forward_s: t.phases.map(|p| p.forward_s),
-            backward_s: t.phases.map(|p| p.backward_s),
-            upload_s: t.phases.map(|p| p.upload_s),
-            check_s: t.phases.map(|p| p.check_s),
-            download_s: t.phases.map(|p| p.download_s),
-            compile_s: t.phases.map(|p| p.compile_s),
-            gflops,
-            peak_fraction: None,
-            worst_norm_ratio,
-            worst_tensor,
-        });
     }
-    for r in &mut rows {
-        r.peak_fraction = r.gflops.zip(peak).map(|(g, p)| g / p);
-    }
+    let rows = imps
+        .iter()
+        .zip(best)
+        .zip(counts)
+        .enumerate()
+        .map(|(i, ((imp, b), count))| {
+            let Best {
+                wall_s,
+                phases,
+                worst: (worst_norm_ratio, worst_tensor),
+            } = b.expect("at least one round");
+            let gflops = count.map(|n| n / wall_s / 1e9);
+            Row {
+                imp: imp.name(),
+                total_s: wall_s,
+                median_s: rounds.quartiles(i).expect("rounds ran").median,
+                ratio_to_first: (i > 0).then(|| rounds.ratio(i, 0).expect("rounds ran").into()),
+                forward_s: phases.map(|p| p.forward_s),
+                backward_s: phases.map(|p| p.backward_s),
+                upload_s: phases.map(|p| p.upload_s),
+                check_s: phases.map(|p| p.check_s),
+                download_s: phases.map(|p| p.download_s),
+                compile_s: phases.map(|p| p.compile_s),
+                gflops,
+                peak_fraction: gflops.zip(peak).map(|(g, p)| g / p),
+                worst_norm_ratio,
+                worst_tensor,
+            }
+        })
+        .collect();
     Ok((rows, peak))
 }
 
@@ -246,9 +292,11 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
     let opt =
         |x: Option<f64>, scale: f64| x.map_or("-".to_string(), |x| format!("{:.1}", x * scale));
     let mut out = format!(
-        "{:<34} {:>12} {:>12} {:>12} {:>8} {:>7}  {:>11} {}\n",
+        "{:<34} {:>12} {:>10} {:>19} {:>12} {:>12} {:>8} {:>7}  {:>11} {}\n",
         "impl",
         "fwd+bwd ms",
+        "median ms",
+        "÷ first (quartiles)",
         "fwd dev ms",
         "bwd dev ms",
         "GFLOP/s",
@@ -258,9 +306,14 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
     );
     for r in rows {
         out += &format!(
-            "{:<34} {:>12.3} {:>12} {:>12} {:>8} {:>7}  {:>11.3e} ({})\n",
+            "{:<34} {:>12.3} {:>10.3} {:>19} {:>12} {:>12} {:>8} {:>7}  {:>11.3e} ({})\n",
             r.imp,
             r.total_s * 1e3,
+            r.median_s * 1e3,
+            r.ratio_to_first.map_or("-".to_string(), |q| format!(
+                "{:.3} ({:.2}–{:.2})",
+                q.median, q.low, q.high
+            )),
             ms(r.forward_s),
             ms(r.backward_s),
             opt(r.gflops, 1.0),
@@ -295,7 +348,7 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
             );
         }
     }
-    out.push_str("fwd+bwd: best wall time of a whole run (uploads and pre-processing included); dev: GPU stream time of each phase");
+    out.push_str("fwd+bwd: best wall time of a whole run (uploads and pre-processing included) over the rounds, each running every implementation once; ÷ first: this row's time over the first row's in the same round; dev: GPU stream time of each phase (best run)");
     if let Some(p) = peak {
         out += &format!(
             "\nGFLOP/s: mul+add ops counted as in README's Benchmarks section; peak: {p:.1} GFLOP/s measured ({})",
