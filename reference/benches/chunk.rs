@@ -17,11 +17,8 @@ use deltaref::op;
 use deltaref::ops::{self, OpCount};
 use deltaref::timing::Quartiles;
 
-/// Rounds per shape: at least `MIN_ROUNDS`, then more while the shape's
-/// rounds have taken less than `ROUND_BUDGET_S`, at most `MAX_ROUNDS`.
-const MIN_ROUNDS: usize = 5;
-const MAX_ROUNDS: usize = 25;
-const ROUND_BUDGET_S: f64 = 4.0;
+use common::{MAX_ROUNDS, MIN_ROUNDS, ROUND_BUDGET_S};
+
 const CHUNK_SIZES: [usize; 3] = [16, 32, 64];
 
 fn main() {
@@ -188,7 +185,7 @@ fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
         });
     }
     let runs: Vec<&dyn Fn()> = jobs.iter().map(|j| &*j.run).collect();
-    let rounds = common::rounds(&runs, MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S);
+    let rounds = common::rounds(&runs);
     jobs.iter()
         .enumerate()
         .map(|(i, j)| Row {

@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::{MAX_ROUNDS, MIN_ROUNDS, ROUND_BUDGET_S};
+
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
@@ -14,7 +16,8 @@ fn main() {
     let (t, h, kd, vd) = (1024, 4, 64, 64);
     let threads = rayon::current_num_threads();
     println!(
-        "naive forward+backward, f64, B=1 T={t} H={h} K=V={kd}, {threads} rayon threads, mimalloc, best of 5 to 25 interleaved rounds"
+        "naive forward+backward, f64, B=1 T={t} H={h} K=V={kd}, {threads} rayon threads, mimalloc, \
+         best of {MIN_ROUNDS} to {MAX_ROUNDS} interleaved rounds (~{ROUND_BUDGET_S} s)"
     );
 
     let opts = KdaOptions {
@@ -70,7 +73,7 @@ fn main() {
         },
     ];
     let jobs: Vec<&dyn Fn()> = kda.into_iter().chain(dplr).collect();
-    let rounds = common::rounds(&jobs, 5, 25, 3.0);
+    let rounds = common::rounds(&jobs);
     let best = |i| rounds.best(i).expect("rounds ran");
     for (i, (op, fla)) in [("kda ", 2.2), ("dplr", 3.3)].into_iter().enumerate() {
         println!(

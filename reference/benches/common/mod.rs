@@ -29,14 +29,22 @@ pub fn tune_allocator() {
     }
 }
 
+/// Rounds per timing: at least `MIN_ROUNDS`, then more while they have
+/// taken less than `ROUND_BUDGET_S`, at most `MAX_ROUNDS`.
+pub const MIN_ROUNDS: usize = 5;
+pub const MAX_ROUNDS: usize = 25;
+pub const ROUND_BUDGET_S: f64 = 4.0;
+
 /// `jobs` in interleaved rounds after one untimed round (the first runs'
-/// page faults and cold caches): at least `min` rounds, then more while
-/// they have taken less than `budget_s` seconds, at most `max`.
-pub fn rounds(jobs: &[&dyn Fn()], min: usize, max: usize, budget_s: f64) -> Rounds {
+/// page faults and cold caches), as many as [`MIN_ROUNDS`],
+/// [`MAX_ROUNDS`] and [`ROUND_BUDGET_S`] say.
+pub fn rounds(jobs: &[&dyn Fn()]) -> Rounds {
     jobs.iter().for_each(|j| j());
     let mut rounds = Rounds::new(jobs.len());
     let start = Instant::now();
-    while rounds.len() < min || (rounds.len() < max && start.elapsed().as_secs_f64() < budget_s) {
+    while rounds.len() < MIN_ROUNDS
+        || (rounds.len() < MAX_ROUNDS && start.elapsed().as_secs_f64() < ROUND_BUDGET_S)
+    {
         rounds
             .run(|i| Ok::<_, Infallible>(timing::seconds(jobs[i])))
             .unwrap_or_else(|e| match e {});
