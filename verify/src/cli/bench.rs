@@ -292,7 +292,7 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
     let opt =
         |x: Option<f64>, scale: f64| x.map_or("-".to_string(), |x| format!("{:.1}", x * scale));
     let mut out = format!(
-        "{:<34} {:>12} {:>10} {:>19} {:>12} {:>12} {:>8} {:>7}  {:>11} {}\n",
+        "{:<34} {:>12} {:>10} {:>21} {:>12} {:>12} {:>8} {:>7}  {:>11} {}\n",
         "impl",
         "fwd+bwd ms",
         "median ms",
@@ -306,12 +306,12 @@ fn table(rows: &[Row], peak: Option<f64>) -> String {
     );
     for r in rows {
         out += &format!(
-            "{:<34} {:>12.3} {:>10.3} {:>19} {:>12} {:>12} {:>8} {:>7}  {:>11.3e} ({})\n",
+            "{:<34} {:>12.3} {:>10.3} {:>21} {:>12} {:>12} {:>8} {:>7}  {:>11.3e} ({})\n",
             r.imp,
             r.total_s * 1e3,
             r.median_s * 1e3,
             r.ratio_to_first.map_or("-".to_string(), |q| format!(
-                "{:.3} ({:.2}–{:.2})",
+                "{:.3} ({:.3}–{:.3})",
                 q.median, q.low, q.high
             )),
             ms(r.forward_s),
