@@ -154,20 +154,21 @@ mod tests {
 
     #[test]
     fn ratios_are_taken_within_a_round() {
-        // Job 1 takes twice job 0's time in every round but the last, which
-        // a slow spell hit during job 0: the ratio's median is 2, while the
-        // medians' ratio would be 3 / 1.5.
+        // Job 1 takes twice job 0's time in every round but the last, in
+        // which a slow spell hit job 0: the ratio's median is 2, while the
+        // ratio of the medians would be 3 / 2.
         let rounds = Rounds {
-            times: vec![vec![1.0, 1.5, 5.0], vec![2.0, 3.0, 3.0]],
+            times: vec![vec![1.0, 2.0, 10.0], vec![2.0, 4.0, 3.0]],
         };
         let r = rounds.ratio(1, 0).unwrap();
         assert_eq!((r.low, r.median, r.high), (2.0, 2.0, 2.0));
-        assert_eq!(rounds.quartiles(0).unwrap().median, 1.5);
+        assert_eq!(rounds.quartiles(0).unwrap().median, 2.0);
         assert_eq!(rounds.quartiles(1).unwrap().median, 3.0);
         let r = rounds.ratio(0, 1).unwrap();
         assert_eq!((r.low, r.median), (0.5, 0.5));
-        assert!((r.high - 5.0 / 3.0).abs() < 1e-15);
+        assert!((r.high - 10.0 / 3.0).abs() < 1e-15);
         assert_eq!(rounds.best(0), Some(1.0));
+        assert_eq!(rounds.best(1), Some(2.0));
     }
 
     #[test]
