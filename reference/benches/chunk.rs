@@ -10,12 +10,13 @@
 
 mod common;
 
-use deltaref::dplr::{self, DplrOptions};
+use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
-use deltaref::kda::{self, KdaOptions};
-use deltaref::op;
+use deltaref::kda::{self, Kda, KdaOptions};
+use deltaref::op::{self, Engine, Operator};
 use deltaref::ops::{self, OpCount};
 use deltaref::timing::Quartiles;
+use ndarray::ArrayD;
 
 use common::{MAX_ROUNDS, MIN_ROUNDS, ROUND_BUDGET_S};
 
@@ -107,6 +108,63 @@ struct Job<'a> {
     run: Box<dyn Fn() + 'a>,
 }
 
+/// One operator's inputs, options and upstream gradients, as its jobs
+/// borrow them.
+struct Case<'a, O: Operator<f64>> {
+    x: &'a O::Inputs,
+    opts: &'a O::Options,
+    d_o: &'a ArrayD<f64>,
+    dht: &'a ArrayD<f64>,
+}
+
+impl<O: Operator<f64>> Clone for Case<'_, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<O: Operator<f64>> Copy for Case<'_, O> {}
+
+/// One forward+backward run of `engine` on `case`.
+fn run<'a, E: Engine<f64> + 'a>(engine: E, case: Case<'a, E::Op>) -> Box<dyn Fn() + 'a> {
+    Box::new(move || {
+        op::forward_backward(&engine, case.x, case.opts, case.d_o, Some(case.dht)).expect("valid");
+    })
+}
+
+/// Appends an operator's jobs on `case`: its naive engine and op count,
+/// then its chunked engine at each of [`CHUNK_SIZES`] (`chunk(c)`: the
+/// engine and its op count).
+fn push_op<'a, N, C>(
+    jobs: &mut Vec<Job<'a>>,
+    op: &'static str,
+    case: Case<'a, N::Op>,
+    (naive, naive_ops): (N, f64),
+    chunk: impl Fn(usize) -> (C, f64),
+) where
+    N: Engine<f64> + 'a,
+    C: Engine<f64, Op = N::Op> + 'a,
+{
+    let first = jobs.len();
+    jobs.push(Job {
+        op,
+        name: "naive".into(),
+        ops: naive_ops,
+        naive: first,
+        run: run(naive, case),
+    });
+    for c in CHUNK_SIZES {
+        let (engine, ops) = chunk(c);
+        jobs.push(Job {
+            op,
+            name: format!("chunk(C={c})"),
+            ops,
+            naive: first,
+            run: run(engine, case),
+        });
+    }
+}
+
 fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
     let opts = KdaOptions {
         output_final_state: true,
@@ -135,55 +193,37 @@ fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
         output_final_state: true,
         ..Default::default()
     };
-    // The jobs borrow the inputs; the chunked ones own their engine.
-    let (g, d, dopts) = (&g, &d, &dopts);
-    let mut jobs: Vec<Job> = vec![Job {
-        op: "kda",
-        name: "naive".into(),
-        ops: naive_ops(t, h, ops::kda_naive(kd, kd)),
-        naive: 0,
-        run: Box::new(|| {
-            op::forward_backward(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht))
-                .expect("valid");
-        }),
-    }];
-    for c in CHUNK_SIZES {
-        let engine = kda::chunk::Chunk::new(c).expect("valid");
-        jobs.push(Job {
-            op: "kda",
-            name: format!("chunk(C={c})"),
-            ops: chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd)),
-            naive: 0,
-            run: Box::new(move || {
-                op::forward_backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht))
-                    .expect("valid");
-            }),
-        });
-    }
-    let dplr_naive = jobs.len();
-    jobs.push(Job {
-        op: "dplr",
-        name: "naive".into(),
-        ops: naive_ops(t, h, ops::dplr_naive(kd, kd)),
-        naive: dplr_naive,
-        run: Box::new(|| {
-            op::forward_backward(&dplr::naive::Naive, &d.inputs, dopts, &d.d_o, Some(&d.dht))
-                .expect("valid");
-        }),
-    });
-    for c in CHUNK_SIZES {
-        let engine = dplr::chunk::Chunk::new(c).expect("valid");
-        jobs.push(Job {
-            op: "dplr",
-            name: format!("chunk(C={c})"),
-            ops: chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd)),
-            naive: dplr_naive,
-            run: Box::new(move || {
-                op::forward_backward(&engine, &d.inputs, dopts, &d.d_o, Some(&d.dht))
-                    .expect("valid");
-            }),
-        });
-    }
+    let mut jobs = vec![];
+    push_op(
+        &mut jobs,
+        "kda",
+        Case::<Kda> {
+            x: &g.inputs,
+            opts: &opts,
+            d_o: &g.d_o,
+            dht: &g.dht,
+        },
+        (kda::naive::Naive, naive_ops(t, h, ops::kda_naive(kd, kd))),
+        |c| {
+            let n = chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd));
+            (kda::chunk::Chunk::new(c).expect("valid"), n)
+        },
+    );
+    push_op(
+        &mut jobs,
+        "dplr",
+        Case::<Dplr> {
+            x: &d.inputs,
+            opts: &dopts,
+            d_o: &d.d_o,
+            dht: &d.dht,
+        },
+        (dplr::naive::Naive, naive_ops(t, h, ops::dplr_naive(kd, kd))),
+        |c| {
+            let n = chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd));
+            (dplr::chunk::Chunk::new(c).expect("valid"), n)
+        },
+    );
     let runs: Vec<&dyn Fn()> = jobs.iter().map(|j| &*j.run).collect();
     let rounds = common::rounds(&runs);
     jobs.iter()

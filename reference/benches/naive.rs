@@ -10,6 +10,8 @@ use common::{MAX_ROUNDS, MIN_ROUNDS, ROUND_BUDGET_S};
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
+use deltaref::op::{self, Engine, OpSpec, Operator};
+use ndarray::ArrayD;
 
 fn main() {
     common::tune_allocator();
@@ -36,18 +38,7 @@ fn main() {
         seed: 0,
     };
     let g = inputs::kda(&spec);
-    let kda: [&dyn Fn(); 3] = [
-        &|| {
-            kda::naive::forward(&g.inputs, &opts).expect("valid");
-            kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
-        },
-        &|| {
-            kda::naive::forward(&g.inputs, &opts).expect("valid");
-        },
-        &|| {
-            kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
-        },
-    ];
+    let kda = jobs(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, &g.dht);
     let d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
@@ -60,19 +51,8 @@ fn main() {
         output_final_state: true,
         ..Default::default()
     };
-    let dplr: [&dyn Fn(); 3] = [
-        &|| {
-            dplr::naive::forward(&d.inputs, &dopts).expect("valid");
-            dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
-        },
-        &|| {
-            dplr::naive::forward(&d.inputs, &dopts).expect("valid");
-        },
-        &|| {
-            dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
-        },
-    ];
-    let jobs: Vec<&dyn Fn()> = kda.into_iter().chain(dplr).collect();
+    let dplr = jobs(&dplr::naive::Naive, &d.inputs, &dopts, &d.d_o, &d.dht);
+    let jobs: Vec<&dyn Fn()> = kda.iter().chain(&dplr).map(|j| &**j).collect();
     let rounds = common::rounds(&jobs);
     let best = |i| rounds.best(i).expect("rounds ran");
     for (i, (op, fla)) in [("kda ", 2.2), ("dplr", 3.3)].into_iter().enumerate() {
@@ -86,4 +66,30 @@ fn main() {
             best(3 * i + 2)
         );
     }
+}
+
+/// `engine`'s forward then backward (two calls, as a caller without
+/// [`op::forward_backward`] runs them), its forward alone, its backward
+/// alone.
+fn jobs<'a, E: Engine<f64>>(
+    engine: &'a E,
+    x: &'a <E::Op as Operator<f64>>::Inputs,
+    opts: &'a <E::Op as OpSpec>::Options,
+    d_o: &'a ArrayD<f64>,
+    dht: &'a ArrayD<f64>,
+) -> [Box<dyn Fn() + 'a>; 3] {
+    let forward = move || {
+        op::forward(engine, x, opts).expect("valid");
+    };
+    let backward = move || {
+        op::backward(engine, x, opts, d_o, Some(dht)).expect("valid");
+    };
+    [
+        Box::new(move || {
+            forward();
+            backward();
+        }),
+        Box::new(forward),
+        Box::new(backward),
+    ]
 }
