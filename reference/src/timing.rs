@@ -64,11 +64,6 @@ impl Rounds {
         self.len() == 0
     }
 
-    /// Seconds of all rounds so far, every job.
-    pub fn total_s(&self) -> f64 {
-        self.times.iter().flatten().sum()
-    }
-
     /// Runs one more round, `job(i)` for every job `i` once, starting one
     /// job later than the previous round (so no job always follows the same
     /// one). `job(i)` runs job `i` and returns the seconds it took (what the
@@ -149,7 +144,6 @@ mod tests {
         for j in 0..3 {
             assert!(rounds.best(j).unwrap() >= 1e-3 * (1 + j) as f64);
         }
-        assert!(rounds.total_s() >= 3.0 * 6e-3);
     }
 
     #[test]
