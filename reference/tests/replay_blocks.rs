@@ -8,9 +8,10 @@ mod common;
 use common::assert_close;
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
-use deltaref::kda::{self, KdaOptions};
+use deltaref::kda::{self, Kda, KdaOptions};
 use deltaref::op;
 use deltaref::sweep::{block_len, state_block_len};
+use deltaref::tensor::cast;
 
 const L: usize = 400;
 const D: usize = 256;
@@ -88,4 +89,43 @@ fn dplr_naive_matches_chunk_with_short_replay_blocks() {
     });
     let chunk = dplr::chunk::Chunk::new(64).unwrap();
     naive_matches_chunk(&dplr::naive::Naive, &chunk, &g, &opts);
+}
+
+/// In f32 the KDA backward replays two chunks of four columns an iteration
+/// (`kda::naive::replay_group`), then a leftover chunk and the leftover
+/// columns. At V = 13 (eight, four, one) and 16 (eight, eight), K = 5 (a
+/// lone last row) and 8, its outputs and gradients must stay within f32's
+/// error of the f64 run: a state replayed from the wrong columns is off by
+/// O(1).
+#[test]
+fn kda_naive_f32_replays_wide_chunks_and_their_leftovers() {
+    let opts = KdaOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    for (k, v) in [(5, 13), (8, 16), (8, 13)] {
+        let g = inputs::kda(&KdaSpec {
+            layout: Layout::varlen(&[23, 40]),
+            h: 2,
+            hv: 2,
+            k,
+            v,
+            opts,
+            initial_state: true,
+            scalar_gate: false,
+            seed: 5,
+        });
+        let naive = &kda::naive::Naive;
+        let (o, gr) = op::forward_backward(naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
+        let x = <Kda as op::Operator<f32>>::narrow(&g.inputs);
+        let (d_o, dht) = (cast::<f64, f32>(&g.d_o), cast::<f64, f32>(&g.dht));
+        let (o32, gr32) = op::forward_backward(naive, &x, &opts, &d_o, Some(&dht)).unwrap();
+        let exact = op::named::<f64, Kda>(&o, Some(&gr));
+        let narrow = op::named::<f32, Kda>(&o32, Some(&gr32));
+        assert_eq!(exact.len(), narrow.len());
+        assert!(exact.len() >= 8, "outputs, final state and gradients");
+        for ((name, e), (_, n)) in exact.iter().zip(&narrow) {
+            assert_close(&format!("K={k} V={v} f32 {name}"), e, &cast(*n), 1e-4);
+        }
+    }
 }

@@ -434,33 +434,50 @@ impl<T: Scalar> Tokens<'_, T> {
                 (e[i], k[i] * beta)
             };
             let (s, p) = (&mut s[g.range(vd)], &s_prev[g.range(vd)]);
+            let coef = [coef(0), coef(1)];
             match g.rows {
-                2 => replay_group::<T, 8>(s, p, r, [coef(0), coef(1)]),
-                _ => replay_group::<T, 4>(s, p, r, [coef(0); 2]),
+                // A pair's chunk of `f32` is half an AVX-512 register: given
+                // one chunk an iteration, LLVM widens the loop itself and
+                // guards it with runtime overlap checks (the f32 replay took
+                // 46 % of the backward); two chunks an iteration fill it.
+                2 if size_of::<T>() < 8 => replay_group::<T, 8, 16>(s, p, r, coef),
+                2 => replay_group::<T, 8, 8>(s, p, r, coef),
+                _ => replay_group::<T, 4, 4>(s, p, r, coef),
             }
         }
     }
 }
 
 /// [`Tokens::replay`] of one row group (`N / 4` rows), `coef[h] = (e, kβ)`
-/// of its row `h`.
+/// of its row `h`, `M / N` chunks of four columns an iteration (`M` a
+/// multiple of `N`).
 #[inline(always)]
-fn replay_group<T: Scalar, const N: usize>(s: &mut [T], p: &[T], r: &[T], coef: [(T, T); 2]) {
-    let rows = N / 4;
-    let full = r.len() / 4 * 4;
-    let (e, c): ([T; N], [T; N]) = (
-        std::array::from_fn(|l| coef[l / 4].0),
-        std::array::from_fn(|l| coef[l / 4].1),
+fn replay_group<T: Scalar, const N: usize, const M: usize>(
+    s: &mut [T],
+    p: &[T],
+    r: &[T],
+    coef: [(T, T); 2],
+) {
+    let (rows, cols) = (N / 4, 4 * M / N);
+    let (e, c): ([T; M], [T; M]) = (
+        std::array::from_fn(|l| coef[l % N / 4].0),
+        std::array::from_fn(|l| coef[l % N / 4].1),
     );
     for ((s, p), r) in s
-        .chunks_exact_mut(N)
-        .zip(p.chunks_exact(N))
-        .zip(r.chunks_exact(4))
+        .chunks_exact_mut(M)
+        .zip(p.chunks_exact(M))
+        .zip(r.chunks_exact(cols))
     {
-        let (pv, rv): ([T; N], [T; 4]) = (p.try_into().expect("N"), r.try_into().expect("4"));
-        let out: [T; N] = std::array::from_fn(|l| pv[l] * e[l] + c[l] * rv[l % 4]);
+        let pv: [T; M] = p.try_into().expect("M");
+        let out: [T; M] = std::array::from_fn(|l| pv[l] * e[l] + c[l] * r[l / N * 4 + l % 4]);
         s.copy_from_slice(&out);
     }
+    if M > N {
+        let done = r.len() / cols * cols;
+        let at = done * rows;
+        return replay_group::<T, N, N>(&mut s[at..], &p[at..], &r[done..], coef);
+    }
+    let full = r.len() / 4 * 4;
     let tail = r.len() - full;
     for (h, &(e, c)) in coef.iter().take(rows).enumerate() {
         let at = full * rows + h * tail;
