@@ -28,7 +28,7 @@ pub fn block_len(l: usize) -> usize {
 /// of the whole L3, and cutting it to 16 tokens (8 MiB) took the naive
 /// forward+backward at T = 4096, H = 1 from 463–469 to 337–342 ms (KDA) and
 /// 506 to 350–363 ms (DPLR) on the AMD VM; at K = V = 64 and 128 a block
-/// under 8 MiB was no faster (README, fifteenth round).
+/// under 8 MiB was no faster (BENCHMARKS.md, fifteenth round).
 const BLOCK_BYTES: usize = 8 << 20;
 
 /// Tokens per block of the naive engines' checkpointed backward for states
