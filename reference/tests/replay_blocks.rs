@@ -1,7 +1,8 @@
 //! Where a block of replayed `[K, V]` states would not fit the cache, the
 //! naive engines checkpoint more often (`sweep::state_block_len`). At
 //! K = V = 256 their results must still be the chunked engines' (an
-//! independent form) in f64.
+//! independent form) in f64. In f32 KDA's replay takes two chunks of
+//! columns an iteration, and its leftovers, where f64 takes one.
 
 mod common;
 
