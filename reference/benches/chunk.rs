@@ -5,7 +5,10 @@
 //! measured no-FMA mul+add peak. Then the same tokens·heads as one
 //! (sequence, head) pair, T=4096 H=1: fewer pairs than threads, where the
 //! naive engines run on one thread and the chunked ones split the chunks
-//! and the state's value columns over all of them.
+//! and the state's value columns over all of them. Last, K=V=64 with steep
+//! decays (`g −10`: every log-decay rescaled to a mean of −10 a token),
+//! where a chunk of 64 is too wide for one pair of decay factors in f64 and
+//! splits into blocks ([`deltaref::decay_blocks`]).
 //! Run: `cargo bench -p deltaref --bench chunk` (`-- 64` for one K=V).
 
 mod common;
@@ -21,6 +24,15 @@ use ndarray::ArrayD;
 use common::{MAX_ROUNDS, MIN_ROUNDS, ROUND_BUDGET_S};
 
 const CHUNK_SIZES: [usize; 3] = [16, 32, 64];
+
+/// The steep shape's mean log-decay a token.
+const STEEP: f64 = -10.0;
+
+/// `g` (all `≤ 0`) rescaled to a mean of `mean`.
+fn rescale(g: &mut ArrayD<f64>, mean: f64) {
+    let m = g.iter().sum::<f64>() / g.len() as f64;
+    g.mapv_inplace(|x| x * mean / m);
+}
 
 fn main() {
     common::tune_allocator();
@@ -41,9 +53,13 @@ fn main() {
         for kd in [64, 128, 256] {
             if only.is_none_or(|o| o == kd) {
                 peak = peak.max(ops::peak_gflops(0.3));
-                rows.extend(bench(t, h, kd));
+                rows.extend(bench(t, h, kd, None));
             }
         }
+    }
+    if only.is_none_or(|o| o == 64) {
+        peak = peak.max(ops::peak_gflops(0.3));
+        rows.extend(bench(t, h, 64, Some(STEEP)));
     }
     peak = peak.max(ops::peak_gflops(0.3));
     println!(
@@ -51,7 +67,7 @@ fn main() {
         ops::peak_description()
     );
     println!(
-        "{:<39} {:>9} {:>9} {:>13} {:>6}  ÷ naive: median (quartiles) of the rounds",
+        "{:<46} {:>9} {:>9} {:>13} {:>6}  ÷ naive: median (quartiles) of the rounds",
         "", "best ms", "median ms", "GFLOP/s best", "% peak",
     );
     for r in rows {
@@ -165,12 +181,14 @@ fn push_op<'a, N, C>(
     }
 }
 
-fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
+/// The rows of one shape; with `steep`, the log-decays rescaled to that
+/// mean a token ([`rescale`]).
+fn bench(t: usize, h: usize, kd: usize, steep: Option<f64>) -> Vec<Row> {
     let opts = KdaOptions {
         output_final_state: true,
         ..Default::default()
     };
-    let g = inputs::kda(&KdaSpec {
+    let mut g = inputs::kda(&KdaSpec {
         layout: Layout::batch(1, t),
         h,
         hv: h,
@@ -181,7 +199,7 @@ fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
         scalar_gate: false,
         seed: 0,
     });
-    let d = inputs::dplr(&DplrSpec {
+    let mut d = inputs::dplr(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
         k: kd,
@@ -189,6 +207,11 @@ fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
         initial_state: true,
         seed: 0,
     });
+    if let Some(mean) = steep {
+        rescale(&mut g.inputs.g, mean);
+        rescale(&mut d.inputs.gk, mean);
+    }
+    let shape = steep.map_or(String::new(), |m| format!("g {m}"));
     let dopts = DplrOptions {
         output_final_state: true,
         ..Default::default()
@@ -229,7 +252,10 @@ fn bench(t: usize, h: usize, kd: usize) -> Vec<Row> {
     jobs.iter()
         .enumerate()
         .map(|(i, j)| Row {
-            label: format!("T={t:<5} H={h} K=V={kd:<4} {:<5} {:<12}", j.op, j.name),
+            label: format!(
+                "T={t:<5} H={h} K=V={kd:<4} {shape:<6} {:<5} {:<12}",
+                j.op, j.name
+            ),
             best: rounds.best(i).expect("rounds ran"),
             median: rounds.quartiles(i).expect("rounds ran").median,
             ops: j.ops,

@@ -136,6 +136,18 @@ pub fn exps_bounded<T: Scalar>(x: &mut Array2<T>) {
     );
 }
 
+/// `exp` of each element of `x` (any range) with libm's bits
+/// ([`Scalar::exp_into`]: vectorised in `f64`).
+pub fn exps<T: Scalar>(mut x: Array2<T>) -> Array2<T> {
+    let src = flat(x.view()).into_owned();
+    let dst = flat_mut(&mut x);
+    simd::dispatch(
+        #[inline(always)]
+        || T::exp_into(&src, dst),
+    );
+    x
+}
+
 /// `x ⊙ f` for each pair `(x, f)` of same-shape arrays.
 pub fn products<T: Scalar, const N: usize>(
     pairs: [(ArrayView2<T>, ArrayView2<T>); N],

@@ -9,6 +9,7 @@
 
 pub mod conv;
 pub mod cp;
+pub mod decay_blocks;
 pub mod dplr;
 pub mod dtype;
 pub mod error;

@@ -9,7 +9,7 @@ use deltaref::kda::chunk::Chunk;
 use deltaref::kda::naive::Naive;
 use deltaref::kda::{Kda, KdaHead, KdaOptions, Prepared};
 use deltaref::op::{self, Engine, Operator};
-use deltaref_tests::{assert_maps_close, ratio};
+use deltaref_tests::{assert_maps_close, assert_split_chunks_agree, ratio, steep_decays, Run};
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::{s, Array2, ArrayD, IxDyn};
 
@@ -135,7 +135,7 @@ fn gates_at_the_lower_bound_do_not_overflow() {
     let mut g = inputs::kda(&s);
     g.inputs.g = ArrayD::from_elem(IxDyn(g.inputs.g.shape()), -5.0);
     // −20 per token puts Γ's range past what a product of two exponentials
-    // survives in f64: the pairwise-difference path must agree too.
+    // survives in f64: the chunks split into blocks must agree too.
     let mut steep = g.clone();
     steep.inputs.g = ArrayD::from_elem(IxDyn(g.inputs.g.shape()), -20.0);
     let opts20 = opts;
@@ -169,6 +169,38 @@ fn gates_at_the_lower_bound_do_not_overflow() {
             assert!(a.iter().all(|v| v.is_finite()));
         }
     }
+}
+
+#[test]
+fn chunks_too_wide_for_one_pair_of_factors_split_into_blocks() {
+    // Dim 0 about −0.8 a token, dim 7 about −50, one token −800
+    // ([`steep_decays`]). A chunk's factors through its middle row
+    // overflow once a span passes 2·exp_bound: 567 in f64 and 71 in f32, so
+    // every chunk splits, down to single rows around the −800 token, while
+    // the gentle dims keep their decays near 1 across the chunk. The split
+    // chunks must still agree with the naive recurrence to 1e-10 in f64
+    // (outputs, final state, every gradient), and in f32 within 1e-4 (a
+    // broken block is off by its whole value; measured: at most 4.3e-6,
+    // 1 to 18 times the naive form's f32 error, the same as when these
+    // chunks formed each pair's decay from its difference).
+    let opts = KdaOptions {
+        output_final_state: true,
+        ..Default::default()
+    };
+    let s = KdaSpec {
+        k: 8,
+        v: 8,
+        ..spec(Layout::varlen(&[150, 70]), opts, 11)
+    };
+    let mut g = inputs::kda(&s);
+    steep_decays(&mut g.inputs.g, 100);
+    let run = Run {
+        x: &g.inputs,
+        opts: &opts,
+        d_o: &g.d_o,
+        dht: &g.dht,
+    };
+    assert_split_chunks_agree(&Naive, |c| Chunk::new(c).unwrap(), &g.inputs.g, run);
 }
 
 #[test]

@@ -3,8 +3,11 @@
 //! (`Aqk`, `Aqb`, `Aab`, `Aak`), the WY inverse `P = (I − Aab)^{-1}`, `w`,
 //! `u`; then one pass over the chunks carrying the state (`h`, `v2`, `o`).
 //! Backward: output backward, the `dh` recurrence, WY backward, A-block
-//! backward, gate (reverse cumsum) backward. Decays are always formed from
-//! differences of the in-chunk cumulative log-decay, so nothing overflows.
+//! backward, gate (reverse cumsum) backward. Pairwise decays are products
+//! of two factors through the chunk's middle row (so the A blocks are
+//! matrix products); a chunk whose decays span too wide a range for those
+//! factors splits into blocks ([`crate::decay_blocks`]), so nothing
+//! overflows.
 
 use ndarray::{
     s, Array1, Array2, Array3, ArrayBase, ArrayD, ArrayView2, ArrayViewMut2, Axis, CowArray, Data,
@@ -15,6 +18,7 @@ use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
     DplrOutputs, Prepared,
 };
+use crate::decay_blocks::Block;
 use crate::error::Result;
 use crate::fused;
 use crate::gemm;
@@ -165,7 +169,7 @@ impl<T: Scalar> Intra<T> {
     pub fn exps<const N: usize>(&self, which: [Exp; N]) -> [CowArray<'_, T, Ix2>; N] {
         match &self.decays {
             Decays::Mid { f, mid } => f.rebuild(mid, which).map(CowArray::from),
-            Decays::Pairs { exps, .. } => which.map(|e| exps[e as usize].view().into()),
+            Decays::Blocks { exps, .. } => which.map(|e| exps[e as usize].view().into()),
         }
     }
 
@@ -175,7 +179,7 @@ impl<T: Scalar> Intra<T> {
     fn times_exp(&self, x: ArrayView2<T>, which: Exp) -> Array2<T> {
         match &self.decays {
             Decays::Mid { f, mid } => f.times(x, mid, which),
-            Decays::Pairs { exps, .. } => {
+            Decays::Blocks { exps, .. } => {
                 fused::zip_map(x, exps[which as usize].view(), |x, e| x * e)
             }
         }
@@ -252,9 +256,9 @@ pub enum Exp {
 fn direct_exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
     let last = g.row(g.nrows() - 1);
     [
-        g.mapv(T::exp),
-        gx.mapv(T::exp),
-        Array2::from_shape_fn(g.raw_dim(), |(r, d)| (last[d] - g[[r, d]]).exp()),
+        fused::exps(g.clone()),
+        fused::exps(gx.clone()),
+        fused::exps(-(g - &last)),
     ]
 }
 
@@ -280,15 +284,33 @@ enum Decays<T> {
         f: Factors<T>,
         mid: (Vec<T>, Vec<T>),
     },
-    /// Where a factor would overflow: from the pairwise differences of Γ
-    /// (inclusive) and Γx = Γ − gk (exclusive), `[c, K]` each, with the
+    /// Where the chunk's factors would overflow: in blocks
+    /// ([`crate::decay_blocks`]), each with its factors, and the
     /// exponentials formed directly and kept (`[Exp; 3]` order, `[c, K]`
     /// each).
-    Pairs {
-        g: Array2<T>,
-        gx: Array2<T>,
+    Blocks {
+        blocks: Vec<DecayBlock<T>>,
         exps: [Array2<T>; 3],
     },
+}
+
+/// One block of a split chunk's pairwise decays ([`crate::decay_blocks`]):
+/// `exp(Γ_i − Γ_j) = f.ep[i]·f.em[j]` and `exp(Γx_i − Γ_j) =
+/// f.exp_[i]·f.em[j]` for `i` in `rows`, `j` in `cols`.
+#[derive(Clone, Debug)]
+struct DecayBlock<T> {
+    rows: std::ops::Range<usize>,
+    /// `rows` itself on the diagonal (through its middle row, the lower
+    /// triangle used); else the rows just before `rows`, through their last.
+    cols: std::ops::Range<usize>,
+    /// `ep`, `exp_` `[|rows|, K]`, `em` `[|cols|, K]`.
+    f: Factors<T>,
+}
+
+impl<T> DecayBlock<T> {
+    fn diagonal(&self) -> bool {
+        self.rows == self.cols
+    }
 }
 
 /// `exp(Γ − Γ_m)`, `exp(Γx − Γ_m)`, `exp(Γ_m − Γ)` through the chunk's middle row.
@@ -328,7 +350,7 @@ impl<T: Scalar> Factors<T> {
 }
 
 /// The factors when every exponent stays far from overflow in `T`; `None`
-/// sends the caller to the pairwise differences.
+/// sends the caller to [`decay_blocks`].
 fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
     let limit = exp_bound::<T>();
     let (mut d, mut dx) = (
@@ -346,33 +368,80 @@ fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
     })
 }
 
-/// The four A blocks from pairwise decay differences (any range).
-fn pair_blocks<T: Scalar>(
-    g: &Array2<T>,
-    gx: &Array2<T>,
-    [q, k, a, b]: [&ArrayView2<T>; 4],
-) -> (Array2<T>, Array2<T>, Array2<T>, Array2<T>) {
-    let (c, kd) = (g.nrows(), k.ncols());
-    let z = || Array2::<T>::zeros((c, c));
-    let (mut aqk, mut aqb, mut aab, mut aak) = (z(), z(), z(), z());
-    for i in 0..c {
-        for j in 0..=i {
-            let (mut s_qk, mut s_qb, mut s_ab, mut s_ak) =
-                (T::zero(), T::zero(), T::zero(), T::zero());
-            for d in 0..kd {
-                let e1 = (g[[i, d]] - g[[j, d]]).exp();
-                s_qk += q[[i, d]] * k[[j, d]] * e1;
-                s_qb += q[[i, d]] * b[[j, d]] * e1;
-                if j < i {
-                    let e2 = (gx[[i, d]] - g[[j, d]]).exp();
-                    s_ab += a[[i, d]] * b[[j, d]] * e2;
-                    s_ak += a[[i, d]] * k[[j, d]] * e2;
-                }
+/// The blocks of a chunk whose factors do not fit ([`crate::decay_blocks`]),
+/// each with its factors, from Γ and Γx `[c, K]`.
+fn decay_blocks<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Vec<DecayBlock<T>> {
+    let rows_of = |x: &Array2<T>, r: &std::ops::Range<usize>| x.slice(s![r.clone(), ..]).to_owned();
+    let blocks = crate::decay_blocks::split(0..g.nrows(), &mut |r| {
+        if r.len() == 1 {
+            // A row's one pair is exp(0) in Aqk and Aqb; Aab and Aak have
+            // none (strictly lower), so Γx's factor is never read: zero,
+            // where exp(−gk) itself might overflow.
+            let ones = Array2::ones((1, g.ncols()));
+            return Some(Factors {
+                ep: ones.clone(),
+                exp_: Array2::zeros((1, g.ncols())),
+                em: ones,
+            });
+        }
+        factors(&rows_of(g, &r), &rows_of(gx, &r))
+    });
+    blocks
+        .into_iter()
+        .map(|b| match b {
+            Block::Diagonal { rows, factors: f } => DecayBlock {
+                cols: rows.clone(),
+                rows,
+                f,
+            },
+            Block::Below { rows, cols } => {
+                // Γx_i = Γ_{i−1} (up to rounding) is at most the anchor's Γ
+                // for every row after it: all three factors at most 1.
+                let anchor = g.row(cols.end - 1);
+                let f = Factors {
+                    ep: fused::exps(&rows_of(g, &rows) - &anchor),
+                    exp_: fused::exps(&rows_of(gx, &rows) - &anchor),
+                    em: fused::exps(-(&rows_of(g, &cols) - &anchor)),
+                };
+                DecayBlock { rows, cols, f }
             }
-            (aqk[[i, j]], aqb[[i, j]], aab[[i, j]], aak[[i, j]]) = (s_qk, s_qb, s_ab, s_ak);
+        })
+        .collect()
+}
+
+/// The four A blocks `(Aqk, Aqb, Aab, Aak)`, `[c, c]` each, block by block
+/// through each block's factors, as the middle-row factors form them for a
+/// whole chunk (unmasked: the caller masks).
+fn split_a_blocks<T: Scalar>(
+    blocks: &[DecayBlock<T>],
+    [q, k, a, b]: [&ArrayView2<T>; 4],
+) -> [Array2<T>; 4] {
+    let c = q.nrows();
+    let mut out = [(); 4].map(|_| Array2::zeros((c, c)));
+    for blk in blocks {
+        let (r, cols) = (s![blk.rows.clone(), ..], s![blk.cols.clone(), ..]);
+        let [qa, ax, kb, bb] = fused::products([
+            (q.slice(r), blk.f.ep.view()),
+            (a.slice(r), blk.f.exp_.view()),
+            (k.slice(cols), blk.f.em.view()),
+            (b.slice(cols), blk.f.em.view()),
+        ]);
+        let at = s![blk.rows.clone(), blk.cols.clone()];
+        let [aqk, aqb, aab, aak] = &mut out;
+        for (dst, (lhs, rhs)) in
+            [aqk, aqb, aab, aak]
+                .into_iter()
+                .zip([(&qa, &kb), (&qa, &bb), (&ax, &bb), (&ax, &kb)])
+        {
+            if blk.diagonal() {
+                dst.slice_mut(at)
+                    .assign(&tri::dot_t_lower(lhs.view(), rhs.view(), false));
+            } else {
+                gemm::dot_to(lhs.view(), rhs.t(), dst.slice_mut(at));
+            }
         }
     }
-    (aqk, aqb, aab, aak)
+    out
 }
 
 /// What [`gate_grads`] reads, `[c, K]` each: the chunk's raw `q`, `k`, `b`;
@@ -488,10 +557,10 @@ impl Chunk {
         // so the middle-row exponentials are normal wherever they exist.
         let decays = match factors(&g, &gx).and_then(|f| Some((f, fused::mid_row_exps(&g)?))) {
             Some((f, mid)) => Decays::Mid { f, mid },
-            None => {
-                let exps = direct_exps(&g, &gx);
-                Decays::Pairs { g, gx, exps }
-            }
+            None => Decays::Blocks {
+                blocks: decay_blocks(&g, &gx),
+                exps: direct_exps(&g, &gx),
+            },
         };
         let (aqk, aqb, aab, aak) = match &decays {
             Decays::Mid { f, .. } => {
@@ -512,7 +581,14 @@ impl Chunk {
                 let [aqk, aqb, aab, aak] = blocks;
                 (aqk, aqb, aab, aak)
             }
-            Decays::Pairs { g, gx, .. } => pair_blocks(g, gx, [&q, &k, &a, &b]),
+            Decays::Blocks { blocks, .. } => {
+                let mut a_blocks = split_a_blocks(blocks, [&q, &k, &a, &b]);
+                for (i, blk) in a_blocks.iter_mut().enumerate() {
+                    tri::mask_lower(blk, i < 2);
+                }
+                let [aqk, aqb, aab, aak] = a_blocks;
+                (aqk, aqb, aab, aak)
+            }
         };
         // FLA's `chunk_dplr_fwd_intra` rounds all four blocks to the token
         // dtype (`Aab`, `Aak` through `.to(Aqb.dtype)` into fp32 tensors).
@@ -524,7 +600,7 @@ impl Chunk {
         );
         let ax = match &decays {
             Decays::Mid { f, mid } => self.as_stored(Stage::Gated, f.times(a, mid, Exp::Gx)),
-            Decays::Pairs { exps, .. } => self.gated(&a, exps[Exp::Gx as usize].view()),
+            Decays::Blocks { exps, .. } => self.gated(&a, exps[Exp::Gx as usize].view()),
         };
         let w = self.as_stored(Stage::W, tri::lower_dot(p.view(), ax.view()));
         let u = self.as_stored(
@@ -866,63 +942,103 @@ fn blocks_backward<T: Scalar>(
     grads: [&mut Array2<T>; 4],
     dgammas: [&mut Array2<T>; 2],
 ) {
+    let [dq, dk, da, db] = grads.map(fused::flat_mut);
+    let [dgamma, dgx] = dgammas.map(fused::flat_mut);
+    let out = [dq, dk, da, db, dgamma, dgx];
     match &ch.decays {
-        Decays::Mid { f, .. } => factored_blocks_backward(f, x, da_blocks, grads, dgammas),
-        Decays::Pairs { g, gx, .. } => {
-            pairwise_blocks_backward(g, gx, x, da_blocks, grads, dgammas)
+        Decays::Mid { f, .. } => {
+            factored_blocks_backward(f, x.map(|x| x.view()), da_blocks.map(|a| a.view()), out)
+        }
+        Decays::Blocks { blocks, .. } => {
+            let kd = x[0].ncols();
+            let mut out = out;
+            for blk in blocks {
+                let (r, at) = (
+                    s![blk.rows.clone(), ..],
+                    s![blk.rows.clone(), blk.cols.clone()],
+                );
+                let da_blk = da_blocks.map(|a| a.slice(at));
+                if blk.diagonal() {
+                    let rows = blk.rows.start * kd..blk.rows.end * kd;
+                    let out = out.each_mut().map(|o| &mut o[rows.clone()]);
+                    factored_blocks_backward(&blk.f, x.map(|x| x.slice(r)), da_blk, out);
+                } else {
+                    below_blocks_backward(blk, x, da_blk, out.each_mut().map(|o| &mut **o));
+                }
+            }
         }
     }
 }
 
-/// [`blocks_backward`] through the middle-row factors: products of
-/// the factored operands.
-fn factored_blocks_backward<T: Scalar>(
+/// `x [m, n] · y [n, p]`, returned.
+type Dot<T> = fn(ArrayView2<T>, ArrayView2<T>) -> Array2<T>;
+/// `out [m, p] += x [m, n] · y [n, p]`.
+type DotAdd<T> = fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>);
+
+/// What the A blocks' gradients send the factored operands of a block of
+/// pairs, `[dqa, dax, dkb, dbb]` (each a sum of two products, one sum per
+/// element), then the operands `[qa, ax, kb, bb]` (`q`, `a` on its rows
+/// times `f.ep`, `f.exp_`; `k`, `b` on its columns times `f.em`). On the diagonal
+/// the products are the blocked triangular ones (the A blocks are lower
+/// triangular), below it plain ones.
+fn factored_grads<T: Scalar>(
     f: &Factors<T>,
-    [q, k, a, b]: [&ArrayView2<T>; 4],
-    [daqk, daqb, daab, daak]: [&Array2<T>; 4],
-    [dq, dk, da, db]: [&mut Array2<T>; 4],
-    [dgamma, dgx]: [&mut Array2<T>; 2],
-) {
-    // Γ_m cancels in every product, so it is held constant.
+    [q, k, a, b]: [ArrayView2<T>; 4],
+    [daqk, daqb, daab, daak]: [ArrayView2<T>; 4],
+    diagonal: bool,
+) -> [Array2<T>; 8] {
+    // Γ's anchor cancels in every product, so it is held constant.
     let [qa, ax, kb, bb] = fused::products([
-        (q.view(), f.ep.view()),
-        (a.view(), f.exp_.view()),
-        (k.view(), f.em.view()),
-        (b.view(), f.em.view()),
+        (q, f.ep.view()),
+        (a, f.exp_.view()),
+        (k, f.em.view()),
+        (b, f.em.view()),
     ]);
-    // Each a sum of two products, one sum per element.
-    let sum = |first: fn(ArrayView2<T>, ArrayView2<T>) -> Array2<T>,
-               then: fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>),
-               [(a1, b1), (a2, b2)]: [(&Array2<T>, &Array2<T>); 2]| {
-        let mut s = first(a1.view(), b1.view());
-        then(a2.view(), b2.view(), s.view_mut());
-        s
+    let (l, l_add, lt, lt_add): (Dot<T>, DotAdd<T>, Dot<T>, DotAdd<T>) = if diagonal {
+        (
+            tri::lower_dot,
+            tri::lower_dot_add,
+            tri::lower_t_dot,
+            tri::lower_t_dot_add,
+        )
+    } else {
+        (
+            gemm::dot,
+            gemm::dot_add,
+            |x, y| gemm::dot(x.t(), y),
+            |x, y, out| gemm::dot_add(x.t(), y, out),
+        )
     };
-    let (l, l_add) = (tri::lower_dot, tri::lower_dot_add);
-    let (lt, lt_add) = (tri::lower_t_dot, tri::lower_t_dot_add);
+    let sum =
+        |first: Dot<T>, then: DotAdd<T>, [(x1, y1), (x2, y2)]: [(ArrayView2<T>, &Array2<T>); 2]| {
+            let mut s = first(x1, y1.view());
+            then(x2, y2.view(), s.view_mut());
+            s
+        };
     let dqa = sum(l, l_add, [(daqk, &kb), (daqb, &bb)]);
     let dax = sum(l, l_add, [(daab, &bb), (daak, &kb)]);
     let dkb = sum(lt, lt_add, [(daqk, &qa), (daak, &ax)]);
     let dbb = sum(lt, lt_add, [(daqb, &qa), (daab, &ax)]);
-    let flats = [
-        dqa.view(),
-        dax.view(),
-        dkb.view(),
-        dbb.view(),
-        qa.view(),
-        ax.view(),
-        kb.view(),
-        bb.view(),
-        f.ep.view(),
-        f.exp_.view(),
-        f.em.view(),
-    ]
-    .map(fused::flat);
-    let n = dqa.len();
-    let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_, ep_, exp_, em_] =
-        flats.each_ref().map(|x| &x[..n]);
-    let [dq_, da_, dk_, db_, dg_, dgx_] =
-        [dq, da, dk, db, dgamma, dgx].map(|x| &mut fused::flat_mut(x)[..n]);
+    [dqa, dax, dkb, dbb, qa, ax, kb, bb]
+}
+
+/// [`blocks_backward`] for rows whose pairs go through the factors `f` of
+/// one middle row (the whole chunk's, or a diagonal block's): `q`, `k`, `a`,
+/// `b` `[n, K]` those rows, the A blocks' gradients `[n, n]` their pairs,
+/// and `dq`, `dk`, `da`, `db`, `dΓ`, `dΓx` those rows (row-major, added to).
+fn factored_blocks_backward<T: Scalar>(
+    f: &Factors<T>,
+    [q, k, a, b]: [ArrayView2<T>; 4],
+    [daqk, daqb, daab, daak]: [ArrayView2<T>; 4],
+    [dq_, dk_, da_, db_, dg_, dgx_]: [&mut [T]; 6],
+) {
+    let grads = factored_grads(f, [q, k, a, b], [daqk, daqb, daab, daak], true);
+    let flats = grads.each_ref().map(|x| fused::flat(x.view()));
+    let factors = [&f.ep, &f.exp_, &f.em].map(|x| fused::flat(x.view()));
+    let n = grads[0].len();
+    let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_] = flats.each_ref().map(|x| &x[..n]);
+    let [ep_, exp_, em_] = factors.each_ref().map(|x| &x[..n]);
+    let [dq_, dk_, da_, db_, dg_, dgx_] = [dq_, dk_, da_, db_, dg_, dgx_].map(|x| &mut x[..n]);
     crate::simd::dispatch(
         #[inline(always)]
         || {
@@ -938,41 +1054,34 @@ fn factored_blocks_backward<T: Scalar>(
     );
 }
 
-/// [`blocks_backward`] from the pairwise differences of Γ and Γx
-/// (`[c, K]` each), where a factor would overflow.
-fn pairwise_blocks_backward<T: Scalar>(
-    g: &Array2<T>,
-    gx: &Array2<T>,
+/// [`blocks_backward`] for the pairs of a block below the diagonal,
+/// `blk.rows` against `blk.cols` through `blk`'s factors: `q`, `k`, `a`,
+/// `b` and `dq`, `dk`, `da`, `db`, `dΓ`, `dΓx` the chunk's (row-major,
+/// added to), the A blocks' gradients the block's `[|rows|, |cols|]`.
+fn below_blocks_backward<T: Scalar>(
+    blk: &DecayBlock<T>,
     [q, k, a, b]: [&ArrayView2<T>; 4],
-    [daqk, daqb, daab, daak]: [&Array2<T>; 4],
-    [dq, dk, da, db]: [&mut Array2<T>; 4],
-    [dgamma, dgx]: [&mut Array2<T>; 2],
+    [daqk, daqb, daab, daak]: [ArrayView2<T>; 4],
+    [dq, dk, da, db, dg, dgx]: [&mut [T]; 6],
 ) {
-    let (c, kd) = g.dim();
-    for i in 0..c {
-        for j in 0..=i {
-            let (p_qk, p_qb, p_ab, p_ak) = (daqk[[i, j]], daqb[[i, j]], daab[[i, j]], daak[[i, j]]);
-            for d in 0..kd {
-                let e1 = (g[[i, d]] - g[[j, d]]).exp();
-                let (qi, kj, bj) = (q[[i, d]], k[[j, d]], b[[j, d]]);
-                dq[[i, d]] += (p_qk * kj + p_qb * bj) * e1;
-                dk[[j, d]] += p_qk * qi * e1;
-                db[[j, d]] += p_qb * qi * e1;
-                let t1 = (p_qk * kj + p_qb * bj) * qi * e1;
-                dgamma[[i, d]] += t1;
-                dgamma[[j, d]] -= t1;
-                if j < i {
-                    let e2 = (gx[[i, d]] - g[[j, d]]).exp();
-                    let ai = a[[i, d]];
-                    da[[i, d]] += (p_ab * bj + p_ak * kj) * e2;
-                    db[[j, d]] += p_ab * ai * e2;
-                    dk[[j, d]] += p_ak * ai * e2;
-                    let t2 = (p_ab * bj + p_ak * kj) * ai * e2;
-                    dgx[[i, d]] += t2;
-                    dgamma[[j, d]] -= t2;
-                }
-            }
-        }
+    let (r, cols) = (s![blk.rows.clone(), ..], s![blk.cols.clone(), ..]);
+    let rows_and_cols = [q.slice(r), k.slice(cols), a.slice(r), b.slice(cols)];
+    let grads = factored_grads(&blk.f, rows_and_cols, [daqk, daqb, daab, daak], false);
+    let [dqa, dax, dkb, dbb, qa, ax, kb, bb] = grads.each_ref().map(|x| fused::flat(x.view()));
+    let [ep, exp_, em] = [&blk.f.ep, &blk.f.exp_, &blk.f.em].map(|x| fused::flat(x.view()));
+    let kd = q.ncols();
+    let rows = blk.rows.start * kd..blk.rows.end * kd;
+    for (i, j) in rows.enumerate() {
+        dq[j] += dqa[i] * ep[i];
+        da[j] += dax[i] * exp_[i];
+        dg[j] += dqa[i] * qa[i];
+        dgx[j] += dax[i] * ax[i];
+    }
+    let cols = blk.cols.start * kd..blk.cols.end * kd;
+    for (i, j) in cols.enumerate() {
+        dk[j] += dkb[i] * em[i];
+        db[j] += dbb[i] * em[i];
+        dg[j] -= dkb[i] * kb[i] + dbb[i] * bb[i];
     }
 }
 

@@ -5,9 +5,12 @@
 //! backward, the `dh` recurrence over chunks, WY backward, intra-chunk
 //! backward, gate (reverse cumsum) backward.
 //!
-//! `exp(Γ_r − Γ_c)` is always formed from the difference, so strong decays
-//! never overflow. A [`Policy`] rounds each stored stage for precision
-//! emulation; the default policy is exact.
+//! A pairwise decay `exp(Γ_r − Γ_s)` is a product of two factors through
+//! the chunk's middle row `m`, `exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s)` (so the
+//! pairs are matrix products); a chunk whose decays span too wide a range
+//! for those factors splits into blocks ([`crate::decay_blocks`]), so
+//! strong decays never overflow. A [`Policy`] rounds each stored stage for
+//! precision emulation; the default policy is exact.
 
 use ndarray::{s, Array1, Array2, Array3, ArrayD, ArrayView1, ArrayView2, Axis, CowArray, Ix2};
 
@@ -15,6 +18,7 @@ use super::{
     Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
     Prepared,
 };
+use crate::decay_blocks::Block;
 use crate::error::Result;
 use crate::fused;
 use crate::gemm;
@@ -215,10 +219,36 @@ enum Decays<T> {
         factors: (Array2<T>, Array2<T>),
         exps: [Array2<T>; 2],
     },
-    /// Each pairwise decay from its difference (where a factor would
-    /// overflow, or under FLA's `safe_gate`), with the exponentials formed
-    /// directly and kept.
+    /// Where the chunk's factors would overflow: in blocks
+    /// ([`crate::decay_blocks`]), each with its factors, and the
+    /// exponentials formed directly and kept.
+    Blocks {
+        blocks: Vec<DecayBlock<T>>,
+        exps: [Array2<T>; 2],
+    },
+    /// Each pairwise decay from its difference (under FLA's `safe_gate`),
+    /// with the exponentials formed directly and kept.
     Pairs { exps: [Array2<T>; 2] },
+}
+
+/// One block of a split chunk's pairwise decays ([`crate::decay_blocks`]):
+/// `exp(Γ_r − Γ_s) = row[r]·col[s]` for `r` in `rows`, `s` in `cols`.
+#[derive(Clone, Debug)]
+struct DecayBlock<T> {
+    rows: std::ops::Range<usize>,
+    /// `rows` itself on the diagonal (through its middle row, the lower
+    /// triangle used); else the rows just before `rows`, through their last.
+    cols: std::ops::Range<usize>,
+    /// `exp(Γ_rows − Γ_anchor)`, `[|rows|, K]`
+    row: Array2<T>,
+    /// `exp(Γ_anchor − Γ_cols)`, `[|cols|, K]`
+    col: Array2<T>,
+}
+
+impl<T> DecayBlock<T> {
+    fn diagonal(&self) -> bool {
+        self.rows == self.cols
+    }
 }
 
 impl<T: Scalar> Decays<T> {
@@ -226,7 +256,7 @@ impl<T: Scalar> Decays<T> {
     fn factors(&self) -> Option<&(Array2<T>, Array2<T>)> {
         match self {
             Decays::Mid { factors, .. } | Decays::Factored { factors, .. } => Some(factors),
-            Decays::Pairs { .. } => None,
+            Decays::Blocks { .. } | Decays::Pairs { .. } => None,
         }
     }
 
@@ -243,9 +273,9 @@ impl<T: Scalar> Decays<T> {
                 fused::scale_columns(ep, e_mid).into(),
                 fused::scale_columns(em, e_last).into(),
             ],
-            Decays::Factored { exps: [eg, tl], .. } | Decays::Pairs { exps: [eg, tl] } => {
-                [eg.into(), tl.into()]
-            }
+            Decays::Factored { exps: [eg, tl], .. }
+            | Decays::Blocks { exps: [eg, tl], .. }
+            | Decays::Pairs { exps: [eg, tl] } => [eg.into(), tl.into()],
         }
     }
 }
@@ -322,6 +352,84 @@ impl Chunk {
         fused::exps_bounded(&mut diff);
         let em = fused::reciprocals(diff.view());
         Some((diff, em))
+    }
+
+    /// The blocks of a chunk whose factors do not fit
+    /// ([`crate::decay_blocks`]), each with its factors; `None` under the
+    /// safe-gate emulation, whose pairs go through their own anchors.
+    fn decay_blocks<T: Scalar>(&self, g: &Array2<T>) -> Option<Vec<DecayBlock<T>>> {
+        if self.policy.safe_gate_midpoint {
+            return None;
+        }
+        let rows_of = |r: &std::ops::Range<usize>| g.slice(s![r.clone(), ..]);
+        let blocks = crate::decay_blocks::split(0..g.nrows(), &mut |r| {
+            if r.len() == 1 {
+                let ones = Array2::ones((1, g.ncols()));
+                return Some((ones.clone(), ones));
+            }
+            self.factors(&rows_of(&r).to_owned())
+        });
+        let blocks = blocks.into_iter().map(|b| match b {
+            Block::Diagonal {
+                rows,
+                factors: (row, col),
+            } => DecayBlock {
+                cols: rows.clone(),
+                rows,
+                row,
+                col,
+            },
+            Block::Below { rows, cols } => {
+                let anchor = g.row(cols.end - 1);
+                let row = self.exps(&rows_of(&rows) - &anchor);
+                let col = self.exps(-(&rows_of(&cols) - &anchor));
+                DecayBlock {
+                    rows,
+                    cols,
+                    row,
+                    col,
+                }
+            }
+        });
+        Some(blocks.collect())
+    }
+
+    /// `exp` of every element of `x` (any range): libm's bits, or FLA's
+    /// `exp2` under that policy.
+    fn exps<T: Scalar>(&self, x: Array2<T>) -> Array2<T> {
+        if self.policy.exp2 {
+            return x.mapv(|v| self.policy.exp(v));
+        }
+        fused::exps(x)
+    }
+
+    /// [`Chunk::pair_products`] block by block: each block's products
+    /// through its factors.
+    fn block_products<T: Scalar>(
+        blocks: &[DecayBlock<T>],
+        q: ArrayView2<T>,
+        k: ArrayView2<T>,
+    ) -> (Array2<T>, Array2<T>) {
+        let c = q.nrows();
+        let (mut aqk, mut p) = (Array2::zeros((c, c)), Array2::zeros((c, c)));
+        for b in blocks {
+            let (r, cols) = (s![b.rows.clone(), ..], s![b.cols.clone(), ..]);
+            let [qe, ke, km] = fused::products([
+                (q.slice(r), b.row.view()),
+                (k.slice(r), b.row.view()),
+                (k.slice(cols), b.col.view()),
+            ]);
+            let at = s![b.rows.clone(), b.cols.clone()];
+            if b.diagonal() {
+                let [a, pp] = tri::dot_t_lower_each([qe.view(), ke.view()], km.view(), false);
+                aqk.slice_mut(at).assign(&a);
+                p.slice_mut(at).assign(&pp);
+            } else {
+                gemm::dot_to(qe.view(), km.t(), aqk.slice_mut(at));
+                gemm::dot_to(ke.view(), km.t(), p.slice_mut(at));
+            }
+        }
+        (aqk, p)
     }
 
     /// `Σ_d q_r k_s exp(Γ_r − Γ_s)` and `Σ_d k_r k_s exp(Γ_r − Γ_s)` for
@@ -408,11 +516,7 @@ impl Chunk {
     /// `(exp(Γ), exp(Γ_last − Γ))` formed directly from Γ, `[c, K]` each.
     fn direct_exps<T: Scalar>(&self, g_cumsum: &Array2<T>) -> [Array2<T>; 2] {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
-        let e = |x: T| self.policy.exp(x);
-        [
-            g_cumsum.mapv(e),
-            Array2::from_shape_fn(g_cumsum.raw_dim(), |(r, d)| e(last[d] - g_cumsum[[r, d]])),
-        ]
+        [self.exps(g_cumsum.clone()), self.exps(-(g_cumsum - &last))]
     }
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
@@ -424,6 +528,10 @@ impl Chunk {
         let mut g_cumsum = tensor::standard(x.g.slice(rows)).into_owned();
         self.policy.cumsum_rows(&mut g_cumsum);
         let factors = self.factors(&g_cumsum);
+        let blocks = factors
+            .is_none()
+            .then(|| self.decay_blocks(&g_cumsum))
+            .flatten();
         let fwd_dots = self.policy.storage(Stage::FwdDots);
         let (mut aqk, mut p) = match factors.as_ref().filter(|_| fwd_dots.is_none()) {
             Some((ep, em)) => {
@@ -434,9 +542,10 @@ impl Chunk {
                 let [aqk, p] = tri::dot_t_lower_each([qe.view(), ke.view()], km.view(), false);
                 (aqk, p)
             }
-            None => match fwd_dots {
-                Some(st) => self.pair_products_subchunks(st, &g_cumsum, q, k),
-                None => self.pair_products(&g_cumsum, q, k),
+            None => match (fwd_dots, &blocks) {
+                (Some(st), _) => self.pair_products_subchunks(st, &g_cumsum, q, k),
+                (None, Some(blocks)) => Self::block_products(blocks, q, k),
+                (None, None) => self.pair_products(&g_cumsum, q, k),
             },
         };
         tri::mask_lower(&mut aqk, true);
@@ -455,8 +564,14 @@ impl Chunk {
                 factors,
                 exps: self.direct_exps(&g_cumsum),
             },
-            (_, None) => Decays::Pairs {
-                exps: self.direct_exps(&g_cumsum),
+            (_, None) => match blocks {
+                Some(blocks) => Decays::Blocks {
+                    blocks,
+                    exps: self.direct_exps(&g_cumsum),
+                },
+                None => Decays::Pairs {
+                    exps: self.direct_exps(&g_cumsum),
+                },
             },
         };
         let [eg, tl] = decays.exps();
@@ -877,49 +992,46 @@ impl Chunk {
         if let Some(st) = self.policy.storage(Stage::IntraDots) {
             return self.intra_backward_subchunks(st, ch, q, k, k_col, daqk, dp, dq, dk, dgamma);
         }
+        let flats = [dq, dk, dgamma].map(fused::flat_mut);
         if let Some((ep, em)) = ch.decays.factors() {
-            // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
-            // Γ_m cancels in every product, so it is held constant.
-            let [a, b, cc] = fused::products([(q, ep.view()), (k, em.view()), (k, ep.view())]);
-            let (da, dc) = (
-                tri::lower_dot(daqk.view(), b.view()),
-                tri::lower_dot(dp.view(), b.view()),
+            let ops = [q, k, k_col];
+            return self.diagonal_backward(
+                (ep.view(), em.view()),
+                ops,
+                daqk.view(),
+                dp.view(),
+                flats,
             );
-            // The ∂/∂k_s side reads C with the rounded k·β (only under that stage).
-            let cc_col = self.policy.storage(Stage::KBetaBwd).map(|_| &k_col * ep);
-            let mut db = tri::lower_t_dot(daqk.view(), a.view());
-            let cc = cc_col.as_ref().unwrap_or(&cc);
-            tri::lower_t_dot_add(dp.view(), cc.view(), db.view_mut());
-            let flats = [
-                da.view(),
-                dc.view(),
-                db.view(),
-                a.view(),
-                b.view(),
-                cc.view(),
-                ep.view(),
-                em.view(),
-            ]
-            .map(fused::flat);
-            let n = a.len();
-            let [da_, dc_, db_, a_, b_, cc_, ep_, em_] = flats.each_ref().map(|x| &x[..n]);
-            let (dq_, dk_, dg_) = (
-                &mut fused::flat_mut(dq)[..n],
-                &mut fused::flat_mut(dk)[..n],
-                &mut fused::flat_mut(dgamma)[..n],
-            );
-            crate::simd::dispatch(
-                #[inline(always)]
-                || {
-                    for i in 0..n {
-                        dq_[i] += da_[i] * ep_[i];
-                        dk_[i] += dc_[i] * ep_[i] + db_[i] * em_[i];
-                        dg_[i] += da_[i] * a_[i] + dc_[i] * cc_[i] - db_[i] * b_[i];
-                    }
-                },
-            );
+        }
+        if let Decays::Blocks { blocks, .. } = &ch.decays {
+            let [dq, dk, dgamma] = flats;
+            let kd = k.ncols();
+            for b in blocks {
+                let r = s![b.rows.clone(), ..];
+                let at = s![b.rows.clone(), b.cols.clone()];
+                let (dq, dk, dgamma) = (&mut *dq, &mut *dk, &mut *dgamma);
+                if b.diagonal() {
+                    let rows = b.rows.start * kd..b.rows.end * kd;
+                    self.diagonal_backward(
+                        (b.row.view(), b.col.view()),
+                        [q.slice(r), k.slice(r), k_col.slice(r)],
+                        daqk.slice(at),
+                        dp.slice(at),
+                        [dq, dk, dgamma].map(|x| &mut x[rows.clone()]),
+                    );
+                } else {
+                    self.below_backward(
+                        b,
+                        [q, k, k_col],
+                        daqk.slice(at),
+                        dp.slice(at),
+                        [dq, dk, dgamma],
+                    );
+                }
+            }
             return;
         }
+        let [dq, dk, dgamma] = flats;
         let (c, kd) = (ch.len(), k.ncols());
         for r in 0..c {
             for s in 0..=r {
@@ -932,13 +1044,117 @@ impl Chunk {
                     let ks = k[[s, d]];
                     let aq = a * q[[r, d]];
                     let (coef, coef_col) = (aq + p * k[[r, d]], aq + p * k_col[[r, d]]);
-                    dq[[r, d]] += a * ks * e;
-                    dk[[r, d]] += p * ks * e;
-                    dk[[s, d]] += coef_col * e;
-                    dgamma[[r, d]] += coef * ks * e;
-                    dgamma[[s, d]] -= coef_col * ks * e;
+                    let (r, s) = (r * kd + d, s * kd + d);
+                    dq[r] += a * ks * e;
+                    dk[r] += p * ks * e;
+                    dk[s] += coef_col * e;
+                    dgamma[r] += coef * ks * e;
+                    dgamma[s] -= coef_col * ks * e;
                 }
             }
+        }
+    }
+
+    /// [`Chunk::intra_backward`] for rows whose pairs go through the
+    /// factors `(ep, em) = (exp(Γ − Γ_m), exp(Γ_m − Γ))` of one middle row
+    /// (`[n, K]` each; the whole chunk's, or a diagonal block's): `q`, `k`,
+    /// `k_col` and `dq`, `dk`, `dΓ` (row-major, added to) those rows, `dAqk`
+    /// and `dp` `[n, n]` their pairs.
+    fn diagonal_backward<T: Scalar>(
+        &self,
+        (ep, em): (ArrayView2<T>, ArrayView2<T>),
+        [q, k, k_col]: [ArrayView2<T>; 3],
+        daqk: ArrayView2<T>,
+        dp: ArrayView2<T>,
+        [dq_, dk_, dg_]: [&mut [T]; 3],
+    ) {
+        // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
+        // Γ_m cancels in every product, so it is held constant.
+        let [a, b, cc] = fused::products([(q, ep), (k, em), (k, ep)]);
+        let (da, dc) = (tri::lower_dot(daqk, b.view()), tri::lower_dot(dp, b.view()));
+        // The ∂/∂k_s side reads C with the rounded k·β (only under that stage).
+        let cc_col = self.policy.storage(Stage::KBetaBwd).map(|_| &k_col * &ep);
+        let mut db = tri::lower_t_dot(daqk, a.view());
+        let cc = cc_col.as_ref().unwrap_or(&cc);
+        tri::lower_t_dot_add(dp, cc.view(), db.view_mut());
+        let flats = [
+            da.view(),
+            dc.view(),
+            db.view(),
+            a.view(),
+            b.view(),
+            cc.view(),
+            ep,
+            em,
+        ]
+        .map(fused::flat);
+        let n = a.len();
+        let [da_, dc_, db_, a_, b_, cc_, ep_, em_] = flats.each_ref().map(|x| &x[..n]);
+        let (dq_, dk_, dg_) = (&mut dq_[..n], &mut dk_[..n], &mut dg_[..n]);
+        crate::simd::dispatch(
+            #[inline(always)]
+            || {
+                for i in 0..n {
+                    dq_[i] += da_[i] * ep_[i];
+                    dk_[i] += dc_[i] * ep_[i] + db_[i] * em_[i];
+                    dg_[i] += da_[i] * a_[i] + dc_[i] * cc_[i] - db_[i] * b_[i];
+                }
+            },
+        );
+    }
+
+    /// [`Chunk::intra_backward`] for the pairs of a block below the
+    /// diagonal, `b.rows` against `b.cols` through `b`'s factors: `q`, `k`,
+    /// `k_col` and `dq`, `dk`, `dΓ` (row-major, added to) the chunk's,
+    /// `dAqk` and `dp` the block's `[|rows|, |cols|]`.
+    fn below_backward<T: Scalar>(
+        &self,
+        b: &DecayBlock<T>,
+        [q, k, k_col]: [ArrayView2<T>; 3],
+        daqk: ArrayView2<T>,
+        dp: ArrayView2<T>,
+        [dq, dk, dg]: [&mut [T]; 3],
+    ) {
+        let (r, cols) = (s![b.rows.clone(), ..], s![b.cols.clone(), ..]);
+        // As on the diagonal: A = Q⊙E⁺, C = K⊙E⁺ on the rows, B = K⊙E⁻ on
+        // the columns.
+        let [a, cc, bm] = fused::products([
+            (q.slice(r), b.row.view()),
+            (k.slice(r), b.row.view()),
+            (k.slice(cols), b.col.view()),
+        ]);
+        let cc_col = self
+            .policy
+            .storage(Stage::KBetaBwd)
+            .map(|_| &k_col.slice(r) * &b.row);
+        let cc = cc_col.as_ref().unwrap_or(&cc);
+        let (da, dc) = (gemm::dot(daqk, bm.view()), gemm::dot(dp, bm.view()));
+        let mut db = gemm::dot(daqk.t(), a.view());
+        gemm::dot_add(dp.t(), cc.view(), db.view_mut());
+        let kd = k.ncols();
+        let (rows, cols) = (
+            b.rows.start * kd..b.rows.end * kd,
+            b.cols.start * kd..b.cols.end * kd,
+        );
+        let [da, dc, db, a, bm, cc, row, col] = [
+            da.view(),
+            dc.view(),
+            db.view(),
+            a.view(),
+            bm.view(),
+            cc.view(),
+            b.row.view(),
+            b.col.view(),
+        ]
+        .map(fused::flat);
+        for (i, j) in rows.clone().enumerate() {
+            dq[j] += da[i] * row[i];
+            dk[j] += dc[i] * row[i];
+            dg[j] += da[i] * a[i] + dc[i] * cc[i];
+        }
+        for (i, j) in cols.enumerate() {
+            dk[j] += db[i] * col[i];
+            dg[j] -= db[i] * bm[i];
         }
     }
 }
