@@ -17,6 +17,39 @@
 
 use std::ops::Range;
 
+use ndarray::{Array2, ArrayView2, ArrayViewMut2};
+
+use crate::gemm;
+use crate::scalar::Scalar;
+use crate::tri;
+
+/// `x [m, n] · y [n, p]`, returned.
+pub type Dot<T> = fn(ArrayView2<T>, ArrayView2<T>) -> Array2<T>;
+/// `out [m, p] += x [m, n] · y [n, p]`.
+pub type DotAdd<T> = fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>);
+
+/// The products a block's backward takes of a pair gradient `dA`:
+/// `(dA·x, out += dA·x, dAᵀ·x, out += dAᵀ·x)`. On the diagonal `dA` is
+/// lower triangular and they are [`crate::tri`]'s blocked products; below
+/// it `dA` is full and they are plain ones.
+pub fn grad_products<T: Scalar>(diagonal: bool) -> (Dot<T>, DotAdd<T>, Dot<T>, DotAdd<T>) {
+    if diagonal {
+        (
+            tri::lower_dot,
+            tri::lower_dot_add,
+            tri::lower_t_dot,
+            tri::lower_t_dot_add,
+        )
+    } else {
+        (
+            gemm::dot,
+            gemm::dot_add,
+            |x, y| gemm::dot(x.t(), y),
+            |x, y, out| gemm::dot_add(x.t(), y, out),
+        )
+    }
+}
+
 /// One block of a split chunk's pairs.
 #[derive(Clone, Debug)]
 pub enum Block<F> {

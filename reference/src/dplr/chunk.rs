@@ -10,8 +10,7 @@
 //! overflows.
 
 use ndarray::{
-    s, Array1, Array2, Array3, ArrayBase, ArrayD, ArrayView2, ArrayViewMut2, Axis, CowArray, Data,
-    Ix2,
+    s, Array1, Array2, Array3, ArrayBase, ArrayD, ArrayView2, Axis, CowArray, Data, Ix2,
 };
 
 use super::{
@@ -562,7 +561,7 @@ impl Chunk {
                 exps: direct_exps(&g, &gx),
             },
         };
-        let (aqk, aqb, aab, aak) = match &decays {
+        let mut a_blocks = match &decays {
             Decays::Mid { f, .. } => {
                 // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
                 let [qa, ax, kb, bb] = fused::products([
@@ -571,25 +570,17 @@ impl Chunk {
                     (k, f.em.view()),
                     (b, f.em.view()),
                 ]);
-                // Only the lower triangles are used.
                 let [aqk, aak] = tri::dot_t_lower_each([qa.view(), ax.view()], kb.view(), false);
                 let [aqb, aab] = tri::dot_t_lower_each([qa.view(), ax.view()], bb.view(), false);
-                let mut blocks = [aqk, aqb, aab, aak];
-                for (i, blk) in blocks.iter_mut().enumerate() {
-                    tri::mask_lower(blk, i < 2);
-                }
-                let [aqk, aqb, aab, aak] = blocks;
-                (aqk, aqb, aab, aak)
+                [aqk, aqb, aab, aak]
             }
-            Decays::Blocks { blocks, .. } => {
-                let mut a_blocks = split_a_blocks(blocks, [&q, &k, &a, &b]);
-                for (i, blk) in a_blocks.iter_mut().enumerate() {
-                    tri::mask_lower(blk, i < 2);
-                }
-                let [aqk, aqb, aab, aak] = a_blocks;
-                (aqk, aqb, aab, aak)
-            }
+            Decays::Blocks { blocks, .. } => split_a_blocks(blocks, [&q, &k, &a, &b]),
         };
+        // Only the lower triangles are used (Aab, Aak strictly lower).
+        for (i, blk) in a_blocks.iter_mut().enumerate() {
+            tri::mask_lower(blk, i < 2);
+        }
+        let [aqk, aqb, aab, aak] = a_blocks;
         // FLA's `chunk_dplr_fwd_intra` rounds all four blocks to the token
         // dtype (`Aab`, `Aak` through `.to(Aqb.dtype)` into fp32 tensors).
         let [aqk, aqb, aab, aak] = [aqk, aqb, aab, aak].map(|a| self.as_stored(Stage::Aqk, a));
@@ -970,17 +961,11 @@ fn blocks_backward<T: Scalar>(
     }
 }
 
-/// `x [m, n] · y [n, p]`, returned.
-type Dot<T> = fn(ArrayView2<T>, ArrayView2<T>) -> Array2<T>;
-/// `out [m, p] += x [m, n] · y [n, p]`.
-type DotAdd<T> = fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>);
-
 /// What the A blocks' gradients send the factored operands of a block of
 /// pairs, `[dqa, dax, dkb, dbb]` (each a sum of two products, one sum per
 /// element), then the operands `[qa, ax, kb, bb]` (`q`, `a` on its rows
-/// times `f.ep`, `f.exp_`; `k`, `b` on its columns times `f.em`). On the diagonal
-/// the products are the blocked triangular ones (the A blocks are lower
-/// triangular), below it plain ones.
+/// times `f.ep`, `f.exp_`; `k`, `b` on its columns times `f.em`), with the
+/// products of [`crate::decay_blocks::grad_products`].
 fn factored_grads<T: Scalar>(
     f: &Factors<T>,
     [q, k, a, b]: [ArrayView2<T>; 4],
@@ -994,27 +979,14 @@ fn factored_grads<T: Scalar>(
         (k, f.em.view()),
         (b, f.em.view()),
     ]);
-    let (l, l_add, lt, lt_add): (Dot<T>, DotAdd<T>, Dot<T>, DotAdd<T>) = if diagonal {
-        (
-            tri::lower_dot,
-            tri::lower_dot_add,
-            tri::lower_t_dot,
-            tri::lower_t_dot_add,
-        )
-    } else {
-        (
-            gemm::dot,
-            gemm::dot_add,
-            |x, y| gemm::dot(x.t(), y),
-            |x, y, out| gemm::dot_add(x.t(), y, out),
-        )
+    let (l, l_add, lt, lt_add) = crate::decay_blocks::grad_products(diagonal);
+    let sum = |first: crate::decay_blocks::Dot<T>,
+               then: crate::decay_blocks::DotAdd<T>,
+               [(x1, y1), (x2, y2)]: [(ArrayView2<T>, &Array2<T>); 2]| {
+        let mut s = first(x1, y1.view());
+        then(x2, y2.view(), s.view_mut());
+        s
     };
-    let sum =
-        |first: Dot<T>, then: DotAdd<T>, [(x1, y1), (x2, y2)]: [(ArrayView2<T>, &Array2<T>); 2]| {
-            let mut s = first(x1, y1.view());
-            then(x2, y2.view(), s.view_mut());
-            s
-        };
     let dqa = sum(l, l_add, [(daqk, &kb), (daqb, &bb)]);
     let dax = sum(l, l_add, [(daab, &bb), (daak, &kb)]);
     let dkb = sum(lt, lt_add, [(daqk, &qa), (daak, &ax)]);

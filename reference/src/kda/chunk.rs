@@ -362,11 +362,8 @@ impl Chunk {
             return None;
         }
         let rows_of = |r: &std::ops::Range<usize>| g.slice(s![r.clone(), ..]);
+        // One row's factors are exp(0) = 1 and always fit.
         let blocks = crate::decay_blocks::split(0..g.nrows(), &mut |r| {
-            if r.len() == 1 {
-                let ones = Array2::ones((1, g.ncols()));
-                return Some((ones.clone(), ones));
-            }
             self.factors(&rows_of(&r).to_owned())
         });
         let blocks = blocks.into_iter().map(|b| match b {
@@ -564,15 +561,13 @@ impl Chunk {
                 factors,
                 exps: self.direct_exps(&g_cumsum),
             },
-            (_, None) => match blocks {
-                Some(blocks) => Decays::Blocks {
-                    blocks,
-                    exps: self.direct_exps(&g_cumsum),
-                },
-                None => Decays::Pairs {
-                    exps: self.direct_exps(&g_cumsum),
-                },
-            },
+            (_, None) => {
+                let exps = self.direct_exps(&g_cumsum);
+                match blocks {
+                    Some(blocks) => Decays::Blocks { blocks, exps },
+                    None => Decays::Pairs { exps },
+                }
+            }
         };
         let [eg, tl] = decays.exps();
         let [mut qg, mut kg] = fused::products([(q, eg.view()), (k, tl.view())]);
@@ -1055,6 +1050,34 @@ impl Chunk {
         }
     }
 
+    /// What `dAqk` and `dp` of a block of pairs send its factored operands,
+    /// `[da, dc, db]`, then the operands `[a, b, cc]`: with the block's
+    /// factors `(row, col)`, `A = Q⊙row` and `C = K⊙row` on its rows (`q`,
+    /// `k`, `k_col` those rows; `C` from `k_col` under [`Stage::KBetaBwd`],
+    /// as the `∂/∂k_s` side reads it) and `B = K⊙col` on its columns
+    /// (`k_cols`), so that `Aqk = A Bᵀ` and `p = C Bᵀ` on the block. The
+    /// anchor cancels in every product, so it is held constant. The
+    /// products are [`crate::decay_blocks::grad_products`].
+    fn factored_grads<T: Scalar>(
+        &self,
+        (row, col): (ArrayView2<T>, ArrayView2<T>),
+        [q, k, k_col]: [ArrayView2<T>; 3],
+        k_cols: ArrayView2<T>,
+        [daqk, dp]: [ArrayView2<T>; 2],
+        diagonal: bool,
+    ) -> [Array2<T>; 6] {
+        let (dot, _, t_dot, t_dot_add) = crate::decay_blocks::grad_products(diagonal);
+        let [a, b, cc] = fused::products([(q, row), (k_cols, col), (k, row)]);
+        let cc = match self.policy.storage(Stage::KBetaBwd) {
+            Some(_) => &k_col * &row,
+            None => cc,
+        };
+        let (da, dc) = (dot(daqk, b.view()), dot(dp, b.view()));
+        let mut db = t_dot(daqk, a.view());
+        t_dot_add(dp, cc.view(), db.view_mut());
+        [da, dc, db, a, b, cc]
+    }
+
     /// [`Chunk::intra_backward`] for rows whose pairs go through the
     /// factors `(ep, em) = (exp(Γ − Γ_m), exp(Γ_m − Γ))` of one middle row
     /// (`[n, K]` each; the whole chunk's, or a diagonal block's): `q`, `k`,
@@ -1068,28 +1091,12 @@ impl Chunk {
         dp: ArrayView2<T>,
         [dq_, dk_, dg_]: [&mut [T]; 3],
     ) {
-        // With A = Q⊙E⁺, B = K⊙E⁻ (Aqk = A Bᵀ) and C = K⊙E⁺ (p = C Bᵀ):
-        // Γ_m cancels in every product, so it is held constant.
-        let [a, b, cc] = fused::products([(q, ep), (k, em), (k, ep)]);
-        let (da, dc) = (tri::lower_dot(daqk, b.view()), tri::lower_dot(dp, b.view()));
-        // The ∂/∂k_s side reads C with the rounded k·β (only under that stage).
-        let cc_col = self.policy.storage(Stage::KBetaBwd).map(|_| &k_col * &ep);
-        let mut db = tri::lower_t_dot(daqk, a.view());
-        let cc = cc_col.as_ref().unwrap_or(&cc);
-        tri::lower_t_dot_add(dp, cc.view(), db.view_mut());
-        let flats = [
-            da.view(),
-            dc.view(),
-            db.view(),
-            a.view(),
-            b.view(),
-            cc.view(),
-            ep,
-            em,
-        ]
-        .map(fused::flat);
-        let n = a.len();
-        let [da_, dc_, db_, a_, b_, cc_, ep_, em_] = flats.each_ref().map(|x| &x[..n]);
+        let grads = self.factored_grads((ep, em), [q, k, k_col], k, [daqk, dp], true);
+        let flats = grads.each_ref().map(|x| fused::flat(x.view()));
+        let factors = [ep, em].map(fused::flat);
+        let n = grads[0].len();
+        let [da_, dc_, db_, a_, b_, cc_] = flats.each_ref().map(|x| &x[..n]);
+        let [ep_, em_] = factors.each_ref().map(|x| &x[..n]);
         let (dq_, dk_, dg_) = (&mut dq_[..n], &mut dk_[..n], &mut dg_[..n]);
         crate::simd::dispatch(
             #[inline(always)]
@@ -1116,38 +1123,17 @@ impl Chunk {
         [dq, dk, dg]: [&mut [T]; 3],
     ) {
         let (r, cols) = (s![b.rows.clone(), ..], s![b.cols.clone(), ..]);
-        // As on the diagonal: A = Q⊙E⁺, C = K⊙E⁺ on the rows, B = K⊙E⁻ on
-        // the columns.
-        let [a, cc, bm] = fused::products([
-            (q.slice(r), b.row.view()),
-            (k.slice(r), b.row.view()),
-            (k.slice(cols), b.col.view()),
-        ]);
-        let cc_col = self
-            .policy
-            .storage(Stage::KBetaBwd)
-            .map(|_| &k_col.slice(r) * &b.row);
-        let cc = cc_col.as_ref().unwrap_or(&cc);
-        let (da, dc) = (gemm::dot(daqk, bm.view()), gemm::dot(dp, bm.view()));
-        let mut db = gemm::dot(daqk.t(), a.view());
-        gemm::dot_add(dp.t(), cc.view(), db.view_mut());
+        let rows_of = [q.slice(r), k.slice(r), k_col.slice(r)];
+        let factors = (b.row.view(), b.col.view());
+        let grads = self.factored_grads(factors, rows_of, k.slice(cols), [daqk, dp], false);
+        let [da, dc, db, a, bm, cc] = grads.each_ref().map(|x| fused::flat(x.view()));
+        let [row, col] = [&b.row, &b.col].map(|x| fused::flat(x.view()));
         let kd = k.ncols();
         let (rows, cols) = (
             b.rows.start * kd..b.rows.end * kd,
             b.cols.start * kd..b.cols.end * kd,
         );
-        let [da, dc, db, a, bm, cc, row, col] = [
-            da.view(),
-            dc.view(),
-            db.view(),
-            a.view(),
-            bm.view(),
-            cc.view(),
-            b.row.view(),
-            b.col.view(),
-        ]
-        .map(fused::flat);
-        for (i, j) in rows.clone().enumerate() {
+        for (i, j) in rows.enumerate() {
             dq[j] += da[i] * row[i];
             dk[j] += dc[i] * row[i];
             dg[j] += da[i] * a[i] + dc[i] * cc[i];
