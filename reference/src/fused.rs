@@ -137,15 +137,16 @@ pub fn exps_bounded<T: Scalar>(x: &mut Array2<T>) {
 }
 
 /// `exp` of each element of `x` (any range) with libm's bits
-/// ([`Scalar::exp_into`]: vectorised in `f64`).
-pub fn exps<T: Scalar>(mut x: Array2<T>) -> Array2<T> {
-    let src = flat(x.view()).into_owned();
-    let dst = flat_mut(&mut x);
+/// ([`Scalar::exp_into`]: vectorised in `f64`), in a new array.
+pub fn exps<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
+    let src = flat(x);
+    let mut out = Array2::zeros(x.raw_dim());
+    let dst = flat_mut(&mut out);
     simd::dispatch(
         #[inline(always)]
         || T::exp_into(&src, dst),
     );
-    x
+    out
 }
 
 /// `x ⊙ f` for each pair `(x, f)` of same-shape arrays.

@@ -255,9 +255,9 @@ pub enum Exp {
 fn direct_exps<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> [Array2<T>; 3] {
     let last = g.row(g.nrows() - 1);
     [
-        fused::exps(g.clone()),
-        fused::exps(gx.clone()),
-        fused::exps(-(g - &last)),
+        fused::exps(g.view()),
+        fused::exps(gx.view()),
+        fused::exps((-(g - &last)).view()),
     ]
 }
 
@@ -370,7 +370,6 @@ fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
 /// The blocks of a chunk whose factors do not fit ([`crate::decay_blocks`]),
 /// each with its factors, from Γ and Γx `[c, K]`.
 fn decay_blocks<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Vec<DecayBlock<T>> {
-    let rows_of = |x: &Array2<T>, r: &std::ops::Range<usize>| x.slice(s![r.clone(), ..]).to_owned();
     let blocks = crate::decay_blocks::split(0..g.nrows(), &mut |r| {
         if r.len() == 1 {
             // A row's one pair is exp(0) in Aqk and Aqb; Aab and Aak have
@@ -383,7 +382,10 @@ fn decay_blocks<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Vec<DecayBlock<T>> 
                 em: ones,
             });
         }
-        factors(&rows_of(g, &r), &rows_of(gx, &r))
+        factors(
+            &rows(g, r.start, r.len()).to_owned(),
+            &rows(gx, r.start, r.len()).to_owned(),
+        )
     });
     blocks
         .into_iter()
@@ -397,10 +399,11 @@ fn decay_blocks<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Vec<DecayBlock<T>> 
                 // Γx_i = Γ_{i−1} (up to rounding) is at most the anchor's Γ
                 // for every row after it: all three factors at most 1.
                 let anchor = g.row(cols.end - 1);
+                let (r, c) = (s![rows.clone(), ..], s![cols.clone(), ..]);
                 let f = Factors {
-                    ep: fused::exps(&rows_of(g, &rows) - &anchor),
-                    exp_: fused::exps(&rows_of(gx, &rows) - &anchor),
-                    em: fused::exps(-(&rows_of(g, &cols) - &anchor)),
+                    ep: fused::exps((&g.slice(r) - &anchor).view()),
+                    exp_: fused::exps((&gx.slice(r) - &anchor).view()),
+                    em: fused::exps((-(&g.slice(c) - &anchor)).view()),
                 };
                 DecayBlock { rows, cols, f }
             }

@@ -378,8 +378,8 @@ impl Chunk {
             },
             Block::Below { rows, cols } => {
                 let anchor = g.row(cols.end - 1);
-                let row = self.exps(&rows_of(&rows) - &anchor);
-                let col = self.exps(-(&rows_of(&cols) - &anchor));
+                let row = self.exps((&rows_of(&rows) - &anchor).view());
+                let col = self.exps((-(&rows_of(&cols) - &anchor)).view());
                 DecayBlock {
                     rows,
                     cols,
@@ -393,7 +393,7 @@ impl Chunk {
 
     /// `exp` of every element of `x` (any range): libm's bits, or FLA's
     /// `exp2` under that policy.
-    fn exps<T: Scalar>(&self, x: Array2<T>) -> Array2<T> {
+    fn exps<T: Scalar>(&self, x: ArrayView2<T>) -> Array2<T> {
         if self.policy.exp2 {
             return x.mapv(|v| self.policy.exp(v));
         }
@@ -513,7 +513,10 @@ impl Chunk {
     /// `(exp(Γ), exp(Γ_last − Γ))` formed directly from Γ, `[c, K]` each.
     fn direct_exps<T: Scalar>(&self, g_cumsum: &Array2<T>) -> [Array2<T>; 2] {
         let last = g_cumsum.row(g_cumsum.nrows() - 1);
-        [self.exps(g_cumsum.clone()), self.exps(-(g_cumsum - &last))]
+        [
+            self.exps(g_cumsum.view()),
+            self.exps((-(g_cumsum - &last)).view()),
+        ]
     }
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
