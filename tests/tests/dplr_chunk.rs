@@ -100,7 +100,7 @@ fn h_is_the_naive_state_at_every_chunk_start_and_transitions_agree() {
 #[test]
 fn chunks_too_wide_for_one_pair_of_factors_split_into_blocks() {
     // As in the KDA test of the same name ([`steep_decays`]: dims from
-    // −0.8 to −50 a token, one token −800): every chunk splits into blocks,
+    // −0.8 to −50 a token, one token −800): the chunks split into blocks,
     // down to single rows around the −800 token, where Γx's factor
     // (exp(−gk) = e^800) is never formed. f64 to 1e-10 against the naive
     // recurrence; f32 within 1e-4 (measured: at most 8.1e-6, up to 70

@@ -176,7 +176,7 @@ fn chunks_too_wide_for_one_pair_of_factors_split_into_blocks() {
     // Dim 0 about −0.8 a token, dim 7 about −50, one token −800
     // ([`steep_decays`]). A chunk's factors through its middle row
     // overflow once a span passes 2·exp_bound: 567 in f64 and 71 in f32, so
-    // every chunk splits, down to single rows around the −800 token, while
+    // the chunks split, down to single rows around the −800 token, while
     // the gentle dims keep their decays near 1 across the chunk. The split
     // chunks must still agree with the naive recurrence to 1e-10 in f64
     // (outputs, final state, every gradient), and in f32 within 1e-4 (a
