@@ -31,6 +31,7 @@ pub mod kda;
 pub mod kernels;
 mod pieces;
 mod recurrent;
+pub mod runner;
 pub mod token_shift;
 
 use deltaref::cp::plan::PlanSpec;

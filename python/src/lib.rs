@@ -129,13 +129,8 @@ fn layout_of(name: Option<&str>) -> PyResult<Option<Layout>> {
 }
 
 fn compute_of(name: &str) -> PyResult<Compute> {
-    match name {
-        "f64" => Ok(Compute::F64),
-        "f32" => Ok(Compute::F32),
-        c => Err(value_error(format!(
-            "compute: expected f64 or f32, got `{c}`"
-        ))),
-    }
+    name.parse()
+        .map_err(|e: String| value_error(format!("compute: {e}")))
 }
 
 /// Every output and gradient of a case's inputs and upstream gradients under
@@ -211,7 +206,7 @@ fn read_case(py: Python<'_>, path: PathBuf) -> PyResult<PyCase<'_>> {
 #[pyfunction]
 fn read_candidate<'py>(py: Python<'py>, path: PathBuf, op: &str) -> PyResult<PyCase<'py>> {
     let op = Op::parse(op)
-        .ok_or_else(|| value_error(format!("unknown op `{op}` (kda, dplr, token_shift)")))?;
+        .ok_or_else(|| value_error(format!("unknown op `{op}` ({})", Op::names_list())))?;
     let case = released(py, || Case::read_candidate(&path, op))?;
     case_to_py(py, case)
 }
@@ -255,7 +250,7 @@ fn gen<'py>(
     expected: bool,
 ) -> PyResult<PyCase<'py>> {
     let op = Op::parse(op)
-        .ok_or_else(|| value_error(format!("op: unknown op `{op}` (kda, dplr, token_shift)")))?;
+        .ok_or_else(|| value_error(format!("op: unknown op `{op}` ({})", Op::names_list())))?;
     let gate = match (gate, lower_bound) {
         ("none", None) => Gate::None,
         ("kda", None) => Gate::Kda,
@@ -271,16 +266,6 @@ fn gen<'py>(
             )))
         }
     };
-    let kda_only = gate != Gate::None
-        || use_qk_l2norm_in_kernel
-        || use_beta_sigmoid_in_kernel
-        || allow_neg_eigval;
-    if op != Op::Kda && kda_only {
-        return Err(value_error(
-            "gate, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel and allow_neg_eigval \
-             only apply to op kda",
-        ));
-    }
     let spec = GenSpec {
         shape,
         lengths,

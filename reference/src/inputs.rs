@@ -1,7 +1,7 @@
 //! Deterministic random inputs shaped like FLA's tests (see [`crate::rng`] for
 //! the generator): what `selfcheck`, `gen`, fixtures, benchmarks and tests use.
 
-use ndarray::{Array, ArrayD, IxDyn};
+use ndarray::{Array, ArrayD, Axis, IxDyn};
 
 use crate::conv::ConvInputs;
 use crate::dplr::DplrInputs;
@@ -646,6 +646,17 @@ pub fn conv(s: &ConvSpec) -> Generated<ConvInputs<f64>> {
         },
         d_o: normal(s.seed, "dy", &[b, t, s.d]),
         dht: normal(s.seed, "dht", &[n, s.d, s.w]),
+    }
+}
+
+/// `x / max(‖x‖, 1e-12)` over the last dimension (PyTorch's `F.normalize`),
+/// in place: FLA's tests draw unit-norm keys when the kernel does not
+/// l2-normalise them.
+pub fn unit_norm(x: &mut ArrayD<f64>) {
+    let last = Axis(x.ndim() - 1);
+    for mut row in x.lanes_mut(last) {
+        let norm = row.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);
+        row.mapv_inplace(|v| v / norm);
     }
 }
 

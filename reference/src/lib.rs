@@ -23,6 +23,7 @@ pub mod kda;
 pub mod op;
 pub mod ops;
 pub mod precision;
+pub mod registry;
 pub mod rng;
 pub mod scalar;
 pub mod scratch;

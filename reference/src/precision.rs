@@ -178,6 +178,23 @@ impl Default for Policy {
     }
 }
 
+/// FLA's bf16 kernels' base policy: bf16 inputs, then `stages` in order,
+/// then (`cp`) the context-parallel quantities in fp32 (the `M` chain
+/// accumulates in fp32, `S_ext` and the merged state are fp32). The
+/// operator adds its own variants (exp2, the safe gate, the outputs).
+pub fn fla_bf16(stages: &[(Stage, Dtype)], cp: bool) -> Policy {
+    let mut p = Policy::exact().with(Stage::Inputs, Dtype::Bf16);
+    for &(s, d) in stages {
+        p = p.with(s, d);
+    }
+    if cp {
+        for s in [Stage::MChain, Stage::SExt, Stage::Merged] {
+            p = p.with(s, Dtype::F32);
+        }
+    }
+    p
+}
+
 impl Policy {
     /// No rounding, plain exp: the oracle.
     pub fn exact() -> Self {

@@ -473,18 +473,6 @@ impl<T: Scalar> Default for DotSum<T> {
     }
 }
 
-/// FLA's kernels use chunks of 16, 32 or 64 tokens.
-pub fn check_chunk_size(chunk_size: usize) -> Result<()> {
-    if [16, 32, 64].contains(&chunk_size) {
-        Ok(())
-    } else {
-        Err(Error::option(
-            "chunk_size",
-            format!("must be 16, 32 or 64, got {chunk_size}"),
-        ))
-    }
-}
-
 /// A chunked engine's span of a long pair ([`crate::varlen::in_spans`]):
 /// a positive multiple of its chunk size.
 pub fn check_span_len(span_len: usize, chunk_size: usize) -> Result<()> {

@@ -10,20 +10,54 @@
 use std::sync::{Mutex, OnceLock};
 
 use deltaref::cp::plan::PlanSpec;
+use deltaref::dplr::DplrInputs;
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::gdn::{Gdn, GdnOptions, OnKda};
 use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
+use deltaref::kda::KdaInputs;
 use deltaref::kda::{self, Kda, KdaOptions};
+use deltaref::registry::Registered;
 use deltaref::token_shift::{Shift, TokenShift};
 use deltaref::Dtype;
 use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl};
 use deltaref_tests::ratio;
-use deltaref_verify::case::{Inputs, Op};
+use deltaref_verify::case::Op;
 use deltaref_verify::generate::{generate, GenSpec};
-use deltaref_verify::gpu::{stored, stored_dplr, stored_gdn, stored_kda};
+use deltaref_verify::gpu::stored;
 use deltaref_verify::outputs::{self, Tensors};
 use ndarray::ArrayD;
+
+/// KDA (and GDN) inputs as the device reads them: token tensors in `s`,
+/// states and gate parameters in f32.
+fn stored_kda(x: &KdaInputs<f64>, s: Dtype) -> KdaInputs<f64> {
+    let f32_ = |a: &ArrayD<f64>| stored(a, Dtype::F32);
+    KdaInputs {
+        q: stored(&x.q, s),
+        k: stored(&x.k, s),
+        v: stored(&x.v, s),
+        g: stored(&x.g, s),
+        beta: stored(&x.beta, s),
+        a_log: x.a_log.as_ref().map(f32_),
+        dt_bias: x.dt_bias.as_ref().map(f32_),
+        initial_state: x.initial_state.as_ref().map(f32_),
+        cu_seqlens: x.cu_seqlens.clone(),
+    }
+}
+
+/// DPLR inputs as the device reads them.
+fn stored_dplr(x: &DplrInputs<f64>, s: Dtype) -> DplrInputs<f64> {
+    DplrInputs {
+        q: stored(&x.q, s),
+        k: stored(&x.k, s),
+        v: stored(&x.v, s),
+        a: stored(&x.a, s),
+        b: stored(&x.b, s),
+        gk: stored(&x.gk, s),
+        initial_state: x.initial_state.as_ref().map(|a| stored(a, Dtype::F32)),
+        cu_seqlens: x.cu_seqlens.clone(),
+    }
+}
 
 /// One device for every test, used by one test at a time.
 fn gpu() -> std::sync::MutexGuard<'static, Gpu> {
@@ -261,7 +295,7 @@ fn kda_cp_f32_matches_the_oracle_with_a_sequence_over_many_ranks() {
 /// same stored inputs.
 fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let g = inputs::gdn(spec);
-    let x = stored_gdn(&g.inputs, imp.storage);
+    let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
     let naive = OnKda(kda::naive::Naive);
@@ -392,35 +426,26 @@ fn cases_run_from_their_own_tensors() {
                 let imp = imp(Engine::Naive, cp.clone(), dtype);
                 let (got, t) = deltaref_verify::gpu::case(&imp, &case).expect("GPU run");
                 let (d_o, dht) = case.upstream().expect("upstream");
-                let want = match case.inputs().expect("inputs") {
-                    Inputs::Dplr(x) => {
-                        let opts = case.meta.dplr_options();
-                        let r = deltaref_gpu::dplr::run(
-                            dev,
-                            &x.refs(),
-                            &opts,
-                            &d_o,
-                            dht.as_ref(),
-                            &imp,
-                        );
+                let (tensors, cu) = (&case.tensors, case.cu_seqlens.as_deref());
+                let options = &case.meta.options;
+                let want = match case.meta.op.name() {
+                    "dplr" => {
+                        let opts = <Dplr as Registered>::options(options).unwrap();
+                        let x = dplr::entry::refs(tensors, cu).unwrap();
+                        let r = deltaref_gpu::dplr::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
                         outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads))
                     }
-                    Inputs::Gdn(x) => {
-                        let opts = case.meta.gdn_options();
-                        let r =
-                            deltaref_gpu::gdn::run(dev, &x.refs(), &opts, &d_o, dht.as_ref(), &imp);
+                    "gdn" => {
+                        let opts = <Gdn as Registered>::options(options).unwrap();
+                        let x = kda::entry::refs(tensors, cu, "gdn").unwrap();
+                        let r = deltaref_gpu::gdn::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
                         outputs::map::<f64, Gdn>(&r.outputs, Some(&r.grads))
                     }
-                    Inputs::TokenShift(x) => {
-                        let r = deltaref_gpu::token_shift::run(
-                            dev,
-                            &x.refs(),
-                            &d_o,
-                            dht.as_ref(),
-                            &imp,
-                        );
+                    "token_shift" => {
+                        let x = deltaref::token_shift::entry::refs(tensors, cu).unwrap();
+                        let r = deltaref_gpu::token_shift::run(dev, &x, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
                         outputs::map::<f64, TokenShift>(&r.outputs, Some(&r.grads))
                     }

@@ -45,9 +45,15 @@ fn long_memory_case(
         seed: 21,
     };
     let g = inputs::kda(&spec);
-    let mut meta = CaseMeta::new(Op::Kda);
-    meta.gate = gate;
-    meta.use_qk_l2norm_in_kernel = true;
+    let flags = deltaref::registry::GenFlags {
+        gate,
+        l2norm: true,
+        ..Default::default()
+    };
+    let meta = CaseMeta {
+        options: Op::Kda.entry().gen_options(&flags).unwrap(),
+        ..CaseMeta::new(Op::Kda)
+    };
     let mut case = Case::new(meta);
     case.cu_seqlens = g.inputs.cu_seqlens.clone();
     // g ≈ −0.01 per token: a state survives hundreds of tokens.

@@ -75,8 +75,11 @@ fn long_memory_and_mixed_carry_m_across_ranks() {
 fn fla_test_is_the_default_and_unrecorded() {
     let spec = kda(Gate::None, Regime::FlaTest);
     assert_eq!(GenSpec::new(Op::Kda).regime, Regime::FlaTest);
-    assert!(spec.meta().to_json().get("regime").is_none());
-    let lm = kda(Gate::None, Regime::LongMemory).meta().to_json();
+    assert!(spec.meta().unwrap().to_json().get("regime").is_none());
+    let lm = kda(Gate::None, Regime::LongMemory)
+        .meta()
+        .unwrap()
+        .to_json();
     assert_eq!(lm["regime"], "long-memory");
 }
 

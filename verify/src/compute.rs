@@ -6,11 +6,7 @@ use deltaref_gpu::GpuError;
 use thiserror::Error;
 
 /// The scalar an implementation computes in (`--compute f64|f32`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Compute {
-    F64,
-    F32,
-}
+pub use deltaref::registry::Compute;
 
 /// Why an implementation produced no results.
 #[derive(Debug, Error)]

@@ -300,7 +300,7 @@ impl Preset {
         c.meta.chunk_size = self.chunk_size;
         if self.intermediates {
             let imp = crate::impls::ImplRequest::chunked_for(&c).resolve(&c)?;
-            let (tensors, _) = crate::intermediates::compute(&c, &imp)?;
+            let (tensors, _) = crate::intermediates::compute(&c, &imp, crate::impls::Compute::F64)?;
             for (n, t) in tensors {
                 c.insert(&n, t, Dtype::F64);
             }

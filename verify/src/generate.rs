@@ -4,12 +4,8 @@ use std::path::Path;
 
 use deltaref::conv::Activation;
 use deltaref::gates::Gate;
-use deltaref::gdn::GdnOptions;
-use deltaref::inputs::{
-    self, ConvSpec, DplrSpec, Draw, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec,
-};
-use deltaref::kda::KdaOptions;
-use ndarray::{ArrayD, Axis};
+use deltaref::inputs::{Draw, Layout, Regime};
+use deltaref::registry::{DrawRequest, GenFlags, Options};
 
 use crate::case::{result_shape_of, results_of, Case, CaseError, CaseMeta, Drawn, Dtype, Op};
 use crate::heads::HeadFile;
@@ -74,15 +70,34 @@ impl GenSpec {
         }
     }
 
+    /// What the flags ask of the op, in the registry's words.
+    pub fn flags(&self) -> GenFlags {
+        GenFlags {
+            gate: self.gate,
+            l2norm: self.use_qk_l2norm_in_kernel,
+            beta_sigmoid: self.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: self.allow_neg_eigval,
+            initial_state: self.initial_state,
+            state_v_first: self.state_v_first,
+            activation: self.activation,
+            bias: self.bias,
+            scale: self.scale,
+        }
+    }
+
+    /// The op's options the flags ask for (flags the op does not take
+    /// are refused, naming the ops that do).
+    pub fn options(&self) -> Result<Options, CaseError> {
+        self.op
+            .entry()
+            .gen_options(&self.flags())
+            .map_err(CaseError::Usage)
+    }
+
     /// The shape with defaults filled in and checked against `lengths`.
     fn dims(&self) -> Result<(Layout, Vec<usize>), CaseError> {
-        let (default, names): (&[usize], &str) = match self.op {
-            Op::Kda => (&[2, 64, 2, 4, 16, 16], "B,T,H,HV,K,V"),
-            Op::Dplr => (&[2, 64, 2, 16, 16], "B,T,H,K,V"),
-            Op::TokenShift => (&[2, 64, 32], "B,T,D"),
-            Op::Gdn => (&[2, 64, 2, 4, 16, 16], "B,T,H,HV,K,V"),
-            Op::CausalConv1d => (&[2, 64, 32, 4], "B,T,D,W"),
-        };
+        let info = self.op.info();
+        let (default, names) = (info.default_shape, info.shape);
         let shape = self.shape.clone().unwrap_or_else(|| default.to_vec());
         if shape.len() != default.len() {
             return Err(CaseError::Usage(format!(
@@ -122,70 +137,63 @@ impl GenSpec {
                 "--shape {names}: {shape:?} overflows a 64-bit element count"
             )));
         }
+        if !info.regimes.contains(&self.regime) {
+            return Err(CaseError::Usage(format!(
+                "--regime: {} draws {} only",
+                self.op.name(),
+                info.regimes
+                    .iter()
+                    .map(|r| r.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
         Ok((layout, shape[2..].to_vec()))
     }
 
-    /// The memory-relevant sizes of the problem.
-    fn problem(&self, layout: &Layout, dims: &[usize]) -> Problem {
-        // `dims`: KDA, GDN H,HV,K,V; DPLR H,K,V; token-shift D; conv D,W.
-        let (h, hv, k, v) = match self.op {
-            Op::Kda | Op::Gdn => (dims[0], dims[1], dims[2], dims[3]),
-            Op::CausalConv1d => (1, 1, dims[1], dims[0]),
-            Op::Dplr => (dims[0], dims[0], dims[1], dims[2]),
-            Op::TokenShift => (1, 1, 1, dims[0]),
+    /// The memory-relevant sizes of the problem: the op's shape names
+    /// `H`, `HV`, `K` (`W`), `V` (`D`) read off `dims`.
+    fn problem(&self, layout: &Layout, dims: &[usize]) -> Result<Problem, CaseError> {
+        let names: Vec<&str> = self.op.info().shape.split(',').skip(2).collect();
+        let dim = |n: &str| names.iter().position(|x| *x == n).map(|i| dims[i]);
+        let h = dim("H").unwrap_or(1);
+        Ok(Problem::new(
+            self.op,
+            &self.options()?,
+            [layout.b, layout.t, layout.n()],
+            [
+                h,
+                dim("HV").unwrap_or(h),
+                dim("K").or(dim("W")).unwrap_or(1),
+                dim("V").or(dim("D")).unwrap_or(1),
+            ],
+        ))
+    }
+
+    /// The case's metadata (its options refused as [`GenSpec::options`] does).
+    pub fn meta(&self) -> Result<CaseMeta, CaseError> {
+        Ok(CaseMeta {
+            options: self.options()?,
+            seed: Some(self.seed),
+            dtype: Some(self.dtype),
+            // FLA's draws stay unrecorded, so cases generated before regimes existed keep their bytes.
+            regime: (self.regime != Regime::FlaTest).then_some(self.regime),
+            ..CaseMeta::new(self.op)
+        })
+    }
+
+    /// The op's draws of every input and upstream gradient.
+    fn draws(&self, layout: Layout, dims: &[usize]) -> Result<Vec<Draw>, CaseError> {
+        let flags = self.flags();
+        let r = DrawRequest {
+            layout,
+            dims,
+            flags: &flags,
+            regime: self.regime,
+            seed: self.seed,
+            unit_norm_keys: self.unit_norm_keys,
         };
-        Problem {
-            op: self.op,
-            b: layout.b,
-            t: layout.t,
-            n: layout.n(),
-            h,
-            hv,
-            k,
-            v,
-            l2norm: matches!(self.op, Op::Kda | Op::Gdn) && self.use_qk_l2norm_in_kernel,
-            gate: self.op == Op::Kda && self.gate != Gate::None,
-        }
-    }
-
-    /// Whether the keys are drawn unit-norm (`unit_norm_keys`, which an
-    /// in-kernel l2norm makes moot).
-    fn draws_unit_norm_keys(&self) -> bool {
-        self.unit_norm_keys && !self.use_qk_l2norm_in_kernel
-    }
-
-    pub fn meta(&self) -> CaseMeta {
-        let mut m = CaseMeta::new(self.op);
-        m.scale = self.scale;
-        if matches!(self.op, Op::Kda | Op::Gdn) {
-            m.use_qk_l2norm_in_kernel = self.use_qk_l2norm_in_kernel;
-            m.gate = self.gate;
-            m.use_beta_sigmoid_in_kernel = self.use_beta_sigmoid_in_kernel;
-            m.allow_neg_eigval = self.allow_neg_eigval;
-        }
-        m.state_v_first = self.op == Op::Gdn && self.state_v_first;
-        if self.op == Op::CausalConv1d {
-            m.activation = self.activation;
-        }
-        m.seed = Some(self.seed);
-        m.dtype = Some(self.dtype);
-        // FLA's draws stay unrecorded, so cases generated before regimes existed keep their bytes.
-        m.regime = (self.regime != Regime::FlaTest).then_some(self.regime);
-        m
-    }
-}
-
-/// Moves the named tensors and the upstream gradients into `case`.
-fn put_all(
-    case: &mut Case,
-    named: Vec<(&str, Option<ArrayD<f64>>)>,
-    upstream: [(&str, ArrayD<f64>); 2],
-    dtype: Dtype,
-) {
-    for (n, t) in named.into_iter().chain(upstream.map(|(n, t)| (n, Some(t)))) {
-        if let Some(t) = t {
-            case.insert(n, t, dtype);
-        }
+        Ok(self.op.entry().draws(&r, &self.options()?))
     }
 }
 
@@ -193,7 +201,7 @@ fn put_all(
 /// stored (possibly rounded) inputs.
 pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
     let (layout, dims) = spec.dims()?;
-    let problem = spec.problem(&layout, &dims);
+    let problem = spec.problem(&layout, &dims)?;
     let need = if spec.expected {
         problem.gen_bytes()
     } else {
@@ -201,7 +209,7 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
     };
     memory::check("generating this case", need)?;
     let progress = Progress::spinner("drawing the inputs");
-    let mut case = draw(spec, layout, &dims);
+    let mut case = draw(spec, layout, &dims)?;
     case.validate()
         .map_err(|e| CaseError::Usage(e.to_string()))?;
     if spec.expected {
@@ -231,8 +239,8 @@ pub fn generate(spec: &GenSpec) -> Result<Case, CaseError> {
 /// truth whole: see [`generate_streamed`].
 pub fn generate_to(spec: &GenSpec, path: &Path) -> Result<usize, CaseError> {
     let (layout, dims) = spec.dims()?;
-    let problem = spec.problem(&layout, &dims);
-    if matches!(spec.op, Op::Kda | Op::Dplr)
+    let problem = spec.problem(&layout, &dims)?;
+    if spec.op.info().streams_by_head
         && problem.compute_bytes(Run::Naive) > crate::heads::STREAM_MIN_BYTES
     {
         return generate_streamed(spec, path, rayon::current_num_threads());
@@ -256,7 +264,7 @@ pub fn generate_streamed(
     per_block: usize,
 ) -> Result<usize, CaseError> {
     let (layout, dims) = spec.dims()?;
-    let problem = spec.problem(&layout, &dims);
+    let problem = spec.problem(&layout, &dims)?;
     let drawn = head_draws(spec)?;
     let per_block = fill_heads(per_block, spec.expected).clamp(1, problem.h);
     // The blocks `fill` reads are at most `per_block` heads and at most
@@ -282,7 +290,7 @@ pub fn generate_streamed(
     } else {
         vec![]
     };
-    let mut case = Case::new(spec.meta());
+    let mut case = Case::new(spec.meta()?);
     case.cu_seqlens = layout.cu_seqlens();
     let progress = Progress::spinner("drawing and writing the inputs");
     case.write_filled(path, drawn, &results, |tmp| {
@@ -304,22 +312,19 @@ pub fn fill_heads(per_block: usize, expected: bool) -> usize {
     }
 }
 
-/// The tensors of a KDA or DPLR case, one draw each, stored in the spec's
-/// dtype: drawn and rounded, they are [`generate`]'s inputs. Other ops are
-/// refused.
+/// The tensors of a case of an op that streams by head (KDA, DPLR), one
+/// draw each, stored in the spec's dtype: drawn and rounded, they are
+/// [`generate`]'s inputs. Other ops are refused.
 pub fn head_draws(spec: &GenSpec) -> Result<Vec<Drawn>, CaseError> {
     let (layout, dims) = spec.dims()?;
-    let draws = match spec.op {
-        Op::Kda => kda_draws(spec, layout, &dims),
-        Op::Dplr => dplr_draws(spec, layout, &dims),
-        op => {
-            return Err(CaseError::Usage(format!(
-                "generating head block by head block applies to kda and dplr, not {}",
-                op.name()
-            )))
-        }
-    };
-    Ok(draws
+    if !spec.op.info().streams_by_head {
+        return Err(CaseError::Usage(format!(
+            "generating head block by head block applies to ops whose every tensor has a head axis, not {}",
+            spec.op.name()
+        )));
+    }
+    Ok(spec
+        .draws(layout, &dims)?
         .into_iter()
         .map(|draw| Drawn {
             draw,
@@ -337,7 +342,7 @@ fn planned_results(
     results_of(op, &shape)
         .into_iter()
         .map(|n| {
-            let s = result_shape_of(n, &shape).ok_or_else(|| {
+            let s = result_shape_of(op, n, &shape).ok_or_else(|| {
                 CaseError::Usage(format!("the case has no input to shape result `{n}` by"))
             })?;
             Ok((n.to_string(), s))
@@ -410,147 +415,13 @@ fn non_finite(name: &str, v: f64, i: usize, shape: &[usize]) -> CaseError {
 
 /// The case's drawn inputs and upstream gradients, rounded to the storage
 /// dtype (not yet validated).
-fn draw(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Case {
-    let mut case = Case::new(spec.meta());
+fn draw(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Result<Case, CaseError> {
+    let mut case = Case::new(spec.meta()?);
     case.cu_seqlens = layout.cu_seqlens();
-    let dt = spec.dtype;
-    match spec.op {
-        Op::Kda => insert_all(&mut case, kda_draws(spec, layout, dims), dt),
-        Op::Dplr => insert_all(&mut case, dplr_draws(spec, layout, dims), dt),
-        Op::TokenShift => {
-            let g = inputs::token_shift_in(
-                &TokenShiftSpec {
-                    layout,
-                    d: dims[0],
-                    cache: spec.initial_state,
-                    seed: spec.seed,
-                },
-                spec.regime,
-            );
-            let named = vec![("x", Some(g.inputs.x)), ("cache", g.inputs.cache)];
-            put_all(
-                &mut case,
-                named,
-                [("dy", g.d_o), ("dfinal_cache", g.dht)],
-                dt,
-            );
-        }
-        Op::Gdn => {
-            let s = GdnSpec {
-                layout,
-                h: dims[0],
-                hv: dims[1],
-                k: dims[2],
-                v: dims[3],
-                opts: GdnOptions {
-                    scale: spec.scale,
-                    output_final_state: true,
-                    use_qk_l2norm_in_kernel: spec.use_qk_l2norm_in_kernel,
-                    use_gate_in_kernel: spec.gate == Gate::Kda,
-                    use_beta_sigmoid_in_kernel: spec.use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval: spec.allow_neg_eigval,
-                    state_v_first: spec.state_v_first,
-                },
-                initial_state: spec.initial_state,
-                seed: spec.seed,
-            };
-            let mut g = inputs::gdn_in(&s, spec.regime);
-            if spec.draws_unit_norm_keys() {
-                unit_norm(&mut g.inputs.k);
-            }
-            let x = g.inputs;
-            let named = vec![
-                ("q", Some(x.q)),
-                ("k", Some(x.k)),
-                ("v", Some(x.v)),
-                ("g", Some(x.g)),
-                ("beta", Some(x.beta)),
-                ("A_log", x.a_log),
-                ("dt_bias", x.dt_bias),
-                ("initial_state", x.initial_state),
-            ];
-            put_all(&mut case, named, [("do", g.d_o), ("dht", g.dht)], dt);
-        }
-        Op::CausalConv1d => {
-            let g = inputs::conv(&ConvSpec {
-                layout,
-                d: dims[0],
-                w: dims[1],
-                bias: spec.bias,
-                initial_state: spec.initial_state,
-                seed: spec.seed,
-            });
-            let x = g.inputs;
-            let named = vec![
-                ("x", Some(x.x)),
-                ("weight", Some(x.weight)),
-                ("bias", x.bias),
-                ("initial_state", x.initial_state),
-            ];
-            put_all(&mut case, named, [("dy", g.d_o), ("dht", g.dht)], dt);
-        }
+    for d in spec.draws(layout, dims)? {
+        case.insert(d.name, d.draw(), spec.dtype);
     }
-    case
-}
-
-/// Draws every tensor of `draws` into `case`, stored in `dtype`.
-fn insert_all(case: &mut Case, draws: Vec<Draw>, dtype: Dtype) {
-    for d in draws {
-        case.insert(d.name, d.draw(), dtype);
-    }
-}
-
-/// A KDA case's tensors, one draw each (unit-norm keys as `spec` asks).
-fn kda_draws(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Vec<Draw> {
-    let opts = KdaOptions {
-        scale: spec.scale,
-        output_final_state: true,
-        use_qk_l2norm_in_kernel: spec.use_qk_l2norm_in_kernel,
-        gate: spec.gate,
-        use_beta_sigmoid_in_kernel: spec.use_beta_sigmoid_in_kernel,
-        allow_neg_eigval: spec.allow_neg_eigval,
-    };
-    let s = KdaSpec {
-        layout,
-        h: dims[0],
-        hv: dims[1],
-        k: dims[2],
-        v: dims[3],
-        opts,
-        initial_state: spec.initial_state,
-        scalar_gate: false,
-        seed: spec.seed,
-    };
-    let unit = spec.draws_unit_norm_keys();
-    inputs::kda_draws(&s, spec.regime)
-        .into_iter()
-        .map(|d| match d.name {
-            "k" if unit => d.map(unit_norm),
-            _ => d,
-        })
-        .collect()
-}
-
-/// A DPLR case's tensors, one draw each.
-fn dplr_draws(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Vec<Draw> {
-    let s = DplrSpec {
-        layout,
-        h: dims[0],
-        k: dims[1],
-        v: dims[2],
-        initial_state: spec.initial_state,
-        seed: spec.seed,
-    };
-    inputs::dplr_draws(&s, spec.regime)
-}
-
-/// `x / max(‖x‖, 1e-12)` over the last dimension (PyTorch's `F.normalize`), in place.
-fn unit_norm(x: &mut ArrayD<f64>) {
-    let last = Axis(x.ndim() - 1);
-    for mut row in x.lanes_mut(last) {
-        let norm = row.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);
-        row.mapv_inplace(|v| v / norm);
-    }
+    Ok(case)
 }
 
 #[cfg(test)]
@@ -687,15 +558,15 @@ mod tests {
     fn results_the_file_was_not_planned_for_are_refused() {
         let planned = vec![("o".to_string(), vec![1, 2]), ("dq".to_string(), vec![1])];
         let mut got = Tensors::new();
-        got.insert("o".into(), ArrayD::zeros(ndarray::IxDyn(&[1, 2])));
+        got.insert("o".into(), ndarray::ArrayD::zeros(ndarray::IxDyn(&[1, 2])));
         let e = same_names(&planned, &got).unwrap_err().to_string();
         assert!(
             e.contains("[\"o\"]") && e.contains("[\"o\", \"dq\"]"),
             "{e}"
         );
-        got.insert("dq".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));
+        got.insert("dq".into(), ndarray::ArrayD::zeros(ndarray::IxDyn(&[1])));
         assert!(same_names(&planned, &got).is_ok());
-        got.insert("dk".into(), ArrayD::zeros(ndarray::IxDyn(&[1])));
+        got.insert("dk".into(), ndarray::ArrayD::zeros(ndarray::IxDyn(&[1])));
         assert!(same_names(&planned, &got).is_err());
     }
 }

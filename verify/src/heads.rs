@@ -28,18 +28,6 @@ const BLOCK_BYTES: u64 = 256 << 20;
 /// Bytes read from the file per system call when gathering a slice.
 const READ_BYTES: usize = 8 << 20;
 
-/// The axis that holds the heads of a KDA or DPLR tensor, by name; its
-/// length is a multiple of H (H, HV = G·H, or HV·K for `dt_bias`).
-fn head_axis(name: &str) -> Option<usize> {
-    match name {
-        "q" | "k" | "v" | "g" | "beta" | "a" | "b" | "gk" | "do" | "o" | "dq" | "dk" | "dv"
-        | "dg" | "dbeta" | "da" | "db" | "dgk" => Some(2),
-        "initial_state" | "final_state" | "dht" | "dh0" => Some(1),
-        "A_log" | "dA_log" | "dt_bias" | "ddt_bias" => Some(0),
-        _ => None,
-    }
-}
-
 /// One tensor of the file.
 struct Entry {
     name: String,
@@ -85,7 +73,7 @@ impl HeadFile {
         } = header;
         // Only KDA's and DPLR's tensor layouts are known here (GDN's gate is
         // [B, T, H], the conv has channels, not heads): the rest load whole.
-        let op = case_op(&metadata).filter(|&op| matches!(op, Op::Kda | Op::Dplr))?;
+        let op = case_op(&metadata).filter(|op| op.info().streams_by_head)?;
         let heads = tensors
             .iter()
             .find(|e| e.name == "q")
@@ -175,7 +163,11 @@ impl HeadFile {
         if e.dtype != StDtype::F64 {
             return Err(fail(format!("stored as {:?}, not F64", e.dtype)));
         }
-        let a = head_axis(name).ok_or_else(|| fail("it has no head axis".into()))?;
+        let a = self
+            .op
+            .info()
+            .head_axis(name)
+            .ok_or_else(|| fail("it has no head axis".into()))?;
         let per = e.shape[a] / self.heads;
         let units = heads.start * per..heads.end * per;
         let mut want = e.shape.clone();
@@ -228,13 +220,15 @@ impl HeadFile {
 
     /// Whether every tensor has a head axis whose length is a multiple of H.
     fn splits(&self) -> bool {
-        self.tensors.iter().all(|e| match head_axis(&e.name) {
-            Some(a) => e
-                .shape
-                .get(a)
-                .is_some_and(|&l| l > 0 && l % self.heads == 0),
-            None => e.name == "cu_seqlens",
-        })
+        self.tensors
+            .iter()
+            .all(|e| match self.op.info().head_axis(&e.name) {
+                Some(a) => e
+                    .shape
+                    .get(a)
+                    .is_some_and(|&l| l > 0 && l % self.heads == 0),
+                None => e.name == "cu_seqlens",
+            })
     }
 }
 
@@ -479,7 +473,7 @@ impl HeadFile {
             .iter()
             .filter(|e| keep(&e.name) || e.name == "cu_seqlens")
         {
-            let (a, len, units) = match head_axis(&e.name) {
+            let (a, len, units) = match self.op.info().head_axis(&e.name) {
                 None => {
                     let n = e.shape.first().copied().unwrap_or(1);
                     (0, n, 0..n)
@@ -564,7 +558,7 @@ impl HeadFile {
         block: &[usize],
         heads: &Range<usize>,
     ) -> Option<(Vec<usize>, impl Fn(usize) -> usize)> {
-        let a = head_axis(name)?;
+        let a = self.op.info().head_axis(name)?;
         let per = block.get(a)? / heads.len();
         let mut full = block.to_vec();
         full[a] = per * self.heads;
@@ -586,11 +580,13 @@ pub fn compute_by_blocks<E>(
     per_block: usize,
     mut f: impl FnMut(Case) -> Result<Tensors, E>,
 ) -> Option<Result<Tensors, E>> {
-    let heads = *case.tensors.get("q")?.shape().get(2)?;
+    let info = case.meta.op.info();
+    let head_axis = |n: &str| info.head_axis(n);
+    let heads = *case.tensors.get(info.first_input())?.shape().get(2)?;
     let all_split = case.tensors.iter().all(|(n, x)| {
         head_axis(n).is_some_and(|a| x.shape().get(a).is_some_and(|&l| l % heads == 0))
     });
-    if !matches!(case.meta.op, Op::Kda | Op::Dplr) || !all_split || per_block == 0 {
+    if !info.streams_by_head || !all_split || per_block == 0 {
         return None;
     }
     let mut whole = Tensors::new();

@@ -4,22 +4,17 @@
 
 use std::borrow::Cow;
 
-use deltaref::conv::Direct;
 use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
-use deltaref::gdn::OnKda;
-use deltaref::kda::chunk::Chunk;
-use deltaref::op::{Engine as OpEngine, OpSpec, Operator};
 use deltaref::precision::{Feature, Policy, Stage};
-use deltaref::token_shift::Shift;
+use deltaref::registry::Job;
+pub use deltaref::registry::{ChunkSize, EngineKind as Engine};
 use deltaref::Dtype;
-use deltaref::{dplr, kda, Scalar};
 use deltaref_gpu::{GpuImpl, Timings};
-use ndarray::ArrayD;
 
-use crate::case::{Case, CaseError, CaseMeta, CpLayout, Inputs, Op};
+use crate::case::{Case, CaseError, CpLayout, Op};
 pub use crate::compute::{Compute, ComputeError};
 use crate::memory::Run;
-use crate::outputs::{self, Tensors};
+use crate::outputs::Tensors;
 
 /// `--impl`: an implementation family by its command-line name; parses and
 /// prints itself (clap takes it through [`FromStr`](std::str::FromStr)).
@@ -82,7 +77,7 @@ impl ImplName {
 
 /// `--cp-engine`: the local engine of each CP rank, by name; parses and
 /// prints itself like [`ImplName`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EngineName {
     Naive,
     Chunk,
@@ -134,14 +129,6 @@ impl std::str::FromStr for ImplName {
     }
 }
 
-/// The local engine: the naive recurrence or the chunked form.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Engine {
-    Naive,
-    /// The chunked form with this chunk size (token-shift has none and runs as naive).
-    Chunk(usize),
-}
-
 /// Where an implementation runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
@@ -177,9 +164,10 @@ impl Impl {
     };
 
     pub fn chunk(chunk_size: usize) -> Result<Impl, CaseError> {
-        Chunk::new(chunk_size).map_err(|e| CaseError::Usage(format!("--chunk-size: {e}")))?;
+        let c = ChunkSize::new(chunk_size)
+            .map_err(|e| CaseError::Usage(format!("--chunk-size: {e}")))?;
         Ok(Impl {
-            engine: Engine::Chunk(chunk_size),
+            engine: Engine::Chunk(c),
             ..Impl::NAIVE
         })
     }
@@ -240,6 +228,7 @@ impl Impl {
         let Engine::Chunk(chunk_size) = self.engine else {
             return Run::Naive;
         };
+        let chunk_size = chunk_size.get();
         if self.device != Device::Cpu {
             return Run::Naive;
         }
@@ -275,7 +264,7 @@ impl Impl {
             let imp = GpuImpl {
                 engine: match self.engine {
                     Engine::Naive => deltaref_gpu::Engine::Naive,
-                    Engine::Chunk(c) => deltaref_gpu::Engine::Chunk(c),
+                    Engine::Chunk(c) => deltaref_gpu::Engine::Chunk(c.get()),
                 },
                 cp: self.cp.as_ref().map(|(p, _)| p.clone()),
                 storage: storage.unwrap_or_else(|| crate::gpu::case_storage(case)),
@@ -283,11 +272,10 @@ impl Impl {
             let (t, timings) = crate::gpu::case(&imp, case)?;
             return Ok((t, Some(timings)));
         }
-        let t = match compute {
-            Compute::F64 => self.compute_in::<f64>(Cow::Borrowed(case), false)?.0,
-            Compute::F32 => self.compute_in::<f32>(Cow::Borrowed(case), false)?.0,
-        };
-        Ok((self.stored_outputs(t), None))
+        Ok((
+            self.compute_in(Cow::Borrowed(case), compute, false)?.0,
+            None,
+        ))
     }
 
     /// Like `compute` in f64, with the per-rank CP diagnostics (empty without CP).
@@ -295,8 +283,7 @@ impl Impl {
         &self,
         case: &Case,
     ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
-        let (t, diags) = self.compute_in::<f64>(Cow::Borrowed(case), true)?;
-        Ok((self.stored_outputs(t), diags))
+        self.compute_in(Cow::Borrowed(case), Compute::F64, true)
     }
 
     /// Like `compute_with_diags`, consuming the case (see `compute_owned`).
@@ -304,8 +291,7 @@ impl Impl {
         &self,
         case: Case,
     ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
-        let (t, diags) = self.compute_in::<f64>(Cow::Owned(case), true)?;
-        Ok((self.stored_outputs(t), diags))
+        self.compute_in(Cow::Owned(case), Compute::F64, true)
     }
 
     /// Like `compute`, consuming the case: its inputs move into the engine
@@ -314,10 +300,7 @@ impl Impl {
         if let Device::Gpu(_) = self.device {
             return self.compute(&case, compute);
         }
-        Ok(self.stored_outputs(match compute {
-            Compute::F64 => self.compute_in::<f64>(Cow::Owned(case), false)?.0,
-            Compute::F32 => self.compute_in::<f32>(Cow::Owned(case), false)?.0,
-        }))
+        Ok(self.compute_in(Cow::Owned(case), compute, false)?.0)
     }
 
     /// The outputs only (`o`/`y` and the final state), without the backward
@@ -328,60 +311,48 @@ impl Impl {
             t.retain(|n, _| case.meta.op.forward_results().contains(&n.as_str()));
             return Ok(t);
         }
-        Ok(self.stored_outputs(match compute {
-            Compute::F64 => self.forward_in::<f64>(case)?,
-            Compute::F32 => self.forward_in::<f32>(case)?,
-        }))
+        let t = self.forward_in(case, compute)?;
+        Ok(self.stored_outputs(case.meta.op, t))
     }
 
-    fn forward_in<T: Scalar>(&self, case: &Case) -> Result<Tensors, deltaref::Error> {
+    fn forward_in(&self, case: &Case, compute: Compute) -> Result<Tensors, deltaref::Error> {
         let case = self.stored_inputs(Cow::Borrowed(case));
         let cp = self.cp_without_references();
-        let cp = cp.as_ref().map(|(p, o)| (p, o));
-        self.on_engine::<T, _>(case.inputs()?, &case.meta, Forward { cp })
+        let job = self.job(compute, cp.as_ref());
+        case.meta.op.entry().forward(&job, case.problem())
     }
 
-    /// Runs `job` on the engine this implementation names for the case's op:
-    /// the one place that maps (op, engine) to an engine value.
-    fn on_engine<T: Scalar, J: OnEngine<T>>(
+    /// The op's stored intermediates ([`crate::intermediates`]) of this
+    /// run, with the chunk layout.
+    pub fn intermediates(
         &self,
-        inputs: Inputs,
-        meta: &CaseMeta,
-        job: J,
-    ) -> Result<J::Out, deltaref::Error> {
-        match (inputs, &self.engine) {
-            (Inputs::Kda(x), Engine::Naive) => job.run(&kda::naive::Naive, x, &meta.kda_options()),
-            (Inputs::Kda(x), Engine::Chunk(c)) => {
-                let e = Chunk::new(*c)?.with_policy(self.policy.clone());
-                job.run(&e, x, &meta.kda_options())
-            }
-            (Inputs::Dplr(x), Engine::Naive) => {
-                job.run(&dplr::naive::Naive, x, &meta.dplr_options())
-            }
-            (Inputs::Dplr(x), Engine::Chunk(c)) => {
-                let e = dplr::chunk::Chunk::new(*c)?.with_policy(self.policy.clone());
-                job.run(&e, x, &meta.dplr_options())
-            }
-            (Inputs::TokenShift(x), _) => job.run(&Shift, x, &()),
-            (Inputs::Gdn(x), Engine::Naive) => {
-                job.run(&OnKda(kda::naive::Naive), x, &meta.gdn_options())
-            }
-            (Inputs::Gdn(x), Engine::Chunk(c)) => {
-                let e = OnKda(Chunk::new(*c)?.with_policy(self.policy.clone()));
-                job.run(&e, x, &meta.gdn_options())
-            }
-            (Inputs::CausalConv1d(x), _) => job.run(&Direct, x, &meta.conv_options()),
+        case: &Case,
+        compute: Compute,
+    ) -> Result<(Tensors, Vec<deltaref::registry::ChunkPos>), deltaref::Error> {
+        let case = self.stored_inputs(Cow::Borrowed(case));
+        let job = self.job(compute, self.cp.as_ref());
+        let up = case.upstream_refs()?;
+        case.meta.op.entry().intermediates(&job, case.problem(), up)
+    }
+
+    /// The registry's description of this run.
+    fn job<'a>(&'a self, compute: Compute, cp: Option<&'a (PlanSpec, CpOptions)>) -> Job<'a> {
+        Job {
+            engine: self.engine,
+            compute,
+            policy: &self.policy,
+            cp: cp.map(|(p, o)| (p, o)),
         }
     }
 
     /// The results as the kernel hands them back: the output and the
-    /// per-token gradients rounded to the policy's output storage (FLA
-    /// returns them in the token dtype); final states, `dh0`, `dA_log` and
-    /// `ddt_bias` are fp32 and left alone.
-    fn stored_outputs(&self, mut t: Tensors) -> Tensors {
+    /// gradients rounded to the policy's output storage (FLA returns them
+    /// in the token dtype), except those the op's kernels return in fp32
+    /// (its entry's `fp32_results`: final states, `dh0`, `dA_log`, …).
+    fn stored_outputs(&self, op: Op, mut t: Tensors) -> Tensors {
         if let Some(s) = self.policy.storage(Stage::Outputs) {
-            const FP32: [&str; 5] = ["final_state", "final_cache", "dh0", "dA_log", "ddt_bias"];
-            for (_, x) in t.iter_mut().filter(|(n, _)| !FP32.contains(&n.as_str())) {
+            let fp32 = op.info().fp32_results;
+            for (_, x) in t.iter_mut().filter(|(n, _)| !fp32.contains(&n.as_str())) {
                 x.mapv_inplace(|v| s.round_f64(v));
             }
         }
@@ -409,92 +380,32 @@ impl Impl {
     }
 
     /// `diags`: the per-rank table is wanted, non-CP references included.
-    fn compute_in<T: Scalar>(
+    fn compute_in(
         &self,
         case: Cow<'_, Case>,
+        compute: Compute,
         diags: bool,
-    ) -> Result<(Tensors, Vec<RankDiag<T>>), deltaref::Error> {
+    ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
         let cp = if diags {
             self.cp.clone()
         } else {
             self.cp_without_references()
         };
         let case = self.stored_inputs(case);
-        let meta = case.meta.clone();
+        let (op, options) = (case.meta.op, case.meta.options.clone());
         // An owned case hands its tensors over; a borrowed one is copied.
-        let (inputs, d_o, dht) = match case {
+        let (inputs, cu, d_o, dht) = match case {
             Cow::Owned(c) => c.into_inputs()?,
             Cow::Borrowed(c) => {
                 let (d_o, dht) = c.upstream()?;
-                (c.inputs()?, d_o, dht)
+                (c.inputs(), c.cu_seqlens.clone(), d_o, dht)
             }
         };
-        let job = Backward {
-            up: (d_o, dht.as_ref()),
-            cp: cp.as_ref(),
-        };
-        self.on_engine(inputs, &meta, job)
-    }
-}
-
-/// Work to run on one engine, generic over its type ([`Impl::on_engine`]).
-trait OnEngine<T: Scalar> {
-    type Out;
-    fn run<E: OpEngine<T>>(
-        self,
-        engine: &E,
-        x: <E::Op as Operator<f64>>::Inputs,
-        opts: &<E::Op as OpSpec>::Options,
-    ) -> Result<Self::Out, deltaref::Error>
-    where
-        E::Op: Operator<f64>;
-}
-
-/// Outputs and gradients for the upstream gradients `(do, dht)`, under
-/// simulated CP when asked (with the per-rank diagnostics).
-struct Backward<'a> {
-    up: (ArrayD<f64>, Option<&'a ArrayD<f64>>),
-    cp: Option<&'a (PlanSpec, CpOptions)>,
-}
-
-impl<T: Scalar> OnEngine<T> for Backward<'_> {
-    type Out = (Tensors, Vec<RankDiag<T>>);
-
-    fn run<E: OpEngine<T>>(
-        self,
-        engine: &E,
-        x: <E::Op as Operator<f64>>::Inputs,
-        opts: &<E::Op as OpSpec>::Options,
-    ) -> Result<Self::Out, deltaref::Error>
-    where
-        E::Op: Operator<f64>,
-    {
-        let (d_o, dht) = self.up;
-        match self.cp {
-            None => Ok((outputs::all_owned(engine, x, opts, d_o, dht)?, vec![])),
-            Some((plan, cpo)) => outputs::all_cp(engine, x, opts, d_o, dht, plan, cpo),
-        }
-    }
-}
-
-/// The outputs alone (no backward pass), under simulated CP when asked.
-struct Forward<'a> {
-    cp: Option<(&'a PlanSpec, &'a CpOptions)>,
-}
-
-impl<T: Scalar> OnEngine<T> for Forward<'_> {
-    type Out = Tensors;
-
-    fn run<E: OpEngine<T>>(
-        self,
-        engine: &E,
-        x: <E::Op as Operator<f64>>::Inputs,
-        opts: &<E::Op as OpSpec>::Options,
-    ) -> Result<Tensors, deltaref::Error>
-    where
-        E::Op: Operator<f64>,
-    {
-        outputs::forward_only::<T, _>(engine, &x, opts, self.cp)
+        let job = self.job(compute, cp.as_ref());
+        let (t, diags) = op
+            .entry()
+            .forward_backward(&job, inputs, cu, &options, (d_o, dht))?;
+        Ok((self.stored_outputs(op, t), diags))
     }
 }
 
@@ -571,19 +482,19 @@ impl ImplRequest {
                 "--precision {name} injects a CP fault: use it with --impl cp"
             )));
         }
-        if p.faults != Default::default() && case.meta.op == Op::TokenShift {
+        if p.faults != Default::default() && !case.meta.op.is_delta_rule() {
             return Err(CaseError::Usage(format!(
-                "--precision {name} injects a fault into the CP state merge of KDA/DPLR; \
-                 token-shift hands on a cached token, not a state, so it cannot apply"
+                "--precision {name} injects a fault into the CP state merge of a delta rule; \
+                 {} hands on cached tokens, not a state, so it cannot apply",
+                case.meta.op.name()
             )));
         }
         let bare = self.resolve(case)?;
-        let policy = p.policy(crate::presets::Target::of(
-            case.meta.op,
-            case.meta.gate,
-            bare.cp.is_some(),
-            case.meta.use_beta_sigmoid_in_kernel,
-        ));
+        let policy = p.policy(crate::presets::Target {
+            op: case.meta.op,
+            options: &case.meta.options,
+            cp: bare.cp.is_some(),
+        });
         check_policy(name, &policy, case.meta.op, &bare)?;
         let req = ImplRequest {
             policy: policy.clone(),
@@ -617,15 +528,16 @@ impl ImplRequest {
             || self.layout.is_some()
             || self.cuts.is_some()
             || self.cp_engine.is_some();
-        // DPLR has naive GPU kernels only: its gpu-cp runs them by default.
+        // An op with naive GPU kernels only (DPLR) runs them under gpu-cp by default.
+        let gpu_chunked = deltaref_gpu::runner::engines(case.meta.op.name())
+            .contains(&deltaref_gpu::runner::GpuEngine::Chunk);
         let engine_name = self.name.engine().unwrap_or_else(|| {
-            self.cp_engine.unwrap_or(
-                if self.name == ImplName::GpuCp && case.meta.op == Op::Dplr {
+            self.cp_engine
+                .unwrap_or(if self.name == ImplName::GpuCp && !gpu_chunked {
                     EngineName::Naive
                 } else {
                     EngineName::Chunk
-                },
-            )
+                })
         });
         if self.chunk_size.is_some() && engine_name == EngineName::Naive {
             return Err(usage(format!(
@@ -714,22 +626,13 @@ impl ImplRequest {
     }
 }
 
-/// The GPU has chunked kernels for KDA (and GDN, which runs on them) only
-/// (token-shift has no engine), and none for causal conv1d.
+/// Refuses an engine the GPU kernels of `op` lack.
 fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
-    if op == Op::CausalConv1d {
-        return Err(CaseError::Usage(format!(
-            "no GPU kernels for op {}: use a CPU implementation (naive, chunk, cp)",
-            op.name()
-        )));
-    }
-    if op == Op::Dplr && *engine != Engine::Naive {
-        return Err(CaseError::Usage(
-            "the GPU has naive DPLR kernels only: use gpu-naive, or gpu-cp --cp-engine naive"
-                .into(),
-        ));
-    }
-    Ok(())
+    let engine = match engine {
+        Engine::Naive => deltaref_gpu::Engine::Naive,
+        Engine::Chunk(c) => deltaref_gpu::Engine::Chunk(c.get()),
+    };
+    deltaref_gpu::runner::supports(op.name(), engine).map_err(CaseError::Usage)
 }
 
 /// What a policy may ask of `imp` on `op`: the inputs and outputs (the
@@ -743,12 +646,7 @@ pub fn supported(op: Op, imp: &Impl) -> Vec<Feature> {
         Feature::Round(Stage::Inputs),
         Feature::Round(Stage::Outputs),
     ];
-    match (op, &imp.engine) {
-        // GDN runs KDA's chunked engine (`gdn::OnKda`).
-        (Op::Kda | Op::Gdn, Engine::Chunk(_)) => f.extend(deltaref::kda::chunk::Chunk::FEATURES),
-        (Op::Dplr, Engine::Chunk(_)) => f.extend(deltaref::dplr::chunk::Chunk::FEATURES),
-        _ => {}
-    }
+    f.extend(op.entry().features(imp.engine));
     if imp.cp.is_some() && op.is_delta_rule() {
         f.extend(deltaref::cp::FEATURES);
     }

@@ -5,13 +5,8 @@
 
 use std::fmt;
 
-use deltaref::conv::Activation;
-use deltaref::dplr::{DplrInputs, DplrOptions};
-use deltaref::gates::Gate;
-use deltaref::inputs::{self, DplrSpec, Generated, KdaSpec, Layout, TokenShiftSpec};
-use deltaref::kda::{KdaInputs, KdaOptions};
-use deltaref::token_shift::TokenShiftInputs;
-use deltaref::{dplr, kda, Result};
+use deltaref::precision::Policy;
+use deltaref::registry::Job;
 use ndarray::ArrayD;
 use serde::Serialize;
 
@@ -21,7 +16,7 @@ use crate::case::{Case, CaseError, Op};
 use crate::fd;
 use crate::generate::{generate, GenSpec};
 use crate::gpu;
-use crate::impls::{Compute, Device, EngineName, Impl, ImplName, ImplRequest};
+use crate::impls::{Compute, Device, Engine, EngineName, Impl, ImplName, ImplRequest};
 use crate::metrics::{compare, Comparison};
 use crate::outputs::Tensors;
 
@@ -138,71 +133,62 @@ fn flat(a: &ArrayD<f64>) -> Vec<f64> {
     a.iter().copied().collect()
 }
 
-/// The built-in KDA case: GVA, varlen with 0- and 1-length sequences, the
-/// lower-bound gate with `A_log`/`dt_bias`, l2norm, beta sigmoid, initial state.
-pub fn kda_case(lengths: &[usize], k: usize, v: usize) -> (KdaSpec, Generated<KdaInputs<f64>>) {
-    let opts = KdaOptions {
-        output_final_state: true,
-        use_qk_l2norm_in_kernel: true,
-        gate: Gate::LowerBound { lower_bound: -5.0 },
-        use_beta_sigmoid_in_kernel: true,
-        ..Default::default()
-    };
-    let spec = KdaSpec {
-        layout: Layout::varlen(lengths),
-        h: 1,
-        hv: 2,
-        k,
-        v,
-        opts,
-        initial_state: true,
-        scalar_gate: false,
-        seed: 2024,
-    };
-    let g = inputs::kda(&spec);
-    (spec, g)
-}
-
-/// The built-in DPLR case (RWKV-7-like inputs, varlen, initial state).
-pub fn dplr_case(lengths: &[usize], k: usize, v: usize) -> (DplrSpec, Generated<DplrInputs<f64>>) {
-    let spec = DplrSpec {
-        layout: Layout::varlen(lengths),
-        h: 2,
-        k,
-        v,
-        initial_state: true,
-        seed: 2025,
-    };
-    let g = inputs::dplr(&spec);
-    (spec, g)
-}
-
-/// The built-in token-shift case (varlen with cache).
-pub fn token_shift_case(lengths: &[usize]) -> Generated<TokenShiftInputs<f64>> {
-    inputs::token_shift(&TokenShiftSpec {
-        layout: Layout::varlen(lengths),
-        d: 6,
-        cache: true,
-        seed: 2026,
-    })
-}
-
 /// Small lengths for finite differences, larger ones for the other checks.
 const FD_LENGTHS: [usize; 4] = [6, 1, 0, 9];
 const LENGTHS: [usize; 4] = [37, 1, 0, 64];
 
-/// The loss as a function of one input tensor.
-type Loss<'a> = Box<dyn Fn(&ArrayD<f64>) -> f64 + 'a>;
-
-/// A differentiable input: name, value, analytic gradient, loss.
-type FdInput<'a> = (&'a str, &'a ArrayD<f64>, Option<&'a ArrayD<f64>>, Loss<'a>);
-
-/// Finite-difference rows for one op: `inputs` lists each differentiable
-/// input with its analytic gradient and a loss as a function of it.
-fn fd_rows(report: &mut Report, op: &str, inputs: Vec<FdInput<'_>>) {
-    for (name, x, analytic, loss) in inputs {
-        let numeric = fd::grad(x, 1e-5, loss);
-        let cmp = match analytic {
+/// Finite-difference rows for every float input of `op`'s built-in case
+/// (its finite-difference sizes): the naive f64 engine's analytic
+/// gradients through the registry against central differences of its loss
+/// `Σ o·do + Σ final·dht`, one input element at a time.
+fn fd_rows(report: &mut Report, op: Op) -> std::result::Result<(), CaseError> {
+    let builtin = std::path::Path::new("<built-in case>");
+    let show = &op.info().showcase;
+    let t = FD_LENGTHS.iter().sum();
+    let spec = GenSpec {
+        shape: Some([&[1, t], show.fd_dims].concat()),
+        ..table_spec(op, &FD_LENGTHS)
+    };
+    let case = generate(&spec)?;
+    let analytic = Impl::NAIVE
+        .compute(&case, Compute::F64)
+        .map_err(CaseError::computing(builtin))?;
+    let (d_o, dht) = case.upstream().map_err(|e| CaseError::Invalid {
+        path: "<built-in case>".into(),
+        source: e,
+    })?;
+    let policy = Policy::exact();
+    let job = Job {
+        engine: Engine::Naive,
+        compute: Compute::F64,
+        policy: &policy,
+        cp: None,
+    };
+    let info = op.info();
+    let loss = |tensors: &Tensors| -> f64 {
+        let mut p = case.problem();
+        p.tensors = tensors;
+        let out = op
+            .entry()
+            .forward(&job, p)
+            .expect("inputs validated by the analytic run");
+        let [o, fin] = [info.outputs[0], info.outputs[1]];
+        fd::dot(&out[o], &d_o) + dht.as_ref().map_or(0.0, |d| fd::dot(&out[fin], d))
+    };
+    for grad in info.grads {
+        let Some(input) = info
+            .source_of(grad)
+            .filter(|i| case.tensors.contains_key(*i))
+        else {
+            continue;
+        };
+        let x = &case.tensors[input];
+        let numeric = fd::grad(x, 1e-5, |v| {
+            let mut t = case.inputs();
+            t.insert(input.to_string(), v.clone());
+            loss(&t)
+        });
+        let cmp = match analytic.get(*grad) {
             Some(a) => compare(&flat(&numeric), &flat(a), FD_TOL),
             None => Comparison {
                 norm_ratio: f64::NAN,
@@ -213,183 +199,39 @@ fn fd_rows(report: &mut Report, op: &str, inputs: Vec<FdInput<'_>>) {
         };
         report.push(
             "naive analytic vs finite-diff",
-            op,
-            name,
+            op.name(),
+            grad,
             x.shape(),
             FD_TOL,
             cmp,
         );
     }
-}
-
-fn kda_fd(report: &mut Report) -> Result<()> {
-    let (spec, g) = kda_case(&FD_LENGTHS, 3, 2);
-    let opts = spec.opts;
-    let gr = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    let loss = |x: &KdaInputs<f64>| -> f64 {
-        let out = kda::naive::forward(x, &opts).expect("inputs validated by the analytic run");
-        fd::dot(&out.o, &g.d_o) + fd::dot(out.final_state.as_ref().expect("asked for"), &g.dht)
-    };
-    let x = &g.inputs;
-    let with = |f: fn(&mut KdaInputs<f64>, ArrayD<f64>)| {
-        let loss = &loss;
-        Box::new(move |t: &ArrayD<f64>| {
-            let mut xx = x.clone();
-            f(&mut xx, t.clone());
-            loss(&xx)
-        }) as Loss<'_>
-    };
-    fd_rows(
-        report,
-        "kda",
-        vec![
-            ("dq", &x.q, Some(&gr.dq), with(|x, t| x.q = t)),
-            ("dk", &x.k, Some(&gr.dk), with(|x, t| x.k = t)),
-            ("dv", &x.v, Some(&gr.dv), with(|x, t| x.v = t)),
-            ("dg", &x.g, Some(&gr.dg), with(|x, t| x.g = t)),
-            ("dbeta", &x.beta, Some(&gr.dbeta), with(|x, t| x.beta = t)),
-            (
-                "dA_log",
-                x.a_log.as_ref().expect("gate"),
-                gr.da_log.as_ref(),
-                with(|x, t| x.a_log = Some(t)),
-            ),
-            (
-                "ddt_bias",
-                x.dt_bias.as_ref().expect("gate"),
-                gr.ddt_bias.as_ref(),
-                with(|x, t| x.dt_bias = Some(t)),
-            ),
-            (
-                "dh0",
-                x.initial_state.as_ref().expect("h0"),
-                gr.dh0.as_ref(),
-                with(|x, t| x.initial_state = Some(t)),
-            ),
-        ],
-    );
-    Ok(())
-}
-
-fn dplr_fd(report: &mut Report) -> Result<()> {
-    let (_, g) = dplr_case(&FD_LENGTHS, 3, 2);
-    let opts = DplrOptions {
-        output_final_state: true,
-        ..Default::default()
-    };
-    let gr = dplr::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht))?;
-    let loss = |x: &DplrInputs<f64>| -> f64 {
-        let out = dplr::naive::forward(x, &opts).expect("inputs validated by the analytic run");
-        fd::dot(&out.o, &g.d_o) + fd::dot(out.final_state.as_ref().expect("asked for"), &g.dht)
-    };
-    let x = &g.inputs;
-    let with = |f: fn(&mut DplrInputs<f64>, ArrayD<f64>)| {
-        let loss = &loss;
-        Box::new(move |t: &ArrayD<f64>| {
-            let mut xx = x.clone();
-            f(&mut xx, t.clone());
-            loss(&xx)
-        }) as Loss<'_>
-    };
-    fd_rows(
-        report,
-        "dplr",
-        vec![
-            ("dq", &x.q, Some(&gr.dq), with(|x, t| x.q = t)),
-            ("dk", &x.k, Some(&gr.dk), with(|x, t| x.k = t)),
-            ("dv", &x.v, Some(&gr.dv), with(|x, t| x.v = t)),
-            ("da", &x.a, Some(&gr.da), with(|x, t| x.a = t)),
-            ("db", &x.b, Some(&gr.db), with(|x, t| x.b = t)),
-            ("dgk", &x.gk, Some(&gr.dgk), with(|x, t| x.gk = t)),
-            (
-                "dh0",
-                x.initial_state.as_ref().expect("h0"),
-                gr.dh0.as_ref(),
-                with(|x, t| x.initial_state = Some(t)),
-            ),
-        ],
-    );
-    Ok(())
-}
-
-fn token_shift_fd(report: &mut Report) -> Result<()> {
-    let g = token_shift_case(&FD_LENGTHS);
-    let gr = deltaref::token_shift::backward(&g.inputs, &g.d_o, Some(&g.dht))?;
-    let loss = |x: &TokenShiftInputs<f64>| -> f64 {
-        let out = deltaref::token_shift::forward(x).expect("inputs validated by the analytic run");
-        fd::dot(&out.y, &g.d_o) + fd::dot(&out.final_cache, &g.dht)
-    };
-    let x = &g.inputs;
-    fd_rows(
-        report,
-        "token_shift",
-        vec![
-            (
-                "dx",
-                &x.x,
-                Some(&gr.dx),
-                Box::new(|t: &ArrayD<f64>| {
-                    loss(&TokenShiftInputs {
-                        x: t.clone(),
-                        ..x.clone()
-                    })
-                }),
-            ),
-            (
-                "dcache",
-                x.cache.as_ref().expect("cache"),
-                gr.dcache.as_ref(),
-                Box::new(|t: &ArrayD<f64>| {
-                    loss(&TokenShiftInputs {
-                        cache: Some(t.clone()),
-                        ..x.clone()
-                    })
-                }),
-            ),
-        ],
-    );
     Ok(())
 }
 
 /// The CP cuts of the table's `cuts` rows and of the GPU rows.
 const CUTS: [usize; 3] = [20, 38, 90];
 
-/// The `gen` request of `op`'s built-in case for the implementation table
-/// (varlen with 0- and 1-length sequences, initial states): KDA with GVA,
-/// the lower-bound gate, l2norm and beta sigmoid; GDN with its in-kernel
-/// gate and l2norm; causal conv1d with SiLU and a bias.
-fn table_spec(op: Op) -> GenSpec {
-    let t = LENGTHS.iter().sum();
-    let mut s = GenSpec {
-        lengths: Some(LENGTHS.to_vec()),
-        initial_state: true,
+/// The `gen` request of `op`'s built-in case ([`deltaref::registry::Showcase`])
+/// over sequences of `lengths`.
+fn table_spec(op: Op, lengths: &[usize]) -> GenSpec {
+    let show = &op.info().showcase;
+    let f = &show.flags;
+    GenSpec {
+        shape: Some([&[1, lengths.iter().sum()], show.dims].concat()),
+        lengths: Some(lengths.to_vec()),
+        seed: show.seed,
+        gate: f.gate,
+        use_qk_l2norm_in_kernel: f.l2norm,
+        use_beta_sigmoid_in_kernel: f.beta_sigmoid,
+        allow_neg_eigval: f.allow_neg_eigval,
+        initial_state: f.initial_state,
+        state_v_first: f.state_v_first,
+        activation: f.activation,
+        bias: f.bias,
+        scale: f.scale,
         ..GenSpec::new(op)
-    };
-    let (shape, seed) = match op {
-        Op::Kda => (vec![1, t, 1, 2, 16, 16], 2024),
-        Op::Dplr => (vec![1, t, 2, 16, 16], 2025),
-        Op::TokenShift => (vec![1, t, 6], 2026),
-        Op::Gdn => (vec![1, t, 1, 2, 16, 16], 2027),
-        Op::CausalConv1d => (vec![1, t, 6, 4], 2028),
-    };
-    (s.shape, s.seed) = (Some(shape), seed);
-    match op {
-        Op::Kda => {
-            s.gate = Gate::LowerBound { lower_bound: -5.0 };
-            s.use_qk_l2norm_in_kernel = true;
-            s.use_beta_sigmoid_in_kernel = true;
-        }
-        Op::Gdn => {
-            s.gate = Gate::Kda;
-            s.use_qk_l2norm_in_kernel = true;
-        }
-        Op::CausalConv1d => {
-            s.activation = Activation::Silu;
-            s.bias = true;
-        }
-        Op::Dplr | Op::TokenShift => {}
     }
-    s
 }
 
 /// The implementation table: each row a request as `--impl` and its flags
@@ -414,29 +256,23 @@ fn table() -> Vec<TableRow> {
         cp_engine: Some(EngineName::Naive),
         ..ImplRequest::default()
     };
-    let f32_rows = Op::ALL.map(|op| {
-        (
-            table_spec(op),
-            ImplRequest::default(),
-            Compute::F32,
-            F32_TOL,
-        )
-    });
-    let exact = [
-        (Op::Kda, chunk(16)),
-        (Op::Kda, chunk(64)),
-        (Op::Dplr, chunk(32)),
-        (Op::Gdn, chunk(16)),
-        (Op::Kda, world2.clone()),
-        (Op::Dplr, world2.clone()),
-        (Op::Gdn, world2),
-        (Op::Kda, cuts.clone()),
-        (Op::Dplr, cuts.clone()),
-        (Op::TokenShift, cuts.clone()),
-        (Op::CausalConv1d, cuts),
-    ]
-    .map(|(op, req)| (table_spec(op), req, Compute::F64, EXACT_TOL));
-    f32_rows.into_iter().chain(exact).collect()
+    let mut rows = vec![];
+    for op in Op::all() {
+        let spec = table_spec(op, &LENGTHS);
+        rows.push((spec.clone(), ImplRequest::default(), Compute::F32, F32_TOL));
+        let chunked = op
+            .info()
+            .chunked
+            .then_some([chunk(16), chunk(32), chunk(64)]);
+        for req in chunked.into_iter().flatten() {
+            rows.push((spec.clone(), req, Compute::F64, EXACT_TOL));
+        }
+        if op.is_delta_rule() {
+            rows.push((spec.clone(), world2.clone(), Compute::F64, EXACT_TOL));
+        }
+        rows.push((spec, cuts.clone(), Compute::F64, EXACT_TOL));
+    }
+    rows
 }
 
 /// A table row: an `--impl` request on the built-in case `gen` writes for
@@ -495,7 +331,7 @@ fn gpu_table() -> Vec<TableRow> {
         ..ImplRequest::default()
     };
     let spec = |op, dtype| {
-        let mut s = table_spec(op);
+        let mut s = table_spec(op, &LENGTHS);
         s.dtype = dtype;
         if op == Op::Kda {
             s.shape = Some(vec![1, LENGTHS.iter().sum(), 1, 2, 64, 64]);
@@ -549,13 +385,9 @@ fn gpu_table() -> Vec<TableRow> {
 /// Runs every check on the built-in cases (the GPU rows when a device is here).
 pub fn run() -> std::result::Result<Report, CaseError> {
     let mut report = Report::default();
-    let builtin = |source| CaseError::Invalid {
-        path: "<built-in case>".into(),
-        source,
-    };
-    kda_fd(&mut report).map_err(builtin)?;
-    dplr_fd(&mut report).map_err(builtin)?;
-    token_shift_fd(&mut report).map_err(builtin)?;
+    for op in Op::all() {
+        fd_rows(&mut report, op)?;
+    }
     run_table(&mut report, table())?;
     match gpu::device() {
         Ok(_) => run_table(&mut report, gpu_table())?,

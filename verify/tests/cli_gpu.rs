@@ -73,7 +73,7 @@ fn gpu_flag_misuse_is_a_usage_error() {
         ),
         (
             vec!["run", "--case", s(&dplr), "--impl", "gpu-chunk"],
-            "naive DPLR kernels only",
+            "naive dplr kernels only",
         ),
         (
             vec![

@@ -80,7 +80,7 @@ fn intermediates_out_and_in_name_the_first_chunk_and_rank_out_of_band() {
     // The stored intermediates are the ones `run` writes.
     let stored = Case::read(&case).unwrap();
     let written = Case::read_candidate(&cand, Op::Kda).unwrap();
-    for n in deltaref_verify::intermediates::NAMES {
+    for &n in Op::Kda.info().intermediates {
         assert_eq!(stored.tensors.get(n), written.tensors.get(n), "{n}");
     }
     // Rank 1 starts at token 64: its first chunk is chunk 5 (rank 0 holds
@@ -130,7 +130,7 @@ fn intermediates_are_refused_where_they_do_not_exist() {
         s(&out),
     ]);
     assert_eq!(rc, 2);
-    assert!(err.contains("defined for KDA"), "{err}");
+    assert!(err.contains("this case is dplr"), "{err}");
     assert!(!out.exists());
     // Unknown names stay errors, next to the intermediates.
     let mut c = Case::read(&kda).unwrap();

@@ -407,7 +407,7 @@ fn flags_that_cannot_apply_are_refused() {
                 "--precision",
                 "drop-merged-state",
             ],
-            "token-shift",
+            "token_shift hands on cached tokens",
         ),
         (
             vec![
@@ -645,8 +645,10 @@ fn a_candidate_stating_other_options_is_refused() {
     let cand = dir.path().join("cand.safetensors");
     run_ok(&["run", "--case", s(&case), "--out", s(&cand)]);
     let mut c = Case::read(&cand).unwrap();
-    c.meta.use_qk_l2norm_in_kernel = true;
-    c.meta.scale = Some(0.5);
+    c.meta
+        .options
+        .insert("use_qk_l2norm_in_kernel".into(), true.into());
+    c.meta.options.insert("scale".into(), 0.5.into());
     c.write(&cand).unwrap();
     refused(
         &["verify", "--case", s(&case), "--candidate", s(&cand)],
@@ -658,8 +660,10 @@ fn a_candidate_stating_other_options_is_refused() {
     );
     // Options that do not change the math (seed, dtype, CP layout) may differ.
     let mut c = Case::read(&cand).unwrap();
-    c.meta.use_qk_l2norm_in_kernel = false;
-    c.meta.scale = None;
+    c.meta
+        .options
+        .insert("use_qk_l2norm_in_kernel".into(), false.into());
+    c.meta.options.remove("scale");
     c.meta.seed = Some(99);
     c.meta.cp = Some(deltaref_verify::case::CpLayout::World(
         2,

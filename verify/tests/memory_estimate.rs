@@ -207,13 +207,13 @@ fn generating() {
         drop(generate(&spec).unwrap());
         let (case, whole) = peak_of(|| generate(&spec).unwrap());
         assert_bounds(&format!("{label}, gen --expected"), whole, p.gen_bytes());
-        if !matches!(spec.op, Op::Kda | Op::Dplr) {
+        if !spec.op.info().streams_by_head {
             continue;
         }
         case.write(&path("whole.safetensors")).unwrap();
         let drawn = head_draws(&spec).unwrap();
         let (_, draws) = peak_of(|| {
-            Case::new(spec.meta())
+            Case::new(spec.meta().unwrap())
                 .write_filled(&path("drawn.safetensors"), drawn, &[], |_| Ok(()))
                 .unwrap()
         });

@@ -4,7 +4,6 @@
 //! chunk's backward.
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
-use deltaref::tensor::check_chunk_size;
 use deltaref::varlen::Segment;
 
 use super::{Grads, Problem};
@@ -47,7 +46,7 @@ struct StatePass {
 
 impl<'a, 'g> Chunked<'a, 'g> {
     pub fn new(p: &'a Problem<'g>, size: usize) -> Result<Self> {
-        check_chunk_size(size)?;
+        deltaref::registry::ChunkSize::new(size)?;
         Ok(Chunked { p, size })
     }
 

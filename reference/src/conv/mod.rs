@@ -18,6 +18,8 @@
 //! needs at least that many tokens per rank), and in backward the window's
 //! gradient flows back to those tokens.
 
+pub mod entry;
+
 use ndarray::{
     s, Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix1,
     Ix2, Ix3,

@@ -308,6 +308,22 @@ fn max_abs_diff<T: Scalar>(a: &[Array2<T>], b: &[Array2<T>]) -> f64 {
 }
 
 impl<T: Scalar> RankDiag<T> {
+    /// The same diagnostics in f64 (exact widening).
+    pub fn widen(self) -> RankDiag<f64> {
+        let w = |v: Vec<Array2<T>>| v.iter().map(|a| a.mapv(|x| x.f64())).collect::<Vec<_>>();
+        RankDiag {
+            meta: self.meta,
+            s_ext: w(self.s_ext),
+            m: w(self.m),
+            merged_h0: self.merged_h0.map(w),
+            reference_h0: self.reference_h0.map(w),
+            ds_ext: self.ds_ext.map(w),
+            m_first: self.m_first.map(w),
+            merged_dht: self.merged_dht.map(w),
+            reference_dht: self.reference_dht.map(w),
+        }
+    }
+
     /// `max |merged − non-CP|` of the initial state, when the rank continues.
     pub fn h0_error(&self) -> Option<f64> {
         Some(max_abs_diff(

@@ -7,6 +7,7 @@
 //! operator contract, [`crate::op`]); the engines (`naive`, `chunk`) see one head of one sequence.
 
 pub mod chunk;
+pub mod entry;
 pub mod naive;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2};

@@ -45,12 +45,16 @@ pub struct Chunk {
 impl Chunk {
     /// Chunk sizes of FLA's kernels: 16, 32 or 64.
     pub fn new(chunk_size: usize) -> Result<Self> {
-        crate::tensor::check_chunk_size(chunk_size)?;
-        Ok(Chunk {
-            chunk_size,
+        Ok(Chunk::sized(crate::registry::ChunkSize::new(chunk_size)?))
+    }
+
+    /// The engine with chunks of `c` tokens.
+    pub fn sized(c: crate::registry::ChunkSize) -> Self {
+        Chunk {
+            chunk_size: c.get(),
             policy: Policy::exact(),
             span_len: crate::varlen::SPAN_LEN,
-        })
+        }
     }
 
     /// The same engine with stages rounded per `policy`.

@@ -8,6 +8,8 @@
 //! one head of one sequence.
 
 pub mod chunk;
+pub mod entry;
+mod intermediates;
 pub mod naive;
 
 use ndarray::{

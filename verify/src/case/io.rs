@@ -364,30 +364,26 @@ impl Case {
         Ok(cand)
     }
 
-    /// `key (case X, candidate Y)` for every math option `stated` by the
-    /// candidate that differs from the case's (a port may state only some).
+    /// `key (case X, candidate Y)` for every option of the op `stated` by
+    /// the candidate that differs from the case's (a port may state only
+    /// some); an absent `scale` is its default `K^-0.5`.
     fn math_options_differing(&self, other: &CaseMeta, stated: &[String]) -> Vec<String> {
-        const MATH: [&str; 6] = [
-            "scale",
-            "use_qk_l2norm_in_kernel",
-            "gate",
-            "lower_bound",
-            "use_beta_sigmoid_in_kernel",
-            "allow_neg_eigval",
-        ];
+        let math = self.meta.op.entry().option_keys();
         let k = self
             .tensors
-            .get("q")
+            .get(self.meta.op.first_input())
             .and_then(|q| q.shape().last().copied());
         let with_scale = |m: &CaseMeta| {
             let mut j = m.to_json();
-            if let (Some(k), None, Value::Object(o)) = (k, m.scale, &mut j) {
-                o.insert("scale".into(), (k as f64).powf(-0.5).into());
+            if let (Some(k), Value::Object(o)) = (k, &mut j) {
+                if math.contains(&"scale") && !o.contains_key("scale") {
+                    o.insert("scale".into(), (k as f64).powf(-0.5).into());
+                }
             }
             j
         };
         let (a, b) = (with_scale(&self.meta), with_scale(other));
-        MATH.iter()
+        math.iter()
             .filter(|key| stated.iter().any(|s| s == *key) && a.get(**key) != b.get(**key))
             .map(|key| {
                 let show = |v: Option<&Value>| v.map_or("absent".to_string(), Value::to_string);

@@ -5,6 +5,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use deltaref::registry::{MemoryModel, Options};
+
 use super::{Case, CaseError, Op};
 
 /// `--max-memory` in bytes; 0 = not given (use `MemAvailable`).
@@ -113,7 +115,8 @@ pub fn elements(dims: &[usize]) -> Option<u64> {
 }
 
 /// The sizes that set a problem's memory: B, T, N sequences; H, HV heads;
-/// K, V dims (token-shift: D as V, with H = HV = K = 1).
+/// K, V dims (token-shift: D as V, with H = HV = K = 1; the convolution: D
+/// as V and W as K), and the op's memory coefficients for its options.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Problem {
     pub op: Op,
@@ -124,12 +127,7 @@ pub struct Problem {
     pub hv: usize,
     pub k: usize,
     pub v: usize,
-    /// KDA, GDN: `q` and `k` are l2-normed in the kernel (a prepared copy
-    /// of each, and their backward).
-    pub l2norm: bool,
-    /// KDA: a gate activated in the kernel (the activated gate, its
-    /// exponentials and its backward's temporaries).
-    pub gate: bool,
+    pub model: MemoryModel,
 }
 
 /// `Σ_i Π_j terms[i][j]`, saturating at `u64::MAX` (an overflowing size is
@@ -161,9 +159,10 @@ pub enum Run {
 }
 
 impl Problem {
-    /// Elements of the inputs and upstream gradients.
-    pub fn input_elements(&self) -> u64 {
-        let Problem {
+    /// The problem of `op` with options `o`, `[B, T, N]` and `[H, HV, K, V]`.
+    pub fn new(op: Op, o: &Options, [b, t, n]: [usize; 3], [h, hv, k, v]: [usize; 4]) -> Problem {
+        Problem {
+            op,
             b,
             t,
             n,
@@ -171,34 +170,45 @@ impl Problem {
             hv,
             k,
             v,
-            ..
-        } = *self;
-        match self.op {
-            // GDN: the scalar gate is broadcast over K inside (KDA's pieces).
-            Op::Kda | Op::Gdn => sum_of_products(&[
-                &[2, b, t, h, k],
-                &[2, b, t, hv, v],
-                &[b, t, hv, k],
-                &[b, t, hv],
-                &[hv, k + 1],
-                &[2, n, hv, k, v],
-            ]),
-            Op::Dplr => sum_of_products(&[&[5, b, t, h, k], &[2, b, t, h, v], &[2, n, h, k, v]]),
-            Op::TokenShift => sum_of_products(&[&[2, b, t, v], &[2, n, v]]),
-            // x, dy; weight [D, W] and bias; initial_state, dht [N, D, W] (k = W, v = D).
-            Op::CausalConv1d => sum_of_products(&[&[2, b, t, v], &[v, k + 1], &[2, n, k, v]]),
+            model: op.entry().memory(o),
         }
+    }
+
+    /// The size an axis label of the op's declarations stands for.
+    fn size(&self, label: &str) -> Option<usize> {
+        Some(match label {
+            "B" => self.b,
+            "T" => self.t,
+            "N" => self.n,
+            "H" => self.h,
+            "HV" => self.hv,
+            "K" | "W" => self.k,
+            "V" | "D" => self.v,
+            "HV*K" => self.hv.saturating_mul(self.k),
+            _ => return None,
+        })
+    }
+
+    /// Elements of each input and upstream gradient the op declares
+    /// (`cu_seqlens`, an integer tensor, aside).
+    fn tensor_elements(&self) -> impl Iterator<Item = u64> + '_ {
+        self.op.info().axes.iter().filter_map(|(_, axes)| {
+            let dims: Option<Vec<usize>> = axes.split(',').map(|a| self.size(a)).collect();
+            Some(elements(&dims?).unwrap_or(u64::MAX))
+        })
+    }
+
+    /// Elements of the inputs and upstream gradients.
+    pub fn input_elements(&self) -> u64 {
+        self.tensor_elements().fold(0u64, u64::saturating_add)
     }
 
     /// Bytes `gen` holds without the truth: the f64 draws, then the drawn
     /// case and one tensor encoded for the file (measured: KDA, GDN and
     /// DPLR 1.2 inputs, token-shift's and conv's one large tensor 1.5).
     pub fn draw_bytes(&self) -> u64 {
-        let eighths: u64 = match self.op {
-            Op::Kda | Op::Gdn | Op::Dplr => 11,
-            Op::TokenShift | Op::CausalConv1d => 14,
-        };
-        self.input_elements().saturating_mul(eighths)
+        self.input_elements()
+            .saturating_mul(self.model.draw_eighths)
     }
 
     /// Bytes `gen --expected` holds on the whole-case path: the drawn case
@@ -232,34 +242,15 @@ impl Problem {
     /// beside it, [`deltaref::inputs::dplr_draws`]), and 64 KiB for the
     /// file's header and the plan of its tensors.
     pub fn streamed_draw_bytes(&self, width: usize) -> u64 {
-        let per_element = match self.op {
-            Op::Dplr => 16 + width as u64,
-            _ => 8 + width as u64,
-        };
+        let per_element = self.model.streamed_draw_bytes + width as u64;
         self.largest_input()
             .saturating_mul(per_element)
             .saturating_add(64 << 10)
     }
 
-    /// Elements of the largest input or upstream gradient of a KDA, GDN or
-    /// DPLR problem: a token-major `[B, T, heads, K or V]` tensor or a
-    /// state `[N, heads, K, V]`.
+    /// Elements of the largest input or upstream gradient.
     fn largest_input(&self) -> u64 {
-        let Problem {
-            b,
-            t,
-            n,
-            h,
-            hv,
-            k,
-            v,
-            ..
-        } = *self;
-        [[b, t, h, k], [b, t, hv, v], [b, t, hv, k], [n, hv, k, v]]
-            .iter()
-            .filter_map(|s| elements(s))
-            .max()
-            .unwrap_or(u64::MAX)
+        self.tensor_elements().max().unwrap_or(u64::MAX)
     }
 
     /// The same problem cut to `heads` query/key heads (GVA value heads
@@ -295,26 +286,13 @@ impl Problem {
     /// 3.25, 4.75), plus 1.5 copies of `q` and `k` when they are l2-normed
     /// in the kernel and 4.5 of KDA's gate when it is activated there.
     fn copy_elements(&self) -> u64 {
-        let quarters: u64 = match self.op {
-            Op::Kda | Op::Dplr => 9,
-            Op::Gdn => 10,
-            Op::TokenShift => 13,
-            Op::CausalConv1d => 19,
-        };
+        let m = self.model;
         let (b, t, h, hv, k) = (self.b, self.t, self.h, self.hv, self.k);
         let qk = sum_of_products(&[&[2, b, t, h, k]]);
         let gate = sum_of_products(&[&[b, t, hv, k]]);
-        let l2norm = match (self.op, self.l2norm) {
-            (Op::Kda | Op::Gdn, true) => qk.saturating_mul(3) / 2,
-            _ => 0,
-        };
-        let gate = match (self.op, self.gate) {
-            (Op::Kda, true) => gate.saturating_mul(9) / 2,
-            _ => 0,
-        };
-        (self.input_elements().saturating_mul(quarters) / 4)
-            .saturating_add(l2norm)
-            .saturating_add(gate)
+        (self.input_elements().saturating_mul(m.copy_quarters) / 4)
+            .saturating_add(qk.saturating_mul(m.qk_halves) / 2)
+            .saturating_add(gate.saturating_mul(m.gate_halves) / 2)
     }
 
     /// Elements the engine itself holds at its peak (see [`Problem::compute_bytes`]).
@@ -322,9 +300,9 @@ impl Problem {
         let heads = self.hv.max(self.h);
         let state = sum_of_products(&[&[self.k, self.v]]);
         let tasks = rayon::current_num_threads() as u64;
-        match (self.op, run) {
-            (Op::TokenShift | Op::CausalConv1d, _) => 0,
-            (_, Run::Naive) => {
+        match (self.op.is_delta_rule(), run) {
+            (false, _) => 0,
+            (true, Run::Naive) => {
                 let per_task = deltaref::sweep::held_states(
                     self.t,
                     usize::try_from(state.saturating_mul(8)).unwrap_or(usize::MAX),
@@ -335,7 +313,7 @@ impl Problem {
                     .saturating_mul(tasks.min(pairs))
             }
             (
-                _,
+                true,
                 Run::Chunk {
                     chunk_size,
                     piece,
@@ -369,66 +347,37 @@ impl Problem {
     /// per chunk; DPLR's and GDN's more of each.
     pub fn chunk_elements(&self, c: usize) -> u64 {
         let (k, v, c) = (self.k as u64, self.v as u64, c.max(1) as u64);
-        let rows = match self.op {
-            Op::Kda => 8 * k + 5 * v + 6 * c,
-            _ => 10 * k + 6 * v + 6 * c,
-        };
+        let [rk, rv, rc] = self.model.chunk_rows;
+        let rows = rk * k + rv * v + rc * c;
         rows.saturating_add(k.saturating_mul(v).saturating_mul(2) / c)
     }
 
-    /// The problem a case holds (from its validated input shapes).
+    /// The problem a case holds (from its input shapes, read by the axis
+    /// labels its op declares; 1 where a size is absent).
     pub fn of_case(case: &Case) -> Problem {
-        let shape = |n: &str| case.tensors.get(n).map(|t| t.shape().to_vec());
-        let op = case.meta.op;
-        let (first, value) = match op {
-            Op::TokenShift | Op::CausalConv1d => ("x", "x"),
-            _ => ("q", "v"),
+        let info = case.meta.op.info();
+        let size = |label: &str| {
+            info.axes.iter().find_map(|(name, axes)| {
+                let i = axes.split(',').position(|a| a == label)?;
+                case.tensors.get(*name)?.shape().get(i).copied()
+            })
         };
-        let q = shape(first).unwrap_or_default();
-        let v = shape(value).unwrap_or_default();
-        let at = |s: &[usize], i: usize| s.get(i).copied().unwrap_or(1);
-        let b = at(&q, 0);
+        let b = size("B").unwrap_or(1);
         let n = case
             .cu_seqlens
             .as_ref()
             .map_or(b, |c| c.len().saturating_sub(1));
-        match op {
-            Op::TokenShift => Problem {
-                op,
-                b,
-                t: at(&q, 1),
-                n,
-                h: 1,
-                hv: 1,
-                k: 1,
-                v: at(&q, 2),
-                l2norm: false,
-                gate: false,
-            },
-            Op::CausalConv1d => Problem {
-                op,
-                b,
-                t: at(&q, 1),
-                n,
-                h: 1,
-                hv: 1,
-                k: shape("weight").map_or(1, |w| at(&w, 1)),
-                v: at(&q, 2),
-                l2norm: false,
-                gate: false,
-            },
-            _ => Problem {
-                op,
-                b,
-                t: at(&q, 1),
-                n,
-                h: at(&q, 2),
-                hv: at(&v, 2),
-                k: at(&q, 3),
-                v: at(&v, 3),
-                l2norm: case.meta.use_qk_l2norm_in_kernel,
-                gate: case.meta.gate != deltaref::gates::Gate::None,
-            },
-        }
+        let h = size("H").unwrap_or(1);
+        Problem::new(
+            case.meta.op,
+            &case.meta.options,
+            [b, size("T").unwrap_or(1), n],
+            [
+                h,
+                size("HV").unwrap_or(h),
+                size("K").or(size("W")).unwrap_or(1),
+                size("V").or(size("D")).unwrap_or(1),
+            ],
+        )
     }
 }

@@ -1,75 +1,68 @@
-//! The `case` metadata entry: the op (with its FLA tensor names from the
-//! operator contract) and its options under FLA's names, to and from JSON.
+//! The `case` metadata entry: the op (a handle on its registry entry,
+//! [`deltaref::registry`]) and its options under FLA's names, to and from
+//! JSON.
 
-use deltaref::conv::{Activation, CausalConv1d, ConvOptions};
 use deltaref::cp::Layout;
-use deltaref::dplr::{Dplr, DplrOptions};
-use deltaref::gates::Gate;
-use deltaref::gdn::{Gdn, GdnOptions};
-use deltaref::kda::{Kda, KdaOptions};
-use deltaref::op::OpSpec;
-use deltaref::token_shift::TokenShift;
-use serde::de::{DeserializeOwned, Visitor};
+use deltaref::registry::{self, OpEntry, OpInfo, Options};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::Dtype;
 
-/// The operators.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    Kda,
-    Dplr,
-    TokenShift,
-    /// FLA's gated delta rule.
-    Gdn,
-    /// FLA's `causal_conv1d`.
-    CausalConv1d,
+/// An operator: a handle on its registry entry. Two handles are equal when
+/// they name the same operator.
+#[derive(Clone, Copy)]
+pub struct Op(&'static dyn OpEntry);
+
+#[allow(non_upper_case_globals)]
+impl Op {
+    /// The operators by name, for built-in cases and tests.
+    pub const Kda: Op = Op(&deltaref::kda::entry::ENTRY);
+    pub const Dplr: Op = Op(&deltaref::dplr::entry::ENTRY);
+    pub const TokenShift: Op = Op(&deltaref::token_shift::entry::ENTRY);
+    pub const Gdn: Op = Op(&deltaref::gdn::entry::ENTRY);
+    pub const CausalConv1d: Op = Op(&deltaref::conv::entry::ENTRY);
 }
 
-/// An operator's names, as its contract declares them ([`OpSpec`]).
-struct Names {
-    name: &'static str,
-    inputs: &'static [&'static str],
-    upstream: &'static [&'static str],
-    outputs: &'static [&'static str],
-    grads: &'static [&'static str],
+impl PartialEq for Op {
+    fn eq(&self, other: &Op) -> bool {
+        self.name() == other.name()
+    }
 }
 
-impl Names {
-    fn of<O: OpSpec>() -> Names {
-        Names {
-            name: O::NAME,
-            inputs: O::INPUTS,
-            upstream: O::UPSTREAM,
-            outputs: O::OUTPUTS,
-            grads: O::GRADS,
-        }
+impl Eq for Op {}
+
+impl std::fmt::Debug for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
 impl Op {
-    pub const ALL: [Op; 5] = [Op::Kda, Op::Dplr, Op::TokenShift, Op::Gdn, Op::CausalConv1d];
+    /// Every registered operator.
+    pub fn all() -> impl Iterator<Item = Op> {
+        registry::OPS.into_iter().map(Op)
+    }
+
+    /// The registry entry: everything the operator declares.
+    pub fn entry(self) -> &'static dyn OpEntry {
+        self.0
+    }
+
+    pub fn info(self) -> &'static OpInfo {
+        self.0.info()
+    }
 
     /// A delta rule (KDA, DPLR, GDN): its CP carries `(S_ext, M)` and
     /// merges; token-shift and the conv pass their last tokens instead.
     pub fn is_delta_rule(self) -> bool {
-        matches!(self, Op::Kda | Op::Dplr | Op::Gdn)
-    }
-
-    fn names(self) -> Names {
-        match self {
-            Op::Kda => Names::of::<Kda>(),
-            Op::Dplr => Names::of::<Dplr>(),
-            Op::TokenShift => Names::of::<TokenShift>(),
-            Op::Gdn => Names::of::<Gdn>(),
-            Op::CausalConv1d => Names::of::<CausalConv1d>(),
-        }
+        self.info().carry == registry::Carry::State
     }
 
     /// `kda, dplr, …` for error messages.
     pub fn names_list() -> String {
-        Op::ALL.map(Op::name).join(", ")
+        registry::names()
     }
 
     /// The first token input (`x` or `q`): where B and T are read.
@@ -77,39 +70,33 @@ impl Op {
         self.inputs()[0]
     }
 
-    /// Whether the state is a delta-rule state `[K, V]` per value head.
-    pub fn has_heads(self) -> bool {
-        !matches!(self, Op::TokenShift | Op::CausalConv1d)
-    }
-
     pub fn name(self) -> &'static str {
-        self.names().name
+        self.info().name
     }
 
     pub fn parse(s: &str) -> Option<Op> {
-        Op::ALL.into_iter().find(|op| op.name() == s)
+        registry::find(s).map(Op)
     }
 
     /// Input tensor names (FLA's), including the integer `cu_seqlens`.
     pub fn inputs(self) -> &'static [&'static str] {
-        self.names().inputs
+        self.info().inputs
     }
 
     /// Upstream gradient names.
     pub fn upstream(self) -> &'static [&'static str] {
-        self.names().upstream
+        &self.info().upstream
     }
 
     /// The forward results: the output and the final state.
     pub fn forward_results(self) -> &'static [&'static str] {
-        self.names().outputs
+        self.info().outputs
     }
 
     /// Output and gradient names (what a candidate provides), the forward
     /// results first.
     pub fn results(self) -> Vec<&'static str> {
-        let n = self.names();
-        [n.outputs, n.grads].concat()
+        self.info().results()
     }
 
     /// Whether `name` is a tensor a case of this op may hold.
@@ -118,6 +105,11 @@ impl Op {
             || self.upstream().contains(&name)
             || self.results().contains(&name)
             || is_intermediate(self, name)
+    }
+
+    /// The keys a case of this op may hold besides `op`.
+    fn keys(self) -> Vec<&'static str> {
+        [keys::<Common>(), self.entry().option_keys()].concat()
     }
 }
 
@@ -131,19 +123,13 @@ pub enum CpLayout {
     Cuts(Vec<usize>),
 }
 
-/// The `case` metadata: op and options with FLA's names.
+/// The `case` metadata: op, its options with FLA's names, and what the
+/// case says of how it was made and how it is cut.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CaseMeta {
     pub op: Op,
-    pub scale: Option<f64>,
-    pub use_qk_l2norm_in_kernel: bool,
-    pub gate: Gate,
-    pub use_beta_sigmoid_in_kernel: bool,
-    pub allow_neg_eigval: bool,
-    /// GDN: states are `[N, HV, V, K]`.
-    pub state_v_first: bool,
-    /// Causal conv1d.
-    pub activation: Activation,
+    /// The op's options as its registry entry reads them (FLA's keys).
+    pub options: Options,
     pub chunk_size: Option<usize>,
     pub cp: Option<CpLayout>,
     pub seed: Option<u64>,
@@ -153,16 +139,14 @@ pub struct CaseMeta {
 }
 
 impl CaseMeta {
+    /// A case of `op` with its default options.
     pub fn new(op: Op) -> Self {
         CaseMeta {
             op,
-            scale: None,
-            use_qk_l2norm_in_kernel: false,
-            gate: Gate::None,
-            use_beta_sigmoid_in_kernel: false,
-            allow_neg_eigval: false,
-            state_v_first: false,
-            activation: Activation::None,
+            options: op
+                .entry()
+                .gen_options(&registry::GenFlags::default())
+                .expect("every op takes no flags"),
             chunk_size: None,
             cp: None,
             seed: None,
@@ -171,56 +155,17 @@ impl CaseMeta {
         }
     }
 
-    pub fn kda_options(&self) -> KdaOptions {
-        KdaOptions {
-            scale: self.scale,
-            output_final_state: true,
-            use_qk_l2norm_in_kernel: self.use_qk_l2norm_in_kernel,
-            gate: self.gate,
-            use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval: self.allow_neg_eigval,
-        }
-    }
-
-    /// GDN's options; its in-kernel gate is `gate == Gate::Kda`
-    /// (`use_gate_in_kernel` in the case file).
-    pub fn gdn_options(&self) -> GdnOptions {
-        GdnOptions {
-            scale: self.scale,
-            output_final_state: true,
-            use_qk_l2norm_in_kernel: self.use_qk_l2norm_in_kernel,
-            use_gate_in_kernel: self.gate == Gate::Kda,
-            use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval: self.allow_neg_eigval,
-            state_v_first: self.state_v_first,
-        }
-    }
-
-    pub fn conv_options(&self) -> ConvOptions {
-        ConvOptions {
-            activation: self.activation,
-            output_final_state: true,
-        }
-    }
-
-    pub fn dplr_options(&self) -> DplrOptions {
-        DplrOptions {
-            scale: self.scale,
-            output_final_state: true,
-        }
+    /// Option `key` as a bool (false when absent or not a bool).
+    pub fn flag(&self, key: &str) -> bool {
+        self.options.get(key).and_then(Value::as_bool) == Some(true)
     }
 
     /// The JSON object stored under `case`: `op`, the shared keys and the
-    /// op's own options (keys that apply to the op only).
+    /// op's own options.
     pub fn to_json(&self) -> Value {
-        let mut m = object(&Common::of(self));
+        let mut m = registry::to_options(&Common::of(self));
         m.insert("op".into(), self.op.name().into());
-        m.extend(match self.op {
-            Op::Kda => object(&KdaMeta::of(self)),
-            Op::Gdn => object(&GdnMeta::of(self)),
-            Op::CausalConv1d => object(&ConvMeta::of(self)),
-            Op::Dplr | Op::TokenShift => Map::new(),
-        });
+        m.extend(self.options.clone());
         Value::Object(m)
     }
 
@@ -244,31 +189,16 @@ impl CaseMeta {
             return Err(not_a_key_of(op, k));
         }
         let common_keys = keys::<Common>();
-        let (common, own) = m
+        let (common, own): (Map<String, Value>, Map<String, Value>) = m
             .into_iter()
             .partition(|(k, _)| common_keys.contains(&k.as_str()));
-        let mut meta = CaseMeta::new(op);
-        de::<Common>(op, common)?.apply(&mut meta)?;
-        match op {
-            Op::Kda => de::<KdaMeta>(op, own)?.apply(&mut meta)?,
-            Op::Gdn => de::<GdnMeta>(op, own)?.apply(&mut meta),
-            Op::CausalConv1d => de::<ConvMeta>(op, own)?.apply(&mut meta)?,
-            Op::Dplr | Op::TokenShift => {}
-        }
-        Ok(meta)
-    }
-}
-
-impl Op {
-    /// The keys a case of this op may hold besides `op`.
-    fn keys(self) -> Vec<&'static str> {
-        let own = match self {
-            Op::Kda => keys::<KdaMeta>(),
-            Op::Gdn => keys::<GdnMeta>(),
-            Op::CausalConv1d => keys::<ConvMeta>(),
-            Op::Dplr | Op::TokenShift => &[],
+        op.entry().check_options(&own)?;
+        let mut meta = CaseMeta {
+            options: own,
+            ..CaseMeta::new(op)
         };
-        [keys::<Common>(), own].concat()
+        de::<Common>(op, common)?.apply(&mut meta)?;
+        Ok(meta)
     }
 }
 
@@ -276,8 +206,6 @@ impl Op {
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 struct Common {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    scale: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     chunk_size: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -293,7 +221,6 @@ struct Common {
 impl Common {
     fn of(m: &CaseMeta) -> Self {
         Common {
-            scale: m.scale,
             chunk_size: m.chunk_size,
             cp: m.cp.as_ref().map(CpMeta::of),
             seed: m.seed,
@@ -303,7 +230,6 @@ impl Common {
     }
 
     fn apply(self, m: &mut CaseMeta) -> Result<(), String> {
-        m.scale = self.scale;
         m.chunk_size = self.chunk_size;
         m.cp = self.cp.map(CpMeta::layout).transpose()?;
         m.seed = self.seed;
@@ -371,125 +297,7 @@ impl CpMeta {
     }
 }
 
-/// KDA's options (FLA `chunk_kda`); `gate` is `none`, `kda` or
-/// `lowerbound` (with `lower_bound`).
-#[derive(Default, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct KdaMeta {
-    use_qk_l2norm_in_kernel: bool,
-    gate: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    lower_bound: Option<f64>,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool,
-}
-
-impl KdaMeta {
-    fn of(m: &CaseMeta) -> Self {
-        KdaMeta {
-            use_qk_l2norm_in_kernel: m.use_qk_l2norm_in_kernel,
-            gate: Some(m.gate.name().into()),
-            lower_bound: match m.gate {
-                Gate::LowerBound { lower_bound } => Some(lower_bound),
-                _ => None,
-            },
-            use_beta_sigmoid_in_kernel: m.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval: m.allow_neg_eigval,
-        }
-    }
-
-    fn apply(self, m: &mut CaseMeta) -> Result<(), String> {
-        m.use_qk_l2norm_in_kernel = self.use_qk_l2norm_in_kernel;
-        m.use_beta_sigmoid_in_kernel = self.use_beta_sigmoid_in_kernel;
-        m.allow_neg_eigval = self.allow_neg_eigval;
-        m.gate = match (self.gate.as_deref(), self.lower_bound) {
-            (None | Some("none"), None) => Gate::None,
-            (Some("kda"), None) => Gate::Kda,
-            (Some("lowerbound"), Some(lb)) => Gate::LowerBound { lower_bound: lb },
-            (Some("lowerbound"), None) => {
-                return Err("key `gate`: \"lowerbound\" needs key `lower_bound`".into())
-            }
-            (_, Some(_)) => {
-                return Err("key `lower_bound`: only valid with gate \"lowerbound\"".into())
-            }
-            (Some(g), None) => {
-                return Err(format!(
-                    "key `gate`: unknown gate \"{g}\" (none, kda, lowerbound)"
-                ))
-            }
-        };
-        Ok(())
-    }
-}
-
-/// GDN's options (FLA `chunk_gated_delta_rule`); its in-kernel gate is
-/// `gate == Gate::Kda` in [`CaseMeta`].
-#[derive(Default, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct GdnMeta {
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool,
-    state_v_first: bool,
-}
-
-impl GdnMeta {
-    fn of(m: &CaseMeta) -> Self {
-        GdnMeta {
-            use_qk_l2norm_in_kernel: m.use_qk_l2norm_in_kernel,
-            use_gate_in_kernel: m.gate == Gate::Kda,
-            use_beta_sigmoid_in_kernel: m.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval: m.allow_neg_eigval,
-            state_v_first: m.state_v_first,
-        }
-    }
-
-    fn apply(self, m: &mut CaseMeta) {
-        m.use_qk_l2norm_in_kernel = self.use_qk_l2norm_in_kernel;
-        m.gate = if self.use_gate_in_kernel {
-            Gate::Kda
-        } else {
-            Gate::None
-        };
-        m.use_beta_sigmoid_in_kernel = self.use_beta_sigmoid_in_kernel;
-        m.allow_neg_eigval = self.allow_neg_eigval;
-        m.state_v_first = self.state_v_first;
-    }
-}
-
-/// Causal conv1d's options (FLA `causal_conv1d`).
-#[derive(Default, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct ConvMeta {
-    activation: Option<String>,
-}
-
-impl ConvMeta {
-    fn of(m: &CaseMeta) -> Self {
-        ConvMeta {
-            activation: Some(m.activation.name().into()),
-        }
-    }
-
-    fn apply(self, m: &mut CaseMeta) -> Result<(), String> {
-        if let Some(s) = self.activation {
-            m.activation = Activation::parse(&s).map_err(|e| format!("key `activation`: {e}"))?;
-        }
-        Ok(())
-    }
-}
-
-/// `x` as a JSON object (every options type serialises to one).
-fn object<T: Serialize>(x: &T) -> Map<String, Value> {
-    match serde_json::to_value(x) {
-        Ok(Value::Object(m)) => m,
-        _ => unreachable!("options types are structs of JSON values"),
-    }
-}
-
-/// Deserialises an options type from the keys `m`; serde's message names
-/// the type expected, so the key is found by reading each alone.
+/// Deserialises the shared keys `m`; each error names its key.
 fn de<T: DeserializeOwned>(op: Op, m: Map<String, Value>) -> Result<T, String> {
     if let Some(Value::Object(cp)) = m.get("cp") {
         if let Some(k) = cp.keys().find(|k| !keys::<CpMeta>().contains(&k.as_str())) {
@@ -498,21 +306,12 @@ fn de<T: DeserializeOwned>(op: Op, m: Map<String, Value>) -> Result<T, String> {
             ));
         }
     }
-    serde_json::from_value(Value::Object(m.clone())).map_err(|e| {
-        m.iter()
-            .find_map(|(k, v)| {
-                let one = Map::from_iter([(k.clone(), v.clone())]);
-                let e = serde_json::from_value::<T>(Value::Object(one)).err()?;
-                Some(format!("key `{k}` of op {}: {e}", op.name()))
-            })
-            .unwrap_or_else(|| format!("`case` of op {}: {e}", op.name()))
-    })
+    registry::parse_options(op.name(), &m)
 }
 
 /// The error for a key `op` does not take: the ops that do, if any.
 fn not_a_key_of(op: Op, key: &str) -> String {
-    let owners: Vec<&str> = Op::ALL
-        .into_iter()
+    let owners: Vec<&str> = Op::all()
         .filter(|o| o.keys().contains(&key))
         .map(Op::name)
         .collect();
@@ -531,61 +330,12 @@ fn not_a_key_of(op: Op, key: &str) -> String {
     }
 }
 
-/// The field names of an options type, as serde's derive declares them.
+/// The field names of an options type.
 fn keys<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
-    let mut fields: &'static [&'static str] = &[];
-    let _ = T::deserialize(FieldNames(&mut fields));
-    fields
+    registry::option_keys::<T>()
 }
 
-/// A deserializer that only records the fields a struct asks for.
-struct FieldNames<'a>(&'a mut &'static [&'static str]);
-
-impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
-    type Error = serde::de::value::Error;
-
-    fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
-        Err(serde::de::Error::custom(
-            "only a struct's field names are read",
-        ))
-    }
-
-    fn deserialize_struct<V: Visitor<'de>>(
-        self,
-        _: &'static str,
-        fields: &'static [&'static str],
-        v: V,
-    ) -> Result<V::Value, Self::Error> {
-        *self.0 = fields;
-        self.deserialize_any(v)
-    }
-
-    serde::forward_to_deserialize_any! {
-        bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
-        byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map
-        enum identifier ignored_any
-    }
-}
-
-/// Every intermediate name a case may hold (KDA's forward and CP stages;
-/// FLA's name where FLA has one).
-pub const INTERMEDIATE_NAMES: [&str; 13] = [
-    "g_cumsum",
-    "Aqk",
-    "Akk",
-    "w",
-    "u",
-    "qg",
-    "kg",
-    "v_new",
-    "h",
-    "S_ext",
-    "M",
-    "merged_initial_state",
-    "merged_dht",
-];
-
-/// Whether `name` is an intermediate of `op` (KDA only).
+/// Whether `name` is an intermediate `op`'s entry declares.
 pub fn is_intermediate(op: Op, name: &str) -> bool {
-    op == Op::Kda && INTERMEDIATE_NAMES.contains(&name)
+    op.info().intermediates.contains(&name)
 }

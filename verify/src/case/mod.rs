@@ -16,11 +16,7 @@ mod meta;
 
 use std::collections::BTreeMap;
 
-use deltaref::conv::{self, ConvInputs, ConvRefs};
-use deltaref::dplr::{self, DplrInputs, DplrRefs};
-use deltaref::gdn::{self, GdnInputs};
-use deltaref::kda::{self, KdaInputs, KdaRefs};
-use deltaref::token_shift::{self, TokenShiftInputs, TokenShiftRefs};
+use deltaref::registry::Problem;
 use ndarray::ArrayD;
 
 use crate::outputs::Tensors;
@@ -28,7 +24,7 @@ pub use deltaref::Dtype;
 pub use dtype::stored_width;
 pub use error::CaseError;
 pub use io::{write_atomic, Drawn};
-pub use meta::{is_intermediate, CaseMeta, CpLayout, Op, INTERMEDIATE_NAMES};
+pub use meta::{is_intermediate, CaseMeta, CpLayout, Op};
 
 /// One case in memory: metadata, float tensors (widened to f64) and their
 /// stored dtypes, and `cu_seqlens`.
@@ -40,17 +36,9 @@ pub struct Case {
     pub cu_seqlens: Option<Vec<i64>>,
 }
 
-/// A case's inputs with its upstream gradients `(do, dht)`, owned.
-pub type OwnedInputs = (Inputs, ArrayD<f64>, Option<ArrayD<f64>>);
-
-/// The inputs of a case as the reference crate's types.
-pub enum Inputs {
-    Kda(KdaInputs<f64>),
-    Dplr(DplrInputs<f64>),
-    TokenShift(TokenShiftInputs<f64>),
-    Gdn(GdnInputs<f64>),
-    CausalConv1d(ConvInputs<f64>),
-}
+/// A case's inputs (FLA's names), `cu_seqlens` and upstream gradients
+/// `(do, dht)`, owned.
+pub type OwnedInputs = (Tensors, Option<Vec<i64>>, ArrayD<f64>, Option<ArrayD<f64>>);
 
 impl Case {
     pub fn new(meta: CaseMeta) -> Self {
@@ -68,158 +56,55 @@ impl Case {
         self.dtypes.insert(name.to_string(), dtype);
     }
 
-    fn get(&self, name: &str) -> Option<ArrayD<f64>> {
-        self.tensors.get(name).map(deltaref::tensor::cast)
-    }
-
     /// A required tensor, borrowed; missing, an error naming the op.
     fn need_ref(&self, name: &str) -> Result<&ArrayD<f64>, deltaref::Error> {
-        self.tensors.get(name).ok_or_else(|| {
-            deltaref::Error::missing(
-                name,
-                format!("required input of op {}", self.meta.op.name()),
-            )
-        })
+        deltaref::registry::need(&self.tensors, name, self.meta.op.name())
     }
 
-    /// A KDA case's inputs, borrowed (a GDN case's have the same names).
-    pub fn kda_refs(&self) -> Result<KdaRefs<'_, f64>, deltaref::Error> {
-        let get = |name: &str| self.tensors.get(name);
-        Ok(KdaRefs {
-            q: self.need_ref("q")?,
-            k: self.need_ref("k")?,
-            v: self.need_ref("v")?,
-            g: self.need_ref("g")?,
-            beta: self.need_ref("beta")?,
-            a_log: get("A_log"),
-            dt_bias: get("dt_bias"),
-            initial_state: get("initial_state"),
+    /// The problem as the op's registry entry reads it: the case's tensors
+    /// (extra ones are not read), `cu_seqlens` and options, borrowed.
+    pub fn problem(&self) -> Problem<'_> {
+        Problem {
+            tensors: &self.tensors,
             cu_seqlens: self.cu_seqlens.as_deref(),
-        })
-    }
-
-    /// A DPLR case's inputs, borrowed.
-    pub fn dplr_refs(&self) -> Result<DplrRefs<'_, f64>, deltaref::Error> {
-        Ok(DplrRefs {
-            q: self.need_ref("q")?,
-            k: self.need_ref("k")?,
-            v: self.need_ref("v")?,
-            a: self.need_ref("a")?,
-            b: self.need_ref("b")?,
-            gk: self.need_ref("gk")?,
-            initial_state: self.tensors.get("initial_state"),
-            cu_seqlens: self.cu_seqlens.as_deref(),
-        })
-    }
-
-    /// A token-shift case's inputs, borrowed.
-    pub fn token_shift_refs(&self) -> Result<TokenShiftRefs<'_, f64>, deltaref::Error> {
-        Ok(TokenShiftRefs {
-            x: self.need_ref("x")?,
-            cache: self.tensors.get("cache"),
-            cu_seqlens: self.cu_seqlens.as_deref(),
-        })
-    }
-
-    /// A causal conv1d case's inputs, borrowed.
-    pub fn conv_refs(&self) -> Result<ConvRefs<'_, f64>, deltaref::Error> {
-        Ok(ConvRefs {
-            x: self.need_ref("x")?,
-            weight: self.need_ref("weight")?,
-            bias: self.tensors.get("bias"),
-            initial_state: self.tensors.get("initial_state"),
-            cu_seqlens: self.cu_seqlens.as_deref(),
-        })
-    }
-
-    /// The inputs, as the reference crate takes them (not yet validated).
-    pub fn inputs(&self) -> Result<Inputs, deltaref::Error> {
-        // `cast` to f64 is a copy, made on every core for a long tensor.
-        self.assemble(|n| self.get(n))
+            options: &self.meta.options,
+        }
     }
 
     /// The upstream gradients `(do, dht)` (`(dy, dfinal_cache)`); `do` is required.
     pub fn upstream(&self) -> Result<(ArrayD<f64>, Option<ArrayD<f64>>), deltaref::Error> {
         let (d_o, dht) = self.upstream_refs()?;
-        Ok((deltaref::tensor::cast(d_o), dht.map(deltaref::tensor::cast)))
+        Ok((d_o.clone(), dht.cloned()))
     }
 
     /// [`Case::upstream`], borrowed.
     pub fn upstream_refs(&self) -> Result<(&ArrayD<f64>, Option<&ArrayD<f64>>), deltaref::Error> {
-        let [d_o, dht] = self.meta.op.upstream() else {
-            unreachable!("two upstream names per op")
-        };
-        Ok((self.need_ref(d_o)?, self.tensors.get(*dht)))
+        let [d_o, dht] = self.meta.op.info().upstream;
+        Ok((self.need_ref(d_o)?, self.tensors.get(dht)))
     }
 
-    /// The inputs and the upstream gradients `(do, dht)`, moved out of the
-    /// case instead of copied (a long case holds one set of them, not two).
+    /// The inputs and the upstream gradients, moved out of the case instead
+    /// of copied (a long case holds one set of them, not two).
     pub fn into_inputs(mut self) -> Result<OwnedInputs, deltaref::Error> {
-        let [d_o, dht] = self.meta.op.upstream() else {
-            unreachable!("two upstream names per op")
-        };
-        let d_o = self.tensors.remove(*d_o).ok_or_else(|| {
-            deltaref::Error::missing(d_o, format!("required input of op {}", self.meta.op.name()))
-        })?;
-        let dht = self.tensors.remove(*dht);
-        let mut t = std::mem::take(&mut self.tensors);
-        Ok((self.assemble(|n| t.remove(n))?, d_o, dht))
+        let op = self.meta.op;
+        let [d_o, dht] = op.info().upstream;
+        let d_o = deltaref::registry::take(&mut self.tensors, d_o, op.name())?;
+        let dht = self.tensors.remove(dht);
+        let inputs = std::mem::take(&mut self.tensors)
+            .into_iter()
+            .filter(|(n, _)| op.inputs().contains(&n.as_str()))
+            .collect();
+        Ok((inputs, self.cu_seqlens, d_o, dht))
     }
 
-    /// The inputs from `get` (a tensor by name, `None` when absent).
-    fn assemble(
-        &self,
-        mut get: impl FnMut(&str) -> Option<ArrayD<f64>>,
-    ) -> Result<Inputs, deltaref::Error> {
+    /// The inputs, copied (FLA's names).
+    pub fn inputs(&self) -> Tensors {
         let op = self.meta.op;
-        let mut need = |name: &str| {
-            get(name).ok_or_else(|| {
-                deltaref::Error::missing(name, format!("required input of op {}", op.name()))
-            })
-        };
-        let cu = self.cu_seqlens.clone();
-        // KDA and GDN take the same FLA names (their gates differ in shape).
-        macro_rules! gated {
-            ($inputs:ident) => {
-                $inputs {
-                    q: need("q")?,
-                    k: need("k")?,
-                    v: need("v")?,
-                    g: need("g")?,
-                    beta: need("beta")?,
-                    a_log: get("A_log"),
-                    dt_bias: get("dt_bias"),
-                    initial_state: get("initial_state"),
-                    cu_seqlens: cu,
-                }
-            };
-        }
-        Ok(match op {
-            Op::Kda => Inputs::Kda(gated!(KdaInputs)),
-            Op::Dplr => Inputs::Dplr(DplrInputs {
-                q: need("q")?,
-                k: need("k")?,
-                v: need("v")?,
-                a: need("a")?,
-                b: need("b")?,
-                gk: need("gk")?,
-                initial_state: get("initial_state"),
-                cu_seqlens: cu,
-            }),
-            Op::TokenShift => Inputs::TokenShift(TokenShiftInputs {
-                x: need("x")?,
-                cache: get("cache"),
-                cu_seqlens: cu,
-            }),
-            Op::Gdn => Inputs::Gdn(gated!(GdnInputs)),
-            Op::CausalConv1d => Inputs::CausalConv1d(ConvInputs {
-                x: need("x")?,
-                weight: need("weight")?,
-                bias: get("bias"),
-                initial_state: get("initial_state"),
-                cu_seqlens: cu,
-            }),
-        })
+        self.tensors
+            .iter()
+            .filter(|(n, _)| op.inputs().contains(&n.as_str()))
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect()
     }
 
     /// The stored outputs and gradients (empty for a fixture without them).
@@ -227,7 +112,7 @@ impl Case {
         owned(self.result_refs())
     }
 
-    /// The stored intermediates ([`INTERMEDIATE_NAMES`]) of a case or candidate.
+    /// The stored intermediates (what the op's entry declares) of a case or candidate.
     pub fn intermediates(&self) -> Tensors {
         owned(self.intermediate_refs())
     }
@@ -261,14 +146,16 @@ impl Case {
         c
     }
 
-    /// The value dimension (V; D for token-shift), 0 if the inputs are absent.
+    /// The value dimension (V; D for token-shift and the convolution): the
+    /// last axis of the first input whose axes end in `V` or `D`; 0 if the
+    /// inputs are absent.
     pub fn value_dim(&self) -> usize {
-        let name = match self.meta.op {
-            Op::TokenShift | Op::CausalConv1d => "x",
-            _ => "v",
-        };
-        self.tensors
-            .get(name)
+        let info = self.meta.op.info();
+        let name = info.inputs.iter().find(|n| {
+            info.axes_of(n)
+                .is_some_and(|a| a.ends_with(",V") || a.ends_with(",D"))
+        });
+        name.and_then(|n| self.tensors.get(*n))
             .and_then(|t| t.shape().last().copied())
             .unwrap_or(0)
     }
@@ -278,30 +165,7 @@ impl Case {
     /// holds gigabytes of them): no token-sized tensor is copied.
     pub fn validate(&self) -> Result<(), deltaref::Error> {
         let (d_o, dht) = self.upstream_refs()?;
-        let meta = &self.meta;
-        match meta.op {
-            Op::Kda => {
-                let d = kda::validate_refs(&self.kda_refs()?, &meta.kda_options())?;
-                kda::validate_upstream(&d, d_o, dht)?;
-            }
-            Op::Dplr => {
-                let d = dplr::validate_refs(&self.dplr_refs()?, &meta.dplr_options())?;
-                dplr::validate_upstream(&d, d_o, dht)?;
-            }
-            Op::Gdn => {
-                let opts = meta.gdn_options();
-                let d = gdn::validate_refs(&self.kda_refs()?, &opts)?;
-                gdn::validate_upstream(&d, opts.state_v_first, d_o, dht)?;
-            }
-            Op::TokenShift => {
-                let (d, _) = token_shift::validate_refs(&self.token_shift_refs()?)?;
-                token_shift::validate_upstream(&d, d_o, dht)?;
-            }
-            Op::CausalConv1d => {
-                let (d, _) = conv::validate_refs(&self.conv_refs()?)?;
-                conv::validate_upstream(&d, d_o, dht)?;
-            }
-        }
+        self.meta.op.entry().validate(self.problem(), d_o, dht)?;
         for (name, x) in self.result_refs() {
             if let Some(want) = self.result_shape(name) {
                 deltaref::tensor::expect_shape(
@@ -346,44 +210,44 @@ impl Case {
     /// The shape a result must have: a gradient is shaped like its input,
     /// `o`/`y` like `do`/`dy`, a final state like `dht` when present.
     pub fn result_shape(&self, name: &str) -> Option<Vec<usize>> {
-        result_shape_of(name, |n| self.shape_of(n))
+        result_shape_of(self.meta.op, name, |n| self.shape_of(n))
     }
 }
 
 /// [`Case::expected_results`] of a case of `op` whose tensors have the
-/// shapes `shape(name)` gives (`None`: no such tensor).
+/// shapes `shape(name)` gives (`None`: no such tensor): every result, less
+/// the gradients of optional inputs it lacks.
 pub fn results_of(op: Op, shape: impl Fn(&str) -> Option<Vec<usize>>) -> Vec<&'static str> {
-    let has = |n: &str| shape(n).is_some();
-    op.results()
+    let info = op.info();
+    info.grads
         .iter()
-        .copied()
-        .filter(|&n| match n {
-            "dA_log" => has("A_log"),
-            "ddt_bias" => has("dt_bias"),
-            "dh0" => has("initial_state"),
-            "dcache" => has("cache"),
-            "dbias" => has("bias"),
-            _ => true,
+        .filter(|&&g| {
+            info.source_of(g)
+                .is_none_or(|s| !info.optional.contains(&s) || shape(s).is_some())
         })
-        .collect()
+        .fold(info.outputs.to_vec(), |mut all, g| {
+            all.push(g);
+            all
+        })
 }
 
-/// [`Case::result_shape`] given the case's tensor shapes as [`results_of`].
+/// [`Case::result_shape`] given the case's tensor shapes as [`results_of`]:
+/// its source's ([`deltaref::registry::OpInfo::source_of`]); a final state
+/// without its gradient `dht` has the initial state's.
 pub fn result_shape_of(
+    op: Op,
     name: &str,
     shape: impl Fn(&str) -> Option<Vec<usize>>,
 ) -> Option<Vec<usize>> {
-    match name {
-        "o" => shape("do"),
-        "y" => shape("dy"),
-        "final_state" => shape("dht").or_else(|| shape("initial_state")),
-        "final_cache" => shape("dfinal_cache").or_else(|| shape("cache")),
-        "dh0" => shape("initial_state"),
-        "dcache" => shape("cache"),
-        "dA_log" => shape("A_log"),
-        "ddt_bias" => shape("dt_bias"),
-        d => shape(d.strip_prefix('d')?),
-    }
+    let info = op.info();
+    let source = info.source_of(name)?;
+    shape(source).or_else(|| {
+        let initial = info
+            .inputs
+            .iter()
+            .find(|i| info.axes_of(i).is_some_and(|a| a.starts_with("N,")))?;
+        (info.outputs.get(1) == Some(&name)).then(|| shape(initial))?
+    })
 }
 
 /// `x` rounded to the values `dtype` stores (in place).

@@ -113,11 +113,11 @@ fn op_count(imp: &Impl, case: &Case) -> Option<f64> {
     if imp.cp.is_some() || imp.device != Device::Cpu {
         return None;
     }
-    let (naive, chunk): (NaiveCount, ChunkCount) = match case.meta.op {
+    let (naive, chunk): (NaiveCount, ChunkCount) = match case.meta.op.name() {
         // GDN runs KDA's engines on its pieces.
-        Op::Kda | Op::Gdn => (ops::kda_naive, ops::kda_chunk),
-        Op::Dplr => (ops::dplr_naive, ops::dplr_chunk),
-        Op::TokenShift | Op::CausalConv1d => return None,
+        "kda" | "gdn" => (ops::kda_naive, ops::kda_chunk),
+        "dplr" => (ops::dplr_naive, ops::dplr_chunk),
+        _ => return None,
     };
     let q = case.tensors.get("q")?.shape();
     let (kd, vd, heads) = (q[3], case.value_dim(), case.tensors.get("v")?.shape()[2]);
@@ -130,8 +130,8 @@ fn op_count(imp: &Impl, case: &Case) -> Option<f64> {
         .map(|&l| match imp.engine {
             Engine::Naive => naive(kd, vd).total() * l as f64,
             Engine::Chunk(c) => (0..l)
-                .step_by(c)
-                .map(|s| chunk(c.min(l - s), kd, vd).total())
+                .step_by(c.get())
+                .map(|s| chunk(c.get().min(l - s), kd, vd).total())
                 .sum(),
         })
         .sum();

@@ -115,14 +115,10 @@ fn run_block(
                 "--intra chooses the cuts itself: drop --world/--cuts".into(),
             ));
         }
-        let t = case.inputs().map_err(|e| CaseError::Invalid {
-            path: a.case.display().to_string(),
-            source: e,
-        })?;
         let cu = case
             .cu_seqlens
             .clone()
-            .unwrap_or_else(|| vec![0, seq_len(&t) as i64]);
+            .unwrap_or_else(|| vec![0, seq_len(&case) as i64]);
         let params = IntraParams {
             num_sms: a.num_sms,
             num_heads: a.num_heads.unwrap_or(hv),
@@ -296,16 +292,12 @@ fn value_heads(case: &Case) -> usize {
         .unwrap_or(1)
 }
 
-/// T of a case's inputs (token-shift `x` or `q`).
-fn seq_len(inputs: &deltaref_verify::case::Inputs) -> usize {
-    use deltaref_verify::case::Inputs;
-    match inputs {
-        Inputs::Kda(x) => x.q.shape()[1],
-        Inputs::Dplr(x) => x.q.shape()[1],
-        Inputs::TokenShift(x) => x.x.shape()[1],
-        Inputs::CausalConv1d(x) => x.x.shape()[1],
-        Inputs::Gdn(x) => x.q.shape()[1],
-    }
+/// T of a case's inputs (read off its first input, `q` or `x`).
+fn seq_len(case: &Case) -> usize {
+    case.tensors
+        .get(case.meta.op.first_input())
+        .and_then(|x| x.shape().get(1).copied())
+        .unwrap_or(0)
 }
 
 pub fn run(a: Args) -> ExitCode {

@@ -137,12 +137,12 @@ fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
         None => vec![],
     };
     let chunk = match imp.engine {
-        Engine::Chunk(c) => c,
+        Engine::Chunk(c) => c.get(),
         Engine::Naive => case.meta.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE),
     };
     let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), &cuts, chunk);
     let noise = noise_run(a, &case)?;
-    let v_dim = case.meta.op.has_heads().then(|| case.value_dim());
+    let v_dim = case.meta.op.is_delta_rule().then(|| case.value_dim());
     let d = diagnose_with_noise(
         &reference,
         &candidate,

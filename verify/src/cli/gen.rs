@@ -99,33 +99,8 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
     if a.lower_bound.is_some() && !matches!(gate, Gate::LowerBound { .. }) {
         return Err(usage("--lower-bound needs --gate lowerbound".into()));
     }
-    let delta = matches!(op, Op::Kda | Op::Gdn);
-    if !delta && (gate != Gate::None || a.l2norm || a.beta_sigmoid || a.allow_neg_eigval) {
-        return Err(usage(
-            "--gate, --l2norm, --beta-sigmoid and --allow-neg-eigval only apply to --op kda or gdn"
-                .into(),
-        ));
-    }
-    if op == Op::Gdn && !matches!(gate, Gate::None | Gate::Kda) {
-        return Err(usage(
-            "--op gdn: FLA's GDN gate is --gate kda (use_gate_in_kernel) or none".into(),
-        ));
-    }
-    if a.state_v_first && op != Op::Gdn {
-        return Err(usage("--state-v-first only applies to --op gdn".into()));
-    }
     let activation =
         Activation::parse(&a.activation).map_err(|e| usage(format!("--activation: {e}")))?;
-    if op != Op::CausalConv1d && (a.bias || activation != Activation::None) {
-        return Err(usage(
-            "--bias and --activation only apply to --op causal_conv1d".into(),
-        ));
-    }
-    if op == Op::CausalConv1d && a.regime != "fla-test" {
-        return Err(usage(
-            "--regime: causal_conv1d draws FLA's test inputs only (fla-test)".into(),
-        ));
-    }
     Ok(GenSpec {
         shape: a.shape.as_deref().map(|s| list("--shape", s)).transpose()?,
         lengths: a

@@ -110,7 +110,7 @@ fn chunk_size(s: &str) -> Result<usize, String> {
     let c: usize = s
         .parse()
         .map_err(|_| format!("expected 16, 32 or 64, got `{s}`"))?;
-    deltaref::tensor::check_chunk_size(c).map_err(|_| format!("expected 16, 32 or 64, got {c}"))?;
+    deltaref::registry::ChunkSize::new(c).map_err(|_| format!("expected 16, 32 or 64, got {c}"))?;
     Ok(c)
 }
 

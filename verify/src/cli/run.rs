@@ -33,7 +33,7 @@ fn go(a: &Args) -> Result<String, CaseError> {
     let inter = a
         .intermediates
         .as_ref()
-        .map(|_| deltaref_verify::intermediates::compute(&case, &imp))
+        .map(|_| deltaref_verify::intermediates::compute(&case, &imp, compute))
         .transpose()?;
     let progress = Progress::spinner(&format!("computing impl:{}", imp.name()));
     let results = imp

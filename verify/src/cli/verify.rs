@@ -11,7 +11,7 @@ use ndarray::ArrayD;
 
 use deltaref_verify::case::{Case, CaseError, Op};
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
-use deltaref_verify::impls::{oracle_truth, ImplRequest};
+use deltaref_verify::impls::{oracle_truth, Compute, ImplRequest};
 use deltaref_verify::intermediates;
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::progress::Progress;
@@ -56,7 +56,7 @@ fn intermediate_rows(
         return Ok(vec![]);
     }
     let imp = ImplRequest::chunked_for(case).resolve(case)?;
-    let (oracle, chunks) = intermediates::compute(case, &imp)?;
+    let (oracle, chunks) = intermediates::compute(case, &imp, Compute::F64)?;
     Ok(intermediates::compare(&oracle, &held, &chunks, max_ratio))
 }
 

@@ -5,6 +5,8 @@
 //! the state (`[1, D]` per sequence, one head), so CP hands the previous
 //! rank's last token over like any other state.
 
+pub mod entry;
+
 use ndarray::{
     Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix2, Ix3,
 };

@@ -1,0 +1,205 @@
+//! DPLR in the operator registry ([`crate::registry`]): FLA
+//! `chunk_dplr_delta_rule`'s names, options, draws and bf16 storage.
+
+use ndarray::ArrayD;
+use serde::{Deserialize, Serialize};
+
+use super::{chunk::Chunk, naive::Naive, Dplr, DplrInputs, DplrOptions, DplrRefs};
+use crate::conv::Activation;
+use crate::dtype::Dtype;
+use crate::error::Result;
+use crate::gates::Gate;
+use crate::inputs::{self, DplrSpec, Draw};
+use crate::precision::{self, Feature, Policy, Stage};
+use crate::registry::{
+    self, need, take, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel, OpInfo,
+    Options, Registered, Showcase, Tensors,
+};
+
+pub static ENTRY: Entry<Dplr> = Entry::new();
+
+static INFO: OpInfo = OpInfo {
+    name: "dplr",
+    fla: &["chunk_dplr_delta_rule", "naive_recurrent_dplr_delta_rule"],
+    inputs: <Dplr as crate::op::OpSpec>::INPUTS,
+    optional: &["initial_state", "cu_seqlens"],
+    upstream: ["do", "dht"],
+    outputs: <Dplr as crate::op::OpSpec>::OUTPUTS,
+    grads: <Dplr as crate::op::OpSpec>::GRADS,
+    axes: &[
+        ("q", "B,T,H,K"),
+        ("k", "B,T,H,K"),
+        ("v", "B,T,H,V"),
+        ("a", "B,T,H,K"),
+        ("b", "B,T,H,K"),
+        ("gk", "B,T,H,K"),
+        ("initial_state", "N,H,K,V"),
+        ("cu_seqlens", "N+1"),
+        ("do", "B,T,H,V"),
+        ("dht", "N,H,K,V"),
+    ],
+    shape: "B,T,H,K,V",
+    default_shape: &[2, 64, 2, 16, 16],
+    carry: Carry::State,
+    chunked: true,
+    showcase: Showcase {
+        dims: &[2, 16, 16],
+        fd_dims: &[2, 3, 2],
+        seed: 2025,
+        flags: GenFlags {
+            gate: Gate::None,
+            l2norm: false,
+            beta_sigmoid: false,
+            allow_neg_eigval: false,
+            initial_state: true,
+            state_v_first: false,
+            activation: Activation::None,
+            bias: false,
+            scale: None,
+        },
+    },
+    streams_by_head: true,
+    regimes: &inputs::Regime::ALL,
+    fp32_results: &["final_state", "dh0"],
+    gen_flags: &[GenFlag::InitialState, GenFlag::Scale],
+    intermediates: &[],
+};
+
+/// DPLR's options as a case file stores them.
+#[derive(Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct CaseOptions {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scale: Option<f64>,
+}
+
+/// FLA's bf16 storage of its DPLR chunk kernels: `q·scale` in bf16
+/// (`chunk_dplr_fwd_intra`), the WY solve on fp16 operands (`wy_fast_fwd`'s
+/// `.to(tl.float16)`), the other intermediates bf16, `g_cumsum` fp32.
+const FLA_BF16_STAGES: &[(Stage, Dtype)] = &[
+    (Stage::Activations, Dtype::Bf16),
+    (Stage::GCumsum, Dtype::F32),
+    (Stage::Aqk, Dtype::Bf16),
+    (Stage::Akk, Dtype::F16),
+    (Stage::W, Dtype::Bf16),
+    (Stage::U, Dtype::Bf16),
+    (Stage::Gated, Dtype::Bf16),
+    (Stage::H, Dtype::Bf16),
+    (Stage::VNew, Dtype::Bf16),
+    (Stage::Dh, Dtype::Bf16),
+    (Stage::Dv, Dtype::Bf16),
+    (Stage::BwdOperands, Dtype::Bf16),
+];
+
+/// DPLR's tensors, borrowed from named tensors.
+pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<DplrRefs<'t, f64>> {
+    let op = INFO.name;
+    Ok(DplrRefs {
+        q: need(t, "q", op)?,
+        k: need(t, "k", op)?,
+        v: need(t, "v", op)?,
+        a: need(t, "a", op)?,
+        b: need(t, "b", op)?,
+        gk: need(t, "gk", op)?,
+        initial_state: t.get("initial_state"),
+        cu_seqlens: cu,
+    })
+}
+
+impl Registered for Dplr {
+    type Naive = Naive;
+    type Chunk = Chunk;
+    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
+
+    fn info() -> &'static OpInfo {
+        &INFO
+    }
+
+    fn option_keys() -> &'static [&'static str] {
+        registry::option_keys::<CaseOptions>()
+    }
+
+    fn naive() -> Naive {
+        Naive
+    }
+
+    fn chunk(c: ChunkSize, policy: &Policy) -> Chunk {
+        Chunk::sized(c).with_policy(policy.clone())
+    }
+
+    fn options(o: &Options) -> std::result::Result<DplrOptions, String> {
+        let c = registry::parse_options::<CaseOptions>(INFO.name, o)?;
+        Ok(DplrOptions {
+            scale: c.scale,
+            output_final_state: true,
+        })
+    }
+
+    fn gen_options(f: &GenFlags) -> std::result::Result<Options, String> {
+        Ok(registry::to_options(&CaseOptions { scale: f.scale }))
+    }
+
+    fn draws(r: &DrawRequest<'_>, _: &DplrOptions) -> Vec<Draw> {
+        let d = r.dims;
+        let s = DplrSpec {
+            layout: r.layout.clone(),
+            h: d[0],
+            k: d[1],
+            v: d[2],
+            initial_state: r.flags.initial_state,
+            seed: r.seed,
+        };
+        inputs::dplr_draws(&s, r.regime)
+    }
+
+    fn fla_bf16(_: &DplrOptions, cp: bool) -> Policy {
+        precision::fla_bf16(FLA_BF16_STAGES, cp).with(Stage::Outputs, Dtype::Bf16)
+    }
+
+    fn inputs(t: &mut Tensors, cu: Option<Vec<i64>>) -> Result<DplrInputs<f64>> {
+        let op = INFO.name;
+        Ok(DplrInputs {
+            q: take(t, "q", op)?,
+            k: take(t, "k", op)?,
+            v: take(t, "v", op)?,
+            a: take(t, "a", op)?,
+            b: take(t, "b", op)?,
+            gk: take(t, "gk", op)?,
+            initial_state: t.remove("initial_state"),
+            cu_seqlens: cu,
+        })
+    }
+
+    fn validate(
+        t: &Tensors,
+        cu: Option<&[i64]>,
+        opt: &DplrOptions,
+        d_o: &ArrayD<f64>,
+        dht: Option<&ArrayD<f64>>,
+    ) -> Result<()> {
+        let d = super::validate_refs(&refs(t, cu)?, opt)?;
+        super::validate_upstream(&d, d_o, dht)
+    }
+
+    fn heads(t: &Tensors) -> (usize, usize) {
+        (
+            t.get("q")
+                .and_then(|x| x.shape().get(2).copied())
+                .unwrap_or(1)
+                .max(1),
+            1,
+        )
+    }
+
+    fn memory(_: &DplrOptions) -> MemoryModel {
+        MemoryModel {
+            draw_eighths: 11,
+            // `a` keeps the `kk` that `b` is drawn from beside it.
+            streamed_draw_bytes: 16,
+            copy_quarters: 9,
+            qk_halves: 0,
+            gate_halves: 0,
+            chunk_rows: [10, 6, 6],
+        }
+    }
+}
