@@ -34,6 +34,7 @@ pub mod tensor;
 pub mod timing;
 pub mod token_shift;
 pub mod tri;
+pub mod truth;
 pub mod varlen;
 
 pub use dtype::Dtype;
