@@ -17,6 +17,7 @@ pub mod exp;
 pub mod fused;
 pub mod gates;
 pub mod gdn;
+pub mod gdn2;
 pub mod gemm;
 pub mod inputs;
 pub mod kda;
