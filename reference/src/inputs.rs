@@ -57,7 +57,7 @@ fn tensor(seed: u64, name: &str, shape: &[usize], f: impl Fn(f64) -> f64 + Sync)
     channel_tensor(seed, name, shape, 0, |x, _| f(x))
 }
 
-fn normal(seed: u64, name: &str, shape: &[usize]) -> ArrayD<f64> {
+pub(crate) fn normal(seed: u64, name: &str, shape: &[usize]) -> ArrayD<f64> {
     tensor(seed, name, shape, |x| x)
 }
 

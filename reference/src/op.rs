@@ -307,7 +307,9 @@ macro_rules! grads_collected {
             T: 's;
 
         fn grads_buf(p: &Self::Prepared<'_>) -> Self::GradsBuf {
-            $crate::op::Collected::new($crate::op::Prepared::segments(p).len())
+            let pairs =
+                $crate::op::Prepared::segments(p).len() * $crate::op::Prepared::shape(p).heads;
+            $crate::op::Collected::new(pairs)
         }
 
         fn grads_sinks<'s>(
@@ -459,6 +461,8 @@ pub fn forward_backward<T: Scalar, E: Engine<T>>(
             grads,
         })
         .collect();
+    // Every (sequence, head) pair has a sink: a short list would leave pairs unrun.
+    assert_eq!(sinks.len(), segments.len() * d.heads, "one sink per pair");
     per_pair_upstream::<T, E::Op, _, _, _>(
         &p,
         opt,

@@ -43,12 +43,13 @@ pub type Tensors = BTreeMap<String, ArrayD<f64>>;
 pub type Options = Map<String, Value>;
 
 /// Every operator, in the order tools list them.
-pub static OPS: [&dyn OpEntry; 5] = [
+pub static OPS: [&dyn OpEntry; 6] = [
     &crate::kda::entry::ENTRY,
     &crate::dplr::entry::ENTRY,
     &crate::token_shift::entry::ENTRY,
     &crate::gdn::entry::ENTRY,
     &crate::conv::entry::ENTRY,
+    &crate::gdn2::entry::ENTRY,
 ];
 
 /// The operator called `name` (`"kda"`, `"dplr"`, …).
@@ -151,11 +152,11 @@ impl OpInfo {
             .map(|(_, a)| *a)
     }
 
-    /// The axis of `name` that holds heads (`H`, `HV`, or `HV*K`), if any.
+    /// The axis of `name` that holds heads (`H`, `HV`, `H*K` or `HV*K`), if any.
     pub fn head_axis(&self, name: &str) -> Option<usize> {
         self.axes_of(name)?
             .split(',')
-            .position(|a| a == "H" || a == "HV" || a.starts_with("HV*"))
+            .position(|a| a == "H" || a == "HV" || a.starts_with("H*") || a.starts_with("HV*"))
     }
 
     /// The first token input (`q` or `x`), where B and T are read.

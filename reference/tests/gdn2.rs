@@ -724,6 +724,36 @@ fn bits(g: &Gdn2Grads<f64>, o: &Gdn2Outputs<f64>) -> Vec<u64> {
         .collect()
 }
 
+/// `op::forward_backward` (every pair's results written in place) gives
+/// the bits of `op::forward` then `op::backward` on every head: with two
+/// heads it once ran head 0 alone (one gradient slot per sequence, not per
+/// pair), leaving head 1's outputs zero.
+#[test]
+fn forward_backward_runs_every_head() {
+    let s = Spec {
+        gate: GateKind::Softplus,
+        dt_bias: true,
+        ..Spec::new(Layout::varlen(&[9, 0, 14]), 5)
+    };
+    assert_eq!(s.h, 2);
+    let c = case(&s);
+    for (f, b, (f2, b2)) in [
+        (
+            fwd(&Naive, &c),
+            bwd(&Naive, &c),
+            op::forward_backward(&Naive, &c.x, &c.opt, &c.d_o, Some(&c.dht)).unwrap(),
+        ),
+        (
+            fwd(&Chunk::new(16).unwrap(), &c),
+            bwd(&Chunk::new(16).unwrap(), &c),
+            op::forward_backward(&Chunk::new(16).unwrap(), &c.x, &c.opt, &c.d_o, Some(&c.dht))
+                .unwrap(),
+        ),
+    ] {
+        assert_eq!(bits(&b, &f), bits(&b2, &f2));
+    }
+}
+
 /// The same bits on 1 and 3 rayon threads: naive, chunked and CP.
 #[test]
 fn bit_identical_for_any_thread_count() {

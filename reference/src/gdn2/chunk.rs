@@ -44,8 +44,14 @@ impl Chunk {
     /// Chunks of `chunk_size` tokens: 16, 32 or 64 (FLA's `chunk_gdn2`
     /// takes 64 only; the results do not depend on it).
     pub fn new(chunk_size: usize) -> Result<Self> {
-        crate::tensor::check_chunk_size(chunk_size)?;
-        Ok(Chunk { chunk_size })
+        Ok(Chunk::sized(crate::registry::ChunkSize::new(chunk_size)?))
+    }
+
+    /// The engine with chunks of `c` tokens.
+    pub fn sized(c: crate::registry::ChunkSize) -> Self {
+        Chunk {
+            chunk_size: c.get(),
+        }
     }
 
     /// `C`, tokens per chunk.

@@ -46,6 +46,7 @@
 //! kernels take 64 only), an `initial_state` under CP.
 
 pub mod chunk;
+pub mod entry;
 pub mod naive;
 
 use ndarray::{

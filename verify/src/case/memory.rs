@@ -185,6 +185,7 @@ impl Problem {
             "K" | "W" => self.k,
             "V" | "D" => self.v,
             "HV*K" => self.hv.saturating_mul(self.k),
+            "H*K" => self.h.saturating_mul(self.k),
             _ => return None,
         })
     }

@@ -2,9 +2,7 @@
 //! everywhere; without a GPU the gpu-* implementations say why and selfcheck
 //! reports the skipped rows; `bench` times implementations on a case.
 
-mod common;
-
-use common::{code, s};
+use super::common::{code, s};
 
 use std::path::Path;
 

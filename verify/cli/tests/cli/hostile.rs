@@ -3,9 +3,7 @@
 //! shapes, the memory estimate, unstable defaults, a reference that
 //! overflows, flags that cannot apply, and partial checks.
 
-mod common;
-
-use common::{code, deltaref, run_ok, s};
+use super::common::{code, deltaref, run_ok, s};
 
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};

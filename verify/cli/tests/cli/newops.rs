@@ -1,9 +1,7 @@
 //! GDN and causal conv1d through the command line: gen, run, verify (chunk,
 //! CP, a candidate at 1e-10), and the inputs and flags that must be refused.
 
-mod common;
-
-use common::{code, run_ok, s};
+use super::common::{code, run_ok, s};
 use deltaref_verify::case::{CaseMeta, Op};
 
 const GDN: &[&str] = &[
@@ -85,7 +83,7 @@ fn refused_flags_and_impls_exit_2() {
         ),
         (
             vec!["gen", "--op", "kda", "--state-v-first"],
-            "--state-v-first does not apply to --op kda (it applies to --op gdn)",
+            "--state-v-first does not apply to --op kda (it applies to --op gdn, gdn2)",
         ),
         (
             vec!["gen", "--op", "causal_conv1d", "--activation", "gelu"],
@@ -101,13 +99,13 @@ fn refused_flags_and_impls_exit_2() {
         ),
         (
             vec!["gen", "--op", "causal_conv1d", "--l2norm"],
-            "--l2norm does not apply to --op causal_conv1d (it applies to --op kda, gdn)",
+            "--l2norm does not apply to --op causal_conv1d (it applies to --op kda, gdn, gdn2)",
         ),
         (
             vec!["gen", "--op", "causal_conv1d", "--regime", "sharp"],
             "fla-test",
         ),
-        (vec!["gen", "--op", "gdn2"], "unknown op `gdn2`"),
+        (vec!["gen", "--op", "gdn3"], "unknown op `gdn3`"),
     ] {
         let args = [&args[..], &["--out", s(&out)]].concat();
         let (rc, _, err) = code(&args);

@@ -3,9 +3,7 @@
 //! `verify --forward-only`, and `diagnose` judging a fault against bf16
 //! rounding noise.
 
-mod common;
-
-use common::{code, run_ok, s};
+use super::common::{code, run_ok, s};
 
 use std::path::{Path, PathBuf};
 
@@ -13,7 +11,7 @@ use deltaref_verify::case::{Case, Dtype, Op};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures")
+        .join("../../fixtures")
         .join(name)
 }
 

@@ -9,7 +9,9 @@ use clap::Args as ClapArgs;
 use deltaref_verify::bisect::{self, Bisection};
 use deltaref_verify::case::Dtype;
 use deltaref_verify::case::{Case, CaseError};
-use deltaref_verify::diagnose::{diagnose_with_noise, plot, Diagnosis, NoiseReference, TokenMap};
+use deltaref_verify::diagnose::{diagnose_with_noise, Diagnosis, NoiseReference, TokenMap};
+
+use crate::plot::plot;
 use deltaref_verify::files::destination;
 use deltaref_verify::impls::{
     oracle_truth, Compute, Engine, Impl, ImplRequest, DEFAULT_CHUNK_SIZE,

@@ -3,11 +3,9 @@
 //! engine) instead of silently changing nothing; `fla-bf16` changes DPLR's
 //! numbers; `diagnose --bisect` names a deliberately coarse stage first.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::{code, run_ok, s};
+use super::common::{code, run_ok, s};
 
 fn gen(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
     let case = dir.join(format!("{name}.safetensors"));

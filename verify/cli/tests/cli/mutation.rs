@@ -7,14 +7,11 @@
 //! aborts on an input running past `--hang-s` (a hang), and the commands
 //! run under `--max-memory`.
 //!
-//! `cargo run --release --example fuzz -- --inputs 1000000 --seed 1`
+//! `cargo run --release -p deltaref-cli --example mutation_fuzz -- --inputs 1000000 --seed 1`
 //! (`--cli-every N`: one command line per N inputs, default 20; `--save DIR`:
 //! where panicking inputs go). Summary on stderr; exit 1 on a panic.
 
 #![allow(dead_code)]
-
-#[path = "../src/main.rs"]
-mod app;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -796,7 +793,7 @@ pub fn campaign(
                 format!("cli {args:?}"),
                 Box::new(move || {
                     // Ran to a verdict (0 pass, 1 fail), not refused (2).
-                    let rc = app::run_args(args);
+                    let rc = deltaref_cli::run_args(args);
                     let ok = rc == std::process::ExitCode::SUCCESS
                         || rc == std::process::ExitCode::from(1);
                     deltaref_verify::memory::set_limit(Some(512 << 20));

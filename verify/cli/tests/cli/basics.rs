@@ -1,9 +1,7 @@
 //! The real `deltaref` binary on temporary files: exit codes 0 (pass),
 //! 1 (a comparison failed), 2 (usage or input error); `--json` parses.
 
-mod common;
-
-use common::{code, deltaref, run_ok, s};
+use super::common::{code, deltaref, run_ok, s};
 
 use std::path::Path;
 
@@ -430,7 +428,7 @@ fn diagnose_locates_a_fault_and_draws_a_plot() {
 /// intermediates too.
 #[test]
 fn fixtures_regenerate_on_every_code_path() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
     for cap in ["DELTAREF_NO_SIMD", "DELTAREF_NO_AVX512"] {
         let out = deltaref()
             .env(cap, "1")

@@ -2,9 +2,7 @@
 //! outputs and gradients, any float dtype, metadata optional), non-finite
 //! candidates, and the `gen`/`verify` flag combinations that must be refused.
 
-mod common;
-
-use common::{code, s};
+use super::common::{code, s};
 
 use std::collections::HashMap;
 use std::path::Path;
