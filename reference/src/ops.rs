@@ -13,7 +13,7 @@
 //! `reference/tests/op_count.rs` checks these against engines run on a scalar
 //! that counts its own operations.
 
-use crate::tri;
+use crate::fast::tri;
 
 /// Operations of forward and backward.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -63,7 +63,7 @@ pub fn dplr_naive(k: usize, v: usize) -> OpCount {
 /// Chunked KDA, per chunk of `c` tokens and head.
 ///
 /// Products with a triangular `[C, C]` factor, or of which only the lower
-/// triangle is used, skip the blocks above the diagonal ([`crate::tri`]):
+/// triangle is used, skip the blocks above the diagonal ([`crate::fast::tri`]):
 /// `f =` [`tri::fraction`]`(C)` of the full product's work (5/8 at C = 64),
 /// `f2 =` [`tri::fraction_both`]`(C)` when both factors are triangular.
 ///
@@ -129,10 +129,10 @@ pub fn dplr_chunk(c: usize, k: usize, v: usize) -> OpCount {
 /// operands (16 KiB each) stay in L1.
 const PEAK_SHAPE: (usize, usize, usize) = (64, 32, 64);
 
-/// `iters` products of [`PEAK_SHAPE`] by [`crate::gemm`]'s blocking with a
-/// separate multiply and add per term ([`crate::gemm::dot_unfused`]: the
+/// `iters` products of [`PEAK_SHAPE`] by [`crate::fast::gemm`]'s blocking with a
+/// separate multiply and add per term ([`crate::fast::gemm::dot_unfused`]: the
 /// engines' products fuse them), at the vector width
-/// [`crate::simd::dispatch`] gives the engines. It keeps more sums in
+/// [`crate::fast::simd::dispatch`] gives the engines. It keeps more sums in
 /// flight than a chain of `x = x·m + a` can (measured here: 88 against 117
 /// GFLOP/s per core with AVX-512), so it finds the mul+add pipes' limit
 /// rather than their latency.
@@ -142,7 +142,7 @@ fn products(iters: u64) -> f64 {
     let b = ndarray::Array2::from_shape_fn((p, n), |(i, j)| 1.0 - (i * n + j) as f64 * 1e-4);
     let mut sum = 0.0;
     for _ in 0..iters {
-        sum += crate::gemm::dot_unfused(std::hint::black_box(a.view()), b.view())[[0, 0]];
+        sum += crate::fast::gemm::dot_unfused(std::hint::black_box(a.view()), b.view())[[0, 0]];
     }
     sum
 }
@@ -151,7 +151,7 @@ fn products(iters: u64) -> f64 {
 pub fn peak_description() -> String {
     format!(
         "f64 mul+add without FMA: {} product kernel on L1 operands, {} threads",
-        crate::simd::width().name(),
+        crate::fast::simd::width().name(),
         rayon::current_num_threads()
     )
 }
