@@ -3,7 +3,7 @@
 use std::convert::Infallible;
 use std::time::Instant;
 
-use deltaref::timing::{self, Rounds};
+use deltaref_verify::bench::timing::{self, Rounds};
 
 // The `deltaref` binary's allocator (see verify/src/main.rs): with glibc's,
 // page faults on the per-call buffers dominate the timings.
