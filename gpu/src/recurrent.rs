@@ -4,7 +4,7 @@
 //! shared-memory table of per-warp sums over the state columns.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
-use deltaref::sweep::block_len;
+use deltaref::memory::block_len;
 use deltaref::varlen::Segment;
 
 use crate::device::Gpu;

@@ -1,5 +1,5 @@
 """Binding overhead: KDA naive forward+backward from Python, to compare with
-the Rust bench on the same inputs (`cargo bench -p deltaref --bench naive`).
+the Rust bench on the same inputs (`cargo bench -p deltaref-verify --bench naive`).
 
     python3 python/bench/naive_binding.py
 

@@ -125,7 +125,7 @@ pub fn gate_eval<T: Scalar>(gate: Gate, x: T, a_log: Option<T>) -> (T, T, T) {
 /// `derivatives`, `(∂g/∂x, ∂g/∂A_log)` into them. The same bits as
 /// `gate_eval` element by element: `exp(A_log)` is taken once, and the
 /// run's other exponentials together ([`Scalar::exp_into`], glibc's bits on
-/// vectors in `f64`; call it under [`crate::simd::dispatch`]).
+/// vectors in `f64`; call it under [`crate::fast::simd::dispatch`]).
 #[inline(always)]
 pub fn gate_eval_run<T: Scalar>(
     gate: Gate,
@@ -255,7 +255,7 @@ mod tests {
                     let n = x.len();
                     let (mut g, mut dx, mut da) =
                         (vec![T::nan(); n], vec![T::nan(); n], vec![T::nan(); n]);
-                    crate::simd::dispatch(
+                    crate::fast::simd::dispatch(
                         #[inline(always)]
                         || gate_eval_run(gate, &x, a, &mut g, Some((&mut dx, &mut da))),
                     );

@@ -1,40 +1,38 @@
 //! deltaref: the float64 oracle for delta-rule linear attention (KDA, DPLR,
-//! token-shift) in FLA's conventions. See `SPEC.md` §2–§6 for the maths.
+//! GDN, GDN-2, token-shift, causal conv1d) in FLA's conventions. See
+//! `SPEC.md` §2–§6 for the maths.
 //!
 //! Layout: one module per operator, each with a `mod.rs` holding the shared
-//! tensors/options/validation/driver and one file per form (`naive`, `chunk`).
-//! Shared pieces: [`gates`] (l2norm, gates, beta sigmoid), [`varlen`]
-//! (sequences and the parallel pair runner), [`tensor`] (checks, gather/scatter),
-//! [`sweep`] (what the naive engines share), [`simd`] (runtime AVX2 dispatch).
+//! tensors/options/validation/driver, one file per form (`naive`, `chunk`)
+//! and its registry entry (`entry`). Around them: the operator contract
+//! ([`op`]) and the registry ([`registry`]); context parallel ([`cp`]);
+//! precision emulation ([`precision`], [`dtype`]); the case generators
+//! ([`inputs`], [`rng`]); the gates ([`gates`]); each operator's definition
+//! as a plain recurrence ([`truth`]); checks and sequences ([`tensor`],
+//! [`varlen`]); and what the engines hold ([`memory`]). The speed machinery
+//! (matrix products, vector dispatch, the naive sweeps, thread splits) is
+//! behind one wall, in the private module `fast`.
 
 pub mod conv;
 pub mod cp;
-pub mod decay_blocks;
 pub mod dplr;
 pub mod dtype;
 pub mod error;
-pub mod exp;
-pub mod fused;
+pub(crate) mod fast;
 pub mod gates;
 pub mod gdn;
 pub mod gdn2;
-pub mod gemm;
 pub mod inputs;
 pub mod kda;
+pub mod memory;
 pub mod op;
-pub mod ops;
 pub mod precision;
 pub mod registry;
 pub mod rng;
 pub mod scalar;
-pub mod scratch;
-pub mod simd;
-pub mod stagger;
-pub mod sweep;
 pub mod tensor;
-pub mod timing;
+pub mod throughput;
 pub mod token_shift;
-pub mod tri;
 pub mod truth;
 pub mod varlen;
 
@@ -42,3 +40,6 @@ pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use gates::Gate;
 pub use scalar::Scalar;
+
+// The operator modules' `Operator` gradient items (`crate::grads_in_place!`).
+pub(crate) use op::{grads_collected, grads_in_place};

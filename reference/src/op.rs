@@ -38,9 +38,11 @@
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4, ArrayViewMut2};
 
 use crate::error::Result;
+use crate::fast::par::{par_pairs, par_pairs_with};
+use crate::fast::views;
 use crate::scalar::Scalar;
 use crate::tensor;
-use crate::varlen::{par_pairs, par_pairs_with, Segment};
+use crate::varlen::Segment;
 
 /// What an operator is called, FLA's way; the single source of its names.
 pub trait OpSpec {
@@ -228,8 +230,8 @@ pub trait Engine<T: Scalar>: Sync {
             final_state: s_out,
             grads,
         } = out;
-        tensor::copy_into(o_out, o.view());
-        tensor::copy_into(s_out, s_l.view());
+        views::copy_into(o_out, o.view());
+        views::copy_into(s_out, s_l.view());
         <Self::Op as Operator<T>>::write_grads(grads, g);
     }
 
@@ -271,7 +273,6 @@ pub struct HeadSink<'s, T: Scalar, O: Operator<T>> {
 /// `sinks(&p.segments)`) through `$sink<'s, T>` views (with `assign`):
 /// `grads_in_place!(PreparedGrads<T>, KdaHeadGradsMut);` inside the impl.
 /// `chain_grads` stays the operator's own.
-#[macro_export]
 macro_rules! grads_in_place {
     ($buf:ty, $sink:ident) => {
         type GradsBuf = $buf;
@@ -293,11 +294,11 @@ macro_rules! grads_in_place {
         }
     };
 }
+pub(crate) use grads_in_place;
 
 /// The [`Operator`] gradient items of an operator that keeps each pair's
 /// gradients as computed ([`Collected`]) and chains them with
 /// [`Operator::grads`]: `grads_collected!();` inside the impl.
-#[macro_export]
 macro_rules! grads_collected {
     () => {
         type GradsBuf = $crate::op::Collected<Self::HeadGrads>;
@@ -333,6 +334,7 @@ macro_rules! grads_collected {
         }
     };
 }
+pub(crate) use grads_collected;
 
 /// A [`Operator::GradsBuf`] that keeps each pair's gradients as its engine
 /// returns them, for operators whose gradients are not only per-token
@@ -448,12 +450,12 @@ pub fn forward_backward<T: Scalar, E: Engine<T>>(
     let p = engine.stored(E::Op::prepare(x, opt)?);
     let d = p.shape();
     let segments = p.segments();
-    let mut o = tensor::zeros(ndarray::Ix4(d.b, d.t, d.heads, d.v));
-    let mut ht = tensor::zeros(ndarray::Ix4(d.n, d.heads, d.k, d.v));
+    let mut o = views::zeros(ndarray::Ix4(d.b, d.t, d.heads, d.v));
+    let mut ht = views::zeros(ndarray::Ix4(d.n, d.heads, d.k, d.v));
     let mut grads = E::Op::grads_buf(&p);
-    let sinks: Vec<HeadSink<T, E::Op>> = tensor::pair_blocks_mut(o.view_mut(), segments)
+    let sinks: Vec<HeadSink<T, E::Op>> = views::pair_blocks_mut(o.view_mut(), segments)
         .into_iter()
-        .zip(tensor::pair_states_mut(ht.view_mut(), segments))
+        .zip(views::pair_states_mut(ht.view_mut(), segments))
         .zip(E::Op::grads_sinks(&mut grads, &p))
         .map(|((o, final_state), grads)| HeadSink {
             o,

@@ -304,7 +304,7 @@ impl Policy {
                     *cur = s.round(*cur + prev)
                 });
             }
-            None => crate::fused::cumsum_rows(g),
+            None => crate::fast::fused::cumsum_rows(g),
         }
     }
 

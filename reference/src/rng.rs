@@ -102,14 +102,14 @@ impl Stream {
     /// thread of the Zen 4 VM: 44 ns a normal element by element, 14 ns in
     /// blocks with AVX-512DQ (30 with AVX2).
     fn normals_into(&self, first: u64, out: &mut [f64]) {
-        if crate::simd::width() == crate::simd::Width::Baseline {
+        if crate::fast::simd::width() == crate::fast::simd::Width::Baseline {
             // Without vectors the blocks only add work.
             for (i, x) in (first..).zip(out.iter_mut()) {
                 *x = self.normal(i);
             }
             return;
         }
-        crate::simd::dispatch(
+        crate::fast::simd::dispatch(
             #[inline(always)]
             || self.normals_block(first, out),
         )

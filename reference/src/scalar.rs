@@ -37,14 +37,14 @@ pub trait Scalar:
     /// `exp(self)` within one ulp for `|self| ≤` [`exp_bound`] (not
     /// checked: the caller bounds its arguments). `f64` and `f32` use
     /// plain arithmetic with no branch, so a loop of it vectorises under
-    /// [`crate::simd::dispatch`] with the same bits at every width, where
+    /// [`crate::fast::simd::dispatch`] with the same bits at every width, where
     /// the libm `exp` (the default) is one scalar call per element.
     fn exp_bounded(self) -> Self {
         self.exp()
     }
 
     /// `dst[i] = src[i].exp()` with libm's bits: `f64` runs glibc's
-    /// algorithm on vectors ([`crate::exp`]), others call libm per element.
+    /// algorithm on vectors ([`crate::fast::exp`]), others call libm per element.
     #[inline(always)]
     fn exp_into(src: &[Self], dst: &mut [Self]) {
         for (d, &x) in dst.iter_mut().zip(src) {
@@ -137,7 +137,7 @@ impl Scalar for f64 {
     }
     #[inline(always)]
     fn exp_into(src: &[f64], dst: &mut [f64]) {
-        crate::exp::exp_into(src, dst)
+        crate::fast::exp::exp_into(src, dst)
     }
 }
 

@@ -1,5 +1,6 @@
 //! Where a block of replayed `[K, V]` states would not fit the cache, the
-//! naive engines checkpoint more often (`sweep::state_block_len`). At
+//! naive engines checkpoint more often (and hold more states than at the
+//! `√L` spacing: `deltaref::memory::held_states`). At
 //! K = V = 256 their results must still be the chunked engines' (an
 //! independent form) in f64. In f32 KDA's replay takes two chunks of
 //! columns an iteration, and its leftovers, where f64 takes one.
@@ -10,17 +11,19 @@ use common::assert_close;
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, Kda, KdaOptions};
+use deltaref::memory::{block_len, held_states};
 use deltaref::op;
-use deltaref::sweep::{block_len, state_block_len};
 use deltaref::tensor::cast;
 
 const L: usize = 400;
 const D: usize = 256;
 
-/// The shape below takes the shortened blocks.
+/// The shape below takes the shortened blocks: its backward holds more
+/// states than the `√L` spacing's checkpoints and block.
 #[test]
 fn the_shape_checkpoints_more_often_than_sqrt_l() {
-    assert!(state_block_len(L, D * D * 8) < block_len(L));
+    let sqrt = block_len(L);
+    assert!(held_states(L, D * D * 8) > L.div_ceil(sqrt) + sqrt);
 }
 
 /// The naive and chunked engines' outputs and gradients on `g` within

@@ -1,3 +1,4 @@
+pub mod bench;
 pub mod bisect;
 pub mod case;
 pub use case::{files, memory};

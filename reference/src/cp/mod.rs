@@ -16,12 +16,13 @@ pub mod plan;
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
 
 use crate::error::Result;
-use crate::gemm;
+use crate::fast::gemm;
+use crate::fast::par::par_pairs;
 use crate::op::{Engine, OpSpec, Operator, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor;
-use crate::varlen::{par_pairs, Segment};
+use crate::varlen::Segment;
 use plan::PlanSpec;
 pub use plan::{Layout, Plan, RankMeta};
 

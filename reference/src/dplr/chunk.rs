@@ -6,7 +6,7 @@
 //! backward, gate (reverse cumsum) backward. Pairwise decays are products
 //! of two factors through the chunk's middle row (so the A blocks are
 //! matrix products); a chunk whose decays span too wide a range for those
-//! factors splits into blocks ([`crate::decay_blocks`]), so nothing
+//! factors splits into blocks ([`crate::fast::decay_blocks`]), so nothing
 //! overflows.
 
 use ndarray::{
@@ -17,20 +17,21 @@ use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
     DplrOutputs, Prepared,
 };
-use crate::decay_blocks::Block;
 use crate::error::Result;
-use crate::fused;
-use crate::gemm;
+use crate::fast::columns::{
+    backward_chunks, forward_chunks, StateColumns, StateGradColumns, StateRows,
+};
+use crate::fast::decay_blocks::Block;
+use crate::fast::fused;
+use crate::fast::gemm;
+use crate::fast::par::{par_chunks, par_pairs};
+use crate::fast::simd;
+use crate::fast::tri;
+use crate::fast::views;
 use crate::op::{self, Engine, HeadSink, Operator};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::{exp_bound, Scalar};
-use crate::simd;
-use crate::tensor;
-use crate::tri;
-use crate::varlen::{
-    backward_chunks, forward_chunks, par_chunks, par_pairs, Segment, StateColumns,
-    StateGradColumns, StateRows,
-};
+use crate::varlen::Segment;
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,7 +39,7 @@ pub struct Chunk {
     pub chunk_size: usize,
     pub policy: Policy,
     /// Tokens per span of a long pair's forward+backward
-    /// ([`crate::varlen::in_spans`]); a multiple of `chunk_size`.
+    /// ([`crate::fast::spans::in_spans`]); a multiple of `chunk_size`.
     span_len: usize,
 }
 
@@ -53,7 +54,7 @@ impl Chunk {
         Chunk {
             chunk_size: c.get(),
             policy: Policy::exact(),
-            span_len: crate::varlen::SPAN_LEN,
+            span_len: crate::fast::spans::SPAN_LEN,
         }
     }
 
@@ -65,7 +66,7 @@ impl Chunk {
     /// The same engine with spans of `tokens` (a positive multiple of the
     /// chunk size) for long pairs. The results do not depend on it.
     pub fn with_span_len(self, tokens: usize) -> Result<Self> {
-        crate::tensor::check_span_len(tokens, self.chunk_size)?;
+        crate::fast::spans::check_span_len(tokens, self.chunk_size)?;
         Ok(Chunk {
             span_len: tokens,
             ..self
@@ -216,7 +217,7 @@ pub struct ChunkForward<T> {
     pub final_state: Array2<T>,
 }
 
-impl<T> crate::varlen::SpanForward<T> for ChunkForward<T> {
+impl<T> crate::fast::spans::SpanForward<T> for ChunkForward<T> {
     fn o(&self) -> ArrayView2<'_, T> {
         self.o.view()
     }
@@ -288,7 +289,7 @@ enum Decays<T> {
         mid: (Vec<T>, Vec<T>),
     },
     /// Where the chunk's factors would overflow: in blocks
-    /// ([`crate::decay_blocks`]), each with its factors, and the
+    /// ([`crate::fast::decay_blocks`]), each with its factors, and the
     /// exponentials formed directly and kept (`[Exp; 3]` order, `[c, K]`
     /// each).
     Blocks {
@@ -297,7 +298,7 @@ enum Decays<T> {
     },
 }
 
-/// One block of a split chunk's pairwise decays ([`crate::decay_blocks`]):
+/// One block of a split chunk's pairwise decays ([`crate::fast::decay_blocks`]):
 /// `exp(Γ_i − Γ_j) = f.ep[i]·f.em[j]` and `exp(Γx_i − Γ_j) =
 /// f.exp_[i]·f.em[j]` for `i` in `rows`, `j` in `cols`.
 #[derive(Clone, Debug)]
@@ -371,10 +372,10 @@ fn factors<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Option<Factors<T>> {
     })
 }
 
-/// The blocks of a chunk whose factors do not fit ([`crate::decay_blocks`]),
+/// The blocks of a chunk whose factors do not fit ([`crate::fast::decay_blocks`]),
 /// each with its factors, from Γ and Γx `[c, K]`.
 fn decay_blocks<T: Scalar>(g: &Array2<T>, gx: &Array2<T>) -> Vec<DecayBlock<T>> {
-    let blocks = crate::decay_blocks::split(0..g.nrows(), &mut |r| {
+    let blocks = crate::fast::decay_blocks::split(0..g.nrows(), &mut |r| {
         if r.len() == 1 {
             // A row's one pair is exp(0) in Aqk and Aqb; Aab and Aak have
             // none (strictly lower), so Γx's factor is never read: zero,
@@ -502,7 +503,7 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
     let [q, k, b, eg, egx, dl, ax, kgl, bgl, dax, dqg, dkg, dbg, dkg_acc, dbg_acc] =
         ins.each_ref().map(|a| &a[..n]);
     // The rows are written once each below (no zero fill first).
-    let mut rows = [(); 6].map(|_| crate::stagger::vec(n));
+    let mut rows = [(); 6].map(|_| crate::fast::stagger::vec(n));
     let mut last = [(); 2].map(|_| vec![T::zero(); kd]);
     // Slices of known lengths (`n`, `kd`): the loops below then have no
     // bounds checks and vectorise.
@@ -536,7 +537,7 @@ fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
         // vector's spare capacity, which starts after its padding.
         unsafe { r.set_len(r.len() + n) };
     }
-    let shape = |v: Vec<T>| crate::stagger::array(v, ndarray::Ix2(c, kd));
+    let shape = |v: Vec<T>| crate::fast::stagger::array(v, ndarray::Ix2(c, kd));
     GateGrads {
         rows: rows.map(shape),
         last: last.map(Array1::from),
@@ -594,7 +595,7 @@ impl Chunk {
         // (I − Aab)^{-1} (Aab strictly lower).
         let p = self.as_stored(
             Stage::Akk,
-            crate::tensor::unit_lower_inverse(c, |i, j| aab[[i, j]]),
+            crate::fast::tri::unit_lower_inverse(c, |i, j| aab[[i, j]]),
         );
         let ax = match &decays {
             Decays::Mid { f, mid } => self.as_stored(Stage::Gated, f.times(a, mid, Exp::Gx)),
@@ -665,7 +666,7 @@ impl Chunk {
     }
 
     /// One chunk's forward state step over the value columns `cols`
-    /// ([`crate::varlen::par_columns`]): pushes the state entering it as
+    /// ([`crate::fast::par::par_columns`]): pushes the state entering it as
     /// stored, `v2` (its `v_new`) and (with `read_out`) `o` to `out`, and
     /// carries `state` (`[K, w]`, those columns) over the chunk.
     fn state_step<T: Scalar>(
@@ -775,15 +776,15 @@ impl Chunk {
                 let rows = s![chunks[n].clone(), ..];
                 let token_rows = [&mut gr.dq, &mut gr.dk, &mut gr.da, &mut gr.db, &mut gr.dgk];
                 for (dst, src) in token_rows.into_iter().zip(&grads.rows) {
-                    tensor::copy_into(dst.slice_mut(rows), src.view());
+                    views::copy_into(dst.slice_mut(rows), src.view());
                 }
-                tensor::copy_into(gr.dv.slice_mut(rows), grads.dv.view());
+                views::copy_into(gr.dv.slice_mut(rows), grads.dv.view());
                 if keep_blocks {
                     da_blocks.push(blocks);
                 }
             },
         );
-        tensor::copy_into(gr.dh0.view_mut(), dh0.view());
+        views::copy_into(gr.dh0.view_mut(), dh0.view());
         (dh, da_blocks)
     }
 
@@ -972,7 +973,7 @@ fn blocks_backward<T: Scalar>(
 /// pairs, `[dqa, dax, dkb, dbb]` (each a sum of two products, one sum per
 /// element), then the operands `[qa, ax, kb, bb]` (`q`, `a` on its rows
 /// times `f.ep`, `f.exp_`; `k`, `b` on its columns times `f.em`), with the
-/// products of [`crate::decay_blocks::grad_products`].
+/// products of [`crate::fast::decay_blocks::grad_products`].
 fn factored_grads<T: Scalar>(
     f: &Factors<T>,
     [q, k, a, b]: [ArrayView2<T>; 4],
@@ -986,9 +987,9 @@ fn factored_grads<T: Scalar>(
         (k, f.em.view()),
         (b, f.em.view()),
     ]);
-    let (l, l_add, lt, lt_add) = crate::decay_blocks::grad_products(diagonal);
-    let sum = |first: crate::decay_blocks::Dot<T>,
-               then: crate::decay_blocks::DotAdd<T>,
+    let (l, l_add, lt, lt_add) = crate::fast::decay_blocks::grad_products(diagonal);
+    let sum = |first: crate::fast::decay_blocks::Dot<T>,
+               then: crate::fast::decay_blocks::DotAdd<T>,
                [(x1, y1), (x2, y2)]: [(ArrayView2<T>, &Array2<T>); 2]| {
         let mut s = first(x1, y1.view());
         then(x2, y2.view(), s.view_mut());
@@ -1018,7 +1019,7 @@ fn factored_blocks_backward<T: Scalar>(
     let [dqa_, dax_, dkb_, dbb_, qa_, ax_, kb_, bb_] = flats.each_ref().map(|x| &x[..n]);
     let [ep_, exp_, em_] = factors.each_ref().map(|x| &x[..n]);
     let [dq_, dk_, da_, db_, dg_, dgx_] = [dq_, dk_, da_, db_, dg_, dgx_].map(|x| &mut x[..n]);
-    crate::simd::dispatch(
+    crate::fast::simd::dispatch(
         #[inline(always)]
         || {
             for i in 0..n {
@@ -1099,7 +1100,7 @@ impl<T: Scalar> Engine<T> for Chunk {
     }
 
     /// The gradients written into the run's tensors chunk by chunk; a pair
-    /// longer than a span in spans ([`crate::varlen::in_spans`]).
+    /// longer than a span in spans ([`crate::fast::spans::in_spans`]).
     fn forward_backward_into(
         &self,
         x: &DplrHead<T>,
@@ -1109,7 +1110,7 @@ impl<T: Scalar> Engine<T> for Chunk {
         out: HeadSink<'_, T, Dplr>,
     ) {
         if x.len() > self.span_len {
-            return crate::chunked_in_spans!(self, x, h0, d_o, dht, out);
+            return crate::fast::spans::chunked_in_spans!(self, x, h0, d_o, dht, out);
         }
         // A chunk's rows of the head are read by its intra stage, state
         // step, state backward and chunk backward: one copy of the head
@@ -1117,8 +1118,8 @@ impl<T: Scalar> Engine<T> for Chunk {
         // KDA's two readers do, was level here and slower on one long pair).
         let x = &x.standard();
         let fwd = self.forward_pass(x, h0, true);
-        tensor::copy_into(out.o, fwd.o.view());
-        tensor::copy_into(out.final_state, fwd.final_state.view());
+        views::copy_into(out.o, fwd.o.view());
+        views::copy_into(out.final_state, fwd.final_state.view());
         self.backward_into(x, &fwd, d_o, dht, false, out.grads);
     }
 

@@ -15,6 +15,7 @@ use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::fast::views;
 use crate::op::{self, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
@@ -171,9 +172,9 @@ impl<T: Scalar> DplrHead<'_, T> {
     /// Rows `r` of [`DplrHead::standard`] (tokens `r` of the pair), copying
     /// only those rows where a copy is needed.
     pub fn standard_rows<'a>(&'a self, r: std::ops::Range<usize>) -> DplrHead<'a, T> {
-        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.slice(s![r.clone(), ..]));
+        let rows = |a: &'a CowArray<'_, T, Ix2>| views::standard(a.slice(s![r.clone(), ..]));
         DplrHead {
-            q: tensor::scaled_standard(self.q.slice(s![r.clone(), ..]), self.scale),
+            q: views::scaled_standard(self.q.slice(s![r.clone(), ..]), self.scale),
             k: rows(&self.k),
             a: rows(&self.a),
             b: rows(&self.b),
@@ -278,13 +279,13 @@ impl<T: Scalar> DplrHeadGradsMut<'_, T> {
 
     /// Writes `g` here.
     pub fn assign(self, g: &DplrHeadGrads<T>) {
-        tensor::copy_into(self.dq, g.dq.view());
-        tensor::copy_into(self.dk, g.dk.view());
-        tensor::copy_into(self.dv, g.dv.view());
-        tensor::copy_into(self.da, g.da.view());
-        tensor::copy_into(self.db, g.db.view());
-        tensor::copy_into(self.dgk, g.dgk.view());
-        tensor::copy_into(self.dh0, g.dh0.view());
+        views::copy_into(self.dq, g.dq.view());
+        views::copy_into(self.dk, g.dk.view());
+        views::copy_into(self.dv, g.dv.view());
+        views::copy_into(self.da, g.da.view());
+        views::copy_into(self.db, g.db.view());
+        views::copy_into(self.dgk, g.dgk.view());
+        views::copy_into(self.dh0, g.dh0.view());
     }
 }
 
@@ -543,7 +544,7 @@ pub struct PreparedGrads<T> {
 impl<T: Scalar> PreparedGrads<T> {
     /// Zero gradients for a problem of sizes `d`.
     pub fn zeros(d: &DplrDims) -> Self {
-        let tokens = |w| tensor::zeros(ndarray::Ix4(d.b, d.t, d.h, w));
+        let tokens = |w| views::zeros(ndarray::Ix4(d.b, d.t, d.h, w));
         PreparedGrads {
             dq: tokens(d.k),
             dk: tokens(d.k),
@@ -566,8 +567,8 @@ impl<T: Scalar> PreparedGrads<T> {
             &mut self.db,
             &mut self.dgk,
         ]
-        .map(|a| tensor::pair_blocks_mut(a.view_mut(), segments).into_iter());
-        let dh0 = tensor::pair_states_mut(self.dh0.view_mut(), segments);
+        .map(|a| views::pair_blocks_mut(a.view_mut(), segments).into_iter());
+        let dh0 = views::pair_states_mut(self.dh0.view_mut(), segments);
         dq.zip(dk)
             .zip(dv)
             .zip(da)

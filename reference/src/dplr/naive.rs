@@ -22,15 +22,15 @@ use super::{
     DplrOutputs,
 };
 use crate::error::Result;
-use crate::op::{self, Engine, HeadSink};
-use crate::scalar::Scalar;
-use crate::scratch::{self, Rows};
-use crate::simd;
-use crate::sweep::{
+use crate::fast::scratch::{self, Rows};
+use crate::fast::simd;
+use crate::fast::sums::{dot, RowSums, SweepSums};
+use crate::fast::sweep::{
     chunks, chunks_mut, contiguous_rows, prefetch, reverse_blocks, row, row_mut, run_tokens,
     spread, state, Group, Pairs, TILE,
 };
-use crate::tensor::{dot, RowSums, SweepSums};
+use crate::op::{self, Engine, HeadSink};
+use crate::scalar::Scalar;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;

@@ -8,7 +8,7 @@
 //! A pairwise decay `exp(Γ_r − Γ_s)` is a product of two factors through
 //! the chunk's middle row `m`, `exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s)` (so the
 //! pairs are matrix products); a chunk whose decays span too wide a range
-//! for those factors splits into blocks ([`crate::decay_blocks`]), so
+//! for those factors splits into blocks ([`crate::fast::decay_blocks`]), so
 //! strong decays never overflow. A [`Policy`] rounds each stored stage for
 //! precision emulation; the default policy is exact.
 
@@ -18,19 +18,20 @@ use super::{
     Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
     Prepared,
 };
-use crate::decay_blocks::Block;
 use crate::error::Result;
-use crate::fused;
-use crate::gemm;
+use crate::fast::columns::{
+    backward_chunks, forward_chunks, StateColumns, StateGradColumns, StateRows,
+};
+use crate::fast::decay_blocks::Block;
+use crate::fast::fused;
+use crate::fast::gemm;
+use crate::fast::par::{par_chunks, par_pairs};
+use crate::fast::tri;
+use crate::fast::views;
 use crate::op::{self, Engine, HeadSink, Operator};
 use crate::precision::{Feature, Policy, Stage};
 use crate::scalar::{exp_bound, Scalar};
-use crate::tensor;
-use crate::tri;
-use crate::varlen::{
-    backward_chunks, forward_chunks, par_chunks, par_pairs, Segment, StateColumns,
-    StateGradColumns, StateRows,
-};
+use crate::varlen::Segment;
 
 /// The chunked engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,7 +39,7 @@ pub struct Chunk {
     pub chunk_size: usize,
     pub policy: Policy,
     /// Tokens per span of a long pair's forward+backward
-    /// ([`crate::varlen::in_spans`]); a multiple of `chunk_size`.
+    /// ([`crate::fast::spans::in_spans`]); a multiple of `chunk_size`.
     span_len: usize,
 }
 
@@ -53,7 +54,7 @@ impl Chunk {
         Chunk {
             chunk_size: c.get(),
             policy: Policy::exact(),
-            span_len: crate::varlen::SPAN_LEN,
+            span_len: crate::fast::spans::SPAN_LEN,
         }
     }
 
@@ -65,7 +66,7 @@ impl Chunk {
     /// The same engine with spans of `tokens` (a positive multiple of the
     /// chunk size) for long pairs. The results do not depend on it.
     pub fn with_span_len(self, tokens: usize) -> Result<Self> {
-        crate::tensor::check_span_len(tokens, self.chunk_size)?;
+        crate::fast::spans::check_span_len(tokens, self.chunk_size)?;
         Ok(Chunk {
             span_len: tokens,
             ..self
@@ -224,7 +225,7 @@ enum Decays<T> {
         exps: [Array2<T>; 2],
     },
     /// Where the chunk's factors would overflow: in blocks
-    /// ([`crate::decay_blocks`]), each with its factors, and the
+    /// ([`crate::fast::decay_blocks`]), each with its factors, and the
     /// exponentials formed directly and kept.
     Blocks {
         blocks: Vec<DecayBlock<T>>,
@@ -235,7 +236,7 @@ enum Decays<T> {
     Pairs { exps: [Array2<T>; 2] },
 }
 
-/// One block of a split chunk's pairwise decays ([`crate::decay_blocks`]):
+/// One block of a split chunk's pairwise decays ([`crate::fast::decay_blocks`]):
 /// `exp(Γ_r − Γ_s) = row[r]·col[s]` for `r` in `rows`, `s` in `cols`.
 #[derive(Clone, Debug)]
 struct DecayBlock<T> {
@@ -298,7 +299,7 @@ pub struct ChunkForward<T> {
     pub final_state: Array2<T>,
 }
 
-impl<T> crate::varlen::SpanForward<T> for ChunkForward<T> {
+impl<T> crate::fast::spans::SpanForward<T> for ChunkForward<T> {
     fn o(&self) -> ArrayView2<'_, T> {
         self.o.view()
     }
@@ -359,7 +360,7 @@ impl Chunk {
     }
 
     /// The blocks of a chunk whose factors do not fit
-    /// ([`crate::decay_blocks`]), each with its factors; `None` under the
+    /// ([`crate::fast::decay_blocks`]), each with its factors; `None` under the
     /// safe-gate emulation, whose pairs go through their own anchors.
     fn decay_blocks<T: Scalar>(&self, g: &Array2<T>) -> Option<Vec<DecayBlock<T>>> {
         if self.policy.safe_gate_midpoint {
@@ -367,7 +368,7 @@ impl Chunk {
         }
         let rows_of = |r: &std::ops::Range<usize>| g.slice(s![r.clone(), ..]);
         // One row's factors are exp(0) = 1 and always fit.
-        let blocks = crate::decay_blocks::split(0..g.nrows(), &mut |r| {
+        let blocks = crate::fast::decay_blocks::split(0..g.nrows(), &mut |r| {
             self.factors(&rows_of(&r).to_owned())
         });
         let blocks = blocks.into_iter().map(|b| match b {
@@ -529,7 +530,7 @@ impl Chunk {
         let [q, k] = qk_rows(x, start..start + c);
         let (q, k, v) = (q.view(), k.view(), x.v.slice(rows));
         let beta = x.beta.slice(s![start..start + c]);
-        let mut g_cumsum = tensor::standard(x.g.slice(rows)).into_owned();
+        let mut g_cumsum = views::standard(x.g.slice(rows)).into_owned();
         self.policy.cumsum_rows(&mut g_cumsum);
         let factors = self.factors(&g_cumsum);
         let blocks = factors
@@ -557,7 +558,7 @@ impl Chunk {
         // (I + L)^{-1}, L[r, s] = β_r p[r, s].
         // FLA stores the inverse `(I + L)^{-1}` (its `Akk`) and applies β
         // when it forms w and u: the stage rounds the inverse.
-        let mut n_inv = crate::tensor::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
+        let mut n_inv = crate::fast::tri::unit_lower_inverse(c, |r, s| -(beta[r] * p[[r, s]]));
         self.policy.round(Stage::Akk, &mut n_inv);
         let beta_v = beta.to_vec();
         let akk = fused::scale_columns(&n_inv, &beta_v);
@@ -673,7 +674,7 @@ impl Chunk {
     }
 
     /// One chunk's forward state step over the value columns `cols`
-    /// ([`crate::varlen::par_columns`]): pushes the state entering it as
+    /// ([`crate::fast::par::par_columns`]): pushes the state entering it as
     /// stored, `v_new` and (with `read_out`) `o` to `out`, and carries
     /// `state` (`[K, w]`, those columns) over the chunk.
     fn state_step<T: Scalar>(
@@ -775,7 +776,7 @@ impl Chunk {
                     (&mut gr.dv, &step.dv),
                     (&mut gr.dg, &step.dg),
                 ] {
-                    tensor::copy_into(dst.slice_mut(rows), src.view());
+                    views::copy_into(dst.slice_mut(rows), src.view());
                 }
                 gr.dbeta
                     .slice_mut(s![chunks[n].clone()])
@@ -786,7 +787,7 @@ impl Chunk {
                 }
             },
         );
-        tensor::copy_into(gr.dh0.view_mut(), dh0.view());
+        views::copy_into(gr.dh0.view_mut(), dh0.view());
         (dh, dv_new, daqk, dakk)
     }
 
@@ -882,9 +883,9 @@ impl Chunk {
         let q = q.view();
         let kd = x.k_dim();
         let (mut dq, mut dk, mut dgamma) = (
-            crate::stagger::zeros((c, kd)),
-            crate::stagger::zeros((c, kd)),
-            crate::stagger::zeros((c, kd)),
+            crate::fast::stagger::zeros((c, kd)),
+            crate::fast::stagger::zeros((c, kd)),
+            crate::fast::stagger::zeros((c, kd)),
         );
         let mut dkg_kg_sum = vec![T::zero(); kd];
         let flats = [
@@ -904,7 +905,7 @@ impl Chunk {
             fused::flat_mut(&mut dgamma),
         );
         let sum = &mut dkg_kg_sum[..kd];
-        crate::simd::dispatch(
+        crate::fast::simd::dispatch(
             #[inline(always)]
             || {
                 for r in 0..c {
@@ -1064,7 +1065,7 @@ impl Chunk {
     /// as the `∂/∂k_s` side reads it) and `B = K⊙col` on its columns
     /// (`k_cols`), so that `Aqk = A Bᵀ` and `p = C Bᵀ` on the block. The
     /// anchor cancels in every product, so it is held constant. The
-    /// products are [`crate::decay_blocks::grad_products`].
+    /// products are [`crate::fast::decay_blocks::grad_products`].
     fn factored_grads<T: Scalar>(
         &self,
         (row, col): (ArrayView2<T>, ArrayView2<T>),
@@ -1073,7 +1074,7 @@ impl Chunk {
         [daqk, dp]: [ArrayView2<T>; 2],
         diagonal: bool,
     ) -> [Array2<T>; 6] {
-        let (dot, _, t_dot, t_dot_add) = crate::decay_blocks::grad_products(diagonal);
+        let (dot, _, t_dot, t_dot_add) = crate::fast::decay_blocks::grad_products(diagonal);
         let [a, b, cc] = fused::products([(q, row), (k_cols, col), (k, row)]);
         let cc = match self.policy.storage(Stage::KBetaBwd) {
             Some(_) => &k_col * &row,
@@ -1105,7 +1106,7 @@ impl Chunk {
         let [da_, dc_, db_, a_, b_, cc_] = flats.each_ref().map(|x| &x[..n]);
         let [ep_, em_] = factors.each_ref().map(|x| &x[..n]);
         let (dq_, dk_, dg_) = (&mut dq_[..n], &mut dk_[..n], &mut dg_[..n]);
-        crate::simd::dispatch(
+        crate::fast::simd::dispatch(
             #[inline(always)]
             || {
                 for i in 0..n {
@@ -1233,8 +1234,8 @@ fn qk_rows<'a, T: Scalar>(
     r: std::ops::Range<usize>,
 ) -> [CowArray<'a, T, Ix2>; 2] {
     [
-        tensor::scaled_standard(x.q.slice(s![r.clone(), ..]), x.scale),
-        tensor::standard(x.k.slice(s![r, ..])),
+        views::scaled_standard(x.q.slice(s![r.clone(), ..]), x.scale),
+        views::standard(x.k.slice(s![r, ..])),
     ]
 }
 
@@ -1283,7 +1284,7 @@ impl<T: Scalar> Engine<T> for Chunk {
     }
 
     /// The gradients written into the run's tensors chunk by chunk; a pair
-    /// longer than a span in spans ([`crate::varlen::in_spans`]).
+    /// longer than a span in spans ([`crate::fast::spans::in_spans`]).
     fn forward_backward_into(
         &self,
         x: &KdaHead<T>,
@@ -1293,11 +1294,11 @@ impl<T: Scalar> Engine<T> for Chunk {
         out: HeadSink<'_, T, Kda>,
     ) {
         if x.len() > self.span_len {
-            return crate::chunked_in_spans!(self, x, h0, d_o, dht, out);
+            return crate::fast::spans::chunked_in_spans!(self, x, h0, d_o, dht, out);
         }
         let fwd = self.forward_pass(x, h0, true);
-        tensor::copy_into(out.o, fwd.o.view());
-        tensor::copy_into(out.final_state, fwd.final_state.view());
+        views::copy_into(out.o, fwd.o.view());
+        views::copy_into(out.final_state, fwd.final_state.view());
         self.backward_into(x, &fwd, d_o, dht, false, out.grads);
     }
 

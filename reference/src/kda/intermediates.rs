@@ -10,11 +10,12 @@ use ndarray::{s, Array2, ArrayD, ArrayView2, IxDyn};
 use super::{chunk::Chunk, Kda, KdaInputs, KdaOptions, Prepared};
 use crate::cp::{self, RankDiag};
 use crate::error::Result;
+use crate::fast::par::par_pairs;
 use crate::op::{self, OpSpec as _, Operator as _};
 use crate::registry::{ChunkPos, Compute, EngineKind, Job, Tensors};
 use crate::scalar::Scalar;
 use crate::tensor::cast;
-use crate::varlen::{par_pairs, Segment};
+use crate::varlen::Segment;
 use crate::Error;
 
 /// The chunks of `pieces` (each a `(rank, segment)`), numbered along T.

@@ -18,6 +18,7 @@ use ndarray::{
 };
 
 use crate::error::{Error, Result};
+use crate::fast::views;
 use crate::gates::{self, Gate};
 use crate::op::{self, OpSpec, Operator, Shape};
 use crate::precision::{Policy, Stage};
@@ -210,13 +211,13 @@ impl<T: Scalar> KdaHead<'_, T> {
     /// Rows `r` of [`KdaHead::standard`] (tokens `r` of the pair), copying
     /// only those rows where a copy is needed.
     pub fn standard_rows<'a>(&'a self, r: std::ops::Range<usize>) -> KdaHead<'a, T> {
-        let rows = |a: &'a CowArray<'_, T, Ix2>| tensor::standard(a.slice(s![r.clone(), ..]));
+        let rows = |a: &'a CowArray<'_, T, Ix2>| views::standard(a.slice(s![r.clone(), ..]));
         KdaHead {
-            q: tensor::scaled_standard(self.q.slice(s![r.clone(), ..]), self.scale),
+            q: views::scaled_standard(self.q.slice(s![r.clone(), ..]), self.scale),
             k: rows(&self.k),
             v: rows(&self.v),
             g: rows(&self.g),
-            beta: tensor::standard(self.beta.slice(s![r])),
+            beta: views::standard(self.beta.slice(s![r])),
             scale: T::one(),
         }
     }
@@ -310,12 +311,12 @@ impl<T: Scalar> KdaHeadGradsMut<'_, T> {
 
     /// Writes `g` here.
     pub fn assign(self, g: &KdaHeadGrads<T>) {
-        tensor::copy_into(self.dq, g.dq.view());
-        tensor::copy_into(self.dk, g.dk.view());
-        tensor::copy_into(self.dv, g.dv.view());
-        tensor::copy_into(self.dg, g.dg.view());
-        tensor::copy_into(self.dbeta, g.dbeta.view());
-        tensor::copy_into(self.dh0, g.dh0.view());
+        views::copy_into(self.dq, g.dq.view());
+        views::copy_into(self.dk, g.dk.view());
+        views::copy_into(self.dv, g.dv.view());
+        views::copy_into(self.dg, g.dg.view());
+        views::copy_into(self.dbeta, g.dbeta.view());
+        views::copy_into(self.dh0, g.dh0.view());
     }
 }
 
@@ -736,7 +737,7 @@ fn gate_terms<'a, T: Scalar>(
     }
     let flat = |a: Option<&ArrayD<T>>| a.map(|a| a.iter().copied().collect::<Vec<T>>());
     let (a_log, dt_bias) = (flat(x.a_log), flat(x.dt_bias));
-    let raw = tensor::standard(raw.view());
+    let raw = views::standard(raw.view());
     let mut g = Array4::zeros(shape);
     let (mut dx, mut da) = match derivatives {
         true => (Array4::zeros(shape), Array4::zeros(shape)),
@@ -771,7 +772,7 @@ fn gate_terms<'a, T: Scalar>(
         .zip(d_blocks.par_iter_mut())
         .enumerate()
         .for_each(|(b, ((g, raw), dv))| {
-            crate::simd::dispatch(
+            crate::fast::simd::dispatch(
                 #[inline(always)]
                 || {
                     let mut xs = vec![T::zero(); k];
@@ -828,7 +829,7 @@ pub struct PreparedGrads<T> {
 impl<T: Scalar> PreparedGrads<T> {
     /// Zero gradients for a problem of sizes `d`.
     pub fn zeros(d: &KdaDims) -> Self {
-        let tokens = |w| tensor::zeros(Ix4(d.b, d.t, d.hv, w));
+        let tokens = |w| views::zeros(Ix4(d.b, d.t, d.hv, w));
         PreparedGrads {
             dq: tokens(d.k),
             dk: tokens(d.k),
@@ -843,13 +844,13 @@ impl<T: Scalar> PreparedGrads<T> {
     /// order, as one piece's gradients.
     pub fn sinks(&mut self, segments: &[Segment]) -> Vec<KdaHeadGradsMut<'_, T>> {
         let (dq, dk, dv, dg) = (
-            tensor::pair_blocks_mut(self.dq.view_mut(), segments),
-            tensor::pair_blocks_mut(self.dk.view_mut(), segments),
-            tensor::pair_blocks_mut(self.dv.view_mut(), segments),
-            tensor::pair_blocks_mut(self.dg.view_mut(), segments),
+            views::pair_blocks_mut(self.dq.view_mut(), segments),
+            views::pair_blocks_mut(self.dk.view_mut(), segments),
+            views::pair_blocks_mut(self.dv.view_mut(), segments),
+            views::pair_blocks_mut(self.dg.view_mut(), segments),
         );
-        let dbeta = tensor::pair_blocks_mut(self.dbeta.view_mut(), segments);
-        let dh0 = tensor::pair_states_mut(self.dh0.view_mut(), segments);
+        let dbeta = views::pair_blocks_mut(self.dbeta.view_mut(), segments);
+        let dh0 = views::pair_states_mut(self.dh0.view_mut(), segments);
         dq.into_iter()
             .zip(dk)
             .zip(dv)

@@ -1,9 +1,9 @@
 //! `deltaref bench`: wall time of implementations on one case, each next to
 //! its worst norm_ratio against the f64 oracle. GPU rows split forward and
 //! backward device time; CPU rows time forward+backward together, with the
-//! GFLOP/s that time achieves (ops counted by [`deltaref::ops`]) and its
-//! fraction of the machine's measured mul+add peak
-//! ([`deltaref::ops::peak_gflops`]).
+//! GFLOP/s that time achieves (ops counted by
+//! [`deltaref_verify::bench::op_count`]) and its fraction of the machine's
+//! measured mul+add peak ([`deltaref_verify::bench::op_count::peak_gflops`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use clap::Args as ClapArgs;
 use deltaref::gates::Gate;
-use deltaref::ops;
-use deltaref::timing::{Quartiles, Rounds};
 use deltaref_gpu::Timings;
+use deltaref_verify::bench::op_count as ops;
+use deltaref_verify::bench::timing::{Quartiles, Rounds};
 use deltaref_verify::case::{Case, CaseError, Dtype, Op};
 use deltaref_verify::generate::{generate, GenSpec};
 use deltaref_verify::impls::{oracle_truth, Compute, Device, Engine, Impl, ImplName};
@@ -105,7 +105,7 @@ type NaiveCount = fn(usize, usize) -> ops::OpCount;
 /// Per-chunk op count of a chunked engine, `(C, K, V)`.
 type ChunkCount = fn(usize, usize, usize) -> ops::OpCount;
 
-/// Ops of one forward+backward of `imp` on `case` ([`deltaref::ops`]): per
+/// Ops of one forward+backward of `imp` on `case` ([`deltaref_verify::bench::op_count`]): per
 /// token of every (sequence, value head) for the naive engine, per chunk
 /// (the last one of a sequence possibly short) for the chunked one. `None`
 /// for token-shift (no matrix work), CP and GPU rows.

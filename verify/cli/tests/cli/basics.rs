@@ -424,7 +424,7 @@ fn diagnose_locates_a_fault_and_draws_a_plot() {
 /// baseline code) and `DELTAREF_NO_AVX512` (AVX2 where the CPU has it) the
 /// committed fixtures still regenerate byte for byte (the in-process fixture
 /// test covers the default, widest path). The chunked engines' products are
-/// sums in a fixed order (`deltaref::gemm`), so this holds for their
+/// sums in a fixed order (the oracle's `fast::gemm`), so this holds for their
 /// intermediates too.
 #[test]
 fn fixtures_regenerate_on_every_code_path() {

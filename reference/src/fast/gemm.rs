@@ -7,7 +7,7 @@
 //! and IEEE 754 defines the fused operation exactly: the vector kernels use
 //! the CPU's FMA instructions, the baseline build `mul_add` (libm's
 //! correctly rounded `fma`), so the results are the same bits on every
-//! machine, at every vector width ([`crate::simd::dispatch`]) and thread
+//! machine, at every vector width ([`crate::fast::simd::dispatch`]) and thread
 //! count. (A BLAS kernel splits long sums into blocks and picks
 //! FMA only where the CPU has it, so its bits depend on the machine.) FMA
 //! issues one instruction per term where a separate multiply and add issue
@@ -19,17 +19,17 @@
 
 use ndarray::{Array2, ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
+use crate::fast::simd;
 use crate::scalar::Scalar;
-use crate::simd;
 
 /// `a b` for `a [M, P]` and `b [P, N]` (any strides). Returns `[M, N]`.
-pub fn dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
+pub(crate) fn dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
     stacked(b.ncols(), &[(a, b)])
 }
 
 /// The products `aᵢ bᵢ` (`aᵢ [mᵢ, P]`, `bᵢ [P, N]`) stacked by rows into
 /// one `[Σ mᵢ, N]` array, written once (no zero fill).
-pub fn stacked<'a, T: Scalar>(
+pub(crate) fn stacked<'a, T: Scalar>(
     n: usize,
     parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
 ) -> Array2<T> {
@@ -38,7 +38,7 @@ pub fn stacked<'a, T: Scalar>(
 
 /// Adds the products `aᵢ bᵢ` (`aᵢ [mᵢ, P]`, `bᵢ [P, N]`) to the rows of
 /// `out [Σ mᵢ, N]`, part by part, as [`dot_add`] does.
-pub fn stacked_add<'a, T: Scalar>(
+pub(crate) fn stacked_add<'a, T: Scalar>(
     parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
     mut out: ArrayViewMut2<T>,
 ) {
@@ -58,7 +58,7 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
     parts: &[(ArrayView2<'a, T>, ArrayView2<'a, T>)],
 ) -> Array2<T> {
     let m: usize = parts.iter().map(|(a, _)| a.nrows()).sum();
-    let mut out: Vec<T> = crate::stagger::vec(m * n);
+    let mut out: Vec<T> = crate::fast::stagger::vec(m * n);
     // The block starts after the padding, where the spare capacity does.
     let block = out.spare_capacity_mut().as_mut_ptr().cast::<T>();
     let mut r0 = 0;
@@ -79,11 +79,11 @@ fn stacked_with<'a, T: Scalar, const FUSED: bool>(
     // SAFETY: the parts wrote rows `0 .. m` after the padding, every
     // element of each.
     unsafe { out.set_len(out.len() + m * n) };
-    crate::stagger::array(out, ndarray::Ix2(m, n))
+    crate::fast::stagger::array(out, ndarray::Ix2(m, n))
 }
 
 /// Writes `a b` into `out [M, N]` (any strides), overwriting it.
-pub fn dot_to<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+pub(crate) fn dot_to<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
     into_view(a, b, out, Start::Zero)
 }
 
@@ -92,7 +92,7 @@ pub fn dot_to<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<
 /// `dot_to(a₁, b₁, out)` then `dot_add(a₂, b₂, out)` has the bits of one
 /// product over the joined inner dimension, `[a₁ a₂]·[b₁; b₂]`: one
 /// rounding per term, none for the sum of the parts.
-pub fn dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+pub(crate) fn dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
     into_view(a, b, out, Start::Out)
 }
 
@@ -162,12 +162,12 @@ pub(crate) fn dot_unfused(a: ArrayView2<f64>, b: ArrayView2<f64>) -> Array2<f64>
 /// `b` as the kernel reads it, with contiguous rows: borrowed when they
 /// already are, else copied row-major. A caller that multiplies by several
 /// slices of one transposed operand packs it once with this.
-pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
+pub(crate) fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
     if b.strides()[1] == 1 || b.ncols() <= 1 {
         return b.into();
     }
     let (p, n) = b.dim();
-    let mut out: Vec<T> = crate::stagger::vec(p * n);
+    let mut out: Vec<T> = crate::fast::stagger::vec(p * n);
     let (src, [s_row, s_col]) = (b.as_ptr(), [b.strides()[0], b.strides()[1]]);
     // After the padding, where the spare capacity starts.
     let dst = out.spare_capacity_mut().as_mut_ptr().cast::<T>();
@@ -233,7 +233,7 @@ pub fn rows_contiguous<T: Scalar>(b: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> 
     );
     // SAFETY: the tiles and the rest cover all `p · n` elements.
     unsafe { out.set_len(out.len() + p * n) };
-    crate::stagger::array(out, ndarray::Ix2(p, n)).into()
+    crate::fast::stagger::array(out, ndarray::Ix2(p, n)).into()
 }
 
 /// Side of the square tiles [`rows_contiguous`] transposes in registers.

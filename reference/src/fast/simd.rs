@@ -6,7 +6,7 @@
 //! `a * b + c` into an FMA or reorders a floating-point sum without
 //! fast-math flags (which Rust never sets), so wider vectors only change how
 //! many independent lanes one instruction handles. A fused multiply-add is
-//! only where the code asks for one (`mul_add`, in [`crate::gemm`]): one
+//! only where the code asks for one (`mul_add`, in [`crate::fast::gemm`]): one
 //! rounding, by the FMA instruction here (both widths require FMA) and by
 //! libm's `fma` in the baseline code, so the same bits there too.
 //!
@@ -21,14 +21,14 @@ use std::sync::OnceLock;
 
 /// The vector instructions [`dispatch`] compiles for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Width {
+pub(crate) enum Width {
     Baseline,
     Avx2,
     Avx512,
 }
 
 impl Width {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Width::Baseline => "baseline",
             Width::Avx2 => "AVX2",
@@ -39,7 +39,7 @@ impl Width {
 
 /// The widest vectors the CPU has, capped by the environment (decided once
 /// per process).
-pub fn width() -> Width {
+pub(crate) fn width() -> Width {
     static WIDTH: OnceLock<Width> = OnceLock::new();
     *WIDTH.get_or_init(|| {
         let set = |name| std::env::var_os(name).is_some();
@@ -66,7 +66,7 @@ pub fn width() -> Width {
 
 /// Runs `f`, compiled for the [`width`] the CPU has.
 #[inline(always)]
-pub fn dispatch<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     match width() {
         Width::Avx512 => {

@@ -12,12 +12,12 @@ use crate::scalar::Scalar;
 /// state lives in L2, takes 177 instead of 350 ms (AVX-512) and 178 instead
 /// of 309 ms (AVX2) on the 2-core VM; K = V = 64 about 5 % less. The bits do
 /// not depend on it (each element's operations are the same).
-pub const TILE: usize = 16;
+pub(crate) const TILE: usize = 16;
 
 /// Tokens per block of a checkpointed backward at the `O(√L · K · V)`
 /// spacing: `⌈√L⌉`, at least 16. The GPU's naive backward uses it as is;
 /// the CPU engines shorten it to their cache ([`state_block_len`]).
-pub fn block_len(l: usize) -> usize {
+pub(crate) fn block_len(l: usize) -> usize {
     ((l as f64).sqrt().ceil() as usize).max(16)
 }
 
@@ -36,7 +36,7 @@ const BLOCK_BYTES: usize = 8 << 20;
 /// `BLOCK_BYTES`, but never below a quarter of it, so the checkpoints
 /// stay `O(√L)` (at most about `4√L` of them). Where the checkpoints fall
 /// does not change a bit: replaying from one repeats the forward's steps.
-pub fn state_block_len(l: usize, state_bytes: usize) -> usize {
+pub(crate) fn state_block_len(l: usize, state_bytes: usize) -> usize {
     let sqrt = block_len(l);
     let fits = BLOCK_BYTES / state_bytes.max(1);
     sqrt.min(fits.max(sqrt.div_ceil(4)))
@@ -44,7 +44,7 @@ pub fn state_block_len(l: usize, state_bytes: usize) -> usize {
 
 /// States a checkpointed backward of `l` tokens holds at once: its
 /// checkpoints and one block ([`state_block_len`]).
-pub fn held_states(l: usize, state_bytes: usize) -> usize {
+pub(crate) fn held_states(l: usize, state_bytes: usize) -> usize {
     let bl = state_block_len(l, state_bytes);
     l.div_ceil(bl) + bl
 }
@@ -55,7 +55,7 @@ pub fn held_states(l: usize, state_bytes: usize) -> usize {
 /// token of every block of [`state_block_len`] tokens is appended to it, so
 /// there the two halves run as two calls around the copy.
 #[inline(always)]
-pub fn run_tokens<T: Copy>(
+pub(crate) fn run_tokens<T: Copy>(
     l: usize,
     s: &mut [T],
     checkpoints: Option<&mut Vec<T>>,
@@ -98,7 +98,7 @@ fn run_tokens_in_blocks<T: Copy>(
 /// the two conversions here, are in the [`Pairs`] layout of `pairs`; `ds`
 /// enters and leaves row-major. Memory: one block of states.
 #[inline(always)]
-pub fn reverse_blocks<T: Scalar>(
+pub(crate) fn reverse_blocks<T: Scalar>(
     l: usize,
     pairs: Pairs,
     checkpoints: &[T],
@@ -124,8 +124,8 @@ fn reverse_blocks_of<T: Scalar>(
     let kv = pairs.len();
     // Each block's states are written (the checkpoint, then the replays)
     // before its sweeps read them.
-    let mut prev = crate::scratch::overwritten(bl * kv);
-    let mut ds_pairs = crate::scratch::zeros(kv);
+    let mut prev = crate::fast::scratch::overwritten(bl * kv);
+    let mut ds_pairs = crate::fast::scratch::zeros(kv);
     pairs.pack(ds, &mut ds_pairs);
     for (blk, start) in (0..l).step_by(bl).enumerate().rev() {
         let end = (start + bl).min(l);
@@ -148,7 +148,7 @@ fn reverse_blocks_of<T: Scalar>(
 /// AVX-512 register of `f64` and needs no shuffle, while each row keeps its
 /// own 4-lane sums (the order the bits come from).
 #[derive(Clone, Copy, Debug)]
-pub struct Pairs {
+pub(crate) struct Pairs {
     pub k: usize,
     pub v: usize,
 }
@@ -156,7 +156,7 @@ pub struct Pairs {
 /// Rows `row .. row + rows` of a [`Pairs`] state (`rows` is 2, or 1 for an
 /// odd last row): `rows · V` values from `row · V`.
 #[derive(Clone, Copy, Debug)]
-pub struct Group {
+pub(crate) struct Group {
     pub row: usize,
     pub rows: usize,
 }
@@ -164,23 +164,19 @@ pub struct Group {
 impl Group {
     /// The group's values in a [`Pairs`] state of `v` columns.
     #[inline(always)]
-    pub fn range(&self, v: usize) -> std::ops::Range<usize> {
+    pub(crate) fn range(&self, v: usize) -> std::ops::Range<usize> {
         self.row * v..(self.row + self.rows) * v
     }
 }
 
 impl Pairs {
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.k * self.v
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The row groups in row order.
     #[inline(always)]
-    pub fn groups(&self) -> impl Iterator<Item = Group> {
+    pub(crate) fn groups(&self) -> impl Iterator<Item = Group> {
         let k = self.k;
         (0..k.div_ceil(2)).map(move |p| Group {
             row: 2 * p,
@@ -190,7 +186,7 @@ impl Pairs {
 
     /// Row-major `src` into this layout.
     #[inline(always)]
-    pub fn pack<T: Copy>(&self, src: &[T], dst: &mut [T]) {
+    pub(crate) fn pack<T: Copy>(&self, src: &[T], dst: &mut [T]) {
         for g in self.groups() {
             let rows = &src[g.range(self.v)];
             let group = &mut dst[g.range(self.v)];
@@ -202,7 +198,7 @@ impl Pairs {
 
     /// This layout back to row-major.
     #[inline(always)]
-    pub fn unpack<T: Copy>(&self, src: &[T], dst: &mut [T]) {
+    pub(crate) fn unpack<T: Copy>(&self, src: &[T], dst: &mut [T]) {
         for g in self.groups() {
             let group = &src[g.range(self.v)];
             let rows = &mut dst[g.range(self.v)];
@@ -231,7 +227,7 @@ impl Pairs {
 }
 
 /// A `[K, V]` view as a row-major vector.
-pub fn state<T: Scalar>(a: ArrayView2<T>) -> Vec<T> {
+pub(crate) fn state<T: Scalar>(a: ArrayView2<T>) -> Vec<T> {
     a.as_standard_layout()
         .into_owned()
         .into_raw_vec_and_offset()
@@ -243,7 +239,7 @@ pub fn state<T: Scalar>(a: ArrayView2<T>) -> Vec<T> {
 /// tensors (the backward walks them in reverse), where the hardware
 /// prefetchers do not follow.
 #[inline(always)]
-pub fn prefetch<T>(a: &[T]) {
+pub(crate) fn prefetch<T>(a: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -262,7 +258,7 @@ pub fn prefetch<T>(a: &[T]) {
 /// `a` where its rows are contiguous (a head's rows of a `[B, T, heads, D]`
 /// tensor, strided by the other heads), else a row-major copy: what
 /// [`row`] reads.
-pub fn contiguous_rows<T: Clone>(a: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
+pub(crate) fn contiguous_rows<T: Clone>(a: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
     if a.ncols() <= 1 || a.strides()[1] == 1 {
         CowArray::from(a)
     } else {
@@ -273,13 +269,13 @@ pub fn contiguous_rows<T: Clone>(a: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
 /// Row `t` of a `[rows, cols]` array whose rows are contiguous (row-major,
 /// or rows of a larger row-major tensor).
 #[inline(always)]
-pub fn row<T, S: Data<Elem = T>>(a: &ArrayBase<S, Ix2>, t: usize) -> &[T] {
+pub(crate) fn row<T, S: Data<Elem = T>>(a: &ArrayBase<S, Ix2>, t: usize) -> &[T] {
     a.row(t).to_slice().expect("contiguous rows")
 }
 
 /// Row `t` of an array with contiguous rows, mutable.
 #[inline(always)]
-pub fn row_mut<T, S: DataMut<Elem = T>>(a: &mut ArrayBase<S, Ix2>, t: usize) -> &mut [T] {
+pub(crate) fn row_mut<T, S: DataMut<Elem = T>>(a: &mut ArrayBase<S, Ix2>, t: usize) -> &mut [T] {
     a.row_mut(t).into_slice().expect("contiguous rows")
 }
 
@@ -287,7 +283,7 @@ pub fn row_mut<T, S: DataMut<Elem = T>>(a: &mut ArrayBase<S, Ix2>, t: usize) -> 
 /// l] = x[4c + l]`): a `[V]` vector as it meets a [`Pairs`] row pair, so that
 /// a pair's chunk and the vector's chunk load alike.
 #[inline(always)]
-pub fn spread<T: Copy>(x: &[T], out: &mut [T]) {
+pub(crate) fn spread<T: Copy>(x: &[T], out: &mut [T]) {
     for (o, q) in out.chunks_exact_mut(8).zip(x.chunks_exact(4)) {
         o[..4].copy_from_slice(q);
         o[4..].copy_from_slice(q);
@@ -298,13 +294,13 @@ pub fn spread<T: Copy>(x: &[T], out: &mut [T]) {
 /// chunk one array, each slice cut to the loop's length) so that no index in
 /// the loop is checked.
 #[inline(always)]
-pub fn chunks<T, const N: usize>(a: &[T], n: usize) -> &[[T; N]] {
+pub(crate) fn chunks<T, const N: usize>(a: &[T], n: usize) -> &[[T; N]] {
     &a.as_chunks::<N>().0[..n]
 }
 
 /// [`chunks`], mutable.
 #[inline(always)]
-pub fn chunks_mut<T, const N: usize>(a: &mut [T], n: usize) -> &mut [[T; N]] {
+pub(crate) fn chunks_mut<T, const N: usize>(a: &mut [T], n: usize) -> &mut [[T; N]] {
     &mut a.as_chunks_mut::<N>().0[..n]
 }
 

@@ -19,19 +19,19 @@ use ndarray::ArrayView2;
 use crate::scalar::Scalar;
 
 /// The largest buffer kept for reuse, in bytes.
-pub const MAX_KEPT: usize = 4 << 20;
+pub(crate) const MAX_KEPT: usize = 4 << 20;
 /// Buffers kept per thread at most.
-pub const KEPT: usize = 8;
+pub(crate) const KEPT: usize = 8;
 
 thread_local! {
     static POOL: RefCell<Vec<Box<dyn Any>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A `Vec<T>` taken from this thread's pool, given back when dropped.
-pub struct Scratch<T: 'static>(Vec<T>);
+pub(crate) struct Scratch<T: 'static>(Vec<T>);
 
 /// A buffer of `len` zeros, reusing a kept one when one is large enough.
-pub fn zeros<T: Scalar>(len: usize) -> Scratch<T> {
+pub(crate) fn zeros<T: Scalar>(len: usize) -> Scratch<T> {
     match kept::<T>(len) {
         Some(mut v) => {
             v.clear();
@@ -46,7 +46,7 @@ pub fn zeros<T: Scalar>(len: usize) -> Scratch<T> {
 /// any: a kept buffer keeps what it last held (initialised values, never
 /// read here; zeros past its old length), which saves clearing megabytes
 /// that are about to be overwritten.
-pub fn overwritten<T: Scalar>(len: usize) -> Scratch<T> {
+pub(crate) fn overwritten<T: Scalar>(len: usize) -> Scratch<T> {
     match kept::<T>(len) {
         Some(mut v) => {
             v.truncate(len);
@@ -65,7 +65,7 @@ fn fresh<T: Scalar>(len: usize) -> Vec<T> {
 }
 
 /// An empty buffer with room for `cap` values.
-pub fn with_capacity<T: Scalar>(cap: usize) -> Scratch<T> {
+pub(crate) fn with_capacity<T: Scalar>(cap: usize) -> Scratch<T> {
     let mut v = kept::<T>(cap).unwrap_or_else(|| Vec::with_capacity(cap));
     v.clear();
     Scratch(v)
@@ -118,22 +118,15 @@ impl<T> DerefMut for Scratch<T> {
 }
 
 /// A row-major `[rows, cols]` matrix in a [`Scratch`] buffer.
-pub struct Rows<T: 'static> {
+pub(crate) struct Rows<T: 'static> {
     data: Scratch<T>,
     cols: usize,
 }
 
 impl<T: Scalar> Rows<T> {
-    pub fn zeros(rows: usize, cols: usize) -> Self {
-        Rows {
-            data: zeros(rows * cols),
-            cols,
-        }
-    }
-
     /// A matrix whose every row the caller writes before reading it
     /// ([`overwritten`]).
-    pub fn overwritten(rows: usize, cols: usize) -> Self {
+    pub(crate) fn overwritten(rows: usize, cols: usize) -> Self {
         Rows {
             data: overwritten(rows * cols),
             cols,
@@ -141,24 +134,24 @@ impl<T: Scalar> Rows<T> {
     }
 
     /// `e^a` of each element of `a [rows, cols]` (rows contiguous, see
-    /// [`crate::sweep::row`]), with libm's bits ([`Scalar::exp_into`]).
+    /// [`crate::fast::sweep::row`]), with libm's bits ([`Scalar::exp_into`]).
     #[inline(always)]
-    pub fn exp(a: ArrayView2<'_, T>) -> Self {
+    pub(crate) fn exp(a: ArrayView2<'_, T>) -> Self {
         let (rows, cols) = a.dim();
         let mut out = Self::overwritten(rows, cols);
         for t in 0..rows {
-            T::exp_into(crate::sweep::row(&a, t), out.row_mut(t));
+            T::exp_into(crate::fast::sweep::row(&a, t), out.row_mut(t));
         }
         out
     }
 
     #[inline(always)]
-    pub fn row(&self, t: usize) -> &[T] {
+    pub(crate) fn row(&self, t: usize) -> &[T] {
         &self.data[t * self.cols..(t + 1) * self.cols]
     }
 
     #[inline(always)]
-    pub fn row_mut(&mut self, t: usize) -> &mut [T] {
+    pub(crate) fn row_mut(&mut self, t: usize) -> &mut [T] {
         &mut self.data[t * self.cols..(t + 1) * self.cols]
     }
 }

@@ -19,20 +19,20 @@ use std::ops::Range;
 
 use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
-use crate::gemm;
+use crate::fast::gemm;
+use crate::fast::tri;
 use crate::scalar::Scalar;
-use crate::tri;
 
 /// `x [m, n] · y [n, p]`, returned.
-pub type Dot<T> = fn(ArrayView2<T>, ArrayView2<T>) -> Array2<T>;
+pub(crate) type Dot<T> = fn(ArrayView2<T>, ArrayView2<T>) -> Array2<T>;
 /// `out [m, p] += x [m, n] · y [n, p]`.
-pub type DotAdd<T> = fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>);
+pub(crate) type DotAdd<T> = fn(ArrayView2<T>, ArrayView2<T>, ArrayViewMut2<T>);
 
 /// The products a block's backward takes of a pair gradient `dA`:
 /// `(dA·x, out += dA·x, dAᵀ·x, out += dAᵀ·x)`. On the diagonal `dA` is
-/// lower triangular and they are [`crate::tri`]'s blocked products; below
+/// lower triangular and they are [`crate::fast::tri`]'s blocked products; below
 /// it `dA` is full and they are plain ones.
-pub fn grad_products<T: Scalar>(diagonal: bool) -> (Dot<T>, DotAdd<T>, Dot<T>, DotAdd<T>) {
+pub(crate) fn grad_products<T: Scalar>(diagonal: bool) -> (Dot<T>, DotAdd<T>, Dot<T>, DotAdd<T>) {
     if diagonal {
         (
             tri::lower_dot,
@@ -52,7 +52,7 @@ pub fn grad_products<T: Scalar>(diagonal: bool) -> (Dot<T>, DotAdd<T>, Dot<T>, D
 
 /// One block of a split chunk's pairs.
 #[derive(Clone, Debug)]
-pub enum Block<F> {
+pub(crate) enum Block<F> {
     /// Rows `rows` against themselves, through the middle row's factors
     /// `F` (their lower triangle is used).
     Diagonal { rows: Range<usize>, factors: F },
@@ -69,7 +69,7 @@ pub enum Block<F> {
 /// half after the split below the half before. A single row always fits
 /// (its one pair is `exp(0)`), which ends the splitting: `diagonal` must
 /// return `Some` for one row.
-pub fn split<F>(
+pub(crate) fn split<F>(
     rows: Range<usize>,
     diagonal: &mut impl FnMut(Range<usize>) -> Option<F>,
 ) -> Vec<Block<F>> {

@@ -9,14 +9,14 @@ use std::borrow::Cow;
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2};
 
+use crate::fast::simd;
+use crate::fast::stagger;
 use crate::scalar::Scalar;
-use crate::simd;
-use crate::stagger;
 
 /// The elements of `a` in row-major order: borrowed when `a` is in standard
 /// layout (the arrays the engines build, whole rows of them), else copied
 /// (a caller's inputs may be strided).
-pub fn flat<'a, T: Clone>(a: ArrayView2<'a, T>) -> Cow<'a, [T]> {
+pub(crate) fn flat<'a, T: Clone>(a: ArrayView2<'a, T>) -> Cow<'a, [T]> {
     match a.to_slice() {
         Some(s) => Cow::Borrowed(s),
         None => Cow::Owned(a.iter().cloned().collect()),
@@ -25,7 +25,7 @@ pub fn flat<'a, T: Clone>(a: ArrayView2<'a, T>) -> Cow<'a, [T]> {
 
 /// The elements of an owned array in row-major order, for writing (`a` is
 /// first moved to standard layout if it is not).
-pub fn flat_mut<T: Clone>(a: &mut Array2<T>) -> &mut [T] {
+pub(crate) fn flat_mut<T: Clone>(a: &mut Array2<T>) -> &mut [T] {
     if !a.is_standard_layout() {
         *a = a.as_standard_layout().into_owned();
     }
@@ -34,7 +34,7 @@ pub fn flat_mut<T: Clone>(a: &mut Array2<T>) -> &mut [T] {
 
 /// `f(a, b)` element by element for same-shape `a`, `b`: one pass, compiled
 /// for the CPU's widest vectors ([`simd::dispatch`]; `f` is inlined into it).
-pub fn zip_map<T: Scalar>(
+pub(crate) fn zip_map<T: Scalar>(
     a: ArrayView2<T>,
     b: ArrayView2<T>,
     f: impl Fn(T, T) -> T + Copy,
@@ -53,7 +53,11 @@ pub fn zip_map<T: Scalar>(
 }
 
 /// `a ← f(a, b)` element by element for same-shape `a`, `b` (as [`zip_map`]).
-pub fn zip_update<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>, f: impl Fn(T, T) -> T + Copy) {
+pub(crate) fn zip_update<T: Scalar>(
+    a: &mut Array2<T>,
+    b: ArrayView2<T>,
+    f: impl Fn(T, T) -> T + Copy,
+) {
     assert_eq!(a.dim(), b.dim(), "zip_update: operands of different shapes");
     let ys = flat(b);
     let xs = flat_mut(a);
@@ -68,14 +72,14 @@ pub fn zip_update<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>, f: impl Fn(T, 
 }
 
 /// `a ← a + b` element by element for same-shape `a`, `b` (as [`zip_map`]).
-pub fn add_assign<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>) {
+pub(crate) fn add_assign<T: Scalar>(a: &mut Array2<T>, b: ArrayView2<T>) {
     zip_update(a, b, |a, b| a + b);
 }
 
 /// A `[rows, cols]` array written a block of rows at a time, in order: each
 /// element written once, with no zero fill and no second pass (the chunked
 /// engines' per-token results and per-chunk states).
-pub struct RowStack<T> {
+pub(crate) struct RowStack<T> {
     data: Vec<T>,
     rows: usize,
     cols: usize,
@@ -83,7 +87,7 @@ pub struct RowStack<T> {
 
 impl<T: Clone> RowStack<T> {
     /// Room for `rows` rows of `cols`.
-    pub fn new(rows: usize, cols: usize) -> Self {
+    pub(crate) fn new(rows: usize, cols: usize) -> Self {
         RowStack {
             data: Vec::with_capacity(rows * cols),
             rows: 0,
@@ -92,7 +96,7 @@ impl<T: Clone> RowStack<T> {
     }
 
     /// Appends the rows of `a` `[r, cols]`.
-    pub fn push(&mut self, a: ArrayView2<T>) {
+    pub(crate) fn push(&mut self, a: ArrayView2<T>) {
         assert_eq!(a.ncols(), self.cols, "RowStack: rows of another width");
         match a.to_slice() {
             Some(s) => self.data.extend_from_slice(s),
@@ -102,12 +106,12 @@ impl<T: Clone> RowStack<T> {
     }
 
     /// The rows pushed, `[rows, cols]`.
-    pub fn into_rows(self) -> Array2<T> {
+    pub(crate) fn into_rows(self) -> Array2<T> {
         Array2::from_shape_vec((self.rows, self.cols), self.data).expect("whole rows")
     }
 
     /// The rows pushed as blocks of `k` rows, `[rows / k, k, cols]`.
-    pub fn into_blocks(self, k: usize) -> Array3<T> {
+    pub(crate) fn into_blocks(self, k: usize) -> Array3<T> {
         let blocks = self.rows.checked_div(k).unwrap_or(0);
         Array3::from_shape_vec((blocks, k, self.cols), self.data).expect("whole blocks")
     }
@@ -116,14 +120,14 @@ impl<T: Clone> RowStack<T> {
 /// `1 / x` of each element (one pass at the CPU's vector width): with `x =
 /// exp(d)`, `exp(−d)` within an ulp and a division instead of an
 /// exponential.
-pub fn reciprocals<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
+pub(crate) fn reciprocals<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
     zip_map(x, x, |x, _| T::one() / x)
 }
 
 /// `exp` of each element of `x` in place, at the CPU's vector width
 /// ([`Scalar::exp_bounded`], within an ulp); every `|x|` must be at most
 /// [`crate::scalar::exp_bound`]; NaN stays NaN.
-pub fn exps_bounded<T: Scalar>(x: &mut Array2<T>) {
+pub(crate) fn exps_bounded<T: Scalar>(x: &mut Array2<T>) {
     let x = flat_mut(x);
     let bound = crate::scalar::exp_bound::<T>();
     debug_assert!(
@@ -138,7 +142,7 @@ pub fn exps_bounded<T: Scalar>(x: &mut Array2<T>) {
 
 /// `exp` of each element of `x` (any range) with libm's bits
 /// ([`Scalar::exp_into`]: vectorised in `f64`), in a new array.
-pub fn exps<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
+pub(crate) fn exps<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
     let src = flat(x);
     let mut out = Array2::zeros(x.raw_dim());
     let dst = flat_mut(&mut out);
@@ -150,7 +154,7 @@ pub fn exps<T: Scalar>(x: ArrayView2<T>) -> Array2<T> {
 }
 
 /// `x ⊙ f` for each pair `(x, f)` of same-shape arrays.
-pub fn products<T: Scalar, const N: usize>(
+pub(crate) fn products<T: Scalar, const N: usize>(
     pairs: [(ArrayView2<T>, ArrayView2<T>); N],
 ) -> [Array2<T>; N] {
     pairs.map(|(x, f)| zip_map(x, f, |x, f| x * f))
@@ -158,7 +162,7 @@ pub fn products<T: Scalar, const N: usize>(
 
 /// `s ← ((s ⊙ e) + x₁) + x₂ …` for `s`, `xᵢ` `[K, V]` and `e [K]` (one decay
 /// per row): a state carried over one chunk.
-pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T>]) {
+pub(crate) fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T>]) {
     let vd = s.ncols();
     let terms: Vec<_> = terms.iter().map(|x| flat(x.view())).collect();
     let s = flat_mut(s);
@@ -179,23 +183,23 @@ pub fn decay_add<T: Scalar>(s: &mut Array2<T>, e: &Array1<T>, terms: &[&Array2<T
 
 /// `s ← (s ⊙ e) + a₁ b₁ + a₂ b₂ …` for `s [K, V]`, `e [K]` (one decay per
 /// row) and `aᵢ [K, nᵢ]`, `bᵢ [nᵢ, V]`: each element's sum goes on from its
-/// decayed value through every product's terms ([`crate::gemm::dot_add`]),
+/// decayed value through every product's terms ([`crate::fast::gemm::dot_add`]),
 /// with no separate product to store and add.
-pub fn decay_add_products<T: Scalar>(
+pub(crate) fn decay_add_products<T: Scalar>(
     s: &mut Array2<T>,
     e: &Array1<T>,
     products: &[(ArrayView2<T>, ArrayView2<T>)],
 ) {
     decay_add(s, e, &[]);
     for (a, b) in products {
-        crate::gemm::dot_add(a.view(), b.view(), s.view_mut());
+        crate::fast::gemm::dot_add(a.view(), b.view(), s.view_mut());
     }
 }
 
 /// Cumulative sum down the rows of `g [c, K]`, in place: row `r` becomes
 /// `row_r + row_{r−1}` (already summed), column by column in order (Γ from
 /// the per-token log-decays).
-pub fn cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
+pub(crate) fn cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
     let (c, kd) = g.dim();
     let data = flat_mut(g);
     simd::dispatch(
@@ -213,7 +217,7 @@ pub fn cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
 
 /// Reverse cumulative sum down the rows of `g [c, K]`, in place: the
 /// gradient of an in-chunk cumulative sum (`Γ_r = Σ_{i≤r} g_i`).
-pub fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
+pub(crate) fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
     let (c, kd) = g.dim();
     let data = flat_mut(g);
     simd::dispatch(
@@ -232,14 +236,14 @@ pub fn reverse_cumsum_rows<T: Scalar>(g: &mut Array2<T>) {
 /// `exp(x)` of each `x`, when every result is a normal number (`None`
 /// otherwise): the per-column factors of [`scale_columns`], which must not
 /// underflow where the direct exponentials would not.
-pub fn normal_exps<T: Scalar>(x: impl Iterator<Item = T>) -> Option<Vec<T>> {
+pub(crate) fn normal_exps<T: Scalar>(x: impl Iterator<Item = T>) -> Option<Vec<T>> {
     let e: Vec<T> = x.map(|x| x.exp()).collect();
     e.iter().all(|&v| v >= T::min_positive_value()).then_some(e)
 }
 
 /// Row `m = c / 2` of `Γ [c, K]`: the row both chunked engines' decay
 /// factors `exp(Γ − Γ_m)`, `exp(Γ_m − Γ)` go through.
-pub fn mid_row<T>(g: &Array2<T>) -> ArrayView1<'_, T> {
+pub(crate) fn mid_row<T>(g: &Array2<T>) -> ArrayView1<'_, T> {
     g.row(g.nrows() / 2)
 }
 
@@ -247,7 +251,11 @@ pub fn mid_row<T>(g: &Array2<T>) -> ArrayView1<'_, T> {
 /// or `None` when an element's magnitude exceeds `limit` (NaN does not).
 /// Two passes that vectorise, where `x − g_m` broadcast by `ndarray` and an
 /// early-exit search did not.
-pub fn minus_mid_row<T: Scalar>(g: &Array2<T>, x: &Array2<T>, limit: f64) -> Option<Array2<T>> {
+pub(crate) fn minus_mid_row<T: Scalar>(
+    g: &Array2<T>,
+    x: &Array2<T>,
+    limit: f64,
+) -> Option<Array2<T>> {
     assert_eq!(
         g.dim(),
         x.dim(),
@@ -273,7 +281,7 @@ pub fn minus_mid_row<T: Scalar>(g: &Array2<T>, x: &Array2<T>, limit: f64) -> Opt
 }
 
 /// `exp` of the last row of `g [c, K]` (`exp(Γ_last)`), `[K]`.
-pub fn exps_of_last_row<T: Scalar>(g: &Array2<T>) -> Array1<T> {
+pub(crate) fn exps_of_last_row<T: Scalar>(g: &Array2<T>) -> Array1<T> {
     g.row(g.nrows() - 1).mapv(|v| v.exp())
 }
 
@@ -281,7 +289,7 @@ pub fn exps_of_last_row<T: Scalar>(g: &Array2<T>) -> Array1<T> {
 /// and the last row of `g [c, K]`: the per-column factors that
 /// [`scale_columns`] turns `exp(Γ − Γ_m)` and `exp(Γ_m − Γ)` into `exp(Γ)`
 /// and `exp(Γ_last − Γ)` with. `None` unless every one is normal.
-pub fn mid_row_exps<T: Scalar>(g: &Array2<T>) -> Option<(Vec<T>, Vec<T>)> {
+pub(crate) fn mid_row_exps<T: Scalar>(g: &Array2<T>) -> Option<(Vec<T>, Vec<T>)> {
     let (mid, last) = (mid_row(g), g.row(g.nrows() - 1));
     let e_mid = normal_exps(mid.iter().copied())?;
     let e_last = normal_exps(last.iter().zip(&mid).map(|(&l, &m)| l - m))?;
@@ -292,7 +300,7 @@ pub fn mid_row_exps<T: Scalar>(g: &Array2<T>) -> Option<(Vec<T>, Vec<T>)> {
 /// exponential from its factor through a chunk's middle row `m`, e.g.
 /// `exp(Γ) = exp(Γ − Γ_m)·exp(Γ_m)` (within an ulp of the direct one), which
 /// costs `K` exponentials per chunk instead of `c·K`.
-pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
+pub(crate) fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
     assert_eq!(f.ncols(), e.len(), "scale_columns: one factor per column");
     let xs = flat(f.view());
     let o = simd::dispatch(
@@ -311,7 +319,11 @@ pub fn scale_columns<T: Scalar>(f: &Array2<T>, e: &[T]) -> Array2<T> {
 /// `x ⊙ scale_columns(f, e)` in one pass: `x[r, c]·(f[r, c]·e[c])`, the
 /// same operations as forming the scaled `f` first (`x`, `f` `[R, C]`,
 /// `e [C]`).
-pub fn times_scaled_columns<T: Scalar>(x: ArrayView2<T>, f: &Array2<T>, e: &[T]) -> Array2<T> {
+pub(crate) fn times_scaled_columns<T: Scalar>(
+    x: ArrayView2<T>,
+    f: &Array2<T>,
+    e: &[T],
+) -> Array2<T> {
     assert_eq!(
         x.dim(),
         f.dim(),
@@ -338,7 +350,7 @@ pub fn times_scaled_columns<T: Scalar>(x: ArrayView2<T>, f: &Array2<T>, e: &[T])
 }
 
 /// `f[r, c] · e[r]`: each row of `f [R, C]` scaled by its factor `e [R]`.
-pub fn scale_rows<T: Scalar>(f: ArrayView2<T>, e: &[T]) -> Array2<T> {
+pub(crate) fn scale_rows<T: Scalar>(f: ArrayView2<T>, e: &[T]) -> Array2<T> {
     assert_eq!(f.nrows(), e.len(), "scale_rows: one factor per row");
     let xs = flat(f);
     let o = simd::dispatch(

@@ -4,16 +4,16 @@
 //! engine's code performs (a mul+add pair is 2 ops; exponentials, divisions
 //! and square roots are not counted), for the forward and for what the
 //! backward adds to it in one forward+backward run
-//! ([`crate::op::forward_backward`], which `deltaref verify` and `bench`
+//! ([`deltaref::op::forward_backward`], which `deltaref verify` and `bench`
 //! use). Only the terms that grow with the
 //! problem are kept: `K·V` per token for the naive forms; `C·K·V`, `C²·K`,
 //! `C²·V`, `C³` and the larger `K·V` and `C·K` terms per chunk of `C` tokens
 //! for the chunked forms; a matrix product `[m, n]·[n, p]` is `2·m·n·p`.
 //! Gates, norms and `O(K + V)` work per token are left out. The test
-//! `reference/tests/op_count.rs` checks these against engines run on a scalar
+//! `verify/tests/op_count.rs` checks these against engines run on a scalar
 //! that counts its own operations.
 
-use crate::tri;
+use deltaref::throughput::{triangular_fraction, triangular_fraction_both, unfused_dot};
 
 /// Operations of forward and backward.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -63,9 +63,10 @@ pub fn dplr_naive(k: usize, v: usize) -> OpCount {
 /// Chunked KDA, per chunk of `c` tokens and head.
 ///
 /// Products with a triangular `[C, C]` factor, or of which only the lower
-/// triangle is used, skip the blocks above the diagonal ([`crate::tri`]):
-/// `f =` [`tri::fraction`]`(C)` of the full product's work (5/8 at C = 64),
-/// `f2 =` [`tri::fraction_both`]`(C)` when both factors are triangular.
+/// triangle is used, skip the blocks above the diagonal: `f =`
+/// [`triangular_fraction`]`(C)` of the full product's work (5/8 at C = 64),
+/// `f2 =` [`triangular_fraction_both`]`(C)` when both factors are
+/// triangular.
 ///
 /// Forward: intra (`Aqk` and the `k kᵀ` block: 4C²K·f; `(I + L)^{-1}` by
 /// substitution: C³/3; `w`: 2C²K·f; `u`: 2C²V·f; nine element-wise `[C, K]`
@@ -76,7 +77,7 @@ pub fn dplr_naive(k: usize, v: usize) -> OpCount {
 /// gradients (12C²K·f), `dL` through the inverse (2C³·f + 2C³·f2), about
 /// 30 element-wise `[C, K]` ops and five `[K, V]` ops.
 pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
-    let (f, f2) = (tri::fraction(c), tri::fraction_both(c));
+    let (f, f2) = (triangular_fraction(c), triangular_fraction_both(c));
     let (c, k, v) = (c as f64, k as f64, v as f64);
     let forward = 6.0 * c * c * k * f
         + c * c * c
@@ -106,7 +107,7 @@ pub fn kda_chunk(c: usize, k: usize, v: usize) -> OpCount {
 /// (18C²V·f), ten `C²K` products (20C²K·f), `dAab` through the inverse
 /// (2C³·f + 2C³·f2), about 40 element-wise `[C, K]` ops and four `[K, V]` ops.
 pub fn dplr_chunk(c: usize, k: usize, v: usize) -> OpCount {
-    let (f, f2) = (tri::fraction(c), tri::fraction_both(c));
+    let (f, f2) = (triangular_fraction(c), triangular_fraction_both(c));
     let (c, k, v) = (c as f64, k as f64, v as f64);
     let forward = 10.0 * c * c * k * f
         + c * c * c
@@ -129,10 +130,10 @@ pub fn dplr_chunk(c: usize, k: usize, v: usize) -> OpCount {
 /// operands (16 KiB each) stay in L1.
 const PEAK_SHAPE: (usize, usize, usize) = (64, 32, 64);
 
-/// `iters` products of [`PEAK_SHAPE`] by [`crate::gemm`]'s blocking with a
-/// separate multiply and add per term ([`crate::gemm::dot_unfused`]: the
-/// engines' products fuse them), at the vector width
-/// [`crate::simd::dispatch`] gives the engines. It keeps more sums in
+/// `iters` products of [`PEAK_SHAPE`] by the engines' product kernel with a
+/// separate multiply and add per term ([`unfused_dot`]: the engines'
+/// products fuse them), at the vector width the engines run at. It keeps
+/// more sums in
 /// flight than a chain of `x = x·m + a` can (measured here: 88 against 117
 /// GFLOP/s per core with AVX-512), so it finds the mul+add pipes' limit
 /// rather than their latency.
@@ -142,7 +143,7 @@ fn products(iters: u64) -> f64 {
     let b = ndarray::Array2::from_shape_fn((p, n), |(i, j)| 1.0 - (i * n + j) as f64 * 1e-4);
     let mut sum = 0.0;
     for _ in 0..iters {
-        sum += crate::gemm::dot_unfused(std::hint::black_box(a.view()), b.view())[[0, 0]];
+        sum += unfused_dot(std::hint::black_box(a.view()), b.view())[[0, 0]];
     }
     sum
 }
@@ -151,7 +152,7 @@ fn products(iters: u64) -> f64 {
 pub fn peak_description() -> String {
     format!(
         "f64 mul+add without FMA: {} product kernel on L1 operands, {} threads",
-        crate::simd::width().name(),
+        deltaref::throughput::vector_width(),
         rayon::current_num_threads()
     )
 }

@@ -11,23 +11,23 @@
 
 use ndarray::{s, Array2, ArrayView2, ArrayViewMut2};
 
-use crate::gemm;
+use crate::fast::gemm;
 use crate::scalar::Scalar;
 
 /// Rows per block. 16 is FLA's sub-chunk and keeps the blocks large enough
 /// for the matrix-product kernel (4 blocks at C = 64).
-pub const BLOCK: usize = 16;
+pub(crate) const BLOCK: usize = 16;
 
 /// Work of a blocked triangular product relative to the full product, for
 /// `c` rows: `(nb + 1) / (2 nb)` with `nb = ⌈c / BLOCK⌉` blocks.
-pub fn fraction(c: usize) -> f64 {
+pub(crate) fn fraction(c: usize) -> f64 {
     let nb = c.div_ceil(BLOCK) as f64;
     (nb + 1.0) / (2.0 * nb)
 }
 
 /// Work of [`dot_t_lower`] with `b_lower` relative to the full product:
 /// `Σ i² / nb³` over the blocks `i = 1..=nb`, `(nb+1)(2nb+1) / (6nb²)`.
-pub fn fraction_both(c: usize) -> f64 {
+pub(crate) fn fraction_both(c: usize) -> f64 {
     let nb = c.div_ceil(BLOCK) as f64;
     (nb + 1.0) * (2.0 * nb + 1.0) / (6.0 * nb * nb)
 }
@@ -42,13 +42,13 @@ fn blocks(c: usize) -> impl Iterator<Item = (usize, usize)> {
 /// `a b` for a lower triangular `a [C, C]` (zeros above the diagonal) and
 /// `b [C, N]`: row block `r0..r1` reads `a`'s columns `..r1` only.
 /// Returns `[C, N]`.
-pub fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
+pub(crate) fn lower_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
     gemm::stacked(b.ncols(), &lower_parts(a, b))
 }
 
 /// `out ← out + a b` ([`lower_dot`]'s product added as [`gemm::dot_add`]
 /// adds: each sum goes on from `out`'s element). `out` is `[C, N]`.
-pub fn lower_dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+pub(crate) fn lower_dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
     gemm::stacked_add(&lower_parts(a, b), out)
 }
 
@@ -65,13 +65,17 @@ fn lower_parts<'a, T: Scalar>(
 /// `aᵀ b` for a lower triangular `a [C, C]` and `b [C, N]`: row block
 /// `r0..r1` of the result reads rows `r0..` of `a` and `b` only.
 /// Returns `[C, N]`.
-pub fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
+pub(crate) fn lower_t_dot<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>) -> Array2<T> {
     gemm::stacked(b.ncols(), &lower_t_parts(a, b))
 }
 
 /// `out ← out + aᵀ b` ([`lower_t_dot`]'s product added as
 /// [`gemm::dot_add`] adds). `out` is `[C, N]`.
-pub fn lower_t_dot_add<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, out: ArrayViewMut2<T>) {
+pub(crate) fn lower_t_dot_add<T: Scalar>(
+    a: ArrayView2<T>,
+    b: ArrayView2<T>,
+    out: ArrayViewMut2<T>,
+) {
     gemm::stacked_add(&lower_t_parts(a, b), out)
 }
 
@@ -94,21 +98,25 @@ fn lower_t_parts<'a, T: Scalar>(
 /// the blocks above stay zero and the diagonal blocks are whole (the caller
 /// masks what it does not use). With `b_lower` (`b [C, C]` lower triangular)
 /// the sums stop at the block's end. Returns `[C, C]`.
-pub fn dot_t_lower<T: Scalar>(a: ArrayView2<T>, b: ArrayView2<T>, b_lower: bool) -> Array2<T> {
+pub(crate) fn dot_t_lower<T: Scalar>(
+    a: ArrayView2<T>,
+    b: ArrayView2<T>,
+    b_lower: bool,
+) -> Array2<T> {
     let [out] = dot_t_lower_each([a], b, b_lower);
     out
 }
 
 /// [`dot_t_lower`] of each `aᵢ` with one `b`, whose transpose is packed
 /// once for all. Returns `[C, C]` each.
-pub fn dot_t_lower_each<T: Scalar, const N: usize>(
+pub(crate) fn dot_t_lower_each<T: Scalar, const N: usize>(
     a: [ArrayView2<T>; N],
     b: ArrayView2<T>,
     b_lower: bool,
 ) -> [Array2<T>; N] {
     let bt = gemm::rows_contiguous(b.t());
     a.map(|a| {
-        let mut out = crate::stagger::zeros((a.nrows(), b.nrows()));
+        let mut out = crate::fast::stagger::zeros((a.nrows(), b.nrows()));
         lower_blocks_of(a, bt.view(), b_lower, out.view_mut(), gemm::dot_to);
         out
     })
@@ -117,7 +125,7 @@ pub fn dot_t_lower_each<T: Scalar, const N: usize>(
 /// `out ← out + a bᵀ` on the blocks [`dot_t_lower`] computes, each sum
 /// going on from `out`'s element ([`gemm::dot_add`]); the blocks above the
 /// diagonal are left as they are. `out` is `[C, C]`.
-pub fn dot_t_lower_add<T: Scalar>(
+pub(crate) fn dot_t_lower_add<T: Scalar>(
     a: ArrayView2<T>,
     b: ArrayView2<T>,
     b_lower: bool,
@@ -148,7 +156,7 @@ fn lower_blocks_of<T: Scalar>(
 
 /// `[a₁; a₂; …] b`: the products `aᵢ b` (`aᵢ [mᵢ, n]`, `b [n, p]`)
 /// stacked by rows, each with its own product's bits. Returns `[Σ mᵢ, p]`.
-pub fn stacked_dot<T: Scalar>(a: &[ArrayView2<T>], b: ArrayView2<T>) -> Array2<T> {
+pub(crate) fn stacked_dot<T: Scalar>(a: &[ArrayView2<T>], b: ArrayView2<T>) -> Array2<T> {
     let b = gemm::rows_contiguous(b);
     let parts: Vec<_> = a.iter().map(|x| (x.view(), b.view())).collect();
     gemm::stacked(b.ncols(), &parts)
@@ -157,17 +165,51 @@ pub fn stacked_dot<T: Scalar>(a: &[ArrayView2<T>], b: ArrayView2<T>) -> Array2<T
 /// Zeroes the strict upper triangle of `a [C, C]`, and the diagonal too
 /// unless `diagonal`: the part of a blocked product's diagonal blocks that
 /// the caller does not use.
-pub fn mask_lower<T: Scalar>(a: &mut Array2<T>, diagonal: bool) {
+pub(crate) fn mask_lower<T: Scalar>(a: &mut Array2<T>, diagonal: bool) {
     let n = a.ncols();
     if n == 0 {
         return;
     }
     // Rows of the flat data: slicing an ndarray row per row cost as much
     // as the product it masks at C = 32.
-    for (r, row) in crate::fused::flat_mut(a).chunks_exact_mut(n).enumerate() {
+    for (r, row) in crate::fast::fused::flat_mut(a)
+        .chunks_exact_mut(n)
+        .enumerate()
+    {
         let from = (r + usize::from(diagonal)).min(n);
         row[from..].fill(T::zero());
     }
+}
+
+/// `(I − L)^{-1}` of a strictly lower triangular `L [c, c]` given by
+/// `l(r, s)` (`s < r`), by forward substitution: row `r` of the result
+/// gains `l(r, s) ·` row `s` for each `s < r` with `l(r, s) ≠ 0`, as
+/// `y + l·x` in that order. Row `s` is zero beyond column `s` (and never
+/// `−0`), so only columns `..= s` are touched: the same bits as adding
+/// whole rows, without the copies. Returns the unit lower triangular `[c, c]`.
+pub(crate) fn unit_lower_inverse<T: Scalar>(c: usize, l: impl Fn(usize, usize) -> T) -> Array2<T> {
+    let mut n = crate::fast::stagger::zeros((c, c));
+    n.diag_mut().fill(T::one());
+    let data = n.as_slice_mut().expect("standard layout");
+    crate::fast::simd::dispatch(
+        #[inline(always)]
+        || {
+            for r in 1..c {
+                let (above, rest) = data.split_at_mut(r * c);
+                let row_r = &mut rest[..c];
+                for s in 0..r {
+                    let coef = l(r, s);
+                    if coef != T::zero() {
+                        let row_s = &above[s * c..s * c + s + 1];
+                        for (y, &x) in row_r.iter_mut().zip(row_s) {
+                            *y += coef * x;
+                        }
+                    }
+                }
+            }
+        },
+    );
+    n
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ const LINE: usize = 64;
 /// Different starting lines, used in turn: one pass's arrays (at most 21)
 /// then share a set at most two at a time, and the padding stays under
 /// 1 KiB per array.
-pub const COLOURS: usize = 16;
+pub(crate) const COLOURS: usize = 16;
 /// Arrays smaller than this many bytes are not staggered: they take a few
 /// lines of a set at most.
 const MIN_BYTES: usize = 1024;
@@ -36,7 +36,7 @@ thread_local! {
 /// stagger, none for a small array) and room for the `n` elements, which
 /// the caller pushes (or writes into the spare capacity) before
 /// [`array()`] makes the array of them.
-pub fn vec<T: Clone + Zero>(n: usize) -> Vec<T> {
+pub(crate) fn vec<T: Clone + Zero>(n: usize) -> Vec<T> {
     let size = std::mem::size_of::<T>();
     let pad = if n * size < MIN_BYTES {
         0
@@ -56,7 +56,7 @@ pub fn vec<T: Clone + Zero>(n: usize) -> Vec<T> {
 /// The array of `shape` (row-major) of the elements of `v` after its
 /// padding, for a `v` from [`vec()`] that has had all of them pushed. The
 /// padding stays in the allocation, before the array's data.
-pub fn array<T, D: Dimension>(v: Vec<T>, shape: D) -> Array<T, D> {
+pub(crate) fn array<T, D: Dimension>(v: Vec<T>, shape: D) -> Array<T, D> {
     let pad = v
         .len()
         .checked_sub(shape.size())
@@ -68,7 +68,7 @@ pub fn array<T, D: Dimension>(v: Vec<T>, shape: D) -> Array<T, D> {
 }
 
 /// A `[rows, cols]` array of zeros.
-pub fn zeros<T: Clone + Zero>(shape: (usize, usize)) -> Array2<T> {
+pub(crate) fn zeros<T: Clone + Zero>(shape: (usize, usize)) -> Array2<T> {
     let n = shape.0 * shape.1;
     let mut v = vec(n);
     v.resize(v.len() + n, T::zero());

@@ -1,7 +1,7 @@
 //! Naive forward+backward timings (issue 2 target: < 0.05 s each in f64 for
 //! B=1, T=1024, H=4, K=V=64 on a 2-core machine; FLA's PyTorch naive takes
 //! about 2.2 s (KDA) and 3.3 s (DPLR) for the same job).
-//! Run: `cargo bench -p deltaref --bench naive`.
+//! Run: `cargo bench -p deltaref-verify --bench naive`.
 
 mod common;
 

@@ -1,15 +1,15 @@
 //! Chunked vs naive forward+backward (one [`deltaref::op::forward_backward`]
 //! run each), f64, B=1 T=1024 H=4 at K=V=64, 128 and 256 and chunk sizes
 //! 16, 32 and 64 (issue 20: chunk at least as fast as naive), with the
-//! GFLOP/s of each ([`deltaref::ops`]'s counts) and its fraction of the
+//! GFLOP/s of each ([`deltaref_verify::bench::op_count`]'s counts) and its fraction of the
 //! measured no-FMA mul+add peak. Then the same tokens·heads as one
 //! (sequence, head) pair, T=4096 H=1: fewer pairs than threads, where the
 //! naive engines run on one thread and the chunked ones split the chunks
 //! and the state's value columns over all of them. Last, K=V=64 with steep
 //! decays (`g −10`: every log-decay rescaled to a mean of −10 a token),
 //! where a chunk of 64 is too wide for one pair of decay factors in f64 and
-//! splits into blocks ([`deltaref::decay_blocks`]).
-//! Run: `cargo bench -p deltaref --bench chunk` (`-- 64` for one K=V).
+//! splits into blocks (the chunked engines' decay blocks).
+//! Run: `cargo bench -p deltaref-verify --bench chunk` (`-- 64` for one K=V).
 
 mod common;
 
@@ -17,8 +17,8 @@ use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, Kda, KdaOptions};
 use deltaref::op::{self, Engine, Operator};
-use deltaref::ops::{self, OpCount};
-use deltaref::timing::Quartiles;
+use deltaref_verify::bench::op_count::{self as ops, OpCount};
+use deltaref_verify::bench::timing::Quartiles;
 use ndarray::ArrayD;
 
 use common::{MAX_ROUNDS, MIN_ROUNDS, ROUND_BUDGET_S};

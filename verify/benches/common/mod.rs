@@ -3,9 +3,9 @@
 use std::convert::Infallible;
 use std::time::Instant;
 
-use deltaref::timing::{self, Rounds};
+use deltaref_verify::bench::timing::{self, Rounds};
 
-// The `deltaref` binary's allocator (see verify/src/main.rs): with glibc's,
+// The `deltaref` binary's allocator (see verify/cli/src/main.rs): with glibc's,
 // page faults on the per-call buffers dominate the timings.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -15,7 +15,7 @@ extern "C" {
 }
 
 /// The `deltaref` binary's allocator setting (`tune_allocator` in
-/// verify/src/main.rs): freed memory goes back to the OS after 50 ms instead
+/// verify/cli/src/main.rs): freed memory goes back to the OS after 50 ms instead
 /// of mimalloc 3's default 1 s, which keeps the long cases' peak memory down.
 /// The benchmarks run under it so that their figures are the binary's; at
 /// the bench shape it costs both engines a few hundred page faults per call

@@ -1,4 +1,5 @@
-//! The op counts behind `deltaref bench`'s GFLOP/s ([`deltaref::ops`]),
+//! The op counts behind `deltaref bench`'s GFLOP/s
+//! ([`deltaref_verify::bench::op_count`]),
 //! checked against an independent count: the engines run on [`Counted`], a
 //! scalar that tallies every multiply, add and subtract it performs.
 
@@ -16,8 +17,8 @@ use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, KdaOptions};
 use deltaref::op;
-use deltaref::ops;
 use deltaref::scalar::Scalar;
+use deltaref_verify::bench::op_count as ops;
 use num_traits::{Float, FromPrimitive, Num, NumCast, One, ToPrimitive, Zero};
 
 /// Multiplies, adds and subtracts done by [`Counted`] values, all threads.
@@ -259,7 +260,7 @@ fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
     [kn, kc, dn, dc]
 }
 
-/// The formulas of [`deltaref::ops`] for the same runs.
+/// The formulas of [`deltaref_verify::bench::op_count`] for the same runs.
 fn formula(t: usize, kd: usize, vd: usize, c: usize) -> [f64; 4] {
     let tokens = |f: ops::OpCount| f.total() * t as f64;
     let chunks = |f: ops::OpCount| f.total() * (t / c) as f64;

@@ -36,9 +36,9 @@ const C5: f64 = f64::from_bits(0x3f81111167a4d017);
 const MAIN_TOP: std::ops::RangeInclusive<u64> = 0x3c9..=0x407;
 
 /// `dst[i] = src[i].exp()`, bit for bit, vectorised (see the module doc).
-/// Runs at the vector width of the caller ([`crate::simd::dispatch`]).
+/// Runs at the vector width of the caller ([`crate::fast::simd::dispatch`]).
 #[inline(always)]
-pub fn exp_into(src: &[f64], dst: &mut [f64]) {
+pub(crate) fn exp_into(src: &[f64], dst: &mut [f64]) {
     // Blocks of three loops: the reduction and the polynomial vectorise
     // without the table lookups between them.
     const BLOCK: usize = 64;
@@ -415,7 +415,7 @@ mod tests {
         let mut got = vec![0.0; xs.len()];
         exp_into(&xs, &mut got);
         let mut wide = vec![0.0; xs.len()];
-        crate::simd::dispatch(
+        crate::fast::simd::dispatch(
             #[inline(always)]
             || exp_into(&xs, &mut wide),
         );
