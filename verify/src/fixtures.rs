@@ -182,7 +182,7 @@ pub fn presets() -> Vec<Preset> {
             CpLayout::World(4, Layout::Contiguous),
         ),
         // Long memory: M and the carried state stay O(1) across ranks, so
-        // every CP fault preset fails one of these (tests/tests/fault_fixtures.rs).
+        // every CP fault preset fails one of these (tests/tests/cross/fault_fixtures.rs).
         // Chunks of 16 lengthen the M chain; a short first sequence makes
         // rank 0's first and last local sequences differ (wrong-preprocess).
         long_cp(

@@ -4,7 +4,7 @@
 //! of the same recurrence; f32 against f64; thread-count invariance; bad
 //! inputs refused with the tensor named.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, check_grad, dot, norm_ratio};
 use deltaref::cp::plan::PlanSpec;

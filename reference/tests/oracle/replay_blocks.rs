@@ -5,7 +5,7 @@
 //! independent form) in f64. In f32 KDA's replay takes two chunks of
 //! columns an iteration, and its leftovers, where f64 takes one.
 
-mod common;
+use crate::common;
 
 use common::assert_close;
 use deltaref::dplr::{self, DplrOptions};

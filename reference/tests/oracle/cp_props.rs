@@ -4,7 +4,7 @@
 //! norm_ratio; merged states equal the non-CP state at each rank's first
 //! token. Plus FLA's debugging-guide example and intra-card splitting.
 
-mod common;
+use crate::common;
 
 use deltaref::cp::intra::{compute_subseq_len, split_points, IntraParams};
 use deltaref::cp::plan::PlanSpec;

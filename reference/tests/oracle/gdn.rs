@@ -2,7 +2,7 @@
 //! an independent scalar-gate recurrence (FLA's `naive_recurrent_gated_delta_rule`
 //! written out), finite differences for every gradient, f32 vs f64, bad inputs.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, assert_close_opt, check_grad, dot};
 use deltaref::cp::intra::{plan_spec, IntraParams};

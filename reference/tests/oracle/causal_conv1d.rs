@@ -3,7 +3,7 @@
 //! handing `final_state` on as `initial_state`), varlen = batch, a direct
 //! convolution, finite differences for every gradient, f32 vs f64, bad inputs.
 
-mod common;
+use crate::common;
 
 use common::{assert_close, assert_close_opt, check_grad, dot};
 use deltaref::conv::{self, Activation, ConvGrads, ConvInputs, ConvOptions, Direct};

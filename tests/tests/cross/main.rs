@@ -1,0 +1,14 @@
+//! One test binary for this crate (each module was its own binary: linking
+//! them one by one cost CI minutes).
+
+mod case_files;
+mod dplr_chunk;
+mod f32_vs_f64;
+mod fault_fixtures;
+mod fd_gradients;
+mod fixtures;
+mod forward_only;
+mod gpu;
+mod kda_chunk;
+mod precision;
+mod regimes;

@@ -1,0 +1,5 @@
+//! One test binary for this crate (each module was its own binary: linking
+//! them one by one cost CI minutes).
+
+mod memory_estimate;
+mod op_count;
