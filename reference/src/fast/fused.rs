@@ -440,3 +440,96 @@ mod tests {
             .all(|(a, b): (&f64, &f64)| a.to_bits() == b.to_bits()));
     }
 }
+
+/// What [`gate_grads`] reads, `[c, K]` each: the chunk's raw `q`, `k`, `b`;
+/// `e^Γ`, `e^Γx`, `dl = e^{Γlast − Γ}`; the gated operands `ax`, `kgl`,
+/// `bgl`; the gradients of the gated operands as stored (`dax`, `dqg`,
+/// `dkgl`, `dbgl`) and the fp32 accumulators of `dkg`, `dbg`.
+pub(crate) struct GateOperands<'a, T> {
+    pub(crate) q: ArrayView2<'a, T>,
+    pub(crate) k: ArrayView2<'a, T>,
+    pub(crate) b: ArrayView2<'a, T>,
+    pub(crate) eg: ArrayView2<'a, T>,
+    pub(crate) egx: ArrayView2<'a, T>,
+    pub(crate) dl: ArrayView2<'a, T>,
+    pub(crate) ax: ArrayView2<'a, T>,
+    pub(crate) kgl: ArrayView2<'a, T>,
+    pub(crate) bgl: ArrayView2<'a, T>,
+    pub(crate) dax: ArrayView2<'a, T>,
+    pub(crate) dqg: ArrayView2<'a, T>,
+    pub(crate) dkgl: ArrayView2<'a, T>,
+    pub(crate) dbgl: ArrayView2<'a, T>,
+    pub(crate) dkg_acc: ArrayView2<'a, T>,
+    pub(crate) dbg_acc: ArrayView2<'a, T>,
+}
+
+/// The gradients through a chunk's gates, `[c, K]` each: `dq`, `dk`, `da`,
+/// `db`, `dΓ` and `dΓx` (before the A blocks add theirs), and the two
+/// chunk-end terms of `dΓlast` (`[K]` each, added in this order).
+pub(crate) struct GateGrads<T> {
+    pub(crate) rows: [Array2<T>; 6],
+    pub(crate) last: [Array1<T>; 2],
+}
+
+/// [`GateGrads`] in one pass over the chunk: `dq = dqg·e^Γ`,
+/// `dΓ = dqg·(q·e^Γ) − dkgl·(k·dl) − dbgl·(b·dl)`, `dk = dkgl·dl`,
+/// `db = dbgl·dl`, `da = dax·e^Γx`, `dΓx = dax·ax`; `dΓlast` gets the
+/// column sums of `dkg_acc·kgl` and `dbg_acc·bgl`, row by row from zero.
+///
+/// Exactly `−dkgl·(k·dl)` and the `kgl` column sum cancel, but FLA's
+/// chunk-end term `dgk_last` sums the fp32 accumulators times the stored
+/// bf16 `kg`, `bg`, while the per-token `−dk·k` multiplies the stored bf16
+/// `dkg` by `k·e^{Γlast−Γ}` in fp32: the mismatch lands on every position of
+/// the chunk. The decay gradient's `dq·q` (`chunk_dplr_bwd_kernel_intra`)
+/// reads the raw `q` in fp32.
+pub(crate) fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
+    let (c, kd) = x.q.dim();
+    let n = c * kd;
+    let ins = [
+        x.q, x.k, x.b, x.eg, x.egx, x.dl, x.ax, x.kgl, x.bgl, x.dax, x.dqg, x.dkgl, x.dbgl,
+        x.dkg_acc, x.dbg_acc,
+    ]
+    .map(flat);
+    let [q, k, b, eg, egx, dl, ax, kgl, bgl, dax, dqg, dkg, dbg, dkg_acc, dbg_acc] =
+        ins.each_ref().map(|a| &a[..n]);
+    // The rows are written once each below (no zero fill first).
+    let mut rows = [(); 6].map(|_| stagger::vec(n));
+    let mut last = [(); 2].map(|_| vec![T::zero(); kd]);
+    // Slices of known lengths (`n`, `kd`): the loops below then have no
+    // bounds checks and vectorise.
+    let [dq, dk, da, db, dgamma, dgx] = rows.each_mut().map(|r| &mut r.spare_capacity_mut()[..n]);
+    let [last_k, last_b] = last.each_mut().map(|l| &mut l[..kd]);
+    simd::dispatch(
+        #[inline(always)]
+        || {
+            for i in 0..n {
+                dq[i].write(dqg[i] * eg[i]);
+                dk[i].write(dkg[i] * dl[i]);
+                db[i].write(dbg[i] * dl[i]);
+                da[i].write(dax[i] * egx[i]);
+                dgx[i].write(dax[i] * ax[i]);
+                let g = dqg[i] * (q[i] * eg[i]);
+                let g = g - dkg[i] * (k[i] * dl[i]);
+                dgamma[i].write(g - dbg[i] * (b[i] * dl[i]));
+            }
+            let k_rows = dkg_acc.chunks_exact(kd).zip(kgl.chunks_exact(kd));
+            let b_rows = dbg_acc.chunks_exact(kd).zip(bgl.chunks_exact(kd));
+            for ((ka, kg), (ba, bg)) in k_rows.zip(b_rows) {
+                for d in 0..kd {
+                    last_k[d] += ka[d] * kg[d];
+                    last_b[d] += ba[d] * bg[d];
+                }
+            }
+        },
+    );
+    for r in &mut rows {
+        // SAFETY: the loop above wrote the `n` elements of every row
+        // vector's spare capacity, which starts after its padding.
+        unsafe { r.set_len(r.len() + n) };
+    }
+    let shape = |v: Vec<T>| stagger::array(v, ndarray::Ix2(c, kd));
+    GateGrads {
+        rows: rows.map(shape),
+        last: last.map(Array1::from),
+    }
+}

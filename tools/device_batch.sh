@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU-machine call for the conformance run (tools/conformance.py), GDN-2
+# against FLA and the fidelity cases: each group a background process (FLA
+# autotunes and Triton compiles on the CPU cores in parallel), all within
+# $BUDGET seconds. Expects .whl/ (wheels) and .bin/deltaref carried; results
+# and logs go to $OUT.
+#   bash tools/device_batch.sh GROUP...     (groups: see below; default all)
+set -u
+BUDGET=${BUDGET:-500}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
+W=/tmp/conf; mkdir -p $W
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $OUT/device.txt
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" >> $OUT/device.txt
+conf() { # name families impls
+    timeout $BUDGET python3 tools/conformance.py --plan tools/conformance_plan.json --deltaref .bin/deltaref \
+        --work $W --out $W/rows-$1.jsonl --families "$2" --impls "$3" --budget-s $((BUDGET - 60)) > $W/log-$1.txt 2>&1
+}
+groups=${*:-kda128 kda64 gdn small}
+for g in $groups; do
+    case $g in
+        kda128) conf kda128 'kda-128' 'flashkda,fla-fused-recurrent,fla-chunk' & ;;
+        kda64) conf kda64 'kda-64,kda-k100' 'fla-fused-recurrent,fla-chunk' & ;;
+        gdn) conf gdn 'gdn-128' 'opengdn-reference,opengdn-chunkwise,opengdn-triton,fla-fused-recurrent,fla-chunk' & ;;
+        small) conf small 'dplr-64,token-shift,conv' 'fla-chunk' & ;;
+        *) [ -x "tools/device_$g.sh" ] && timeout $BUDGET bash tools/device_$g.sh > $W/log-$g.txt 2>&1 & ;;
+    esac
+done
+wait
+cat $W/rows-*.jsonl > $OUT/conformance.jsonl 2>/dev/null
+tail -n 40 $W/log-*.txt
+tar czf $OUT/logs.tgz -C $W $(cd $W && ls log-* 2>/dev/null) 2>/dev/null

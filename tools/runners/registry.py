@@ -1,0 +1,11 @@
+"""Every runner by name: (module convention, why_not, run, forward_only)."""
+
+from . import fla, flashkda, opengdn
+
+IMPLS = {
+    "fla-chunk": (fla.CONVENTION, fla.chunk_why_not, fla.chunk_run, False),
+    "fla-fused-recurrent": (fla.CONVENTION, fla.recurrent_why_not, fla.recurrent_run, True),
+    "flashkda": (flashkda.CONVENTION, flashkda.why_not, flashkda.run, True),
+} | {
+    f"opengdn-{p}": (opengdn.CONVENTION, opengdn.why_not, opengdn.make(p), False) for p in opengdn.PATHS
+}
