@@ -19,6 +19,8 @@ import argparse
 import fnmatch
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -44,15 +46,31 @@ def gen(deltaref, case, path):
     return None if rc == 0 else (err or out).strip()
 
 
+def ratios_of(report):
+    """Tensor -> norm_ratio (None where the candidate is not finite), and the tensors that fail."""
+    rows = report["rows"]
+    return {r["tensor"]: r.get("norm_ratio") for r in rows}, sorted(r["tensor"] for r in rows if not r["pass"])
+
+
 def judge(deltaref, case_path, cand, forward_only, bar):
     args = ["verify", "--case", case_path, "--candidate", cand, "--json", "--max-ratio", bar, "--allow-partial"]
     if forward_only:
         args.append("--forward-only")
     rc, out, err = sh(deltaref, *args)
     if rc not in (0, 1):
-        return None, (err or out).strip()
-    rep = json.loads(out)
-    return {r["tensor"]: r["norm_ratio"] for r in rep["rows"] if r.get("norm_ratio") is not None}, None
+        return None, None, (err or out).strip()
+    return (*ratios_of(json.loads(out)), None)
+
+
+def emulated(deltaref, case_path, meta, bar):
+    """What FLA's bf16 storage costs a correct kernel on this case: the
+    oracle under the `fla-bf16` preset (only for cases stored in bf16)."""
+    if meta.get("dtype") != "bf16":
+        return None
+    impl = "chunk" if meta["op"] in ("kda", "gdn", "gdn2", "dplr") else "naive"
+    rc, out, _ = sh(deltaref, "verify", "--case", case_path, "--impl", impl, "--precision", "fla-bf16",
+                    "--json", "--max-ratio", bar)
+    return ratios_of(json.loads(out))[0] if rc in (0, 1) else None
 
 
 def main():
@@ -63,17 +81,19 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--families", default="*")
+    ap.add_argument("--device", default="cuda", help="where the runners get the case's tensors")
+    ap.add_argument("--keep", default="", help="CASE.IMPL patterns whose candidate files are copied to --keep-dir")
+    ap.add_argument("--keep-dir", default=".")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after this many seconds")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     plan = [c for c in json.load(open(a.plan))["cases"]
             if any(fnmatch.fnmatch(c["family"], f) for f in a.families.split(","))]
-    device = ""
-    try:
+    if a.device == "cuda":
         import torch
         device = torch.cuda.get_device_name()
-    except Exception as e:  # the rows still say what could not run
-        device = f"no GPU ({e})"
+    else:
+        device = f"CPU ({platform.processor() or platform.machine()})"
     start = time.time()
     with open(a.out, "a") as out:
         for case in plan:
@@ -91,7 +111,7 @@ def main():
                     row |= dict(status="case-error", error=err)
                     out.write(json.dumps(row) + "\n")
                     continue
-                t, meta = load(path)
+                t, meta = load(path, a.device)
                 bar = BARS[meta["op"]]
                 why = why_not(meta, t)
                 if why:
@@ -100,7 +120,8 @@ def main():
                 try:
                     cand, served = run(meta, t)
                     import torch
-                    torch.cuda.synchronize()
+                    if a.device == "cuda":
+                        torch.cuda.synchronize()
                     cand_path = os.path.join(a.work, f"{case['name']}.{impl}.safetensors")
                     save(cand, cand_path)
                 except Exception as e:
@@ -109,14 +130,17 @@ def main():
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     continue
-                ratios, verr = judge(a.deltaref, path, cand_path, forward_only, bar)
+                ratios, failing, verr = judge(a.deltaref, path, cand_path, forward_only, bar)
                 row |= dict(served=served, seconds=round(time.time() - t0, 1), bar=bar)
                 if verr:
                     row |= dict(status="verify-error", error=verr)
                 else:
-                    worst = max(ratios, key=lambda n: ratios[n]) if ratios else None
-                    row |= dict(status="pass" if all(r < bar for r in ratios.values()) else "fail",
-                                ratios=ratios, worst=worst)
+                    key = lambda n: float("inf") if ratios[n] is None else ratios[n]  # noqa: E731
+                    worst = max(ratios, key=key) if ratios else None
+                    row |= dict(status="fail" if failing else "pass", failing=failing, ratios=ratios,
+                                worst=worst, emulated=emulated(a.deltaref, path, meta, bar))
+                if any(fnmatch.fnmatch(f"{case['name']}.{impl}", k) for k in a.keep.split(",") if k):
+                    shutil.copy(cand_path, os.path.join(a.keep_dir, os.path.basename(cand_path)))
                 print(f"{case['name']:28} {impl:22} {row['status']:6} {row.get('worst')} "
                       f"{ratios.get(row.get('worst')) if ratios else ''} ({row['seconds']} s, {served})", flush=True)
                 out.write(json.dumps(row) + "\n")

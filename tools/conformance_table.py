@@ -13,13 +13,13 @@ import sys
 
 
 def fmt(x):
-    return f"{x:.2e}"
+    return "non-finite" if x is None else f"{x:.2e}"
 
 
 def main(paths):
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
     rows.sort(key=lambda r: (r["impl"], r["family"], r["case"]))
-    print("| implementation | case | bug | device, date | served by | verdict (bar) | worst | all tensors |")
+    print("| implementation | case | bug | device, date | served by | verdict (bar) | worst | all tensors (and what bf16 storage costs a correct kernel) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         where = f"{r['device']}, {r['date']}"
@@ -27,6 +27,9 @@ def main(paths):
             ratios = r["ratios"]
             worst = f"`{r['worst']}` {fmt(ratios[r['worst']])}" if r.get("worst") else ""
             every = ", ".join(f"{n} {fmt(v)}" for n, v in sorted(ratios.items()))
+            emu = r.get("emulated")
+            if emu:
+                every += " · fla-bf16 emulation: " + ", ".join(f"{n} {fmt(v)}" for n, v in sorted(emu.items()))
             fwd = " (forward only)" if r.get("forward_only") else ""
             verdict = f"**{r['status']}** ({fmt(r['bar'])}){fwd}"
             print(f"| {r['impl']} | {r['case']} | {r.get('bug') or ''} | {where} | {r.get('served', '')} | "

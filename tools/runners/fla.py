@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from .common import loss, token_dtype
+from .common import token_dtype
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fla_candidate  # noqa: E402
@@ -62,6 +62,20 @@ def chunk_run(meta, t):
     cand = {names[0]: out, names[1]: last}
     cand |= {fla_candidate.GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items() if v.grad is not None}
     return cand, s.said(f"triton chunk ({op})")
+
+
+def chunk_fwd_run(meta, t):
+    """The chunked kernel's forward alone: `o` and `final_state` (for a
+    backward FLA refuses to run on this machine)."""
+    op = meta["op"]
+    first = fla_candidate.TOKEN_INPUTS[op][0]
+    dt = token_dtype(t, first)
+    x = {n: t[n].to(dt) for n in fla_candidate.TOKEN_INPUTS[op]}
+    p = {n: t[n].float() for n in fla_candidate.STATE_INPUTS[op] if n in t}
+    with torch.no_grad(), Served() as s:
+        out, last = fla_candidate.forward(op, meta, x, p, t.get("cu_seqlens"))
+    names = fla_candidate.RESULT_NAMES.get(op, ("o", "final_state"))
+    return {names[0]: out, names[1]: last}, s.said(f"triton chunk forward ({op})")
 
 
 def recurrent_why_not(meta, t):

@@ -49,6 +49,9 @@ def run(meta, t):
     out = torch.empty_like(v)
     final = torch.empty(n_seq, H, v.shape[-1], K, device=q.device, dtype=torch.float32)
     scale = meta.get("scale") or K ** -0.5
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, out=out, h0=h0, final=final, cu=cu)
+    print("flashkda inputs:", {n: (tuple(x.shape), str(x.dtype), str(x.device), x.is_contiguous())
+                               for n, x in args.items() if x is not None}, "torch", torch.__version__, flush=True)
     flash_kda.fwd(
         q, k, v, g, beta, scale, out,
         t["A_log"].float().contiguous(), t["dt_bias"].float().reshape(H, K).contiguous(),

@@ -42,9 +42,10 @@ def make(path):
         K = leaves["q"].shape[-1]
         scale = meta.get("scale") or K ** -0.5
         state = leaves.get("initial_state")
-        state = None if state is None else state.transpose(-1, -2).to(dt)  # FLA [N,H,K,V] -> [B,H,V,K]
+        # FLA [N,H,K,V] -> [B,H,V,K]; contiguous, as its Triton path requires.
+        state = None if state is None else state.transpose(-1, -2).to(dt).contiguous()
         alpha = torch.exp(leaves["g"].float()).to(dt)
-        o, final = fn(leaves["q"] * scale, leaves["k"], leaves["v"], alpha, leaves["beta"], state)
+        o, final = fn((leaves["q"] * scale).contiguous(), leaves["k"], leaves["v"], alpha, leaves["beta"], state)
         final = final.transpose(-1, -2)  # back to FLA's [N,H,K,V]
         loss(t, o, final).backward()
         return {"o": o, "final_state": final} | grads(leaves), f"opengdn.{fn.__name__}"
