@@ -12,10 +12,12 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
 W=/tmp/conf; mkdir -p $W
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $OUT/device.txt
 python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)" >> $OUT/device.txt
-conf() { # name families impls
+conf() { # name families impls [keep patterns]
     timeout $BUDGET python3 tools/conformance.py --plan tools/conformance_plan.json --deltaref .bin/deltaref \
-        --work $W --out $W/rows-$1.jsonl --families "$2" --impls "$3" --budget-s $((BUDGET - 60)) > $W/log-$1.txt 2>&1
+        --work $W --out $W/rows-$1.jsonl --families "$2" --impls "$3" --budget-s $((BUDGET - 60)) \
+        --keep "${4:-}" --keep-dir $OUT > $W/log-$1.txt 2>&1
 }
+python3 -c "import tilelang" >> $OUT/device.txt 2>&1 && echo "tilelang: installed" >> $OUT/device.txt
 groups=${*:-kda128 kda64 gdn small}
 for g in $groups; do
     case $g in
@@ -23,7 +25,12 @@ for g in $groups; do
         kda64) conf kda64 'kda-64,kda-k100' 'fla-fused-recurrent,fla-chunk' & ;;
         gdn) conf gdn 'gdn-128' 'opengdn-reference,opengdn-chunkwise,opengdn-triton,fla-fused-recurrent,fla-chunk' & ;;
         small) conf small 'dplr-64,token-shift,conv' 'fla-chunk' & ;;
-        *) [ -x "tools/device_$g.sh" ] && timeout $BUDGET bash tools/device_$g.sh > $W/log-$g.txt 2>&1 & ;;
+        flashkda) conf flashkda 'kda-128' 'flashkda' & ;;
+        conv) conf conv 'conv' 'fla-chunk' 'conv_silu_bias.fla-chunk' & ;;
+        gdnfwd) conf gdnfwd 'gdn-128' 'opengdn-triton,fla-chunk-fwd' & ;;
+        k100) conf k100 'kda-k100' 'fla-fused-recurrent,fla-chunk' & ;;
+        gdn2) conf gdn2 'gdn2-64' 'fla-chunk-gdn2' & ;;
+        *) [ -f "tools/device_$g.sh" ] && timeout $BUDGET bash tools/device_$g.sh > $W/log-$g.txt 2>&1 & ;;
     esac
 done
 wait

@@ -116,3 +116,38 @@ def recurrent_run(meta, t):
                 opts |= dict(use_gate_in_kernel=True, A_log=t.get("A_log"), dt_bias=t.get("dt_bias"))
             o, ht = fused_recurrent_gated_delta_rule(**x, **opts)
     return {"o": o, "final_state": ht}, s.said(f"triton fused_recurrent ({op})")
+
+
+def gdn2_why_not(meta, t):
+    return None if meta["op"] == "gdn2" else "chunk_gdn2 runs GDN-2"
+
+
+def gdn2_run(meta, t):
+    """FLA's `chunk_gdn2` (fla/ops/gdn2/chunk.py), forward and backward; token
+    inputs in the case's dtype, `A_log`, `dt_bias`, `initial_state` in fp32."""
+    from fla.ops.gdn2 import chunk_gdn2
+
+    dt = token_dtype(t)
+    x = {n: t[n].detach().clone().to(dt).requires_grad_() for n in ("q", "k", "v", "g", "b", "w")}
+    p = {n: t[n].detach().clone().float().requires_grad_() for n in ("A_log", "dt_bias", "initial_state") if n in t}
+    gate = {"A_log": p.get("A_log"), "dt_bias": p.get("dt_bias")} if meta.get("use_gate_in_kernel") else {}
+    with Served() as s:
+        o, ht = chunk_gdn2(
+            **x,
+            scale=meta.get("scale"),
+            initial_state=p.get("initial_state"),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=meta.get("use_qk_l2norm_in_kernel", False),
+            use_gate_in_kernel=meta.get("use_gate_in_kernel", False),
+            safe_gate=meta.get("safe_gate", False),
+            lower_bound=meta.get("lower_bound"),
+            state_v_first=meta.get("state_v_first", False),
+            cu_seqlens=t.get("cu_seqlens"),
+            **gate,
+        )
+        total = (o.float() * t["do"].float()).sum()
+        if "dht" in t:
+            total = total + (ht.float() * t["dht"].float()).sum()
+        total.backward()
+    grads = {fla_candidate.GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items() if v.grad is not None}
+    return {"o": o, "final_state": ht} | grads, s.said("triton chunk_gdn2")

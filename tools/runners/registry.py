@@ -5,6 +5,7 @@ from . import fla, flashkda, opengdn
 IMPLS = {
     "fla-chunk": (fla.CONVENTION, fla.chunk_why_not, fla.chunk_run, False),
     "fla-chunk-fwd": (fla.CONVENTION, fla.chunk_why_not, fla.chunk_fwd_run, True),
+    "fla-chunk-gdn2": (fla.CONVENTION, fla.gdn2_why_not, fla.gdn2_run, False),
     "fla-fused-recurrent": (fla.CONVENTION, fla.recurrent_why_not, fla.recurrent_run, True),
     "flashkda": (flashkda.CONVENTION, flashkda.why_not, flashkda.run, True),
 } | {
