@@ -27,7 +27,7 @@ for g in $groups; do
         small) conf small 'dplr-64,token-shift,conv' 'fla-chunk' & ;;
         flashkda) conf flashkda 'kda-128' 'flashkda' & ;;
         conv) conf conv 'conv' 'fla-chunk' 'conv_silu_bias.fla-chunk' & ;;
-        gdnfwd) conf gdnfwd 'gdn-128' 'opengdn-triton,fla-chunk-fwd' & ;;
+        gdnfwd) conf gdnfwd 'gdn-128' 'opengdn-reference,opengdn-chunkwise,opengdn-triton,fla-chunk-fwd' & ;;
         k100) conf k100 'kda-k100' 'fla-fused-recurrent,fla-chunk' & ;;
         gdn2) conf gdn2 'gdn2-64' 'fla-chunk-gdn2' & ;;
         *) [ -f "tools/device_$g.sh" ] && timeout $BUDGET bash tools/device_$g.sh > $W/log-$g.txt 2>&1 & ;;
