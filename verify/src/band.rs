@@ -57,11 +57,15 @@ pub const DEFAULT_SAMPLES: usize = 32;
 /// once in `N + 1` tries per tensor.
 pub const MARGIN_WIDTHS: f64 = 1.0;
 
-/// The narrowest band width used to judge, relative to `p99`: where every
-/// sample agrees (a tensor few stores touch) the band alone would call any
-/// other rounding a fault; two correct kernels with different structure
-/// differ by more than this (FLA against the emulation: ×1.3 on most rows).
-pub const MIN_REL_WIDTH: f64 = 0.1;
+/// The narrowest band width used to judge, relative to `p99`. On a
+/// per-token tensor the ensemble agrees to a fraction of a percent (an
+/// average over millions of rounding errors barely moves when some of them
+/// are re-drawn), but the emulation is not FLA's kernel: the fidelity table
+/// (debug.md) has the emulated norm_ratio within ×1.3 of FLA's on most
+/// rows, so a band narrower than that would call FLA's own correct kernel a
+/// fault. With [`MARGIN_WIDTHS`] = 1 a tensor fails above `1.3 · p99`
+/// (narrow bands) or `p99 + (p99 − p1)` (wide ones).
+pub const MIN_REL_WIDTH: f64 = 0.3;
 
 /// A band whose `p99 / p1` exceeds this is intrinsically noisy: a correct
 /// kernel's error on that tensor varies by more than ×2 with the kernel's
@@ -110,7 +114,9 @@ impl BandSpec {
     pub fn jitter_of(&self, i: usize) -> Jitter {
         let z = self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).rotate_left(32);
         Jitter {
-            seed: z.wrapping_add(0xD1B5_4A32_D192_ED03).wrapping_mul(0xBF58_476D_1CE4_E5B9),
+            seed: z
+                .wrapping_add(0xD1B5_4A32_D192_ED03)
+                .wrapping_mul(0xBF58_476D_1CE4_E5B9),
             rel: self.jitter,
         }
     }
@@ -123,7 +129,8 @@ pub fn ratios(truth: &Tensors, got: &Tensors) -> BTreeMap<String, f64> {
         .iter()
         .filter_map(|(name, t)| {
             let g = got.get(name).filter(|g| g.shape() == t.shape())?;
-            let (a, b): (Vec<f64>, Vec<f64>) = t.iter().zip(g.iter()).map(|(a, b)| (*a, *b)).unzip();
+            let (a, b): (Vec<f64>, Vec<f64>) =
+                t.iter().zip(g.iter()).map(|(a, b)| (*a, *b)).unzip();
             Some((name.clone(), norm_ratio(&a, &b)))
         })
         .collect()
@@ -177,11 +184,17 @@ pub fn samples_of_case(
     spec.check().map_err(CaseError::Usage)?;
     let Some(precision) = req.precision.clone() else {
         return Err(CaseError::Usage(
-            "a band is the spread of a precision preset's runs: give the preset (e.g. fla-bf16)".into(),
+            "a band is the spread of a precision preset's runs: give the preset (e.g. fla-bf16)"
+                .into(),
         ));
     };
     let (imp, compute) = req.resolve_with_compute(case)?;
-    if imp.policy.features().is_empty() && imp.cp.as_ref().is_none_or(|(_, o)| o.policy.features().is_empty()) {
+    if imp.policy.features().is_empty()
+        && imp
+            .cp
+            .as_ref()
+            .is_none_or(|(_, o)| o.policy.features().is_empty())
+    {
         return Err(CaseError::Usage(format!(
             "precision `{precision}` stores nothing in a lower precision: its runs have no \
              rounding to vary, so its band is a single point (use e.g. fla-bf16)"
@@ -260,7 +273,12 @@ pub struct Band {
 
 impl Band {
     /// The band of an ensemble's samples, one row per tensor (name order).
-    pub fn of(precision: &str, implementation: &str, spec: BandSpec, samples: &[BTreeMap<String, f64>]) -> Band {
+    pub fn of(
+        precision: &str,
+        implementation: &str,
+        spec: BandSpec,
+        samples: &[BTreeMap<String, f64>],
+    ) -> Band {
         Band {
             precision: precision.to_string(),
             implementation: implementation.to_string(),
@@ -343,10 +361,24 @@ pub fn judge_one(row: &BandRow, x: f64) -> Verdict {
         (Position::Nan, f64::NAN)
     } else if x > row.p99 {
         let k = (x - row.p99) / w;
-        (if k > MARGIN_WIDTHS { Position::OutAbove } else { Position::Above }, k)
+        (
+            if k > MARGIN_WIDTHS {
+                Position::OutAbove
+            } else {
+                Position::Above
+            },
+            k,
+        )
     } else if x < row.p1 {
         let k = (row.p1 - x) / w;
-        (if k > MARGIN_WIDTHS { Position::FarBelow } else { Position::Below }, k)
+        (
+            if k > MARGIN_WIDTHS {
+                Position::FarBelow
+            } else {
+                Position::Below
+            },
+            k,
+        )
     } else {
         (Position::Inside, 0.0)
     };
@@ -376,18 +408,33 @@ pub fn verdict_table(verdicts: &[Verdict]) -> String {
     );
     for v in verdicts {
         let note = match (v.position, v.band.noisy) {
-            (Position::FarBelow, _) => "far more accurate than the precision claims: is it computing what it says?",
+            (Position::FarBelow, _) => {
+                "far more accurate than the precision claims: is it computing what it says?"
+            }
             (_, true) => "noisy band (p99/p1 > 2): weak evidence either way",
             _ => "",
         };
         s += &format!(
             "{:<12} {:>11.3e} {:>10.3e} {:>10.3e} {:>10.3e}  {:<10} {:>8.2}  {note}\n",
-            v.tensor, v.norm_ratio, v.band.p1, v.band.median, v.band.p99, v.position.name(), v.widths
+            v.tensor,
+            v.norm_ratio,
+            v.band.p1,
+            v.band.median,
+            v.band.p99,
+            v.position.name(),
+            v.widths
         );
     }
-    let bad: Vec<&str> = verdicts.iter().filter(|v| !v.pass).map(|v| v.tensor.as_str()).collect();
+    let bad: Vec<&str> = verdicts
+        .iter()
+        .filter(|v| !v.pass)
+        .map(|v| v.tensor.as_str())
+        .collect();
     s += &if bad.is_empty() {
-        format!("all {} tensors within their band (p99 + {MARGIN_WIDTHS} band width)", verdicts.len())
+        format!(
+            "all {} tensors within their band (p99 + {MARGIN_WIDTHS} band width)",
+            verdicts.len()
+        )
     } else {
         format!("out of band: {}", bad.join(", "))
     };
@@ -399,7 +446,11 @@ impl std::fmt::Display for Band {
         writeln!(
             f,
             "band of `{}` ({}): {} samples, seed {}, jitter {:.2e} before every store",
-            self.precision, self.implementation, self.spec.samples, self.spec.seed, self.spec.jitter
+            self.precision,
+            self.implementation,
+            self.spec.samples,
+            self.spec.seed,
+            self.spec.jitter
         )?;
         writeln!(
             f,
@@ -520,7 +571,9 @@ pub fn round_up_2(x: f64) -> f64 {
     let scale = 10f64.powf(e);
     let r = (x / scale).ceil() * scale;
     // Printing `r` with 2 significant digits gives back a number ≥ x.
-    format!("{r:.1e}").parse::<f64>().map_or(r, |p| if p >= x { p } else { r })
+    format!("{r:.1e}")
+        .parse::<f64>()
+        .map_or(r, |p| if p >= x { p } else { r })
 }
 
 /// The bars as a Python dict literal a pytest suite can paste.
@@ -558,7 +611,11 @@ mod tests {
             (0.01, -2.326347874),
             (1.0 - 1e-5, 4.264890794),
         ] {
-            assert!((normal_quantile(p) - z).abs() < 1e-7, "{p}: {}", normal_quantile(p));
+            assert!(
+                (normal_quantile(p) - z).abs() < 1e-7,
+                "{p}: {}",
+                normal_quantile(p)
+            );
         }
     }
 
@@ -581,7 +638,8 @@ mod tests {
         // A band of identical samples is judged at its minimum width.
         let flat = BandRow::of("dh0", &[2.0, 2.0, 2.0]);
         assert_eq!(flat.width(), MIN_REL_WIDTH * 2.0);
-        assert_eq!(judge_one(&flat, 2.1).position, Position::Above);
+        assert_eq!(judge_one(&flat, 2.5).position, Position::Above);
+        assert_eq!(judge_one(&flat, 2.7).position, Position::OutAbove);
     }
 
     #[test]
@@ -596,7 +654,167 @@ mod tests {
         assert!(bar("o") >= 1.1e-3 && bar("o") < 2e-3, "{}", bar("o"));
         assert!(bar("dA_log") > 4e-3, "a spread-out tensor gets a wide bar");
         let d = python_dict(&rows);
-        assert!(d.starts_with('{') && d.contains("\"dA_log\": ") && d.ends_with('}'), "{d}");
+        assert!(
+            d.starts_with('{') && d.contains("\"dA_log\": ") && d.ends_with('}'),
+            "{d}"
+        );
+    }
+
+    use crate::case::{Dtype, Op};
+    use crate::generate::{generate, GenSpec};
+    use crate::impls::{oracle_truth, Impl, ImplName};
+    use deltaref::gates::Gate;
+    use std::path::Path;
+
+    /// A small bf16 KDA case (safe gate, in-kernel l2norm and gate, two
+    /// sequences), drawn with `seed`.
+    fn small_case(seed: u64) -> Case {
+        let mut spec = GenSpec::new(Op::Kda);
+        spec.shape = Some(vec![1, 96, 2, 2, 16, 16]);
+        spec.lengths = Some(vec![40, 56]);
+        spec.gate = Gate::LowerBound { lower_bound: -5.0 };
+        spec.use_qk_l2norm_in_kernel = true;
+        spec.dtype = Dtype::Bf16;
+        spec.seed = seed;
+        generate(&spec).unwrap()
+    }
+
+    fn fla_bf16() -> ImplRequest {
+        ImplRequest {
+            name: ImplName::Chunk,
+            precision: Some("fla-bf16".into()),
+            ..ImplRequest::default()
+        }
+    }
+
+    fn resolved(case: &Case) -> (Impl, Compute) {
+        let (imp, c) = fla_bf16().resolve_with_compute(case).unwrap();
+        (imp, c.unwrap())
+    }
+
+    /// An emulation run with a jitter the ensemble never used.
+    fn fresh_run(case: &Case, truth: &Tensors, seed: u64) -> (Tensors, BTreeMap<String, f64>) {
+        let (imp, compute) = resolved(case);
+        let spec = BandSpec {
+            seed,
+            ..BandSpec::default()
+        };
+        let got = imp
+            .jittered(spec.jitter_of(0))
+            .compute(case, compute)
+            .unwrap();
+        let r = ratios(truth, &got);
+        (got, r)
+    }
+
+    #[test]
+    fn a_zero_jitter_changes_no_bit_and_a_band_repeats_on_one_thread() {
+        let case = small_case(1);
+        let (imp, compute) = resolved(&case);
+        let plain = imp.compute(&case, compute).unwrap();
+        let zero = Jitter { seed: 5, rel: 0.0 };
+        assert_eq!(imp.jittered(zero).compute(&case, compute).unwrap(), plain);
+        let moved = imp
+            .jittered(BandSpec::default().jitter_of(0))
+            .compute(&case, compute)
+            .unwrap();
+        assert_ne!(moved, plain, "a jitter of 2^-20 moves some bf16 store");
+        let truth = oracle_truth(&case, Path::new("small")).unwrap();
+        let spec = BandSpec {
+            samples: 6,
+            ..BandSpec::default()
+        };
+        let band = |c: &Case| {
+            of_case(c, Path::new("small"), &truth, &fla_bf16(), &spec)
+                .unwrap()
+                .rows
+        };
+        let many = band(&case);
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap()
+            .install(|| band(&case));
+        assert_eq!(many, one, "the same bits whatever the thread count");
+    }
+
+    #[test]
+    fn another_seed_lands_inside_the_band_and_a_planted_fault_only_where_planted() {
+        let case = small_case(2);
+        let truth = oracle_truth(&case, Path::new("small")).unwrap();
+        let spec = BandSpec::default();
+        let band = of_case(&case, Path::new("small"), &truth, &fla_bf16(), &spec).unwrap();
+        assert!(band.rows.len() >= 9, "{band}");
+        let (got, r) = fresh_run(&case, &truth, 12345);
+        let verdicts = judge(&band, &r);
+        assert_eq!(verdicts.len(), band.rows.len());
+        for v in &verdicts {
+            assert!(
+                v.pass && v.position != Position::FarBelow,
+                "{}",
+                verdict_table(&verdicts)
+            );
+        }
+        // The same run with dq's error scaled to twice the band's p99.
+        for tensor in ["dq", "dA_log"] {
+            let row = band.row(tensor).unwrap();
+            let k = 2.0 * row.p99 / r[tensor];
+            let mut faulty = got.clone();
+            let t = &truth[tensor];
+            faulty.insert(tensor.to_string(), t + &((&got[tensor] - t) * k));
+            let verdicts = judge(&band, &ratios(&truth, &faulty));
+            for v in &verdicts {
+                let planted = v.tensor == tensor;
+                assert_eq!(v.pass, !planted, "{tensor}: {}", verdict_table(&verdicts));
+                if planted {
+                    assert_eq!(v.position, Position::OutAbove);
+                    assert!((v.norm_ratio / row.p99 - 2.0).abs() < 1e-9);
+                }
+            }
+        }
+        // A far more accurate candidate (the f64 chunked engine) is reported far below.
+        let exact = Impl::chunk(64)
+            .unwrap()
+            .compute(&case, Compute::F64)
+            .unwrap();
+        let verdicts = judge(&band, &ratios(&truth, &exact));
+        assert!(verdicts
+            .iter()
+            .all(|v| v.position == Position::FarBelow && v.pass));
+    }
+
+    #[test]
+    fn tolerance_bars_pass_fresh_correct_runs() {
+        let spec = BandSpec {
+            samples: 16,
+            ..BandSpec::default()
+        };
+        let mut pooled: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        for seed in 0..4 {
+            let case = small_case(seed);
+            let truth = oracle_truth(&case, Path::new("draw")).unwrap();
+            let (samples, _) =
+                samples_of_case(&case, Path::new("draw"), &truth, &fla_bf16(), &spec).unwrap();
+            for (t, v) in per_tensor(&samples) {
+                pooled.entry(t).or_default().extend(v);
+            }
+        }
+        let bars = tolerance(&pooled, 1e-2);
+        // 100 fresh draws (unseen inputs, unseen jitter), each one test:
+        // passes when every tensor is under its bar (FLA's assert_close).
+        let passed = (1000..1100u64)
+            .into_par_iter()
+            .filter(|&seed| {
+                let case = small_case(seed);
+                let truth = oracle_truth(&case, Path::new("fresh")).unwrap();
+                let (_, r) = fresh_run(&case, &truth, seed);
+                bars.iter().all(|b| r[&b.tensor] < b.bar)
+            })
+            .count();
+        assert!(
+            passed >= 98,
+            "{passed} of 100 fresh correct runs pass: {bars:?}"
+        );
     }
 
     #[test]

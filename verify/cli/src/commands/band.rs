@@ -58,7 +58,11 @@ pub struct Args {
 
 /// The request a band runs: `imp`'s, with the chunked engine in the case's
 /// layout when no `--impl` is named, and `precision` as the preset.
-pub fn band_request(imp: &ImplArgs, case: &Case, precision: &str) -> Result<ImplRequest, CaseError> {
+pub fn band_request(
+    imp: &ImplArgs,
+    case: &Case,
+    precision: &str,
+) -> Result<ImplRequest, CaseError> {
     let (mut req, compute) = imp.request()?;
     if compute.is_some() {
         return Err(CaseError::Usage(

@@ -56,7 +56,9 @@ struct Report {
 fn go(a: &Args) -> Result<Report, CaseError> {
     let usage = |m: String| Err(CaseError::Usage(m));
     let Some(precision) = a.imp.precision.as_deref() else {
-        return usage("--precision: name the preset the tested kernel stores like (e.g. fla-bf16)".into());
+        return usage(
+            "--precision: name the preset the tested kernel stores like (e.g. fla-bf16)".into(),
+        );
     };
     if !(a.false_alarm > 0.0 && a.false_alarm < 1.0) {
         return usage(format!(
@@ -106,7 +108,10 @@ fn text(r: &Report) -> String {
          probability): {} input draws × {} emulation runs\n",
         r.precision, r.false_alarm, r.draws, r.samples
     );
-    s += &format!("{:<12} {:>9} {:>10} {:>10}\n", "tensor", "bar", "median", "max seen");
+    s += &format!(
+        "{:<12} {:>9} {:>10} {:>10}\n",
+        "tensor", "bar", "median", "max seen"
+    );
     for row in &r.rows {
         s += &format!(
             "{:<12} {:>9.1e} {:>10.3e} {:>10.3e}\n",
