@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Measure FLA's real error on a fixed set of cases (GPU side of the fidelity table).
 
-    python3 tools/fla_fidelity.py --bin path/to/deltaref --dir WORK --json OUT.json [--only NAME,...] [--dump DIR]
+    python3 tools/fla_fidelity.py --bin path/to/deltaref --dir WORK --json OUT.json [--set fidelity|band|all]
+        [--only NAME,...] [--dump DIR]
 
 For each case of CASES it runs `deltaref gen ... --expected` (the f64 truth),
 FLA's kernels through `fla_candidate.candidate` (in this process, so Triton
@@ -68,6 +69,31 @@ CASES = [
     ),
 ]
 
+# The band's fidelity set (issue 52): new draws, options and regimes on the
+# same pinned kernel shapes as CASES — (H, K, V) = (4, 128, 128) or
+# (2, 64, 64) — so one process autotunes nothing new beyond (4, 64, 64) for
+# the issue's unseen varlen case. Run them with `--set band`.
+KDA64H2 = ["--op", "kda", "--shape", "1,2048,2,2,64,64", "--dtype", "bf16"]
+BAND_CASES = [
+    ("band-kda-lowerbound-varlen-k128-s11", KDA128[:-1] + ["11", "--lengths", "400,624", "--gate", "lowerbound", "--l2norm"]),
+    ("band-kda-lowerbound-varlen-k128-s12", KDA128[:-1] + ["12", "--lengths", "400,624", "--gate", "lowerbound", "--l2norm"]),
+    ("band-kda-gate-betasig-k128", KDA128[:-1] + ["5", "--gate", "kda", "--l2norm", "--beta-sigmoid"]),
+    ("band-kda-none-h0-varlen-k128", KDA128[:-1] + ["9", "--lengths", "512,512", "--gate", "none", "--initial-state"]),
+    ("band-kda-lowerbound-t4096-k128", ["--op", "kda", "--shape", "1,4096,4,4,128,128", "--dtype", "bf16", "--seed", "25",
+                                        "--gate", "lowerbound", "--l2norm"]),
+    ("band-kda-lb3-k64", KDA64H2 + ["--seed", "21", "--gate", "lowerbound", "--lower-bound", "-3"]),
+    ("band-kda-gate-mixed-k64", KDA64H2 + ["--seed", "22", "--gate", "kda", "--regime", "mixed"]),
+    ("band-kda-lowerbound-sharp-k64", KDA64H2 + ["--seed", "23", "--gate", "lowerbound", "--regime", "sharp"]),
+    ("band-kda-gate-varlen5-h0-k64", KDA64H2 + ["--seed", "24", "--lengths", "17,100,250,513,1168", "--gate", "kda",
+                                                 "--initial-state"]),
+    ("band-kda-lowerbound-varlen3-h4-k64", ["--op", "kda", "--shape", "1,2048,4,4,64,64", "--dtype", "bf16", "--seed", "7",
+                                             "--lengths", "300,700,1048", "--gate", "lowerbound"]),
+    ("band-dplr-t1024-k128-s8", ["--op", "dplr", "--shape", "1,1024,4,128,128", "--dtype", "bf16", "--seed", "8"]),
+    ("band-dplr-varlen3-k64-s9", ["--op", "dplr", "--lengths", "100,900,1048", "--shape", "1,2048,2,64,64", "--dtype", "bf16",
+                                  "--seed", "9"]),
+]
+SETS = {"fidelity": CASES, "band": BAND_CASES, "all": CASES + BAND_CASES}
+
 
 def fla_chunk_size(gen):
     """The --chunk-size of FLA's kernel for a case: `chunk_dplr_delta_rule`
@@ -124,7 +150,9 @@ def main():
     ap.add_argument("--dir", required=True, help="scratch directory for case and candidate files")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--presets", default="fla-bf16", help="emulation presets to run on each case (comma-separated)")
-    ap.add_argument("--only", help="comma-separated case names (default: all)")
+    ap.add_argument("--set", choices=sorted(SETS), default="fidelity",
+                    help="which case list: the fidelity set, the band's new cases, or all (default: %(default)s)")
+    ap.add_argument("--only", help="comma-separated case names (default: all of --set)")
     ap.add_argument(
         "--dump",
         metavar="DIR",
@@ -132,7 +160,8 @@ def main():
     )
     ap.add_argument("--save-cache", metavar="TGZ", help="after the run, pack TRITON_CACHE_DIR into this file")
     a = ap.parse_args()
-    names = [n for n, _ in CASES]
+    cases = SETS[a.set]
+    names = [n for n, _ in cases]
     only = a.only.split(",") if a.only else names
     unknown = sorted(set(only) - set(names))
     if unknown:
@@ -142,7 +171,7 @@ def main():
     results, failed = [], 0
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
-    gens = dict(CASES)
+    gens = dict(cases)
     for i, name in enumerate(only):  # in the order asked for: a timeout keeps the first ones
         gen = gens[name]
         say(f"case {i + 1}/{len(only)}: {name}")

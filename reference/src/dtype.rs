@@ -124,23 +124,25 @@ impl Dtype {
     /// sums combine by butterfly (lane `i` with lane `i + n/2`, `n` halving),
     /// every partial sum rounded. Returns 0 for no terms.
     pub fn lane_sum<T: Scalar>(self, xs: &[T], per_lane: usize) -> T {
-        let serial = |run: &[T]| {
-            run.iter()
-                .skip(1)
-                .fold(run[0], |acc, &x| self.round(acc + x))
-        };
-        let mut parts: Vec<T> = xs.chunks(per_lane.max(1)).map(serial).collect();
-        while parts.len() > 1 {
-            let n = parts.len().div_ceil(2);
-            parts = (0..n)
-                .map(|i| match parts.get(i + n) {
-                    Some(&other) => self.round(parts[i] + other),
-                    None => parts[i],
-                })
-                .collect();
-        }
-        parts.first().copied().unwrap_or_else(T::zero)
+        lane_sum_with(xs, per_lane, |x| self.round(x))
     }
+}
+
+/// [`Dtype::lane_sum`]'s reduction with `store` applied to every partial
+/// sum (a plain or a jittered store, [`crate::precision::Store`]).
+pub fn lane_sum_with<T: Scalar>(xs: &[T], per_lane: usize, store: impl Fn(T) -> T) -> T {
+    let serial = |run: &[T]| run.iter().skip(1).fold(run[0], |acc, &x| store(acc + x));
+    let mut parts: Vec<T> = xs.chunks(per_lane.max(1)).map(serial).collect();
+    while parts.len() > 1 {
+        let n = parts.len().div_ceil(2);
+        parts = (0..n)
+            .map(|i| match parts.get(i + n) {
+                Some(&other) => store(parts[i] + other),
+                None => parts[i],
+            })
+            .collect();
+    }
+    parts.first().copied().unwrap_or_else(T::zero)
 }
 
 /// `x` rounded to nearest even bf16. `half::bf16::from_f64` drops the

@@ -170,6 +170,82 @@ pub struct Policy {
     /// `exp(Γ_r − Γ_c)` factored through the midpoint of each 16-token
     /// sub-chunk (FLA `safe_gate`).
     pub safe_gate_midpoint: bool,
+    /// One member of the ensemble of equally correct kernels (`None`: the
+    /// emulation's own fp32 values are stored): see [`Jitter`].
+    pub jitter: Option<Jitter>,
+}
+
+/// What a correct kernel with the same storage points is free to differ in:
+/// the fp32 value it holds just before a store. Its reductions (`tl.dot`
+/// on tensor cores, `tl.sum`, split-K state passes, atomic adds) add in an
+/// order and with an internal alignment the emulation does not reproduce,
+/// and its `exp2` is an approximation (`ex2.approx`), so its pre-store value
+/// differs from the emulation's in the last fp32 bits. A jittered store
+/// first moves the value by a relative amount drawn uniformly from
+/// `[-rel, rel)` and then rounds it to the stage's storage, round to
+/// nearest even as the kernel does: a value near a rounding boundary rounds
+/// either way, and the differences grow through everything downstream.
+///
+/// The draw is a hash of `(seed, stage, the value's bits)`, not a stream:
+/// a run stays deterministic for its seed and independent of the thread
+/// count (no shared state), and equal values of one stage move alike.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Jitter {
+    pub seed: u64,
+    /// The largest relative move (e.g. `2^-21`: 4 fp32 ulps at the top of a binade).
+    pub rel: f64,
+}
+
+/// SplitMix64's finaliser: a well-mixed 64-bit function of a 64-bit input.
+fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Jitter {
+    /// `x · (1 + rel·u)`, `u ∈ [-1, 1)` drawn from `(seed, stage, x)`.
+    pub fn apply(self, stage: Stage, x: f64) -> f64 {
+        let h = mix64(self.seed ^ mix64((stage as u64) << 56 ^ x.to_bits()));
+        // The top 53 bits as a uniform [0, 1), then [-1, 1).
+        let u = (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64) * 2.0 - 1.0;
+        x * (1.0 + self.rel * u)
+    }
+}
+
+/// How one stage stores a value: its dtype and, in an ensemble member, the
+/// jitter applied before rounding ([`Policy::store`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Store {
+    pub dtype: Dtype,
+    stage: Stage,
+    jitter: Option<Jitter>,
+}
+
+impl Store {
+    /// A plain store to `dtype` (no jitter).
+    pub fn plain(stage: Stage, dtype: Dtype) -> Store {
+        Store {
+            dtype,
+            stage,
+            jitter: None,
+        }
+    }
+
+    /// `x` as this store writes it.
+    pub fn round<T: Scalar>(self, x: T) -> T {
+        match (self.dtype, self.jitter) {
+            (Dtype::F64, _) => x,
+            (d, None) => d.round(x),
+            (d, Some(j)) => T::c(d.round_f64(j.apply(self.stage, x.f64()))),
+        }
+    }
+
+    /// [`Dtype::lane_sum`] with every partial sum stored by this store.
+    pub fn lane_sum<T: Scalar>(self, xs: &[T], per_lane: usize) -> T {
+        crate::dtype::lane_sum_with(xs, per_lane, |x| self.round(x))
+    }
 }
 
 impl Default for Policy {
@@ -202,7 +278,25 @@ impl Policy {
             stages: vec![],
             exp2: false,
             safe_gate_midpoint: false,
+            jitter: None,
         }
+    }
+
+    /// The same policy as one member of the ensemble of correct kernels.
+    pub fn jittered(mut self, jitter: Jitter) -> Self {
+        self.jitter = Some(jitter);
+        self
+    }
+
+    /// How `stage` stores a value (`None`: kept in the compute scalar).
+    pub fn store(&self, stage: Stage) -> Option<Store> {
+        self.storage(stage)
+            .filter(|s| *s != Dtype::F64)
+            .map(|dtype| Store {
+                dtype,
+                stage,
+                jitter: self.jitter,
+            })
     }
 
     pub fn is_exact(&self) -> bool {
@@ -272,7 +366,7 @@ impl Policy {
         stage: Stage,
         a: &mut ArrayBase<S, D>,
     ) {
-        if let Some(s) = self.storage(stage).filter(|s| *s != Dtype::F64) {
+        if let Some(s) = self.store(stage) {
             a.mapv_inplace(|x| s.round(x));
         }
     }
@@ -297,7 +391,7 @@ impl Policy {
     /// with a [`Stage::GCumsum`] storage every partial sum is rounded to it,
     /// as a kernel accumulating in that dtype does (`tl.cumsum` in fp32).
     pub fn cumsum_rows<T: Scalar>(&self, g: &mut ndarray::Array2<T>) {
-        match self.storage(Stage::GCumsum).filter(|s| *s != Dtype::F64) {
+        match self.store(Stage::GCumsum) {
             Some(s) => {
                 g.mapv_inplace(|x| s.round(x));
                 g.accumulate_axis_inplace(ndarray::Axis(0), |&prev, cur| {

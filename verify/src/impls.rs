@@ -159,6 +159,7 @@ impl Impl {
             stages: vec![],
             exp2: false,
             safe_gate_midpoint: false,
+            jitter: None,
         },
         device: Device::Cpu,
     };
@@ -170,6 +171,18 @@ impl Impl {
             engine: Engine::Chunk(c),
             ..Impl::NAIVE
         })
+    }
+
+    /// The same implementation as one member of the ensemble of correct
+    /// kernels ([`deltaref::precision::Jitter`]): every stage it stores,
+    /// CP's included, is jittered before rounding.
+    pub fn jittered(&self, jitter: deltaref::precision::Jitter) -> Impl {
+        let mut imp = self.clone();
+        imp.policy = imp.policy.jittered(jitter);
+        if let Some((_, o)) = imp.cp.as_mut() {
+            o.policy = o.policy.clone().jittered(jitter);
+        }
+        imp
     }
 
     pub fn name(&self) -> String {
@@ -350,10 +363,10 @@ impl Impl {
     /// in the token dtype), except those the op's kernels return in fp32
     /// (its entry's `fp32_results`: final states, `dh0`, `dA_log`, …).
     fn stored_outputs(&self, op: Op, mut t: Tensors) -> Tensors {
-        if let Some(s) = self.policy.storage(Stage::Outputs) {
+        if let Some(s) = self.policy.store(Stage::Outputs) {
             let fp32 = op.info().fp32_results;
             for (_, x) in t.iter_mut().filter(|(n, _)| !fp32.contains(&n.as_str())) {
-                x.mapv_inplace(|v| s.round_f64(v));
+                x.mapv_inplace(|v| s.round(v));
             }
         }
         t

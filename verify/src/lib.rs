@@ -1,3 +1,4 @@
+pub mod band;
 pub mod bench;
 pub mod bisect;
 pub mod case;

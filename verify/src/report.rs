@@ -5,6 +5,7 @@ use std::fmt;
 use ndarray::ArrayD;
 use serde::Serialize;
 
+use crate::band::{verdict_table, Band, Verdict};
 use crate::intermediates::IntermediateRow;
 use crate::metrics::Accum;
 use crate::outputs::Tensors;
@@ -45,6 +46,17 @@ pub struct VerifyReport {
     pub unchecked: Vec<String>,
     /// Whether unchecked tensors were accepted (`--allow-partial`).
     pub allow_partial: bool,
+    /// With `verify --band P`: each tensor judged against its noise band
+    /// (then a row passes by its band, not by `max_ratio`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub band: Option<BandJudgement>,
+}
+
+/// The band and the verdicts of `verify --band`.
+#[derive(Clone, Debug, Serialize)]
+pub struct BandJudgement {
+    pub band: Band,
+    pub verdicts: Vec<Verdict>,
 }
 
 fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
@@ -138,7 +150,26 @@ impl VerifyReport {
             allow_partial: false,
             forward_only: false,
             intermediates: vec![],
+            band: None,
         }
+    }
+
+    /// Judges the rows by `verdicts` (against `band`) instead of
+    /// `max_ratio`: a row with a verdict passes when its verdict does (a
+    /// row without one, or with a problem, keeps its result); the report
+    /// passes when every row does.
+    pub fn with_band(mut self, band: Band, verdicts: Vec<Verdict>) -> Self {
+        for r in self.rows.iter_mut().filter(|r| r.problem.is_none()) {
+            if let Some(v) = verdicts.iter().find(|v| v.tensor == r.tensor) {
+                r.pass = v.pass;
+            }
+        }
+        self.pass = !self.rows.is_empty()
+            && self.rows.iter().all(|r| r.pass)
+            && self.intermediates.iter().all(|r| r.pass)
+            && (self.unchecked.is_empty() || self.allow_partial);
+        self.band = Some(BandJudgement { band, verdicts });
+        self
     }
 
     /// Marks the report as covering outputs and final state only.
@@ -262,6 +293,14 @@ impl fmt::Display for VerifyReport {
                     verdict(&r.problem, r.pass)
                 )?;
             }
+        }
+        if let Some(b) = &self.band {
+            writeln!(
+                f,
+                "against the band of `{}` ({} samples, {}): rows pass by the band, not by the max ratio",
+                b.band.precision, b.band.spec.samples, b.band.implementation
+            )?;
+            writeln!(f, "{}", verdict_table(&b.verdicts))?;
         }
         let failed = self.rows.iter().filter(|r| !r.pass).count()
             + self.intermediates.iter().filter(|r| !r.pass).count();

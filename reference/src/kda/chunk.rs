@@ -114,7 +114,7 @@ impl Chunk {
         const BV: usize = 64;
         const PER_LANE: usize = 8;
         let prods = self.operand(fused::zip_map(h, dh, |h, d| h * d));
-        let Some(st) = self.policy.storage(Stage::HdhSum) else {
+        let Some(st) = self.policy.store(Stage::HdhSum) else {
             return prods.sum_axis(Axis(1));
         };
         prods
@@ -467,7 +467,7 @@ impl Chunk {
     /// the sub-chunk's anchor (the midpoint, as [`Chunk::pair_decay`]).
     fn pair_products_subchunks<T: Scalar>(
         &self,
-        st: crate::dtype::Dtype,
+        st: crate::precision::Store,
         g: &Array2<T>,
         q: ArrayView2<T>,
         k: ArrayView2<T>,
@@ -537,7 +537,7 @@ impl Chunk {
             .is_none()
             .then(|| self.decay_blocks(&g_cumsum))
             .flatten();
-        let fwd_dots = self.policy.storage(Stage::FwdDots);
+        let fwd_dots = self.policy.store(Stage::FwdDots);
         let (mut aqk, mut p) = match factors.as_ref().filter(|_| fwd_dots.is_none()) {
             Some((ep, em)) => {
                 // exp(Γ_r − Γ_s) = exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s): two matrix
@@ -966,7 +966,7 @@ impl Chunk {
         k: ArrayView2<'a, T>,
         beta: ArrayView1<T>,
     ) -> CowArray<'a, T, Ix2> {
-        let Some(st) = self.policy.storage(Stage::KBetaBwd) else {
+        let Some(st) = self.policy.store(Stage::KBetaBwd) else {
             return k.into();
         };
         Array2::from_shape_fn(k.raw_dim(), |(r, d)| match beta[r] {
@@ -992,7 +992,7 @@ impl Chunk {
         dk: &mut Array2<T>,
         dgamma: &mut Array2<T>,
     ) {
-        if let Some(st) = self.policy.storage(Stage::IntraDots) {
+        if let Some(st) = self.policy.store(Stage::IntraDots) {
             return self.intra_backward_subchunks(st, ch, q, k, k_col, daqk, dp, dq, dk, dgamma);
         }
         let flats = [dq, dk, dgamma].map(fused::flat_mut);
@@ -1162,7 +1162,7 @@ impl Chunk {
     #[allow(clippy::too_many_arguments)]
     fn intra_backward_subchunks<T: Scalar>(
         &self,
-        st: crate::Dtype,
+        st: crate::precision::Store,
         ch: &Intra<T>,
         q: ArrayView2<T>,
         k: ArrayView2<T>,

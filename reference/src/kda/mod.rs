@@ -491,7 +491,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
     /// to memory reads them back. β after the in-kernel sigmoid is not:
     /// FLA's `fused_beta_sigmoid` writes fp32.
     pub fn with_stored_activations(mut self, policy: &Policy) -> Self {
-        let Some(s) = policy.storage(Stage::Activations) else {
+        let Some(s) = policy.store(Stage::Activations) else {
             return self;
         };
         if self.opt.use_qk_l2norm_in_kernel {

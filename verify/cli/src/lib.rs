@@ -43,6 +43,10 @@ enum Command {
     Fixtures(commands::fixtures::Args),
     /// Locate where an error starts: per token, sequence, rank and chunk.
     Diagnose(commands::diagnose::Args),
+    /// The band of norm_ratio a correct kernel with a precision preset shows on a case.
+    Band(commands::band::Args),
+    /// Per-tensor test bars at a shape, from the band over several input draws.
+    Tolerance(commands::tolerance::Args),
     /// Time implementations (CPU oracle, GPU kernels) on a case, with their errors.
     Bench(commands::bench::Args),
 }
@@ -77,5 +81,7 @@ where
         Command::Fixtures(a) => commands::fixtures::run(a),
         Command::Diagnose(a) => commands::diagnose::run(a),
         Command::Bench(a) => commands::bench::run(a),
+        Command::Band(a) => commands::band::run(a),
+        Command::Tolerance(a) => commands::tolerance::run(a),
     }
 }

@@ -21,7 +21,9 @@ use deltaref_verify::presets;
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
+use super::band::{band_request, EnsembleArgs};
 use super::{fail, ImplArgs};
+use deltaref_verify::band::{self, Verdict};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
@@ -55,6 +57,13 @@ pub struct Args {
     /// the error each stage drives, largest first, and a one-line conclusion.
     #[arg(long)]
     pub bisect: bool,
+    /// Also judge each whole tensor against the noise band of this
+    /// precision preset (e.g. fla-bf16): inside, above p99 by how many band
+    /// widths, far below; the exit status then follows the band, not --band.
+    #[arg(long, value_name = "PRECISION")]
+    pub noise_band: Option<String>,
+    #[command(flatten)]
+    pub ensemble: EnsembleArgs,
 }
 
 /// The truth: stored results, else the f64 oracle on the inputs `imp` reads.
@@ -99,7 +108,15 @@ fn go_bisect(a: &Args) -> Result<Bisection, CaseError> {
         .map_err(CaseError::computing(&a.case))
 }
 
-fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
+/// What `diagnose` found: the per-token diagnosis, the rows that could not
+/// be compared, and (with `--noise-band`) each tensor against its band.
+struct Found {
+    d: Diagnosis,
+    problems: Vec<String>,
+    verdicts: Option<Vec<Verdict>>,
+}
+
+fn go(a: &Args) -> Result<Found, CaseError> {
     super::check_ratio("--band", a.band)?;
     let case = Case::read(&a.case)?;
     let plot_path = a.plot.as_deref().map(destination).transpose()?;
@@ -159,7 +176,19 @@ fn go(a: &Args) -> Result<(Diagnosis, Vec<String>), CaseError> {
     if let Some(path) = &plot_path {
         plot(&d, path).map_err(CaseError::Usage)?;
     }
-    Ok((d, problems))
+    let verdicts = match &a.noise_band {
+        None => None,
+        Some(p) => {
+            let req = band_request(&a.imp, &case, p)?;
+            let b = band::of_case(&case, &a.case, &reference, &req, &a.ensemble.spec())?;
+            Some(band::judge(&b, &band::ratios(&reference, &candidate)))
+        }
+    };
+    Ok(Found {
+        d,
+        problems,
+        verdicts,
+    })
 }
 
 /// The noise reference's name and results, if any (see `--noise`).
@@ -204,11 +233,30 @@ pub fn run(a: Args) -> ExitCode {
         };
     }
     match go(&a) {
-        Ok((d, problems)) => {
+        Ok(Found {
+            d,
+            problems,
+            verdicts,
+        }) => {
             if a.json {
-                super::print(&serde_json::to_string_pretty(&d).expect("diagnosis serialises"));
+                let j = match &verdicts {
+                    None => serde_json::to_value(&d),
+                    Some(v) => {
+                        serde_json::to_value(serde_json::json!({"diagnosis": &d, "band": v}))
+                    }
+                };
+                super::print(
+                    &serde_json::to_string_pretty(&j.expect("diagnosis serialises")).expect("JSON"),
+                );
             } else {
                 super::print(&d.to_string());
+                if let Some(v) = &verdicts {
+                    super::print(&format!(
+                        "against the band of `{}`:",
+                        a.noise_band.as_deref().unwrap_or("")
+                    ));
+                    super::print(&band::verdict_table(v));
+                }
                 if let Some(p) = &a.plot {
                     super::print(&format!("plot: {}", p.display()));
                 }
@@ -216,9 +264,14 @@ pub fn run(a: Args) -> ExitCode {
             for p in &problems {
                 eprintln!("FAIL: {p}");
             }
-            // Like verify: fail when a whole tensor is out of band or cannot
-            // be compared; where the error starts is information either way.
-            if problems.is_empty() && d.tensors.iter().all(|t| t.norm_ratio <= a.band) {
+            // Like verify: fail when a whole tensor is out of band (the
+            // noise band's verdict with --noise-band) or cannot be
+            // compared; where the error starts is information either way.
+            let in_band = match &verdicts {
+                Some(v) => v.iter().all(|v| v.pass),
+                None => d.tensors.iter().all(|t| t.norm_ratio <= a.band),
+            };
+            if problems.is_empty() && in_band {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)

@@ -14,6 +14,15 @@ use super::{fail, file_dtype, list};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
+    #[command(flatten)]
+    pub gen: GenOpts,
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// What to draw: the operator, shape and options (shared with `tolerance`).
+#[derive(ClapArgs, Debug, Clone)]
+pub struct GenOpts {
     /// kda, dplr, token_shift, gdn or causal_conv1d
     #[arg(long)]
     pub op: String,
@@ -66,11 +75,10 @@ pub struct Args {
     /// sharp (gates at the lower bound, β ≈ 1). Token-shift: changes x (slow, mixed scales, heavy tails).
     #[arg(long, default_value = "fla-test")]
     pub regime: String,
-    #[arg(long)]
-    pub out: PathBuf,
 }
 
-fn spec(a: &Args) -> Result<GenSpec, CaseError> {
+/// The generation spec the options describe.
+pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
     let usage = |m: String| CaseError::Usage(m);
     let op = Op::parse(&a.op).ok_or_else(|| {
         usage(format!(
@@ -131,7 +139,7 @@ fn spec(a: &Args) -> Result<GenSpec, CaseError> {
 }
 
 pub fn run(a: Args) -> ExitCode {
-    let result = spec(&a).and_then(|s| {
+    let result = spec(&a.gen).and_then(|s| {
         // Refuse an unwritable destination before the work, not after it.
         deltaref_verify::files::destination(&a.out)?;
         generate_to(&s, &a.out)

@@ -1,6 +1,7 @@
 //! One module per subcommand: each exposes `Args` and `run(args) -> ExitCode`.
 //! Exit codes: 0 success/all pass, 1 a comparison failed, 2 usage or input error.
 
+pub mod band;
 pub mod bench;
 pub mod cp;
 pub mod diagnose;
@@ -8,6 +9,7 @@ pub mod fixtures;
 pub mod gen;
 pub mod run;
 pub mod selfcheck;
+pub mod tolerance;
 pub mod verify;
 
 use std::process::ExitCode;

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use ndarray::ArrayD;
 
+use deltaref_verify::band;
 use deltaref_verify::case::{Case, CaseError, Op};
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
 use deltaref_verify::impls::{oracle_truth, Compute, ImplRequest};
@@ -17,6 +18,7 @@ use deltaref_verify::outputs::Tensors;
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
+use super::band::{band_request, EnsembleArgs};
 use super::{fail, ImplArgs};
 
 #[derive(ClapArgs, Debug)]
@@ -42,6 +44,14 @@ pub struct Args {
     /// returns no final state). The unchecked tensors are still listed.
     #[arg(long)]
     pub allow_partial: bool,
+    /// Judge each tensor against the noise band of this precision preset
+    /// (e.g. fla-bf16: where a correct kernel with its storage lands on this
+    /// case) instead of --max-ratio: inside, above p99 by how many band
+    /// widths, or far below it.
+    #[arg(long, value_name = "PRECISION")]
+    pub band: Option<String>,
+    #[command(flatten)]
+    pub ensemble: EnsembleArgs,
 }
 
 /// The candidate's intermediates against the oracle's, computed with the
@@ -70,6 +80,13 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         ));
     }
     if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)? {
+        if a.band.is_some() {
+            return Err(CaseError::Usage(format!(
+                "--band: {} is large enough to be verified head block by head block; a band \
+                 needs whole-case emulation runs (compute it on a shorter case of the same shape family)",
+                a.case.display()
+            )));
+        }
         match &a.candidate {
             None => return streamed(a, &file, None),
             Some(c) => {
@@ -131,8 +148,18 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         &expected,
         &got,
         a.max_ratio,
-    );
-    Ok(finish(a, report.with_intermediates(inter), unchecked))
+    )
+    .with_intermediates(inter);
+    let report = match &a.band {
+        None => report,
+        Some(p) => {
+            let req = band_request(&a.imp, &case, p)?;
+            let b = band::of_case(&case, &a.case, &expected, &req, &a.ensemble.spec())?;
+            let verdicts = band::judge(&b, &band::ratios(&expected, &got));
+            report.with_band(b, verdicts)
+        }
+    };
+    Ok(finish(a, report, unchecked))
 }
 
 /// Applies `--forward-only` and `--allow-partial` to the names of the
