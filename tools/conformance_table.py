@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """docs/conformance.md's table from tools/conformance.py's JSON lines.
 
-    python3 tools/conformance_table.py ROWS.jsonl [ROWS.jsonl ...] > table.md
+    python3 tools/conformance_table.py ROWS.jsonl [ROWS.jsonl ...] > table.md   (later files win)
 
 One row per (implementation, case): op family, what served the call, the
 verdict against the bar, the worst tensor and its norm_ratio, then every
@@ -17,7 +17,14 @@ def fmt(x):
 
 
 def main(paths):
-    rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+    # A later file's row for the same (implementation, case) replaces an earlier one.
+    latest = {}
+    for p in paths:
+        for line in open(p):
+            if line.strip():
+                r = json.loads(line)
+                latest[(r["impl"], r["case"])] = r
+    rows = list(latest.values())
     rows.sort(key=lambda r: (r["impl"], r["family"], r["case"]))
     print("| implementation | case | bug | device, date | served by | verdict (bar) | worst | all tensors (and what bf16 storage costs a correct kernel) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -30,6 +30,12 @@ for g in $groups; do
         gdnfwd) conf gdnfwd 'gdn-128' 'opengdn-reference,opengdn-chunkwise,opengdn-triton,fla-chunk-fwd' & ;;
         k100) conf k100 'kda-k100' 'fla-fused-recurrent,fla-chunk' & ;;
         gdn2) conf gdn2 'gdn2-64' 'fla-chunk-gdn2' & ;;
+        fid128|fid64|fiddplr)
+            names=$(python3 -c "import sys; sys.path.insert(0, 'tools'); import fla_fidelity as f; \
+                print(','.join(n for n, a in f.BAND_CASES if {'fid128': 'k128', 'fid64': 'k64', 'fiddplr': 'dplr'}['$g'] in n \
+                and ('dplr' not in n or '$g' == 'fiddplr')))")
+            timeout $BUDGET python3 tools/fla_fidelity.py --bin .bin/deltaref --dir $W/$g --json $OUT/band-$g.json \
+                --set band --only "$names" > $W/log-$g.txt 2>&1 & ;;
         *) [ -f "tools/device_$g.sh" ] && timeout $BUDGET bash tools/device_$g.sh > $W/log-$g.txt 2>&1 & ;;
     esac
 done

@@ -20,9 +20,9 @@ from .common import load, save
 from .registry import IMPLS
 
 
-def serve(impl, case, out):
+def serve(impl, case, out, device="cuda"):
     _, why_not, run, _ = IMPLS[impl]
-    t, meta = load(case)
+    t, meta = load(case, device)
     why = why_not(meta, t)
     if why:
         return {"ok": False, "unsupported": True, "error": why}
@@ -40,18 +40,19 @@ def main():
     ap.add_argument("impl", choices=sorted(IMPLS))
     ap.add_argument("--case")
     ap.add_argument("--out")
+    ap.add_argument("--device", default="cuda", help="where the case's tensors go (cpu for the pure-torch runners)")
     a = ap.parse_args()
     if a.case or a.out:
         if not (a.case and a.out):
             ap.error("the command form takes both --case and --out")
-        answer = serve(a.impl, a.case, a.out)
+        answer = serve(a.impl, a.case, a.out, a.device)
         print(json.dumps(answer))
         raise SystemExit(0 if answer["ok"] else 2)
     for line in sys.stdin:
         if not line.strip():
             continue
         req = json.loads(line)
-        print(json.dumps(serve(a.impl, req["case"], req["out"])), flush=True)
+        print(json.dumps(serve(a.impl, req["case"], req["out"], a.device)), flush=True)
 
 
 if __name__ == "__main__":
