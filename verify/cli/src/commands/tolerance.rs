@@ -33,8 +33,10 @@ pub struct Args {
     /// tensor (each tensor gets an equal share).
     #[arg(long, default_value_t = 1e-3)]
     pub false_alarm: f64,
-    /// Input draws (cases with seeds seed, seed+1, …), each with its own band.
-    #[arg(long, default_value_t = 4)]
+    /// Input draws (cases with seeds seed, seed+1, …), each with its own
+    /// ensemble. The bar is fitted to the spread between draws with a
+    /// small-sample (Student t) correction, so few draws give wide bars.
+    #[arg(long, default_value_t = 8)]
     pub draws: usize,
     #[command(flatten)]
     pub ensemble: EnsembleArgs,
@@ -66,12 +68,16 @@ fn go(a: &Args) -> Result<Report, CaseError> {
             a.false_alarm
         ));
     }
-    if a.draws == 0 {
-        return usage("--draws: at least one input draw is needed, got 0".into());
+    if a.draws < 2 {
+        return usage(format!(
+            "--draws: the bar is the spread between input draws, which needs at least 2 \
+             (8 or more for a useful bar), got {}",
+            a.draws
+        ));
     }
     let spec_ = a.ensemble.spec();
     spec_.check().map_err(CaseError::Usage)?;
-    let mut pooled: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut per_draw: BTreeMap<String, Vec<Vec<f64>>> = BTreeMap::new();
     let bar = Progress::bar(a.draws as u64, "input draws");
     for d in 0..a.draws {
         let mut gs = spec(&a.gen)?;
@@ -86,12 +92,12 @@ fn go(a: &Args) -> Result<Report, CaseError> {
         bar.step(&format!("draw {d}: {} emulation runs", spec_.samples));
         let (samples, _) = band::samples_of_case(&case, path, &truth, &req, &spec_)?;
         for (t, v) in band::per_tensor(&samples) {
-            pooled.entry(t).or_default().extend(v);
+            per_draw.entry(t).or_default().push(v);
         }
         bar.inc();
     }
     drop(bar);
-    let rows = band::tolerance(&pooled, a.false_alarm);
+    let rows = band::tolerance(&per_draw, a.false_alarm).map_err(CaseError::Usage)?;
     Ok(Report {
         precision: precision.to_string(),
         false_alarm: a.false_alarm,
@@ -109,13 +115,13 @@ fn text(r: &Report) -> String {
         r.precision, r.false_alarm, r.draws, r.samples
     );
     s += &format!(
-        "{:<12} {:>9} {:>10} {:>10}\n",
-        "tensor", "bar", "median", "max seen"
+        "{:<12} {:>9} {:>10} {:>10} {:>8} {:>8}\n",
+        "tensor", "bar", "median", "max seen", "log sd", "between"
     );
     for row in &r.rows {
         s += &format!(
-            "{:<12} {:>9.1e} {:>10.3e} {:>10.3e}\n",
-            row.tensor, row.bar, row.median, row.max_seen
+            "{:<12} {:>9.1e} {:>10.3e} {:>10.3e} {:>8.3} {:>8.3}\n",
+            row.tensor, row.bar, row.median, row.max_seen, row.log_sd, row.log_sd_between
         );
     }
     s + "# norm_ratio bars (FLA get_err_ratio / assert_close), from `deltaref tolerance`\n"
