@@ -1,9 +1,9 @@
 //! One test binary for this crate (each module was its own binary: linking
 //! them one by one cost CI minutes).
 
-mod common;
 mod bad_inputs;
 mod causal_conv1d;
+mod common;
 mod cp_props;
 mod engines;
 mod forward_backward;

@@ -45,6 +45,8 @@ enum Command {
     Diagnose(commands::diagnose::Args),
     /// Time implementations (CPU oracle, GPU kernels) on a case, with their errors.
     Bench(commands::bench::Args),
+    /// Property-test a candidate kernel: random valid cases, failures shrunk, likely cause named.
+    Fuzz(commands::fuzz::Args),
 }
 
 /// Parses `args` (the program name first) and runs the command: the whole
@@ -77,5 +79,6 @@ where
         Command::Fixtures(a) => commands::fixtures::run(a),
         Command::Diagnose(a) => commands::diagnose::run(a),
         Command::Bench(a) => commands::bench::run(a),
+        Command::Fuzz(a) => commands::fuzz::run(a),
     }
 }

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod cp;
 pub mod diagnose;
 pub mod fixtures;
+pub mod fuzz;
 pub mod gen;
 pub mod run;
 pub mod selfcheck;
