@@ -4,7 +4,8 @@
 //! way, the state read and written transposed, the gate taken in another
 //! space, the scale applied twice or not at all, the initial state
 //! ignored, sequence boundaries off by one, tokens laid out `[B,H,T,D]`),
-//! and the first under which every failing forward result passes is named.
+//! and the first under which every failing forward result passes is named
+//! (one mistake, else two made together).
 //!
 //! Everything here is in FLA's layout: a candidate in another convention
 //! is mapped back first ([`crate::convention::Convention::to_fla`]); the
@@ -114,16 +115,7 @@ impl Mistake {
     /// mistake cannot arise (no GVA, no initial state, …) or the oracle
     /// refuses the mistaken problem.
     pub fn results(self, case: &Case, c: &Convention) -> Option<Tensors> {
-        let (alt, fix) = self.mistaken(case, c)?;
-        let out = Impl::NAIVE.compute_forward(&alt, Compute::F64).ok()?;
-        Some(
-            out.into_iter()
-                .map(|(n, x)| {
-                    let y = fix(&n, x);
-                    (n, y)
-                })
-                .collect(),
-        )
+        results_of(&[self], case, c)
     }
 
     /// The mistaken problem and how its results land in the candidate's tensors.
@@ -258,6 +250,27 @@ impl Mistake {
     }
 }
 
+/// The forward results of a kernel making every mistake of `ms` on `case`
+/// (the first applied to the case first, its results fixed up last).
+pub fn results_of(ms: &[Mistake], case: &Case, c: &Convention) -> Option<Tensors> {
+    let mut alt = case.clone();
+    let mut fixes = vec![];
+    for m in ms {
+        let (next, fix) = m.mistaken(&alt, c)?;
+        alt = next;
+        fixes.push(fix);
+    }
+    let out = Impl::NAIVE.compute_forward(&alt, Compute::F64).ok()?;
+    Some(
+        out.into_iter()
+            .map(|(n, x)| {
+                let y = fixes.iter().rev().fold(x, |x, fix| fix(&n, x));
+                (n, y)
+            })
+            .collect(),
+    )
+}
+
 /// Whether `name` is a `[B, T, …]` token tensor of `op`.
 fn is_token(op: crate::case::Op, name: &str) -> bool {
     op.info()
@@ -331,7 +344,10 @@ fn permute_value_heads_of(
 /// A named mistake that explains a failure, and the tensors it explains.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Cause {
+    /// The first mistake (the one a signature names).
     pub mistake: Mistake,
+    /// Every mistake of the explanation (one, or two made together).
+    pub mistakes: Vec<Mistake>,
     /// `` `o` and `final_state` pass if …: … ``.
     pub sentence: String,
 }
@@ -355,8 +371,13 @@ pub fn likely_cause(
     if failing.is_empty() {
         return None;
     }
-    Mistake::ALL.into_iter().find_map(|m| {
-        let want = m.results(case, c)?;
+    let singles = Mistake::ALL.into_iter().map(|m| vec![m]);
+    let pairs = Mistake::ALL
+        .into_iter()
+        .enumerate()
+        .flat_map(|(i, a)| Mistake::ALL[i + 1..].iter().map(move |&b| vec![a, b]));
+    singles.chain(pairs).find_map(|ms| {
+        let want = results_of(&ms, case, c)?;
         let all_pass = failing.iter().all(|n| {
             let (Some(w), Some(x)) = (want.get(*n), cand.get(*n)) else {
                 return false;
@@ -368,7 +389,7 @@ pub fn likely_cause(
             }
         });
         all_pass.then(|| Cause {
-            mistake: m,
+            mistake: ms[0],
             sentence: format!(
                 "{} pass{} if {}",
                 failing
@@ -377,8 +398,12 @@ pub fn likely_cause(
                     .collect::<Vec<_>>()
                     .join(" and "),
                 if failing.len() == 1 { "es" } else { "" },
-                m.sentence(c)
+                ms.iter()
+                    .map(|m| m.sentence(c))
+                    .collect::<Vec<_>>()
+                    .join("; and if ")
             ),
+            mistakes: ms,
         })
     })
 }

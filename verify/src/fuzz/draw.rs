@@ -197,6 +197,9 @@ pub struct FuzzConfig {
     pub max_tokens: usize,
     /// Largest K and V drawn (unless fixed).
     pub max_dim: usize,
+    /// `--within X`: draw only cases convention X can express too (a
+    /// runner wrapping an X kernel in another convention).
+    pub within: Option<&'static Convention>,
 }
 
 impl FuzzConfig {
@@ -208,7 +211,13 @@ impl FuzzConfig {
             fix: None,
             max_tokens: 256,
             max_dim: 16,
+            within: None,
         }
+    }
+
+    /// The convention whose limits the draws keep to (`within`, else the candidate's).
+    pub fn drawing(&self) -> &'static Convention {
+        self.within.unwrap_or(self.convention)
     }
 
     /// Refuses an op the convention does not take or the fuzzer does not draw.
@@ -227,16 +236,24 @@ impl FuzzConfig {
                 self.op.name()
             )));
         }
+        if let Some(w) = self.within.filter(|w| !w.applies_to(self.op)) {
+            return Err(CaseError::Usage(format!(
+                "--within {}: it applies to --op {}, not {}",
+                w.name,
+                w.ops.join(", "),
+                self.op.name()
+            )));
+        }
         if let Some([h, k, v]) = self.fix {
             if h == 0 || k == 0 || v == 0 {
                 return Err(CaseError::Usage(format!(
                     "--fix H,K,V: sizes must be ≥ 1, got {h},{k},{v}"
                 )));
             }
-            if self.convention.k_equals_v && k != v {
+            if self.drawing().k_equals_v && k != v {
                 return Err(CaseError::Usage(format!(
                     "--fix H,K,V: convention {} needs K = V, got K = {k}, V = {v}",
-                    self.convention.name
+                    self.drawing().name
                 )));
             }
         }
@@ -255,7 +272,7 @@ impl FuzzConfig {
     /// regime and the extra shapes).
     pub fn draw(&self, seed: u64, index: u64) -> Params {
         let mut r = Rng(mix(seed ^ mix(index.wrapping_add(0x00f0_22ed))));
-        let c = self.convention;
+        let c = self.drawing();
         let varlen = c.varlen && (!c.dense || r.below(3) > 0);
         let n = 1 + r.below(if varlen { 4 } else { 3 });
         let budget = self.max_tokens / n;
@@ -321,7 +338,7 @@ impl FuzzConfig {
 
     /// Whether `p` is a case the convention takes (shrinking keeps to them).
     pub fn allows(&self, p: &Params) -> bool {
-        let c = self.convention;
+        let c = self.drawing();
         let t = p.tokens();
         t >= 1
             && !p.lengths.is_empty()

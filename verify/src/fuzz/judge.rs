@@ -42,9 +42,12 @@ impl Verdict {
         format!(
             "{} [{}]",
             self.failing.join(","),
-            self.cause
-                .as_ref()
-                .map_or("unexplained", |c| c.mistake.name())
+            self.cause.as_ref().map_or("unexplained".into(), |c| c
+                .mistakes
+                .iter()
+                .map(|m| m.name())
+                .collect::<Vec<_>>()
+                .join("+"))
         )
     }
 }

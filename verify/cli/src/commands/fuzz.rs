@@ -35,6 +35,10 @@ pub struct Args {
     /// The candidate's convention: fla, flashkda, flashinfer-gdn, flashqla, opengdn, ggml.
     #[arg(long, default_value = "fla")]
     pub convention: String,
+    /// Draw only cases this convention can express too (a runner wrapping,
+    /// say, a ggml kernel for FLA's layout: --convention fla --within ggml).
+    #[arg(long)]
+    pub within: Option<String>,
     /// Number of cases (default 100 without --time).
     #[arg(long)]
     pub cases: Option<u64>,
@@ -119,7 +123,17 @@ fn config(a: &Args) -> Result<FuzzConfig, CaseError> {
             }
         },
     };
+    let within = match &a.within {
+        None => None,
+        Some(w) => Some(convention::find(w).ok_or_else(|| {
+            CaseError::Usage(format!(
+                "--within: unknown convention `{w}` (available: {})",
+                convention::names()
+            ))
+        })?),
+    };
     let cfg = FuzzConfig {
+        within,
         dtype: a.dtype,
         fix,
         max_tokens: a.max_tokens,
