@@ -327,7 +327,7 @@ fn permute_value_heads_of(
     if let Some(a) = axes.split(',').position(|a| a == "HV") {
         return x.select(Axis(a), perm);
     }
-    if axes == "HV*K" && x.len() % perm.len() == 0 {
+    if axes == "HV*K" && x.len().is_multiple_of(perm.len()) {
         let k = x.len() / perm.len();
         let m = x
             .into_shape_with_order(IxDyn(&[perm.len(), k]))

@@ -332,7 +332,7 @@ impl FuzzConfig {
             l2norm,
             beta_sigmoid,
             initial_state: r.below(2) == 0,
-            seed: r.next(),
+            seed: r.next_u64(),
         }
     }
 
@@ -346,7 +346,7 @@ impl FuzzConfig {
             && (p.varlen || c.dense)
             && (!p.varlen || c.varlen)
             && p.h >= 1
-            && p.hv % p.h == 0
+            && p.hv.is_multiple_of(p.h)
             && (c.heads != HeadMap::Equal || p.hv == p.h)
             && p.k >= 1
             && p.v >= 1
@@ -373,7 +373,7 @@ fn length(r: &mut Rng, budget: usize, varlen: bool) -> usize {
     let budget = budget.max(1);
     let l = match r.below(6) {
         0 if varlen => r.below(2),
-        0 | 1 | 2 => {
+        0..=2 => {
             let c = [16, 32, 64][r.below(3)] * (1 + r.below(2));
             (c + r.below(3)).saturating_sub(1)
         }
@@ -401,13 +401,13 @@ fn dim(r: &mut Rng, max: usize) -> usize {
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         mix(self.0)
     }
 
     /// Uniform in `0..n` (`n ≥ 1`).
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
+        (self.next_u64() % n.max(1) as u64) as usize
     }
 }

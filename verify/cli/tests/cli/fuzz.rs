@@ -109,7 +109,10 @@ fn usage_errors_and_broken_runners_exit_2() {
             vec!["--runner", "false {case} {out}"],
             "could not run the first case",
         ),
-        (vec!["--worker", "true"], "the runner could not run: worker `true`"),
+        (
+            vec!["--worker", "true"],
+            "the runner could not run: worker `true`",
+        ),
         (vec![], "--runner"),
     ] {
         let mut a = vec!["fuzz", "-q", "--op", "gdn", "--cases", "2"];
