@@ -49,6 +49,8 @@ enum Command {
     Tolerance(commands::tolerance::Args),
     /// Time implementations (CPU oracle, GPU kernels) on a case, with their errors.
     Bench(commands::bench::Args),
+    /// Property-test a candidate kernel: random valid cases, failures shrunk, likely cause named.
+    Fuzz(commands::fuzz::Args),
 }
 
 /// Parses `args` (the program name first) and runs the command: the whole
@@ -83,5 +85,6 @@ where
         Command::Bench(a) => commands::bench::run(a),
         Command::Band(a) => commands::band::run(a),
         Command::Tolerance(a) => commands::tolerance::run(a),
+        Command::Fuzz(a) => commands::fuzz::run(a),
     }
 }

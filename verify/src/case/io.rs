@@ -118,6 +118,19 @@ impl Case {
             .map_err(|e| format(e.to_string()))
     }
 
+    /// [`Case::to_bytes`] with more metadata entries beside `case` (a case
+    /// written in a kernel's convention records it under `convention`).
+    pub fn to_bytes_with_metadata(&self, extra: &[(&str, String)]) -> Result<Vec<u8>, CaseError> {
+        let format = |why: String| CaseError::Format {
+            path: "(in memory)".into(),
+            why,
+        };
+        let views = self.views().map_err(format)?;
+        let mut meta = self.meta_map();
+        meta.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        safetensors::tensor::serialize(views, Some(meta)).map_err(|e| format(e.to_string()))
+    }
+
     /// Writes the case atomically: a temporary file next to `path`, then
     /// rename. The bytes are [`Case::to_bytes`]'s, each tensor encoded only
     /// as it is written (a long case is never in memory twice).

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod cp;
 pub mod diagnose;
 pub mod fixtures;
+pub mod fuzz;
 pub mod gen;
 pub mod run;
 pub mod selfcheck;
@@ -34,6 +35,21 @@ pub fn parse_case_args<A: ClapArgs>(name: &str, case: &std::path::Path, rest: &[
     <Cli<A> as clap::Parser>::try_parse_from(head.iter().chain(rest))
         .expect("valid arguments")
         .a
+}
+
+/// `--convention NAME` for a case: a built-in convention that can express it.
+pub fn convention(
+    name: &str,
+    case: &Case,
+) -> Result<&'static deltaref_verify::convention::Convention, CaseError> {
+    let conv = deltaref_verify::convention::find(name).ok_or_else(|| {
+        CaseError::Usage(format!(
+            "--convention: unknown `{name}` (available: {})",
+            deltaref_verify::convention::names()
+        ))
+    })?;
+    conv.check(case).map_err(CaseError::Usage)?;
+    Ok(conv)
 }
 
 /// Prints to stdout; a closed pipe (`deltaref … | head`) is not an error.

@@ -11,6 +11,8 @@ use ndarray::ArrayD;
 
 use deltaref_verify::band;
 use deltaref_verify::case::{Case, CaseError, Op};
+use deltaref_verify::cause::{likely_cause, Cause};
+use deltaref_verify::convention::Dims;
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
 use deltaref_verify::impls::{oracle_truth, Compute, ImplRequest};
 use deltaref_verify::intermediates;
@@ -52,6 +54,10 @@ pub struct Args {
     pub band: Option<String>,
     #[command(flatten)]
     pub ensemble: EnsembleArgs,
+    /// The candidate's convention (fla, flashkda, flashinfer-gdn, flashqla,
+    /// opengdn, ggml): its tensors are mapped back to FLA's layout first.
+    #[arg(long, default_value = "fla")]
+    pub convention: String,
 }
 
 /// The candidate's intermediates against the oracle's, computed with the
@@ -79,7 +85,9 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                 .into(),
         ));
     }
-    if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)? {
+    // A candidate in another convention is mapped back whole (head blocks read FLA's layout).
+    let streams = a.convention == "fla" || a.candidate.is_none();
+    if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)?.filter(|_| streams) {
         if a.band.is_some() {
             return Err(CaseError::Usage(format!(
                 "--band: {} is large enough to be verified head block by head block; a band \
@@ -116,7 +124,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
             (
                 expected,
                 reference,
-                cand.results(),
+                candidate_in_fla(a, &case, &cand)?,
                 cpath.display().to_string(),
             )
         }
@@ -303,13 +311,49 @@ fn streamed(a: &Args, file: &HeadFile, cand: Option<&HeadFile>) -> Result<Verify
     Ok(finish(a, report, unchecked))
 }
 
+/// The candidate's results mapped from `--convention` to FLA's layout.
+pub fn candidate_in_fla(a: &Args, case: &Case, cand: &Case) -> Result<Tensors, CaseError> {
+    let conv = super::convention(&a.convention, case)?;
+    let dims = Dims::of(case).map_err(CaseError::Usage)?;
+    conv.to_fla(case.meta.op, &dims, cand.results())
+        .map_err(|e| CaseError::Usage(format!("--candidate in convention {}: {e}", conv.name)))
+}
+
+/// The likely cause of a failed `verify --candidate` (see
+/// [`deltaref_verify::cause`]), when one of the usual mistakes explains it.
+fn cause_of(a: &Args, report: &VerifyReport) -> Option<Cause> {
+    let cpath = a.candidate.as_ref().filter(|_| !report.pass)?;
+    let case = Case::read(&a.case).ok()?;
+    let cand = Case::read_candidate_for(cpath, &case).ok()?;
+    let got = candidate_in_fla(a, &case, &cand).ok()?;
+    let conv = super::convention(&a.convention, &case).ok()?;
+    let failing: Vec<String> = report
+        .rows
+        .iter()
+        .filter(|r| !r.pass)
+        .map(|r| r.tensor.clone())
+        .collect();
+    likely_cause(&case, conv, &got, &failing, a.max_ratio)
+}
+
 pub fn run(a: Args) -> ExitCode {
     match go(&a) {
         Ok(report) => {
+            let cause = cause_of(&a, &report);
             if a.json {
-                super::print(&serde_json::to_string_pretty(&report).expect("report serialises"));
+                let mut v = serde_json::to_value(&report).expect("report serialises");
+                if let (Some(c), Some(m)) = (&cause, v.as_object_mut()) {
+                    m.insert(
+                        "likely_cause".into(),
+                        serde_json::to_value(c).expect("cause serialises"),
+                    );
+                }
+                super::print(&serde_json::to_string_pretty(&v).expect("report serialises"));
             } else {
                 super::print(&report.to_string());
+                if let Some(c) = &cause {
+                    super::print(&format!("likely cause: {}", c.sentence));
+                }
             }
             if report.pass {
                 ExitCode::SUCCESS

@@ -5,6 +5,7 @@
 mod basics;
 mod cases;
 mod common;
+mod fuzz;
 mod gpu;
 mod hostile;
 mod intermediates;
