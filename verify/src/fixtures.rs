@@ -23,6 +23,10 @@ pub struct Preset {
     pub chunk_size: Option<usize>,
     /// Also store the oracle's forward intermediates (KDA; see `intermediates`).
     pub intermediates: bool,
+    /// Optional inputs the draws make that this fixture leaves out (GDN-2's
+    /// lower-bound gate without `A_log`, FLA #1107); its truth is computed
+    /// without them.
+    pub without: &'static [&'static str],
 }
 
 fn kda(shape: Option<[usize; 6]>, lengths: Option<&[usize]>, seed: u64) -> GenSpec {
@@ -49,6 +53,14 @@ fn varlen(op: Op, lengths: &[usize], seed: u64) -> GenSpec {
     }
 }
 
+/// A varlen GDN-2 case with an initial state, H = 2, K = V = 8.
+fn gdn2(lengths: &[usize], seed: u64) -> GenSpec {
+    GenSpec {
+        shape: Some(vec![1, lengths.iter().sum(), 2, 8, 8]),
+        ..varlen(Op::Gdn2, lengths, seed)
+    }
+}
+
 /// The committed set: what ports break on, small enough to commit.
 pub fn presets() -> Vec<Preset> {
     let lb = Gate::LowerBound { lower_bound: -5.0 };
@@ -58,6 +70,7 @@ pub fn presets() -> Vec<Preset> {
         cp: None,
         chunk_size: None,
         intermediates: false,
+        without: &[],
     };
     let cp = |name, spec, layout| Preset {
         name,
@@ -65,6 +78,7 @@ pub fn presets() -> Vec<Preset> {
         cp: Some(layout),
         chunk_size: Some(64),
         intermediates: false,
+        without: &[],
     };
     let cp_kda = |lengths: &[usize], seed| GenSpec {
         gate: lb,
@@ -237,6 +251,7 @@ pub fn presets() -> Vec<Preset> {
             cp: None,
             chunk_size: Some(32),
             intermediates: true,
+            without: &[],
         },
         Preset {
             intermediates: true,
@@ -258,6 +273,68 @@ pub fn presets() -> Vec<Preset> {
                 use_qk_l2norm_in_kernel: true,
                 ..varlen(Op::Gdn, &[25, 0, 1, 34], 40)
             },
+        ),
+        // GDN-2 (FLA `chunk_gdn2`): each option once, H = 2, K = V = 8.
+        p(
+            "gdn2_plain",
+            GenSpec {
+                shape: Some(vec![2, 24, 2, 8, 8]),
+                seed: 50,
+                expected: true,
+                ..GenSpec::new(Op::Gdn2)
+            },
+        ),
+        p("gdn2_varlen_h0", gdn2(&[25, 0, 1, 34], 51)),
+        p(
+            "gdn2_gate_in_kernel_l2norm",
+            GenSpec {
+                gate: Gate::Kda,
+                use_qk_l2norm_in_kernel: true,
+                ..gdn2(&[30, 18], 52)
+            },
+        ),
+        Preset {
+            without: &["A_log"],
+            ..p(
+                "gdn2_lowerbound_no_a_log",
+                GenSpec {
+                    gate: Gate::LowerBound { lower_bound: -3.0 },
+                    ..gdn2(&[30, 18], 53)
+                },
+            )
+        },
+        p(
+            "gdn2_safe_gate_lowerbound",
+            GenSpec {
+                gate: lb,
+                use_qk_l2norm_in_kernel: true,
+                ..gdn2(&[40, 24], 54)
+            },
+        ),
+        p(
+            "gdn2_state_v_first",
+            GenSpec {
+                state_v_first: true,
+                shape: Some(vec![1, 48, 2, 8, 4]),
+                ..gdn2(&[20, 28], 55)
+            },
+        ),
+        p(
+            "gdn2_bf16_inputs",
+            GenSpec {
+                dtype: Dtype::Bf16,
+                use_qk_l2norm_in_kernel: true,
+                ..gdn2(&[40, 24], 56)
+            },
+        ),
+        cp(
+            "cp_gdn2_world2",
+            GenSpec {
+                use_qk_l2norm_in_kernel: true,
+                initial_state: false,
+                ..gdn2(&[50, 78], 57)
+            },
+            CpLayout::World(2, Layout::Contiguous),
         ),
         p(
             "causal_conv1d_varlen_silu_bias",
@@ -290,12 +367,26 @@ fn long_cp(name: &'static str, spec: GenSpec, world: usize) -> Preset {
         cp: Some(CpLayout::World(world, Layout::Contiguous)),
         chunk_size: Some(16),
         intermediates: false,
+        without: &[],
     }
 }
 
 impl Preset {
     pub fn case(&self) -> Result<Case, CaseError> {
         let mut c = generate(&self.spec)?;
+        if !self.without.is_empty() {
+            // The draws' truth used the left-out inputs: drop it with them.
+            let stale: Vec<String> = c.results().into_keys().collect();
+            for n in self.without.iter().map(|n| n.to_string()).chain(stale) {
+                c.tensors.remove(&n);
+            }
+            let truth = crate::impls::Impl::NAIVE
+                .compute(&c, crate::impls::Compute::F64)
+                .map_err(|e| CaseError::Usage(format!("fixture {}: {e}", self.name)))?;
+            for (n, t) in truth {
+                c.insert(&n, t, Dtype::F64);
+            }
+        }
         c.meta.cp = self.cp.clone();
         c.meta.chunk_size = self.chunk_size;
         if self.intermediates {

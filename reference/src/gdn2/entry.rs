@@ -8,17 +8,40 @@ use serde::{Deserialize, Serialize};
 
 use super::{chunk::Chunk, naive::Naive, Gdn2, Gdn2Inputs, Gdn2Options};
 use crate::conv::Activation;
+use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
 use crate::inputs::{self, Draw, KdaSpec, Regime};
 use crate::kda::KdaOptions;
-use crate::precision::{Feature, Policy};
+use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
     self, need, take, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel, OpInfo,
     Options, Registered, Showcase, Tensors,
 };
 
 pub static ENTRY: Entry<Gdn2> = Entry::new();
+
+/// What FLA 0.6.0's `chunk_gdn2` stores in which dtype with bf16 inputs
+/// (the table in [`super::chunk`]'s docs; read from `fla/ops/gdn2/`
+/// `chunk_fwd.py`, `chunk_intra.py`, `wy_fast.py`, `chunk_bwd.py` and the
+/// shared `common/chunk_delta_h.py`, `gla/chunk.py`): fp32 cumsum, tf32
+/// intra dots, everything else stored in the input dtype.
+pub(crate) const FLA_BF16_STAGES: &[(Stage, Dtype)] = &[
+    (Stage::Activations, Dtype::Bf16),
+    (Stage::GCumsum, Dtype::F32),
+    (Stage::FwdDots, Dtype::Tf32),
+    (Stage::Aqk, Dtype::Bf16),
+    (Stage::Akk, Dtype::Bf16),
+    (Stage::KBeta, Dtype::Bf16),
+    (Stage::W, Dtype::Bf16),
+    (Stage::U, Dtype::Bf16),
+    (Stage::Gated, Dtype::Bf16),
+    (Stage::H, Dtype::Bf16),
+    (Stage::VNew, Dtype::Bf16),
+    (Stage::Dh, Dtype::Bf16),
+    (Stage::Dv, Dtype::Bf16),
+    (Stage::BwdOperands, Dtype::Bf16),
+];
 
 static INFO: OpInfo = OpInfo {
     name: "gdn2",
@@ -143,7 +166,7 @@ fn inputs_of(t: &mut Tensors, cu: Option<Vec<i64>>) -> Result<Gdn2Inputs<f64>> {
 impl Registered for Gdn2 {
     type Naive = Naive;
     type Chunk = Chunk;
-    const CHUNK_FEATURES: &'static [Feature] = &[];
+    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
 
     fn info() -> &'static OpInfo {
         &INFO
@@ -157,8 +180,8 @@ impl Registered for Gdn2 {
         Naive
     }
 
-    fn chunk(c: ChunkSize, _: &Policy) -> Chunk {
-        Chunk::sized(c)
+    fn chunk(c: ChunkSize, policy: &Policy) -> Chunk {
+        Chunk::sized(c).with_policy(policy.clone())
     }
 
     fn options(o: &Options) -> std::result::Result<Gdn2Options, String> {
@@ -231,12 +254,14 @@ impl Registered for Gdn2 {
             .collect()
     }
 
-    /// The chunked engine rounds nothing yet: FLA's gdn2 kernels' storage
-    /// is not emulated, so the preset rounds the inputs and outputs only
-    /// and names no stage the engine would ignore.
-    fn fla_bf16(_: &Gdn2Options, _: bool) -> Policy {
-        crate::precision::fla_bf16(&[], false)
-            .with(crate::precision::Stage::Outputs, crate::dtype::Dtype::Bf16)
+    /// FLA 0.6.0's gdn2 kernels in bf16 ([`FLA_BF16_STAGES`], base-2
+    /// exponentials, the safe-gate path's anchored diagonal dots when
+    /// `safe_gate` is on), outputs in bf16.
+    fn fla_bf16(opt: &Gdn2Options, cp: bool) -> Policy {
+        let mut p = precision::fla_bf16(FLA_BF16_STAGES, cp);
+        p.exp2 = true;
+        p.safe_gate_midpoint = opt.safe_gate;
+        p.with(Stage::Outputs, Dtype::Bf16)
     }
 
     fn inputs(t: &mut Tensors, cu: Option<Vec<i64>>) -> Result<Gdn2Inputs<f64>> {

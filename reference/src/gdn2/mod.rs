@@ -56,6 +56,7 @@ use ndarray::{
 use crate::error::{Error, Result};
 use crate::gates::{self, Gate};
 use crate::op::{self, OpSpec, Operator, Shape};
+use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
@@ -488,6 +489,8 @@ pub struct Prepared<'a, T> {
     pub h0: Option<CowArray<'a, T, Ix4>>,
     /// The public state tensors are `[N, H, V, K]`.
     pub state_v_first: bool,
+    /// q and k went through the in-kernel l2norm.
+    pub l2norm: bool,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
@@ -514,7 +517,22 @@ impl<'a, T: Scalar> Prepared<'a, T> {
             w: tensor::view4(&x.w),
             h0,
             state_v_first: opt.state_v_first,
+            l2norm: opt.use_qk_l2norm_in_kernel,
         })
+    }
+
+    /// q and k after the in-kernel l2norm rounded per `policy`'s
+    /// [`Stage::Activations`] storage, as FLA's `l2norm_fwd` writes them (in
+    /// the input dtype) for the kernels to read back; unchanged without it.
+    pub fn with_stored_activations(mut self, policy: &Policy) -> Self {
+        let Some(s) = policy.storage(Stage::Activations) else {
+            return self;
+        };
+        if self.l2norm {
+            self.q = CowArray::from(self.q.mapv(|x| s.round(x)));
+            self.k = CowArray::from(self.k.mapv(|x| s.round(x)));
+        }
+        self
     }
 }
 

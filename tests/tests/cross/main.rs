@@ -8,6 +8,7 @@ mod fault_fixtures;
 mod fd_gradients;
 mod fixtures;
 mod forward_only;
+mod gdn2;
 mod gpu;
 mod kda_chunk;
 mod precision;

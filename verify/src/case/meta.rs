@@ -22,6 +22,7 @@ impl Op {
     pub const Dplr: Op = Op(&deltaref::dplr::entry::ENTRY);
     pub const TokenShift: Op = Op(&deltaref::token_shift::entry::ENTRY);
     pub const Gdn: Op = Op(&deltaref::gdn::entry::ENTRY);
+    pub const Gdn2: Op = Op(&deltaref::gdn2::entry::ENTRY);
     pub const CausalConv1d: Op = Op(&deltaref::conv::entry::ENTRY);
 }
 

@@ -23,10 +23,10 @@ pub struct Args {
 /// What to draw: the operator, shape and options (shared with `tolerance`).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct GenOpts {
-    /// kda, dplr, token_shift, gdn or causal_conv1d
+    /// kda, dplr, token_shift, gdn, gdn2 or causal_conv1d
     #[arg(long)]
     pub op: String,
-    /// KDA, GDN B,T,H,HV,K,V; DPLR B,T,H,K,V; token-shift B,T,D; causal_conv1d B,T,D,W. With --lengths, B = 1 and T = Σ lengths (B,T may be given only if they agree).
+    /// KDA, GDN B,T,H,HV,K,V; GDN-2, DPLR B,T,H,K,V; token-shift B,T,D; causal_conv1d B,T,D,W. With --lengths, B = 1 and T = Σ lengths (B,T may be given only if they agree).
     #[arg(long)]
     pub shape: Option<String>,
     /// Varlen sequence lengths, e.g. 37,1,64,128 (packed, B = 1).
@@ -34,7 +34,7 @@ pub struct GenOpts {
     pub lengths: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// KDA in-kernel gate: none, kda or lowerbound. GDN: kda sets use_gate_in_kernel (−exp(A_log)·softplus(g + dt_bias)).
+    /// KDA in-kernel gate: none, kda or lowerbound. GDN: kda sets use_gate_in_kernel (−exp(A_log)·softplus(g + dt_bias)). GDN-2: kda as GDN, lowerbound the bounded gate with safe_gate.
     #[arg(long, default_value = "none")]
     pub gate: String,
     /// Lower bound of the lowerbound gate (default -5, FLA's recommended value; FLA accepts [-5, 0)).
@@ -52,7 +52,7 @@ pub struct GenOpts {
     /// Store an initial state (token-shift: a cache).
     #[arg(long)]
     pub initial_state: bool,
-    /// GDN state_v_first: states stored as [N,HV,V,K].
+    /// GDN, GDN-2 state_v_first: states stored as [N,HV,V,K].
     #[arg(long)]
     pub state_v_first: bool,
     /// causal_conv1d activation: none, silu (or swish).
