@@ -14,6 +14,8 @@ use std::path::PathBuf;
 use deltaref::cp::Layout;
 use deltaref::gates::Gate;
 use deltaref_verify::case::{Case, CaseMeta, Dtype, Op};
+use deltaref_verify::convention;
+use deltaref_verify::fuzz::{evaluate, FnRunner, FuzzConfig, KernelCase, Params};
 use deltaref_verify::generate::{generate, GenSpec};
 use deltaref_verify::impls::{Compute, Impl, ImplRequest};
 use deltaref_verify::metrics;
@@ -403,6 +405,101 @@ fn precision_names() -> String {
     deltaref_verify::presets::names()
 }
 
+/// The fuzz case `params_json` (a `deltaref_verify::fuzz::Params` as JSON)
+/// of `op` for `convention`, and the convention.
+fn fuzz_setup(
+    op: &str,
+    convention: &str,
+    params_json: &str,
+    dtype: &str,
+) -> PyResult<(FuzzConfig, Params)> {
+    let op = Op::parse(op)
+        .ok_or_else(|| value_error(format!("op: unknown op `{op}` ({})", Op::names_list())))?;
+    let conv = convention::find(convention).ok_or_else(|| {
+        value_error(format!(
+            "convention: unknown `{convention}` (available: {})",
+            convention::names()
+        ))
+    })?;
+    let cfg = FuzzConfig {
+        dtype: self::dtype("dtype", dtype)?,
+        ..FuzzConfig::new(op, conv)
+    };
+    cfg.check().map_err(value_error)?;
+    let p: Params =
+        serde_json::from_str(params_json).map_err(|e| value_error(format!("params: {e}")))?;
+    if !cfg.allows(&p) {
+        return Err(value_error(format!(
+            "params: convention {} cannot take {}",
+            conv.name,
+            p.describe()
+        )));
+    }
+    Ok((cfg, p))
+}
+
+/// A built-in convention's declaration as JSON (`Convention::to_json`).
+#[pyfunction]
+fn convention_json(name: &str) -> PyResult<String> {
+    convention::find(name)
+        .map(|c| c.to_json().to_string())
+        .ok_or_else(|| {
+            value_error(format!(
+                "convention: unknown `{name}` (available: {})",
+                convention::names()
+            ))
+        })
+}
+
+/// The fuzz case `params_json` in `convention`'s layout: `(case JSON,
+/// {name: f64 array}, cu_seqlens)` (inputs and upstream gradients).
+#[pyfunction]
+fn fuzz_case<'py>(
+    py: Python<'py>,
+    op: &str,
+    convention: &str,
+    params_json: &str,
+    dtype: &str,
+) -> PyResult<(String, Bound<'py, PyDict>, Option<Vec<i64>>)> {
+    let (cfg, p) = fuzz_setup(op, convention, params_json, dtype)?;
+    let k = released(py, || {
+        let case = p
+            .case(cfg.op, cfg.convention, cfg.dtype)
+            .map_err(|e| e.to_string())?;
+        KernelCase::of(&case, cfg.convention, cfg.dtype)
+    })?;
+    let meta = k.meta.to_json().to_string();
+    Ok((meta, tensors_to_py(py, k.tensors)?, k.cu_seqlens))
+}
+
+/// Judges a candidate's `results` (the convention's layout) on the fuzz case
+/// `params_json` against the float64 truth: `(verdict JSON, pass)`.
+#[pyfunction]
+fn fuzz_judge<'py>(
+    py: Python<'py>,
+    op: &str,
+    convention: &str,
+    params_json: &str,
+    dtype: &str,
+    results: BTreeMap<String, PyReadonlyArrayDyn<'py, f64>>,
+    tolerance: f64,
+) -> PyResult<(String, bool)> {
+    let (cfg, p) = fuzz_setup(op, convention, params_json, dtype)?;
+    let results: Tensors = results
+        .into_iter()
+        .map(|(n, x)| (n, x.as_array().to_owned()))
+        .collect();
+    let mut runner = FnRunner {
+        name: "python".into(),
+        f: move |_: &KernelCase| Ok(results.clone()),
+    };
+    let o = released(py, || {
+        evaluate(&cfg, &p, &mut runner, tolerance).map_err(|e| e.to_string())
+    })?;
+    let v = serde_json::json!({"params": p, "verdict": o.verdict, "runner_error": o.runner_error});
+    Ok((v.to_string(), o.verdict.pass() && o.runner_error.is_none()))
+}
+
 #[pymodule]
 fn _deltaref(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run, m)?)?;
@@ -413,5 +510,8 @@ fn _deltaref(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify, m)?)?;
     m.add_function(wrap_pyfunction!(compare, m)?)?;
     m.add_function(wrap_pyfunction!(precision_names, m)?)?;
+    m.add_function(wrap_pyfunction!(convention_json, m)?)?;
+    m.add_function(wrap_pyfunction!(fuzz_case, m)?)?;
+    m.add_function(wrap_pyfunction!(fuzz_judge, m)?)?;
     Ok(())
 }

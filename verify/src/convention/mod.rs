@@ -188,10 +188,34 @@ impl Convention {
     pub fn to_json(&self) -> Value {
         json!({
             "name": self.name,
+            "ops": self.ops,
             "gate": self.gate.name(),
+            "activation": match self.activation {
+                Activation::Either => "either",
+                Activation::Raw => "raw",
+                Activation::Activated => "activated",
+            },
             "state": self.state.name(),
             "packed": self.packed,
-            "heads": match self.heads { HeadMap::Grouped => "grouped", HeadMap::Tiled => "tiled", HeadMap::Equal => "equal" },
+            "heads": match self.heads {
+                HeadMap::Grouped => "grouped",
+                HeadMap::Tiled => "tiled",
+                HeadMap::Equal => "equal",
+            },
+            "scale": match self.scale {
+                ScaleRule::Free => "free",
+                ScaleRule::Fixed => "fixed",
+                ScaleRule::None => "none",
+            },
+            "l2norm": match self.l2norm {
+                L2norm::Either => "either",
+                L2norm::Inside => "inside",
+                L2norm::Outside => "outside",
+            },
+            "varlen": self.varlen,
+            "dense": self.dense,
+            "backward": self.backward,
+            "k_equals_v": self.k_equals_v,
             "source": self.source,
         })
     }

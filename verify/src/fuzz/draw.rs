@@ -6,14 +6,14 @@ use deltaref::gates::Gate;
 use deltaref::inputs::Regime;
 use deltaref::rng::mix;
 use ndarray::Axis;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::case::{Case, CaseError, Dtype, Op};
 use crate::convention::{Activation, Convention, HeadMap, L2norm, ScaleRule};
 use crate::generate::{generate, GenSpec};
 
 /// The input shapes beyond the oracle's regimes that public bugs needed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Extra {
     None,
@@ -45,7 +45,8 @@ impl Extra {
 
 /// Everything that decides one fuzz case: sizes, sequence lengths, the
 /// op's switches, the input regime and the seed of its tensors.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Params {
     /// Sequence lengths: packed with `cu_seqlens` when `varlen`, else the
     /// rows of a dense batch (all equal).
@@ -55,7 +56,7 @@ pub struct Params {
     pub hv: usize,
     pub k: usize,
     pub v: usize,
-    #[serde(serialize_with = "regime_name")]
+    #[serde(serialize_with = "regime_name", deserialize_with = "regime_of")]
     pub regime: Regime,
     pub extra: Extra,
     /// The in-kernel gate (KDA: the lower-bound gate; GDN: `use_gate_in_kernel`).
@@ -64,6 +65,16 @@ pub struct Params {
     pub beta_sigmoid: bool,
     pub initial_state: bool,
     pub seed: u64,
+}
+
+fn regime_of<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Regime, D::Error> {
+    let s = String::deserialize(d)?;
+    Regime::parse(&s).ok_or_else(|| {
+        serde::de::Error::custom(format!(
+            "regime: unknown `{s}` (expected {})",
+            Regime::ALL.map(Regime::name).join(", ")
+        ))
+    })
 }
 
 fn regime_name<S: serde::Serializer>(r: &Regime, s: S) -> Result<S::Ok, S::Error> {
