@@ -251,7 +251,10 @@ impl BandRow {
             p99,
             max: v.last().copied().unwrap_or(f64::NAN),
             min: v.first().copied().unwrap_or(f64::NAN),
-            noisy: !(p99 <= NOISY_SPAN * p1),
+            noisy: !matches!(
+                p99.partial_cmp(&(NOISY_SPAN * p1)),
+                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
+            ),
         }
     }
 

@@ -254,10 +254,13 @@ impl Chunk {
         keep: impl Fn(usize, usize) -> bool,
     ) -> Array2<T> {
         let n = g_cumsum.nrows();
-        let dots = self.policy.storage(Stage::FwdDots).map(|storage| DotRounding {
-            storage,
-            safe_gate: self.policy.safe_gate_midpoint,
-        });
+        let dots = self
+            .policy
+            .storage(Stage::FwdDots)
+            .map(|storage| DotRounding {
+                storage,
+                safe_gate: self.policy.safe_gate_midpoint,
+            });
         let e = |x: T| self.policy.exp(x);
         Array2::from_shape_fn((n, n), |(r, s)| {
             if !keep(r, s) {
@@ -423,13 +426,11 @@ impl<T: Scalar> Engine<T> for Chunk {
     /// `M = Π_chunks (Diag(exp Γ_last) − kgᵀ w_wy)`, later chunks on the
     /// left, each partial product stored as [`Stage::MChain`] says.
     fn transition(&self, x: &Gdn2Head<T>) -> Array2<T> {
-        self.intras(x)
-            .iter()
-            .fold(Array2::eye(x.k_dim()), |m, it| {
-                let mut next = it.transition_with(&self.policy).dot(&m);
-                self.policy.round(Stage::MChain, &mut next);
-                next
-            })
+        self.intras(x).iter().fold(Array2::eye(x.k_dim()), |m, it| {
+            let mut next = it.transition_with(&self.policy).dot(&m);
+            self.policy.round(Stage::MChain, &mut next);
+            next
+        })
     }
 
     /// q and k after an in-kernel l2norm, as `l2norm_fwd` stores them.

@@ -102,7 +102,10 @@ fn fla_bf16_is_bf16_rounding_noise_above_f32() {
                 5e-3
             };
             assert!(*r < bar, "{gate:?} {name}: {r:e} above {bar:e}");
-            assert!(*r > 10.0 * lo, "{gate:?} {name}: {r:e} not above f32's {lo:e}");
+            assert!(
+                *r > 10.0 * lo,
+                "{gate:?} {name}: {r:e} not above f32's {lo:e}"
+            );
         }
     }
 }
@@ -177,7 +180,13 @@ fn fla_bf16_matches_kda_s_on_the_kda_problem() {
 fn every_declared_stage_moves_the_results() {
     // f64 inputs and compute: then rounding the inputs to bf16 and the
     // cumsum to fp32 move the results too.
-    let c = case(Op::Gdn2, &[80, 48], Gate::LowerBound { lower_bound: -5.0 }, Dtype::F64, 7);
+    let c = case(
+        Op::Gdn2,
+        &[80, 48],
+        Gate::LowerBound { lower_bound: -5.0 },
+        Dtype::F64,
+        7,
+    );
     let preset = presets::find("fla-bf16", 32).unwrap();
     let policy = preset.policy(Target {
         op: Op::Gdn2,
@@ -272,7 +281,14 @@ fn failing(case: &Case, got: &Tensors, ratio: f64) -> Vec<String> {
 #[test]
 fn cp_faults_are_flagged_and_located_on_gdn2() {
     // Long memory: the state a rank hands on survives to the sequence's end.
-    let c = case_in(Op::Gdn2, &LENGTHS, Gate::None, Dtype::F64, 11, Regime::LongMemory);
+    let c = case_in(
+        Op::Gdn2,
+        &LENGTHS,
+        Gate::None,
+        Dtype::F64,
+        11,
+        Regime::LongMemory,
+    );
     let cp = |fault: Option<&str>| {
         run(
             &c,

@@ -6,7 +6,6 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::sync::Mutex;
 
 use deltaref::gates::Gate;
 use deltaref_verify::case::{stored_width, Case, Dtype, Op};
@@ -53,8 +52,7 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-/// The counters are process-wide: one measurement at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
+use crate::SERIAL;
 
 /// `f`'s result and the peak heap bytes it held above what was live when
 /// it started.

@@ -11,7 +11,6 @@ use std::ops::{
     Add, AddAssign, Div, DivAssign, Mul, MulAssign, Neg, Rem, RemAssign, Sub, SubAssign,
 };
 use std::sync::atomic::{AtomicU64, Ordering as AtOrd};
-use std::sync::Mutex;
 
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
@@ -23,8 +22,7 @@ use num_traits::{Float, FromPrimitive, Num, NumCast, One, ToPrimitive, Zero};
 
 /// Multiplies, adds and subtracts done by [`Counted`] values, all threads.
 static OPS: AtomicU64 = AtomicU64::new(0);
-/// One counted run at a time (tests run in parallel).
-static SERIAL: Mutex<()> = Mutex::new(());
+use crate::SERIAL;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, PartialOrd)]
 struct Counted(f64);
