@@ -37,11 +37,10 @@ import time
 import safetensors.torch as st
 import torch
 
-from fla_candidate import Phases, load
+from fla_candidate import GRAD_NAME, Phases, load
 
 TOKEN_INPUTS = ["q", "k", "v", "g", "b", "w"]
 STATE_INPUTS = ["A_log", "dt_bias", "initial_state"]
-GRAD_NAME = {"A_log": "dA_log", "dt_bias": "ddt_bias", "initial_state": "dh0"}
 PINNED = {(4, 64, 64), (4, 128, 128)}
 
 

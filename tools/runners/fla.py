@@ -14,10 +14,11 @@ import sys
 
 import torch
 
-from .common import token_dtype
+from .common import grads, token_dtype
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fla_candidate  # noqa: E402
+import fla_gdn2_chunk  # noqa: E402
 
 CONVENTION = "fla"
 
@@ -59,9 +60,7 @@ def chunk_run(meta, t):
         x, p, out, last, total = fla_candidate.run(op, meta, t, token_dtype(t, first))
         total.backward()
     names = fla_candidate.RESULT_NAMES.get(op, ("o", "final_state"))
-    cand = {names[0]: out, names[1]: last}
-    cand |= {fla_candidate.GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items() if v.grad is not None}
-    return cand, s.said(f"triton chunk ({op})")
+    return {names[0]: out, names[1]: last} | grads(x | p), s.said(f"triton chunk ({op})")
 
 
 def chunk_fwd_run(meta, t):
@@ -123,31 +122,8 @@ def gdn2_why_not(meta, t):
 
 
 def gdn2_run(meta, t):
-    """FLA's `chunk_gdn2` (fla/ops/gdn2/chunk.py), forward and backward; token
-    inputs in the case's dtype, `A_log`, `dt_bias`, `initial_state` in fp32."""
-    from fla.ops.gdn2 import chunk_gdn2
-
-    dt = token_dtype(t)
-    x = {n: t[n].detach().clone().to(dt).requires_grad_() for n in ("q", "k", "v", "g", "b", "w")}
-    p = {n: t[n].detach().clone().float().requires_grad_() for n in ("A_log", "dt_bias", "initial_state") if n in t}
-    gate = {"A_log": p.get("A_log"), "dt_bias": p.get("dt_bias")} if meta.get("use_gate_in_kernel") else {}
+    """FLA's `chunk_gdn2`, forward and backward, through tools/fla_gdn2_chunk.py."""
     with Served() as s:
-        o, ht = chunk_gdn2(
-            **x,
-            scale=meta.get("scale"),
-            initial_state=p.get("initial_state"),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=meta.get("use_qk_l2norm_in_kernel", False),
-            use_gate_in_kernel=meta.get("use_gate_in_kernel", False),
-            safe_gate=meta.get("safe_gate", False),
-            lower_bound=meta.get("lower_bound"),
-            state_v_first=meta.get("state_v_first", False),
-            cu_seqlens=t.get("cu_seqlens"),
-            **gate,
-        )
-        total = (o.float() * t["do"].float()).sum()
-        if "dht" in t:
-            total = total + (ht.float() * t["dht"].float()).sum()
+        x, p, o, ht, total = fla_gdn2_chunk.run(meta, t, token_dtype(t))
         total.backward()
-    grads = {fla_candidate.GRAD_NAME.get(n, "d" + n): v.grad for n, v in (x | p).items() if v.grad is not None}
-    return {"o": o, "final_state": ht} | grads, s.said("triton chunk_gdn2")
+    return {"o": o, "final_state": ht} | grads(x | p), s.said("triton chunk_gdn2")
