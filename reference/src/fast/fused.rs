@@ -366,81 +366,6 @@ pub(crate) fn scale_rows<T: Scalar>(f: ArrayView2<T>, e: &[T]) -> Array2<T> {
     stagger::array(o, f.raw_dim())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exps_in_place_are_the_bounded_exp_of_each_element() {
-        // 37 columns: whole vectors and a remainder at every width.
-        let x = Array2::from_shape_fn((5, 37), |(r, c)| (r as f64 - 2.0) * 31.7 + c as f64 * 0.61);
-        let mut e = x.clone();
-        e[[3, 5]] = f64::NAN;
-        exps_bounded(&mut e);
-        for ((r, c), v) in e.indexed_iter() {
-            if (r, c) == (3, 5) {
-                assert!(v.is_nan());
-            } else {
-                assert_eq!(v.to_bits(), x[[r, c]].exp_bounded().to_bits(), "[{r}, {c}]");
-            }
-        }
-    }
-
-    #[test]
-    fn column_factors_rebuild_the_exponentials_or_refuse_to_underflow() {
-        let g = ndarray::arr2(&[[-0.5, -3.0], [-1.25, -7.5], [-2.0, -9.0]]);
-        let m = g.row(1);
-        let e_mid = normal_exps(m.iter().copied()).expect("normal");
-        let rebuilt = scale_columns(&(&g - &m).mapv(f64::exp), &e_mid);
-        for (x, y) in rebuilt.iter().zip(g.mapv(f64::exp).iter()) {
-            assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
-        }
-        let (e_mid, e_last) = mid_row_exps(&g).expect("normal");
-        assert_eq!(e_mid, m.mapv(f64::exp).to_vec());
-        let rebuilt_tl = scale_columns(&(&m - &g).mapv(f64::exp), &e_last);
-        let last = g.row(2);
-        for (x, y) in rebuilt_tl.iter().zip((&last - &g).mapv(f64::exp).iter()) {
-            assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
-        }
-        let mut deep = g.clone();
-        deep.row_mut(1).fill(-800.0);
-        assert!(mid_row_exps(&deep).is_none());
-        // exp(-746) is below the smallest subnormal and exp(-709) is
-        // subnormal: the direct form must be used for such a chunk.
-        assert!(normal_exps([-1.0, -746.0].into_iter()).is_none());
-        assert!(normal_exps([-709.0_f64].into_iter()).is_none());
-        assert!(normal_exps([-87.0_f32, -88.0].into_iter()).is_none());
-    }
-
-    #[test]
-    fn scaled_rows_and_columns_are_the_broadcast_products() {
-        let f = ndarray::arr2(&[[1.5, -2.0, 0.25], [3.0, 0.5, -1.0]]);
-        let (er, ec) = ([0.1, -3.0], [2.0, 0.3, -7.0]);
-        let want_r = &f * &ndarray::aview1(&er).insert_axis(ndarray::Axis(1));
-        let want_c = &f * &ndarray::aview1(&ec).insert_axis(ndarray::Axis(0));
-        assert_eq!(scale_rows(f.view(), &er), want_r);
-        assert_eq!(scale_columns(&f, &ec), want_c);
-        // A transposed (not standard layout) operand reads the same elements.
-        let ft = f.t().to_owned();
-        assert_eq!(scale_rows(ft.t(), &er), want_r);
-        // Differences from the middle row, refused past the limit.
-        let g = ndarray::arr2(&[[-1.0, -2.0], [-1.5, -4.0], [-2.25, -9.0]]);
-        let want = &g - &g.row(1).insert_axis(ndarray::Axis(0));
-        assert_eq!(minus_mid_row(&g, &g, 5.0), Some(want));
-        assert_eq!(minus_mid_row(&g, &g, 4.9), None);
-        let nan = g.mapv(|v| if v == -9.0 { f64::NAN } else { v });
-        assert!(minus_mid_row(&g, &nan, 4.9).is_some());
-        // One pass of x ⊙ (f ⊙ e) has the bits of the two passes.
-        let x = ndarray::arr2(&[[0.7, 1.1, -3.0], [2.5, -0.9, 0.125]]);
-        let two_passes = zip_map(x.view(), scale_columns(&f, &ec).view(), |x, g| x * g);
-        let one = times_scaled_columns(x.view(), &f, &ec);
-        assert!(one
-            .iter()
-            .zip(&two_passes)
-            .all(|(a, b): (&f64, &f64)| a.to_bits() == b.to_bits()));
-    }
-}
-
 /// What [`gate_grads`] reads, `[c, K]` each: the chunk's raw `q`, `k`, `b`;
 /// `e^Γ`, `e^Γx`, `dl = e^{Γlast − Γ}`; the gated operands `ax`, `kgl`,
 /// `bgl`; the gradients of the gated operands as stored (`dax`, `dqg`,
@@ -531,5 +456,80 @@ pub(crate) fn gate_grads<T: Scalar>(x: GateOperands<T>) -> GateGrads<T> {
     GateGrads {
         rows: rows.map(shape),
         last: last.map(Array1::from),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exps_in_place_are_the_bounded_exp_of_each_element() {
+        // 37 columns: whole vectors and a remainder at every width.
+        let x = Array2::from_shape_fn((5, 37), |(r, c)| (r as f64 - 2.0) * 31.7 + c as f64 * 0.61);
+        let mut e = x.clone();
+        e[[3, 5]] = f64::NAN;
+        exps_bounded(&mut e);
+        for ((r, c), v) in e.indexed_iter() {
+            if (r, c) == (3, 5) {
+                assert!(v.is_nan());
+            } else {
+                assert_eq!(v.to_bits(), x[[r, c]].exp_bounded().to_bits(), "[{r}, {c}]");
+            }
+        }
+    }
+
+    #[test]
+    fn column_factors_rebuild_the_exponentials_or_refuse_to_underflow() {
+        let g = ndarray::arr2(&[[-0.5, -3.0], [-1.25, -7.5], [-2.0, -9.0]]);
+        let m = g.row(1);
+        let e_mid = normal_exps(m.iter().copied()).expect("normal");
+        let rebuilt = scale_columns(&(&g - &m).mapv(f64::exp), &e_mid);
+        for (x, y) in rebuilt.iter().zip(g.mapv(f64::exp).iter()) {
+            assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
+        }
+        let (e_mid, e_last) = mid_row_exps(&g).expect("normal");
+        assert_eq!(e_mid, m.mapv(f64::exp).to_vec());
+        let rebuilt_tl = scale_columns(&(&m - &g).mapv(f64::exp), &e_last);
+        let last = g.row(2);
+        for (x, y) in rebuilt_tl.iter().zip((&last - &g).mapv(f64::exp).iter()) {
+            assert!((x - y).abs() <= 2.0 * f64::EPSILON * y, "{x} {y}");
+        }
+        let mut deep = g.clone();
+        deep.row_mut(1).fill(-800.0);
+        assert!(mid_row_exps(&deep).is_none());
+        // exp(-746) is below the smallest subnormal and exp(-709) is
+        // subnormal: the direct form must be used for such a chunk.
+        assert!(normal_exps([-1.0, -746.0].into_iter()).is_none());
+        assert!(normal_exps([-709.0_f64].into_iter()).is_none());
+        assert!(normal_exps([-87.0_f32, -88.0].into_iter()).is_none());
+    }
+
+    #[test]
+    fn scaled_rows_and_columns_are_the_broadcast_products() {
+        let f = ndarray::arr2(&[[1.5, -2.0, 0.25], [3.0, 0.5, -1.0]]);
+        let (er, ec) = ([0.1, -3.0], [2.0, 0.3, -7.0]);
+        let want_r = &f * &ndarray::aview1(&er).insert_axis(ndarray::Axis(1));
+        let want_c = &f * &ndarray::aview1(&ec).insert_axis(ndarray::Axis(0));
+        assert_eq!(scale_rows(f.view(), &er), want_r);
+        assert_eq!(scale_columns(&f, &ec), want_c);
+        // A transposed (not standard layout) operand reads the same elements.
+        let ft = f.t().to_owned();
+        assert_eq!(scale_rows(ft.t(), &er), want_r);
+        // Differences from the middle row, refused past the limit.
+        let g = ndarray::arr2(&[[-1.0, -2.0], [-1.5, -4.0], [-2.25, -9.0]]);
+        let want = &g - &g.row(1).insert_axis(ndarray::Axis(0));
+        assert_eq!(minus_mid_row(&g, &g, 5.0), Some(want));
+        assert_eq!(minus_mid_row(&g, &g, 4.9), None);
+        let nan = g.mapv(|v| if v == -9.0 { f64::NAN } else { v });
+        assert!(minus_mid_row(&g, &nan, 4.9).is_some());
+        // One pass of x ⊙ (f ⊙ e) has the bits of the two passes.
+        let x = ndarray::arr2(&[[0.7, 1.1, -3.0], [2.5, -0.9, 0.125]]);
+        let two_passes = zip_map(x.view(), scale_columns(&f, &ec).view(), |x, g| x * g);
+        let one = times_scaled_columns(x.view(), &f, &ec);
+        assert!(one
+            .iter()
+            .zip(&two_passes)
+            .all(|(a, b): (&f64, &f64)| a.to_bits() == b.to_bits()));
     }
 }
