@@ -251,10 +251,8 @@ impl BandRow {
             p99,
             max: v.last().copied().unwrap_or(f64::NAN),
             min: v.first().copied().unwrap_or(f64::NAN),
-            noisy: !matches!(
-                p99.partial_cmp(&(NOISY_SPAN * p1)),
-                Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)
-            ),
+            // A NaN sample makes the band unusable as evidence: noisy too.
+            noisy: p99.is_nan() || p1.is_nan() || p99 > NOISY_SPAN * p1,
         }
     }
 

@@ -244,10 +244,15 @@ fn verdict(problem: &Option<String>, pass: bool) -> String {
 
 impl fmt::Display for VerifyReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // With a band the rows pass by it; the max ratio only judges intermediates.
+        let judged_by = match &self.band {
+            Some(b) => format!("judged by the band of `{}`", b.band.precision),
+            None => format!("max ratio {:.1e}", self.max_ratio),
+        };
         writeln!(
             f,
-            "case {}: {} against {} (max ratio {:.1e})",
-            self.case, self.candidate, self.reference, self.max_ratio
+            "case {}: {} against {} ({judged_by})",
+            self.case, self.candidate, self.reference
         )?;
         writeln!(
             f,

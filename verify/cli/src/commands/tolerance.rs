@@ -124,6 +124,14 @@ fn text(r: &Report) -> String {
             row.tensor, row.bar, row.median, row.max_seen, row.log_sd, row.log_sd_between
         );
     }
+    if r.draws < 8 {
+        // Student's t with few degrees of freedom has long tails: honest, but wide.
+        s += &format!(
+            "note: only {} input draws: the small-sample correction makes these bars wide; \
+             use --draws 8 or more for bars a test can use\n",
+            r.draws
+        );
+    }
     s + "# norm_ratio bars (FLA get_err_ratio / assert_close), from `deltaref tolerance`\n"
         + &r.python
 }

@@ -2,6 +2,7 @@
 //! subcommand's output, exit codes and refusals, hostile inputs, and a
 //! short mutation-fuzzing run of the case reader and the command line.
 
+mod band;
 mod basics;
 mod cases;
 mod common;
