@@ -130,7 +130,7 @@ impl Dtype {
 
 /// [`Dtype::lane_sum`]'s reduction with `store` applied to every partial
 /// sum (a plain or a jittered store, [`crate::precision::Store`]).
-pub fn lane_sum_with<T: Scalar>(xs: &[T], per_lane: usize, store: impl Fn(T) -> T) -> T {
+pub(crate) fn lane_sum_with<T: Scalar>(xs: &[T], per_lane: usize, store: impl Fn(T) -> T) -> T {
     let serial = |run: &[T]| run.iter().skip(1).fold(run[0], |acc, &x| store(acc + x));
     let mut parts: Vec<T> = xs.chunks(per_lane.max(1)).map(serial).collect();
     while parts.len() > 1 {

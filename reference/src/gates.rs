@@ -30,13 +30,13 @@ pub fn softplus<T: Scalar>(x: T) -> T {
 }
 
 /// Normalises the last axis of `[B, T, H, D]`: `y = x / sqrt(Σx² + eps)`.
-pub fn l2norm_fwd<T: Scalar, S: Data<Elem = T>>(x: &ArrayBase<S, Ix4>) -> Array4<T> {
+pub(crate) fn l2norm_fwd<T: Scalar, S: Data<Elem = T>>(x: &ArrayBase<S, Ix4>) -> Array4<T> {
     l2norm_owned(x.to_owned())
 }
 
 /// [`l2norm_fwd`] of `x`, normalised in its own buffer (the same values,
 /// without a second tensor of its size).
-pub fn l2norm_owned<T: Scalar>(mut x: Array4<T>) -> Array4<T> {
+pub(crate) fn l2norm_owned<T: Scalar>(mut x: Array4<T>) -> Array4<T> {
     for mut row in x.lanes_mut(Axis(3)) {
         let r = rstd(row.iter().copied());
         row.mapv_inplace(|v| v * r);
@@ -45,7 +45,7 @@ pub fn l2norm_owned<T: Scalar>(mut x: Array4<T>) -> Array4<T> {
 }
 
 /// Gradient through `l2norm_fwd`: `dx = r (dy − y (y·dy))`, given the raw `x`.
-pub fn l2norm_bwd<T: Scalar, S: Data<Elem = T>>(
+pub(crate) fn l2norm_bwd<T: Scalar, S: Data<Elem = T>>(
     x: &ArrayBase<S, Ix4>,
     dy: &Array4<T>,
 ) -> Array4<T> {
@@ -127,7 +127,7 @@ pub fn gate_eval<T: Scalar>(gate: Gate, x: T, a_log: Option<T>) -> (T, T, T) {
 /// run's other exponentials together ([`Scalar::exp_into`], glibc's bits on
 /// vectors in `f64`; call it under [`crate::fast::simd::dispatch`]).
 #[inline(always)]
-pub fn gate_eval_run<T: Scalar>(
+pub(crate) fn gate_eval_run<T: Scalar>(
     gate: Gate,
     x: &[T],
     a_log: Option<T>,

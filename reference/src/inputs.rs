@@ -318,7 +318,7 @@ pub fn kda_in(s: &KdaSpec, regime: Regime) -> Generated<KdaInputs<f64>> {
 /// [`kda_in`]'s tensors one by one, under FLA's names (`q`, `k`, `v`, `g`,
 /// `beta`, `A_log` and `dt_bias` with an in-kernel gate, `initial_state`
 /// when asked, `do`, `dht`).
-pub fn kda_draws(s: &KdaSpec, regime: Regime) -> Vec<Draw> {
+pub(crate) fn kda_draws(s: &KdaSpec, regime: Regime) -> Vec<Draw> {
     let (b, t, n, seed, k) = (s.layout.b, s.layout.t, s.layout.n(), s.seed, s.k);
     let (gshape, gdims): (Vec<usize>, usize) = if s.scalar_gate {
         (vec![b, t, s.hv], 1)
@@ -652,7 +652,7 @@ pub fn conv(s: &ConvSpec) -> Generated<ConvInputs<f64>> {
 /// `x / max(‖x‖, 1e-12)` over the last dimension (PyTorch's `F.normalize`),
 /// in place: FLA's tests draw unit-norm keys when the kernel does not
 /// l2-normalise them.
-pub fn unit_norm(x: &mut ArrayD<f64>) {
+pub(crate) fn unit_norm(x: &mut ArrayD<f64>) {
     let last = Axis(x.ndim() - 1);
     for mut row in x.lanes_mut(last) {
         let norm = row.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-12);

@@ -24,13 +24,25 @@ pub mod gdn;
 pub mod gdn2;
 pub mod inputs;
 pub mod kda;
+// Machinery (what the engines hold, read by `verify`'s memory model): public for the workspace's crates, not the
+// oracle's API, so hidden from its documentation.
+#[doc(hidden)]
 pub mod memory;
 pub mod op;
 pub mod precision;
 pub mod registry;
+// Machinery (the generators' random streams): public for the workspace's crates, not the
+// oracle's API, so hidden from its documentation.
+#[doc(hidden)]
 pub mod rng;
 pub mod scalar;
+// Machinery (shape and finiteness checks shared by the operators): public for the workspace's crates, not the
+// oracle's API, so hidden from its documentation.
+#[doc(hidden)]
 pub mod tensor;
+// Machinery (op counts for `verify`'s benches): public for the workspace's crates, not the
+// oracle's API, so hidden from its documentation.
+#[doc(hidden)]
 pub mod throughput;
 pub mod token_shift;
 pub mod truth;

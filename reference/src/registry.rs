@@ -536,7 +536,7 @@ pub trait Registered: Operator<f64> + Operator<f32> + Sync {
 
 /// Draws of tensors already drawn (an operator whose generator draws
 /// everything at once), under their case-file names; absent ones left out.
-pub fn eager_draws(named: Vec<(&'static str, Option<ArrayD<f64>>)>) -> Vec<Draw> {
+pub(crate) fn eager_draws(named: Vec<(&'static str, Option<ArrayD<f64>>)>) -> Vec<Draw> {
     named
         .into_iter()
         .filter_map(|(name, t)| {

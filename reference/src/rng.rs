@@ -39,7 +39,7 @@ fn exact_f64(x: u64) -> f64 {
 }
 
 /// FNV-1a 64 of a name.
-pub fn fnv1a(name: &str) -> u64 {
+pub(crate) fn fnv1a(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
     })

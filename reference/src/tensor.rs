@@ -21,7 +21,11 @@ pub fn expect_shape(tensor: &str, dims: &str, expected: &[usize], got: &[usize])
 }
 
 /// Checks the rank only, returning the shape.
-pub fn expect_rank<'a, T>(tensor: &str, dims: &str, x: &'a ArrayD<T>) -> Result<&'a [usize]> {
+pub(crate) fn expect_rank<'a, T>(
+    tensor: &str,
+    dims: &str,
+    x: &'a ArrayD<T>,
+) -> Result<&'a [usize]> {
     let rank = dims.split(',').count();
     if x.ndim() == rank {
         Ok(x.shape())
@@ -84,7 +88,7 @@ fn first_non_finite<T: Scalar>(flat: &[T]) -> Option<usize> {
 }
 
 /// Checks a scalar option is finite.
-pub fn check_finite_option(option: &str, x: f64) -> Result<()> {
+pub(crate) fn check_finite_option(option: &str, x: f64) -> Result<()> {
     if x.is_finite() {
         Ok(())
     } else {
@@ -98,7 +102,7 @@ pub fn to4<T: Scalar>(x: &ArrayD<T>) -> Array4<T> {
 }
 
 /// A validated 4-D tensor viewed as 4-D (caller checked the rank).
-pub fn view4<T: Scalar>(x: &ArrayD<T>) -> ArrayView4<'_, T> {
+pub(crate) fn view4<T: Scalar>(x: &ArrayD<T>) -> ArrayView4<'_, T> {
     x.view()
         .into_dimensionality::<Ix4>()
         .expect("rank checked by validation")
@@ -126,7 +130,7 @@ pub fn gather<T: Scalar, S: Data<Elem = T>>(
 /// Rows `seg.start..seg.end` of head `h` of `x [B, T, heads, D]`, `[L, D]`,
 /// borrowed: strided by the other heads, each row contiguous where `x` is
 /// row-major.
-pub fn head_view<'a, T>(x: ArrayView4<'a, T>, seg: &Segment, h: usize) -> ArrayView2<'a, T> {
+pub(crate) fn head_view<'a, T>(x: ArrayView4<'a, T>, seg: &Segment, h: usize) -> ArrayView2<'a, T> {
     x.slice_move(s![seg.batch, seg.start..seg.end, h, ..])
 }
 
@@ -141,7 +145,7 @@ fn scatter<T: Scalar>(dst: &mut Array4<T>, seg: &Segment, h: usize, src: ArrayVi
 /// once written; the rest is 0. A lone block that covers the whole tensor
 /// (one sequence, one head: a streamed head block) becomes it without a
 /// copy.
-pub fn assemble<T: Scalar>(
+pub(crate) fn assemble<T: Scalar>(
     shape: (usize, usize, usize, usize),
     blocks: Vec<(Segment, usize, Array2<T>)>,
 ) -> Array4<T> {
@@ -182,7 +186,7 @@ pub fn cast<T: Scalar, U: Scalar>(x: &ArrayD<T>) -> ArrayD<U> {
 const PAR_CAST: usize = 1 << 20;
 
 /// `cast` over an optional tensor.
-pub fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>> {
+pub(crate) fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<ArrayD<U>> {
     x.as_ref().map(cast)
 }
 

@@ -61,7 +61,7 @@ pub fn sequences(b: usize, t: usize, cu_seqlens: Option<&[i64]>) -> Result<Vec<S
 }
 
 /// `cu_seqlens` must have N + 1 ≥ 2 entries, start at 0, never decrease and end at `t`.
-pub fn validate_cu_seqlens(cu: &[i64], t: usize) -> Result<()> {
+pub(crate) fn validate_cu_seqlens(cu: &[i64], t: usize) -> Result<()> {
     if cu.len() < 2 {
         return Err(Error::CuSeqlens(format!(
             "needs at least 2 entries [0, …, T], got {cu:?}"

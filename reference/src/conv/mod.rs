@@ -18,6 +18,8 @@
 //! needs at least that many tokens per rank), and in backward the window's
 //! gradient flows back to those tokens.
 
+// The registry entry (`registry::OPS`): machinery, public for `verify`.
+#[doc(hidden)]
 pub mod entry;
 
 use ndarray::{
@@ -353,7 +355,7 @@ fn last_window<T: Scalar>(x: ArrayView2<T>, window: ArrayView2<T>) -> Array2<T> 
 
 /// One piece: tokens `x [L, D]`, window `[W, D]`, `weight [D, W]`.
 /// Returns `(y [L, D], last window [W, D])`.
-pub fn piece_forward<T: Scalar>(
+pub(crate) fn piece_forward<T: Scalar>(
     x: ArrayView2<T>,
     window: ArrayView2<T>,
     weight: ArrayView2<T>,
@@ -379,7 +381,7 @@ pub struct PieceGrads<T> {
 
 /// Backward of [`piece_forward`] for `Σ y·dy + Σ last·dlast` (`dy [L, D]`,
 /// `dlast [W, D]`).
-pub fn piece_backward<T: Scalar>(
+pub(crate) fn piece_backward<T: Scalar>(
     x: ArrayView2<T>,
     window: ArrayView2<T>,
     weight: ArrayView2<T>,

@@ -14,6 +14,8 @@
 //! (`dt_bias [HV]`, not KDA's `[HV·K]`) and the `state_v_first` state layout
 //! `[N, HV, V, K]`. The drivers, CP and intra-card come from [`crate::op`].
 
+// The registry entry (`registry::OPS`): machinery, public for `verify`.
+#[doc(hidden)]
 pub mod entry;
 
 use std::borrow::Cow;

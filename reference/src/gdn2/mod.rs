@@ -46,6 +46,8 @@
 //! kernels take 64 only), an `initial_state` under CP.
 
 pub mod chunk;
+// The registry entry (`registry::OPS`): machinery, public for `verify`.
+#[doc(hidden)]
 pub mod entry;
 pub mod naive;
 
@@ -252,7 +254,7 @@ fn scale_rows<T: Scalar>(a: &mut Array2<T>, d: ArrayView1<T>) {
 
 /// FLA's softplus threshold: above it `softplus(x) = x` (torch's
 /// `F.softplus` default and FLA's `fla/ops/utils/softplus.py`).
-pub const SOFTPLUS_THRESHOLD: f64 = 20.0;
+pub(crate) const SOFTPLUS_THRESHOLD: f64 = 20.0;
 
 /// One element of `chunk_gdn2`'s in-kernel gate (`kda_gate_chunk_cumsum`):
 /// `x = g + dt_bias`, `a_log` the head's `A_log`. Returns the decay and its

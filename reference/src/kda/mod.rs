@@ -8,6 +8,8 @@
 //! one head of one sequence.
 
 pub mod chunk;
+// The registry entry (`registry::OPS`): machinery, public for `verify`.
+#[doc(hidden)]
 pub mod entry;
 mod intermediates;
 pub mod naive;

@@ -5,6 +5,8 @@
 //! the state (`[1, D]` per sequence, one head), so CP hands the previous
 //! rank's last token over like any other state.
 
+// The registry entry (`registry::OPS`): machinery, public for `verify`.
+#[doc(hidden)]
 pub mod entry;
 
 use ndarray::{

@@ -21,7 +21,7 @@
 
 pub mod conv;
 pub mod dplr;
-pub mod dual;
+mod dual;
 pub mod gdn;
 pub mod kda;
 pub mod token_shift;

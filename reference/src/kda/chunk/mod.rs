@@ -1,0 +1,261 @@
+//! The chunked form (SPEC §3.1), in the structure of FLA's `chunk_kda`
+//! (fla-core 0.6.0, `fla/ops/kda/`): per chunk of `C` tokens the
+//! state-independent "intra" quantities (Γ, `Akk`, `Aqk`, `w`, `u`, `qg`,
+//! `kg`), then one pass over the chunks carrying the state (`h`, `v_new`,
+//! `o`). Backward follows `chunk_kda_bwd`: output backward, the `dh`
+//! recurrence over chunks, WY backward, intra-chunk backward, gate (reverse
+//! cumsum) backward.
+//!
+//! One file per stage, named after FLA's:
+//!
+//! | file | FLA | computes |
+//! |---|---|---|
+//! | `chunk_fwd.rs` | `kda/chunk_fwd.py` (`chunk_kda_fwd`) | the forward over a head's chunks |
+//! | `chunk_intra.rs` | `kda/chunk_intra.py` (`chunk_kda_fwd_intra`, `chunk_kda_bwd_intra`) | Γ, `Akk`, `Aqk` and their backward |
+//! | `decays.rs` | the gate exponentials inside those kernels | `exp(Γ_r − Γ_s)`, `exp(Γ)`, `exp(Γ_last − Γ)` |
+//! | `wy_fast.rs` | `kda/wy_fast.py` (`recompute_w_u_fwd`, `prepare_wy_repr_bwd`) | `w`, `u`, `qg`, `kg` and the WY backward |
+//! | `chunk_delta_h.rs` | `common/chunk_delta_h.py` (`fwd_h`, `bwd_dhu`) | `h`, `v_new`; `dh`, `dv` |
+//! | `chunk_o.rs` | `gla/chunk.py` (`chunk_gla_fwd_o_gk`), `kda/chunk_bwd.py` (`chunk_kda_bwd_dAv`) | `o`; `dAqk`, `Aqkᵀ do` |
+//! | `chunk_bwd.rs` | `kda/chunk_bwd.py` (`chunk_kda_bwd`, `wy_dqkg_fused`) | the backward over a head's chunks |
+//!
+//! A pairwise decay `exp(Γ_r − Γ_s)` is a product of two factors through
+//! the chunk's middle row `m`, `exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s)` (so the
+//! pairs are matrix products); a chunk whose decays span too wide a range
+//! for those factors splits into blocks ([`crate::fast::decay_blocks`]), so
+//! strong decays never overflow. A [`Policy`] rounds each stored stage for
+//! precision emulation; the default policy is exact.
+
+mod chunk_bwd;
+mod chunk_delta_h;
+mod chunk_fwd;
+mod chunk_intra;
+mod chunk_o;
+mod decays;
+mod wy_fast;
+
+pub use chunk_fwd::intermediates;
+pub use chunk_intra::Intra;
+
+use ndarray::{s, Array2, Array3, ArrayD, ArrayView2, CowArray, Ix2};
+
+use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
+use crate::error::Result;
+use crate::fast::gemm;
+use crate::fast::views;
+use crate::op::{self, Engine, HeadSink};
+use crate::precision::{Feature, Policy, Stage};
+use crate::scalar::Scalar;
+
+/// The chunked engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Chunk {
+    pub chunk_size: usize,
+    pub policy: Policy,
+    /// Tokens per span of a long pair's forward+backward
+    /// ([`crate::fast::spans::in_spans`]); a multiple of `chunk_size`.
+    span_len: usize,
+}
+
+impl Chunk {
+    /// Chunk sizes of FLA's kernels: 16, 32 or 64.
+    pub fn new(chunk_size: usize) -> Result<Self> {
+        Ok(Chunk::sized(crate::registry::ChunkSize::new(chunk_size)?))
+    }
+
+    /// The engine with chunks of `c` tokens.
+    pub fn sized(c: crate::registry::ChunkSize) -> Self {
+        Chunk {
+            chunk_size: c.get(),
+            policy: Policy::exact(),
+            span_len: crate::fast::spans::SPAN_LEN,
+        }
+    }
+
+    /// The same engine with stages rounded per `policy`.
+    pub fn with_policy(self, policy: Policy) -> Self {
+        Chunk { policy, ..self }
+    }
+
+    /// The same engine with spans of `tokens` (a positive multiple of the
+    /// chunk size) for long pairs. The results do not depend on it.
+    pub fn with_span_len(self, tokens: usize) -> Result<Self> {
+        crate::fast::spans::check_span_len(tokens, self.chunk_size)?;
+        Ok(Chunk {
+            span_len: tokens,
+            ..self
+        })
+    }
+
+    /// What a policy may ask of this engine (plus the CP stages when CP runs
+    /// over it, and the inputs/outputs the caller rounds).
+    pub const FEATURES: &'static [Feature] = &[
+        Feature::Round(Stage::Activations),
+        Feature::Round(Stage::GCumsum),
+        Feature::Round(Stage::Akk),
+        Feature::Round(Stage::Aqk),
+        Feature::Round(Stage::W),
+        Feature::Round(Stage::U),
+        Feature::Round(Stage::Gated),
+        Feature::Round(Stage::H),
+        Feature::Round(Stage::VNew),
+        Feature::Round(Stage::Dh),
+        Feature::Round(Stage::Dv),
+        Feature::Round(Stage::BwdOperands),
+        Feature::Round(Stage::KBeta),
+        Feature::Round(Stage::KBetaBwd),
+        Feature::Round(Stage::FwdDots),
+        Feature::Round(Stage::HdhSum),
+        Feature::Round(Stage::IntraDots),
+        Feature::Exp2,
+        Feature::SafeGate,
+    ];
+
+    /// Rounds `a` to the storage of the backward's low-precision operands.
+    fn operand<T: Scalar>(&self, mut a: Array2<T>) -> Array2<T> {
+        self.policy.round(Stage::BwdOperands, &mut a);
+        a
+    }
+}
+
+/// `chunk::forward(x, opt, C)`: the chunked engine over a whole batch.
+pub fn forward<T: Scalar>(
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    chunk_size: usize,
+) -> Result<KdaOutputs<T>> {
+    op::forward(&Chunk::new(chunk_size)?, x, opt)
+}
+
+/// `chunk::backward(x, opt, do, dht, C)`.
+pub fn backward<T: Scalar>(
+    x: &KdaInputs<T>,
+    opt: &KdaOptions,
+    d_o: &ArrayD<T>,
+    dht: Option<&ArrayD<T>>,
+    chunk_size: usize,
+) -> Result<KdaGrads<T>> {
+    op::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
+}
+
+/// Forward intermediates of one head.
+#[derive(Clone, Debug)]
+pub struct ChunkForward<T> {
+    pub intra: Vec<Intra<T>>,
+    /// State entering each chunk, `[NT, K, V]`.
+    pub h: Array3<T>,
+    /// `u − w h`, `[L, V]`.
+    pub v_new: Array2<T>,
+    /// `[L, V]`
+    pub o: Array2<T>,
+    /// `[K, V]`
+    pub final_state: Array2<T>,
+}
+
+impl<T> crate::fast::spans::SpanForward<T> for ChunkForward<T> {
+    fn o(&self) -> ArrayView2<'_, T> {
+        self.o.view()
+    }
+    fn final_state(&self) -> ArrayView2<'_, T> {
+        self.final_state.view()
+    }
+}
+
+/// Backward intermediates of one head.
+#[derive(Clone, Debug)]
+pub struct ChunkBackward<T> {
+    /// Gradient of the state at the END of each chunk (FLA's `dh`), `[NT, K, V]`.
+    pub dh: Array3<T>,
+    /// Gradient of `v_new` (FLA's `dv` after the state pass), `[L, V]`.
+    pub dv_new: Array2<T>,
+    /// Per chunk, `[c, c]`.
+    pub daqk: Vec<Array2<T>>,
+    /// Per chunk, gradient of `Akk`, `[c, c]`: its lower triangle (with the
+    /// diagonal), zeros above, where `Akk` has no entries.
+    pub dakk: Vec<Array2<T>>,
+    pub grads: KdaHeadGrads<T>,
+}
+
+/// Tokens `r` of the head's query (scaled) and key, `[c, K]` each, in
+/// standard layout for the element-wise passes: copied only where the
+/// head's rows are strided or the query is to be scaled. (The products read
+/// `v`'s rows where they are; Γ is copied once, into the cumulative sum.)
+fn qk_rows<'a, T: Scalar>(
+    x: &'a KdaHead<'_, T>,
+    r: std::ops::Range<usize>,
+) -> [CowArray<'a, T, Ix2>; 2] {
+    [
+        views::scaled_standard(x.q.slice(s![r.clone(), ..]), x.scale),
+        views::standard(x.k.slice(s![r, ..])),
+    ]
+}
+
+impl<T: Scalar> Engine<T> for Chunk {
+    type Op = Kda;
+
+    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
+        let f = self.forward_intermediates(x, h0);
+        (f.o, f.final_state)
+    }
+
+    fn backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> KdaHeadGrads<T> {
+        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
+            .grads
+    }
+
+    /// One forward pass (with its readout) serves the backward too.
+    fn forward_backward(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+    ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
+        let fwd = self.forward_pass(x, h0, true);
+        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
+        ((fwd.o, fwd.final_state), grads)
+    }
+
+    /// The gradients written into the run's tensors chunk by chunk; a pair
+    /// longer than a span in spans ([`crate::fast::spans::in_spans`]).
+    fn forward_backward_into(
+        &self,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        d_o: ArrayView2<T>,
+        dht: ArrayView2<T>,
+        out: HeadSink<'_, T, Kda>,
+    ) {
+        if x.len() > self.span_len {
+            return crate::fast::spans::chunked_in_spans!(self, x, h0, d_o, dht, out);
+        }
+        let fwd = self.forward_pass(x, h0, true);
+        views::copy_into(out.o, fwd.o.view());
+        views::copy_into(out.final_state, fwd.final_state.view());
+        self.backward_into(x, &fwd, d_o, dht, false, out.grads);
+    }
+
+    /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in
+    /// the policy's activation storage.
+    fn stored<'a>(&self, p: Prepared<'a, T>) -> Prepared<'a, T>
+    where
+        T: 'a,
+    {
+        p.with_stored_activations(&self.policy)
+    }
+
+    /// `M = Π M_chunk`, later chunks on the left.
+    fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
+        let mut m = Array2::eye(x.k_dim());
+        for ch in self.intras(x) {
+            m = gemm::dot(ch.transition().view(), m.view());
+            self.policy.round(Stage::MChain, &mut m);
+        }
+        m
+    }
+}
