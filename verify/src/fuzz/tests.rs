@@ -222,10 +222,7 @@ fn the_f32_oracle_passes_500_cases_in_every_convention() {
     for conv in convention::BUILTIN {
         for opname in conv.ops.iter().filter(|o| ["kda", "gdn"].contains(o)) {
             let cfg = FuzzConfig::new(op(opname), conv);
-            let mut r = OracleRunner {
-                compute: Compute::F32,
-                backward: false,
-            };
+            let mut r = OracleRunner::new(Compute::F32);
             let rep = fuzz(&cfg, &mut r, &options(500), |_, _| {}).unwrap();
             assert!(rep.pass() && rep.cases == 500, "{}", render(&rep));
         }
@@ -237,7 +234,7 @@ fn the_f32_oracle_passes_500_cases_in_every_convention() {
 #[test]
 fn every_drawn_case_is_valid_for_its_convention() {
     for conv in convention::BUILTIN {
-        for opname in conv.ops.iter().filter(|o| ["kda", "gdn"].contains(o)) {
+        for opname in conv.ops {
             let cfg = FuzzConfig::new(op(opname), conv);
             for i in 0..300 {
                 let p = cfg.draw(7, i);
@@ -256,7 +253,7 @@ fn every_drawn_case_is_valid_for_its_convention() {
 #[test]
 fn conventions_map_back_to_the_same_tensors() {
     for conv in convention::BUILTIN {
-        for opname in conv.ops.iter().filter(|o| ["kda", "gdn"].contains(o)) {
+        for opname in conv.ops {
             let cfg = FuzzConfig::new(op(opname), conv);
             let p = cfg.draw(3, 1);
             let case = p.case(cfg.op, conv, Dtype::F64).unwrap();
@@ -310,6 +307,117 @@ fn a_bad_fix_or_op_is_a_usage_error() {
     cfg.fix = Some([2, 8, 4]);
     let e = cfg.check().unwrap_err().to_string();
     assert!(e.contains("K = V") && e.contains("K = 8, V = 4"), "{e}");
-    let cfg = FuzzConfig::new(op("dplr"), &convention::FLA);
-    assert!(cfg.check().unwrap_err().to_string().contains("kda or gdn"));
+    let mut cfg = FuzzConfig::new(op("token_shift"), &convention::FLA);
+    cfg.fix = Some([1, 8, 1]);
+    let e = cfg.check().unwrap_err().to_string();
+    assert!(e.contains("--fix") && e.contains("B,T,D"), "{e}");
+    let cfg = FuzzConfig::new(op("dplr"), convention::find("ggml").unwrap());
+    let e = cfg.check().unwrap_err().to_string();
+    assert!(e.contains("applies to --op kda, gdn, not dplr"), "{e}");
+}
+
+/// The ops beyond KDA and GDN (DPLR, GDN-2, token-shift, causal conv1d).
+const NEW_OPS: [&str; 4] = ["dplr", "gdn2", "token_shift", "causal_conv1d"];
+
+/// The f32 oracle passes 500 cases of every other op under `fla`.
+#[test]
+fn the_f32_oracle_passes_500_cases_of_every_other_op() {
+    for opname in NEW_OPS {
+        let cfg = FuzzConfig::new(op(opname), &convention::FLA);
+        let mut r = OracleRunner::new(Compute::F32);
+        let rep = fuzz(&cfg, &mut r, &options(500), |_, _| {}).unwrap();
+        assert!(rep.pass() && rep.cases == 500, "{}", render(&rep));
+    }
+}
+
+/// Any op's kernel that zeroes the output of the last token of every
+/// sequence whose length is not a multiple of 16.
+fn zeroes_last_output(k: &KernelCase) -> Result<Tensors, String> {
+    let case = k.to_fla()?;
+    let first = case.meta.op.first_input();
+    let shape = case.tensors[first].shape().to_vec();
+    let seqs: Vec<(usize, usize)> = match &case.cu_seqlens {
+        Some(cu) => cu
+            .windows(2)
+            .filter(|w| (w[1] - w[0]) % 16 != 0)
+            .map(|w| (0, w[1] as usize - 1))
+            .collect(),
+        None if shape[1] % 16 != 0 => (0..shape[0]).map(|b| (b, shape[1] - 1)).collect(),
+        None => vec![],
+    };
+    let mut out = Impl::NAIVE
+        .compute_forward(&case, Compute::F32)
+        .map_err(|e| e.to_string())?;
+    let o = out.get_mut(case.meta.op.info().outputs[0]).unwrap();
+    for (b, t) in seqs {
+        set_token(o, b, t, 0.0);
+    }
+    Ok(out)
+}
+
+#[test]
+fn a_zeroed_last_output_of_every_other_op_is_caught_and_shrunk() {
+    for opname in NEW_OPS {
+        let r = run_fault("zeroes-last-output", opname, zeroes_last_output);
+        assert!(!r.pass(), "{}", render(&r));
+        let f = &r.failures[0];
+        let out = op(opname).info().outputs[0];
+        assert_eq!(f.verdict.failing, vec![out.to_string()], "{}", render(&r));
+        assert!(f.shrunk.tokens() <= 2, "{}", render(&r));
+        assert!(
+            f.shrunk.cuts.is_none() && f.shrunk.lengths.len() == 1,
+            "{}",
+            render(&r)
+        );
+    }
+}
+
+/// The oracle with FLA's CP fault 5 (the merge covers half of V) is caught
+/// on a case with cut points, shrunk with its cut kept (without CP it
+/// passes), and every drawn CP plan is valid.
+#[test]
+fn a_cp_fault_is_caught_and_shrunk_keeping_its_cut() {
+    for opname in ["gdn", "kda"] {
+        let cfg = FuzzConfig::new(op(opname), &convention::FLA);
+        let mut r = OracleRunner::parse("builtin:partial-merge-v").unwrap();
+        let rep = fuzz(&cfg, &mut r, &options(200), |_, _| {}).unwrap();
+        assert!(!rep.pass(), "{}", render(&rep));
+        let f = &rep.failures[0];
+        assert!(f.drawn.cuts.is_some(), "{}", render(&rep));
+        let cuts = f.shrunk.cuts.as_ref().expect("the cut is what fails");
+        assert!(
+            f.shrunk.tokens() <= 64
+                && f.shrunk.tokens() <= f.drawn.tokens()
+                && cuts.len() == 1
+                && f.shrunk.v >= 2,
+            "{}",
+            render(&rep)
+        );
+        let mut plain = f.shrunk.clone();
+        plain.cuts = None;
+        let o = evaluate(&cfg, &plain, &mut r, 1e-4).unwrap();
+        assert!(o.verdict.pass(), "{}", plain.describe());
+    }
+}
+
+#[test]
+fn drawn_cut_points_are_valid_and_reach_the_runner() {
+    let cfg = FuzzConfig::new(op("gdn"), &convention::FLA);
+    let mut with = 0;
+    for i in 0..300 {
+        let p = cfg.draw(5, i);
+        let Some(cuts) = &p.cuts else { continue };
+        with += 1;
+        assert!(p.varlen || p.lengths.len() == 1, "{}", p.describe());
+        assert!(cuts.windows(2).all(|w| w[0] < w[1]) && cuts[cuts.len() - 1] < p.tokens());
+        let case = p.case(cfg.op, cfg.convention, Dtype::F32).unwrap();
+        let k = KernelCase::of(&case, cfg.convention, Dtype::F32).unwrap();
+        assert_eq!(k.meta.cp, Some(crate::case::CpLayout::Cuts(cuts.clone())));
+        let back = Case::from_bytes(&k.to_bytes().unwrap(), "the runner's case").unwrap();
+        assert_eq!(back.meta.cp, k.meta.cp);
+    }
+    assert!((60..=140).contains(&with), "{with} of 300 draws carry CP");
+    let mut off = FuzzConfig::new(op("gdn"), &convention::FLA);
+    off.cp = false;
+    assert!((0..100).all(|i| off.draw(5, i).cuts.is_none()));
 }

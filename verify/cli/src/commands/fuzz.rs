@@ -14,7 +14,6 @@ use deltaref_verify::convention;
 use deltaref_verify::fuzz::{
     self, CommandRunner, FuzzConfig, FuzzOptions, OracleRunner, Runner, WorkerRunner,
 };
-use deltaref_verify::impls::Compute;
 use deltaref_verify::progress::Progress;
 
 use super::{check_ratio, fail, file_dtype, list};
@@ -147,10 +146,7 @@ fn config(a: &Args) -> Result<FuzzConfig, CaseError> {
 fn runner(a: &Args, dir: &std::path::Path) -> Result<Box<dyn Runner>, CaseError> {
     let usage = CaseError::Usage;
     match (&a.runner, &a.worker) {
-        (Some(r), _) if r.starts_with("builtin:") => {
-            let compute: Compute = r["builtin:".len()..].parse().map_err(|e| usage(format!("--runner {r}: {e}")))?;
-            Ok(Box::new(OracleRunner { compute, backward: false }))
-        }
+        (Some(r), _) if r.starts_with("builtin:") => Ok(Box::new(OracleRunner::parse(r).map_err(usage)?)),
         (Some(r), _) => Ok(Box::new(CommandRunner::new(r, dir).map_err(usage)?)),
         (None, Some(w)) => Ok(Box::new(WorkerRunner::start(w, dir).map_err(usage)?)),
         (None, None) => Err(usage("give the candidate: --runner CMD (with {case} and {out}), --runner builtin:f32, or --worker CMD".into())),
