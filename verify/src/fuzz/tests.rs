@@ -421,3 +421,60 @@ fn drawn_cut_points_are_valid_and_reach_the_runner() {
     off.cp = false;
     assert!((0..100).all(|i| off.draw(5, i).cuts.is_none()));
 }
+
+fn band_options(cases: u64, preset: &str) -> FuzzOptions {
+    FuzzOptions {
+        cases: Some(cases),
+        tolerance: 5e-3,
+        band: Some(BandRule {
+            preset: preset.into(),
+            samples: 4,
+        }),
+        ..FuzzOptions::default()
+    }
+}
+
+/// `--band fla-bf16`: FLA's bf16 emulation itself stays in every case's
+/// band; the same with `v_new` stored in e5m2 (`coarse-v-new`) falls out
+/// of it, and the failure says where it sits.
+#[test]
+fn band_judging_passes_the_preset_and_catches_a_coarser_one() {
+    let cfg = FuzzConfig {
+        dtype: Dtype::Bf16,
+        max_tokens: 128,
+        ..FuzzConfig::new(op("gdn"), &convention::FLA)
+    };
+    let mut good = OracleRunner::parse("builtin:fla-bf16").unwrap();
+    let rep = fuzz(&cfg, &mut good, &band_options(40, "fla-bf16"), |_, _| {}).unwrap();
+    assert!(rep.pass() && rep.cases == 40, "{}", render(&rep));
+    assert!(rep.judged.contains("band fla-bf16"), "{}", rep.judged);
+    let mut bad = OracleRunner::parse("builtin:coarse-v-new").unwrap();
+    let rep = fuzz(&cfg, &mut bad, &band_options(40, "fla-bf16"), |_, _| {}).unwrap();
+    assert!(!rep.pass(), "{}", render(&rep));
+    let f = &rep.failures[0];
+    let out = f
+        .verdict
+        .checks
+        .iter()
+        .find(|c| !c.pass)
+        .and_then(|c| c.band.clone())
+        .unwrap_or_default();
+    assert!(out.starts_with("OUT above"), "{}", render(&rep));
+}
+
+#[test]
+fn a_band_of_a_preset_without_rounding_is_refused() {
+    let cfg = FuzzConfig::new(op("gdn"), &convention::FLA);
+    let mut r = OracleRunner::new(Compute::F32);
+    let e = fuzz(&cfg, &mut r, &band_options(2, "f32"), |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--band f32") && e.contains("single point"),
+        "{e}"
+    );
+    assert!(OracleRunner::parse("builtin:nope")
+        .err()
+        .unwrap()
+        .contains("fla-bf16"));
+}

@@ -123,6 +123,110 @@ fn usage_errors_and_broken_runners_exit_2() {
     }
 }
 
+/// Every other op under `fla`: the f32 oracle passes, in process.
+#[test]
+fn every_op_is_fuzzed() {
+    for op in ["dplr", "gdn2", "token_shift", "causal_conv1d"] {
+        let (c, out, err) = code(&[
+            "fuzz",
+            "-q",
+            "--op",
+            op,
+            "--runner",
+            "builtin:f32",
+            "--cases",
+            "40",
+            "--json",
+        ]);
+        assert_eq!(c, 0, "{op}: {out}{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["passes"].as_u64(), Some(40), "{out}");
+    }
+}
+
+/// FLA's CP fault 5 as the runner (`builtin:partial-merge-v`): caught on a
+/// case with cut points; the shrunk case keeps one (`cp world=2`); with
+/// `--no-cp` the same runner passes.
+#[test]
+fn a_cp_fault_runner_is_caught_on_cut_points_and_passes_without_them() {
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "gdn",
+        "--runner",
+        "builtin:partial-merge-v",
+        "--cases",
+        "100",
+    ]);
+    assert_eq!(c, 1, "{out}{err}");
+    assert!(
+        out.contains("shrunk in") && out.contains("cp world=2 cuts=["),
+        "{out}"
+    );
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "gdn",
+        "--runner",
+        "builtin:partial-merge-v",
+        "--cases",
+        "60",
+        "--no-cp",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+}
+
+/// `--band`: the bf16 emulation passes in its own band; `--band f32` (no
+/// rounding, no band) is a usage error; `--band` and `--tolerance` conflict.
+#[test]
+fn band_judges_each_case_in_its_noise_band() {
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "kda",
+        "--runner",
+        "builtin:fla-bf16",
+        "--dtype",
+        "bf16",
+        "--band",
+        "--cases",
+        "15",
+        "--max-tokens",
+        "96",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert!(out.contains("judged by band fla-bf16 (4 samples)"), "{out}");
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "kda",
+        "--runner",
+        "builtin:f32",
+        "--band",
+        "f32",
+        "--cases",
+        "2",
+    ]);
+    assert_eq!(c, 2, "{out}{err}");
+    assert!(err.contains("single point"), "{err}");
+    let (c, _, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "kda",
+        "--runner",
+        "builtin:f32",
+        "--band",
+        "--tolerance",
+        "1e-3",
+    ]);
+    assert_eq!(c, 2, "{err}");
+}
+
 /// ggml's GATED_DELTA_NET through `tools/ggml_runner.py`: GDN and KDA pass
 /// in ggml's convention; wrapped for FLA's layout, grouped value heads
 /// are caught and the tiled head mapping named.
