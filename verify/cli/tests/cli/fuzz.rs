@@ -275,3 +275,95 @@ fn ggml_passes_in_its_convention_and_its_head_mapping_is_named_under_fla() {
         );
     }
 }
+
+/// `gen --convention ggml` writes the case in ggml's layout (tiled value
+/// heads, state `[V, K]`) with the map back in its metadata; its stored
+/// truth, taken as a candidate in ggml's convention, passes `verify
+/// --convention ggml`; taken in FLA's it fails with the head mapping and
+/// the state layout named, and the per-head errors shown.
+#[test]
+fn a_case_generated_in_a_convention_verifies_in_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = dir.path().join("ggml.safetensors");
+    let (c, out, err) = code(&[
+        "gen",
+        "--op",
+        "gdn",
+        "--shape",
+        "1,12,2,4,4,4",
+        "--initial-state",
+        "--dtype",
+        "f32",
+        "--expected",
+        "--convention",
+        "ggml",
+        "--out",
+        s(&case),
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let bytes = std::fs::read(&case).unwrap();
+    let head = String::from_utf8_lossy(&bytes[8..2000]).to_string();
+    assert!(
+        head.contains("\"convention\"") && head.contains("tiled"),
+        "{head}"
+    );
+    let verify = |conv: &str| {
+        code(&[
+            "verify",
+            "--case",
+            s(&case),
+            "--candidate",
+            s(&case),
+            "--convention",
+            conv,
+        ])
+    };
+    let (c, out, err) = verify("ggml");
+    assert_eq!(c, 0, "{out}{err}");
+    let (c, out, err) = verify("fla");
+    assert_eq!(c, 1, "{out}{err}");
+    assert!(
+        out.contains("likely cause:")
+            && out.contains("`j % H` (tiled)")
+            && out.contains("transposed"),
+        "{out}"
+    );
+    assert!(out.contains("o per head: worst head"), "{out}");
+    let (c, out, err) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&case),
+        "--convention",
+        "ggml",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let (c, out, err) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&case),
+        "--convention",
+        "fla",
+    ]);
+    assert_eq!(c, 1, "{out}{err}");
+    assert!(out.contains("o per head: worst head"), "{out}");
+    let (c, _, err) = code(&[
+        "gen",
+        "--op",
+        "gdn",
+        "--shape",
+        "1,12,2,4,4,4",
+        "--convention",
+        "opengdn",
+        "--out",
+        s(&dir.path().join("x.safetensors")),
+    ]);
+    assert_eq!(c, 2, "{err}");
+    assert!(
+        err.contains("--convention opengdn") && err.contains("HV = H"),
+        "{err}"
+    );
+}
