@@ -478,3 +478,56 @@ fn a_band_of_a_preset_without_rounding_is_refused() {
         .unwrap()
         .contains("fla-bf16"));
 }
+
+/// ggml's kernel called with FLA's layout (what `--convention fla` makes
+/// of a ggml runner): the FLA tensors it is handed are read as ggml's
+/// (tiled value heads, state `[V, K]`), its results written ggml's way.
+fn ggml_read_as_fla(k: &KernelCase) -> Result<Tensors, String> {
+    let ggml = convention::find("ggml").unwrap();
+    let fla = k.to_fla()?;
+    let dims = convention::Dims::of(&fla)?;
+    let mut seen = fla.clone();
+    seen.tensors = ggml.to_fla(fla.meta.op, &dims, fla.tensors.clone())?;
+    let results = oracle_f32(&seen)?;
+    let names: Vec<String> = results.keys().cloned().collect();
+    seen.tensors.extend(results);
+    let mut out = ggml.to_kernel(&seen)?;
+    out.retain(|n, _| names.contains(n));
+    Ok(out)
+}
+
+/// Every way ggml's kernel under `fla` fails (with grouped value heads and
+/// initial states among the draws) gets a cause: the head mapping, the
+/// state layout, or both (the 12 "unexplained" failures of ggml-python
+/// were both, with an initial state).
+#[test]
+fn ggml_under_fla_is_caught_and_every_failure_named() {
+    for opname in ["gdn", "kda"] {
+        let cfg = FuzzConfig {
+            within: convention::find("ggml"),
+            ..FuzzConfig::new(op(opname), &convention::FLA)
+        };
+        let mut r = FnRunner {
+            name: "ggml-as-fla".into(),
+            f: ggml_read_as_fla,
+        };
+        let opt = FuzzOptions {
+            keep_going: true,
+            ..options(100)
+        };
+        let rep = fuzz(&cfg, &mut r, &opt, |_, _| {}).unwrap();
+        assert!(!rep.pass(), "{}", render(&rep));
+        assert!(
+            rep.failing_cases.keys().all(|s| !s.contains("unexplained")),
+            "{}",
+            render(&rep)
+        );
+        assert!(
+            rep.failing_cases
+                .keys()
+                .any(|s| s.contains("head-mapping+state-layout")),
+            "{}",
+            render(&rep)
+        );
+    }
+}
