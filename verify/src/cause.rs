@@ -159,7 +159,10 @@ impl Mistake {
                 if let Some(h0) = alt.tensors.get_mut("initial_state") {
                     let s = h0.shape().to_vec();
                     let vk = [s[0], s[1], s[3], s[2]];
-                    *h0 = swap_last_two(h0.clone().into_shape_with_order(IxDyn(&vk)).ok()?);
+                    // Standard layout first: after another mistake (value heads
+                    // reordered) the state may be a strided view of its buffer.
+                    let flat = h0.as_standard_layout().into_owned();
+                    *h0 = swap_last_two(flat.into_shape_with_order(IxDyn(&vk)).ok()?);
                 }
                 Some((
                     alt,
@@ -168,7 +171,7 @@ impl Mistake {
                             return x;
                         }
                         let shape = x.shape().to_vec();
-                        swap_last_two(x)
+                        swap_last_two(x.as_standard_layout().into_owned())
                             .into_shape_with_order(IxDyn(&shape))
                             .expect("same element count")
                     }),
@@ -324,17 +327,23 @@ fn permute_value_heads_of(
     perm: &[usize],
 ) -> ArrayD<f64> {
     let axes = op.info().axes_of(name).unwrap_or("");
+    // `select` along an inner axis may leave a strided layout: later
+    // mistakes reshape, so hand on standard layout.
     if let Some(a) = axes.split(',').position(|a| a == "HV") {
-        return x.select(Axis(a), perm);
+        return x.select(Axis(a), perm).as_standard_layout().into_owned();
     }
     if axes == "HV*K" && x.len().is_multiple_of(perm.len()) {
         let k = x.len() / perm.len();
         let m = x
+            .as_standard_layout()
+            .into_owned()
             .into_shape_with_order(IxDyn(&[perm.len(), k]))
             .expect("HV*K");
         let len = m.len();
         return m
             .select(Axis(0), perm)
+            .as_standard_layout()
+            .into_owned()
             .into_shape_with_order(IxDyn(&[len]))
             .expect("HV*K");
     }

@@ -74,6 +74,11 @@ impl HeadFile {
         // Only KDA's and DPLR's tensor layouts are known here (GDN's gate is
         // [B, T, H], the conv has channels, not heads): the rest load whole.
         let op = case_op(&metadata).filter(|op| op.info().streams_by_head)?;
+        // A case in a kernel's convention is mapped back whole (its heads
+        // may be tiled, its state transposed): no head blocks.
+        if metadata.contains_key("convention") {
+            return None;
+        }
         let heads = tensors
             .iter()
             .find(|e| e.name == "q")

@@ -23,6 +23,11 @@ pub struct VerifyRow {
     /// Why the row fails in words: missing tensor, shape mismatch (no
     /// numbers then), or non-finite candidate values.
     pub problem: Option<String>,
+    /// norm_ratio of each head along the tensor's head axis (`H`, `HV`),
+    /// when it has one ([`VerifyReport::with_heads`]): a head-mapping bug
+    /// fails some heads and not others.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub per_head: Vec<f64>,
 }
 
 /// The whole comparison.
@@ -93,6 +98,7 @@ impl VerifyRow {
             argmax: None,
             pass: false,
             problem: Some(problem),
+            per_head: vec![],
         }
     }
 
@@ -110,8 +116,41 @@ impl VerifyRow {
             problem: acc
                 .non_finite
                 .then(|| "non-finite values in the candidate".to_string()),
+            per_head: vec![],
         }
     }
+
+    /// `worst head 3 (norm_ratio 1.9e0), 2 of 4 heads fail: [3.0e-8, …]`:
+    /// the row's heads at `max_ratio`; `None` without per-head errors.
+    pub fn heads_line(&self, max_ratio: f64) -> Option<String> {
+        let (worst, w) = self
+            .per_head
+            .iter()
+            .copied()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(&b.1))?;
+        let failing = self.per_head.iter().filter(|x| !(**x < max_ratio)).count();
+        let all: Vec<String> = self.per_head.iter().map(|x| format!("{x:.1e}")).collect();
+        Some(format!(
+            "worst head {worst} (norm_ratio {w:.3e}), {failing} of {} heads above {max_ratio:.1e}: [{}]",
+            self.per_head.len(),
+            all.join(", ")
+        ))
+    }
+}
+
+/// norm_ratio per index of axis `axis` of `truth` against `got` (same shape).
+pub fn per_head(axis: usize, truth: &ArrayD<f64>, got: &ArrayD<f64>) -> Vec<f64> {
+    let ax = ndarray::Axis(axis);
+    truth
+        .axis_iter(ax)
+        .zip(got.axis_iter(ax))
+        .map(|(t, g)| {
+            let mut acc = Accum::default();
+            acc.add(t.iter().copied().zip(g.iter().copied()), |i| i);
+            acc.norm_ratio()
+        })
+        .collect()
 }
 
 impl VerifyReport {
@@ -152,6 +191,25 @@ impl VerifyReport {
             intermediates: vec![],
             band: None,
         }
+    }
+
+    /// Fills each row's per-head errors: tensors of `op` with a head axis
+    /// (`H`, `HV`; [`deltaref::registry::OpInfo::head_axis`]) compared head
+    /// by head, `expected` against `got`. Rows with a problem stay without.
+    pub fn with_heads(mut self, op: crate::case::Op, expected: &Tensors, got: &Tensors) -> Self {
+        let info = op.info();
+        for r in self.rows.iter_mut().filter(|r| r.problem.is_none()) {
+            let (Some(t), Some(g)) = (expected.get(&r.tensor), got.get(&r.tensor)) else {
+                continue;
+            };
+            let axis = info
+                .axes_of(&r.tensor)
+                .and_then(|a| a.split(',').position(|x| x == "H" || x == "HV"));
+            if let Some(a) = axis.filter(|&a| a < t.ndim() && t.shape() == g.shape()) {
+                r.per_head = per_head(a, t, g);
+            }
+        }
+        self
     }
 
     /// Judges the rows by `verdicts` (against `band`) instead of
@@ -271,6 +329,13 @@ impl fmt::Display for VerifyReport {
                 verdict(&r.problem, r.pass)
             )?;
         }
+        // Per head for the failing rows: a wrong head mapping or a bug on
+        // heads > 0 fails some heads only.
+        for r in self.rows.iter().filter(|r| !r.pass && r.per_head.len() > 1) {
+            if let Some(line) = r.heads_line(self.max_ratio) {
+                writeln!(f, "  {} per head: {line}", r.tensor)?;
+            }
+        }
         if !self.unchecked.is_empty() {
             writeln!(f, "{}", self.unchecked_line())?;
         }
@@ -311,5 +376,37 @@ impl fmt::Display for VerifyReport {
             + self.intermediates.iter().filter(|r| !r.pass).count();
         let total = self.rows.len() + self.intermediates.len();
         write!(f, "{} of {} tensors pass", total - failed, total)
+    }
+}
+
+#[cfg(test)]
+mod head_tests {
+    use super::*;
+    use crate::case::Op;
+
+    /// A candidate wrong on value head 1 only: the row lists both heads'
+    /// errors and the table names head 1 as the worst, 1 of 2 failing.
+    #[test]
+    fn a_wrong_head_shows_in_the_per_head_errors() {
+        let truth = ArrayD::from_shape_fn(ndarray::IxDyn(&[1, 3, 2, 2]), |i| {
+            1.0 + (i[1] + i[3]) as f64
+        });
+        let mut got = truth.clone();
+        got.index_axis_mut(ndarray::Axis(2), 1).mapv_inplace(|x| -x);
+        let expected = Tensors::from([("o".to_string(), truth)]);
+        let got = Tensors::from([("o".to_string(), got)]);
+        let r = VerifyReport::new("c", "ref", "cand", &expected, &got, 1e-4).with_heads(
+            Op::parse("kda").unwrap(),
+            &expected,
+            &got,
+        );
+        assert_eq!(r.rows[0].per_head.len(), 2);
+        assert_eq!(r.rows[0].per_head[0], 0.0);
+        assert!(r.rows[0].per_head[1] > 1.0);
+        let text = r.to_string();
+        assert!(
+            text.contains("o per head: worst head 1") && text.contains("1 of 2 heads above"),
+            "{text}"
+        );
     }
 }

@@ -326,9 +326,12 @@ impl Case {
         Case::from_bytes(&bytes, &path.display().to_string())
     }
 
-    /// Parses a case from the bytes of a safetensors file (`what` names it in errors).
+    /// Parses a case from the bytes of a safetensors file (`what` names it
+    /// in errors). A case written in a kernel's convention (metadata
+    /// `convention`, `gen --convention`) is mapped back to FLA's layout.
     pub fn from_bytes(bytes: &[u8], what: &str) -> Result<Case, CaseError> {
         let case = Case::parse(bytes, what, None)?;
+        let case = in_fla_layout(bytes, what, case)?;
         case.validate().map_err(|e| CaseError::Invalid {
             path: what.to_string(),
             source: e,
@@ -479,6 +482,26 @@ impl Case {
 }
 
 pub use super::files::write_atomic;
+
+/// `case` (parsed from `bytes`) in FLA's layout: mapped back when its
+/// metadata names a convention other than `fla`.
+fn in_fla_layout(bytes: &[u8], what: &str, case: Case) -> Result<Case, CaseError> {
+    let meta_err = |why: String| CaseError::Metadata {
+        path: what.to_string(),
+        why,
+    };
+    let (_, md) = SafeTensors::read_metadata(bytes).map_err(|e| meta_err(describe(&e)))?;
+    let entry = md.metadata().as_ref().and_then(|m| m.get("convention"));
+    match crate::convention::written_in(entry.map(String::as_str)).map_err(meta_err)? {
+        None => Ok(case),
+        Some(conv) => conv.case_to_fla(case).map_err(|e| {
+            meta_err(format!(
+                "the case is written in convention {} but does not map back: {e}",
+                conv.name
+            ))
+        }),
+    }
+}
 
 /// What reading a case costs per stored byte: the bytes, the f64 tensors
 /// and a validation copy for an f64 file (a bf16 file widens more; the

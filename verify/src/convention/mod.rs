@@ -19,6 +19,7 @@
 //! `gdn`) have conventions other than FLA's; `fla` applies to every op.
 
 pub mod builtin;
+pub mod file;
 
 use ndarray::{ArrayD, Axis};
 use serde_json::{json, Value};
@@ -27,6 +28,7 @@ use crate::case::{Case, Op};
 use crate::outputs::Tensors;
 
 pub use builtin::{find, names, BUILTIN, FLA};
+pub use file::written_in;
 
 /// The space the kernel's decay gate `g` lives in (when it takes an
 /// activated gate; a raw gate is activated inside the kernel).

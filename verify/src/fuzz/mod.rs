@@ -24,7 +24,7 @@ use crate::impls::{Compute, Impl};
 use crate::outputs::Tensors;
 
 pub use draw::{Extra, FuzzConfig, Params};
-pub use judge::{judge, TensorCheck, Verdict};
+pub use judge::{judge, judge_by, BandRule, Rule, TensorCheck, Verdict};
 pub use runner::{
     CommandRunner, FnRunner, KernelCase, OracleRunner, Runner, RunnerError, WorkerRunner,
 };
@@ -38,6 +38,9 @@ pub struct FuzzOptions {
     pub seed: u64,
     /// FLA's `assert_close` ratio a tensor must stay under.
     pub tolerance: f64,
+    /// `--band PRESET`: judge each case in its noise band instead (tensors
+    /// without a band row, such as gradients, at `tolerance`).
+    pub band: Option<BandRule>,
     /// Keep going after the first failure (each new way of failing is shrunk).
     pub keep_going: bool,
     /// Most variants tried while shrinking one failure.
@@ -53,6 +56,7 @@ impl Default for FuzzOptions {
             time: None,
             seed: 0,
             tolerance: 1e-4,
+            band: None,
             keep_going: false,
             shrink_budget: 300,
             out: None,
@@ -86,6 +90,8 @@ pub struct FuzzReport {
     pub op: String,
     pub convention: String,
     pub runner: String,
+    /// How tensors were judged: `tolerance 0.0001` or `band fla-bf16 (4 samples)`.
+    pub judged: String,
     pub seed: u64,
     pub cases: u64,
     pub passes: u64,
@@ -114,13 +120,27 @@ pub struct Outcome {
 }
 
 /// Builds the case `p` describes, runs it through `runner` in the
-/// configured convention and judges it. A runner that cannot run at all
-/// is an error; one that fails on this case is a failed verdict.
+/// configured convention and judges it at `tolerance`. A runner that
+/// cannot run at all is an error; one that fails on this case is a failed
+/// verdict.
 pub fn evaluate(
     cfg: &FuzzConfig,
     p: &Params,
     runner: &mut dyn Runner,
     tolerance: f64,
+) -> Result<Outcome, RunnerError> {
+    evaluate_by(cfg, p, runner, tolerance, None)
+}
+
+/// [`evaluate`], judged in the case's noise band when `band` is given
+/// (a band that cannot be drawn, e.g. for a preset with no rounding, is
+/// an error: the run cannot go on).
+pub fn evaluate_by(
+    cfg: &FuzzConfig,
+    p: &Params,
+    runner: &mut dyn Runner,
+    tolerance: f64,
+    band: Option<&BandRule>,
 ) -> Result<Outcome, RunnerError> {
     let case = p
         .case(cfg.op, cfg.convention, cfg.dtype)
@@ -143,7 +163,19 @@ pub fn evaluate(
         Impl::NAIVE.compute_forward(&case, Compute::F64)
     }
     .map_err(|e| RunnerError::Broken(format!("the f64 oracle on {}: {e}", p.describe())))?;
-    let verdict = judge(&case, cfg.convention, &truth, &fla, tolerance);
+    let verdict = match band {
+        None => judge(&case, cfg.convention, &truth, &fla, tolerance),
+        Some(b) => {
+            let band = b
+                .band_of(&case, &truth)
+                .map_err(|e| RunnerError::Broken(e.to_string()))?;
+            let rule = Rule::Band {
+                band: &band,
+                fallback: tolerance,
+            };
+            judge_by(&case, cfg.convention, &truth, &fla, rule)
+        }
+    };
     Ok(Outcome {
         case,
         truth,
@@ -177,6 +209,10 @@ pub fn fuzz(
         op: cfg.op.name().into(),
         convention: cfg.convention.name.into(),
         runner: runner.name(),
+        judged: match &opt.band {
+            None => format!("tolerance {}", opt.tolerance),
+            Some(b) => format!("band {} ({} samples)", b.preset, b.samples),
+        },
         seed: opt.seed,
         cases: 0,
         passes: 0,
@@ -189,7 +225,7 @@ pub fn fuzz(
     let mut i = 0u64;
     while opt.cases.is_none_or(|n| i < n) && opt.time.is_none_or(|t| start.elapsed() < t) {
         let p = cfg.draw(opt.seed, i);
-        let o = evaluate(cfg, &p, runner, opt.tolerance).map_err(broken)?;
+        let o = evaluate_by(cfg, &p, runner, opt.tolerance, opt.band.as_ref()).map_err(broken)?;
         report.cases += 1;
         let sig = signature(&o);
         on_case(i, sig.is_none());
@@ -232,23 +268,31 @@ fn shrink_failure(
     sig: &str,
 ) -> Result<Failure, CaseError> {
     let (shrunk, steps) = shrink::shrink(cfg, p.clone(), sig, opt.shrink_budget, |q| {
-        evaluate(cfg, q, runner, opt.tolerance)
+        evaluate_by(cfg, q, runner, opt.tolerance, opt.band.as_ref())
             .ok()
             .and_then(|o| signature(&o))
     });
-    let o = evaluate(cfg, &shrunk, runner, opt.tolerance)
+    let o = evaluate_by(cfg, &shrunk, runner, opt.tolerance, opt.band.as_ref())
         .map_err(|e| CaseError::Usage(e.to_string()))?;
     let files = match &opt.out {
         Some(dir) => Some(write_failure(dir, cfg, index, &o)?),
         None => None,
     };
+    let judged = match &opt.band {
+        None => format!("--max-ratio {}", opt.tolerance),
+        Some(b) => format!(
+            "--band {} --samples {} --band-seed {}",
+            crate::presets::without_fault(&b.preset),
+            b.samples,
+            o.case.meta.seed.unwrap_or(0)
+        ),
+    };
     let replay = files.as_ref().map(|(c, k)| {
         format!(
-            "deltaref verify --case {} --candidate {} --convention {} --max-ratio {} --forward-only",
+            "deltaref verify --case {} --candidate {} --convention {} {judged} --forward-only",
             c.display(),
             k.display(),
             cfg.convention.name,
-            opt.tolerance
         )
     });
     Ok(Failure {
@@ -296,11 +340,12 @@ fn write_failure(
 /// and each shrunk failure with its cause and replay command.
 pub fn render(r: &FuzzReport) -> String {
     let mut s = format!(
-        "fuzz --op {} --convention {} --runner {} (seed {})\n{} cases, {} passed, {} failed ({:.1} s, {:.0} cases/min)\n",
+        "fuzz --op {} --convention {} --runner {} (seed {}, judged by {})\n{} cases, {} passed, {} failed ({:.1} s, {:.0} cases/min)\n",
         r.op,
         r.convention,
         r.runner,
         r.seed,
+        r.judged,
         r.cases,
         r.passes,
         r.cases - r.passes,
@@ -330,10 +375,13 @@ pub fn render(r: &FuzzReport) -> String {
                     let heads: Vec<String> =
                         c.per_head.iter().map(|x| format!("{x:.1e}")).collect();
                     s += &format!(
-                        "  {}: norm_ratio {:.3e}, max_abs {:.3e}; per head [{}]\n",
+                        "  {}: norm_ratio {:.3e}, max_abs {:.3e}{}; per head [{}]\n",
                         c.name,
                         c.norm_ratio,
                         c.max_abs,
+                        c.band
+                            .as_ref()
+                            .map_or(String::new(), |b| format!(", band: {b}")),
                         heads.join(", ")
                     );
                 }

@@ -38,7 +38,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use crate::case::{Case, CaseMeta, Dtype, Op};
 use crate::convention::{Convention, Dims};
-use crate::impls::{Compute, Impl};
+use crate::impls::{Compute, EngineName, Impl, ImplName, ImplRequest};
 use crate::outputs::Tensors;
 
 /// A case as the candidate's convention lays it out.
@@ -125,26 +125,95 @@ pub trait Runner {
     fn run(&mut self, case: &KernelCase) -> Result<Tensors, RunnerError>;
 }
 
-/// The oracle as a candidate (`builtin:f32`, `builtin:f64`): the case is
-/// mapped back to FLA, computed (forward only, or with the backward when
-/// `backward`), and its results mapped into the convention. The fuzzer's
-/// loop then maps them back again: the round trip is what it tests.
+/// The oracle as a candidate (`builtin:f32`, `builtin:f64`, or a
+/// precision preset `builtin:PRESET`): the case is mapped back to FLA,
+/// computed (forward only, or with the backward when `backward`), and its
+/// results mapped into the convention. The fuzzer's loop then maps them
+/// back again: the round trip is what it tests. A case with `cp` metadata
+/// is computed under simulated CP with those cut points (naive ranks
+/// without a preset, chunked ranks with one, as FLA's kernels are); a
+/// preset's CP fault (`partial-merge-v`, …) applies to CP cases only, the
+/// others run the preset without its fault.
 pub struct OracleRunner {
     pub compute: Compute,
     pub backward: bool,
+    /// A precision preset ([`crate::presets`]) the oracle emulates.
+    pub preset: Option<String>,
+}
+
+impl OracleRunner {
+    /// The plain oracle, forward only, in `compute`.
+    pub fn new(compute: Compute) -> OracleRunner {
+        OracleRunner {
+            compute,
+            backward: false,
+            preset: None,
+        }
+    }
+
+    /// `builtin:f32`, `builtin:f64` or `builtin:PRESET` (forward only);
+    /// an unknown name is an error listing the choices.
+    pub fn parse(spec: &str) -> Result<OracleRunner, String> {
+        let name = spec.strip_prefix("builtin:").unwrap_or(spec);
+        if let Ok(compute) = name.parse::<Compute>() {
+            return Ok(OracleRunner::new(compute));
+        }
+        if crate::presets::find(name, 2).is_some() {
+            return Ok(OracleRunner {
+                preset: Some(name.into()),
+                ..OracleRunner::new(Compute::F32)
+            });
+        }
+        Err(format!(
+            "--runner {spec}: expected builtin:f32, builtin:f64 or builtin:PRESET with a precision preset ({})",
+            crate::presets::names()
+        ))
+    }
+
+    /// The implementation and compute scalar that run `fla` (FLA's layout).
+    fn implementation(&self, fla: &Case) -> Result<(Impl, Compute), String> {
+        let cp = fla.meta.cp.is_some();
+        let Some(preset) = &self.preset else {
+            if !cp {
+                return Ok((Impl::NAIVE, self.compute));
+            }
+            let req = ImplRequest {
+                name: ImplName::Cp,
+                cp_engine: Some(EngineName::Naive),
+                ..ImplRequest::default()
+            };
+            return Ok((req.resolve(fla).map_err(|e| e.to_string())?, self.compute));
+        };
+        let precision = if cp {
+            preset.as_str()
+        } else {
+            crate::presets::without_fault(preset)
+        };
+        let req = ImplRequest {
+            name: if cp { ImplName::Cp } else { ImplName::Chunk },
+            precision: Some(precision.into()),
+            ..ImplRequest::default()
+        };
+        let (imp, compute) = req.resolve_with_compute(fla).map_err(|e| e.to_string())?;
+        Ok((imp, compute.unwrap_or(self.compute)))
+    }
 }
 
 impl Runner for OracleRunner {
     fn name(&self) -> String {
-        format!("builtin:{}", self.compute.name())
+        match &self.preset {
+            Some(p) => format!("builtin:{p}"),
+            None => format!("builtin:{}", self.compute.name()),
+        }
     }
 
     fn run(&mut self, case: &KernelCase) -> Result<Tensors, RunnerError> {
         let fla = case.to_fla().map_err(RunnerError::Failed)?;
+        let (imp, compute) = self.implementation(&fla).map_err(RunnerError::Failed)?;
         let out = if self.backward {
-            Impl::NAIVE.compute(&fla, self.compute)
+            imp.compute(&fla, compute)
         } else {
-            Impl::NAIVE.compute_forward(&fla, self.compute)
+            imp.compute_forward(&fla, compute)
         }
         .map_err(|e| RunnerError::Failed(e.to_string()))?;
         let mut with = fla.clone();

@@ -6,21 +6,26 @@ use deltaref::inputs::Regime;
 
 use super::draw::{Extra, FuzzConfig, Params};
 
-/// Smaller variants of `p`, the largest reductions first: fewer sequences,
-/// shorter sequences, no initial state, plainer inputs and switches, fewer
-/// heads, smaller K and V (never the `--fix`ed ones).
+/// Smaller variants of `p`, the largest reductions first: no CP, fewer
+/// sequences, shorter sequences, fewer CP ranks, no initial state, plainer
+/// inputs and switches, fewer heads, smaller K and V (never the `--fix`ed
+/// ones). Cut points a shorter case no longer holds are dropped
+/// ([`Params::fit_cuts`]).
 pub fn smaller(p: &Params) -> Vec<Params> {
     let mut out = vec![];
     let mut push = |f: &dyn Fn(&mut Params)| {
         let mut q = p.clone();
         f(&mut q);
+        q.fit_cuts();
         if &q != p {
             out.push(q);
         }
     };
+    push(&|q| q.cuts = None);
     for i in 0..p.lengths.len() {
         push(&|q| {
             if q.lengths.len() > 1 {
+                q.set_length(i, 0);
                 q.lengths.remove(i);
             }
         });
@@ -34,11 +39,27 @@ pub fn smaller(p: &Params) -> Vec<Params> {
         ];
         for cut in cuts {
             push(&|q| {
-                if q.varlen {
-                    q.lengths[i] = cut(q.lengths[i]);
+                if q.varlen || q.lengths.len() == 1 {
+                    q.set_length(i, cut(q.lengths[i]).max(usize::from(!q.varlen)));
                 } else {
                     let l = cut(q.lengths[0]).max(1);
                     q.lengths.iter_mut().for_each(|x| *x = l);
+                }
+            });
+        }
+    }
+    for i in 0..p.cuts.as_ref().map_or(0, Vec::len) {
+        push(&|q| {
+            if let Some(c) = q.cuts.as_mut() {
+                c.remove(i);
+            }
+        });
+        let moves: [fn(usize) -> usize; 2] = [|x| x / 2, |x| x - 1];
+        for m in moves {
+            push(&|q| {
+                if let Some(c) = q.cuts.as_mut() {
+                    c[i] = m(c[i]);
+                    c.sort_unstable();
                 }
             });
         }
@@ -49,6 +70,8 @@ pub fn smaller(p: &Params) -> Vec<Params> {
     push(&|q| q.gate = false);
     push(&|q| q.beta_sigmoid = false);
     push(&|q| q.l2norm = false);
+    push(&|q| q.activation = false);
+    push(&|q| q.bias = false);
     push(&|q| q.varlen = false);
     push(&|q| q.hv = q.h);
     push(&|q| {

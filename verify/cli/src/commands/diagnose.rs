@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use deltaref_verify::bisect::{self, Bisection};
 use deltaref_verify::case::Dtype;
-use deltaref_verify::case::{Case, CaseError};
+use deltaref_verify::case::{Case, CaseError, Op};
 use deltaref_verify::diagnose::{diagnose_with_noise, Diagnosis, NoiseReference, TokenMap};
 
 use crate::plot::plot;
@@ -64,6 +64,10 @@ pub struct Args {
     pub noise_band: Option<String>,
     #[command(flatten)]
     pub ensemble: EnsembleArgs,
+    /// The candidate file's convention (fla, flashkda, flashinfer-gdn,
+    /// flashqla, opengdn, ggml): its tensors are mapped back to FLA's layout first.
+    #[arg(long, default_value = "fla")]
+    pub convention: String,
 }
 
 /// The truth: stored results, else the f64 oracle on the inputs `imp` reads.
@@ -114,6 +118,8 @@ struct Found {
     d: Diagnosis,
     problems: Vec<String>,
     verdicts: Option<Vec<Verdict>>,
+    /// Per-head errors of the tensors that fail somewhere.
+    heads: Vec<String>,
 }
 
 fn go(a: &Args) -> Result<Found, CaseError> {
@@ -124,7 +130,7 @@ fn go(a: &Args) -> Result<Found, CaseError> {
     let (imp, compute) = a.imp.resolve(&case)?;
     let reference = truth(a, &case, &imp)?;
     let candidate = match &a.candidate {
-        Some(p) => Case::read_candidate_for(p, &case)?.results(),
+        Some(p) => candidate_results(a, &case, p)?,
         None => {
             imp.check_memory(&case)?;
             let _p = Progress::spinner(&format!("computing impl:{}", imp.name()));
@@ -184,11 +190,41 @@ fn go(a: &Args) -> Result<Found, CaseError> {
             Some(band::judge(&b, &band::ratios(&reference, &candidate)))
         }
     };
+    let heads = head_lines(case.meta.op, &reference, &candidate, a.band);
     Ok(Found {
         d,
         problems,
         verdicts,
+        heads,
     })
+}
+
+/// `o per head: worst head 3 (…), 2 of 4 heads above …` for each tensor
+/// with a head axis that fails somewhere (a head-mapping bug fails some
+/// heads only), judged at `band`.
+fn head_lines(op: Op, reference: &Tensors, candidate: &Tensors, band: f64) -> Vec<String> {
+    let r = VerifyReport::new("", "", "", reference, candidate, band)
+        .with_heads(op, reference, candidate);
+    r.rows
+        .iter()
+        .filter(|row| row.per_head.len() > 1 && row.per_head.iter().any(|x| !(*x <= band)))
+        .filter_map(|row| {
+            Some(format!(
+                "{} per head: {}",
+                row.tensor,
+                row.heads_line(band)?
+            ))
+        })
+        .collect()
+}
+
+/// The candidate file's results mapped from `--convention` to FLA's layout.
+fn candidate_results(a: &Args, case: &Case, path: &std::path::Path) -> Result<Tensors, CaseError> {
+    let cand = Case::read_candidate_for(path, case)?;
+    let conv = super::convention(&a.convention, case)?;
+    let dims = deltaref_verify::convention::Dims::of(case).map_err(CaseError::Usage)?;
+    conv.to_fla(case.meta.op, &dims, cand.results())
+        .map_err(|e| CaseError::Usage(format!("--candidate in convention {}: {e}", conv.name)))
 }
 
 /// The noise reference's name and results, if any (see `--noise`).
@@ -237,6 +273,7 @@ pub fn run(a: Args) -> ExitCode {
             d,
             problems,
             verdicts,
+            heads,
         }) => {
             if a.json {
                 let j = match &verdicts {
@@ -250,6 +287,9 @@ pub fn run(a: Args) -> ExitCode {
                 );
             } else {
                 super::print(&d.to_string());
+                for h in &heads {
+                    super::print(h);
+                }
                 if let Some(v) = &verdicts {
                     super::print(&format!(
                         "against the band of `{}`:",

@@ -14,14 +14,14 @@ use deltaref_verify::convention;
 use deltaref_verify::fuzz::{
     self, CommandRunner, FuzzConfig, FuzzOptions, OracleRunner, Runner, WorkerRunner,
 };
-use deltaref_verify::impls::Compute;
 use deltaref_verify::progress::Progress;
 
 use super::{check_ratio, fail, file_dtype, list};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    /// kda or gdn
+    /// Any registered op: kda, gdn, dplr, gdn2, token_shift, causal_conv1d
+    /// (conventions other than fla take kda and gdn).
     #[arg(long)]
     pub op: String,
     /// A command run once per case, with {case} and {out} placeholders;
@@ -52,8 +52,21 @@ pub struct Args {
     pub dtype: Dtype,
     /// A tensor passes when max_abs ≤ 1e-6 or norm_ratio < this (FLA's
     /// assert_close; default 1e-4 for f32/f64 storage, 5e-3 for bf16/f16).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "band")]
     pub tolerance: Option<f64>,
+    /// Judge each case in the noise band of this precision preset (the
+    /// runner's: where a correct kernel with its storage lands on that
+    /// case, from --samples jittered emulation runs) instead of a fixed
+    /// tolerance. Without a value: fla-bf16.
+    #[arg(long, value_name = "PRECISION", num_args = 0..=1, default_missing_value = "fla-bf16")]
+    pub band: Option<String>,
+    /// Emulation runs per case's band (drawn for every case: keep it small).
+    #[arg(long, default_value_t = 4, requires = "band")]
+    pub samples: usize,
+    /// Draw no CP cut points (by default about a third of the one-row
+    /// cases carry some, in the case file's `cp` metadata).
+    #[arg(long)]
+    pub no_cp: bool,
     /// Pin H,K,V (the sizes a GPU kernel autotunes on).
     #[arg(long)]
     pub fix: Option<String>,
@@ -138,6 +151,7 @@ fn config(a: &Args) -> Result<FuzzConfig, CaseError> {
         fix,
         max_tokens: a.max_tokens,
         max_dim: a.max_dim,
+        cp: !a.no_cp,
         ..FuzzConfig::new(op, conv)
     };
     cfg.check()?;
@@ -147,10 +161,7 @@ fn config(a: &Args) -> Result<FuzzConfig, CaseError> {
 fn runner(a: &Args, dir: &std::path::Path) -> Result<Box<dyn Runner>, CaseError> {
     let usage = CaseError::Usage;
     match (&a.runner, &a.worker) {
-        (Some(r), _) if r.starts_with("builtin:") => {
-            let compute: Compute = r["builtin:".len()..].parse().map_err(|e| usage(format!("--runner {r}: {e}")))?;
-            Ok(Box::new(OracleRunner { compute, backward: false }))
-        }
+        (Some(r), _) if r.starts_with("builtin:") => Ok(Box::new(OracleRunner::parse(r).map_err(usage)?)),
         (Some(r), _) => Ok(Box::new(CommandRunner::new(r, dir).map_err(usage)?)),
         (None, Some(w)) => Ok(Box::new(WorkerRunner::start(w, dir).map_err(usage)?)),
         (None, None) => Err(usage("give the candidate: --runner CMD (with {case} and {out}), --runner builtin:f32, or --worker CMD".into())),
@@ -171,6 +182,7 @@ fn go(a: &Args) -> Result<fuzz::FuzzReport, CaseError> {
         time: a.time,
         seed: a.seed,
         tolerance,
+        band: band_rule(a)?,
         keep_going: a.keep_going,
         out: a.out.clone(),
         ..FuzzOptions::default()
@@ -181,6 +193,23 @@ fn go(a: &Args) -> Result<fuzz::FuzzReport, CaseError> {
     drop(r);
     let _ = std::fs::remove_dir_all(&dir);
     report
+}
+
+/// `--band PRESET --samples N`, the preset checked by name.
+fn band_rule(a: &Args) -> Result<Option<fuzz::BandRule>, CaseError> {
+    let Some(preset) = &a.band else {
+        return Ok(None);
+    };
+    if deltaref_verify::presets::find(preset, 2).is_none() {
+        return Err(CaseError::Usage(format!(
+            "--band: unknown precision `{preset}` (available: {})",
+            deltaref_verify::presets::names()
+        )));
+    }
+    Ok(Some(fuzz::BandRule {
+        preset: preset.clone(),
+        samples: a.samples,
+    }))
 }
 
 /// A private folder for the runner's case and output files.

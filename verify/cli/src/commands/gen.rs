@@ -18,6 +18,12 @@ pub struct Args {
     pub gen: GenOpts,
     #[arg(long)]
     pub out: PathBuf,
+    /// Write the case in this kernel convention's layout (fla, flashkda,
+    /// flashinfer-gdn, flashqla, opengdn, ggml), with a `convention`
+    /// metadata entry that maps it back (every deltaref command reads it
+    /// in FLA's layout).
+    #[arg(long, default_value = "fla")]
+    pub convention: String,
 }
 
 /// What to draw: the operator, shape and options (shared with `tolerance`).
@@ -138,11 +144,38 @@ pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
     })
 }
 
+/// `gen --convention X`: the case drawn in FLA's convention, written in
+/// X's layout (inputs rounded there; the truth of what is stored); returns
+/// the number of tensors written.
+fn generate_in_convention(
+    s: &GenSpec,
+    name: &str,
+    out: &std::path::Path,
+) -> Result<usize, CaseError> {
+    let conv = deltaref_verify::convention::find(name).ok_or_else(|| {
+        CaseError::Usage(format!(
+            "--convention: unknown `{name}` (available: {})",
+            deltaref_verify::convention::names()
+        ))
+    })?;
+    let case = deltaref_verify::generate::generate(&GenSpec {
+        expected: false,
+        ..s.clone()
+    })?;
+    let (kernel, bytes) = conv.write_case(&case, s.dtype, s.expected)?;
+    deltaref_verify::case::write_atomic(out, &bytes)?;
+    Ok(kernel.tensors.len() + usize::from(kernel.cu_seqlens.is_some()))
+}
+
 pub fn run(a: Args) -> ExitCode {
     let result = spec(&a.gen).and_then(|s| {
         // Refuse an unwritable destination before the work, not after it.
         deltaref_verify::files::destination(&a.out)?;
-        generate_to(&s, &a.out)
+        if a.convention == "fla" {
+            generate_to(&s, &a.out)
+        } else {
+            generate_in_convention(&s, &a.convention, &a.out)
+        }
     });
     match result {
         Ok(count) => {

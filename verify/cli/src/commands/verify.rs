@@ -157,6 +157,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         &got,
         a.max_ratio,
     )
+    .with_heads(case.meta.op, &expected, &got)
     .with_intermediates(inter);
     let report = match &a.band {
         None => report,

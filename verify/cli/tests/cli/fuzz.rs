@@ -123,6 +123,110 @@ fn usage_errors_and_broken_runners_exit_2() {
     }
 }
 
+/// Every other op under `fla`: the f32 oracle passes, in process.
+#[test]
+fn every_op_is_fuzzed() {
+    for op in ["dplr", "gdn2", "token_shift", "causal_conv1d"] {
+        let (c, out, err) = code(&[
+            "fuzz",
+            "-q",
+            "--op",
+            op,
+            "--runner",
+            "builtin:f32",
+            "--cases",
+            "40",
+            "--json",
+        ]);
+        assert_eq!(c, 0, "{op}: {out}{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["passes"].as_u64(), Some(40), "{out}");
+    }
+}
+
+/// FLA's CP fault 5 as the runner (`builtin:partial-merge-v`): caught on a
+/// case with cut points; the shrunk case keeps one (`cp world=2`); with
+/// `--no-cp` the same runner passes.
+#[test]
+fn a_cp_fault_runner_is_caught_on_cut_points_and_passes_without_them() {
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "gdn",
+        "--runner",
+        "builtin:partial-merge-v",
+        "--cases",
+        "100",
+    ]);
+    assert_eq!(c, 1, "{out}{err}");
+    assert!(
+        out.contains("shrunk in") && out.contains("cp world=2 cuts=["),
+        "{out}"
+    );
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "gdn",
+        "--runner",
+        "builtin:partial-merge-v",
+        "--cases",
+        "60",
+        "--no-cp",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+}
+
+/// `--band`: the bf16 emulation passes in its own band; `--band f32` (no
+/// rounding, no band) is a usage error; `--band` and `--tolerance` conflict.
+#[test]
+fn band_judges_each_case_in_its_noise_band() {
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "kda",
+        "--runner",
+        "builtin:fla-bf16",
+        "--dtype",
+        "bf16",
+        "--band",
+        "--cases",
+        "15",
+        "--max-tokens",
+        "96",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    assert!(out.contains("judged by band fla-bf16 (4 samples)"), "{out}");
+    let (c, out, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "kda",
+        "--runner",
+        "builtin:f32",
+        "--band",
+        "f32",
+        "--cases",
+        "2",
+    ]);
+    assert_eq!(c, 2, "{out}{err}");
+    assert!(err.contains("single point"), "{err}");
+    let (c, _, err) = code(&[
+        "fuzz",
+        "-q",
+        "--op",
+        "kda",
+        "--runner",
+        "builtin:f32",
+        "--band",
+        "--tolerance",
+        "1e-3",
+    ]);
+    assert_eq!(c, 2, "{err}");
+}
+
 /// ggml's GATED_DELTA_NET through `tools/ggml_runner.py`: GDN and KDA pass
 /// in ggml's convention; wrapped for FLA's layout, grouped value heads
 /// are caught and the tiled head mapping named.
@@ -170,4 +274,96 @@ fn ggml_passes_in_its_convention_and_its_head_mapping_is_named_under_fla() {
             "{op}: {out}"
         );
     }
+}
+
+/// `gen --convention ggml` writes the case in ggml's layout (tiled value
+/// heads, state `[V, K]`) with the map back in its metadata; its stored
+/// truth, taken as a candidate in ggml's convention, passes `verify
+/// --convention ggml`; taken in FLA's it fails with the head mapping and
+/// the state layout named, and the per-head errors shown.
+#[test]
+fn a_case_generated_in_a_convention_verifies_in_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = dir.path().join("ggml.safetensors");
+    let (c, out, err) = code(&[
+        "gen",
+        "--op",
+        "gdn",
+        "--shape",
+        "1,12,2,4,4,4",
+        "--initial-state",
+        "--dtype",
+        "f32",
+        "--expected",
+        "--convention",
+        "ggml",
+        "--out",
+        s(&case),
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let bytes = std::fs::read(&case).unwrap();
+    let head = String::from_utf8_lossy(&bytes[8..2000]).to_string();
+    assert!(
+        head.contains("\"convention\"") && head.contains("tiled"),
+        "{head}"
+    );
+    let verify = |conv: &str| {
+        code(&[
+            "verify",
+            "--case",
+            s(&case),
+            "--candidate",
+            s(&case),
+            "--convention",
+            conv,
+        ])
+    };
+    let (c, out, err) = verify("ggml");
+    assert_eq!(c, 0, "{out}{err}");
+    let (c, out, err) = verify("fla");
+    assert_eq!(c, 1, "{out}{err}");
+    assert!(
+        out.contains("likely cause:")
+            && out.contains("`j % H` (tiled)")
+            && out.contains("transposed"),
+        "{out}"
+    );
+    assert!(out.contains("o per head: worst head"), "{out}");
+    let (c, out, err) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&case),
+        "--convention",
+        "ggml",
+    ]);
+    assert_eq!(c, 0, "{out}{err}");
+    let (c, out, err) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&case),
+        "--convention",
+        "fla",
+    ]);
+    assert_eq!(c, 1, "{out}{err}");
+    assert!(out.contains("o per head: worst head"), "{out}");
+    let (c, _, err) = code(&[
+        "gen",
+        "--op",
+        "gdn",
+        "--shape",
+        "1,12,2,4,4,4",
+        "--convention",
+        "opengdn",
+        "--out",
+        s(&dir.path().join("x.safetensors")),
+    ]);
+    assert_eq!(c, 2, "{err}");
+    assert!(
+        err.contains("--convention opengdn") && err.contains("HV = H"),
+        "{err}"
+    );
 }
