@@ -12,6 +12,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::case::{Case, CaseError, CpLayout, Dtype, Op};
+use crate::fuzz::draw::Extra;
 use crate::generate::{generate, GenSpec};
 
 /// One fixture: a name and how to generate it.
@@ -27,6 +28,11 @@ pub struct Preset {
     /// lower-bound gate without `A_log`, FLA #1107); its truth is computed
     /// without them.
     pub without: &'static [&'static str],
+    /// A named regression case: the public bug it is for (`fla#1134`, …).
+    pub bug: Option<&'static str>,
+    /// Rewrites the drawn inputs into the shape the bug needed (its truth
+    /// is recomputed after).
+    pub edit: Option<fn(&mut Case)>,
 }
 
 fn kda(shape: Option<[usize; 6]>, lengths: Option<&[usize]>, seed: u64) -> GenSpec {
@@ -71,6 +77,8 @@ pub fn presets() -> Vec<Preset> {
         chunk_size: None,
         intermediates: false,
         without: &[],
+        bug: None,
+        edit: None,
     };
     let cp = |name, spec, layout| Preset {
         name,
@@ -79,6 +87,8 @@ pub fn presets() -> Vec<Preset> {
         chunk_size: Some(64),
         intermediates: false,
         without: &[],
+        bug: None,
+        edit: None,
     };
     let cp_kda = |lengths: &[usize], seed| GenSpec {
         gate: lb,
@@ -252,6 +262,8 @@ pub fn presets() -> Vec<Preset> {
             chunk_size: Some(32),
             intermediates: true,
             without: &[],
+            bug: None,
+            edit: None,
         },
         Preset {
             intermediates: true,
@@ -295,6 +307,7 @@ pub fn presets() -> Vec<Preset> {
         ),
         Preset {
             without: &["A_log"],
+            bug: Some("fla#1107: the lower-bound gate without A_log is lower_bound * sigmoid(g + dt_bias)"),
             ..p(
                 "gdn2_lowerbound_no_a_log",
                 GenSpec {
@@ -346,6 +359,112 @@ pub fn presets() -> Vec<Preset> {
             },
         ),
     ]
+    .into_iter()
+    .chain(regressions())
+    .collect()
+}
+
+/// Named regression cases from public bugs: each carries the bug it is for
+/// (`bug` in the manifest) and the truth a correct kernel gives.
+fn regressions() -> Vec<Preset> {
+    let named = |name, bug, spec| Preset {
+        name,
+        spec,
+        cp: None,
+        chunk_size: None,
+        intermediates: false,
+        without: &[],
+        bug: Some(bug),
+        edit: None,
+    };
+    let lb = Gate::LowerBound { lower_bound: -5.0 };
+    vec![
+        Preset {
+            without: &["A_log"],
+            ..named(
+                "fla1107_kda_lowerbound_no_a_log",
+                "fla#1107: KDA's lower-bound gate with A_log = None is lower_bound * sigmoid(g + dt_bias)",
+                GenSpec {
+                    gate: Gate::LowerBound { lower_bound: -3.0 },
+                    ..kda(Some([1, 40, 1, 2, 8, 8]), Some(&[17, 23]), 60)
+                },
+            )
+        },
+        Preset {
+            cp: Some(CpLayout::World(3, Layout::Contiguous)),
+            chunk_size: Some(16),
+            ..named(
+                "fla1093_cp_world3_partition",
+                "fla#1093: CP splits the packed tokens into world equal parts (T = 96 over 3 ranks; \
+                 sequences cross both cuts, which fall off the chunk grid)",
+                GenSpec {
+                    gate: lb,
+                    initial_state: false,
+                    ..kda(Some([1, 96, 1, 2, 8, 8]), Some(&[50, 13, 33]), 61)
+                },
+            )
+        },
+        named(
+            "fla1134_kda_k_not_pow2",
+            "fla#1134: fused_recurrent_kda read out of bounds when K is not a power of two (K = 12, V = 10)",
+            kda(Some([1, 33, 1, 2, 12, 10]), Some(&[20, 13]), 62),
+        ),
+        Preset {
+            edit: Some(|c| zero(c, "g")),
+            ..named(
+                "fla862_gdn_no_decay",
+                "fla#862: GDN's backward with g = None must equal g = 0 (this case: g = 0)",
+                GenSpec {
+                    shape: Some(vec![1, 40, 1, 2, 8, 8]),
+                    ..varlen(Op::Gdn, &[24, 16], 63)
+                },
+            )
+        },
+        Preset {
+            edit: Some(|c| Extra::CorrelatedKeys.apply(Op::Kda, c, 64, Dtype::Bf16)),
+            ..named(
+                "cudnn1051_kda_correlated_keys_safe_gate",
+                "cudnn-frontend#1051: strongly correlated bf16 keys with the lower-bound (safe) gate",
+                GenSpec {
+                    gate: lb,
+                    dtype: Dtype::Bf16,
+                    ..kda(Some([1, 64, 1, 2, 16, 16]), Some(&[64]), 64)
+                },
+            )
+        },
+        Preset {
+            edit: Some(|c| Extra::SlowDecay.apply(Op::Gdn, c, 65, Dtype::Bf16)),
+            ..named(
+                "vmlx433_gdn_slow_decay_4096_bf16",
+                "vmlx-swift#433: 4,096 steps of decay about 0.9999 with the gate stored in bf16",
+                GenSpec {
+                    shape: Some(vec![1, 4096, 1, 1, 4, 4]),
+                    dtype: Dtype::Bf16,
+                    initial_state: false,
+                    ..varlen(Op::Gdn, &[4096], 65)
+                },
+            )
+        },
+        Preset {
+            edit: Some(|c| Extra::LargeGateInChunk.apply(Op::Gdn, c, 66, Dtype::F64)),
+            ..named(
+                "transformers48455_gdn_large_gate_in_chunk",
+                "transformers#48455: large |g| inside one chunk (exp of the in-chunk gate differences overflows \
+                 where a kernel forms them unmasked)",
+                GenSpec {
+                    shape: Some(vec![1, 80, 1, 2, 8, 8]),
+                    ..varlen(Op::Gdn, &[80], 66)
+                },
+            )
+        },
+    ]
+}
+
+/// Sets every value of `case`'s tensor `name` to 0.
+fn zero(case: &mut Case, name: &str) {
+    if let Some(t) = case.tensors.get_mut(name) {
+        t.fill(0.0);
+    }
 }
 
 /// A long-memory varlen case (no initial state: FLA forbids it under CP).
@@ -368,14 +487,19 @@ fn long_cp(name: &'static str, spec: GenSpec, world: usize) -> Preset {
         chunk_size: Some(16),
         intermediates: false,
         without: &[],
+        bug: None,
+        edit: None,
     }
 }
 
 impl Preset {
     pub fn case(&self) -> Result<Case, CaseError> {
         let mut c = generate(&self.spec)?;
-        if !self.without.is_empty() {
-            // The draws' truth used the left-out inputs: drop it with them.
+        if let Some(edit) = self.edit {
+            edit(&mut c);
+        }
+        if !self.without.is_empty() || self.edit.is_some() {
+            // The draws' truth used the left-out or rewritten inputs: drop it.
             let stale: Vec<String> = c.results().into_keys().collect();
             for n in self.without.iter().map(|n| n.to_string()).chain(stale) {
                 c.tensors.remove(&n);
@@ -411,6 +535,9 @@ pub struct Entry {
     pub tensors: std::collections::BTreeMap<String, (String, Vec<usize>)>,
     pub seed: u64,
     pub sha256: String,
+    /// The public bug a named regression case is for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bug: Option<String>,
 }
 
 /// `fixtures/manifest.json`.
@@ -461,6 +588,7 @@ pub fn build() -> Result<(Vec<FixtureFile>, Manifest), CaseError> {
             tensors,
             seed: p.spec.seed,
             sha256: hex(&bytes),
+            bug: p.bug.map(str::to_string),
         });
         files.push((file, bytes));
     }

@@ -98,3 +98,24 @@ fn every_fixture_verifies_against_every_implementation() {
         }
     }
 }
+
+/// The named regression cases of the public bugs deltaref's conformance
+/// run is for, each saying in the manifest which bug it is.
+#[test]
+fn named_regressions_say_which_bug_they_are_for() {
+    let bugs: Vec<String> = manifest().fixtures.into_iter().filter_map(|e| e.bug).collect();
+    for bug in [
+        "fla#1107",
+        "fla#1093",
+        "fla#1134",
+        "fla#862",
+        "cudnn-frontend#1051",
+        "vmlx-swift#433",
+        "transformers#48455",
+    ] {
+        assert!(
+            bugs.iter().any(|b| b.starts_with(&format!("{bug}:"))),
+            "no fixture for {bug} in fixtures/manifest.json: {bugs:?}"
+        );
+    }
+}

@@ -43,6 +43,49 @@ impl Extra {
             Extra::CorrelatedKeys => "correlated-keys",
         }
     }
+
+    /// Rewrites `case`'s drawn log-decay gate (`g`, DPLR's `gk`) or keys
+    /// into this shape, each value rounded to `dtype`; `seed` places the
+    /// large gates. Leaves the truth stale: recompute it after.
+    pub fn apply(self, op: Op, case: &mut Case, seed: u64, dtype: Dtype) {
+        let mut rng = Rng(mix(seed ^ 0x5eed_e87a));
+        let g = gate_name(op).unwrap_or("g");
+        match self {
+            Extra::None => {}
+            Extra::SlowDecay => {
+                if let Some(g) = case.tensors.get_mut(g) {
+                    g.mapv_inplace(|x| dtype.round_f64(-1e-4 * (0.5 + (x.abs() % 1.0))));
+                }
+            }
+            Extra::LargeGateInChunk => {
+                let t = case.tensors.get(g).map_or(0, |g| g.shape()[1]);
+                if t == 0 {
+                    return;
+                }
+                let start = rng.below(t);
+                let end = (start + 1 + rng.below(16)).min(t);
+                if let Some(g) = case.tensors.get_mut(g) {
+                    for i in start..end {
+                        g.index_axis_mut(Axis(1), i)
+                            .mapv_inplace(|x| dtype.round_f64(-20.0 * (0.25 + (x.abs() % 0.75))));
+                    }
+                }
+            }
+            Extra::CorrelatedKeys => {
+                if let Some(k) = case.tensors.get_mut("k") {
+                    let kd = k.shape()[3];
+                    for mut bh in k.lanes_mut(Axis(3)).into_iter().collect::<Vec<_>>() {
+                        // One direction (the all-ones key) plus 5 % of the drawn key, unit norm.
+                        let mut row: Vec<f64> = bh.iter().map(|x| 1.0 + 0.05 * x).collect();
+                        let n = row.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+                        row.iter_mut().for_each(|x| *x = dtype.round_f64(*x / n));
+                        bh.iter_mut().zip(row).for_each(|(a, b)| *a = b);
+                        debug_assert_eq!(bh.len(), kd);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Everything that decides one fuzz case: sizes, sequence lengths, the
@@ -239,46 +282,11 @@ impl Params {
         Ok(case)
     }
 
-    /// Rewrites the drawn gate (`g`, `gk`) or `k` for [`Params::extra`]
-    /// (activated gates only).
+    /// Rewrites the drawn gate or keys for [`Params::extra`] (activated
+    /// gates only: an in-kernel gate's raw input has no such shape).
     fn apply_extra(&self, op: Op, case: &mut Case, dtype: Dtype) {
-        let mut rng = Rng(mix(self.seed ^ 0x5eed_e87a));
-        let g = gate_name(op).unwrap_or("g");
-        match self.extra {
-            Extra::None => {}
-            _ if self.gate => {}
-            Extra::SlowDecay => {
-                if let Some(g) = case.tensors.get_mut(g) {
-                    g.mapv_inplace(|x| dtype.round_f64(-1e-4 * (0.5 + (x.abs() % 1.0))));
-                }
-            }
-            Extra::LargeGateInChunk => {
-                let t = case.tensors.get(g).map_or(0, |g| g.shape()[1]);
-                if t == 0 {
-                    return;
-                }
-                let start = rng.below(t);
-                let end = (start + 1 + rng.below(16)).min(t);
-                if let Some(g) = case.tensors.get_mut(g) {
-                    for i in start..end {
-                        g.index_axis_mut(Axis(1), i)
-                            .mapv_inplace(|x| dtype.round_f64(-20.0 * (0.25 + (x.abs() % 0.75))));
-                    }
-                }
-            }
-            Extra::CorrelatedKeys => {
-                if let Some(k) = case.tensors.get_mut("k") {
-                    let kd = k.shape()[3];
-                    for mut bh in k.lanes_mut(Axis(3)).into_iter().collect::<Vec<_>>() {
-                        // One direction (the all-ones key) plus 5 % of the drawn key, unit norm.
-                        let mut row: Vec<f64> = bh.iter().map(|x| 1.0 + 0.05 * x).collect();
-                        let n = row.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
-                        row.iter_mut().for_each(|x| *x = dtype.round_f64(*x / n));
-                        bh.iter_mut().zip(row).for_each(|(a, b)| *a = b);
-                        debug_assert_eq!(bh.len(), kd);
-                    }
-                }
-            }
+        if !self.gate {
+            self.extra.apply(op, case, self.seed, dtype);
         }
     }
 
