@@ -95,7 +95,7 @@ pub struct ConvInputs<T> {
 /// Causal conv1d inputs borrowed where they live (a case file's tensors):
 /// what validation reads, uncopied. Shapes as in [`ConvInputs`].
 #[derive(Clone, Copy, Debug)]
-pub struct ConvRefs<'a, T> {
+pub(crate) struct ConvRefs<'a, T> {
     pub x: &'a ArrayD<T>,
     pub weight: &'a ArrayD<T>,
     pub bias: Option<&'a ArrayD<T>>,
@@ -105,7 +105,7 @@ pub struct ConvRefs<'a, T> {
 
 impl<T> ConvInputs<T> {
     /// The inputs borrowed.
-    pub fn refs(&self) -> ConvRefs<'_, T> {
+    pub(crate) fn refs(&self) -> ConvRefs<'_, T> {
         ConvRefs {
             x: &self.x,
             weight: &self.weight,
@@ -154,7 +154,7 @@ pub struct ConvGrads<T> {
 
 /// Sizes of a validated problem.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConvDims {
+pub(crate) struct ConvDims {
     pub b: usize,
     pub t: usize,
     pub d: usize,
@@ -164,12 +164,12 @@ pub struct ConvDims {
 }
 
 /// Validates shapes, `cu_seqlens` and finiteness; returns sizes and sequences.
-pub fn validate<T: Scalar>(x: &ConvInputs<T>) -> Result<(ConvDims, Vec<Segment>)> {
+pub(crate) fn validate<T: Scalar>(x: &ConvInputs<T>) -> Result<(ConvDims, Vec<Segment>)> {
     validate_refs(&x.refs())
 }
 
 /// [`validate`] on borrowed inputs.
-pub fn validate_refs<T: Scalar>(x: &ConvRefs<'_, T>) -> Result<(ConvDims, Vec<Segment>)> {
+pub(crate) fn validate_refs<T: Scalar>(x: &ConvRefs<'_, T>) -> Result<(ConvDims, Vec<Segment>)> {
     let xs = expect_rank("x", "B,T,D", x.x)?;
     let (b, t, d) = (xs[0], xs[1], xs[2]);
     if d == 0 {
@@ -203,7 +203,7 @@ pub fn validate_refs<T: Scalar>(x: &ConvRefs<'_, T>) -> Result<(ConvDims, Vec<Se
 }
 
 /// Validates `dy [B,T,D]` and `dht [N,D,W]`.
-pub fn validate_upstream<T: Scalar>(
+pub(crate) fn validate_upstream<T: Scalar>(
     d: &ConvDims,
     dy: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
@@ -221,7 +221,7 @@ pub fn validate_upstream<T: Scalar>(
 /// the initial state as windows `[N, 1, W, D]`.
 #[derive(Clone, Debug)]
 pub struct Prepared<'a, T> {
-    pub dims: ConvDims,
+    pub(crate) dims: ConvDims,
     pub segments: Vec<Segment>,
     pub x: ArrayView4<'a, T>,
     /// `[D, W]`

@@ -527,7 +527,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
 /// The in-kernel activations of validated inputs: `q`, `k` `[B, T, H, K]`
 /// (l2-normalised if asked, else views of the inputs) and β `[B, T, HV]`
 /// (after the sigmoid if asked). GDN's are KDA's.
-pub struct Activations<'a, T> {
+pub(crate) struct Activations<'a, T> {
     pub q: CowArray<'a, T, Ix4>,
     pub k: CowArray<'a, T, Ix4>,
     pub beta: Array3<T>,
