@@ -46,6 +46,9 @@ pub enum Mistake {
     BoundariesEarlier,
     /// Token tensors read and written `[B, H, T, D]`.
     HeadMajorTokens,
+    /// The results written in another built-in convention's layout (not
+    /// in [`Mistake::ALL`]: tried on the results alone, see [`likely_cause`]).
+    OtherConventionLayout,
 }
 
 impl Mistake {
@@ -77,6 +80,7 @@ impl Mistake {
             Mistake::BoundariesLater => "boundaries-later",
             Mistake::BoundariesEarlier => "boundaries-earlier",
             Mistake::HeadMajorTokens => "head-major-tokens",
+            Mistake::OtherConventionLayout => "other-convention-layout",
         }
     }
 
@@ -107,6 +111,7 @@ impl Mistake {
             Mistake::BoundariesLater => "every sequence boundary is one token later (cu_seqlens[i] + 1)".into(),
             Mistake::BoundariesEarlier => "every sequence boundary is one token earlier (cu_seqlens[i] − 1)".into(),
             Mistake::HeadMajorTokens => "token tensors are read and written [B,H,T,D] instead of [B,T,H,D]".into(),
+            Mistake::OtherConventionLayout => "the results are read in another convention's layout".into(),
         }
     }
 
@@ -140,6 +145,8 @@ impl Mistake {
         let mut alt = case.clone();
         let same: Box<dyn Fn(&str, ArrayD<f64>) -> ArrayD<f64>> = Box::new(|_, x| x);
         match self {
+            // A layout of the results, not a computation: see `layout_cause`.
+            Mistake::OtherConventionLayout => None,
             Mistake::HeadMapping => {
                 if d.h < 2 || d.hv <= d.h {
                     return None;
@@ -385,18 +392,9 @@ pub fn likely_cause(
         .into_iter()
         .enumerate()
         .flat_map(|(i, a)| Mistake::ALL[i + 1..].iter().map(move |&b| vec![a, b]));
-    singles.chain(pairs).find_map(|ms| {
+    let found = singles.chain(pairs).find_map(|ms| {
         let want = results_of(&ms, case, c)?;
-        let all_pass = failing.iter().all(|n| {
-            let (Some(w), Some(x)) = (want.get(*n), cand.get(*n)) else {
-                return false;
-            };
-            w.shape() == x.shape() && {
-                let mut a = Accum::default();
-                a.add(w.iter().copied().zip(x.iter().copied()), |i| i);
-                a.comparison(ratio).pass
-            }
-        });
+        let all_pass = all_pass(&failing, &want, cand, ratio);
         all_pass.then(|| Cause {
             mistake: ms[0],
             sentence: format!(
@@ -414,5 +412,63 @@ pub fn likely_cause(
             ),
             mistakes: ms,
         })
+    });
+    found.or_else(|| layout_cause(case, c, cand, &failing, ratio))
+}
+
+/// Whether every tensor of `failing` in `cand` passes against `want` at `ratio`.
+fn all_pass(failing: &[&String], want: &Tensors, cand: &Tensors, ratio: f64) -> bool {
+    failing.iter().all(|n| {
+        let (Some(w), Some(x)) = (want.get(*n), cand.get(*n)) else {
+            return false;
+        };
+        w.shape() == x.shape() && {
+            let mut a = Accum::default();
+            a.add(w.iter().copied().zip(x.iter().copied()), |i| i);
+            a.comparison(ratio).pass
+        }
     })
+}
+
+/// A candidate verified in FLA's convention whose results are the truth
+/// written in another built-in convention's layout (a ggml kernel's output
+/// verified without `--convention ggml`): the first such convention, named.
+fn layout_cause(
+    case: &Case,
+    c: &Convention,
+    cand: &Tensors,
+    failing: &[&String],
+    ratio: f64,
+) -> Option<Cause> {
+    if !c.is_fla() {
+        return None;
+    }
+    let truth = Impl::NAIVE.compute_forward(case, Compute::F64).ok()?;
+    let mut with = case.clone();
+    with.tensors.extend(truth);
+    crate::convention::BUILTIN
+        .iter()
+        .filter(|y| !y.is_fla() && y.check(case).is_ok())
+        .find_map(|y| {
+            let want = y.to_kernel(&with).ok()?;
+            all_pass(failing, &want, cand, ratio).then(|| Cause {
+                mistake: Mistake::OtherConventionLayout,
+                mistakes: vec![Mistake::OtherConventionLayout],
+                sentence: format!(
+                    "{} pass{} if read in convention {}'s layout (state {}, value heads {}): \
+                     this candidate is written the {} way; verify it with --convention {}",
+                    failing
+                        .iter()
+                        .map(|n| format!("`{n}`"))
+                        .collect::<Vec<_>>()
+                        .join(" and "),
+                    if failing.len() == 1 { "es" } else { "" },
+                    y.name,
+                    y.state.name(),
+                    y.heads.name(),
+                    y.name,
+                    y.name
+                ),
+            })
+        })
 }

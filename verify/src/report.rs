@@ -129,7 +129,11 @@ impl VerifyRow {
             .copied()
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(&b.1))?;
-        let failing = self.per_head.iter().filter(|x| !(**x < max_ratio)).count();
+        let failing = self
+            .per_head
+            .iter()
+            .filter(|x| x.is_nan() || **x >= max_ratio)
+            .count();
         let all: Vec<String> = self.per_head.iter().map(|x| format!("{x:.1e}")).collect();
         Some(format!(
             "worst head {worst} (norm_ratio {w:.3e}), {failing} of {} heads above {max_ratio:.1e}: [{}]",

@@ -207,7 +207,9 @@ fn head_lines(op: Op, reference: &Tensors, candidate: &Tensors, band: f64) -> Ve
         .with_heads(op, reference, candidate);
     r.rows
         .iter()
-        .filter(|row| row.per_head.len() > 1 && row.per_head.iter().any(|x| !(*x <= band)))
+        .filter(|row| {
+            row.per_head.len() > 1 && row.per_head.iter().any(|x| x.is_nan() || *x > band)
+        })
         .filter_map(|row| {
             Some(format!(
                 "{} per head: {}",

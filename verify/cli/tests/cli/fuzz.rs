@@ -324,8 +324,8 @@ fn a_case_generated_in_a_convention_verifies_in_it() {
     assert_eq!(c, 1, "{out}{err}");
     assert!(
         out.contains("likely cause:")
-            && out.contains("`j % H` (tiled)")
-            && out.contains("transposed"),
+            && out.contains("convention ggml's layout")
+            && out.contains("--convention ggml"),
         "{out}"
     );
     assert!(out.contains("o per head: worst head"), "{out}");
