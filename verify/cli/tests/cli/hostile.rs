@@ -526,7 +526,7 @@ fn cp_honours_compute_and_precision_and_intra_defaults_to_the_case_heads() {
         "1e-3",
     ]);
     assert_eq!(rc, 0, "{out}{err}");
-    assert!(out.contains("in f32"), "{out}");
+    assert!(out.contains("compute f32"), "{out}");
     let (rc, out, _) = code(&["cp", "--case", k, "--world", "2", "--compute", "f32"]);
     assert_eq!(rc, 1, "f32 must miss the 1e-10 bar: {out}");
     // A CP fault preset is applied (the merged state dropped: percent errors).
