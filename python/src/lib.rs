@@ -393,8 +393,10 @@ fn verify<'py>(
                 unchecked.push(n);
             }
         }
-        let report = VerifyReport::new(case_name, &reference, &candidate, &expected, &got, max_ratio)
-            .with_unchecked(unchecked, allow_partial);
+        let report = VerifyReport::new(
+            case_name, &reference, &candidate, &expected, &got, max_ratio,
+        )
+        .with_unchecked(unchecked, allow_partial);
         Ok(if forward_only {
             report.forward_only()
         } else {

@@ -441,7 +441,11 @@ impl TensorDiagnosis {
     /// smallest band. None for a tensor that is not per-token.
     pub fn band_per_token(&self, map: &TokenMap) -> Option<Vec<f64>> {
         self.per_token.as_ref()?;
-        let low = self.chunk_band.iter().copied().fold(f64::INFINITY, f64::min);
+        let low = self
+            .chunk_band
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
         let mut out = vec![if low.is_finite() { low } else { 0.0 }; map.b * map.t];
         let mut i = 0;
         for &(b, s, e) in &map.sequences {
@@ -600,7 +604,8 @@ mod tests {
         );
         // The band drawn is the one used: 4× the noise in chunk 3, the floor elsewhere.
         let band = d.tensors[0].band_per_token(&map).unwrap();
-        let noise_chunk3 = diagnose(&tensors("o", r.clone()), &nr, &map, 0.0).tensors[0].per_chunk[3].2;
+        let noise_chunk3 =
+            diagnose(&tensors("o", r.clone()), &nr, &map, 0.0).tensors[0].per_chunk[3].2;
         assert_eq!(band[12], 1e-4f64.max(NOISE_FACTOR * noise_chunk3));
         assert!(band[12] > 1e-4 && band[0] == 1e-4, "{band:?}");
         let cols = &d.tensors[0].per_v_column;
@@ -633,6 +638,9 @@ mod tests {
         assert_eq!((x[1].start.sequence, x[1].start.rank), (1, 1));
         let text = d.to_string();
         assert!(text.contains("`o` leaves the band in 2 place(s)"), "{text}");
-        assert!(text.contains("sequence 1 (batch 0): tokens 17..22 (rank 1"), "{text}");
+        assert!(
+            text.contains("sequence 1 (batch 0): tokens 17..22 (rank 1"),
+            "{text}"
+        );
     }
 }

@@ -404,20 +404,32 @@ pub fn table<T: Scalar>(diags: &[RankDiag<T>], carry: Carry) -> String {
         };
         line + "\n"
     };
-    let mut out = row(
-        [
-            "rank", "tokens", "local cu_seqlens", "pre", "post", heads[0], heads[1], heads[2],
-            heads[3], heads[4], heads[5], heads[6],
-        ]
-        .map(String::from),
-    );
+    let mut out = row([
+        "rank",
+        "tokens",
+        "local cu_seqlens",
+        "pre",
+        "post",
+        heads[0],
+        heads[1],
+        heads[2],
+        heads[3],
+        heads[4],
+        heads[5],
+        heads[6],
+    ]
+    .map(String::from));
     for d in diags {
         let m = &d.meta;
         let cu = format!("{:?}", m.cu_seqlens);
         out += &row([
             m.label(layout),
             format!("{}..{}", m.start, m.end),
-            if cu.len() > 22 { format!("{}…", &cu[..21]) } else { cu },
+            if cu.len() > 22 {
+                format!("{}…", &cu[..21])
+            } else {
+                cu
+            },
             m.pre_num_ranks.to_string(),
             m.post_num_ranks.to_string(),
             norm(&Some(d.s_ext.clone())),

@@ -99,10 +99,16 @@ pub fn plot(d: &Diagnosis, path: &Path) -> Result<(), String> {
         .collect();
     for (i, (name, p)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        if let Some(band) = bands.get(i).and_then(|b| b.as_ref()).filter(|_| d.noise_reference.is_some()) {
+        if let Some(band) = bands
+            .get(i)
+            .and_then(|b| b.as_ref())
+            .filter(|_| d.noise_reference.is_some())
+        {
             chart
                 .draw_series(DashedLineSeries::new(
-                    band.iter().enumerate().map(move |(x, &v)| (x as f64, v.max(floor))),
+                    band.iter()
+                        .enumerate()
+                        .map(move |(x, &v)| (x as f64, v.max(floor))),
                     6,
                     4,
                     color.stroke_width(1),

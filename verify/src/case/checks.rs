@@ -180,13 +180,19 @@ mod tests {
     #[test]
     fn a_gate_in_linear_space_is_named_with_its_count() {
         let mut case = kda(0);
-        assert!(case.domain_warnings().is_empty(), "FLA's draws are log-decays");
+        assert!(
+            case.domain_warnings().is_empty(),
+            "FLA's draws are log-decays"
+        );
         let g = case.tensors["g"].mapv(f64::exp);
         let n = g.len();
         case.tensors.insert("g".into(), g);
         let w = case.domain_warnings();
         assert_eq!(w.len(), 1, "{w:?}");
-        assert!(w[0].contains("`g`") && w[0].contains(&format!("{n} of {n}")), "{w:?}");
+        assert!(
+            w[0].contains("`g`") && w[0].contains(&format!("{n} of {n}")),
+            "{w:?}"
+        );
     }
 
     #[test]
@@ -199,11 +205,20 @@ mod tests {
             bf.insert(n, t.clone(), Dtype::Bf16);
         }
         assert!(case.check_candidate_inputs(&bf, "c").is_ok());
-        let e = case.check_candidate_inputs(&kda(1), "c").unwrap_err().to_string();
-        assert!(e.contains("other inputs") && e.contains("differs from the case's by up to"), "{e}");
+        let e = case
+            .check_candidate_inputs(&kda(1), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("other inputs") && e.contains("differs from the case's by up to"),
+            "{e}"
+        );
         let mut other = case.clone();
         other.cu_seqlens = Some(vec![0, 5, 16]);
-        let e = case.check_candidate_inputs(&other, "c").unwrap_err().to_string();
+        let e = case
+            .check_candidate_inputs(&other, "c")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cu_seqlens"), "{e}");
     }
 }

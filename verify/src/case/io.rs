@@ -702,7 +702,10 @@ mod tests {
         let e = Case::from_bytes(&bytes(StDtype::I32, i32s, vec![1, 3]), "c")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("cu_seqlens") && e.contains("1-D int64 or int32"), "{e}");
+        assert!(
+            e.contains("cu_seqlens") && e.contains("1-D int64 or int32"),
+            "{e}"
+        );
         let e = Case::from_bytes(&bytes(StDtype::U8, vec![0u8, 2, 5], vec![3]), "c")
             .unwrap_err()
             .to_string();

@@ -209,7 +209,8 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<(String, bool), CaseError> {
             rows.add(file, heads, &name, &truth, run.got.remove(&name).as_ref())?;
         }
         append_heads(&mut diags, run.diags);
-        (name, label, reference_label, carry) = (run.name, run.label, run.reference_label, run.carry);
+        (name, label, reference_label, carry) =
+            (run.name, run.label, run.reference_label, run.carry);
         bar.inc();
     }
     drop(bar);

@@ -125,7 +125,8 @@ fn go_bisect(a: &Args) -> Result<Bisection, CaseError> {
             "--bisect breaks a --precision preset's error down by stage: give --precision",
         );
     };
-    if a.candidate.is_some() || a.plot.is_some() || a.noise != "auto" || a.against != Against::Truth {
+    if a.candidate.is_some() || a.plot.is_some() || a.noise != "auto" || a.against != Against::Truth
+    {
         return usage(
             "--bisect computes its own runs against the truth: drop --candidate, --plot, --noise and --against",
         );
@@ -165,6 +166,27 @@ struct Found {
     /// ≥ --band`), and whether verify would pass.
     failing: Vec<String>,
     verify_pass: bool,
+    /// What was compared with what, the preset and compute dtype included.
+    header: String,
+}
+
+/// The report's first line: the case, what ran (preset and compute dtype)
+/// or the candidate (its declared dtype), and the reference.
+fn header(a: &Args, imp: &Impl, compute: Compute, declared: Option<Dtype>, stored: bool) -> String {
+    let got = match &a.candidate {
+        Some(p) => format!(
+            "{} (declared dtype {})",
+            p.display(),
+            declared.map_or("none".to_string(), |d| d.name().to_string())
+        ),
+        None => super::impl_label(&imp.name(), a.imp.precision.as_deref(), compute),
+    };
+    let reference = match (a.against, stored) {
+        (Against::NonCp, _) => "the same run without CP",
+        (Against::Truth, true) => "case file",
+        (Against::Truth, false) => "impl:naive (f64 oracle)",
+    };
+    format!("case {}: {got} against {reference}", a.case.display())
 }
 
 fn go(a: &Args) -> Result<Found, CaseError> {
@@ -174,20 +196,19 @@ fn go(a: &Args) -> Result<Found, CaseError> {
     let plot_path = a.plot.as_deref().map(destination).transpose()?;
     let invalid = CaseError::computing(&a.case);
     let (imp, compute) = a.imp.resolve(&case)?;
-    let reference = match a.against {
-        Against::Truth => truth(a, &case, &imp)?,
-        Against::NonCp if a.candidate.is_some() => {
-            return Err(CaseError::Usage(
+    let reference =
+        match a.against {
+            Against::Truth => truth(a, &case, &imp)?,
+            Against::NonCp if a.candidate.is_some() => return Err(CaseError::Usage(
                 "--against non-cp runs the same implementation without CP: it needs --impl cp, \
                  not --candidate"
                     .into(),
-            ))
-        }
-        Against::NonCp => {
-            let precision = a.imp.precision.as_deref();
-            super::non_cp_reference(&imp, &case, precision, compute, a.forward_only)?.0
-        }
-    };
+            )),
+            Against::NonCp => {
+                let precision = a.imp.precision.as_deref();
+                super::non_cp_reference(&imp, &case, precision, compute, a.forward_only)?.0
+            }
+        };
     let mut declared = None;
     let candidate = match &a.candidate {
         Some(p) => {
@@ -278,6 +299,7 @@ fn go(a: &Args) -> Result<Found, CaseError> {
         verdicts,
         failing,
         verify_pass: verdict.pass,
+        header: header(a, &imp, compute, declared, !case.results().is_empty()),
     })
 }
 
@@ -358,6 +380,7 @@ pub fn run(a: Args) -> ExitCode {
             verdicts,
             failing,
             verify_pass,
+            header,
         }) => {
             if a.json {
                 let j = match &verdicts {
@@ -370,6 +393,7 @@ pub fn run(a: Args) -> ExitCode {
                     &serde_json::to_string_pretty(&j.expect("diagnosis serialises")).expect("JSON"),
                 );
             } else {
+                super::print(&header);
                 super::print(&d.to_string());
                 if let Some(v) = &verdicts {
                     super::print(&format!(

@@ -126,7 +126,10 @@ pub fn non_cp_reference(
         plain.compute(case, compute)
     }
     .map_err(CaseError::computing(std::path::Path::new(what)))?;
-    let label = format!("{} without CP", impl_label(&plain.name(), precision, compute));
+    let label = format!(
+        "{} without CP",
+        impl_label(&plain.name(), precision, compute)
+    );
     Ok((t, label))
 }
 

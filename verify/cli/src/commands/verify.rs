@@ -99,8 +99,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
     }
     // A candidate in another convention is mapped back whole (head blocks
     // read FLA's layout); a non-CP reference is a whole-case run.
-    let streams =
-        (a.convention == "fla" || a.candidate.is_none()) && a.against == Against::Truth;
+    let streams = (a.convention == "fla" || a.candidate.is_none()) && a.against == Against::Truth;
     if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)?.filter(|_| streams) {
         if a.band.is_some() {
             return Err(CaseError::Usage(format!(

@@ -19,7 +19,15 @@ fn fixture(name: &str) -> PathBuf {
 /// `gen --op kda` of a small case in `dir` (`extra` flags appended).
 fn gen_kda(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
     let path = dir.join(name);
-    let mut args = vec!["gen", "--op", "kda", "--shape", "1,64,1,2,8,8", "--out", s(&path)];
+    let mut args = vec![
+        "gen",
+        "--op",
+        "kda",
+        "--shape",
+        "1,64,1,2,8,8",
+        "--out",
+        s(&path),
+    ];
     args.extend_from_slice(extra);
     run_ok(&args);
     path
@@ -40,7 +48,15 @@ fn intermediates_come_from_the_runs_own_precision() {
     let case = fixture("cp_kda_intermediates_world2.safetensors");
     let write = |name: &str, flags: &[&str]| {
         let out = dir.path().join(name);
-        let mut args = vec!["run", "--case", s(&case), "--impl", "cp", "--intermediates", s(&out)];
+        let mut args = vec![
+            "run",
+            "--case",
+            s(&case),
+            "--impl",
+            "cp",
+            "--intermediates",
+            s(&out),
+        ];
         args.extend_from_slice(flags);
         run_ok(&args);
         Case::read_candidate(&out, Op::Kda).unwrap()
@@ -48,8 +64,21 @@ fn intermediates_come_from_the_runs_own_precision() {
     let f64_ = write("f64.safetensors", &[]);
     let compute = write("c32.safetensors", &["--compute", "f32"]);
     let preset = write("p32.safetensors", &["--precision", "f32"]);
-    assert_eq!(compute.tensors, preset.tensors, "--compute f32 = --precision f32");
-    for name in ["o", "Akk", "h", "w", "u", "v_new", "S_ext", "M", "merged_initial_state"] {
+    assert_eq!(
+        compute.tensors, preset.tensors,
+        "--compute f32 = --precision f32"
+    );
+    for name in [
+        "o",
+        "Akk",
+        "h",
+        "w",
+        "u",
+        "v_new",
+        "S_ext",
+        "M",
+        "merged_initial_state",
+    ] {
         let (a, b) = (&f64_.tensors[name], &compute.tensors[name]);
         let scale = a.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
         let d = max_diff(a, b);
@@ -69,7 +98,10 @@ fn conv_cp_table_shows_its_cache_and_agrees_with_non_cp() {
     for case in [fixture("causal_conv1d_varlen_silu_bias.safetensors")] {
         for world in ["2", "4"] {
             let out = run_ok(&["cp", "--case", s(&case), "--world", world]);
-            assert!(out.contains("|cache in|") && out.contains("|dcache in|"), "{out}");
+            assert!(
+                out.contains("|cache in|") && out.contains("|dcache in|"),
+                "{out}"
+            );
             for kda in ["|S_ext|", "|M|", "long-memory", "max |M|"] {
                 assert!(!out.contains(kda), "{kda}: {out}");
             }
@@ -105,7 +137,12 @@ fn verify_refuses_to_compare_the_oracle_with_itself() {
     let case = gen_kda(dir.path(), "c.safetensors", &[]);
     let (rc, out, err) = code(&["verify", "--case", s(&case)]);
     assert_eq!(rc, 2, "{out}{err}");
-    for words in ["stores no expected results", "f64 oracle", "by construction", "--expected"] {
+    for words in [
+        "stores no expected results",
+        "f64 oracle",
+        "by construction",
+        "--expected",
+    ] {
         assert!(err.contains(words), "{words}: {err}");
     }
     let out = run_ok(&["verify", "--case", s(&case), "--impl", "chunk"]);
@@ -119,14 +156,62 @@ fn verify_refuses_to_compare_the_oracle_with_itself() {
 fn report_headers_name_the_preset_and_compute_dtype() {
     let dir = tempfile::tempdir().unwrap();
     let case = gen_kda(dir.path(), "c.safetensors", &["--expected"]);
-    let out = run_ok(&["verify", "--case", s(&case), "--impl", "chunk", "--precision", "f32"]);
-    assert!(out.lines().next().unwrap().contains("[precision f32, compute f32]"), "{out}");
+    let out = run_ok(&[
+        "verify",
+        "--case",
+        s(&case),
+        "--impl",
+        "chunk",
+        "--precision",
+        "f32",
+    ]);
+    assert!(
+        out.lines()
+            .next()
+            .unwrap()
+            .contains("[precision f32, compute f32]"),
+        "{out}"
+    );
     let out = run_ok(&["verify", "--case", s(&case)]);
-    assert!(out.lines().next().unwrap().contains("[precision exact, compute f64]"), "{out}");
+    assert!(
+        out.lines()
+            .next()
+            .unwrap()
+            .contains("[precision exact, compute f64]"),
+        "{out}"
+    );
     let out = run_ok(&["run", "--case", s(&case), "--compute", "f32"]);
-    assert!(out.lines().next().unwrap().contains("[precision exact, compute f32]"), "{out}");
-    let (_, out, _) = code(&["cp", "--case", s(&case), "--world", "2", "--precision", "fla-bf16"]);
+    assert!(
+        out.lines()
+            .next()
+            .unwrap()
+            .contains("[precision exact, compute f32]"),
+        "{out}"
+    );
+    let (_, out, _) = code(&[
+        "cp",
+        "--case",
+        s(&case),
+        "--world",
+        "2",
+        "--precision",
+        "fla-bf16",
+    ]);
     assert!(out.contains("[precision fla-bf16, compute f32]"), "{out}");
+    let (_, out, _) = code(&[
+        "diagnose",
+        "--case",
+        s(&case),
+        "--impl",
+        "chunk",
+        "--precision",
+        "akk-bf16",
+    ]);
+    let first = out.lines().next().unwrap();
+    assert!(
+        first.contains("[precision akk-bf16, compute f32] against case file"),
+        "{out}"
+    );
 }
 
 /// A candidate computed from other inputs than the case's (another seed,
@@ -139,21 +224,42 @@ fn a_candidate_from_other_inputs_is_refused() {
     let other = gen_kda(dir.path(), "o.safetensors", &["--expected", "--seed", "1"]);
     let (rc, out, err) = code(&["verify", "--case", s(&case), "--candidate", s(&other)]);
     assert_eq!(rc, 2, "{out}{err}");
-    assert!(err.contains("`q`") || err.contains("q:") || err.contains(" q "), "{err}");
-    assert!(err.contains("differs from the case's by up to") && err.contains("other inputs"), "{err}");
+    assert!(
+        err.contains("`q`") || err.contains("q:") || err.contains(" q "),
+        "{err}"
+    );
+    assert!(
+        err.contains("differs from the case's by up to") && err.contains("other inputs"),
+        "{err}"
+    );
     let (rc, _, err) = code(&["diagnose", "--case", s(&case), "--candidate", s(&other)]);
     assert_eq!(rc, 2, "{err}");
     let lens = |l: &str, name: &str| {
         let p = dir.path().join(name);
         run_ok(&[
-            "gen", "--op", "kda", "--lengths", l, "--shape", "1,64,1,2,8,8", "--expected", "--out", s(&p),
+            "gen",
+            "--op",
+            "kda",
+            "--lengths",
+            l,
+            "--shape",
+            "1,64,1,2,8,8",
+            "--expected",
+            "--out",
+            s(&p),
         ]);
         p
     };
-    let (a, b) = (lens("20,44", "a.safetensors"), lens("30,34", "b.safetensors"));
+    let (a, b) = (
+        lens("20,44", "a.safetensors"),
+        lens("30,34", "b.safetensors"),
+    );
     let (rc, _, err) = code(&["verify", "--case", s(&a), "--candidate", s(&b)]);
     assert_eq!(rc, 2, "{err}");
-    assert!(err.contains("cu_seqlens") && err.contains("[0, 30, 64]"), "{err}");
+    assert!(
+        err.contains("cu_seqlens") && err.contains("[0, 30, 64]"),
+        "{err}"
+    );
     // A port's bf16 copy of the case's own inputs passes the check.
     let c = Case::read(&case).unwrap();
     let mut bf = Case::new(c.meta.clone());
@@ -187,7 +293,8 @@ fn a_gate_in_linear_space_is_warned_about() {
         }
         let (_, _, err) = code(&args);
         assert!(
-            err.contains("warning: `g` is a log-decay") && err.contains(&format!("{n} of {n} entries are positive")),
+            err.contains("warning: `g` is a log-decay")
+                && err.contains(&format!("{n} of {n} entries are positive")),
             "{cmd}: {err}"
         );
     }
@@ -195,7 +302,12 @@ fn a_gate_in_linear_space_is_warned_about() {
 
 /// Writes `case`'s f64 truth as a candidate, `edit` applied, with `dtype`
 /// declared in its metadata (None: the `case` entry names the op only).
-fn candidate(case: &Path, to: &Path, dtype: Option<&str>, edit: impl Fn(&str, &mut ndarray::ArrayD<f64>)) {
+fn candidate(
+    case: &Path,
+    to: &Path,
+    dtype: Option<&str>,
+    edit: impl Fn(&str, &mut ndarray::ArrayD<f64>),
+) {
     let c = Case::read(case).unwrap();
     let mut meta = c.meta.clone();
     meta.dtype = dtype.map(|d| Dtype::parse(d).unwrap());
@@ -213,7 +325,11 @@ fn candidate(case: &Path, to: &Path, dtype: Option<&str>, edit: impl Fn(&str, &m
 #[test]
 fn diagnose_exits_as_verify_with_a_verdict_headline() {
     let dir = tempfile::tempdir().unwrap();
-    let case = gen_kda(dir.path(), "c.safetensors", &["--expected", "--initial-state"]);
+    let case = gen_kda(
+        dir.path(),
+        "c.safetensors",
+        &["--expected", "--initial-state"],
+    );
     let cand = dir.path().join("cand.safetensors");
     for (bad, want) in [(false, 0), (true, 1)] {
         candidate(&case, &cand, None, |n, t| {
@@ -226,7 +342,10 @@ fn diagnose_exits_as_verify_with_a_verdict_headline() {
         assert_eq!((vrc, drc), (want, want), "{out}{err}");
         let last = out.lines().last().unwrap();
         if bad {
-            assert!(last.starts_with("verdict: FAIL") && last.contains("dh0"), "{out}");
+            assert!(
+                last.starts_with("verdict: FAIL") && last.contains("dh0"),
+                "{out}"
+            );
         } else {
             assert!(last.starts_with("verdict: pass"), "{out}");
         }
@@ -242,16 +361,28 @@ fn diagnose_lists_every_excursion() {
     candidate(&case, &cand, None, |n, t| {
         if n == "o" {
             for range in [3..5, 40..41] {
-                t.slice_mut(ndarray::s![.., range, .., ..]).mapv_inplace(|v| v * 2.0);
+                t.slice_mut(ndarray::s![.., range, .., ..])
+                    .mapv_inplace(|v| v * 2.0);
             }
         }
     });
     let (rc, out, _) = code(&[
-        "diagnose", "--case", s(&case), "--candidate", s(&cand), "--impl", "chunk", "--chunk-size", "16",
+        "diagnose",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&cand),
+        "--impl",
+        "chunk",
+        "--chunk-size",
+        "16",
     ]);
     assert_eq!(rc, 1, "{out}");
     assert!(out.contains("`o` leaves the band in 2 place(s)"), "{out}");
-    assert!(out.contains("tokens 3..16") && out.contains("tokens 40..48"), "{out}");
+    assert!(
+        out.contains("tokens 3..16") && out.contains("tokens 40..48"),
+        "{out}"
+    );
 }
 
 /// `diagnose --forward-only` judges a forward-only port on its outputs and
@@ -272,14 +403,30 @@ fn diagnose_forward_only() {
     let fpath = dir.path().join("fwd.safetensors");
     fwd.write(&fpath).unwrap();
     let (rc, out, err) = code(&["diagnose", "--case", s(&case), "--candidate", s(&fpath)]);
-    assert_eq!(rc, 1, "missing gradients fail without --forward-only: {out}{err}");
+    assert_eq!(
+        rc, 1,
+        "missing gradients fail without --forward-only: {out}{err}"
+    );
     let (rc, out, err) = code(&[
-        "diagnose", "--case", s(&case), "--candidate", s(&fpath), "--forward-only",
+        "diagnose",
+        "--case",
+        s(&case),
+        "--candidate",
+        s(&fpath),
+        "--forward-only",
     ]);
     assert_eq!(rc, 0, "{out}{err}");
     assert!(out.contains("\no ") && !out.contains("\ndq "), "{out}");
     let (rc, out, err) = code(&[
-        "diagnose", "--case", s(&case), "--impl", "chunk", "--precision", "fla-bf16", "--forward-only", "--bisect",
+        "diagnose",
+        "--case",
+        s(&case),
+        "--impl",
+        "chunk",
+        "--precision",
+        "fla-bf16",
+        "--forward-only",
+        "--bisect",
     ]);
     assert!(rc == 0 || rc == 1, "{out}{err}");
     assert!(!out.contains("dq") && out.contains("o"), "{out}");
@@ -291,12 +438,25 @@ fn diagnose_forward_only() {
 #[test]
 fn diagnose_noise_follows_the_declared_dtype() {
     let dir = tempfile::tempdir().unwrap();
-    let case = gen_kda(dir.path(), "c.safetensors", &["--expected", "--dtype", "bf16"]);
+    let case = gen_kda(
+        dir.path(),
+        "c.safetensors",
+        &["--expected", "--dtype", "bf16"],
+    );
     let cand = dir.path().join("cand.safetensors");
     for (declared, want) in [
-        (Some("f32"), "`f32` (chosen by the candidate declares dtype f32)"),
-        (Some("bf16"), "`fla-bf16` (chosen by the candidate declares dtype bf16)"),
-        (None, "`fla-bf16` (chosen by the candidate declares no dtype"),
+        (
+            Some("f32"),
+            "`f32` (chosen by the candidate declares dtype f32)",
+        ),
+        (
+            Some("bf16"),
+            "`fla-bf16` (chosen by the candidate declares dtype bf16)",
+        ),
+        (
+            None,
+            "`fla-bf16` (chosen by the candidate declares no dtype",
+        ),
     ] {
         candidate(&case, &cand, declared, |_, _| {});
         let out = run_ok(&["diagnose", "--case", s(&case), "--candidate", s(&cand)]);
@@ -315,8 +475,16 @@ fn diagnose_honours_the_cases_cp_layout_for_a_candidate() {
     let out = run_ok(&["diagnose", "--case", s(&case), "--candidate", s(&cand)]);
     let o = out.lines().find(|l| l.starts_with("o ")).unwrap();
     // Two per-rank errors at the end of the row.
-    let ranks: Vec<&str> = o.split_whitespace().rev().take_while(|c| c.contains('e')).collect();
-    assert_eq!(ranks.len(), 2, "two ranks after the first-token column: {out}");
+    let ranks: Vec<&str> = o
+        .split_whitespace()
+        .rev()
+        .take_while(|c| c.contains('e'))
+        .collect();
+    assert_eq!(
+        ranks.len(),
+        2,
+        "two ranks after the first-token column: {out}"
+    );
 }
 
 /// Every option of every subcommand has help text; `--precision` explains
@@ -324,7 +492,17 @@ fn diagnose_honours_the_cases_cp_layout_for_a_candidate() {
 #[test]
 fn every_option_has_help_and_cp_agrees_on_impl() {
     let subs = [
-        "selfcheck", "gen", "run", "verify", "cp", "fixtures", "diagnose", "band", "tolerance", "bench", "fuzz",
+        "selfcheck",
+        "gen",
+        "run",
+        "verify",
+        "cp",
+        "fixtures",
+        "diagnose",
+        "band",
+        "tolerance",
+        "bench",
+        "fuzz",
     ];
     for sub in subs {
         let out = run_ok(&[sub, "--help"]);
@@ -335,7 +513,12 @@ fn every_option_has_help_and_cp_agrees_on_impl() {
         }
     }
     let out = run_ok(&["verify", "--help"]);
-    for p in ["`fla-bf16`:", "`akk-bf16`:", "`partial-merge-v`:", "PRESET+FAULT"] {
+    for p in [
+        "`fla-bf16`:",
+        "`akk-bf16`:",
+        "`partial-merge-v`:",
+        "PRESET+FAULT",
+    ] {
         assert!(out.contains(p), "{p}: {out}");
     }
     let help = run_ok(&["cp", "--help"]);
@@ -344,7 +527,10 @@ fn every_option_has_help_and_cp_agrees_on_impl() {
     let case = gen_kda(dir.path(), "c.safetensors", &[]);
     let (rc, _, err) = code(&["cp", "--case", s(&case), "--impl", "chunk", "--world", "2"]);
     assert_eq!(rc, 2);
-    assert!(err.contains("always runs --impl cp") && err.contains("naive, means cp"), "{err}");
+    assert!(
+        err.contains("always runs --impl cp") && err.contains("naive, means cp"),
+        "{err}"
+    );
 }
 
 /// `--against non-cp`: a CP run against the same engine and precision
@@ -359,28 +545,83 @@ fn against_non_cp_compares_cp_with_the_same_run_without_cp() {
     let case = gen_kda(dir.path(), "c.safetensors", &["--regime", "long-memory"]);
     let c = s(&case);
     for precision in ["exact", "f32", "fla-bf16"] {
-        let flags = ["--case", c, "--impl", "cp", "--world", "2", "--precision", precision];
+        let flags = [
+            "--case",
+            c,
+            "--impl",
+            "cp",
+            "--world",
+            "2",
+            "--precision",
+            precision,
+        ];
         let (rc, out, err) = code(&[&["verify"][..], &flags, &["--against", "non-cp"]].concat());
         assert_eq!(rc, 0, "{out}{err}");
         let want = format!("against impl:chunk(C=64) [precision {precision}, compute");
         assert!(out.contains(&want) && out.contains("without CP"), "{out}");
-        let max_ratio = if precision == "exact" { "1e-10" } else { "5e-3" };
+        let max_ratio = if precision == "exact" {
+            "1e-10"
+        } else {
+            "5e-3"
+        };
         let (rc, out, err) = code(&[
-            "cp", "--case", c, "--world", "2", "--precision", precision, "--against", "non-cp",
-            "--max-ratio", max_ratio,
+            "cp",
+            "--case",
+            c,
+            "--world",
+            "2",
+            "--precision",
+            precision,
+            "--against",
+            "non-cp",
+            "--max-ratio",
+            max_ratio,
         ]);
         assert_eq!(rc, 0, "{out}{err}");
-        assert!(out.contains("per-rank table") && out.contains("without CP"), "{out}");
+        assert!(
+            out.contains("per-rank table") && out.contains("without CP"),
+            "{out}"
+        );
     }
     let (rc, out, _) = code(&[
-        "verify", "--case", c, "--impl", "cp", "--world", "2", "--precision", "drop-merged-state", "--against", "non-cp",
+        "verify",
+        "--case",
+        c,
+        "--impl",
+        "cp",
+        "--world",
+        "2",
+        "--precision",
+        "drop-merged-state",
+        "--against",
+        "non-cp",
     ]);
     assert_eq!(rc, 1, "a fault is the CP path's error: {out}");
     let (rc, out, _) = code(&[
-        "diagnose", "--case", c, "--impl", "cp", "--world", "2", "--precision", "f32", "--against", "non-cp", "--band", "1e-4",
+        "diagnose",
+        "--case",
+        c,
+        "--impl",
+        "cp",
+        "--world",
+        "2",
+        "--precision",
+        "f32",
+        "--against",
+        "non-cp",
+        "--band",
+        "1e-4",
     ]);
     assert_eq!(rc, 0, "{out}");
-    let (rc, _, err) = code(&["verify", "--case", c, "--impl", "chunk", "--against", "non-cp"]);
+    let (rc, _, err) = code(&[
+        "verify",
+        "--case",
+        c,
+        "--impl",
+        "chunk",
+        "--against",
+        "non-cp",
+    ]);
     assert_eq!(rc, 2);
     assert!(err.contains("--against non-cp compares a CP run"), "{err}");
 }
