@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 #: The ``precision=`` presets (the CLI's ``--precision`` names).
-PRECISIONS: tuple[str, ...] = tuple(_core.precision_names().split(", "))
+PRECISIONS: tuple[str, ...] = tuple(_core.precision_names())
 
 _FLOATS = (np.dtype(np.float64), np.dtype(np.float32))
 
@@ -488,7 +488,8 @@ def max_abs(ref: Any, tri: Any) -> float:
 def assert_close(prefix: str, ref: Any, tri: Any, ratio: float) -> None:
     """FLA ``assert_close``: passes when ``max_abs ≤ 1e-6``, else needs
     ``norm_ratio < ratio``; NaN anywhere fails. Raises ``AssertionError``
-    naming ``prefix``, both figures and the flat index of the largest error."""
+    naming ``prefix``, both figures and the index of the largest error in
+    the tensors' shape (``[b, t, h, k]``)."""
     r, t = _pair(ref, tri)
     *_, message = _core.compare(r, t, float(ratio), prefix)
     if message is not None:
@@ -620,6 +621,10 @@ class Report:
         self.candidate: str = d["candidate"]
         self.max_ratio: float = d["max_ratio"]
         self.rows: list[dict[str, Any]] = d["rows"]
+        #: Outputs and final state only (``forward_only=True``).
+        self.forward_only: bool = d.get("forward_only", False)
+        #: Tensors left unchecked (partial truth, or ``allow_partial=True``).
+        self.unchecked: list[str] = d.get("unchecked", [])
         self.passed = passed
         self._table = table
 
@@ -653,13 +658,16 @@ def verify(
     case: Case | str | os.PathLike, candidate: Any = None, *, max_ratio: float = 5e-3,
     impl: str | None = None, chunk_size: int | None = None,
     cp: Mapping[str, Any] | None = None, precision: str | None = None,
-    compute: str | None = None,
+    compute: str | None = None, forward_only: bool = False, allow_partial: bool = False,
 ) -> Report:
     """``deltaref verify``: compare ``candidate`` (a candidate file, a
     :class:`Case`, or a dict of FLA-named arrays) with the case's stored
     truth (or, when it stores none, the float64 oracle); without a candidate,
     compare an implementation (``impl`` ...) with the stored truth.
-    A tensor passes when ``max_abs ≤ 1e-6`` or ``norm_ratio < max_ratio``."""
+    A tensor passes when ``max_abs ≤ 1e-6`` or ``norm_ratio < max_ratio``.
+    ``forward_only``: the outputs and final state alone (a forward-only
+    port; the report says so). ``allow_partial``: tensors the candidate (or
+    the stored truth) lacks are listed as unchecked instead of failing."""
     if not isinstance(case, Case):
         case = read_case(case)
     flags_given = impl not in (None, "naive") or any(
@@ -676,6 +684,7 @@ def verify(
     args = _impl_args(impl, "naive", chunk_size, cp)
     out = _core.verify(
         *case._core_args(), cand, float(max_ratio), case.name, cname or "",
-        precision=precision, compute=compute, **args,
+        precision=precision, compute=compute, forward_only=bool(forward_only),
+        allow_partial=bool(allow_partial), **args,
     )
     return Report(*out)

@@ -143,4 +143,5 @@ def verify(
     case: Union[Case, _Path], candidate: Union[None, _Path, Case, Mapping[str, ArrayLike]] = None, *,
     max_ratio: float = 5e-3, impl: Optional[Impl] = None, chunk_size: Optional[int] = None,
     cp: Optional[CpSpec] = None, precision: Optional[str] = None, compute: Optional[str] = None,
+    forward_only: bool = False, allow_partial: bool = False,
 ) -> Report: ...

@@ -291,7 +291,7 @@ fn gen<'py>(
 /// truth, or with the f64 oracle when the case stores none and a candidate
 /// is given. Returns `(report JSON, report table, pass)`.
 #[pyfunction]
-#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, candidate, max_ratio, case_name, candidate_name, impl_name, chunk_size, world, layout, cuts, cp_engine, precision, compute))]
+#[pyo3(signature = (meta_json, tensors, dtypes, cu_seqlens, candidate, max_ratio, case_name, candidate_name, impl_name, chunk_size, world, layout, cuts, cp_engine, precision, compute, forward_only=false, allow_partial=false))]
 #[allow(clippy::too_many_arguments)]
 fn verify<'py>(
     py: Python<'py>,
@@ -311,6 +311,8 @@ fn verify<'py>(
     cp_engine: Option<String>,
     precision: Option<String>,
     compute: Option<String>,
+    forward_only: bool,
+    allow_partial: bool,
 ) -> PyResult<(String, String, bool)> {
     let case = build_case(meta_json, tensors, &dtypes, cu_seqlens)?;
     let cand = candidate
@@ -365,9 +367,41 @@ fn verify<'py>(
                 )
             }
         };
-        Ok(VerifyReport::new(
+        // As `deltaref verify --forward-only --allow-partial`: the outputs
+        // and final state alone; tensors the candidate lacks left unchecked
+        // (and listed) instead of failing.
+        let op = case.meta.op;
+        let mut expected = expected;
+        if forward_only {
+            expected.retain(|n, _| op.forward_results().contains(&n.as_str()));
+        }
+        let mut unchecked: Vec<String> = case
+            .expected_results()
+            .into_iter()
+            .filter(|n| !expected.contains_key(*n))
+            .filter(|n| !forward_only || op.forward_results().contains(n))
+            .map(String::from)
+            .collect();
+        if allow_partial {
+            let missing: Vec<String> = expected
+                .keys()
+                .filter(|n| !got.contains_key(*n))
+                .cloned()
+                .collect();
+            for n in missing {
+                expected.remove(&n);
+                unchecked.push(n);
+            }
+        }
+        let report = VerifyReport::new(
             case_name, &reference, &candidate, &expected, &got, max_ratio,
-        ))
+        )
+        .with_unchecked(unchecked, allow_partial);
+        Ok(if forward_only {
+            report.forward_only()
+        } else {
+            report
+        })
     })?;
     let json = serde_json::to_string(&report).map_err(value_error)?;
     Ok((json, report.to_string(), report.pass))
@@ -392,17 +426,18 @@ fn compare(
             c.shape()
         )));
     }
+    let shape = r.shape().to_vec();
     let flat = |a: ndarray::ArrayViewD<'_, f64>| a.iter().copied().collect::<Vec<f64>>();
     let (r, c) = (flat(r), flat(c));
     let cmp = metrics::compare(&r, &c, ratio);
-    let message = metrics::assert_close(name, &r, &c, ratio).err();
+    let message = metrics::assert_close_shaped(name, &r, &c, &shape, ratio).err();
     Ok((cmp.norm_ratio, cmp.max_abs, cmp.argmax, cmp.pass, message))
 }
 
-/// The `precision=` preset names (`deltaref --precision`).
+/// The `precision=` preset names (`deltaref --precision`), one per entry.
 #[pyfunction]
-fn precision_names() -> String {
-    deltaref_verify::presets::names()
+fn precision_names() -> Vec<&'static str> {
+    deltaref_verify::presets::preset_names()
 }
 
 /// The fuzz case `params_json` (a `deltaref_verify::fuzz::Params` as JSON)

@@ -187,3 +187,14 @@ def test_no_panic_reaches_python():
         deltaref.gen("kda", shape=[1, 2**64 - 1, 1, 1, 1, 1])
     with pytest.raises(ValueError):
         deltaref.gen("kda", lengths=[2**63, 2**63])
+
+
+def test_precisions_are_exactly_the_preset_names():
+    """``deltaref.PRECISIONS`` lists the preset names and nothing else (no
+    prose from the CLI's error message)."""
+    import re
+
+    assert "exact" in deltaref.PRECISIONS and "fla-bf16" in deltaref.PRECISIONS
+    for p in deltaref.PRECISIONS:
+        assert re.fullmatch(r"[a-z0-9-]+", p), p
+

@@ -20,8 +20,13 @@ def test_norm_ratio_by_hand():
 def test_assert_close_semantics():
     deltaref.assert_close("o", np.zeros(3), np.full(3, 1e-7), 1e-12)  # max_abs ≤ 1e-6 passes
     deltaref.assert_close("o", np.ones(4), np.array([1.0, 1.0, 1.0, 1.001]), 1e-3)
-    with pytest.raises(AssertionError, match=r"^dq: norm_ratio .* \(at flat index 0\)"):
+    with pytest.raises(AssertionError, match=r"^dq: norm_ratio .* \(at index \[0, 0\]\)"):
         deltaref.assert_close("dq", np.ones((2, 2)), np.array([[1.1, 1.0], [1.0, 1.0]]), 5e-3)
+    # The index is the tensor's own: element [1, 2, 0] of a [2, 3, 2] tensor (flat 10).
+    x = np.ones((2, 3, 2))
+    x[1, 2, 0] = 3.0
+    with pytest.raises(AssertionError, match=r"\(at index \[1, 2, 0\]\)"):
+        deltaref.assert_close("o", np.ones((2, 3, 2)), x, 5e-3)
     with pytest.raises(AssertionError, match="dk"):
         deltaref.assert_close("dk", np.ones(3), np.array([1.0, np.nan, 1.0]), 1.0)
     assert math.isnan(deltaref.norm_ratio(np.ones(2), np.array([np.nan, 1.0])))

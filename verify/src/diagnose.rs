@@ -118,13 +118,32 @@ pub struct TensorDiagnosis {
     pub per_rank: Vec<f64>,
     /// `(sequence, chunk, error)` for every chunk of every sequence.
     pub per_chunk: Vec<(usize, usize, f64)>,
+    /// The band each of those chunks was judged against (the floor, or
+    /// `NOISE_FACTOR ×` the noise reference's error there), same order.
+    pub chunk_band: Vec<f64>,
     /// Where the error leaves the band (see the type's docs).
     pub first_bad: Option<Location>,
+    /// Every separate stretch out of band: runs of consecutive chunks of
+    /// one sequence whose error leaves the band, in token order.
+    pub excursions: Vec<Excursion>,
     /// Error per column of the last (V) dimension, for tensors ending in V
     /// (`o`, `dv`, `final_state`, `dh0`): a merge covering only part of V
     /// shows as clean lower columns and bad upper ones.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub per_v_column: Vec<f64>,
+}
+
+/// One stretch of a sequence whose chunks leave the band: from `start`
+/// (the first token out of band in its first chunk) to token `end`
+/// (exclusive, the end of its last chunk), the largest chunk error in it
+/// and the band there.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Excursion {
+    pub start: Location,
+    pub end: usize,
+    pub chunks: usize,
+    pub peak: f64,
+    pub band: f64,
 }
 
 /// The diagnosis of a candidate against a reference.
@@ -133,7 +152,8 @@ pub struct Diagnosis {
     /// The band's floor (per-token error always allowed).
     pub band: f64,
     /// What set the band per chunk: `NOISE_FACTOR ×` that run's own error
-    /// in the same chunk (None: the floor alone).
+    /// in the same chunk (None: the floor alone): the preset in backticks
+    /// and, where the caller says, why it was chosen.
     pub noise_reference: Option<String>,
     pub map: TokenMap,
     pub tensors: Vec<TensorDiagnosis>,
@@ -206,7 +226,9 @@ fn diagnose_tensor(
         per_sequence: vec![],
         per_rank: vec![],
         per_chunk: vec![],
+        chunk_band: vec![],
         first_bad: None,
+        excursions: vec![],
         per_v_column: vec![],
     };
     let ends_in_v = ["o", "dv", "final_state", "dh0"].contains(&name);
@@ -249,22 +271,42 @@ fn diagnose_tensor(
     // The first chunk (in token order) whose error leaves the band; single
     // tokens are too noisy at bf16 to judge alone. Inside it, the first token
     // out of band (or the chunk's start).
+    // Consecutive bad chunks of one sequence make one excursion.
     let mut first: Option<usize> = None;
     for (si, &(b, s, e)) in map.sequences.iter().enumerate() {
+        let mut open = false;
         for (ci, cs) in (s..e).step_by(map.chunk_size).enumerate() {
             let ce = (cs + map.chunk_size).min(e);
             let err = group(&mut (cs..ce).map(|t| b * map.t + t));
             let limit = band.at(d.per_chunk.len());
             d.per_chunk.push((si, ci, err));
-            if err > limit || err.is_nan() {
-                let tok = (cs..ce)
-                    .find(|&t| {
-                        per_token[b * map.t + t] > limit || per_token[b * map.t + t].is_nan()
-                    })
-                    .unwrap_or(cs);
-                let flat = b * map.t + tok;
-                first = Some(first.map_or(flat, |f| f.min(flat)));
+            d.chunk_band.push(limit);
+            if !(err > limit || err.is_nan()) {
+                open = false;
+                continue;
             }
+            let tok = (cs..ce)
+                .find(|&t| per_token[b * map.t + t] > limit || per_token[b * map.t + t].is_nan())
+                .unwrap_or(cs);
+            let flat = b * map.t + tok;
+            first = Some(first.map_or(flat, |f| f.min(flat)));
+            match d.excursions.last_mut().filter(|_| open) {
+                Some(x) => {
+                    x.end = ce;
+                    x.chunks += 1;
+                    if err > x.peak || err.is_nan() {
+                        (x.peak, x.band) = (err, limit);
+                    }
+                }
+                None => d.excursions.push(Excursion {
+                    start: map.locate(b, tok),
+                    end: ce,
+                    chunks: 1,
+                    peak: err,
+                    band: limit,
+                }),
+            }
+            open = true;
         }
     }
     d.first_bad = first.map(|i| map.locate(i / map.t, i % map.t));
@@ -338,7 +380,7 @@ impl fmt::Display for Diagnosis {
             )?,
             Some(n) => writeln!(
                 f,
-                "noise band per chunk: {NOISE_FACTOR}× the error of `{n}` (rounding noise only) in the same chunk, at least {:.1e}",
+                "noise band per chunk: {NOISE_FACTOR}× the error of {n} (rounding noise only) in the same chunk, at least {:.1e}",
                 self.band
             )?,
         }
@@ -369,10 +411,52 @@ impl fmt::Display for Diagnosis {
         for t in self.tensors.iter().filter(|t| !t.per_v_column.is_empty()) {
             writeln!(f, "{}", v_columns(t))?;
         }
+        for t in self.tensors.iter().filter(|t| !t.excursions.is_empty()) {
+            writeln!(
+                f,
+                "`{}` leaves the band in {} place(s):",
+                t.name,
+                t.excursions.len()
+            )?;
+            for x in &t.excursions {
+                let l = x.start;
+                writeln!(
+                    f,
+                    "  sequence {} (batch {}): tokens {}..{} (rank {}, chunk {} on, {} chunk(s)), \
+                     peak chunk error {:.2e} against a band of {:.2e}",
+                    l.sequence, l.batch, l.token, x.end, l.rank, l.chunk, x.chunks, x.peak, x.band
+                )?;
+            }
+        }
         match &self.first_bad {
             Some((name, l)) => write!(f, "error starts at {l}, in `{name}`"),
             None => write!(f, "no per-token tensor leaves the noise band"),
         }
+    }
+}
+
+impl TensorDiagnosis {
+    /// The band each token was judged against (its chunk's), `B·T` values
+    /// row-major like `per_token`; tokens outside every sequence get the
+    /// smallest band. None for a tensor that is not per-token.
+    pub fn band_per_token(&self, map: &TokenMap) -> Option<Vec<f64>> {
+        self.per_token.as_ref()?;
+        let low = self
+            .chunk_band
+            .iter()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        let mut out = vec![if low.is_finite() { low } else { 0.0 }; map.b * map.t];
+        let mut i = 0;
+        for &(b, s, e) in &map.sequences {
+            for cs in (s..e).step_by(map.chunk_size) {
+                let ce = (cs + map.chunk_size).min(e);
+                let band = self.chunk_band.get(i).copied().unwrap_or(low);
+                out[b * map.t + cs..b * map.t + ce].fill(band);
+                i += 1;
+            }
+        }
+        Some(out)
     }
 }
 
@@ -518,10 +602,45 @@ mod tests {
             d.first_bad.as_ref().map(|f| (f.1.token, f.1.chunk)),
             Some((4, 1))
         );
+        // The band drawn is the one used: 4× the noise in chunk 3, the floor elsewhere.
+        let band = d.tensors[0].band_per_token(&map).unwrap();
+        let noise_chunk3 =
+            diagnose(&tensors("o", r.clone()), &nr, &map, 0.0).tensors[0].per_chunk[3].2;
+        assert_eq!(band[12], 1e-4f64.max(NOISE_FACTOR * noise_chunk3));
+        assert!(band[12] > 1e-4 && band[0] == 1e-4, "{band:?}");
         let cols = &d.tensors[0].per_v_column;
         assert_eq!(cols.len(), 4);
         assert!(cols[3] > 100.0 * cols[1] && cols[1] == 0.0, "{cols:?}");
         assert!(v_columns(&d.tensors[0]).contains("upper half of V only"));
         assert_eq!(d.noise_reference.as_deref(), Some("n"));
+    }
+
+    /// Two separate bad stretches in two sequences are two excursions,
+    /// each with its sequence, rank and extent; one bad stretch spanning
+    /// two chunks is one.
+    #[test]
+    fn every_excursion_is_listed_with_its_sequence() {
+        // Sequences [0,10) and [10,24), ranks cut at 12, chunk 4.
+        let map = TokenMap::new(1, 24, Some(&[0, 10, 24]), &[12], 4);
+        let r = ArrayD::from_shape_fn(IxDyn(&[1, 24, 2]), |i| 1.0 + i[1] as f64);
+        let mut c = r.clone();
+        for t in [1, 2, 5, 17, 18, 19, 20] {
+            c[[0, t, 0]] += 3.0;
+        }
+        let d = diagnose(&tensors("o", r), &tensors("o", c), &map, 1e-3);
+        let x = &d.tensors[0].excursions;
+        assert_eq!(x.len(), 2, "{x:?}");
+        // Sequence 0: chunks [0,4) and [4,8) both bad, from token 1.
+        assert_eq!((x[0].start.token, x[0].end, x[0].chunks), (1, 8, 2));
+        assert_eq!((x[0].start.sequence, x[0].start.rank), (0, 0));
+        // Sequence 1: chunks [14,18) and [18,22), from token 17 (rank 1).
+        assert_eq!((x[1].start.token, x[1].end, x[1].chunks), (17, 22, 2));
+        assert_eq!((x[1].start.sequence, x[1].start.rank), (1, 1));
+        let text = d.to_string();
+        assert!(text.contains("`o` leaves the band in 2 place(s)"), "{text}");
+        assert!(
+            text.contains("sequence 1 (batch 0): tokens 17..22 (rank 1"),
+            "{text}"
+        );
     }
 }

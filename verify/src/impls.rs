@@ -307,6 +307,18 @@ impl Impl {
         self.compute_in(Cow::Owned(case), Compute::F64, true)
     }
 
+    /// Like `compute` in `compute`, with the per-rank CP diagnostics of
+    /// that run (widened to f64; empty without CP): an f32 or preset run's
+    /// merged states against the same engine's non-CP states at its own
+    /// precision. `owned`: the case is consumed (see `compute_owned`).
+    pub fn compute_with_diags_in(
+        &self,
+        case: Cow<'_, Case>,
+        compute: Compute,
+    ) -> Result<(Tensors, Vec<RankDiag<f64>>), deltaref::Error> {
+        self.compute_in(case, compute, true)
+    }
+
     /// Like `compute`, consuming the case: its inputs move into the engine
     /// instead of being copied (a long case's head block holds one set).
     pub fn compute_owned(&self, case: Case, compute: Compute) -> Result<Tensors, ComputeError> {

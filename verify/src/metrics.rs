@@ -132,9 +132,47 @@ pub fn assert_close(
     }
 }
 
+/// [`assert_close`] for row-major tensors of `shape`: the message gives
+/// the largest error's multi-dimensional index (`[b, t, h, k]`), which a
+/// user can index their tensor with, instead of the flat one.
+pub fn assert_close_shaped(
+    name: &str,
+    reference: &[f64],
+    x: &[f64],
+    shape: &[usize],
+    ratio: f64,
+) -> Result<Comparison, String> {
+    let c = compare(reference, x, ratio);
+    if c.pass {
+        return Ok(c);
+    }
+    let mut idx = vec![0; shape.len()];
+    let mut i = c.argmax;
+    for (d, &n) in shape.iter().enumerate().rev() {
+        idx[d] = i % n.max(1);
+        i /= n.max(1);
+    }
+    Err(format!(
+        "{name}: norm_ratio {:.3e} ≥ {ratio:.1e} and max_abs {:.3e} > 1e-6 (at index {idx:?})",
+        c.norm_ratio, c.max_abs
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The failure message names the largest error by its index in the
+    /// tensor's shape: element `[1, 2, 0]` of a `[2, 3, 2]` tensor is flat 10.
+    #[test]
+    fn assert_close_shaped_names_a_multi_dimensional_index() {
+        let r: Vec<f64> = (0..12).map(|i| 1.0 + i as f64).collect();
+        let mut x = r.clone();
+        x[10] += 5.0;
+        let e = assert_close_shaped("o", &r, &x, &[2, 3, 2], 5e-3).unwrap_err();
+        assert!(e.contains("at index [1, 2, 0]"), "{e}");
+        assert!(assert_close_shaped("o", &r, &r, &[2, 3, 2], 5e-3).is_ok());
+    }
 
     #[test]
     fn norm_ratio_matches_hand_computation() {

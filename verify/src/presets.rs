@@ -148,14 +148,15 @@ pub fn find(name: &str, v: usize) -> Option<Preset> {
     Some(p)
 }
 
-/// Names, for error messages.
+/// The preset names, in [`presets`] order: exactly the names [`find`]
+/// accepts on their own (Python's `deltaref.PRECISIONS`).
+pub fn preset_names() -> Vec<&'static str> {
+    presets().iter().map(|p| p.name).collect()
+}
+
+/// Names, for error messages: the presets and how to combine them.
 pub fn names() -> String {
-    presets()
-        .iter()
-        .map(|p| p.name)
-        .collect::<Vec<_>>()
-        .join(", ")
-        + "; or PRECISION+FAULT, e.g. fla-bf16+partial-merge-v"
+    preset_names().join(", ") + "; or PRECISION+FAULT, e.g. fla-bf16+partial-merge-v"
 }
 
 /// The preset with its fault switched off: the rounding-noise-only run a
@@ -200,6 +201,23 @@ mod tests {
         assert_eq!(without_fault("fla-bf16+partial-merge-v"), "fla-bf16");
         assert_eq!(without_fault("drop-merged-state"), "exact");
         assert_eq!(without_fault("fla-bf16"), "fla-bf16");
+    }
+
+    /// The list the Python binding exports as `deltaref.PRECISIONS`: every
+    /// preset by name, each found, and nothing else (no prose from the
+    /// error message's `names()`).
+    #[test]
+    fn preset_names_are_exactly_the_presets() {
+        let names = preset_names();
+        assert_eq!(names.len(), presets().len());
+        for n in &names {
+            assert!(find(n, 8).is_some(), "{n}");
+            assert!(
+                n.chars().all(|c| c.is_ascii_alphanumeric() || c == '-'),
+                "`{n}` is not a bare preset name"
+            );
+        }
+        assert!(names.contains(&"exact") && names.contains(&"wrong-preprocess"));
     }
 
     use deltaref::precision::Feature;

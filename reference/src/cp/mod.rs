@@ -20,6 +20,7 @@ use crate::fast::gemm;
 use crate::fast::par::par_pairs;
 use crate::op::{Engine, OpSpec, Operator, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
+use crate::registry::Carry;
 use crate::scalar::Scalar;
 use crate::tensor;
 use crate::varlen::Segment;
@@ -351,8 +352,14 @@ pub fn layout_of<T>(diags: &[RankDiag<T>]) -> Layout {
     }
 }
 
-/// Prints the per-rank table.
-pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
+/// The per-rank table: one row per rank, its local `cu_seqlens`, how many
+/// ranks it merges from and hands on to, and the norms of what crosses the
+/// cut. `carry` picks the columns: a delta-rule state (`S_ext`, the
+/// transition `M`, the merged initial state and `dht`) or the token cache
+/// of token-shift and conv1d (the cache a rank hands on, the merged cache it
+/// starts from and their gradients; no `M`: a cache is replaced, not
+/// transformed). `vs nonCP` is `max |merged − non-CP|`.
+pub fn table<T: Scalar>(diags: &[RankDiag<T>], carry: Carry) -> String {
     let norm = |v: &Option<Vec<Array2<T>>>| {
         v.as_ref().map_or("-".to_string(), |v| {
             let s: f64 = v
@@ -364,32 +371,67 @@ pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
     };
     let err = |e: Option<f64>| e.map_or("-".to_string(), |e| format!("{e:.2e}"));
     let layout = layout_of(diags);
-    let mut out = format!(
-        "{:<8} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
+    let heads: [&str; 7] = match carry {
+        Carry::State => [
+            "|S_ext|",
+            "|M|",
+            "|merged h0|",
+            "vs nonCP",
+            "|dS_ext|",
+            "|merged dht|",
+            "vs nonCP",
+        ],
+        Carry::Tokens => [
+            "|cache out|",
+            "",
+            "|cache in|",
+            "vs nonCP",
+            "|dcache out|",
+            "|dcache in|",
+            "vs nonCP",
+        ],
+    };
+    let row = |c: [String; 12]| -> String {
+        let line = match carry {
+            Carry::State => format!(
+                "{:<8} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}",
+                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11]
+            ),
+            Carry::Tokens => format!(
+                "{:<8} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>9}  {:>12} {:>12} {:>9}",
+                c[0], c[1], c[2], c[3], c[4], c[5], c[7], c[8], c[9], c[10], c[11]
+            ),
+        };
+        line + "\n"
+    };
+    let mut out = row([
         "rank",
         "tokens",
         "local cu_seqlens",
         "pre",
         "post",
-        "|S_ext|",
-        "|M|",
-        "|merged h0|",
-        "vs nonCP",
-        "|dS_ext|",
-        "|merged dht|",
-        "vs nonCP"
-    );
+        heads[0],
+        heads[1],
+        heads[2],
+        heads[3],
+        heads[4],
+        heads[5],
+        heads[6],
+    ]
+    .map(String::from));
     for d in diags {
         let m = &d.meta;
         let cu = format!("{:?}", m.cu_seqlens);
-        out +=
-            &format!(
-            "{:<8} {:<13} {:<22} {:>4} {:>5}  {:>11} {:>11} {:>11} {:>9}  {:>11} {:>11} {:>9}\n",
+        out += &row([
             m.label(layout),
             format!("{}..{}", m.start, m.end),
-            if cu.len() > 22 { format!("{}…", &cu[..21]) } else { cu },
-            m.pre_num_ranks,
-            m.post_num_ranks,
+            if cu.len() > 22 {
+                format!("{}…", &cu[..21])
+            } else {
+                cu
+            },
+            m.pre_num_ranks.to_string(),
+            m.post_num_ranks.to_string(),
             norm(&Some(d.s_ext.clone())),
             norm(&Some(d.m.clone())),
             norm(&d.merged_h0),
@@ -397,7 +439,7 @@ pub fn table<T: Scalar>(diags: &[RankDiag<T>]) -> String {
             norm(&d.ds_ext),
             norm(&d.merged_dht),
             err(d.dht_error()),
-        );
+        ]);
     }
     out
 }
@@ -572,23 +614,23 @@ fn reference_states<T: Scalar, E: Engine<T>>(
                 h0.unwrap_or_else(|| Array2::zeros((kd, vd))),
             )
         },
-        |h, piece, s0| local.forward(piece, h, s0.view()).1,
+        |_, h, piece, s0| local.forward(piece, h, s0.view()).1,
     )
 }
 
 /// `[request][head]` values at the requested tokens `(seq, at)`. Per head,
 /// the requests in `order` (a permutation of them, each sequence's together
 /// and in the order of its pass) are reached one after the other:
-/// `run(h, piece, value)` carries the value over the tokens between the
+/// `run(i, h, piece, value)` carries the value over the tokens between the
 /// previous request's token (or, for a sequence's first request, the token
-/// of its `origin(seq, h) = (token, value)`) and `at`, whichever way the pass
-/// goes; an empty piece hands the value on as it is.
+/// of its `origin(seq, h) = (token, value)`) and `at` of request `i`,
+/// whichever way the pass goes; an empty piece hands the value on as it is.
 fn chained<T: Clone>(
     requests: &[(usize, usize)],
     order: &[usize],
     heads: usize,
     origin: impl Fn(usize, usize) -> (usize, Array2<T>),
-    run: impl Fn(usize, &Segment, &Array2<T>) -> Array2<T>,
+    run: impl Fn(usize, usize, &Segment, &Array2<T>) -> Array2<T>,
 ) -> Vec<Vec<Array2<T>>> {
     let mut out: Vec<Vec<Array2<T>>> = vec![Vec::with_capacity(heads); requests.len()];
     for h in 0..heads {
@@ -608,7 +650,7 @@ fn chained<T: Clone>(
             let value = if piece.is_empty() {
                 value
             } else {
-                run(h, &piece, &value)
+                run(i, h, &piece, &value)
             };
             out[i].push(value.clone());
             prev = Some((seq, at, value));
@@ -849,8 +891,11 @@ fn run_backward<T: Scalar, E: Engine<T>>(
 /// `seq`, one `[heads]` list per request `(seq, at)`: per sequence and head
 /// one backward from the global `dht` over the tokens from the first request
 /// on, run piece by piece between the requested tokens (as
-/// [`reference_states`], in reverse). The gradient of the state does not
-/// depend on the state, so each piece starts from zero.
+/// [`reference_states`], in reverse). Each piece runs from the non-CP
+/// state entering it (its request's token): the delta rules' state gradient
+/// does not depend on the state, but conv1d's with SiLU does (the
+/// activation's slope depends on the carried tokens), and a piece run from
+/// zero gives the table a wrong reference there.
 fn reference_dhts<T: Scalar, E: Engine<T>>(
     local: &Local<T, E>,
     plan: &Plan,
@@ -858,6 +903,8 @@ fn reference_dhts<T: Scalar, E: Engine<T>>(
 ) -> Vec<Vec<Array2<T>>> {
     let (kd, vd) = local.state_dims();
     let zero = Array2::zeros((kd, vd));
+    // A backward piece starts at its own request's token `at`.
+    let starts = reference_states(local, plan, requests);
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by_key(|&i| (requests[i].0, std::cmp::Reverse(requests[i].1)));
     chained(
@@ -868,6 +915,6 @@ fn reference_dhts<T: Scalar, E: Engine<T>>(
             let dht = local.dht(seq, h).unwrap_or_else(|| zero.clone());
             (seq_bounds(plan, seq).1, dht)
         },
-        |h, piece, dht| local.backward(piece, h, zero.view(), dht.view()).1,
+        |i, h, piece, dht| local.backward(piece, h, starts[i][h].view(), dht.view()).1,
     )
 }

@@ -69,7 +69,7 @@ fn cp_equals_non_cp_for_any_cut() {
                 &fc.final_state,
                 1e-10,
             );
-            let (bc, _) = cp::backward(
+            let (bc, diags) = cp::backward(
                 &Direct,
                 x,
                 &opt,
@@ -80,6 +80,23 @@ fn cp_equals_non_cp_for_any_cut() {
             )
             .unwrap();
             assert_grads(&tag, &b, &bc, 1e-10);
+            // The per-rank table's merged caches against its non-CP
+            // references: an exact run agrees to rounding (with SiLU the
+            // reference backward must start from the non-CP cache, not 0).
+            for d in &diags {
+                for (what, e) in [("cache in", d.h0_error()), ("dcache in", d.dht_error())] {
+                    assert!(
+                        e.is_none_or(|e| e <= 1e-10),
+                        "{tag} rank {}: merged {what} vs non-CP off by {e:?}",
+                        d.meta.rank
+                    );
+                }
+            }
+            let table = cp::table(&diags, deltaref::registry::Carry::Tokens);
+            assert!(
+                table.contains("|cache in|") && !table.contains("|M|") && !table.contains("S_ext"),
+                "{table}"
+            );
         }
     }
 }

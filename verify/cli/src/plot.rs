@@ -78,16 +78,45 @@ pub fn plot(d: &Diagnosis, path: &Path) -> Result<(), String> {
                 .map(|x| vline(x, black)),
         )
         .map_err(|e| err(&e))?;
-    chart
-        .draw_series(std::iter::once(PathElement::new(
-            vec![(0.0, d.band), (n as f64, d.band)],
-            RED.stroke_width(1),
-        )))
-        .map_err(|e| err(&e))?
-        .label(format!("band {:.0e}", d.band))
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+    // The band each tensor was judged against, chunk by chunk (the floor,
+    // or the noise reference's error × NOISE_FACTOR): drawn dashed in the
+    // tensor's colour; flat (red) only when no noise reference set it.
+    if d.noise_reference.is_none() {
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(0.0, d.band), (n as f64, d.band)],
+                RED.stroke_width(1),
+            )))
+            .map_err(|e| err(&e))?
+            .label(format!("band {:.0e}", d.band))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+    }
+    let bands: Vec<Option<Vec<f64>>> = d
+        .tensors
+        .iter()
+        .filter(|t| t.per_token.is_some())
+        .map(|t| t.band_per_token(m))
+        .collect();
     for (i, (name, p)) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
+        if let Some(band) = bands
+            .get(i)
+            .and_then(|b| b.as_ref())
+            .filter(|_| d.noise_reference.is_some())
+        {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    band.iter()
+                        .enumerate()
+                        .map(move |(x, &v)| (x as f64, v.max(floor))),
+                    6,
+                    4,
+                    color.stroke_width(1),
+                ))
+                .map_err(|e| err(&e))?
+                .label(format!("{name}: band used"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
         chart
             .draw_series(LineSeries::new(
                 p.iter().enumerate().map(|(x, &v)| (x as f64, v.max(floor))),

@@ -377,6 +377,7 @@ impl Case {
                 ),
             });
         }
+        case.check_candidate_inputs(&cand, what)?;
         Ok(cand)
     }
 
@@ -465,7 +466,11 @@ impl Case {
                 why,
             };
             if !case.meta.op.knows(&name) {
-                return Err(terr(format!("not a tensor of op {}", case.meta.op.name())));
+                return Err(terr(format!(
+                    "not a tensor of op {} (valid names: {})",
+                    case.meta.op.name(),
+                    case.meta.op.known_names().join(", ")
+                )));
             }
             if name == "cu_seqlens" {
                 case.cu_seqlens = Some(decode_cu_seqlens(&view).map_err(terr)?);
@@ -508,20 +513,31 @@ fn in_fla_layout(bytes: &[u8], what: &str, case: Case) -> Result<Case, CaseError
 /// command's compute estimate, from the shapes, covers that).
 const READ_WIDEN: u64 = 4;
 
-/// `cu_seqlens`: a 1-D int64 tensor.
+/// `cu_seqlens`: a 1-D int64 or int32 tensor (FLA's kernels take int32;
+/// many callers hold that), widened to i64.
 fn decode_cu_seqlens(view: &TensorView) -> Result<Vec<i64>, String> {
-    if view.dtype() != StDtype::I64 || view.shape().len() != 1 {
+    if view.shape().len() != 1 {
         return Err(format!(
-            "must be a 1-D int64 tensor, got {:?} {:?}",
-            view.dtype(),
+            "must be a 1-D int64 or int32 tensor, got shape {:?}",
             view.shape()
         ));
     }
-    Ok(view
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .collect())
+    match view.dtype() {
+        StDtype::I64 => Ok(view
+            .data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect()),
+        StDtype::I32 => Ok(view
+            .data()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64)
+            .collect()),
+        other => Err(format!(
+            "must be a 1-D int64 or int32 tensor, got {other:?} {:?}",
+            view.shape()
+        )),
+    }
 }
 
 /// Float tensors only; integer dtypes are refused by name.
@@ -675,6 +691,63 @@ mod tests {
             "{e}"
         );
         assert!(!path.exists());
+    }
+
+    /// An int32 `cu_seqlens` (what FLA's kernels and many callers hold)
+    /// reads as the int64 one; another integer type, or 2-D, is refused
+    /// naming the tensor.
+    #[test]
+    fn int32_cu_seqlens_is_accepted() {
+        let mut spec = crate::generate::GenSpec::new(Op::TokenShift);
+        spec.lengths = Some(vec![2, 3]);
+        spec.shape = Some(vec![1, 5, 3]);
+        let case = crate::generate::generate(&spec).unwrap();
+        assert_eq!(case.cu_seqlens, Some(vec![0, 2, 5]));
+        // The case's own file, its cu_seqlens rewritten as `dtype`, `shape`.
+        let bytes = |dtype: StDtype, data: Vec<u8>, shape: Vec<usize>| {
+            let own = case.to_bytes().unwrap();
+            let st = SafeTensors::deserialize(&own).unwrap();
+            let (_, md) = SafeTensors::read_metadata(&own).unwrap();
+            let mut views: Vec<(String, TensorView)> = st
+                .tensors()
+                .into_iter()
+                .filter(|(n, _)| n != "cu_seqlens")
+                .collect();
+            views.push((
+                "cu_seqlens".into(),
+                TensorView::new(dtype, shape, &data).unwrap(),
+            ));
+            safetensors::serialize(views, md.metadata().clone()).unwrap()
+        };
+        let i32s: Vec<u8> = [0i32, 2, 5].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let read = Case::from_bytes(&bytes(StDtype::I32, i32s.clone(), vec![3]), "c").unwrap();
+        assert_eq!(read, case);
+        let e = Case::from_bytes(&bytes(StDtype::I32, i32s, vec![1, 3]), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cu_seqlens") && e.contains("1-D int64 or int32"),
+            "{e}"
+        );
+        let e = Case::from_bytes(&bytes(StDtype::U8, vec![0u8, 2, 5], vec![3]), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cu_seqlens") && e.contains("U8"), "{e}");
+    }
+
+    /// A tensor under a name the op does not know (FLA's `ht` for the
+    /// final state) is refused with the list of the names it does know.
+    #[test]
+    fn a_wrong_tensor_name_is_refused_with_the_valid_names() {
+        let mut case = Case::new(CaseMeta::new(Op::Kda));
+        case.insert("ht", ArrayD::zeros(IxDyn(&[1, 1, 2, 2])), Dtype::F64);
+        let e = Case::from_bytes(&case.to_bytes().unwrap(), "c")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`ht`") || e.contains("ht"), "{e}");
+        for name in ["valid names", "final_state", "dht", "initial_state", "q"] {
+            assert!(e.contains(name), "{name}: {e}");
+        }
     }
 
     /// `write` forms the header itself; its file is safetensors' own

@@ -108,6 +108,15 @@ impl Op {
             || is_intermediate(self, name)
     }
 
+    /// Every tensor name a case of this op may hold (inputs, upstream
+    /// gradients, results, intermediates), for error messages.
+    pub fn known_names(self) -> Vec<&'static str> {
+        let mut v: Vec<&'static str> = [self.inputs(), self.upstream()].concat();
+        v.extend(self.results());
+        v.extend(self.info().intermediates.iter().copied());
+        v
+    }
+
     /// The keys a case of this op may hold besides `op`.
     fn keys(self) -> Vec<&'static str> {
         [keys::<Common>(), self.entry().option_keys()].concat()

@@ -7,6 +7,7 @@
 //! metadata and the ops' names), `dtype` (storage dtypes), `io` (files,
 //! framing, candidates); this module holds the case in memory.
 
+mod checks;
 mod dtype;
 mod error;
 pub mod files;

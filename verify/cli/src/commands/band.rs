@@ -42,7 +42,7 @@ impl EnsembleArgs {
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    #[arg(long)]
+    #[arg(long, help = super::CASE_HELP)]
     pub case: PathBuf,
     /// The implementation emulated (default: the chunked engine in the
     /// case's layout, CP when it has one) and --precision, the preset whose

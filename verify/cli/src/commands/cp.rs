@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::Args as ClapArgs;
 use deltaref::cp::intra::{self, IntraParams};
 use deltaref::cp::{table, RankDiag};
+use deltaref::registry::Carry;
 use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
 use deltaref_verify::impls::{oracle_truth_owned, Compute, Impl, ImplName, DEFAULT_CHUNK_SIZE};
@@ -16,11 +17,11 @@ use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 use ndarray::Array2;
 
-use super::{fail, ImplArgs};
+use super::{fail, Against, ImplArgs};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    #[arg(long)]
+    #[arg(long, help = super::CASE_HELP)]
     pub case: PathBuf,
     #[command(flatten)]
     pub imp: ImplArgs,
@@ -42,14 +43,20 @@ pub struct Args {
     /// CP vs non-CP tolerance (exact arithmetic: rounding only).
     #[arg(long, default_value_t = 1e-10)]
     pub max_ratio: f64,
+    /// What the CP run's tensors are compared with: `truth` (the f64
+    /// non-CP oracle) or `non-cp` (the same engine, precision and compute
+    /// without CP, as FLA's CP tests do: only the CP path's error remains).
+    #[arg(long, value_enum, default_value_t = Against::Truth)]
+    pub against: Against,
 }
 
 fn go(a: &Args) -> Result<(String, bool), CaseError> {
     super::check_ratio("--max-ratio", a.max_ratio)?;
     if !matches!(a.imp.imp, ImplName::Naive | ImplName::Cp) {
         return Err(CaseError::Usage(format!(
-            "--impl {}: `cp` simulates context parallel in the oracle's code (--impl cp, \
-             the default); for the GPU kernels run `verify --impl gpu-cp`",
+            "--impl {}: `deltaref cp` always runs --impl cp, context parallel simulated in \
+             the oracle's code (leave --impl out: its default, naive, means cp here); for \
+             the GPU kernels run `verify --impl gpu-cp`",
             a.imp.imp
         )));
     }
@@ -67,17 +74,18 @@ fn go(a: &Args) -> Result<(String, bool), CaseError> {
         return streamed(a, &file);
     }
     let case = Case::read(&a.case)?;
+    super::warn_domain(&case);
     let hv = value_heads(&case);
     let run = run_block(a, case, hv, None)?;
     let report = VerifyReport::new(
         &a.case.display().to_string(),
-        REFERENCE,
+        &run.reference_label,
         &run.label,
         &run.reference,
         &run.got,
         a.max_ratio,
     );
-    Ok(print(&run.name, &run.diags, report))
+    Ok(print(&run.name, run.carry, &run.diags, report))
 }
 
 /// What the report names the non-CP reference.
@@ -88,11 +96,15 @@ const REFERENCE: &str = "impl:naive (non-CP, f64)";
 struct Run {
     /// The implementation's name.
     name: String,
-    /// `impl:…`, with ` in f32` for an f32 run.
+    /// `impl:… [precision P, compute C]`.
     label: String,
+    /// What `reference` is (the f64 oracle, or the same run without CP).
+    reference_label: String,
     reference: deltaref_verify::outputs::Tensors,
     got: deltaref_verify::outputs::Tensors,
     diags: Vec<RankDiag<f64>>,
+    /// What the op hands across a cut (picks the table's columns).
+    carry: Carry,
 }
 
 /// Runs `case` under CP as the flags ask, then the non-CP reference on
@@ -136,46 +148,38 @@ fn run_block(
     Impl::NAIVE.check_memory(&case)?;
     let invalid = CaseError::computing(&a.case);
     let progress = Progress::spinner(&format!("computing impl:{}", imp.name()));
-    // The per-rank table holds f64 states; an f32 run reports its tensors only.
-    let (got, diags, case) = match (compute, again) {
-        (Compute::F64, None) => {
+    // The per-rank table in every precision: the run's merged states
+    // against the same engine's non-CP states at the same precision.
+    let (got, diags, case) = match again {
+        None => {
             let (got, diags) = imp
-                .compute_with_diags(&case)
+                .compute_with_diags_in(std::borrow::Cow::Borrowed(&case), compute)
                 .map_err(|e| invalid(e.into()))?;
             (got, diags, case)
         }
-        (Compute::F64, Some(again)) => {
+        Some(again) => {
             let (got, diags) = imp
-                .compute_owned_with_diags(case)
+                .compute_with_diags_in(std::borrow::Cow::Owned(case), compute)
                 .map_err(|e| invalid(e.into()))?;
             (got, diags, again()?)
         }
-        (Compute::F32, None) => {
-            let got = imp.compute(&case, Compute::F32).map_err(invalid)?;
-            (got, vec![], case)
-        }
-        (Compute::F32, Some(again)) => {
-            let got = imp.compute_owned(case, Compute::F32).map_err(invalid)?;
-            (got, vec![], again()?)
-        }
     };
     drop(progress);
-    let reference = oracle_truth_owned(case, &a.case)?;
-    let label = format!(
-        "impl:{}{}",
-        imp.name(),
-        if compute == Compute::F32 {
-            " in f32"
-        } else {
-            ""
-        }
-    );
+    let carry = case.meta.op.info().carry;
+    let precision = a.imp.precision.as_deref();
+    let (reference, reference_label) = match a.against {
+        Against::Truth => (oracle_truth_owned(case, &a.case)?, REFERENCE.to_string()),
+        Against::NonCp => super::non_cp_reference(&imp, &case, precision, compute, false)?,
+    };
+    let label = super::impl_label(&imp.name(), a.imp.precision.as_deref(), compute);
     Ok(Run {
         name: imp.name(),
         label,
+        reference_label,
         reference,
         got,
         diags,
+        carry,
     })
 }
 
@@ -189,7 +193,8 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<(String, bool), CaseError> {
     let bar = Progress::bar(blocks.len() as u64, "head blocks");
     let mut rows = BlockRows::default();
     let mut diags: Vec<RankDiag<f64>> = vec![];
-    let (mut name, mut label) = (String::new(), String::new());
+    let (mut name, mut label, mut reference_label) = (String::new(), String::new(), String::new());
+    let mut carry = Carry::State;
     for heads in &blocks {
         bar.step(&format!(
             "heads {}..{} of {}",
@@ -204,18 +209,19 @@ fn streamed(a: &Args, file: &HeadFile) -> Result<(String, bool), CaseError> {
             rows.add(file, heads, &name, &truth, run.got.remove(&name).as_ref())?;
         }
         append_heads(&mut diags, run.diags);
-        (name, label) = (run.name, run.label);
+        (name, label, reference_label, carry) =
+            (run.name, run.label, run.reference_label, run.carry);
         bar.inc();
     }
     drop(bar);
     let report = VerifyReport::from_rows(
         &a.case.display().to_string(),
-        REFERENCE,
+        &reference_label,
         &label,
         rows.rows(a.max_ratio),
         a.max_ratio,
     );
-    Ok(print(&name, &diags, report))
+    Ok(print(&name, carry, &diags, report))
 }
 
 /// Appends a head block's per-head states to the ranks' diagnostics (the
@@ -242,14 +248,24 @@ fn append_heads(diags: &mut Vec<RankDiag<f64>>, block: Vec<RankDiag<f64>>) {
     }
 }
 
-/// The per-rank table (f64 runs) of impl `name` and the report, and
-/// whether it passes.
-fn print(name: &str, diags: &[RankDiag<f64>], report: VerifyReport) -> (String, bool) {
+/// The per-rank table (f64 runs) of impl `name`, in the columns of what
+/// the op carries across a cut, and the report, and whether it passes.
+fn print(
+    name: &str,
+    carry: Carry,
+    diags: &[RankDiag<f64>],
+    report: VerifyReport,
+) -> (String, bool) {
     let mut out = String::new();
     if !diags.is_empty() {
-        out += &format!("per-rank table ({name}; norms over all heads; `vs nonCP` = max |merged − non-CP state|):\n");
-        out += &table(diags);
-        out += &memory_line(diags);
+        out += &format!("per-rank table ({name}; norms over all heads; `vs nonCP` = max |merged − non-CP state| of the same engine and precision):\n");
+        out += &table(diags, carry);
+        out += &match carry {
+            Carry::State => memory_line(diags),
+            Carry::Tokens => "carried state: the cache (the previous rank's last tokens), \
+                              replaced at each cut, not transformed: no M\n"
+                .into(),
+        };
         out += "\n";
     }
     out += &report.to_string();

@@ -22,12 +22,12 @@ use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
 use super::band::{band_request, EnsembleArgs};
-use super::{fail, ImplArgs};
+use super::{fail, Against, ImplArgs};
 use deltaref_verify::band::{self, Verdict};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    #[arg(long)]
+    #[arg(long, help = super::CASE_HELP)]
     pub case: PathBuf,
     /// A candidate file holding outputs and gradients (else --impl/--precision compute one).
     #[arg(long)]
@@ -52,6 +52,10 @@ pub struct Args {
     /// Accept a case whose stored truth covers only some outputs and gradients.
     #[arg(long)]
     pub allow_partial: bool,
+    /// A forward-only port: compare the outputs and final state alone, and
+    /// run no backward (the implementation, the truth and --bisect's runs).
+    #[arg(long)]
+    pub forward_only: bool,
     /// Break the --precision preset's error down by stage: each stage made
     /// exact in turn and each stage alone rounded; per tensor the share of
     /// the error each stage drives, largest first, and a one-line conclusion.
@@ -68,19 +72,53 @@ pub struct Args {
     /// flashqla, opengdn, ggml): its tensors are mapped back to FLA's layout first.
     #[arg(long, default_value = "fla")]
     pub convention: String,
+    /// What the run is compared with: `truth` (the stored results, else the
+    /// f64 oracle) or `non-cp` (a CP --impl against the same engine,
+    /// precision and compute without CP: the CP path's error alone).
+    #[arg(long, value_enum, default_value_t = Against::Truth)]
+    pub against: Against,
 }
 
-/// The truth: stored results, else the f64 oracle on the inputs `imp` reads.
+/// The truth: stored results, else the f64 oracle on the inputs `imp`
+/// reads (with `--forward-only`, its forward alone); with
+/// `--forward-only`, the outputs and final state only.
 fn truth(a: &Args, case: &Case, imp: &Impl) -> Result<Tensors, CaseError> {
     let stored = case.results();
     if !stored.is_empty() {
-        return Ok(stored);
+        return Ok(forward_part(a, case, stored));
     }
     let truth_case = match imp.policy.storage(deltaref::precision::Stage::Inputs) {
         Some(s) => case.with_rounded_inputs(|x| s.round_f64(x)),
         None => case.clone(),
     };
+    if a.forward_only {
+        Impl::NAIVE.check_memory(&truth_case)?;
+        return Impl::NAIVE
+            .compute_forward(&truth_case, Compute::F64)
+            .map_err(CaseError::computing(&a.case));
+    }
     oracle_truth(&truth_case, &a.case)
+}
+
+/// With `--forward-only`, the forward results (outputs, final state) of `t` alone.
+fn forward_part(a: &Args, case: &Case, mut t: Tensors) -> Tensors {
+    if a.forward_only {
+        let keep = case.meta.op.forward_results();
+        t.retain(|n, _| keep.contains(&n.as_str()));
+    }
+    t
+}
+
+/// What `imp` computes for `case`: forward and backward, or with
+/// `--forward-only` the forward alone (a forward-only port has no backward
+/// to compare, and running one costs time and can fail on its own).
+fn compute_run(a: &Args, imp: &Impl, case: &Case, compute: Compute) -> Result<Tensors, CaseError> {
+    let r = if a.forward_only {
+        imp.compute_forward(case, compute)
+    } else {
+        imp.compute(case, compute)
+    };
+    r.map_err(CaseError::computing(&a.case))
 }
 
 /// `--bisect`: the preset's error by stage.
@@ -91,8 +129,11 @@ fn go_bisect(a: &Args) -> Result<Bisection, CaseError> {
             "--bisect breaks a --precision preset's error down by stage: give --precision",
         );
     };
-    if a.candidate.is_some() || a.plot.is_some() || a.noise != "auto" {
-        return usage("--bisect computes its own runs: drop --candidate, --plot and --noise");
+    if a.candidate.is_some() || a.plot.is_some() || a.noise != "auto" || a.against != Against::Truth
+    {
+        return usage(
+            "--bisect computes its own runs against the truth: drop --candidate, --plot, --noise and --against",
+        );
     }
     let case = Case::read(&a.case)?;
     let (imp, compute) = a.imp.resolve(&case)?;
@@ -108,8 +149,15 @@ fn go_bisect(a: &Args) -> Result<Bisection, CaseError> {
         bisect::runs(&imp.policy),
         imp.name()
     ));
-    bisect::bisect(preset, &imp, &reference, |i| i.compute(&case, compute))
-        .map_err(CaseError::computing(&a.case))
+    let forward_only = a.forward_only;
+    bisect::bisect(preset, &imp, &reference, |i| {
+        if forward_only {
+            i.compute_forward(&case, compute)
+        } else {
+            i.compute(&case, compute)
+        }
+    })
+    .map_err(CaseError::computing(&a.case))
 }
 
 /// What `diagnose` found: the per-token diagnosis, the rows that could not
@@ -120,40 +168,101 @@ struct Found {
     verdicts: Option<Vec<Verdict>>,
     /// Per-head errors of the tensors that fail somewhere.
     heads: Vec<String>,
+    /// The tensors verify's test fails (`max_abs > 1e-6` and `norm_ratio
+    /// ≥ --band`), and whether verify would pass.
+    failing: Vec<String>,
+    verify_pass: bool,
+    /// What was compared with what, the preset and compute dtype included.
+    header: String,
+}
+
+/// The report's first line: the case, what ran (preset and compute dtype)
+/// or the candidate (its declared dtype), and the reference.
+fn header(a: &Args, imp: &Impl, compute: Compute, declared: Option<Dtype>, stored: bool) -> String {
+    let got = match &a.candidate {
+        Some(p) => format!(
+            "{} (declared dtype {})",
+            p.display(),
+            declared.map_or("none".to_string(), |d| d.name().to_string())
+        ),
+        None => super::impl_label(&imp.name(), a.imp.precision.as_deref(), compute),
+    };
+    let reference = match (a.against, stored) {
+        (Against::NonCp, _) => "the same run without CP",
+        (Against::Truth, true) => "case file",
+        (Against::Truth, false) => "impl:naive (f64 oracle)",
+    };
+    format!("case {}: {got} against {reference}", a.case.display())
 }
 
 fn go(a: &Args) -> Result<Found, CaseError> {
     super::check_ratio("--band", a.band)?;
     let case = Case::read(&a.case)?;
+    super::warn_domain(&case);
     let plot_path = a.plot.as_deref().map(destination).transpose()?;
     let invalid = CaseError::computing(&a.case);
     let (imp, compute) = a.imp.resolve(&case)?;
-    let reference = truth(a, &case, &imp)?;
+    let reference =
+        match a.against {
+            Against::Truth => truth(a, &case, &imp)?,
+            Against::NonCp if a.candidate.is_some() => return Err(CaseError::Usage(
+                "--against non-cp runs the same implementation without CP: it needs --impl cp, \
+                 not --candidate"
+                    .into(),
+            )),
+            Against::NonCp => {
+                let precision = a.imp.precision.as_deref();
+                super::non_cp_reference(&imp, &case, precision, compute, a.forward_only)?.0
+            }
+        };
+    let mut declared = None;
     let candidate = match &a.candidate {
-        Some(p) => candidate_results(a, &case, p)?,
+        Some(p) => {
+            let (dtype, results) = candidate_results(a, &case, p)?;
+            declared = dtype;
+            forward_part(a, &case, results)
+        }
         None => {
             imp.check_memory(&case)?;
             let _p = Progress::spinner(&format!("computing impl:{}", imp.name()));
-            imp.compute(&case, compute).map_err(invalid)?
+            compute_run(a, &imp, &case, compute)?
         }
+    };
+    // A candidate is laid out as the case says: its `cp` metadata (rank
+    // cuts) and chunk size, as verify reads its intermediates.
+    let layout = match &a.candidate {
+        Some(_) => ImplRequest {
+            chunk_size: a.imp.chunk_size,
+            ..ImplRequest::chunked_for(&case)
+        }
+        .resolve(&case)?,
+        None => imp.clone(),
     };
     // Fail exactly where verify fails: missing, misshapen or non-finite
     // tensors, nothing to compare, or partial truth.
+    let keep = case.meta.op.forward_results();
     let unchecked = case
         .expected_results()
         .into_iter()
+        .filter(|n| !a.forward_only || keep.contains(n))
         .filter(|n| !reference.contains_key(*n))
         .map(String::from)
         .collect();
-    let problems = VerifyReport::new("", "", "", &reference, &candidate, a.band)
-        .with_unchecked(unchecked, a.allow_partial)
-        .problems();
+    let verdict = VerifyReport::new("", "", "", &reference, &candidate, a.band)
+        .with_unchecked(unchecked, a.allow_partial);
+    let problems = verdict.problems();
+    let failing: Vec<String> = verdict
+        .rows
+        .iter()
+        .filter(|r| !r.pass)
+        .map(|r| r.tensor.clone())
+        .collect();
     let (b, t) = case
         .tensors
         .get(case.meta.op.first_input())
         .map(|x| (x.shape()[0], x.shape()[1]))
         .unwrap_or((1, 0));
-    let cuts = match &imp.cp {
+    let cuts = match &layout.cp {
         Some((spec, _)) => spec
             .build(b, t, case.cu_seqlens.as_deref())
             .map_err(|e| invalid(e.into()))?
@@ -161,12 +270,12 @@ fn go(a: &Args) -> Result<Found, CaseError> {
             .to_vec(),
         None => vec![],
     };
-    let chunk = match imp.engine {
+    let chunk = match layout.engine {
         Engine::Chunk(c) => c.get(),
         Engine::Naive => case.meta.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE),
     };
     let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), &cuts, chunk);
-    let noise = noise_run(a, &case)?;
+    let noise = noise_run(a, &case, declared)?;
     let v_dim = case.meta.op.is_delta_rule().then(|| case.value_dim());
     let d = diagnose_with_noise(
         &reference,
@@ -196,6 +305,9 @@ fn go(a: &Args) -> Result<Found, CaseError> {
         problems,
         verdicts,
         heads,
+        failing,
+        verify_pass: verdict.pass,
+        header: header(a, &imp, compute, declared, !case.results().is_empty()),
     })
 }
 
@@ -220,24 +332,62 @@ fn head_lines(op: Op, reference: &Tensors, candidate: &Tensors, band: f64) -> Ve
         .collect()
 }
 
-/// The candidate file's results mapped from `--convention` to FLA's layout.
-fn candidate_results(a: &Args, case: &Case, path: &std::path::Path) -> Result<Tensors, CaseError> {
+/// The candidate file's declared dtype, and its results mapped from
+/// `--convention` to FLA's layout.
+fn candidate_results(
+    a: &Args,
+    case: &Case,
+    path: &std::path::Path,
+) -> Result<(Option<Dtype>, Tensors), CaseError> {
     let cand = Case::read_candidate_for(path, case)?;
     let conv = super::convention(&a.convention, case)?;
     let dims = deltaref_verify::convention::Dims::of(case).map_err(CaseError::Usage)?;
-    conv.to_fla(case.meta.op, &dims, cand.results())
-        .map_err(|e| CaseError::Usage(format!("--candidate in convention {}: {e}", conv.name)))
+    let results = conv
+        .to_fla(case.meta.op, &dims, cand.results())
+        .map_err(|e| CaseError::Usage(format!("--candidate in convention {}: {e}", conv.name)))?;
+    Ok((cand.meta.dtype, results))
 }
 
-/// The noise reference's name and results, if any (see `--noise`).
-fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseError> {
-    let bf16_inputs = || case.dtypes.get(case.meta.op.first_input()) == Some(&Dtype::Bf16);
-    let name = match (a.noise.as_str(), &a.imp.precision, &a.candidate) {
+/// The preset `--noise auto` takes for a candidate file: what the
+/// candidate declares (its `dtype` metadata: a bf16 kernel is judged
+/// against fla-bf16's noise, an fp32 one against f32's, an f64 one against
+/// none), else, undeclared, fla-bf16 when the case's inputs are bf16.
+/// Returns the preset and why, for the report.
+fn auto_for_candidate(case: &Case, declared: Option<Dtype>) -> Option<(&'static str, String)> {
+    let bf16_inputs = case.dtypes.get(case.meta.op.first_input()) == Some(&Dtype::Bf16);
+    match declared {
+        Some(Dtype::Bf16) => Some(("fla-bf16", "the candidate declares dtype bf16".into())),
+        Some(Dtype::F32) => Some(("f32", "the candidate declares dtype f32".into())),
+        Some(_) => None,
+        None if bf16_inputs => Some((
+            "fla-bf16",
+            "the candidate declares no dtype and the case's inputs are bf16: assumed a bf16 \
+             kernel (state the candidate's `dtype` in its metadata to change this)"
+                .into(),
+        )),
+        None => None,
+    }
+}
+
+/// The noise reference's name (with why it was chosen) and results, if
+/// any (see `--noise`); `declared`: the candidate's stated dtype.
+fn noise_run(
+    a: &Args,
+    case: &Case,
+    declared: Option<Dtype>,
+) -> Result<Option<(String, Tensors)>, CaseError> {
+    let (name, why) = match (a.noise.as_str(), &a.imp.precision, &a.candidate) {
         ("none", _, _) => return Ok(None),
-        ("auto", Some(p), None) => presets::without_fault(p).to_string(),
-        ("auto", _, Some(_)) if bf16_inputs() => "fla-bf16".to_string(),
+        ("auto", Some(p), None) => (
+            presets::without_fault(p).to_string(),
+            "--precision with its fault off".to_string(),
+        ),
+        ("auto", _, Some(_)) => match auto_for_candidate(case, declared) {
+            Some((p, why)) => (p.to_string(), why),
+            None => return Ok(None),
+        },
         ("auto", _, _) => return Ok(None),
-        (p, _, _) => p.to_string(),
+        (p, _, _) => (p.to_string(), "--noise".to_string()),
     };
     let (mut req, _) = a.imp.request()?;
     if a.candidate.is_some() {
@@ -245,10 +395,8 @@ fn noise_run(a: &Args, case: &Case) -> Result<Option<(String, Tensors)>, CaseErr
     }
     req.precision = Some(name.clone());
     let (imp, compute) = req.resolve_with_compute(case)?;
-    let t = imp
-        .compute(case, compute.unwrap_or(Compute::F64))
-        .map_err(CaseError::computing(&a.case))?;
-    Ok(Some((name, t)))
+    let t = compute_run(a, &imp, case, compute.unwrap_or(Compute::F64))?;
+    Ok(Some((format!("`{name}` (chosen by {why})"), t)))
 }
 
 pub fn run(a: Args) -> ExitCode {
@@ -276,6 +424,9 @@ pub fn run(a: Args) -> ExitCode {
             problems,
             verdicts,
             heads,
+            failing,
+            verify_pass,
+            header,
         }) => {
             if a.json {
                 let j = match &verdicts {
@@ -288,6 +439,7 @@ pub fn run(a: Args) -> ExitCode {
                     &serde_json::to_string_pretty(&j.expect("diagnosis serialises")).expect("JSON"),
                 );
             } else {
+                super::print(&header);
                 super::print(&d.to_string());
                 for h in &heads {
                     super::print(h);
@@ -306,14 +458,17 @@ pub fn run(a: Args) -> ExitCode {
             for p in &problems {
                 eprintln!("FAIL: {p}");
             }
-            // Like verify: fail when a whole tensor is out of band (the
-            // noise band's verdict with --noise-band) or cannot be
-            // compared; where the error starts is information either way.
-            let in_band = match &verdicts {
-                Some(v) => v.iter().all(|v| v.pass),
-                None => d.tensors.iter().all(|t| t.norm_ratio <= a.band),
+            // Verify's status (with --band as its max ratio, or the noise
+            // band's verdict with --noise-band), stated on the last line:
+            // where the error starts is information either way.
+            let pass = match &verdicts {
+                Some(v) => problems.is_empty() && v.iter().all(|v| v.pass),
+                None => verify_pass,
             };
-            if problems.is_empty() && in_band {
+            if !a.json {
+                super::print(&verdict_line(pass, &failing, &problems, a.band));
+            }
+            if pass {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)
@@ -321,4 +476,24 @@ pub fn run(a: Args) -> ExitCode {
         }
         Err(e) => fail(&e),
     }
+}
+
+/// The headline: verify's verdict on the whole tensors, which the exit
+/// status follows (never a passing line under a failing status).
+fn verdict_line(pass: bool, failing: &[String], problems: &[String], band: f64) -> String {
+    if pass {
+        return format!("verdict: pass (every tensor passes verify at max ratio {band:.1e})");
+    }
+    let mut why = vec![];
+    if !failing.is_empty() {
+        why.push(format!(
+            "{} fail verify at max ratio {band:.1e}",
+            failing.join(", ")
+        ));
+    }
+    why.extend(problems.iter().cloned());
+    if why.is_empty() {
+        why.push("outside the noise band (--noise-band)".into());
+    }
+    format!("verdict: FAIL ({})", why.join("; "))
 }

@@ -16,6 +16,7 @@ use super::{fail, file_dtype, list};
 pub struct Args {
     #[command(flatten)]
     pub gen: GenOpts,
+    /// Where to write the case file (safetensors; written atomically).
     #[arg(long)]
     pub out: PathBuf,
     /// Write the case in this kernel convention's layout (fla, flashkda,

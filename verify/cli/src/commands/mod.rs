@@ -52,6 +52,95 @@ pub fn convention(
     Ok(conv)
 }
 
+/// `--case`'s help, the same for every subcommand.
+pub const CASE_HELP: &str =
+    "The case file (safetensors from `deltaref gen`, `fixtures/`, or a port's own): \
+     inputs, upstream gradients and optionally the expected results";
+
+/// `--precision`'s help: every preset by name with what it emulates, read
+/// off the preset list (so a new preset is explained where it is added).
+pub fn precision_help() -> String {
+    let names: Vec<String> = deltaref_verify::presets::presets()
+        .iter()
+        .map(|p| format!("`{}`: {}", p.name, p.about))
+        .collect();
+    format!(
+        "Emulate a precision preset (what a kernel stores in which dtype, and \
+         the scalar it computes in) or inject a CP fault; default exact. \
+         PRESET+FAULT puts a fault under a preset's rounding (e.g. \
+         fla-bf16+partial-merge-v). Presets: {}",
+        names.join("; ")
+    )
+}
+
+/// How a report names an implementation's run: `impl:NAME`, the precision
+/// preset and the scalar it computed in, so that every report header says
+/// what produced its numbers.
+pub fn impl_label(name: &str, precision: Option<&str>, compute: Compute) -> String {
+    format!(
+        "impl:{name} [precision {}, compute {compute}]",
+        precision.unwrap_or("exact")
+    )
+}
+
+/// `--against`: what a run is compared with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Against {
+    // Plain comments: doc comments on values would switch clap's help to
+    // its long layout; the flags' own help explains both values.
+    // The truth: the case's stored results, else the f64 oracle.
+    #[default]
+    Truth,
+    // The same engine, precision and compute run without context parallel
+    // (FLA's CP tests): the difference is the CP path's alone.
+    NonCp,
+}
+
+/// `--against non-cp`'s reference: `imp` (a CP implementation) run on
+/// `case` without CP, same engine, precision and scalar (CP faults go with
+/// CP); with `forward_only`, its forward alone. Returns the results and
+/// the report's name for them.
+pub fn non_cp_reference(
+    imp: &Impl,
+    case: &Case,
+    precision: Option<&str>,
+    compute: Compute,
+    forward_only: bool,
+) -> Result<(deltaref_verify::outputs::Tensors, String), CaseError> {
+    if imp.cp.is_none() {
+        return Err(CaseError::Usage(
+            "--against non-cp compares a CP run with the same run without CP: give --impl cp \
+             (or gpu-cp) with --world or --cuts, or a case with `cp` metadata"
+                .into(),
+        ));
+    }
+    let plain = Impl {
+        cp: None,
+        ..imp.clone()
+    };
+    plain.check_memory(case)?;
+    let what = "(non-CP reference)";
+    let t = if forward_only {
+        plain.compute_forward(case, compute)
+    } else {
+        plain.compute(case, compute)
+    }
+    .map_err(CaseError::computing(std::path::Path::new(what)))?;
+    let label = format!(
+        "{} without CP",
+        impl_label(&plain.name(), precision, compute)
+    );
+    Ok((t, label))
+}
+
+/// Warns on stderr about inputs outside their domain (a gate given in
+/// linear space, …): the run goes on, the user is told.
+pub fn warn_domain(case: &Case) {
+    for w in case.domain_warnings() {
+        eprintln!("warning: {w}");
+    }
+}
+
 /// Prints to stdout; a closed pipe (`deltaref … | head`) is not an error.
 pub fn print(s: &str) {
     use std::io::Write;
@@ -92,6 +181,7 @@ pub fn check_ratio(flag: &str, x: f64) -> Result<(), CaseError> {
 pub struct ImplArgs {
     /// Implementation: naive, chunk or cp (simulated context parallel) in the
     /// oracle's code; gpu-naive, gpu-chunk or gpu-cp on the CUDA kernels.
+    /// (`deltaref cp` always runs cp: there `naive`, the default, means cp.)
     #[arg(long = "impl", default_value = "naive")]
     pub imp: ImplName,
     /// Chunk size of the chunked engine: 16, 32 or 64 (default: the case's `chunk_size`, else 64).
@@ -113,10 +203,7 @@ pub struct ImplArgs {
     /// Compute in f64 (the oracle) or f32 (same code, single precision); default f64, or the preset's.
     #[arg(long, value_enum)]
     pub compute: Option<Compute>,
-    /// Emulate a precision preset or inject a CP fault (exact, f32, fla-bf16,
-    /// fla-bf16-mchain-bf16, akk-bf16, tf32-solve, coarse-v-new,
-    /// drop-merged-state, partial-merge-v, wrong-preprocess).
-    #[arg(long)]
+    #[arg(long, help = precision_help())]
     pub precision: Option<String>,
     /// gpu-*: store the inputs as f32 or bf16 (default: the case's input dtype).
     #[arg(long, value_parser = gpu_dtype)]

@@ -12,7 +12,7 @@ use super::{fail, ImplArgs};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    #[arg(long)]
+    #[arg(long, help = super::CASE_HELP)]
     pub case: PathBuf,
     #[command(flatten)]
     pub imp: ImplArgs,
@@ -27,6 +27,7 @@ pub struct Args {
 
 fn go(a: &Args) -> Result<String, CaseError> {
     let case = Case::read(&a.case)?;
+    super::warn_domain(&case);
     let (imp, compute) = a.imp.resolve(&case)?;
     imp.check_memory(&case)?;
     // Checked before the run, so a bad request costs nothing.
@@ -54,7 +55,8 @@ fn go(a: &Args) -> Result<String, CaseError> {
             imp.name()
         )));
     }
-    let mut lines = vec![format!("{} on {}:", imp.name(), a.case.display())];
+    let label = super::impl_label(&imp.name(), a.imp.precision.as_deref(), compute);
+    let mut lines = vec![format!("{label} on {}:", a.case.display())];
     for (n, t) in &results {
         let rms = (t.iter().map(|v| v * v).sum::<f64>() / t.len().max(1) as f64).sqrt();
         lines.push(format!(

@@ -14,18 +14,18 @@ use deltaref_verify::case::{Case, CaseError, Op};
 use deltaref_verify::cause::{likely_cause, Cause};
 use deltaref_verify::convention::Dims;
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
-use deltaref_verify::impls::{oracle_truth, Compute, ImplRequest};
+use deltaref_verify::impls::{oracle_truth, Compute, Device, Engine, Impl, ImplRequest};
 use deltaref_verify::intermediates;
 use deltaref_verify::outputs::Tensors;
 use deltaref_verify::progress::Progress;
 use deltaref_verify::report::VerifyReport;
 
 use super::band::{band_request, EnsembleArgs};
-use super::{fail, ImplArgs};
+use super::{fail, Against, ImplArgs};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
-    #[arg(long)]
+    #[arg(long, help = super::CASE_HELP)]
     pub case: PathBuf,
     /// A candidate file (any float dtype) holding outputs and gradients.
     #[arg(long)]
@@ -54,6 +54,11 @@ pub struct Args {
     pub band: Option<String>,
     #[command(flatten)]
     pub ensemble: EnsembleArgs,
+    /// What the run is compared with: `truth` (the stored results, else the
+    /// f64 oracle) or `non-cp` (a CP --impl against the same engine,
+    /// precision and compute without CP: what FLA's CP tests compare).
+    #[arg(long, value_enum, default_value_t = Against::Truth)]
+    pub against: Against,
     /// The candidate's convention (fla, flashkda, flashinfer-gdn, flashqla,
     /// opengdn, ggml): its tensors are mapped back to FLA's layout first.
     #[arg(long, default_value = "fla")]
@@ -85,8 +90,16 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
                 .into(),
         ));
     }
-    // A candidate in another convention is mapped back whole (head blocks read FLA's layout).
-    let streams = a.convention == "fla" || a.candidate.is_none();
+    if a.against == Against::NonCp && a.candidate.is_some() {
+        return Err(CaseError::Usage(
+            "--against non-cp runs the same implementation without CP: it needs --impl cp \
+             (or gpu-cp), not --candidate (compare a candidate with the truth)"
+                .into(),
+        ));
+    }
+    // A candidate in another convention is mapped back whole (head blocks
+    // read FLA's layout); a non-CP reference is a whole-case run.
+    let streams = (a.convention == "fla" || a.candidate.is_none()) && a.against == Against::Truth;
     if let Some(file) = HeadFile::open(&a.case, STREAM_MIN_BYTES)?.filter(|_| streams) {
         if a.band.is_some() {
             return Err(CaseError::Usage(format!(
@@ -105,6 +118,7 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         }
     }
     let case = Case::read(&a.case)?;
+    super::warn_domain(&case);
     let stored = case.results();
     // Without stored truth every comparison is against the f64 oracle.
     let truth = |case: &Case| -> Result<(Tensors, String), CaseError> {
@@ -130,13 +144,25 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         }
         None => {
             let (imp, compute) = a.imp.resolve(&case)?;
-            imp.check_memory(&case)?;
-            let (expected, reference) = truth(&case)?;
+            let precision = a.imp.precision.as_deref();
+            let (expected, reference) = match a.against {
+                Against::NonCp => {
+                    super::non_cp_reference(&imp, &case, precision, compute, a.forward_only)?
+                }
+                Against::Truth if stored.is_empty() && is_the_oracle(&imp, compute) => {
+                    return Err(oracle_against_itself(&a.case));
+                }
+                Against::Truth => {
+                    imp.check_memory(&case)?;
+                    truth(&case)?
+                }
+            };
             let _p = Progress::spinner(&format!("computing impl:{}", imp.name()));
             let got = imp
                 .compute(&case, compute)
                 .map_err(CaseError::computing(&a.case))?;
-            (expected, reference, got, format!("impl:{}", imp.name()))
+            let label = super::impl_label(&imp.name(), a.imp.precision.as_deref(), compute);
+            (expected, reference, got, label)
         }
     };
     let mut names: BTreeSet<String> = expected.keys().cloned().collect();
@@ -169,6 +195,30 @@ fn go(a: &Args) -> Result<VerifyReport, CaseError> {
         }
     };
     Ok(finish(a, report, unchecked))
+}
+
+/// Whether `imp` computing in `compute` is the f64 oracle itself (naive,
+/// no CP, no rounding, on the CPU): against a case without stored truth it
+/// would be compared with itself.
+fn is_the_oracle(imp: &Impl, compute: Compute) -> bool {
+    matches!(imp.engine, Engine::Naive)
+        && imp.cp.is_none()
+        && imp.device == Device::Cpu
+        && imp.policy.features().is_empty()
+        && compute == Compute::F64
+}
+
+/// The refusal of a check that cannot fail: what would have been compared
+/// with what, and how to get a truth.
+fn oracle_against_itself(case: &std::path::Path) -> CaseError {
+    CaseError::Usage(format!(
+        "{} stores no expected results, so verify would compare impl:naive (the f64 oracle) \
+         with the f64 oracle recomputed on the same inputs: every tensor would pass by \
+         construction. Compare something else against the oracle (--candidate FILE, or \
+         --impl chunk|cp, --precision P, --compute f32), or store a truth in the case \
+         (`deltaref gen … --expected`)",
+        case.display()
+    ))
 }
 
 /// Applies `--forward-only` and `--allow-partial` to the names of the
@@ -264,12 +314,16 @@ fn streamed(a: &Args, file: &HeadFile, cand: Option<&HeadFile>) -> Result<Verify
         let (mut got, candidate) = match cand {
             None => {
                 let (imp, compute) = a.imp.resolve(&case)?;
+                if oracle.is_some() && is_the_oracle(&imp, compute) {
+                    return Err(oracle_against_itself(&a.case));
+                }
                 imp.check_memory_owned(&case, oracle.is_some())?;
                 bar.step(&format!("{of}: computing impl:{}", imp.name()));
                 let got = imp
                     .compute_owned(case, compute)
                     .map_err(CaseError::computing(&a.case))?;
-                (Got::Computed(got), format!("impl:{}", imp.name()))
+                let label = super::impl_label(&imp.name(), a.imp.precision.as_deref(), compute);
+                (Got::Computed(got), label)
             }
             Some(c) => {
                 c.check_candidate_meta(heads, &case)?;

@@ -172,10 +172,14 @@ fn usage_and_input_errors_exit_2() {
         assert_eq!(rc, 2, "{args:?}: {err}");
         assert!(!err.is_empty(), "{args:?} printed no error");
     }
-    // A fixture without stored truth: the f64 oracle recomputes it.
+    // A fixture without stored truth: the f64 oracle recomputes it for
+    // anything but itself (that comparison cannot fail, and is refused).
     run_ok(&["gen", "--op", "token_shift", "--out", s(&out)]);
-    let table = run_ok(&["verify", "--case", s(&out)]);
+    let table = run_ok(&["verify", "--case", s(&out), "--compute", "f32"]);
     assert!(table.contains("f64 oracle"), "{table}");
+    let (rc, _, err) = code(&["verify", "--case", s(&out)]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(err.contains("stores no expected results"), "{err}");
     let (rc, _, err) = code(&["run", "--case", s(&out), "--impl", "magic"]);
     assert_eq!(rc, 2);
     assert!(err.contains("unknown --impl `magic`"), "{err}");

@@ -346,7 +346,9 @@ fn an_overflowing_reference_is_reported_as_such() {
     c.insert("A_log", a_log, Dtype::F64);
     c.write(&p).unwrap();
     let cand = dir.path().join("cand.safetensors");
-    let mut good = Case::read(&gen(dir.path(), "g.safetensors", &gate)).unwrap();
+    // The candidate carries the case's own inputs (a candidate with other
+    // inputs is refused before any comparison).
+    let mut good = Case::read(&p).unwrap();
     good.meta.seed = None;
     good.write(&cand).unwrap();
     for args in [
@@ -526,7 +528,7 @@ fn cp_honours_compute_and_precision_and_intra_defaults_to_the_case_heads() {
         "1e-3",
     ]);
     assert_eq!(rc, 0, "{out}{err}");
-    assert!(out.contains("in f32"), "{out}");
+    assert!(out.contains("compute f32"), "{out}");
     let (rc, out, _) = code(&["cp", "--case", k, "--world", "2", "--compute", "f32"]);
     assert_eq!(rc, 1, "f32 must miss the 1e-10 bar: {out}");
     // A CP fault preset is applied (the merged state dropped: percent errors).

@@ -14,3 +14,4 @@ mod mutation;
 mod mutation_smoke;
 mod newops;
 mod precision;
+mod workflow;
