@@ -440,6 +440,11 @@ impl<T: Scalar> Operator<T> for Dplr {
         }
     }
 
+    /// `Σ_t gk[t, h, :]` over `seg` (`[K]`).
+    fn decay_log_sum(p: &Prepared<'_, T>, seg: &Segment, h: usize) -> Option<ndarray::Array1<T>> {
+        Some(tensor::head_view(p.gk.view(), seg, h).sum_axis(ndarray::Axis(0)))
+    }
+
     fn cu_seqlens(x: &DplrInputs<T>) -> Option<&[i64]> {
         x.cu_seqlens.as_deref()
     }

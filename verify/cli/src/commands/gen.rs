@@ -7,17 +7,53 @@ use clap::Args as ClapArgs;
 use deltaref::conv::Activation;
 use deltaref::gates::Gate;
 use deltaref::inputs::Regime;
-use deltaref_verify::case::{CaseError, Dtype, Op};
+use deltaref::cp::Layout;
+use deltaref_verify::case::{CaseError, CpLayout, Dtype, Op};
 use deltaref_verify::generate::{generate_to, GenSpec};
 
-use super::{fail, file_dtype, list};
+use super::{fail, file_dtype, list, LayoutArg};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
     #[command(flatten)]
     pub gen: GenOpts,
+    #[command(flatten)]
+    pub cp: CpOpts,
+    /// Where to write the case (a .safetensors file).
     #[arg(long)]
     pub out: PathBuf,
+}
+
+/// How the case is cut for context parallelism: written as its `cp`
+/// metadata, which `verify`, `cp` and `diagnose` use without CP flags.
+#[derive(ClapArgs, Debug, Clone, Default)]
+pub struct CpOpts {
+    /// Record FLA's equal CP split over N ranks (T must divide).
+    #[arg(long)]
+    pub world: Option<usize>,
+    /// With --world: contiguous (rank r holds slice r, the default) or
+    /// zigzag (2W equal intervals, rank r holds r and 2W−1−r).
+    #[arg(long, value_enum)]
+    pub layout: Option<LayoutArg>,
+    /// Record CP interior cut positions instead, e.g. 300,512,700.
+    #[arg(long)]
+    pub cuts: Option<String>,
+}
+
+/// The CP layout the flags ask for (`None`: no CP flag).
+pub fn cp_layout(c: &CpOpts) -> Result<Option<CpLayout>, CaseError> {
+    let usage = |m: &str| CaseError::Usage(m.into());
+    match (c.world, c.layout, c.cuts.as_deref()) {
+        (None, None, None) => Ok(None),
+        (Some(_), _, Some(_)) => Err(usage("give --world or --cuts, not both")),
+        (None, Some(_), _) => Err(usage("--layout applies to --world")),
+        (Some(0), _, _) => Err(usage("--world: expected at least 1 rank, got 0")),
+        (Some(w), l, None) => Ok(Some(CpLayout::World(
+            w,
+            l.map(Layout::from).unwrap_or_default(),
+        ))),
+        (None, None, Some(cuts)) => Ok(Some(CpLayout::Cuts(list("--cuts", cuts)?))),
+    }
 }
 
 /// What to draw: the operator, shape and options (shared with `tolerance`).
@@ -138,8 +174,18 @@ pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
     })
 }
 
+/// [`spec`] with the case's CP layout, checked against its tokens.
+fn with_cp(a: &Args) -> Result<GenSpec, CaseError> {
+    let s = GenSpec {
+        cp: cp_layout(&a.cp)?,
+        ..spec(&a.gen)?
+    };
+    s.check_cp()?;
+    Ok(s)
+}
+
 pub fn run(a: Args) -> ExitCode {
-    let result = spec(&a.gen).and_then(|s| {
+    let result = with_cp(&a).and_then(|s| {
         // Refuse an unwritable destination before the work, not after it.
         deltaref_verify::files::destination(&a.out)?;
         generate_to(&s, &a.out)

@@ -1,0 +1,188 @@
+//! `gen --world/--cuts/--layout` writes the case's `cp` metadata, which
+//! `cp` then uses without flags; `--precision` composed from a preset and
+//! per-stage overrides (`fla-bf16,S_ext=bf16,g=fp16,midpoint=off`) and the
+//! `fla-fp16` preset.
+
+use std::path::{Path, PathBuf};
+
+use super::common::{code, run_ok, s};
+
+/// A KDA case over two sequences (40 and 88 tokens), long-memory draws so
+/// that the state rank 0 hands on matters, with `extra` gen flags.
+fn kda(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
+    let case = dir.join(format!("{name}.safetensors"));
+    let mut a = vec![
+        "gen",
+        "--op",
+        "kda",
+        "--lengths",
+        "40,88",
+        "--shape",
+        "1,128,1,1,8,8",
+        "--gate",
+        "lowerbound",
+        "--l2norm",
+        "--regime",
+        "long-memory",
+        "--expected",
+        "--seed",
+        "3",
+        "--out",
+        s(&case),
+    ];
+    a.extend(extra);
+    run_ok(&a);
+    case
+}
+
+/// `cp`'s report without its first line (which names the case file).
+fn body(out: &str) -> String {
+    out.lines().skip(1).collect::<Vec<_>>().join("\n")
+}
+
+#[test]
+fn gen_writes_the_cp_layout_and_cp_uses_it_without_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = kda(dir.path(), "plain", &[]);
+    for (name, flags) in [
+        ("world", vec!["--world", "2"]),
+        ("zigzag", vec!["--world", "2", "--layout", "zigzag"]),
+        ("cuts", vec!["--cuts", "30,77,101"]),
+    ] {
+        let with = kda(dir.path(), name, &flags);
+        let (rc, from_meta, err) = code(&["cp", "--case", s(&with)]);
+        assert_eq!(rc, 0, "{name}: {from_meta}{err}");
+        let mut a = vec!["cp", "--case", s(&plain)];
+        a.extend(&flags);
+        let (rc, from_flags, err) = code(&a);
+        assert_eq!(rc, 0, "{name}: {from_flags}{err}");
+        assert_eq!(body(&from_meta), body(&from_flags), "{name}");
+        assert!(from_meta.contains("rank"), "{name}: {from_meta}");
+    }
+    // Without metadata and without flags there is no plan to use.
+    let (rc, _, err) = code(&["cp", "--case", s(&plain)]);
+    assert_eq!(rc, 2, "{err}");
+}
+
+#[test]
+fn gen_refuses_a_cp_layout_that_cannot_cut_the_case() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.safetensors");
+    let base = [
+        "gen", "--op", "kda", "--lengths", "40,88", "--shape", "1,128,1,1,8,8", "--out",
+    ];
+    for (flags, says) in [
+        (vec!["--world", "3"], "--world"),
+        (vec!["--world", "0"], "--world"),
+        (vec!["--layout", "zigzag"], "--layout applies to --world"),
+        (vec!["--world", "2", "--cuts", "64"], "not both"),
+        (vec!["--cuts", "64,200"], "--world/--cuts"),
+    ] {
+        let mut a: Vec<&str> = base.to_vec();
+        a.push(s(&out));
+        a.extend(&flags);
+        let (rc, _, err) = code(&a);
+        assert_eq!(rc, 2, "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+        assert!(!out.exists(), "{flags:?} wrote a file");
+    }
+}
+
+/// `verify --json`'s `(tensor, norm_ratio)` rows.
+fn ratios(case: &Path, imp: &str, precision: &str) -> Vec<(String, f64)> {
+    let (_, json, err) = code(&[
+        "verify",
+        "--case",
+        s(case),
+        "--impl",
+        imp,
+        "--precision",
+        precision,
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_else(|_| panic!("{err}"));
+    v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["tensor"].as_str().unwrap().to_string(),
+                r["norm_ratio"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_cp_stage_override_changes_cp_runs_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = kda(dir.path(), "k", &["--world", "2"]);
+    let base = ratios(&case, "chunk", "fla-bf16");
+    assert_eq!(ratios(&case, "chunk", "fla-bf16,S_ext=bf16"), base);
+    assert_eq!(ratios(&case, "chunk", "fla-bf16,merged=bf16"), base);
+    let cp = ratios(&case, "cp", "fla-bf16");
+    for over in ["fla-bf16,S_ext=bf16", "fla-bf16,merged=bf16"] {
+        let changed = ratios(&case, "cp", over);
+        assert_ne!(changed, cp, "{over}");
+        // Rank 1's first tokens read the state rank 0 hands on, now
+        // rounded to bf16: o's error grows.
+        let o = |r: &[(String, f64)]| r.iter().find(|(t, _)| t == "o").unwrap().1;
+        assert!(o(&changed) > o(&cp), "{over}: {changed:?} vs {cp:?}");
+    }
+    // Restating what the preset already does changes nothing.
+    assert_eq!(ratios(&case, "cp", "fla-bf16,S_ext=f32"), cp);
+}
+
+#[test]
+fn gate_storage_and_midpoint_overrides_change_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = kda(dir.path(), "k", &[]);
+    let base = ratios(&case, "chunk", "fla-bf16");
+    // fla-bf16 stores g in bf16 with the other inputs; fp16 keeps 3 more bits.
+    let g16 = ratios(&case, "chunk", "fla-bf16,g=fp16");
+    assert_ne!(g16, base);
+    let dg = |r: &[(String, f64)]| r.iter().find(|(t, _)| t == "dg").unwrap().1;
+    assert!(dg(&g16) <= dg(&base), "{g16:?} vs {base:?}");
+    // The lowerbound gate uses the midpoint factorisation; off is another run.
+    assert_ne!(ratios(&case, "chunk", "fla-bf16,midpoint=off"), base);
+}
+
+#[test]
+fn fla_fp16_errors_are_about_8x_smaller_than_fla_bf16() {
+    // bf16 keeps 8 significant bits, fp16 11: each rounding is 2^3 = 8
+    // times finer, and the errors (sums of such roundings) scale with it.
+    let dir = tempfile::tempdir().unwrap();
+    let case = kda(dir.path(), "k", &[]);
+    let bf16 = ratios(&case, "chunk", "fla-bf16");
+    let fp16 = ratios(&case, "chunk", "fla-fp16");
+    for ((t, b), (_, f)) in bf16.iter().zip(&fp16) {
+        let r = b / f;
+        assert!((4.0..16.0).contains(&r), "{t}: bf16 {b:e} / fp16 {f:e} = {r}");
+    }
+}
+
+#[test]
+fn a_bad_override_is_refused_with_the_valid_choices() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = kda(dir.path(), "k", &[]);
+    for (precision, says) in [
+        ("fla-bf16,S_xt=bf16", "unknown stage `S_xt` (stages: inputs, g_cumsum, Akk"),
+        ("fla-bf16,S_ext=bf17", "unknown dtype `bf17` (dtypes: f64, f32, bf16, f16"),
+        ("fla-bf16,midpoint=maybe", "midpoint is on or off"),
+        ("fla-bf16,S_ext", "expected STAGE=DTYPE"),
+        ("fla-bf17,S_ext=bf16", "unknown --precision `fla-bf17`"),
+    ] {
+        let (rc, _, err) = code(&[
+            "verify",
+            "--case",
+            s(&case),
+            "--impl",
+            "chunk",
+            "--precision",
+            precision,
+        ]);
+        assert_eq!(rc, 2, "{precision}: {err}");
+        assert!(err.contains(says), "{precision}: {err}");
+    }
+}
