@@ -123,7 +123,13 @@ pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
             Op::names_list()
         ))
     })?;
+    let dplr_bound = op == Op::Dplr && a.gate == "none" && a.lower_bound.is_some();
     let gate = match a.gate.as_str() {
+        // DPLR has no in-kernel gate: its `--lower-bound` is FLA's
+        // `lower_bound` on gk (drawn in [X, 0)).
+        "none" if dplr_bound => Gate::LowerBound {
+            lower_bound: a.lower_bound.unwrap_or_default(),
+        },
         "lowerbound" => Gate::LowerBound {
             lower_bound: a.lower_bound.unwrap_or(-5.0),
         },
@@ -135,7 +141,15 @@ pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
             )))
         }
     };
-    if let Some(lb) = a.lower_bound.filter(|lb| !(-5.0..0.0).contains(lb)) {
+    if let Some(lb) = a.lower_bound.filter(|lb| op == Op::Dplr && !(lb.is_finite() && *lb < 0.0)) {
+        return Err(usage(format!(
+            "--lower-bound: dplr's gk is a log-decay, so its bound is negative, got {lb}"
+        )));
+    }
+    if let Some(lb) = a
+        .lower_bound
+        .filter(|lb| op != Op::Dplr && !(-5.0..0.0).contains(lb))
+    {
         return Err(usage(format!(
             "--lower-bound: FLA's safe gate accepts [-5, 0), got {lb}"
         )));

@@ -113,9 +113,13 @@ pub struct ImplArgs {
     /// Compute in f64 (the oracle) or f32 (same code, single precision); default f64, or the preset's.
     #[arg(long, value_enum)]
     pub compute: Option<Compute>,
-    /// Emulate a precision preset or inject a CP fault (exact, f32, fla-bf16,
-    /// fla-bf16-mchain-bf16, akk-bf16, tf32-solve, coarse-v-new,
-    /// drop-merged-state, partial-merge-v, wrong-preprocess).
+    /// Emulate a precision preset (exact, f32, fla-bf16, fla-fp16,
+    /// fla-bf16-mchain-bf16, akk-bf16, tf32-solve, coarse-v-new) or inject a
+    /// CP fault (drop-merged-state, partial-merge-v, wrong-preprocess,
+    /// shift-cache-drop, shift-cache-grad-drop, conv-cache-drop, gk-offset,
+    /// stale-cu-seqlens, dplr-bg-sign); PRESET+FAULT combines them;
+    /// PRESET,STAGE=DTYPE,g=DTYPE,midpoint=on|off changes stages (e.g.
+    /// fla-bf16,S_ext=bf16,g=fp16,midpoint=off).
     #[arg(long)]
     pub precision: Option<String>,
     /// gpu-*: store the inputs as f32 or bf16 (default: the case's input dtype).

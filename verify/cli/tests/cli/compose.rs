@@ -35,6 +35,15 @@ fn kda(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
     case
 }
 
+/// The `case` metadata of a case file (the safetensors header's
+/// `__metadata__.case`, a JSON string).
+fn case_meta(path: &Path) -> serde_json::Value {
+    let b = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    serde_json::from_str(h["__metadata__"]["case"].as_str().unwrap()).unwrap()
+}
+
 /// `cp`'s report without its first line (which names the case file).
 fn body(out: &str) -> String {
     out.lines().skip(1).collect::<Vec<_>>().join("\n")
@@ -44,12 +53,18 @@ fn body(out: &str) -> String {
 fn gen_writes_the_cp_layout_and_cp_uses_it_without_flags() {
     let dir = tempfile::tempdir().unwrap();
     let plain = kda(dir.path(), "plain", &[]);
-    for (name, flags) in [
-        ("world", vec!["--world", "2"]),
-        ("zigzag", vec!["--world", "2", "--layout", "zigzag"]),
-        ("cuts", vec!["--cuts", "30,77,101"]),
+    for (name, flags, meta) in [
+        ("world", vec!["--world", "2"], r#"{"world":2}"#),
+        (
+            "zigzag",
+            vec!["--world", "2", "--layout", "zigzag"],
+            r#"{"world":2,"layout":"zigzag"}"#,
+        ),
+        ("cuts", vec!["--cuts", "30,77,101"], r#"{"cuts":[30,77,101]}"#),
     ] {
         let with = kda(dir.path(), name, &flags);
+        let want: serde_json::Value = serde_json::from_str(meta).unwrap();
+        assert_eq!(case_meta(&with)["cp"], want, "{name}");
         let (rc, from_meta, err) = code(&["cp", "--case", s(&with)]);
         assert_eq!(rc, 0, "{name}: {from_meta}{err}");
         let mut a = vec!["cp", "--case", s(&plain)];
@@ -184,5 +199,29 @@ fn a_bad_override_is_refused_with_the_valid_choices() {
         ]);
         assert_eq!(rc, 2, "{precision}: {err}");
         assert!(err.contains(says), "{precision}: {err}");
+    }
+}
+
+#[test]
+fn gen_dplr_lower_bound_is_recorded_and_bad_bounds_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("d.safetensors");
+    let base = ["gen", "--op", "dplr", "--shape", "1,32,1,8,8", "--out"];
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = base.to_vec();
+        a.push(s(&out));
+        a.extend(extra);
+        code(&a)
+    };
+    let (rc, _, err) = with(&["--lower-bound", "-8"]);
+    assert_eq!(rc, 0, "{err}");
+    assert_eq!(case_meta(&out)["lower_bound"], serde_json::json!(-8.0));
+    for (extra, says) in [
+        (vec!["--lower-bound", "1"], "negative"),
+        (vec!["--gate", "kda"], "--gate kda does not apply"),
+    ] {
+        let (rc, _, err) = with(&extra);
+        assert_eq!(rc, 2, "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
     }
 }
