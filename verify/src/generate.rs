@@ -3,9 +3,9 @@
 use std::path::Path;
 
 use deltaref::conv::Activation;
+use deltaref::cp::plan::PlanSpec;
 use deltaref::gates::Gate;
 use deltaref::inputs::{Draw, Layout, Regime};
-use deltaref::cp::plan::PlanSpec;
 use deltaref::registry::{DrawRequest, GenFlags, Options};
 
 use crate::case::{

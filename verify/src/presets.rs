@@ -409,12 +409,18 @@ mod tests {
         let base = find("fla-bf16", 8).unwrap();
         let over = find("fla-bf16,S_ext=bf16,g=fp16", 8).unwrap();
         // Without CP the CP stage does not exist: only the gate changes.
-        let (b, o) = (base.policy(target(&kda, false)), over.policy(target(&kda, false)));
+        let (b, o) = (
+            base.policy(target(&kda, false)),
+            over.policy(target(&kda, false)),
+        );
         assert_eq!(o.clone().without(Feature::Round(Stage::GateInput)), b);
         assert_eq!(o.storage(Stage::GateInput), Some(Dtype::F16));
         assert_eq!(o.storage(Stage::SExt), None);
         // Under CP, S_ext goes from fp32 to bf16 and nothing else moves.
-        let (b, o) = (base.policy(target(&kda, true)), over.policy(target(&kda, true)));
+        let (b, o) = (
+            base.policy(target(&kda, true)),
+            over.policy(target(&kda, true)),
+        );
         assert_eq!(b.storage(Stage::SExt), Some(Dtype::F32));
         assert_eq!(o.storage(Stage::SExt), Some(Dtype::Bf16));
         for s in Stage::ALL {
@@ -430,9 +436,16 @@ mod tests {
         assert!(!off.policy(target(&lb, false)).safe_gate_midpoint);
         // Overrides compose with a fault.
         let f = find("fla-bf16,S_ext=bf16+gk-offset", 8).unwrap();
-        assert_eq!(f.policy(target(&kda, true)), over.policy(target(&kda, true)).without(Feature::Round(Stage::GateInput)));
+        assert_eq!(
+            f.policy(target(&kda, true)),
+            over.policy(target(&kda, true))
+                .without(Feature::Round(Stage::GateInput))
+        );
         assert!(f.faults.bwd_preprocess_head0_decay.is_some());
-        assert_eq!(without_fault("fla-bf16,S_ext=bf16+gk-offset"), "fla-bf16,S_ext=bf16");
+        assert_eq!(
+            without_fault("fla-bf16,S_ext=bf16+gk-offset"),
+            "fla-bf16,S_ext=bf16"
+        );
     }
 
     #[test]
@@ -440,10 +453,15 @@ mod tests {
         let (bf, fp) = (find("fla-bf16", 8).unwrap(), find("fla-fp16", 8).unwrap());
         for op in [Op::Kda, Op::Dplr, Op::Gdn, Op::Gdn2, Op::TokenShift] {
             let meta = CaseMeta::new(op);
-            let (b, f) = (bf.policy(target(&meta, true)), fp.policy(target(&meta, true)));
+            let (b, f) = (
+                bf.policy(target(&meta, true)),
+                fp.policy(target(&meta, true)),
+            );
             assert_eq!(b.features(), f.features(), "{op:?}");
             for s in Stage::ALL {
-                let want = b.storage(s).map(|d| if d == Dtype::Bf16 { Dtype::F16 } else { d });
+                let want = b
+                    .storage(s)
+                    .map(|d| if d == Dtype::Bf16 { Dtype::F16 } else { d });
                 assert_eq!(f.storage(s), want, "{op:?} {}", s.name());
             }
         }
@@ -452,12 +470,25 @@ mod tests {
     #[test]
     fn bad_overrides_name_the_valid_choices() {
         let e = parse("fla-bf16,S_xt=bf16", 8).unwrap_err();
-        assert!(e.contains("unknown stage `S_xt`") && e.contains("S_ext") && e.contains("midpoint"), "{e}");
+        assert!(
+            e.contains("unknown stage `S_xt`") && e.contains("S_ext") && e.contains("midpoint"),
+            "{e}"
+        );
         let e = parse("fla-bf16,Akk=fp8", 8).unwrap_err();
-        assert!(e.contains("unknown dtype `fp8`") && e.contains("bf16, f16"), "{e}");
-        assert!(parse("fla-bf16,midpoint=1", 8).unwrap_err().contains("on or off"));
-        assert!(parse("fla-bf16,Akk", 8).unwrap_err().contains("STAGE=DTYPE"));
+        assert!(
+            e.contains("unknown dtype `fp8`") && e.contains("bf16, f16"),
+            "{e}"
+        );
+        assert!(parse("fla-bf16,midpoint=1", 8)
+            .unwrap_err()
+            .contains("on or off"));
+        assert!(parse("fla-bf16,Akk", 8)
+            .unwrap_err()
+            .contains("STAGE=DTYPE"));
         let e = parse("fla-bf16+fla-fp16", 8).unwrap_err();
-        assert!(e.contains("one fault preset") && e.contains("gk-offset"), "{e}");
+        assert!(
+            e.contains("one fault preset") && e.contains("gk-offset"),
+            "{e}"
+        );
     }
 }

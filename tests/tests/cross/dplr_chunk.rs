@@ -224,5 +224,8 @@ fn a_dplr_lower_bound_draws_gk_within_it_and_is_checked() {
         .compute(&broken, Compute::F64)
         .expect_err("gk below the bound")
         .to_string();
-    assert!(e.contains("lower_bound") && e.contains("[0, 3, 1, 2]") && e.contains("-3.5"), "{e}");
+    assert!(
+        e.contains("lower_bound") && e.contains("[0, 3, 1, 2]") && e.contains("-3.5"),
+        "{e}"
+    );
 }

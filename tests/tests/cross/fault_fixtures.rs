@@ -122,9 +122,7 @@ fn first_bad(case: &Case, preset: &str) -> Option<(String, usize, usize)> {
     let x = &case.tensors[case.meta.op.first_input()];
     let (b, t) = (x.shape()[0], x.shape()[1]);
     let (spec, _) = imp.cp.as_ref().expect("a CP fixture");
-    let plan = spec
-        .build(b, t, case.cu_seqlens.as_deref())
-        .expect("plan");
+    let plan = spec.build(b, t, case.cu_seqlens.as_deref()).expect("plan");
     let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), plan.cuts(), 16);
     diagnose(&case.results(), &got, &map, 1e-6)
         .first_bad
@@ -226,10 +224,18 @@ fn seed_bug_faults_fail_their_fixture_where_the_bug_is() {
         assert_eq!(passes(&case, "exact"), Some(true), "{}", s.fixture);
         let bad = failing(&case, s.fault).expect("resolves");
         for t in s.fails {
-            assert!(bad.iter().any(|b| b == t), "{}: {t} passes: {bad:?}", s.fault);
+            assert!(
+                bad.iter().any(|b| b == t),
+                "{}: {t} passes: {bad:?}",
+                s.fault
+            );
         }
         for t in s.passes {
-            assert!(!bad.iter().any(|b| b == t), "{}: {t} fails: {bad:?}", s.fault);
+            assert!(
+                !bad.iter().any(|b| b == t),
+                "{}: {t} fails: {bad:?}",
+                s.fault
+            );
         }
         let (tensor, rank, token) = first_bad(&case, s.fault).expect(s.fault);
         assert!(
@@ -245,13 +251,19 @@ fn seed_bug_faults_fail_their_fixture_where_the_bug_is() {
 #[test]
 fn a_fault_on_another_operator_is_refused() {
     let case = fixture("cp_token_shift_world4");
-    for (fault, ops) in [("gk-offset", "kda/gdn2/dplr"), ("conv-cache-drop", "causal_conv1d")] {
+    for (fault, ops) in [
+        ("gk-offset", "kda/gdn2/dplr"),
+        ("conv-cache-drop", "causal_conv1d"),
+    ] {
         let req = ImplRequest {
             name: ImplName::Cp,
             precision: Some(fault.into()),
             ..ImplRequest::default()
         };
-        let e = req.resolve_with_compute(&case).expect_err(fault).to_string();
+        let e = req
+            .resolve_with_compute(&case)
+            .expect_err(fault)
+            .to_string();
         assert!(e.contains(ops) && e.contains("token_shift"), "{e}");
     }
 }

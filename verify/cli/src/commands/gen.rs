@@ -5,9 +5,9 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref::conv::Activation;
+use deltaref::cp::Layout;
 use deltaref::gates::Gate;
 use deltaref::inputs::Regime;
-use deltaref::cp::Layout;
 use deltaref_verify::case::{CaseError, CpLayout, Dtype, Op};
 use deltaref_verify::generate::{generate_to, GenSpec};
 
@@ -141,7 +141,10 @@ pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
             )))
         }
     };
-    if let Some(lb) = a.lower_bound.filter(|lb| op == Op::Dplr && !(lb.is_finite() && *lb < 0.0)) {
+    if let Some(lb) = a
+        .lower_bound
+        .filter(|lb| op == Op::Dplr && !(lb.is_finite() && *lb < 0.0))
+    {
         return Err(usage(format!(
             "--lower-bound: dplr's gk is a log-decay, so its bound is negative, got {lb}"
         )));

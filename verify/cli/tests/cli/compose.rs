@@ -60,7 +60,11 @@ fn gen_writes_the_cp_layout_and_cp_uses_it_without_flags() {
             vec!["--world", "2", "--layout", "zigzag"],
             r#"{"world":2,"layout":"zigzag"}"#,
         ),
-        ("cuts", vec!["--cuts", "30,77,101"], r#"{"cuts":[30,77,101]}"#),
+        (
+            "cuts",
+            vec!["--cuts", "30,77,101"],
+            r#"{"cuts":[30,77,101]}"#,
+        ),
     ] {
         let with = kda(dir.path(), name, &flags);
         let want: serde_json::Value = serde_json::from_str(meta).unwrap();
@@ -84,7 +88,14 @@ fn gen_refuses_a_cp_layout_that_cannot_cut_the_case() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("x.safetensors");
     let base = [
-        "gen", "--op", "kda", "--lengths", "40,88", "--shape", "1,128,1,1,8,8", "--out",
+        "gen",
+        "--op",
+        "kda",
+        "--lengths",
+        "40,88",
+        "--shape",
+        "1,128,1,1,8,8",
+        "--out",
     ];
     for (flags, says) in [
         (vec!["--world", "3"], "--world"),
@@ -173,7 +184,10 @@ fn fla_fp16_errors_are_about_8x_smaller_than_fla_bf16() {
     let fp16 = ratios(&case, "chunk", "fla-fp16");
     for ((t, b), (_, f)) in bf16.iter().zip(&fp16) {
         let r = b / f;
-        assert!((4.0..16.0).contains(&r), "{t}: bf16 {b:e} / fp16 {f:e} = {r}");
+        assert!(
+            (4.0..16.0).contains(&r),
+            "{t}: bf16 {b:e} / fp16 {f:e} = {r}"
+        );
     }
 }
 
@@ -182,8 +196,14 @@ fn a_bad_override_is_refused_with_the_valid_choices() {
     let dir = tempfile::tempdir().unwrap();
     let case = kda(dir.path(), "k", &[]);
     for (precision, says) in [
-        ("fla-bf16,S_xt=bf16", "unknown stage `S_xt` (stages: inputs, g_cumsum, Akk"),
-        ("fla-bf16,S_ext=bf17", "unknown dtype `bf17` (dtypes: f64, f32, bf16, f16"),
+        (
+            "fla-bf16,S_xt=bf16",
+            "unknown stage `S_xt` (stages: inputs, g_cumsum, Akk",
+        ),
+        (
+            "fla-bf16,S_ext=bf17",
+            "unknown dtype `bf17` (dtypes: f64, f32, bf16, f16",
+        ),
         ("fla-bf16,midpoint=maybe", "midpoint is on or off"),
         ("fla-bf16,S_ext", "expected STAGE=DTYPE"),
         ("fla-bf17,S_ext=bf16", "unknown --precision `fla-bf17`"),
