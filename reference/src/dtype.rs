@@ -43,10 +43,10 @@ impl Dtype {
     /// of the four file dtypes (`float64`, `bfloat16`, …).
     pub fn parse(s: &str) -> Option<Dtype> {
         Some(match s {
-            "f64" | "float64" => Dtype::F64,
-            "f32" | "float32" => Dtype::F32,
+            "f64" | "fp64" | "float64" => Dtype::F64,
+            "f32" | "fp32" | "float32" => Dtype::F32,
             "bf16" | "bfloat16" => Dtype::Bf16,
-            "f16" | "float16" => Dtype::F16,
+            "f16" | "fp16" | "float16" => Dtype::F16,
             "tf32" => Dtype::Tf32,
             "e5m2" => Dtype::E5m2,
             _ => return None,

@@ -35,7 +35,7 @@
 //! 3. Register the module in `lib.rs`. The drivers, CP, thread determinism
 //!    and the result maps come for free.
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4, ArrayViewMut2};
+use ndarray::{s, Array1, Array2, Array4, ArrayD, ArrayView2, ArrayView4, ArrayViewMut2};
 
 use crate::error::Result;
 use crate::fast::par::{par_pairs, par_pairs_with};
@@ -125,6 +125,15 @@ pub trait Operator<T: Scalar>: OpSpec + Sized + 'static {
     /// `(the piece with its value-like input replaced by K zero columns, K)`:
     /// run from `S_0 = I [K, K]`, its final state is the transition `M`.
     fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize);
+    /// The log of the diagonal of `seg`'s transition for head `h`: per key
+    /// channel the log-decay summed over the piece's tokens, `[K]` (its
+    /// exponential is the `Diag(e^Γlast)` of a chunk; the rest of the
+    /// transition is low-rank). `None` for an operator without a per-channel
+    /// gate (FLA's `gk`). The CP fault models of [`crate::cp::Faults`] that
+    /// misread a chunk's decay use it.
+    fn decay_log_sum(_p: &Self::Prepared<'_>, _seg: &Segment, _h: usize) -> Option<Array1<T>> {
+        None
+    }
     /// Public outputs from `o [B, T, heads, V]` and `final_state [N, heads, K, V]`.
     fn outputs(opt: &Self::Options, o: Array4<T>, final_state: Array4<T>) -> Self::Outputs;
     /// Public gradients from per-(piece, head) gradients and `dh0 [N, heads, K, V]`

@@ -78,10 +78,14 @@ pub enum Stage {
     /// gradients in the token dtype (`o.type_as(q)`, `dq.to(q)`, …);
     /// `final_state`, `dh0`, `dA_log`, `ddt_bias` stay fp32.
     Outputs,
+    /// The gate input alone (`g`, DPLR's `gk`) stored in its own dtype and
+    /// cast to fp32 in the kernel (e.g. `g` kept in fp16 while the other
+    /// inputs are bf16); it replaces [`Stage::Inputs`] for the gate.
+    GateInput,
 }
 
 impl Stage {
-    pub const ALL: [Stage; 22] = [
+    pub const ALL: [Stage; 23] = [
         Stage::Inputs,
         Stage::GCumsum,
         Stage::Akk,
@@ -104,11 +108,13 @@ impl Stage {
         Stage::HdhSum,
         Stage::IntraDots,
         Stage::Outputs,
+        Stage::GateInput,
     ];
 
     pub fn name(self) -> &'static str {
         match self {
             Stage::Inputs => "inputs",
+            Stage::GateInput => "g",
             Stage::GCumsum => "g_cumsum",
             Stage::Akk => "Akk",
             Stage::Aqk => "Aqk",

@@ -358,6 +358,32 @@ pub fn presets() -> Vec<Preset> {
                 ..varlen(Op::CausalConv1d, &[10, 0, 2, 20], 41)
             },
         ),
+        // Conv1d's window handed across ranks (`conv-cache-drop`): sequence
+        // 1 = [20, 64) is cut at 32, a cut 12 tokens into it.
+        cp(
+            "cp_causal_conv1d_world2",
+            GenSpec {
+                shape: Some(vec![1, 64, 8, 4]),
+                activation: deltaref::conv::Activation::Silu,
+                bias: true,
+                initial_state: false,
+                ..varlen(Op::CausalConv1d, &[20, 44], 42)
+            },
+            CpLayout::World(2, Layout::Contiguous),
+        ),
+        // Two heads with different gates and long memory, rank 1's first
+        // piece two 64-token chunks long: FLA #781 (`gk-offset`) decays
+        // head 1's carried dh by head 0's gate at the chunk boundary.
+        cp(
+            "cp_kda_heads2_world2",
+            GenSpec {
+                gate: lb,
+                use_qk_l2norm_in_kernel: true,
+                initial_state: false,
+                ..long_memory(Op::Kda, vec![1, 256, 2, 2, 8, 8], &[256], 43)
+            },
+            CpLayout::World(2, Layout::Contiguous),
+        ),
     ]
     .into_iter()
     .chain(regressions())

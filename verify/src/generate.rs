@@ -3,11 +3,14 @@
 use std::path::Path;
 
 use deltaref::conv::Activation;
+use deltaref::cp::plan::PlanSpec;
 use deltaref::gates::Gate;
 use deltaref::inputs::{Draw, Layout, Regime};
 use deltaref::registry::{DrawRequest, GenFlags, Options};
 
-use crate::case::{result_shape_of, results_of, Case, CaseError, CaseMeta, Drawn, Dtype, Op};
+use crate::case::{
+    result_shape_of, results_of, Case, CaseError, CaseMeta, CpLayout, Drawn, Dtype, Op,
+};
 use crate::heads::HeadFile;
 use crate::impls::{first_non_finite, Compute, Impl};
 use crate::memory::{self, Problem, Run};
@@ -45,6 +48,9 @@ pub struct GenSpec {
     /// tests do (`F.normalize(randn)`); raw normal keys give `‖k‖² ≈ K`, so
     /// `I − β k kᵀ` has an eigenvalue near `1 − βK` and the state explodes.
     pub unit_norm_keys: bool,
+    /// The case's CP layout (its `cp` metadata), which `verify`, `cp` and
+    /// `diagnose` use when no CP flag is given.
+    pub cp: Option<CpLayout>,
 }
 
 impl GenSpec {
@@ -67,6 +73,7 @@ impl GenSpec {
             expected: false,
             regime: Regime::FlaTest,
             unit_norm_keys: true,
+            cp: None,
         }
     }
 
@@ -178,6 +185,7 @@ impl GenSpec {
             dtype: Some(self.dtype),
             // FLA's draws stay unrecorded, so cases generated before regimes existed keep their bytes.
             regime: (self.regime != Regime::FlaTest).then_some(self.regime),
+            cp: self.cp.clone(),
             ..CaseMeta::new(self.op)
         })
     }
@@ -568,5 +576,34 @@ mod tests {
         assert!(same_names(&planned, &got).is_ok());
         got.insert("dk".into(), ndarray::ArrayD::zeros(ndarray::IxDyn(&[1])));
         assert!(same_names(&planned, &got).is_err());
+    }
+}
+
+impl GenSpec {
+    /// Refuses a CP layout ([`GenSpec::cp`]) that cannot cut the case's
+    /// tokens (a world that does not divide `T`, cuts out of order or past
+    /// `T`, `B > 1`), before anything is drawn.
+    pub fn check_cp(&self) -> Result<(), CaseError> {
+        let Some(cp) = &self.cp else {
+            return Ok(());
+        };
+        let (layout, _) = self.dims()?;
+        let (b, t) = (layout.b, layout.t);
+        let cu: Option<Vec<i64>> = self.lengths.as_ref().map(|l| {
+            std::iter::once(0)
+                .chain(l.iter().scan(0i64, |acc, &n| {
+                    *acc += n as i64;
+                    Some(*acc)
+                }))
+                .collect()
+        });
+        let plan = match cp {
+            CpLayout::World(w, deltaref::cp::Layout::Contiguous) => PlanSpec::World(*w),
+            CpLayout::World(w, deltaref::cp::Layout::Zigzag) => PlanSpec::Zigzag(*w),
+            CpLayout::Cuts(c) => PlanSpec::Cuts(c.clone()),
+        };
+        plan.build(b, t, cu.as_deref())
+            .map(|_| ())
+            .map_err(|e| CaseError::Usage(format!("--world/--cuts: {e}")))
     }
 }

@@ -384,12 +384,29 @@ impl Impl {
         t
     }
 
-    /// The case as the kernel reads it: inputs rounded to the policy's input storage.
+    /// The case as the kernel reads it: inputs rounded to the policy's
+    /// input storage, the gate to its own ([`Stage::GateInput`]) when the
+    /// policy gives it one.
     fn stored_inputs<'a>(&self, case: Cow<'a, Case>) -> Cow<'a, Case> {
-        match self.policy.storage(Stage::Inputs) {
+        // The gate as stored, from the case's own values (not bf16 first).
+        let gate = self
+            .policy
+            .storage(Stage::GateInput)
+            .zip(gate_input(case.meta.op))
+            .and_then(|(d, name)| {
+                let g = case.tensors.get(name)?;
+                Some((name, g.mapv(|x| d.round_f64(x))))
+            });
+        let rounded = match self.policy.storage(Stage::Inputs) {
             Some(s) => Cow::Owned(case.with_rounded_inputs(|x| s.round_f64(x))),
             None => case,
-        }
+        };
+        let Some((name, g)) = gate else {
+            return rounded;
+        };
+        let mut c = rounded.into_owned();
+        c.tensors.insert(name.into(), g);
+        Cow::Owned(c)
     }
 
     /// The CP plan and options without the per-rank table's non-CP
@@ -489,12 +506,7 @@ impl ImplRequest {
             return Ok((self.resolve(case)?, None));
         };
         let v = case.value_dim();
-        let p = crate::presets::find(name, v).ok_or_else(|| {
-            CaseError::Usage(format!(
-                "unknown --precision `{name}` (available: {})",
-                crate::presets::names()
-            ))
-        })?;
+        let p = crate::presets::parse(name, v).map_err(CaseError::Usage)?;
         if self.name.on_gpu() {
             return Err(CaseError::Usage(format!(
                 "--precision emulates storage precisions in the oracle's code; the GPU kernels \
@@ -507,10 +519,13 @@ impl ImplRequest {
                 "--precision {name} injects a CP fault: use it with --impl cp"
             )));
         }
-        if p.faults != Default::default() && !case.meta.op.is_delta_rule() {
+        if !p.ops.is_empty() && !p.ops.contains(&case.meta.op) {
+            let ops: Vec<&str> = p.ops.iter().map(|o| o.name()).collect();
             return Err(CaseError::Usage(format!(
-                "--precision {name} injects a fault into the CP state merge of a delta rule; \
-                 {} hands on cached tokens, not a state, so it cannot apply",
+                "--precision {name} models a bug of FLA's {} code ({}); this case's op is {}, \
+                 where it cannot apply",
+                ops.join("/"),
+                p.about,
                 case.meta.op.name()
             )));
         }
@@ -651,6 +666,11 @@ impl ImplRequest {
     }
 }
 
+/// The name of `op`'s gate input (`g`; DPLR `gk`), if it has one.
+pub fn gate_input(op: Op) -> Option<&'static str> {
+    ["g", "gk"].into_iter().find(|g| op.inputs().contains(g))
+}
+
 /// Refuses an engine the GPU kernels of `op` lack.
 fn gpu_engine_supported(op: Op, engine: &Engine) -> Result<(), CaseError> {
     let engine = match engine {
@@ -671,6 +691,7 @@ pub fn supported(op: Op, imp: &Impl) -> Vec<Feature> {
         Feature::Round(Stage::Inputs),
         Feature::Round(Stage::Outputs),
     ];
+    f.extend(gate_input(op).map(|_| Feature::Round(Stage::GateInput)));
     f.extend(op.entry().features(imp.engine));
     if imp.cp.is_some() && op.is_delta_rule() {
         f.extend(deltaref::cp::FEATURES);

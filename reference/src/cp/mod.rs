@@ -137,6 +137,7 @@ pub fn forward<T: Scalar, E: Engine<T>>(
     let p = engine.stored(E::Op::prepare(x, opt)?);
     let d = p.shape();
     let plan = plan.build(d.b, d.t, E::Op::cu_seqlens(x))?;
+    check_faults::<T, E>(&p, &cp.faults)?;
     let local = Local::<T, E> {
         p: &p,
         engine,
@@ -224,6 +225,7 @@ fn backward_run<T: Scalar, E: Engine<T>>(
     let d = p.shape();
     E::Op::validate_upstream(&p, d_o, dht)?;
     let plan = plan.build(d.b, d.t, E::Op::cu_seqlens(x))?;
+    check_faults::<T, E>(&p, &cp.faults)?;
     let local = Local::<T, E> {
         p: &p,
         engine,
@@ -255,6 +257,45 @@ pub struct Faults {
     pub merge_v_limit: Option<usize>,
     /// 6: the pre-process runs on the rank's first local sequence instead of its last.
     pub preprocess_first_piece: bool,
+    /// The state a rank hands on is not carried across the cut (token-shift's
+    /// cache, conv1d's window: FLA's `pre_num_conv_tokens` left at 0): each
+    /// continuing rank's first piece runs from zeros, forward and backward,
+    /// and, the carried value being a constant, no gradient goes back to the
+    /// previous rank (its last piece's `dht` is zero).
+    pub carry_dropped: bool,
+    /// The forward carries the state, but the gradient of a continuing
+    /// rank's initial state is not added back into the previous rank
+    /// (token-shift's `dx[-1] += recv_grad` left out): each continued rank's
+    /// last piece gets `dht = 0`.
+    pub carry_grad_dropped: bool,
+    /// FLA #781, with its chunk size: the backward pre-process (`dS_ext` of
+    /// each continuing rank's first piece, `pre_process_bwd_kernel_*`) decays
+    /// the carried `dh` at every chunk boundary by head 0's `exp(gk_last)`
+    /// instead of its own head's (the `gk` load missed the `i_h·K` offset);
+    /// the chunk's own reads of the state use the right gates. Operators
+    /// without a per-channel gate are refused.
+    pub bwd_preprocess_head0_decay: Option<usize>,
+    /// A stale `cu_seqlens_cpu`, with the chunk size: each rank's chunk
+    /// indices come from the global `cu_seqlens` instead of its local one,
+    /// so local sequence `i` is covered only for as many chunks as global
+    /// sequence `i` has (none past the global count). The chunks the indices
+    /// miss are never computed: their tokens get zero outputs and gradients
+    /// and add nothing to the state. The pre-process and merge (which loop
+    /// over the local `cu_seqlens`) are unaffected.
+    pub stale_chunk_indices: Option<usize>,
+    /// DPLR's pre-process with the sign of its low-rank term flipped, with
+    /// the chunk size: each chunk's transition `Diag(γ) + bgᵀw` taken as
+    /// `Diag(γ) − bgᵀw` (the KDA/GDN rule `Diag − kᵀw` applied to `bg`), in
+    /// the `M` of the merge and of the backward's `Mᵀ` chain.
+    pub transition_low_rank_negated: Option<usize>,
+}
+
+impl Faults {
+    /// Whether a fault needs the operator's per-channel decay
+    /// ([`Operator::decay_log_sum`]).
+    fn needs_decay(&self) -> bool {
+        self.bwd_preprocess_head0_decay.is_some() || self.transition_low_rank_negated.is_some()
+    }
 }
 
 /// How the simulation stores the cross-rank quantities, and which faults to inject.
@@ -448,6 +489,8 @@ pub fn table<T: Scalar>(diags: &[RankDiag<T>], carry: Carry) -> String {
 #[derive(Clone, Copy, Debug)]
 struct PieceRef {
     rank: usize,
+    /// Its index among the rank's local sequences.
+    local: usize,
     seg: Segment,
     /// First / last piece of its rank.
     first: bool,
@@ -461,6 +504,7 @@ fn pieces(plan: &Plan) -> Vec<PieceRef> {
             let n = r.pieces.len();
             r.pieces.iter().enumerate().map(move |(i, &seg)| PieceRef {
                 rank: r.rank,
+                local: i,
                 seg,
                 first: i == 0,
                 last: i + 1 == n,
@@ -501,7 +545,7 @@ fn preprocess<T: Scalar, E: Engine<T>>(
         };
         let mut s_ext = local.forward(&seg, h, Array2::zeros((kd, vd)).view()).1;
         opt.policy.round(Stage::SExt, &mut s_ext);
-        (s_ext, local.transition(&seg, h))
+        (s_ext, transition(local, &seg, h, &opt.faults))
     });
     let mut out: Vec<PreProcess<T>> = (0..plan.world())
         .map(|_| PreProcess {
@@ -529,6 +573,9 @@ fn merge_forward<T: Scalar, E: Engine<T>>(
         .map(|rm| {
             if !rm.continues() {
                 return None;
+            }
+            if opt.faults.carry_dropped {
+                return Some(vec![Array2::zeros((kd, vd)); local.heads()]);
             }
             let seq = rm.pieces[0].seq;
             Some(
@@ -668,11 +715,12 @@ fn run_forward<T: Scalar, E: Engine<T>>(
     let diags = merged_states(local, plan, opt);
     let merged: Vec<_> = diags.iter().map(|d| d.merged_h0.clone()).collect();
     let ps = pieces(plan);
+    let segs = computed_segments(plan, &ps, &opt.faults);
     let runs = par_pairs(ps.len(), local.heads(), |i, h| {
         let p = &ps[i];
-        local.forward(&p.seg, h, piece_h0(local, plan, p, h, &merged).view())
+        local.forward(&segs[i], h, piece_h0(local, plan, p, h, &merged).view())
     });
-    let (o, final_states) = piece_outputs(plan, &ps, local.heads(), runs);
+    let (o, final_states) = piece_outputs(plan, &ps, &segs, local.heads(), runs);
     CpForward {
         o,
         final_states,
@@ -682,11 +730,12 @@ fn run_forward<T: Scalar, E: Engine<T>>(
 
 /// Per-(piece, head) outputs `(piece, head, o)` in plan order and the final
 /// state of every sequence ending in a piece, from the pieces' forward
-/// results `(o, S_L)` in pair order.
+/// results `(o, S_L)` in pair order over the tokens `segs` each piece computed.
 #[allow(clippy::type_complexity)]
 fn piece_outputs<T: Scalar>(
     plan: &Plan,
     ps: &[PieceRef],
+    segs: &[Segment],
     heads: usize,
     runs: Vec<(Array2<T>, Array2<T>)>,
 ) -> (
@@ -700,7 +749,7 @@ fn piece_outputs<T: Scalar>(
         if p.seg.end == seq_bounds(plan, p.seg.seq).1 {
             final_states.push((p.seg.seq, h, sh));
         }
-        o.push((p.seg, h, oh));
+        o.push((segs[i / heads], h, oh));
     }
     (o, final_states)
 }
@@ -780,9 +829,12 @@ fn run_backward<T: Scalar, E: Engine<T>>(
             let h0 = merged_fwd[r]
                 .as_ref()
                 .map_or_else(|| zero.clone(), |m| m[h].clone());
-            let mut ds_ext = local.backward(&seg, h, h0.view(), zero.view()).1;
+            let mut ds_ext = match opt.faults.bwd_preprocess_head0_decay {
+                Some(bt) => head0_decay_ds_ext(local, &seg, h, bt),
+                None => local.backward(&seg, h, h0.view(), zero.view()).1,
+            };
             opt.policy.round(Stage::SExt, &mut ds_ext);
-            (ds_ext, local.transition(&seg, h))
+            (ds_ext, transition(local, &seg, h, &opt.faults))
         })
     });
     let first_of = |r: usize, h: usize| first[r * heads + h].as_ref();
@@ -792,6 +844,9 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         .iter()
         .map(|rm| {
             rm.continued().then(|| {
+                if opt.faults.carry_dropped || opt.faults.carry_grad_dropped {
+                    return vec![zero.clone(); heads];
+                }
                 let seq = rm.pieces.last().expect("non-empty").seq;
                 (0..heads)
                     .map(|h| {
@@ -825,8 +880,9 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         .map(|rm| wanted(rm).then(|| references.next().expect("one per request")))
         .collect();
     let ps = pieces(plan);
+    let segs = computed_segments(plan, &ps, &opt.faults);
     let runs = par_pairs(ps.len(), heads, |i, h| {
-        let p = &ps[i];
+        let (p, seg) = (&ps[i], &segs[i]);
         let rm = &plan.ranks[p.rank];
         let h0 = piece_h0(local, plan, p, h, &merged_fwd);
         let dht = if p.last && rm.continued() {
@@ -838,14 +894,14 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         };
         // Fault 4 leaves the forward intact and recomputes the backward from zeros.
         if opt.faults.drop_merged_state_in_backward && p.first && rm.continues() {
-            let f = with_outputs.then(|| local.forward(&p.seg, h, h0.view()));
-            let (g, d) = local.backward(&p.seg, h, zero.view(), dht.view());
+            let f = with_outputs.then(|| local.forward(seg, h, h0.view()));
+            let (g, d) = local.backward(seg, h, zero.view(), dht.view());
             (f, g, d)
         } else if with_outputs {
-            let (f, g, d) = local.forward_backward(&p.seg, h, h0.view(), dht.view());
+            let (f, g, d) = local.forward_backward(seg, h, h0.view(), dht.view());
             (Some(f), g, d)
         } else {
-            let (g, d) = local.backward(&p.seg, h, h0.view(), dht.view());
+            let (g, d) = local.backward(seg, h, h0.view(), dht.view());
             (None, g, d)
         }
     });
@@ -858,9 +914,9 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         if p.seg.start == seq_bounds(plan, p.seg.seq).0 {
             dh0.push((p.seg.seq, h, d));
         }
-        grads.push((p.seg, h, g));
+        grads.push((segs[i / heads], h, g));
     }
-    let outputs = with_outputs.then(|| piece_outputs(plan, &ps, heads, fwd_runs));
+    let outputs = with_outputs.then(|| piece_outputs(plan, &ps, &segs, heads, fwd_runs));
     let mut diags = fwd_diags;
     for (r, d) in diags.iter_mut().enumerate() {
         let rm = &plan.ranks[r];
@@ -917,4 +973,128 @@ fn reference_dhts<T: Scalar, E: Engine<T>>(
         },
         |i, h, piece, dht| local.backward(piece, h, starts[i][h].view(), dht.view()).1,
     )
+}
+
+/// Refuses a fault that reads a per-channel decay on an operator without one.
+fn check_faults<T: Scalar, E: Engine<T>>(
+    p: &<E::Op as Operator<T>>::Prepared<'_>,
+    faults: &Faults,
+) -> Result<()> {
+    let empty = Segment {
+        seq: 0,
+        batch: 0,
+        start: 0,
+        end: 0,
+    };
+    if faults.needs_decay() && E::Op::decay_log_sum(p, &empty, 0).is_none() {
+        return Err(crate::error::Error::option(
+            "precision",
+            format!(
+                "this fault misreads a per-channel gate `gk`, which {} has none of \
+                 (it applies to kda, gdn2 and dplr)",
+                <E::Op as OpSpec>::NAME
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `seg` cut into chunks of `bt` tokens from its start (FLA's chunks of a
+/// local sequence), in order.
+fn chunks_of(seg: &Segment, bt: usize) -> Vec<Segment> {
+    (seg.start..seg.end)
+        .step_by(bt.max(1))
+        .map(|start| Segment {
+            start,
+            end: (start + bt).min(seg.end),
+            ..*seg
+        })
+        .collect()
+}
+
+/// `Diag(e^{decay})` of `seg` for head `h`, `[K]` (the operator has a
+/// per-channel gate: [`check_faults`]).
+fn diag_decay<T: Scalar, E: Engine<T>>(local: &Local<T, E>, seg: &Segment, h: usize) -> Vec<T> {
+    E::Op::decay_log_sum(local.p, seg, h)
+        .expect("checked: a per-channel gate")
+        .iter()
+        .map(|&x| x.exp())
+        .collect()
+}
+
+/// `M [K, K]` of `seg` as the pre-process forms it: the engine's transition,
+/// or under [`Faults::transition_low_rank_negated`] the product over the
+/// piece's chunks of `Diag(γ_c) − L_c` where the chunk's transition is
+/// `M_c = Diag(γ_c) + L_c`, i.e. `2·Diag(γ_c) − M_c`.
+fn transition<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
+    seg: &Segment,
+    h: usize,
+    faults: &Faults,
+) -> Array2<T> {
+    let Some(bt) = faults.transition_low_rank_negated else {
+        return local.transition(seg, h);
+    };
+    let kd = local.state_dims().0;
+    let mut m = Array2::<T>::eye(kd);
+    for c in chunks_of(seg, bt) {
+        let mut flipped = local.transition(&c, h).mapv(|x| -x);
+        for (d, g) in diag_decay(local, &c, h).into_iter().enumerate() {
+            flipped[[d, d]] += g + g;
+        }
+        m = gemm::dot(flipped.view(), m.view());
+    }
+    m
+}
+
+/// `dS_ext` of `seg` (zero `dht`) as FLA #781's backward pre-process forms
+/// it: chunk by chunk from the end, `dS ← B_c(dS)`, each chunk's exact map
+/// `B_c(X) = Diag(γ_c)·X + (the chunk's own reads of the state)` (the
+/// engine's backward over the chunk with `dht = X`), with its decay term
+/// taken from head 0: `B_c(X) + (Diag(γ⁰_c) − Diag(γ_c))·X`. The state
+/// gradient of these operators does not depend on the state, so each chunk
+/// runs from a zero state.
+fn head0_decay_ds_ext<T: Scalar, E: Engine<T>>(
+    local: &Local<T, E>,
+    seg: &Segment,
+    h: usize,
+    bt: usize,
+) -> Array2<T> {
+    let (kd, vd) = local.state_dims();
+    let zero = Array2::<T>::zeros((kd, vd));
+    let mut ds = zero.clone();
+    for c in chunks_of(seg, bt).iter().rev() {
+        let mut next = local.backward(c, h, zero.view(), ds.view()).1;
+        let (own, head0) = (diag_decay(local, c, h), diag_decay(local, c, 0));
+        for d in 0..kd {
+            let wrong = head0[d] - own[d];
+            for v in 0..vd {
+                next[[d, v]] += wrong * ds[[d, v]];
+            }
+        }
+        ds = next;
+    }
+    ds
+}
+
+/// The tokens each piece computes: all of them, or under
+/// [`Faults::stale_chunk_indices`] the prefix that the chunk indices of the
+/// global `cu_seqlens` cover (local sequence `i` gets as many chunks as
+/// global sequence `i` has).
+fn computed_segments(plan: &Plan, ps: &[PieceRef], faults: &Faults) -> Vec<Segment> {
+    let Some(bt) = faults.stale_chunk_indices else {
+        return ps.iter().map(|p| p.seg).collect();
+    };
+    let global_chunks = |i: usize| {
+        plan.cu_seqlens
+            .get(i + 1)
+            .map_or(0, |&end| (end - plan.cu_seqlens[i]) as usize)
+            .div_ceil(bt.max(1))
+    };
+    ps.iter()
+        .map(|p| Segment {
+            end: p.seg.end.min(p.seg.start + global_chunks(p.local) * bt),
+            ..p.seg
+        })
+        .collect()
 }

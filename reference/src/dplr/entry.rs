@@ -61,7 +61,7 @@ static INFO: OpInfo = OpInfo {
     streams_by_head: true,
     regimes: &inputs::Regime::ALL,
     fp32_results: &["final_state", "dh0"],
-    gen_flags: &[GenFlag::InitialState, GenFlag::Scale],
+    gen_flags: &[GenFlag::InitialState, GenFlag::Scale, GenFlag::Gate],
     intermediates: &[],
 };
 
@@ -71,6 +71,12 @@ static INFO: OpInfo = OpInfo {
 struct CaseOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<f64>,
+    /// FLA's `safe_gate` (absent: false).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    safe_gate: bool,
+    /// FLA's `lower_bound` on `gk`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lower_bound: Option<f64>,
 }
 
 /// FLA's bf16 storage of its DPLR chunk kernels: `q·scale` in bf16
@@ -132,14 +138,31 @@ impl Registered for Dplr {
         Ok(DplrOptions {
             scale: c.scale,
             output_final_state: true,
+            safe_gate: c.safe_gate,
+            lower_bound: c.lower_bound,
         })
     }
 
     fn gen_options(f: &GenFlags) -> std::result::Result<Options, String> {
-        Ok(registry::to_options(&CaseOptions { scale: f.scale }))
+        // `gen --op dplr --lower-bound X` records FLA's `lower_bound` (the
+        // draws keep gk in [X, 0)); the scheme it licenses is FLA's choice.
+        let lower_bound = match f.gate {
+            Gate::LowerBound { lower_bound } => Some(lower_bound),
+            Gate::None => None,
+            Gate::Kda => {
+                return Err("dplr takes gk as given (no in-kernel gate): \
+                     --gate kda does not apply; --lower-bound X bounds gk to [X, 0)"
+                    .into())
+            }
+        };
+        Ok(registry::to_options(&CaseOptions {
+            scale: f.scale,
+            safe_gate: false,
+            lower_bound,
+        }))
     }
 
-    fn draws(r: &DrawRequest<'_>, _: &DplrOptions) -> Vec<Draw> {
+    fn draws(r: &DrawRequest<'_>, opt: &DplrOptions) -> Vec<Draw> {
         let d = r.dims;
         let s = DplrSpec {
             layout: r.layout.clone(),
@@ -149,7 +172,7 @@ impl Registered for Dplr {
             initial_state: r.flags.initial_state,
             seed: r.seed,
         };
-        inputs::dplr_draws(&s, r.regime)
+        inputs::dplr_draws_bounded(&s, r.regime, opt.lower_bound)
     }
 
     fn fla_bf16(_: &DplrOptions, cp: bool) -> Policy {

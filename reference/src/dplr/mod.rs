@@ -94,6 +94,36 @@ pub struct DplrOptions {
     /// Defaults to `K^-0.5`.
     pub scale: Option<f64>,
     pub output_final_state: bool,
+    /// FLA's `safe_gate`: the caller promises a gate with which the
+    /// kernels may factor `exp(Γ_r − Γ_c)` through each chunk's midpoint
+    /// row (FLA's centered tensor-core A stage). The values do not change:
+    /// only how a kernel forms them ([`DplrOptions::uses_safe_gate`]).
+    pub safe_gate: bool,
+    /// FLA's `lower_bound`: every `gk ≥ lower_bound` (< 0), which the
+    /// oracle checks; with [`gate_bound_is_safe`] it licenses the safe-gate
+    /// scheme without `safe_gate`.
+    pub lower_bound: Option<f64>,
+}
+
+/// FLA's `gate_bound_is_safe(lower_bound, chunk_size)`: whether gates
+/// `≥ lower_bound` keep the midpoint-centered exponents of a chunk,
+/// `(chunk_size/2 + 1)·|lower_bound|·log2(e)`, within 124 (fp32's exponent
+/// range less 4 bits of headroom). A non-negative bound licenses nothing.
+pub fn gate_bound_is_safe(lower_bound: f64, chunk_size: usize) -> bool {
+    lower_bound < 0.0
+        && lower_bound.abs() * (chunk_size / 2 + 1) as f64 * std::f64::consts::LOG2_E <= 124.0
+}
+
+impl DplrOptions {
+    /// Whether FLA's `chunk_dplr_delta_rule` takes the safe-gate scheme at
+    /// `chunk_size`: `safe_gate`, or a `lower_bound` that
+    /// [`gate_bound_is_safe`] accepts.
+    pub fn uses_safe_gate(&self, chunk_size: usize) -> bool {
+        self.safe_gate
+            || self
+                .lower_bound
+                .is_some_and(|lb| gate_bound_is_safe(lb, chunk_size))
+    }
 }
 
 /// `o [B, T, H, V]`, `final_state [N, H, K, V]` when asked for.
@@ -318,6 +348,9 @@ pub fn validate_refs<T: Scalar>(x: &DplrRefs<'_, T>, opt: &DplrOptions) -> Resul
     if let Some(sc) = opt.scale {
         check_finite_option("scale", sc)?;
     }
+    if let Some(lb) = opt.lower_bound {
+        check_lower_bound(lb, x.gk)?;
+    }
     for (name, a) in [
         ("q", x.q),
         ("k", x.k),
@@ -438,6 +471,11 @@ impl<T: Scalar> Operator<T> for Dplr {
             v: rows(p.v.view()),
             scale: T::c(p.scale),
         }
+    }
+
+    /// `Σ_t gk[t, h, :]` over `seg` (`[K]`).
+    fn decay_log_sum(p: &Prepared<'_, T>, seg: &Segment, h: usize) -> Option<ndarray::Array1<T>> {
+        Some(tensor::head_view(p.gk.view(), seg, h).sum_axis(ndarray::Axis(0)))
     }
 
     fn cu_seqlens(x: &DplrInputs<T>) -> Option<&[i64]> {
@@ -634,5 +672,29 @@ impl<T: Scalar> PreparedGrads<T> {
             dgk: self.dgk.into_dyn(),
             dh0: x.initial_state.as_ref().map(|_| self.dh0.into_dyn()),
         }
+    }
+}
+
+/// Refuses a `lower_bound` that is not a finite negative number, or that
+/// some `gk` breaks (the caller's promise to FLA's kernels, which they do
+/// not check: a broken one overflows their midpoint-centered exponents).
+fn check_lower_bound<T: Scalar>(lb: f64, gk: &ArrayD<T>) -> Result<()> {
+    if !(lb.is_finite() && lb < 0.0) {
+        return Err(Error::option(
+            "lower_bound",
+            format!("expected a finite negative bound on gk, got {lb}"),
+        ));
+    }
+    let below = gk.indexed_iter().find(|(_, g)| g.f64() < lb);
+    match below {
+        Some((at, g)) => Err(Error::option(
+            "lower_bound",
+            format!(
+                "gk{:?} = {} is below lower_bound = {lb}: FLA's kernels assume gk ≥ lower_bound",
+                ndarray::Dimension::slice(&at),
+                g.f64()
+            ),
+        )),
+        None => Ok(()),
     }
 }

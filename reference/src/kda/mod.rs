@@ -639,6 +639,11 @@ impl<T: Scalar> Operator<T> for Kda {
         }
     }
 
+    /// `Σ_t g[t, hv, :]` over `seg`: `g` is the per-channel log-decay after the gate (`[K]`).
+    fn decay_log_sum(p: &Prepared<'_, T>, seg: &Segment, h: usize) -> Option<ndarray::Array1<T>> {
+        Some(tensor::head_view(p.g.view(), seg, h).sum_axis(ndarray::Axis(0)))
+    }
+
     fn cu_seqlens(x: &KdaInputs<T>) -> Option<&[i64]> {
         x.cu_seqlens.as_deref()
     }

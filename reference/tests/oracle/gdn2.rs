@@ -425,7 +425,7 @@ proptest! {
             q: x.q.clone(), k: x.k.clone(), v: &x.w * &x.v, a: a.clone(), b: x.k.clone(), gk: x.g.clone(),
             initial_state: x.initial_state.clone(), cu_seqlens: x.cu_seqlens.clone(),
         };
-        let dopt = DplrOptions { scale: c.opt.scale, output_final_state: true };
+        let dopt = DplrOptions { scale: c.opt.scale, output_final_state: true, ..Default::default() };
         let tol = 1e-12;
         let (f, g) = (fwd(&Naive, &c), bwd(&Naive, &c));
         let chunk = dplr::chunk::Chunk::new(32).unwrap();

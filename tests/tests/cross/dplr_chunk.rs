@@ -174,3 +174,58 @@ fn f32_chunk_is_within_flas_band_of_f64_naive() {
         assert!(v <= 5e-3, "{name}: {v:e}");
     }
 }
+
+/// FLA's `gate_bound_is_safe`: `(C/2 + 1)·|lb|·log2 e ≤ 124`, so at chunk 16
+/// (9 rows) the largest safe |lb| is 124 / (9·log2 e) ≈ 9.55, at chunk 64
+/// (33 rows) ≈ 2.60; a non-negative bound is never safe.
+#[test]
+fn fla_picks_the_safe_gate_scheme_from_the_bound() {
+    use deltaref::dplr::gate_bound_is_safe;
+    assert!(gate_bound_is_safe(-9.5, 16) && !gate_bound_is_safe(-9.6, 16));
+    assert!(gate_bound_is_safe(-2.6, 64) && !gate_bound_is_safe(-2.7, 64));
+    assert!(!gate_bound_is_safe(0.0, 16) && !gate_bound_is_safe(1.0, 16));
+    let bounded = |lb| DplrOptions {
+        lower_bound: Some(lb),
+        ..Default::default()
+    };
+    assert!(bounded(-5.0).uses_safe_gate(16) && !bounded(-5.0).uses_safe_gate(64));
+    let forced = DplrOptions {
+        safe_gate: true,
+        ..Default::default()
+    };
+    assert!(forced.uses_safe_gate(64) && !DplrOptions::default().uses_safe_gate(16));
+}
+
+/// `gen --op dplr --lower-bound X` records FLA's `lower_bound` and draws
+/// `gk` in `[X, 0)`, reaching below RWKV-7's `−e^{−1/2}`; a `gk` below the
+/// recorded bound is refused, naming the element and the bound.
+#[test]
+fn a_dplr_lower_bound_draws_gk_within_it_and_is_checked() {
+    use deltaref::gates::Gate;
+    use deltaref_verify::case::Op;
+    use deltaref_verify::generate::{generate, GenSpec};
+    use deltaref_verify::impls::{Compute, Impl};
+    let case = generate(&GenSpec {
+        shape: Some(vec![1, 40, 2, 8, 8]),
+        gate: Gate::LowerBound { lower_bound: -3.0 },
+        seed: 4,
+        ..GenSpec::new(Op::Dplr)
+    })
+    .expect("generates");
+    assert_eq!(case.meta.options["lower_bound"], serde_json::json!(-3.0));
+    let gk = &case.tensors["gk"];
+    let (lo, hi) = gk
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &g| (l.min(g), h.max(g)));
+    assert!(lo >= -3.0 && hi < 0.0 && lo < -0.61, "gk in [{lo}, {hi}]");
+    let mut broken = case.clone();
+    broken.tensors.get_mut("gk").unwrap()[[0, 3, 1, 2]] = -3.5;
+    let e = Impl::NAIVE
+        .compute(&broken, Compute::F64)
+        .expect_err("gk below the bound")
+        .to_string();
+    assert!(
+        e.contains("lower_bound") && e.contains("[0, 3, 1, 2]") && e.contains("-3.5"),
+        "{e}"
+    );
+}

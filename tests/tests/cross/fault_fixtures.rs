@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 
 use deltaref_verify::case::Case;
+use deltaref_verify::diagnose::{diagnose, TokenMap};
 use deltaref_verify::impls::{Compute, ImplName, ImplRequest};
 use deltaref_verify::report::VerifyReport;
 
@@ -94,4 +95,175 @@ fn the_bf16_m_chain_fails_a_tensor_that_fla_bf16_passes() {
         !caught.is_empty(),
         "no committed CP fixture separates the bf16 M chain from fla-bf16"
     );
+}
+
+/// The fixture `name` from the committed set.
+fn fixture(name: &str) -> Case {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("fixtures")
+        .join(format!("{name}.safetensors"));
+    Case::read(&path).expect("fixture reads")
+}
+
+/// `(tensor, rank, token)` where the CP run under `preset` first leaves a
+/// 1e-6 band around the fixture's truth, as `diagnose` locates it (the rank
+/// cuts are the fixture's own CP layout).
+fn first_bad(case: &Case, preset: &str) -> Option<(String, usize, usize)> {
+    let req = ImplRequest {
+        name: ImplName::Cp,
+        precision: Some(preset.into()),
+        ..ImplRequest::default()
+    };
+    let (imp, compute) = req.resolve_with_compute(case).expect("resolves");
+    let got = imp
+        .compute(case, compute.unwrap_or(Compute::F64))
+        .expect("computes");
+    let x = &case.tensors[case.meta.op.first_input()];
+    let (b, t) = (x.shape()[0], x.shape()[1]);
+    let (spec, _) = imp.cp.as_ref().expect("a CP fixture");
+    let plan = spec.build(b, t, case.cu_seqlens.as_deref()).expect("plan");
+    let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), plan.cuts(), 16);
+    diagnose(&case.results(), &got, &map, 1e-6)
+        .first_bad
+        .map(|(n, l)| (n, l.rank, l.token))
+}
+
+/// One seed bug's fault preset on the fixture that exercises it: the
+/// tensors it must fail, those it must leave alone, and the rank and the
+/// tokens where `diagnose` must place its first error.
+struct Seed {
+    fault: &'static str,
+    fixture: &'static str,
+    fails: &'static [&'static str],
+    passes: &'static [&'static str],
+    rank: usize,
+    tokens: std::ops::Range<usize>,
+}
+
+/// Each fault preset modelled on a seed bug fails its committed fixture at
+/// FLA's 5e-3 bar on the tensors the bug reaches (and not on those it
+/// cannot reach), and `diagnose` places the first error on the rank the
+/// bug hits first. A gradient error shows before a forward one: the
+/// backward carries it to earlier tokens. The places follow from each
+/// fixture's layout:
+/// - `cp_token_shift_world4`: lengths 5, 40, 19 over 4 ranks of 16 tokens.
+///   Without the cache rank 1's first `y` (token 16) is wrong, and before
+///   it rank 0's last token (15) misses the cache's gradient, as it does
+///   when only the gradient is dropped.
+/// - `cp_causal_conv1d_world2` (W = 4): lengths 20, 44, cut at 32 inside
+///   sequence 1; rank 1's window is rank 0's last W − 1 tokens, 29..32,
+///   whose gradients go missing.
+/// - `cp_kda_heads2_world2`: one 256-token sequence cut at 128; #781 only
+///   touches the state gradient rank 0 receives, so the forward passes and
+///   the error starts in rank 0's first chunk.
+/// - `cp_kda_4seqs_world4`: lengths 100, 37, 150, 225 over ranks of 128;
+///   rank 1's second local sequence [137, 256) gets the chunk count of
+///   global sequence 1 (37 tokens: one chunk), so its tokens from 201 on
+///   are never computed and the gradients of its earlier tokens lose those
+///   tokens' reads; rank 0's local sequences fit within their global
+///   counterparts' chunk counts.
+/// - `cp_dplr_long_memory_world4`: lengths 30, 190, 36 over ranks of 64;
+///   the wrong `M` of every rank's pre-process reaches the merged states and,
+///   through `Mᵀ`, the state gradient rank 0 receives for sequence 1
+///   (from token 30; sequence 0 is not cut).
+#[test]
+fn seed_bug_faults_fail_their_fixture_where_the_bug_is() {
+    let seeds = [
+        Seed {
+            fault: "shift-cache-drop",
+            fixture: "cp_token_shift_world4",
+            fails: &["y", "dx"],
+            passes: &["final_cache"],
+            rank: 0,
+            tokens: 15..16,
+        },
+        Seed {
+            fault: "shift-cache-grad-drop",
+            fixture: "cp_token_shift_world4",
+            fails: &["dx"],
+            passes: &["y", "final_cache"],
+            rank: 0,
+            tokens: 15..16,
+        },
+        Seed {
+            fault: "conv-cache-drop",
+            fixture: "cp_causal_conv1d_world2",
+            fails: &["y", "dx"],
+            passes: &["final_state"],
+            rank: 0,
+            tokens: 29..30,
+        },
+        Seed {
+            fault: "gk-offset",
+            fixture: "cp_kda_heads2_world2",
+            fails: &["dk", "dv"],
+            passes: &["o", "final_state", "dq"],
+            rank: 0,
+            tokens: 0..64,
+        },
+        Seed {
+            fault: "stale-cu-seqlens",
+            fixture: "cp_kda_4seqs_world4",
+            fails: &["o", "dk"],
+            passes: &[],
+            rank: 1,
+            tokens: 137..256,
+        },
+        Seed {
+            fault: "dplr-bg-sign",
+            fixture: "cp_dplr_long_memory_world4",
+            fails: &["o", "final_state"],
+            passes: &[],
+            rank: 0,
+            tokens: 30..64,
+        },
+    ];
+    for s in seeds {
+        let case = fixture(s.fixture);
+        assert_eq!(passes(&case, "exact"), Some(true), "{}", s.fixture);
+        let bad = failing(&case, s.fault).expect("resolves");
+        for t in s.fails {
+            assert!(
+                bad.iter().any(|b| b == t),
+                "{}: {t} passes: {bad:?}",
+                s.fault
+            );
+        }
+        for t in s.passes {
+            assert!(
+                !bad.iter().any(|b| b == t),
+                "{}: {t} fails: {bad:?}",
+                s.fault
+            );
+        }
+        let (tensor, rank, token) = first_bad(&case, s.fault).expect(s.fault);
+        assert!(
+            rank == s.rank && s.tokens.contains(&token),
+            "{}: first bad {tensor} at rank {rank}, token {token}",
+            s.fault
+        );
+    }
+}
+
+/// A fault preset on an operator whose code it does not model is refused,
+/// naming the operators it models.
+#[test]
+fn a_fault_on_another_operator_is_refused() {
+    let case = fixture("cp_token_shift_world4");
+    for (fault, ops) in [
+        ("gk-offset", "kda/gdn2/dplr"),
+        ("conv-cache-drop", "causal_conv1d"),
+    ] {
+        let req = ImplRequest {
+            name: ImplName::Cp,
+            precision: Some(fault.into()),
+            ..ImplRequest::default()
+        };
+        let e = req
+            .resolve_with_compute(&case)
+            .expect_err(fault)
+            .to_string();
+        assert!(e.contains(ops) && e.contains("token_shift"), "{e}");
+    }
 }

@@ -5,17 +5,20 @@ use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
 use deltaref::conv::Activation;
+use deltaref::cp::Layout;
 use deltaref::gates::Gate;
 use deltaref::inputs::Regime;
-use deltaref_verify::case::{CaseError, Dtype, Op};
+use deltaref_verify::case::{CaseError, CpLayout, Dtype, Op};
 use deltaref_verify::generate::{generate_to, GenSpec};
 
-use super::{fail, file_dtype, list};
+use super::{fail, file_dtype, list, LayoutArg};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
     #[command(flatten)]
     pub gen: GenOpts,
+    #[command(flatten)]
+    pub cp: CpOpts,
     /// Where to write the case file (safetensors; written atomically).
     #[arg(long)]
     pub out: PathBuf,
@@ -25,6 +28,38 @@ pub struct Args {
     /// in FLA's layout).
     #[arg(long, default_value = "fla")]
     pub convention: String,
+}
+
+/// How the case is cut for context parallelism: written as its `cp`
+/// metadata, which `verify`, `cp` and `diagnose` use without CP flags.
+#[derive(ClapArgs, Debug, Clone, Default)]
+pub struct CpOpts {
+    /// Record FLA's equal CP split over N ranks (T must divide).
+    #[arg(long)]
+    pub world: Option<usize>,
+    /// With --world: contiguous (rank r holds slice r, the default) or
+    /// zigzag (2W equal intervals, rank r holds r and 2W−1−r).
+    #[arg(long, value_enum)]
+    pub layout: Option<LayoutArg>,
+    /// Record CP interior cut positions instead, e.g. 300,512,700.
+    #[arg(long)]
+    pub cuts: Option<String>,
+}
+
+/// The CP layout the flags ask for (`None`: no CP flag).
+pub fn cp_layout(c: &CpOpts) -> Result<Option<CpLayout>, CaseError> {
+    let usage = |m: &str| CaseError::Usage(m.into());
+    match (c.world, c.layout, c.cuts.as_deref()) {
+        (None, None, None) => Ok(None),
+        (Some(_), _, Some(_)) => Err(usage("give --world or --cuts, not both")),
+        (None, Some(_), _) => Err(usage("--layout applies to --world")),
+        (Some(0), _, _) => Err(usage("--world: expected at least 1 rank, got 0")),
+        (Some(w), l, None) => Ok(Some(CpLayout::World(
+            w,
+            l.map(Layout::from).unwrap_or_default(),
+        ))),
+        (None, None, Some(cuts)) => Ok(Some(CpLayout::Cuts(list("--cuts", cuts)?))),
+    }
 }
 
 /// What to draw: the operator, shape and options (shared with `tolerance`).
@@ -94,7 +129,13 @@ pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
             Op::names_list()
         ))
     })?;
+    let dplr_bound = op == Op::Dplr && a.gate == "none" && a.lower_bound.is_some();
     let gate = match a.gate.as_str() {
+        // DPLR has no in-kernel gate: its `--lower-bound` is FLA's
+        // `lower_bound` on gk (drawn in [X, 0)).
+        "none" if dplr_bound => Gate::LowerBound {
+            lower_bound: a.lower_bound.unwrap_or_default(),
+        },
         "lowerbound" => Gate::LowerBound {
             lower_bound: a.lower_bound.unwrap_or(-5.0),
         },
@@ -106,7 +147,18 @@ pub fn spec(a: &GenOpts) -> Result<GenSpec, CaseError> {
             )))
         }
     };
-    if let Some(lb) = a.lower_bound.filter(|lb| !(-5.0..0.0).contains(lb)) {
+    if let Some(lb) = a
+        .lower_bound
+        .filter(|lb| op == Op::Dplr && !(lb.is_finite() && *lb < 0.0))
+    {
+        return Err(usage(format!(
+            "--lower-bound: dplr's gk is a log-decay, so its bound is negative, got {lb}"
+        )));
+    }
+    if let Some(lb) = a
+        .lower_bound
+        .filter(|lb| op != Op::Dplr && !(-5.0..0.0).contains(lb))
+    {
         return Err(usage(format!(
             "--lower-bound: FLA's safe gate accepts [-5, 0), got {lb}"
         )));
@@ -168,8 +220,18 @@ fn generate_in_convention(
     Ok(kernel.tensors.len() + usize::from(kernel.cu_seqlens.is_some()))
 }
 
+/// [`spec`] with the case's CP layout, checked against its tokens.
+fn with_cp(a: &Args) -> Result<GenSpec, CaseError> {
+    let s = GenSpec {
+        cp: cp_layout(&a.cp)?,
+        ..spec(&a.gen)?
+    };
+    s.check_cp()?;
+    Ok(s)
+}
+
 pub fn run(a: Args) -> ExitCode {
-    let result = spec(&a.gen).and_then(|s| {
+    let result = with_cp(&a).and_then(|s| {
         // Refuse an unwritable destination before the work, not after it.
         deltaref_verify::files::destination(&a.out)?;
         if a.convention == "fla" {

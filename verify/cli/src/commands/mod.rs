@@ -68,7 +68,9 @@ pub fn precision_help() -> String {
         "Emulate a precision preset (what a kernel stores in which dtype, and \
          the scalar it computes in) or inject a CP fault; default exact. \
          PRESET+FAULT puts a fault under a preset's rounding (e.g. \
-         fla-bf16+partial-merge-v). Presets: {}",
+         fla-bf16+partial-merge-v); PRESET,STAGE=DTYPE,g=DTYPE,midpoint=on|off \
+         changes stages of a preset (e.g. fla-bf16,S_ext=bf16,g=fp16,midpoint=off; \
+         an unknown stage is refused with the valid ones). Presets: {}",
         names.join("; ")
     )
 }

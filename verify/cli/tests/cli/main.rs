@@ -6,6 +6,7 @@ mod band;
 mod basics;
 mod cases;
 mod common;
+mod compose;
 mod fuzz;
 mod gpu;
 mod hostile;
