@@ -432,6 +432,35 @@ fn draw(spec: &GenSpec, layout: Layout, dims: &[usize]) -> Result<Case, CaseErro
     Ok(case)
 }
 
+impl GenSpec {
+    /// Refuses a CP layout ([`GenSpec::cp`]) that cannot cut the case's
+    /// tokens (a world that does not divide `T`, cuts out of order or past
+    /// `T`, `B > 1`), before anything is drawn.
+    pub fn check_cp(&self) -> Result<(), CaseError> {
+        let Some(cp) = &self.cp else {
+            return Ok(());
+        };
+        let (layout, _) = self.dims()?;
+        let (b, t) = (layout.b, layout.t);
+        let cu: Option<Vec<i64>> = self.lengths.as_ref().map(|l| {
+            std::iter::once(0)
+                .chain(l.iter().scan(0i64, |acc, &n| {
+                    *acc += n as i64;
+                    Some(*acc)
+                }))
+                .collect()
+        });
+        let plan = match cp {
+            CpLayout::World(w, deltaref::cp::Layout::Contiguous) => PlanSpec::World(*w),
+            CpLayout::World(w, deltaref::cp::Layout::Zigzag) => PlanSpec::Zigzag(*w),
+            CpLayout::Cuts(c) => PlanSpec::Cuts(c.clone()),
+        };
+        plan.build(b, t, cu.as_deref())
+            .map(|_| ())
+            .map_err(|e| CaseError::Usage(format!("--world/--cuts: {e}")))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -576,34 +605,5 @@ mod tests {
         assert!(same_names(&planned, &got).is_ok());
         got.insert("dk".into(), ndarray::ArrayD::zeros(ndarray::IxDyn(&[1])));
         assert!(same_names(&planned, &got).is_err());
-    }
-}
-
-impl GenSpec {
-    /// Refuses a CP layout ([`GenSpec::cp`]) that cannot cut the case's
-    /// tokens (a world that does not divide `T`, cuts out of order or past
-    /// `T`, `B > 1`), before anything is drawn.
-    pub fn check_cp(&self) -> Result<(), CaseError> {
-        let Some(cp) = &self.cp else {
-            return Ok(());
-        };
-        let (layout, _) = self.dims()?;
-        let (b, t) = (layout.b, layout.t);
-        let cu: Option<Vec<i64>> = self.lengths.as_ref().map(|l| {
-            std::iter::once(0)
-                .chain(l.iter().scan(0i64, |acc, &n| {
-                    *acc += n as i64;
-                    Some(*acc)
-                }))
-                .collect()
-        });
-        let plan = match cp {
-            CpLayout::World(w, deltaref::cp::Layout::Contiguous) => PlanSpec::World(*w),
-            CpLayout::World(w, deltaref::cp::Layout::Zigzag) => PlanSpec::Zigzag(*w),
-            CpLayout::Cuts(c) => PlanSpec::Cuts(c.clone()),
-        };
-        plan.build(b, t, cu.as_deref())
-            .map(|_| ())
-            .map_err(|e| CaseError::Usage(format!("--world/--cuts: {e}")))
     }
 }

@@ -134,6 +134,7 @@ fn dplr_one_and_two_tokens() {
     let opt = DplrOptions {
         scale: Some(scale),
         output_final_state: true,
+        ..DplrOptions::default()
     };
     for (n, os, fin) in [(1, vec![o1], s1), (2, vec![o1, o2], s2)] {
         let x = DplrInputs {
