@@ -377,7 +377,12 @@ impl Case {
                 ),
             });
         }
-        case.check_candidate_inputs(&cand, what)?;
+        // A candidate written in another convention carries its inputs in
+        // that layout: compare them in FLA's (one that does not map back
+        // cannot be compared, and its results meet `--convention` later).
+        if let Ok(in_fla) = in_fla_layout(bytes, what, cand.clone()) {
+            case.check_candidate_inputs(&in_fla, what)?;
+        }
         Ok(cand)
     }
 

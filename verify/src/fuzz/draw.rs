@@ -257,7 +257,8 @@ impl Params {
         spec.seed = self.seed;
         spec.gate = match (self.gate, op.name()) {
             (false, _) => Gate::None,
-            (true, "kda") => Gate::LowerBound { lower_bound: -5.0 },
+            // DPLR's only gate option is FLA's `lower_bound` on `gk`.
+            (true, "kda" | "dplr") => Gate::LowerBound { lower_bound: -5.0 },
             (true, _) => Gate::Kda,
         };
         spec.use_qk_l2norm_in_kernel = self.l2norm;

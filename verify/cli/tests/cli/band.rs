@@ -75,11 +75,19 @@ fn band_rows_are_ordered_quantiles_and_repeat_for_a_seed() {
     }
     for r in rows {
         let q = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k}: {r}"));
+        // The ensemble's quantiles are ordered; the band is them widened
+        // by the model margin on each side.
         assert!(
-            0.0 < q("p1")
-                && q("p1") <= q("median")
-                && q("median") <= q("p99")
-                && q("p99") <= q("max"),
+            0.0 < q("ensemble_p1")
+                && q("ensemble_p1") <= q("median")
+                && q("median") <= q("ensemble_p99")
+                && q("ensemble_p99") <= q("max")
+                && q("margin") > 1.0,
+            "{r}"
+        );
+        assert!(
+            (q("p1") * q("margin") / q("ensemble_p1") - 1.0).abs() < 1e-12
+                && (q("p99") / (q("ensemble_p99") * q("margin")) - 1.0).abs() < 1e-12,
             "{r}"
         );
     }

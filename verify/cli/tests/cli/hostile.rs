@@ -407,7 +407,7 @@ fn flags_that_cannot_apply_are_refused() {
                 "--precision",
                 "drop-merged-state",
             ],
-            "token_shift hands on cached tokens",
+            "this case's op is token_shift, where it cannot apply",
         ),
         (
             vec![
