@@ -854,14 +854,23 @@ mod tests {
         // A band of identical samples: the model margin on each side, judged
         // at the minimum width (0.3 · 2.3 = 0.69 > 2.3 − 1.74).
         let flat = BandRow::of(Op::Kda, "dh0", &[2.0, 2.0, 2.0]);
-        assert_eq!((flat.p1, flat.p99), (2.0 / MODEL_MARGIN, 2.0 * MODEL_MARGIN));
+        assert_eq!(
+            (flat.p1, flat.p99),
+            (2.0 / MODEL_MARGIN, 2.0 * MODEL_MARGIN)
+        );
         assert_eq!(flat.width(), MIN_REL_WIDTH * flat.p99);
         assert_eq!(judge_one(&flat, 2.2).position, Position::Inside);
         assert_eq!(judge_one(&flat, 2.5).position, Position::Above);
         assert_eq!(judge_one(&flat, 3.0).position, Position::OutAbove);
         // The margin follows the op and the tensor.
-        assert_eq!(BandRow::of(Op::Dplr, "o", &[1.0; 3]).margin, MODEL_MARGIN_DPLR);
-        assert_eq!(BandRow::of(Op::Kda, "ddt_bias", &[1.0; 3]).margin, MODEL_MARGIN_DECAY);
+        assert_eq!(
+            BandRow::of(Op::Dplr, "o", &[1.0; 3]).margin,
+            MODEL_MARGIN_DPLR
+        );
+        assert_eq!(
+            BandRow::of(Op::Kda, "ddt_bias", &[1.0; 3]).margin,
+            MODEL_MARGIN_DECAY
+        );
         assert_eq!(noisy.margin, MODEL_MARGIN_DECAY);
         // Far below: more than a width under p1, or a tenth of it.
         assert_eq!(judge_one(&noisy, 0.05).position, Position::Below);

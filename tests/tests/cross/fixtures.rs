@@ -103,7 +103,11 @@ fn every_fixture_verifies_against_every_implementation() {
 /// run is for, each saying in the manifest which bug it is.
 #[test]
 fn named_regressions_say_which_bug_they_are_for() {
-    let bugs: Vec<String> = manifest().fixtures.into_iter().filter_map(|e| e.bug).collect();
+    let bugs: Vec<String> = manifest()
+        .fixtures
+        .into_iter()
+        .filter_map(|e| e.bug)
+        .collect();
     for bug in [
         "fla#1107",
         "fla#1093",

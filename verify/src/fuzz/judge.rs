@@ -217,7 +217,13 @@ impl BandRule {
                 Ok(band::ratios(truth, &got))
             })
             .collect::<Result<Vec<_>, CaseError>>()?;
-        Ok(Band::of(case.meta.op, precision, &imp.name(), spec, &samples))
+        Ok(Band::of(
+            case.meta.op,
+            precision,
+            &imp.name(),
+            spec,
+            &samples,
+        ))
     }
 }
 
