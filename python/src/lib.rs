@@ -356,15 +356,14 @@ fn verify<'py>(
                         ));
                 }
                 let (imp, preset) = req.resolve_with_compute(&case).map_err(|e| e.to_string())?;
-                let got = imp
-                    .compute(&case, compute.or(preset).unwrap_or(Compute::F64))
-                    .map_err(computing)?;
-                (
-                    stored,
-                    "case file".to_string(),
-                    got,
-                    format!("impl:{}", imp.name()),
-                )
+                let compute = compute.or(preset).unwrap_or(Compute::F64);
+                let got = imp.compute(&case, compute).map_err(computing)?;
+                let label = deltaref_verify::report::impl_label(
+                    &imp.name(),
+                    req.precision.as_deref(),
+                    compute,
+                );
+                (stored, "case file".to_string(), got, label)
             }
         };
         // As `deltaref verify --forward-only --allow-partial`: the outputs
@@ -396,6 +395,7 @@ fn verify<'py>(
         let report = VerifyReport::new(
             case_name, &reference, &candidate, &expected, &got, max_ratio,
         )
+        .with_heads(case.meta.op, &expected, &got)
         .with_unchecked(unchecked, allow_partial);
         Ok(if forward_only {
             report.forward_only()

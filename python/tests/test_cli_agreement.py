@@ -40,7 +40,9 @@ def test_chunk_and_cp_match_deltaref_run_bit_for_bit(path, cli, tmp_path):
         want = deltaref.read_case(out)
         got = backward_of(case, "chunk", chunk_size=case.meta.get("chunk_size"), **extra)
         if case.op != "token_shift":  # no engine: the CLI names the flag, runs naive
-            assert p.stdout.startswith(f"{got.impl} on ")
+            # The CLI's header names the implementation, then its precision
+            # and compute dtype: `impl:chunk(C=64) [precision exact, compute f64] on …`.
+            assert p.stdout.startswith(f"impl:{got.impl} [precision exact, compute f64] on ")
         for name in got:
             assert same_bits(got[name], want.tensors[name]), f"{impl}: {name}"
         # The forward-only path gives the same outputs.

@@ -383,6 +383,16 @@ impl fmt::Display for VerifyReport {
     }
 }
 
+/// How a report names an implementation's run: `impl:NAME`, the precision
+/// preset and the scalar it computed in, so that every report header says
+/// what produced its numbers.
+pub fn impl_label(name: &str, precision: Option<&str>, compute: crate::impls::Compute) -> String {
+    format!(
+        "impl:{name} [precision {}, compute {compute}]",
+        precision.unwrap_or("exact")
+    )
+}
+
 #[cfg(test)]
 mod head_tests {
     use super::*;

@@ -75,15 +75,7 @@ pub fn precision_help() -> String {
     )
 }
 
-/// How a report names an implementation's run: `impl:NAME`, the precision
-/// preset and the scalar it computed in, so that every report header says
-/// what produced its numbers.
-pub fn impl_label(name: &str, precision: Option<&str>, compute: Compute) -> String {
-    format!(
-        "impl:{name} [precision {}, compute {compute}]",
-        precision.unwrap_or("exact")
-    )
-}
+pub use deltaref_verify::report::impl_label;
 
 /// `--against`: what a run is compared with.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
