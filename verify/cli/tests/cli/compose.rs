@@ -115,7 +115,8 @@ fn gen_refuses_a_cp_layout_that_cannot_cut_the_case() {
     }
 }
 
-/// `verify --json`'s `(tensor, norm_ratio)` rows.
+/// `verify --json`'s `(tensor, norm_ratio)` rows
+/// ([`crate::precision::norm_ratios`]).
 fn ratios(case: &Path, imp: &str, precision: &str) -> Vec<(String, f64)> {
     let (_, json, err) = code(&[
         "verify",
@@ -127,18 +128,8 @@ fn ratios(case: &Path, imp: &str, precision: &str) -> Vec<(String, f64)> {
         precision,
         "--json",
     ]);
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_else(|_| panic!("{err}"));
-    v["rows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            (
-                r["tensor"].as_str().unwrap().to_string(),
-                r["norm_ratio"].as_f64().unwrap(),
-            )
-        })
-        .collect()
+    assert!(!json.is_empty(), "{err}");
+    crate::precision::norm_ratios(&json)
 }
 
 #[test]

@@ -15,7 +15,7 @@ fn gen(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
     case
 }
 
-fn norm_ratios(json: &str) -> Vec<(String, f64)> {
+pub(crate) fn norm_ratios(json: &str) -> Vec<(String, f64)> {
     let v: serde_json::Value = serde_json::from_str(json).expect("JSON report");
     v["rows"]
         .as_array()
