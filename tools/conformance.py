@@ -21,46 +21,14 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tools.conformance_judge import BARS, gen, judge, ratios_of, sh  # noqa: E402
 from tools.runners.common import load, save  # noqa: E402
 from tools.runners.registry import IMPLS  # noqa: E402
-
-# FLA's test bars (tests/ops/test_kda.py, test_gated_delta.py, test_dplr_delta.py, modules' tests).
-BARS = {"kda": 8e-3, "gdn": 3e-3, "gdn2": 8e-3, "dplr": 8e-3, "token_shift": 1e-3, "causal_conv1d": 1e-3}
-
-
-def sh(*args):
-    p = subprocess.run([str(a) for a in args], capture_output=True, text=True)
-    return p.returncode, p.stdout, p.stderr
-
-
-def gen(deltaref, case, path):
-    if os.path.exists(path):
-        return None
-    rc, out, err = sh(deltaref, "gen", *case["gen"], "--expected", "--out", path)
-    return None if rc == 0 else (err or out).strip()
-
-
-def ratios_of(report):
-    """Tensor -> norm_ratio (None where the candidate is not finite), and the tensors that fail."""
-    rows = report["rows"]
-    return {r["tensor"]: r.get("norm_ratio") for r in rows}, sorted(r["tensor"] for r in rows if not r["pass"])
-
-
-def judge(deltaref, case_path, cand, forward_only, bar):
-    args = ["verify", "--case", case_path, "--candidate", cand, "--json", "--max-ratio", bar, "--allow-partial"]
-    if forward_only:
-        args.append("--forward-only")
-    rc, out, err = sh(deltaref, *args)
-    if rc not in (0, 1):
-        return None, None, (err or out).strip()
-    return (*ratios_of(json.loads(out)), None)
-
 
 def emulated(deltaref, case_path, meta, bar):
     """What FLA's bf16 storage costs a correct kernel on this case: the

@@ -6,7 +6,7 @@
 # and logs go to $OUT.
 #   bash tools/device_batch.sh GROUP...     (groups: see below; default all)
 set -u
-BUDGET=${BUDGET:-500}
+export BUDGET=${BUDGET:-500}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton
 W=/tmp/conf; mkdir -p $W
@@ -30,6 +30,11 @@ for g in $groups; do
         gdnfwd) conf gdnfwd 'gdn-128' 'opengdn-reference,opengdn-chunkwise,opengdn-triton,fla-chunk-fwd' & ;;
         k100) conf k100 'kda-k100' 'fla-fused-recurrent,fla-chunk' & ;;
         gdn2) conf gdn2 'gdn2-64' 'fla-chunk-gdn2' & ;;
+        named) # the committed named-regression fixtures, one process each (each shape autotunes)
+            for f in $(python3 -c "import json; print(' '.join(c['family'] for c in \
+                    json.load(open('tools/conformance_plan.json'))['cases'] if c['family'].startswith('named-')))"); do
+                conf "$f" "$f" 'fla-chunk,fla-chunk-gdn2,fla-fused-recurrent,fla-chunk-fwd' &
+            done ;;
         fid128|fid64|fiddplr)
             names=$(python3 -c "import sys; sys.path.insert(0, 'tools'); import fla_fidelity as f; \
                 print(','.join(n for n, a in f.BAND_CASES if {'fid128': 'k128', 'fid64': 'k64', 'fiddplr': 'dplr'}['$g'] in n \

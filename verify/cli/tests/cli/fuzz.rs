@@ -227,9 +227,11 @@ fn band_judges_each_case_in_its_noise_band() {
     assert_eq!(c, 2, "{err}");
 }
 
-/// ggml's GATED_DELTA_NET through `tools/ggml_runner.py`: GDN and KDA pass
-/// in ggml's convention; wrapped for FLA's layout, grouped value heads
-/// are caught and the tiled head mapping named.
+/// ggml's kernels through `tools/ggml_runner.py`: GATED_DELTA_NET (GDN and
+/// KDA) passes in ggml's convention, and wrapped for FLA's layout its
+/// grouped value heads are caught and the tiled head mapping named;
+/// RWKV_WKV7 (DPLR, at RWKV-7's head size 64) and SSM_CONV (causal conv1d,
+/// bias and SiLU in the graph) pass in FLA's layout.
 #[test]
 #[ignore = "needs ggml-python 0.0.45: DELTAREF_GGML_PYTHON=/path/to/python cargo test -p deltaref-cli --test cli ggml -- --ignored"]
 fn ggml_passes_in_its_convention_and_its_head_mapping_is_named_under_fla() {
@@ -273,6 +275,14 @@ fn ggml_passes_in_its_convention_and_its_head_mapping_is_named_under_fla() {
             out.contains("head-mapping") && out.contains("`j % H` (tiled)"),
             "{op}: {out}"
         );
+    }
+    for (op, extra) in [("dplr", ["--fix", "2,64,64"]), ("causal_conv1d", ["--seed", "1"])] {
+        let mut args = vec!["fuzz", "-q", "--op", op, "--worker", &runner];
+        args.extend(extra);
+        args.extend(["--cases", "60", "--max-tokens", "64"]);
+        let (c, out, err) = code(&args);
+        assert_eq!(c, 0, "{op}: {out}{err}");
+        assert!(out.contains("60 passed"), "{op}: {out}");
     }
 }
 
