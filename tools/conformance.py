@@ -75,7 +75,7 @@ def main():
                 convention, why_not, run, forward_only = IMPLS[impl]
                 row = dict(case=case["name"], family=case["family"], bug=case.get("bug"), impl=impl,
                            convention=convention, device=device, date=time.strftime("%Y-%m-%d"),
-                           gen=" ".join(case["gen"]), forward_only=forward_only)
+                           gen=" ".join(case["gen"]) if "gen" in case else case["fixture"], forward_only=forward_only)
                 if err:
                     row |= dict(status="case-error", error=err)
                     out.write(json.dumps(row) + "\n")

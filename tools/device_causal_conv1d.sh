@@ -18,4 +18,5 @@ cd - > /dev/null
 left=$(( BUDGET - $(date +%s) + start - 30 ))
 timeout $left python3 tools/conformance.py --plan tools/conformance_plan.json \
     --deltaref .bin/deltaref --work /tmp/conf --out /tmp/conf/rows-dao.jsonl --families conv \
-    --impls causal-conv1d,fla-chunk --budget-s $(( left - 40 ))
+    --impls ${IMPLS:-causal-conv1d,causal-conv1d-cl,fla-chunk} --budget-s $(( left - 40 )) \
+    --keep "${KEEP:-}" --keep-dir $OUT

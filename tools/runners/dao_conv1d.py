@@ -53,7 +53,21 @@ def seq_idx_of(cu, T, device):
     return idx[None]
 
 
-def run(meta, t):
+def make(channel_last_grad):
+    """The runner; with `channel_last_grad` the final state's gradient is
+    handed to the kernel channel-last (stride 1 along D). The kernel reads
+    `dfinal_states` with its channel stride inside a block of channels but
+    steps between blocks as if that stride were 1 (`causal_conv1d_bwd.cu`),
+    and the C++ entry checks the stride for `initial_states` and
+    `final_states` but not for `dfinal_states`: autograd's gradient of a
+    state sliced out of a `[B, D, W]` tensor has stride W along D."""
+    def run(meta, t):
+        return conv(meta, t, channel_last_grad)
+
+    return run
+
+
+def conv(meta, t, channel_last_grad):
     from causal_conv1d import causal_conv1d_fn
 
     dt = token_dtype(t, "x")
@@ -74,9 +88,11 @@ def run(meta, t):
         h0_kernel = h0[:, :, 1:].to(dt).transpose(1, 2).contiguous().transpose(1, 2)
         y, last = causal_conv1d_fn(x_bdt, leaves["weight"], leaves.get("bias"),
                                    initial_states=h0_kernel, return_final_states=True, activation=act)
+        if channel_last_grad:
+            last.register_hook(lambda g: g.transpose(1, 2).contiguous().transpose(1, 2))
         oldest = window(h0.to(dt), x_bdt, width)[:, :, :1]
         final = torch.cat([oldest, last], dim=2)
-        served = "causal_conv1d_fn (dense, states)"
+        served = "causal_conv1d_fn (dense, states" + (", dfinal_states channel-last)" if channel_last_grad else ")")
     else:
         cu = [a for a, _ in spans] + [spans[-1][1]]
         idx = seq_idx_of(cu, x_bdt.shape[2], x_bdt.device)

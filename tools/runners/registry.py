@@ -8,7 +8,8 @@ IMPLS = {
     "fla-chunk-gdn2": (fla.CONVENTION, fla.gdn2_why_not, fla.gdn2_run, False),
     "fla-fused-recurrent": (fla.CONVENTION, fla.recurrent_why_not, fla.recurrent_run, True),
     "flashkda": (flashkda.CONVENTION, flashkda.why_not, flashkda.run, True),
-    "causal-conv1d": (dao_conv1d.CONVENTION, dao_conv1d.why_not, dao_conv1d.run, False),
+    "causal-conv1d": (dao_conv1d.CONVENTION, dao_conv1d.why_not, dao_conv1d.make(False), False),
+    "causal-conv1d-cl": (dao_conv1d.CONVENTION, dao_conv1d.why_not, dao_conv1d.make(True), False),
 } | {
     f"opengdn-{p}": (opengdn.CONVENTION, opengdn.why_not, opengdn.make(p), False) for p in opengdn.PATHS
 }
