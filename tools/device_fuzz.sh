@@ -17,6 +17,8 @@ for run in $runs; do
     case $impl:$op in
         opengdn-*) # its runner maps FLA's layout: FLA's cases, drawn within what opengdn takes
             judge=(--dtype f32 --tolerance 1e-4 --fix 2,64,64 --within opengdn) ;;
+        fla-fused-recurrent:*) # no CP path: draw no cut points
+            judge=(--dtype bf16 --band fla-bf16 --samples 4 --fix 2,64,64 --no-cp) ;;
         *:kda|*:gdn|*:dplr|*:gdn2) judge=(--dtype bf16 --band fla-bf16 --samples 4 --fix 2,64,64) ;;
         *) judge=(--dtype f32 --tolerance 1e-4) ;;
     esac

@@ -113,6 +113,8 @@ def recurrent_run(meta, t):
 
             if meta.get("use_gate_in_kernel"):
                 opts |= dict(use_gate_in_kernel=True, A_log=t.get("A_log"), dt_bias=t.get("dt_bias"))
+            if meta.get("use_beta_sigmoid_in_kernel"):
+                opts["use_beta_sigmoid_in_kernel"] = True
             o, ht = fused_recurrent_gated_delta_rule(**x, **opts)
     return {"o": o, "final_state": ht}, s.said(f"triton fused_recurrent ({op})")
 
