@@ -233,7 +233,7 @@ fn band_judges_each_case_in_its_noise_band() {
 /// RWKV_WKV7 (DPLR, at RWKV-7's head size 64) and SSM_CONV (causal conv1d,
 /// bias and SiLU in the graph) pass in FLA's layout.
 #[test]
-#[ignore = "needs ggml-python 0.0.45: DELTAREF_GGML_PYTHON=/path/to/python cargo test -p deltaref-cli --test cli ggml -- --ignored"]
+#[ignore = "needs ggml-python 0.0.45: DELTAREF_GGML_PYTHON=/path/to/python cargo test --release --workspace --test cli ggml -- --ignored"]
 fn ggml_passes_in_its_convention_and_its_head_mapping_is_named_under_fla() {
     let py = std::env::var("DELTAREF_GGML_PYTHON")
         .expect("DELTAREF_GGML_PYTHON: a python with ggml-python installed");
