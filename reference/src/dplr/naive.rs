@@ -66,6 +66,10 @@ impl<T: Scalar> Recurrence<T> for Naive {
         }
     }
 
+    fn o_dim(x: &DplrHead<T>) -> (usize, usize) {
+        (x.len(), x.v_dim())
+    }
+
     fn zero_grads(x: &DplrHead<T>) -> DplrHeadGrads<T> {
         DplrHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim())
     }

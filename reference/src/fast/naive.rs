@@ -48,6 +48,9 @@ pub(crate) trait Recurrence<T: Scalar>: Sync {
     type Tokens<'a>: Tokens<T, Op = Self::Op>;
 
     fn tokens<'a>(x: &'a Head<'_, T, Self::Op>) -> Self::Tokens<'a>;
+    /// `(L, V)`, the shape of `x`'s output `o` (known without
+    /// [`Recurrence::tokens`], which computes the decays).
+    fn o_dim(x: &Head<'_, T, Self::Op>) -> (usize, usize);
     /// Zero gradients for `x`'s tokens and state.
     fn zero_grads(x: &Head<'_, T, Self::Op>) -> <Self::Op as Operator<T>>::HeadGrads;
     /// `g` as a sink to write into.
@@ -152,10 +155,11 @@ struct Record<'a, T: Scalar> {
     checkpoints: Option<&'a mut Vec<T>>,
 }
 
-/// The [`crate::op::Engine`] items of an operator's naive engine (a [`Recurrence`]
-/// of operator `$op`): `impl<T: Scalar> Engine<T> for Naive {
+/// The [`crate::op::Engine`] items of an operator's naive engine (a
+/// [`Recurrence`] of operator `$op`): `impl<T: Scalar> Engine<T> for Naive {
 /// engine!(Kda); }`. (A blanket `impl Engine for R: Recurrence` would
-/// overlap the other engines' impls.)
+/// overlap the other engines' impls, or, made disjoint, put the engines'
+/// private arithmetic types in the crate's public interface.)
 macro_rules! engine {
     ($op:ty) => {
         type Op = $op;
@@ -243,8 +247,7 @@ pub(crate) fn forward_backward<T: Scalar, R: Recurrence<T>>(
     d_o: ArrayView2<T>,
     dht: ArrayView2<T>,
 ) -> ((Array2<T>, Array2<T>), <R::Op as Operator<T>>::HeadGrads) {
-    let (l, _, vd) = R::tokens(x).dims();
-    let (mut o, mut s_l) = (Array2::zeros((l, vd)), Array2::zeros(h0.raw_dim()));
+    let (mut o, mut s_l) = (Array2::zeros(R::o_dim(x)), Array2::zeros(h0.raw_dim()));
     let mut gr = R::zero_grads(x);
     let (o_out, s_out) = (Some(o.view_mut()), Some(s_l.view_mut()));
     simd::dispatch(

@@ -64,6 +64,10 @@ impl<T: Scalar> Recurrence<T> for Naive {
         }
     }
 
+    fn o_dim(x: &KdaHead<T>) -> (usize, usize) {
+        (x.len(), x.v_dim())
+    }
+
     fn zero_grads(x: &KdaHead<T>) -> KdaHeadGrads<T> {
         KdaHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim())
     }
