@@ -13,6 +13,7 @@
 //! (matrix products, vector dispatch, the naive sweeps, thread splits) is
 //! behind one wall, in the private module `fast`.
 
+mod chunked;
 pub mod conv;
 pub mod cp;
 pub mod dplr;

@@ -31,7 +31,10 @@
 //!    tensors keeps each pair's as computed ([`Collected`]).
 //! 2. One file per engine (`naive.rs`, `chunk.rs`), each a type implementing
 //!    [`Engine`] with `type Op = <marker>`. Override [`Engine::transition`]
-//!    only when the engine has a cheaper way than the default probe run.
+//!    only when the engine has a cheaper way than the default probe run. A
+//!    naive engine in the style of KDA's and DPLR's gives its per-row
+//!    arithmetic to the shared driver (`fast/naive.rs`); a chunked engine is
+//!    the shell `Chunk<marker>` (`chunked.rs`) over the operator's stages.
 //! 3. Register the module in `lib.rs`. The drivers, CP, thread determinism
 //!    and the result maps come for free.
 

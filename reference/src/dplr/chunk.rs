@@ -17,6 +17,7 @@ use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
     DplrOutputs, Prepared,
 };
+use crate::chunked::Stages;
 use crate::error::Result;
 use crate::fast::columns::{
     backward_chunks, forward_chunks, StateColumns, StateGradColumns, StateRows,
@@ -27,51 +28,16 @@ use crate::fast::gemm;
 use crate::fast::par::{par_chunks, par_pairs};
 use crate::fast::tri;
 use crate::fast::views;
-use crate::op::{self, Engine, HeadSink, Operator};
-use crate::precision::{Feature, Policy, Stage};
+use crate::op::{self, Operator};
+use crate::precision::{Feature, Stage};
 use crate::scalar::{exp_bound, Scalar};
 use crate::varlen::Segment;
 
-/// The chunked engine.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Chunk {
-    pub chunk_size: usize,
-    pub policy: Policy,
-    /// Tokens per span of a long pair's forward+backward
-    /// ([`crate::fast::spans::in_spans`]); a multiple of `chunk_size`.
-    span_len: usize,
-}
+/// The chunked engine: the shell [`crate::chunked::Chunk`] over DPLR's
+/// stages.
+pub type Chunk = crate::chunked::Chunk<Dplr>;
 
 impl Chunk {
-    /// Chunk sizes of FLA's kernels: 16, 32 or 64.
-    pub fn new(chunk_size: usize) -> Result<Self> {
-        Ok(Chunk::sized(crate::registry::ChunkSize::new(chunk_size)?))
-    }
-
-    /// The engine with chunks of `c` tokens.
-    pub fn sized(c: crate::registry::ChunkSize) -> Self {
-        Chunk {
-            chunk_size: c.get(),
-            policy: Policy::exact(),
-            span_len: crate::fast::spans::SPAN_LEN,
-        }
-    }
-
-    /// The same engine with stages rounded per `policy`.
-    pub fn with_policy(self, policy: Policy) -> Self {
-        Chunk { policy, ..self }
-    }
-
-    /// The same engine with spans of `tokens` (a positive multiple of the
-    /// chunk size) for long pairs. The results do not depend on it.
-    pub fn with_span_len(self, tokens: usize) -> Result<Self> {
-        crate::fast::spans::check_span_len(tokens, self.chunk_size)?;
-        Ok(Chunk {
-            span_len: tokens,
-            ..self
-        })
-    }
-
     /// What a policy may ask of this engine (FLA `chunk_dplr_delta_rule`'s
     /// stored tensors): `Aqk` covers `Aqk` and `Aqb`, `Akk` the WY inverse
     /// `P`, `qg/kg` the gated `qg`, `kg`, `ag`, `bg`, `v_new` FLA's `v_new`
@@ -971,74 +937,84 @@ fn below_blocks_backward<T: Scalar>(
     }
 }
 
-impl<T: Scalar> Engine<T> for Chunk {
-    type Op = Dplr;
+impl crate::chunked::Spans for Dplr {}
 
-    fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        let f = self.forward_intermediates(x, h0);
+impl<T: Scalar> Stages<T> for Dplr {
+    type Forward = ChunkForward<T>;
+
+    fn head_len(x: &DplrHead<T>) -> usize {
+        x.len()
+    }
+
+    /// A chunk's rows of the head are read by its intra stage, state step,
+    /// state backward and chunk backward: one copy of the head in standard
+    /// layout serves them all (copying each chunk's rows where it is read,
+    /// as KDA's two readers do, was level here and slower on one long
+    /// pair).
+    fn staged<'a>(x: &'a DplrHead<'_, T>) -> DplrHead<'a, T> {
+        x.standard()
+    }
+
+    fn span<'a>(x: &'a DplrHead<'_, T>, r: std::ops::Range<usize>) -> DplrHead<'a, T> {
+        x.standard_rows(r)
+    }
+
+    fn forward_pass(
+        e: &Chunk,
+        x: &DplrHead<T>,
+        h0: ArrayView2<T>,
+        read_out: bool,
+    ) -> ChunkForward<T> {
+        e.forward_pass(x, h0, read_out)
+    }
+
+    fn output(f: ChunkForward<T>) -> (Array2<T>, Array2<T>) {
         (f.o, f.final_state)
     }
 
-    fn backward(
-        &self,
+    fn backward_from(
+        e: &Chunk,
         x: &DplrHead<T>,
-        h0: ArrayView2<T>,
+        fwd: &ChunkForward<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> DplrHeadGrads<T> {
-        let x = &x.standard();
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
-            .grads
+        e.backward_from(x, fwd, d_o, dht, false).grads
     }
 
-    /// One forward pass (with its readout) serves the backward too.
-    fn forward_backward(
-        &self,
+    fn backward_into(
+        e: &Chunk,
         x: &DplrHead<T>,
-        h0: ArrayView2<T>,
+        fwd: &ChunkForward<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
-    ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
-        let x = &x.standard();
-        let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
-        ((fwd.o, fwd.final_state), grads)
-    }
-
-    /// The gradients written into the run's tensors chunk by chunk; a pair
-    /// longer than a span in spans ([`crate::fast::spans::in_spans`]).
-    fn forward_backward_into(
-        &self,
-        x: &DplrHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-        out: HeadSink<'_, T, Dplr>,
+        gr: DplrHeadGradsMut<T>,
     ) {
-        if x.len() > self.span_len {
-            return crate::fast::spans::chunked_in_spans!(self, x, h0, d_o, dht, out);
-        }
-        // A chunk's rows of the head are read by its intra stage, state
-        // step, state backward and chunk backward: one copy of the head
-        // serves them all (copying each chunk's rows where it is read, as
-        // KDA's two readers do, was level here and slower on one long pair).
-        let x = &x.standard();
-        let fwd = self.forward_pass(x, h0, true);
-        views::copy_into(out.o, fwd.o.view());
-        views::copy_into(out.final_state, fwd.final_state.view());
-        self.backward_into(x, &fwd, d_o, dht, false, out.grads);
+        e.backward_into(x, fwd, d_o, dht, false, gr);
+    }
+
+    fn sink_rows<'a>(
+        gr: &'a mut DplrHeadGradsMut<'_, T>,
+        r: std::ops::Range<usize>,
+        dh0: ndarray::ArrayViewMut2<'a, T>,
+    ) -> DplrHeadGradsMut<'a, T> {
+        gr.rows_mut(r, dh0)
+    }
+
+    fn sink_dh0<'a>(gr: crate::chunked::Sink<'a, T, Self>) -> ndarray::ArrayViewMut2<'a, T> {
+        gr.dh0
     }
 
     /// `M = Π M_chunk`, later chunks on the left.
-    fn transition(&self, x: &DplrHead<T>) -> Array2<T> {
+    fn transition(e: &Chunk, x: &DplrHead<T>) -> Array2<T> {
         let x = &x.standard();
         let mut m = Array2::eye(x.k_dim());
-        for ch in self.intras(x) {
+        for ch in e.intras(x) {
             m = gemm::dot(
                 ch.transition(rows(&x.b, ch.start, ch.len())).view(),
                 m.view(),
             );
-            self.policy.round(Stage::MChain, &mut m);
+            e.policy.round(Stage::MChain, &mut m);
         }
         m
     }

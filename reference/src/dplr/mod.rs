@@ -424,7 +424,7 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
 }
 
 /// DPLR, FLA's `chunk_dplr_delta_rule` / `fused_recurrent_dplr_delta_rule`.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Dplr;
 
 impl OpSpec for Dplr {

@@ -1,44 +1,41 @@
-//! The naive recurrent DPLR form, one token at a time (SPEC §4), with a
-//! checkpointed hand-derived backward (`O(√L · K · V)` memory).
+//! DPLR's naive recurrent engine, one token at a time (SPEC §4), on the
+//! naive engines' driver ([`crate::fast::naive`]); this file is DPLR's
+//! per-row arithmetic.
 //!
 //! Each token has two halves: *start* reads the low-rank term from the
 //! undecayed state (`w = aᵀ S_{t−1}`), *finish* writes the state
-//! (`S_t = Diag(e^gk) S_{t−1} + b wᵀ + k vᵀ`) and reads out `o = S_tᵀ q`. As
-//! in the KDA engine, the finish of one token and the start of the next run
-//! in one sweep over the state, a tile of columns at a time. The checkpoint
-//! pass keeps `w [L, V]`, which makes recomputing a token elementwise, and
-//! the reverse sweep fuses, row by row, the backward of token `t`'s start
-//! (and decay) with the backward of token `t − 1`'s finish. A
-//! forward+backward run reads out `o` during the checkpoint pass instead of
-//! running the forward again.
-//!
-//! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
-//! on everything they call per token.
+//! (`S_t = Diag(e^gk) S_{t−1} + b wᵀ + k vᵀ`) and reads out `o = S_tᵀ q`.
+//! The checkpoint pass keeps `w [L, V]`, which makes recomputing a token
+//! elementwise, and the reverse sweep fuses, row by row, the backward of
+//! token `t`'s start (and decay) with the backward of token `t − 1`'s
+//! finish.
 
-use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewMut2, CowArray, Ix2};
+use ndarray::{ArrayD, ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
 use super::{
     Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
     DplrOutputs,
 };
 use crate::error::Result;
-use crate::fast::scratch::{self, Rows};
-use crate::fast::simd;
+use crate::fast::naive::{Back, Recurrence, SweepRows};
+use crate::fast::scratch::Rows;
 use crate::fast::sums::{dot, RowSums, SweepSums};
 use crate::fast::sweep::{
-    chunks, chunks_mut, contiguous_rows, prefetch, reverse_blocks, row, row_mut, run_tokens,
-    spread, state, Group, Pairs, TILE,
+    chunks, chunks_mut, contiguous_rows, prefetch, row, row_mut, spread, Group, Pairs,
 };
-use crate::op::{self, Engine, HeadSink};
+use crate::op::{self, Engine};
 use crate::scalar::Scalar;
 
+/// The naive recurrent engine.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;
 
+/// `forward(&Naive, …)`: outputs `o [B,T,H,V]` and optionally `final_state`.
 pub fn forward<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrOutputs<T>> {
     op::forward(&Naive, x, opt)
 }
 
+/// `backward(&Naive, …)`: all gradients from `do` and optional `dht`.
 pub fn backward<T: Scalar>(
     x: &DplrInputs<T>,
     opt: &DplrOptions,
@@ -48,221 +45,176 @@ pub fn backward<T: Scalar>(
     op::backward(&Naive, x, opt, d_o, dht)
 }
 
+impl<T: Scalar> Engine<T> for Naive {
+    crate::fast::naive::engine!(Dplr);
+}
+
+impl<T: Scalar> Recurrence<T> for Naive {
+    type Op = Dplr;
+    type Tokens<'a> = Tokens<'a, T>;
+
+    #[inline(always)]
+    fn tokens<'a>(x: &'a DplrHead<T>) -> Tokens<'a, T> {
+        Tokens {
+            q: contiguous_rows(x.q.view()),
+            k: contiguous_rows(x.k.view()),
+            v: contiguous_rows(x.v.view()),
+            a: contiguous_rows(x.a.view()),
+            b: contiguous_rows(x.b.view()),
+            scale: x.scale,
+            decay: Rows::exp(contiguous_rows(x.gk.view()).view()),
+        }
+    }
+
+    fn o_dim(x: &DplrHead<T>) -> (usize, usize) {
+        (x.len(), x.v_dim())
+    }
+
+    fn zero_grads(x: &DplrHead<T>) -> DplrHeadGrads<T> {
+        DplrHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim())
+    }
+
+    fn sink(g: &mut DplrHeadGrads<T>) -> DplrHeadGradsMut<'_, T> {
+        g.view_mut()
+    }
+
+    fn dh0<'a>(g: &'a mut DplrHeadGradsMut<'_, T>) -> ArrayViewMut2<'a, T> {
+        g.dh0.view_mut()
+    }
+}
+
 /// What a sweep does to row `i` of the state, one `[K]` slice per
 /// coefficient: the finish of token `t − 1` (`S_i ← e_i S_i + b_i w + k_i
-/// v`, then `o += q_i S_i`) and the start of token `t` (`w' += a_i S_i`).
-/// Those of absent halves are empty.
+/// v`, then `o += q_i S_i`) and the start of token `t` (`w' += a_i S_i`,
+/// from `w' = 0`). Those of absent halves are empty.
 #[derive(Clone, Copy)]
-struct Coefs<'a, T> {
+pub(crate) struct Coefs<'a, T> {
     e: &'a [T],
     b: &'a [T],
     k: &'a [T],
     q: &'a [T],
     a: &'a [T],
+    /// `v` of the finished token.
+    v: &'a [T],
 }
 
-impl<T> Coefs<'_, T> {
-    /// `K`: one of the halves is present.
+impl<T: Scalar> SweepRows<T> for Coefs<'_, T> {
+    /// `[e_i, b_i, k_i]`
+    type Fin = [T; 3];
+    /// `a_i`
+    type Start = T;
+    const EXTRA: bool = true;
+    const NEXT0: bool = false;
+
+    #[inline(always)]
     fn len(&self) -> usize {
         self.e.len().max(self.a.len())
     }
-}
-
-/// The `[V]` vectors of a sweep: `w` and `v` of the finished token, and the
-/// outputs `o` and `w' = aᵀS` of the started one.
-struct SweepIo<'a, T> {
-    w: &'a [T],
-    v: &'a [T],
-    o: &'a mut [T],
-    w_next: &'a mut [T],
-}
-
-/// One sweep over the state `s [K, V]`. The halves it runs are constants
-/// (`FIN`ish, `READ` out, `START`), so each combination compiles to a loop
-/// without branches; vectors of absent halves are never touched.
-#[inline(always)]
-fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
-    s: &mut [T],
-    rows: Coefs<T>,
-    io: &mut SweepIo<T>,
-) {
-    let vd = s.len() / rows.len();
-    let full = vd / TILE * TILE;
-    for j0 in (0..full).step_by(TILE) {
-        sweep_tile::<T, TILE, FIN, READ, START>(s, vd, rows, j0, io);
+    #[inline(always)]
+    fn fin(&self, i: usize) -> [T; 3] {
+        [self.e[i], self.b[i], self.k[i]]
     }
-    for j0 in full..vd {
-        sweep_tile::<T, 1, FIN, READ, START>(s, vd, rows, j0, io);
+    #[inline(always)]
+    fn q(&self, i: usize) -> T {
+        self.q[i]
     }
-}
-
-/// [`sweep`] over columns `j0 .. j0 + W` (the arithmetic per element does not
-/// depend on `W`, so the tiling leaves the bits alone). Each row's tile is
-/// copied into registers and back, which lets LLVM vectorise it.
-#[inline(always)]
-fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
-    s: &mut [T],
-    vd: usize,
-    c: Coefs<T>,
-    j0: usize,
-    io: &mut SweepIo<T>,
-) {
-    let cols = j0..j0 + W;
-    let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
-    let zeros = [T::zero(); W];
-    let (w, v) = if FIN {
-        (tile(io.w), tile(io.v))
-    } else {
-        (zeros, zeros)
-    };
-    let (mut o, mut w_next) = (zeros, zeros);
-    let at = |a: &[T], i: usize, present: bool| if present { a[i] } else { T::zero() };
-    for (i, s_row) in s.chunks_exact_mut(vd).enumerate() {
-        let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
-        let mut x = *s_tile;
-        // The row's coefficients read before the column loop: read inside
-        // it, LLVM may keep the tiles in memory, checking at every row that
-        // they do not overlap the coefficients (3–4× slower).
-        let (e, b, k) = (at(c.e, i, FIN), at(c.b, i, FIN), at(c.k, i, FIN));
-        let (q, a) = (at(c.q, i, READ), at(c.a, i, START));
-        for j in 0..W {
-            if FIN {
-                x[j] = e * x[j] + b * w[j] + k * v[j];
-            }
-            if READ {
-                o[j] += q * x[j];
-            }
-            if START {
-                w_next[j] += a * x[j];
-            }
-        }
-        *s_tile = x;
+    #[inline(always)]
+    fn start(&self, i: usize) -> T {
+        self.a[i]
     }
-    if READ {
-        io.o[cols.clone()].copy_from_slice(&o);
+    #[inline(always)]
+    fn extra(&self) -> &[T] {
+        self.v
     }
-    if START {
-        io.w_next[cols].copy_from_slice(&w_next);
+    #[inline(always)]
+    fn next0(&self) -> &[T] {
+        &[]
+    }
+    #[inline(always)]
+    fn finish([e, b, k]: [T; 3], x: T, w: T, v: T) -> T {
+        e * x + b * w + k * v
+    }
+    #[inline(always)]
+    fn begin(a: T, x: T, w: T) -> (T, T) {
+        (x, w + a * x)
     }
 }
 
 /// One head's tensors as the sweeps read them, row by row: in standard
 /// layout (borrowed when they already are), with the decay `e^gk` computed
 /// once.
-struct Tokens<'a, T: Scalar> {
+pub(crate) struct Tokens<'a, T: Scalar> {
     q: CowArray<'a, T, Ix2>,
     k: CowArray<'a, T, Ix2>,
+    v: CowArray<'a, T, Ix2>,
     a: CowArray<'a, T, Ix2>,
     b: CowArray<'a, T, Ix2>,
-    v: CowArray<'a, T, Ix2>,
     /// `q`'s factor ([`DplrHead::scale`]), applied as `q` is read.
     scale: T,
     /// `e^gk [L, K]`
     decay: Rows<T>,
 }
 
-/// What a forward run records besides the final state.
-struct Record<'a, T: Scalar> {
-    /// `o [L, V]`
-    o: Option<ArrayViewMut2<'a, T>>,
-    /// `w = aᵀ S_{t−1}`, `[L, V]`.
-    w: Option<&'a mut Rows<T>>,
-    /// The states at the checkpoints of [`run_tokens`], appended.
-    checkpoints: Option<&'a mut Vec<T>>,
-}
+impl<'t, T: Scalar> crate::fast::naive::Tokens<T> for Tokens<'t, T> {
+    type Op = Dplr;
+    type Rows<'b>
+        = Coefs<'b, T>
+    where
+        Self: 'b;
+    /// `q · scale` of the finished token.
+    type Buf = Vec<T>;
+    type Back<'a>
+        = Backward<'a, 't, T>
+    where
+        Self: 'a;
 
-impl<'a, T: Scalar> Tokens<'a, T> {
     #[inline(always)]
-    fn new(x: &'a DplrHead<T>) -> Self {
-        Tokens {
-            q: contiguous_rows(x.q.view()),
-            k: contiguous_rows(x.k.view()),
-            a: contiguous_rows(x.a.view()),
-            b: contiguous_rows(x.b.view()),
-            v: contiguous_rows(x.v.view()),
-            scale: x.scale,
-            decay: Rows::exp(contiguous_rows(x.gk.view()).view()),
+    fn dims(&self) -> (usize, usize, usize) {
+        (self.k.nrows(), self.k.ncols(), self.v.ncols())
+    }
+
+    #[inline(always)]
+    fn buf(&self) -> Vec<T> {
+        vec![T::zero(); self.k.ncols()]
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, n: usize) {
+        for a in [&self.q, &self.k, &self.a, &self.b, &self.v] {
+            prefetch(row(a, n));
         }
     }
 
-    /// Runs all tokens from the state `s` (see [`run_tokens`]), leaving
-    /// `S_L` in it.
     #[inline(always)]
-    fn run(&self, s: &mut [T], rec: Record<T>) {
-        let (l, kd, vd) = (self.k.nrows(), self.k.ncols(), self.v.ncols());
-        let Record {
-            mut o,
-            mut w,
-            checkpoints,
-        } = rec;
-        let (mut w_cur, mut w_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
-        let mut q_buf = vec![T::zero(); kd];
-        let mut o_row = vec![T::zero(); if o.is_some() { vd } else { 0 }];
-        run_tokens(
-            l,
-            s,
-            checkpoints,
-            #[inline(always)]
-            |s: &mut [T], fin, start| {
-                if let Some(n) = start.map(|t| t + 1).filter(|&n| n < l) {
-                    for a in [&self.q, &self.k, &self.a, &self.b, &self.v] {
-                        prefetch(row(a, n));
-                    }
-                }
-                let mut io = SweepIo {
-                    w: &w_cur,
-                    v: fin.map_or(&[], |p| row(&self.v, p)),
-                    o: &mut o_row,
-                    w_next: &mut w_next,
-                };
-                self.sweep(s, &mut q_buf, fin, start, &mut io);
-                if let (Some(o), Some(p)) = (&mut o, fin) {
-                    row_mut(o, p).copy_from_slice(&o_row);
-                }
-                if let Some(t) = start {
-                    if let Some(ws) = &mut w {
-                        ws.row_mut(t).copy_from_slice(&w_next);
-                    }
-                    std::mem::swap(&mut w_cur, &mut w_next);
-                }
-            },
-        );
-    }
-
-    /// One sweep finishing token `fin` (reading out `o` when `io.o` is not
-    /// empty) and starting token `start`.
-    #[inline(always)]
-    fn sweep(
-        &self,
-        s: &mut [T],
-        q_buf: &mut [T],
+    fn rows<'b>(
+        &'b self,
+        q_buf: &'b mut Vec<T>,
         fin: Option<usize>,
+        read: bool,
         start: Option<usize>,
-        io: &mut SweepIo<T>,
-    ) {
-        let read = fin.is_some() && !io.o.is_empty();
+    ) -> Coefs<'b, T> {
         let none = &[][..];
-        let (e, b, k, q) = match fin {
-            Some(t) => {
-                if read {
-                    for (c, &q) in q_buf.iter_mut().zip(row(&self.q, t)) {
-                        *c = q * self.scale;
-                    }
-                }
-                let q = if read { &q_buf[..] } else { none };
-                (self.decay.row(t), row(&self.b, t), row(&self.k, t), q)
+        if let (Some(t), true) = (fin, read) {
+            for (c, &q) in q_buf.iter_mut().zip(row(&self.q, t)) {
+                *c = q * self.scale;
             }
+        }
+        let (e, b, k, v) = match fin {
+            Some(t) => (
+                self.decay.row(t),
+                row(&self.b, t),
+                row(&self.k, t),
+                row(&self.v, t),
+            ),
             None => (none, none, none, none),
         };
-        let a = start.map_or(none, |t| row(&self.a, t));
-        let rows = Coefs { e, b, k, q, a };
-        match (fin.is_some(), read, start.is_some()) {
-            (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
-            (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
-            (true, false, true) => sweep::<T, true, false, true>(s, rows, io),
-            (true, false, false) => sweep::<T, true, false, false>(s, rows, io),
-            (false, _, true) => sweep::<T, false, false, true>(s, rows, io),
-            (false, _, false) => {}
+        Coefs {
+            e,
+            b,
+            k,
+            q: if read { &q_buf[..] } else { none },
+            a: start.map_or(none, |t| row(&self.a, t)),
+            v,
         }
     }
 
@@ -295,6 +247,20 @@ impl<'a, T: Scalar> Tokens<'a, T> {
             }
         }
     }
+
+    #[inline(always)]
+    fn back<'a>(&'a self, ws: &'a Rows<T>, d_o: ArrayView2<'a, T>) -> Backward<'a, 't, T> {
+        let (kd, vd) = (self.k.ncols(), self.v.ncols());
+        Backward {
+            tokens: self,
+            ws,
+            d_o,
+            dw: vec![T::zero(); vd],
+            dw_next: vec![T::zero(); vd],
+            spread: Spread::new(vd),
+            sums: SweepSums::new(kd),
+        }
+    }
 }
 
 /// [`Tokens::replay`] of one row group (`N / 4` rows), `coef[h] = (e, b, k)`
@@ -324,141 +290,9 @@ fn replay_group<T: Scalar, const N: usize>(
     }
 }
 
-impl<T: Scalar> Engine<T> for Naive {
-    type Op = Dplr;
-
-    fn forward(&self, x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        simd::dispatch(
-            #[inline(always)]
-            || forward_head(x, h0),
-        )
-    }
-
-    fn backward(
-        &self,
-        x: &DplrHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> DplrHeadGrads<T> {
-        let mut gr = DplrHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
-        simd::dispatch(
-            #[inline(always)]
-            || backward_head(x, h0, d_o, dht, None, None, gr.view_mut()),
-        );
-        gr
-    }
-
-    /// The backward's own forward run reads out `o` on the way: one run
-    /// instead of two, with the bits of each.
-    fn forward_backward(
-        &self,
-        x: &DplrHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> ((Array2<T>, Array2<T>), DplrHeadGrads<T>) {
-        let (mut o, mut s_l) = (
-            Array2::zeros((x.len(), x.v_dim())),
-            Array2::zeros(h0.raw_dim()),
-        );
-        let mut gr = DplrHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
-        let (o_out, s_out) = (Some(o.view_mut()), Some(s_l.view_mut()));
-        simd::dispatch(
-            #[inline(always)]
-            || backward_head(x, h0, d_o, dht, o_out, s_out, gr.view_mut()),
-        );
-        ((o, s_l), gr)
-    }
-
-    /// [`Engine::forward_backward`] writing `o`, `S_L` and the gradients
-    /// row by row into the run's tensors.
-    fn forward_backward_into(
-        &self,
-        x: &DplrHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-        out: HeadSink<'_, T, Dplr>,
-    ) {
-        let (o, s_l) = (Some(out.o), Some(out.final_state));
-        simd::dispatch(
-            #[inline(always)]
-            || backward_head(x, h0, d_o, dht, o, s_l, out.grads),
-        )
-    }
-}
-
-#[inline(always)]
-fn forward_head<T: Scalar>(x: &DplrHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-    let mut s = state(h0);
-    let mut o = Array2::zeros((x.len(), x.v_dim()));
-    let rec = Record {
-        o: Some(o.view_mut()),
-        w: None,
-        checkpoints: None,
-    };
-    Tokens::new(x).run(&mut s, rec);
-    (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
-}
-
-/// The gradients, written into `gr`, from a forward run that keeps the
-/// checkpoints and the `w` rows, reading out `o` and `S_L` into `o` and
-/// `final_state` when given.
-#[inline(always)]
-fn backward_head<T: Scalar>(
-    x: &DplrHead<T>,
-    h0: ArrayView2<T>,
-    d_o: ArrayView2<T>,
-    dht: ArrayView2<T>,
-    o: Option<ArrayViewMut2<T>>,
-    final_state: Option<ArrayViewMut2<T>>,
-    gr: DplrHeadGradsMut<T>,
-) {
-    let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-    let tokens = Tokens::new(x);
-    let mut ws = Rows::overwritten(l, vd);
-    let mut checkpoints = scratch::with_capacity(0);
-    let rec = Record {
-        o,
-        w: Some(&mut ws),
-        checkpoints: Some(&mut *checkpoints),
-    };
-    let mut s = state(h0);
-    tokens.run(&mut s, rec);
-    if let Some(mut out) = final_state {
-        out.assign(&ArrayView2::from_shape((kd, vd), &s).expect("K×V"));
-    }
-    let d_o = contiguous_rows(d_o);
-    let mut back = Backward {
-        tokens: &tokens,
-        ws: &ws,
-        d_o: d_o.view(),
-        dw: vec![T::zero(); vd],
-        dw_next: vec![T::zero(); vd],
-        spread: Spread::new(vd),
-        sums: SweepSums::new(kd),
-        gr,
-    };
-    let mut ds = state(dht);
-    reverse_blocks(
-        l,
-        Pairs { k: kd, v: vd },
-        &checkpoints,
-        &mut ds,
-        #[inline(always)]
-        |t, s_prev: &[T], s: &mut [T]| tokens.replay(t, ws.row(t), s_prev, s),
-        #[inline(always)]
-        |start, end, prev: &[T], ds: &mut [T]| back.block(start, end, prev, ds),
-    );
-    back.gr
-        .dh0
-        .assign(&ArrayView2::from_shape((kd, vd), &ds).expect("K×V"));
-}
-
 /// The reverse sweeps and the gradients they fill.
-struct Backward<'a, 'g, T: Scalar> {
-    tokens: &'a Tokens<'a, T>,
+pub(crate) struct Backward<'a, 't, T: Scalar> {
+    tokens: &'a Tokens<'t, T>,
     /// `w = aᵀ S_{t−1}`, `[L, V]`.
     ws: &'a Rows<T>,
     /// `do [L, V]`
@@ -472,7 +306,6 @@ struct Backward<'a, 'g, T: Scalar> {
     /// The sweep's row sums: `[S_{t−1} row · dw]` of the start, then
     /// `[S_{t−2} row · do, ds · v, ds · w, ds · S_{t−2} row]` of the finish.
     sums: SweepSums<T, 5>,
-    gr: DplrHeadGradsMut<'g, T>,
 }
 
 /// `dw`, `do`, `v` and `w` through [`spread`], `[2V]` each.
@@ -495,13 +328,18 @@ impl<T: Scalar> Spread<T> {
     }
 }
 
-impl<T: Scalar> Backward<'_, '_, T> {
-    /// Tokens `start .. end` in reverse; `prev` holds `S_{t−1}` for each and
-    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit (all in
-    /// the [`Pairs`] layout). Sweep `t` runs the start backward of token `t`
-    /// and the finish backward of token `t − 1`, a row group at a time.
+impl<T: Scalar> Back<T, Dplr> for Backward<'_, '_, T> {
+    /// Sweep `t` runs the start backward of token `t` and the finish
+    /// backward of token `t − 1`, a row group at a time.
     #[inline(always)]
-    fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
+    fn block(
+        &mut self,
+        start: usize,
+        end: usize,
+        prev: &[T],
+        ds: &mut [T],
+        gr: &mut DplrHeadGradsMut<T>,
+    ) {
         let x = self.tokens;
         let (kd, vd) = (x.k.ncols(), x.v.ncols());
         let kv = kd * vd;
@@ -558,7 +396,6 @@ impl<T: Scalar> Backward<'_, '_, T> {
                 spread(a.v, &mut sp.v);
                 spread(a.w, &mut sp.w);
             }
-            let gr = &mut self.gr;
             // The finish backward accumulates `dw` of the token before and
             // `dv` of the finished token (its gradient row) over the rows.
             let dv = a.map_or(&mut [][..], |a| row_mut(&mut gr.dv, a.t));

@@ -7,10 +7,10 @@
 //! vectors ([`simd`]); libm's `exp` on vectors ([`exp`]); fused
 //! element-wise passes and fixed-order dot products ([`fused`], [`sums`]);
 //! buffers reused and arrays staggered across cache sets ([`scratch`],
-//! [`stagger`]); the naive engines' state sweeps and checkpointed replay
-//! ([`sweep`]); the chunked engines' decay blocks ([`decay_blocks`]); and
-//! how a run splits over threads and memory ([`par`], [`columns`],
-//! [`spans`], [`views`]).
+//! [`stagger`]); the naive engines' shared driver, their state sweeps and
+//! checkpointed replay ([`naive`], [`sweep`]); the chunked engines' decay
+//! blocks ([`decay_blocks`]); and how a run splits over threads and memory
+//! ([`par`], [`columns`], [`spans`], [`views`]).
 //!
 //! Why a wall: every piece here promises to change no bit. Each result is
 //! the same operations on the same operands in the same order as the plain
@@ -29,6 +29,7 @@ pub(crate) mod decay_blocks;
 pub(crate) mod exp;
 pub(crate) mod fused;
 pub(crate) mod gemm;
+pub(crate) mod naive;
 pub(crate) mod par;
 pub(crate) mod scratch;
 pub(crate) mod simd;

@@ -63,35 +63,6 @@ pub(crate) fn in_spans<T: Clone + Zero, H, F: SpanForward<T>>(
     ds
 }
 
-/// A chunked engine's `forward_backward_into` of a pair longer than its
-/// span: [`in_spans`] over the engine's `forward_pass` and `backward_into`,
-/// the head's `standard_rows` and the gradient sink's `rows_mut`, writing
-/// `out` (a `HeadSink`). Expands inside the engine's impl (those are its
-/// private methods).
-macro_rules! chunked_in_spans {
-    ($engine:expr, $x:expr, $h0:expr, $d_o:expr, $dht:expr, $out:expr) => {{
-        let (engine, x, d_o, out) = ($engine, $x, $d_o, $out);
-        let mut grads = out.grads;
-        let dh0 = $crate::fast::spans::in_spans(
-            x.len(),
-            engine.span_len,
-            $h0,
-            $dht,
-            out.o,
-            out.final_state,
-            |r| x.standard_rows(r),
-            |xs, h0, read_out| engine.forward_pass(xs, h0, read_out),
-            |xs, r, fwd, ds, dh0| {
-                let d_o = d_o.slice(ndarray::s![r.clone(), ..]);
-                let sink = grads.rows_mut(r, dh0);
-                engine.backward_into(xs, fwd, d_o, ds, false, sink);
-            },
-        );
-        $crate::fast::views::copy_into(grads.dh0, dh0.view());
-    }};
-}
-pub(crate) use chunked_in_spans;
-
 /// What [`in_spans`] reads of a span's forward intermediates.
 pub(crate) trait SpanForward<T> {
     /// `o [c, V]` (with the readout).

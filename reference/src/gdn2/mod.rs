@@ -641,7 +641,7 @@ fn gate_backward<T: Scalar>(
 }
 
 /// GDN-2, FLA's `chunk_gdn2` / `naive_recurrent_gdn2`.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Gdn2;
 
 impl OpSpec for Gdn2 {

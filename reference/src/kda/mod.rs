@@ -581,7 +581,7 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
 }
 
 /// KDA, FLA's `chunk_kda` / `fused_recurrent_kda`.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Kda;
 
 impl OpSpec for Kda {

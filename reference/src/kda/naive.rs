@@ -1,40 +1,28 @@
-//! The naive recurrent form: one token at a time, exactly SPEC §3.
+//! KDA's naive recurrent engine: one token at a time, exactly SPEC §3, on
+//! the naive engines' driver ([`crate::fast::naive`]); this file is KDA's
+//! per-row arithmetic.
 //!
 //! Each token has two halves: *start* decays the state and forms the residual
 //! (`S ← Diag(e^g) S`, `r = v − Sᵀk`), *finish* writes it (`S ← S + β k rᵀ`)
-//! and reads out `o = Sᵀq`. The finish of one token and the start of the next
-//! run in one sweep over the `[K, V]` state, a tile of columns at a time, so
-//! the state is read and written once per token and the `[V]` accumulators
-//! (`o`, the next `r`) stay in registers down the `K` rows.
-//!
-//! Backward is the hand-derived reverse-time recurrence. States are kept only
-//! at checkpoints every `⌈√L⌉` tokens (more often where a block of states
-//! would not fit the cache: `sweep::state_block_len`) and recomputed per
-//! block, so memory is `O(√L · K · V)` rather than `O(L · K · V)`. The
-//! checkpoint pass also keeps the residuals `r [L, V]`, which makes
-//! recomputing a token one elementwise `S ← e^g ⊙ S + β k rᵀ`. The reverse
-//! sweep fuses, row by row, the backward of the start of token `t` with the
+//! and reads out `o = Sᵀq`. The checkpoint pass keeps the residuals `r [L,
+//! V]`, which makes recomputing a token one elementwise `S ← e^g ⊙ S + β k
+//! rᵀ`. The reverse sweep is the hand-derived reverse-time recurrence; it
+//! fuses, row by row, the backward of the start of token `t` with the
 //! backward of the finish of token `t − 1`.
-//! A forward+backward run ([`Engine::forward_backward`]) reads out `o` during
-//! the checkpoint pass instead of running the forward again.
-//!
-//! Engine calls run through [`simd::dispatch`], hence the `#[inline(always)]`
-//! on everything they call per token.
 
-use ndarray::{Array2, ArrayD, ArrayView1, ArrayView2, ArrayViewMut2, CowArray, Ix2};
+use ndarray::{ArrayD, ArrayView1, ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
 use super::{
     Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
 };
 use crate::error::Result;
-use crate::fast::scratch::{self, Rows};
-use crate::fast::simd;
+use crate::fast::naive::{Back, Recurrence, SweepRows};
+use crate::fast::scratch::Rows;
 use crate::fast::sums::{dot, RowSums, SweepSums};
 use crate::fast::sweep::{
-    chunks, chunks_mut, contiguous_rows, prefetch, reverse_blocks, row, row_mut, run_tokens,
-    spread, state, Group, Pairs, TILE,
+    chunks, chunks_mut, contiguous_rows, prefetch, row, row_mut, spread, Group, Pairs,
 };
-use crate::op::{self, Engine, HeadSink};
+use crate::op::{self, Engine};
 use crate::scalar::Scalar;
 
 /// The naive recurrent engine.
@@ -56,137 +44,16 @@ pub fn backward<T: Scalar>(
     op::backward(&Naive, x, opt, d_o, dht)
 }
 
-/// What a sweep does to row `i` of the state, one `[K]` slice per
-/// coefficient: the finish of token `t − 1` (`S_i += c_i r` with `c = β k`,
-/// then `o += q_i S_i`) and the start of token `t` (`S_i *= e_i`, then
-/// `r' −= k_i S_i`). Those of absent halves are empty.
-#[derive(Clone, Copy)]
-struct Coefs<'a, T> {
-    c: &'a [T],
-    q: &'a [T],
-    e: &'a [T],
-    k: &'a [T],
+impl<T: Scalar> Engine<T> for Naive {
+    crate::fast::naive::engine!(Kda);
 }
 
-impl<T> Coefs<'_, T> {
-    /// `K`: one of the halves is present.
-    fn len(&self) -> usize {
-        self.c.len().max(self.e.len())
-    }
-}
+impl<T: Scalar> Recurrence<T> for Naive {
+    type Op = Kda;
+    type Tokens<'a> = Tokens<'a, T>;
 
-/// The finish's `[K]` coefficients of a sweep, computed per token: `c = β k`
-/// and `q · scale`.
-struct FinishCoefs<T> {
-    c: Vec<T>,
-    q: Vec<T>,
-}
-
-impl<T: Scalar> FinishCoefs<T> {
-    fn new(k: usize) -> Self {
-        FinishCoefs {
-            c: vec![T::zero(); k],
-            q: vec![T::zero(); k],
-        }
-    }
-}
-
-/// The `[V]` vectors of a sweep: the residual `r` of the finished token, the
-/// value `v` of the started one, and the outputs `o` and `r' = v − S'ᵀk`.
-struct SweepIo<'a, T> {
-    r: &'a [T],
-    v: &'a [T],
-    o: &'a mut [T],
-    r_next: &'a mut [T],
-}
-
-/// One sweep over the state `s [K, V]`. The halves it runs are constants
-/// (`FIN`ish, `READ` out, `START`), so each combination compiles to a loop
-/// without branches; vectors of absent halves are never touched.
-#[inline(always)]
-fn sweep<T: Scalar, const FIN: bool, const READ: bool, const START: bool>(
-    s: &mut [T],
-    rows: Coefs<T>,
-    io: &mut SweepIo<T>,
-) {
-    let vd = s.len() / rows.len();
-    let full = vd / TILE * TILE;
-    for j0 in (0..full).step_by(TILE) {
-        sweep_tile::<T, TILE, FIN, READ, START>(s, vd, rows, j0, io);
-    }
-    for j0 in full..vd {
-        sweep_tile::<T, 1, FIN, READ, START>(s, vd, rows, j0, io);
-    }
-}
-
-/// [`sweep`] over columns `j0 .. j0 + W` (the arithmetic per element does not
-/// depend on `W`, so the tiling leaves the bits alone). Each row's tile is
-/// copied into registers and back, which lets LLVM vectorise it.
-#[inline(always)]
-fn sweep_tile<T: Scalar, const W: usize, const FIN: bool, const READ: bool, const START: bool>(
-    s: &mut [T],
-    vd: usize,
-    c: Coefs<T>,
-    j0: usize,
-    io: &mut SweepIo<T>,
-) {
-    let cols = j0..j0 + W;
-    let tile = |a: &[T]| -> [T; W] { a[cols.clone()].try_into().expect("W columns") };
-    let zeros = [T::zero(); W];
-    let r = if FIN { tile(io.r) } else { zeros };
-    let (mut o, mut r_next) = (zeros, if START { tile(io.v) } else { zeros });
-    for (i, s_row) in s.chunks_exact_mut(vd).enumerate() {
-        let s_tile: &mut [T; W] = (&mut s_row[cols.clone()]).try_into().expect("W columns");
-        let mut x = *s_tile;
-        for j in 0..W {
-            if FIN {
-                x[j] += c.c[i] * r[j];
-            }
-            if READ {
-                o[j] += c.q[i] * x[j];
-            }
-            if START {
-                x[j] *= c.e[i];
-                r_next[j] -= c.k[i] * x[j];
-            }
-        }
-        *s_tile = x;
-    }
-    if READ {
-        io.o[cols.clone()].copy_from_slice(&o);
-    }
-    if START {
-        io.r_next[cols].copy_from_slice(&r_next);
-    }
-}
-
-/// One head's tensors as the sweeps read them, row by row: in standard
-/// layout (borrowed when they already are), with the decay `e^g` computed
-/// once.
-struct Tokens<'a, T: Scalar> {
-    q: CowArray<'a, T, Ix2>,
-    k: CowArray<'a, T, Ix2>,
-    v: CowArray<'a, T, Ix2>,
-    /// `q`'s factor ([`KdaHead::scale`]), applied as `q` is read.
-    scale: T,
-    beta: ArrayView1<'a, T>,
-    /// `e^g [L, K]`
-    decay: Rows<T>,
-}
-
-/// What a forward run records besides the final state.
-struct Record<'a, T: Scalar> {
-    /// `o [L, V]`
-    o: Option<ArrayViewMut2<'a, T>>,
-    /// The residuals `r [L, V]`.
-    r: Option<&'a mut Rows<T>>,
-    /// The states at the checkpoints of [`run_tokens`], appended.
-    checkpoints: Option<&'a mut Vec<T>>,
-}
-
-impl<'a, T: Scalar> Tokens<'a, T> {
     #[inline(always)]
-    fn new(x: &'a KdaHead<T>) -> Self {
+    fn tokens<'a>(x: &'a KdaHead<T>) -> Tokens<'a, T> {
         Tokens {
             q: contiguous_rows(x.q.view()),
             k: contiguous_rows(x.k.view()),
@@ -197,62 +64,142 @@ impl<'a, T: Scalar> Tokens<'a, T> {
         }
     }
 
-    /// Runs all tokens from the state `s` (see [`run_tokens`]), leaving
-    /// `S_L` in it.
-    #[inline(always)]
-    fn run(&self, s: &mut [T], rec: Record<T>) {
-        let (l, kd, vd) = (self.k.nrows(), self.k.ncols(), self.v.ncols());
-        let Record {
-            mut o,
-            mut r,
-            checkpoints,
-        } = rec;
-        let (mut r_cur, mut r_next) = (vec![T::zero(); vd], vec![T::zero(); vd]);
-        let mut rows = FinishCoefs::new(kd);
-        let mut o_row = vec![T::zero(); if o.is_some() { vd } else { 0 }];
-        run_tokens(
-            l,
-            s,
-            checkpoints,
-            #[inline(always)]
-            |s: &mut [T], fin, start| {
-                if let Some(n) = start.map(|t| t + 1).filter(|&n| n < l) {
-                    for a in [row(&self.q, n), row(&self.k, n), row(&self.v, n)] {
-                        prefetch(a);
-                    }
-                }
-                let mut io = SweepIo {
-                    r: &r_cur,
-                    v: start.map_or(&[], |t| row(&self.v, t)),
-                    o: &mut o_row,
-                    r_next: &mut r_next,
-                };
-                self.sweep(s, &mut rows, fin, start, &mut io);
-                if let (Some(o), Some(p)) = (&mut o, fin) {
-                    row_mut(o, p).copy_from_slice(&o_row);
-                }
-                if let Some(t) = start {
-                    if let Some(rs) = &mut r {
-                        rs.row_mut(t).copy_from_slice(&r_next);
-                    }
-                    std::mem::swap(&mut r_cur, &mut r_next);
-                }
-            },
-        );
+    fn o_dim(x: &KdaHead<T>) -> (usize, usize) {
+        (x.len(), x.v_dim())
     }
 
-    /// One sweep finishing token `fin` (reading out `o` when `io.o` is not
-    /// empty) and starting token `start`.
+    fn zero_grads(x: &KdaHead<T>) -> KdaHeadGrads<T> {
+        KdaHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim())
+    }
+
+    fn sink(g: &mut KdaHeadGrads<T>) -> KdaHeadGradsMut<'_, T> {
+        g.view_mut()
+    }
+
+    fn dh0<'a>(g: &'a mut KdaHeadGradsMut<'_, T>) -> ArrayViewMut2<'a, T> {
+        g.dh0.view_mut()
+    }
+}
+
+/// What a sweep does to row `i` of the state, one `[K]` slice per
+/// coefficient: the finish of token `t − 1` (`S_i += c_i r` with `c = β k`,
+/// then `o += q_i S_i`) and the start of token `t` (`S_i *= e_i`, then
+/// `r' −= k_i S_i`, from `r' = v`). Those of absent halves are empty.
+#[derive(Clone, Copy)]
+pub(crate) struct Coefs<'a, T> {
+    c: &'a [T],
+    q: &'a [T],
+    e: &'a [T],
+    k: &'a [T],
+    /// `v` of the started token.
+    v: &'a [T],
+}
+
+impl<T: Scalar> SweepRows<T> for Coefs<'_, T> {
+    /// `c_i = k_i β`
+    type Fin = T;
+    /// `(e_i, k_i)`
+    type Start = (T, T);
+    const EXTRA: bool = false;
+    const NEXT0: bool = true;
+
     #[inline(always)]
-    fn sweep(
-        &self,
-        s: &mut [T],
-        buf: &mut FinishCoefs<T>,
+    fn len(&self) -> usize {
+        self.c.len().max(self.e.len())
+    }
+    #[inline(always)]
+    fn fin(&self, i: usize) -> T {
+        self.c[i]
+    }
+    #[inline(always)]
+    fn q(&self, i: usize) -> T {
+        self.q[i]
+    }
+    #[inline(always)]
+    fn start(&self, i: usize) -> (T, T) {
+        (self.e[i], self.k[i])
+    }
+    #[inline(always)]
+    fn extra(&self) -> &[T] {
+        &[]
+    }
+    #[inline(always)]
+    fn next0(&self) -> &[T] {
+        self.v
+    }
+    #[inline(always)]
+    fn finish(c: T, x: T, r: T, _: T) -> T {
+        x + c * r
+    }
+    #[inline(always)]
+    fn begin((e, k): (T, T), x: T, r: T) -> (T, T) {
+        let x = x * e;
+        (x, r - k * x)
+    }
+}
+
+/// The finish's `[K]` coefficients of a sweep, computed per token: `c = β k`
+/// and `q · scale`.
+pub(crate) struct FinishCoefs<T> {
+    c: Vec<T>,
+    q: Vec<T>,
+}
+
+/// One head's tensors as the sweeps read them, row by row: in standard
+/// layout (borrowed when they already are), with the decay `e^g` computed
+/// once.
+pub(crate) struct Tokens<'a, T: Scalar> {
+    q: CowArray<'a, T, Ix2>,
+    k: CowArray<'a, T, Ix2>,
+    v: CowArray<'a, T, Ix2>,
+    /// `q`'s factor ([`KdaHead::scale`]), applied as `q` is read.
+    scale: T,
+    beta: ArrayView1<'a, T>,
+    /// `e^g [L, K]`
+    decay: Rows<T>,
+}
+
+impl<'t, T: Scalar> crate::fast::naive::Tokens<T> for Tokens<'t, T> {
+    type Op = Kda;
+    type Rows<'b>
+        = Coefs<'b, T>
+    where
+        Self: 'b;
+    type Buf = FinishCoefs<T>;
+    type Back<'a>
+        = Backward<'a, 't, T>
+    where
+        Self: 'a;
+
+    #[inline(always)]
+    fn dims(&self) -> (usize, usize, usize) {
+        (self.k.nrows(), self.k.ncols(), self.v.ncols())
+    }
+
+    #[inline(always)]
+    fn buf(&self) -> FinishCoefs<T> {
+        let kd = self.k.ncols();
+        FinishCoefs {
+            c: vec![T::zero(); kd],
+            q: vec![T::zero(); kd],
+        }
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, n: usize) {
+        for a in [row(&self.q, n), row(&self.k, n), row(&self.v, n)] {
+            prefetch(a);
+        }
+    }
+
+    #[inline(always)]
+    fn rows<'b>(
+        &'b self,
+        buf: &'b mut FinishCoefs<T>,
         fin: Option<usize>,
+        read: bool,
         start: Option<usize>,
-        io: &mut SweepIo<T>,
-    ) {
-        let read = fin.is_some() && !io.o.is_empty();
+    ) -> Coefs<'b, T> {
         if let Some(t) = fin {
             let (k, beta) = (row(&self.k, t), self.beta[t]);
             for (c, &ki) in buf.c.iter_mut().zip(k) {
@@ -264,159 +211,20 @@ impl<'a, T: Scalar> Tokens<'a, T> {
                 }
             }
         }
-        let (e, k) = match start {
-            Some(t) => (self.decay.row(t), row(&self.k, t)),
-            None => (&[][..], &[][..]),
+        let (e, k, v) = match start {
+            Some(t) => (self.decay.row(t), row(&self.k, t), row(&self.v, t)),
+            None => (&[][..], &[][..], &[][..]),
         };
-        let (c, q) = (
-            if fin.is_some() { &buf.c[..] } else { &[] },
-            if read { &buf.q[..] } else { &[] },
-        );
-        let rows = Coefs { c, q, e, k };
-        match (fin.is_some(), read, start.is_some()) {
-            (true, true, true) => sweep::<T, true, true, true>(s, rows, io),
-            (true, true, false) => sweep::<T, true, true, false>(s, rows, io),
-            (true, false, true) => sweep::<T, true, false, true>(s, rows, io),
-            (true, false, false) => sweep::<T, true, false, false>(s, rows, io),
-            (false, _, true) => sweep::<T, false, false, true>(s, rows, io),
-            (false, _, false) => {}
+        let buf = &*buf;
+        Coefs {
+            c: if fin.is_some() { &buf.c } else { &[] },
+            q: if read { &buf.q } else { &[] },
+            e,
+            k,
+            v,
         }
     }
-}
 
-impl<T: Scalar> Engine<T> for Naive {
-    type Op = Kda;
-
-    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        simd::dispatch(
-            #[inline(always)]
-            || forward_head(x, h0),
-        )
-    }
-
-    fn backward(
-        &self,
-        x: &KdaHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> KdaHeadGrads<T> {
-        let mut gr = KdaHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
-        simd::dispatch(
-            #[inline(always)]
-            || backward_head(x, h0, d_o, dht, None, None, gr.view_mut()),
-        );
-        gr
-    }
-
-    /// The backward's own forward run reads out `o` on the way: one run
-    /// instead of two, with the bits of each.
-    fn forward_backward(
-        &self,
-        x: &KdaHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-    ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
-        let (mut o, mut s_l) = (
-            Array2::zeros((x.len(), x.v_dim())),
-            Array2::zeros(h0.raw_dim()),
-        );
-        let mut gr = KdaHeadGrads::zeros(x.len(), x.k_dim(), x.v_dim());
-        let (o_out, s_out) = (Some(o.view_mut()), Some(s_l.view_mut()));
-        simd::dispatch(
-            #[inline(always)]
-            || backward_head(x, h0, d_o, dht, o_out, s_out, gr.view_mut()),
-        );
-        ((o, s_l), gr)
-    }
-
-    /// [`Engine::forward_backward`] writing `o`, `S_L` and the gradients
-    /// row by row into the run's tensors.
-    fn forward_backward_into(
-        &self,
-        x: &KdaHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-        out: HeadSink<'_, T, Kda>,
-    ) {
-        let (o, s_l) = (Some(out.o), Some(out.final_state));
-        simd::dispatch(
-            #[inline(always)]
-            || backward_head(x, h0, d_o, dht, o, s_l, out.grads),
-        )
-    }
-}
-
-#[inline(always)]
-fn forward_head<T: Scalar>(x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-    let mut s = state(h0);
-    let mut o = Array2::zeros((x.len(), x.v_dim()));
-    let rec = Record {
-        o: Some(o.view_mut()),
-        r: None,
-        checkpoints: None,
-    };
-    Tokens::new(x).run(&mut s, rec);
-    (o, Array2::from_shape_vec(h0.raw_dim(), s).expect("K×V"))
-}
-
-/// The gradients, written into `gr`, from a forward run that keeps the
-/// checkpoints and the `r` rows, reading out `o` and `S_L` into `o` and
-/// `final_state` when given.
-#[inline(always)]
-fn backward_head<T: Scalar>(
-    x: &KdaHead<T>,
-    h0: ArrayView2<T>,
-    d_o: ArrayView2<T>,
-    dht: ArrayView2<T>,
-    o: Option<ArrayViewMut2<T>>,
-    final_state: Option<ArrayViewMut2<T>>,
-    gr: KdaHeadGradsMut<T>,
-) {
-    let (l, kd, vd) = (x.len(), x.k_dim(), x.v_dim());
-    let tokens = Tokens::new(x);
-    let mut rs = Rows::overwritten(l, vd);
-    let mut checkpoints = scratch::with_capacity(0);
-    let rec = Record {
-        o,
-        r: Some(&mut rs),
-        checkpoints: Some(&mut *checkpoints),
-    };
-    let mut s = state(h0);
-    tokens.run(&mut s, rec);
-    if let Some(mut out) = final_state {
-        out.assign(&ArrayView2::from_shape((kd, vd), &s).expect("K×V"));
-    }
-    let d_o = contiguous_rows(d_o);
-    let mut back = Backward {
-        tokens: &tokens,
-        rs: &rs,
-        d_o: d_o.view(),
-        du: vec![T::zero(); vd],
-        dr: vec![T::zero(); vd],
-        spread: Spread::new(vd),
-        sums: SweepSums::new(kd),
-        gr,
-    };
-    let mut ds = state(dht);
-    reverse_blocks(
-        l,
-        Pairs { k: kd, v: vd },
-        &checkpoints,
-        &mut ds,
-        #[inline(always)]
-        |t, s_prev: &[T], s: &mut [T]| tokens.replay(t, rs.row(t), s_prev, s),
-        #[inline(always)]
-        |start, end, prev: &[T], ds: &mut [T]| back.block(start, end, prev, ds),
-    );
-    back.gr
-        .dh0
-        .assign(&ArrayView2::from_shape((kd, vd), &ds).expect("K×V"));
-}
-
-impl<T: Scalar> Tokens<'_, T> {
     /// `S_t = Diag(e^g) S_{t−1} + β k rᵀ` from the kept residual `r_t`, on
     /// [`Pairs`] states: the forward sweep's operations, `(e·s) + (kβ)·r`,
     /// without the reduction.
@@ -444,6 +252,20 @@ impl<T: Scalar> Tokens<'_, T> {
                 2 => replay_group::<T, 8, 8>(s, p, r, coef),
                 _ => replay_group::<T, 4, 4>(s, p, r, coef),
             }
+        }
+    }
+
+    #[inline(always)]
+    fn back<'a>(&'a self, rs: &'a Rows<T>, d_o: ArrayView2<'a, T>) -> Backward<'a, 't, T> {
+        let (kd, vd) = (self.k.ncols(), self.v.ncols());
+        Backward {
+            tokens: self,
+            rs,
+            d_o,
+            du: vec![T::zero(); vd],
+            dr: vec![T::zero(); vd],
+            spread: Spread::new(vd),
+            sums: SweepSums::new(kd),
         }
     }
 }
@@ -488,8 +310,8 @@ fn replay_group<T: Scalar, const N: usize, const M: usize>(
 }
 
 /// The reverse sweeps and the gradients they fill.
-struct Backward<'a, 'g, T: Scalar> {
-    tokens: &'a Tokens<'a, T>,
+pub(crate) struct Backward<'a, 't, T: Scalar> {
+    tokens: &'a Tokens<'t, T>,
     /// The residuals `r [L, V]`.
     rs: &'a Rows<T>,
     /// `do [L, V]`
@@ -503,7 +325,6 @@ struct Backward<'a, 'g, T: Scalar> {
     /// The sweep's row sums: `[S_{t−1} row · dr, ds · S_{t−1} row]` of the
     /// start, `[S_{t−2} row · do, ds · r]` of the finish.
     sums: SweepSums<T, 4>,
-    gr: KdaHeadGradsMut<'g, T>,
 }
 
 /// `dr`, `do` and `r` through [`spread`], `[2V]` each.
@@ -524,13 +345,18 @@ impl<T: Scalar> Spread<T> {
     }
 }
 
-impl<T: Scalar> Backward<'_, '_, T> {
-    /// Tokens `start .. end` in reverse; `prev` holds `S_{t−1}` for each and
-    /// `ds` holds `∂L/∂S_{end−1}` on entry, `∂L/∂S_{start−1}` on exit (all in
-    /// the [`Pairs`] layout). Sweep `t` runs the start backward of token `t`
-    /// and the finish backward of token `t − 1`, a row group at a time.
+impl<T: Scalar> Back<T, Kda> for Backward<'_, '_, T> {
+    /// Sweep `t` runs the start backward of token `t` and the finish
+    /// backward of token `t − 1`, a row group at a time.
     #[inline(always)]
-    fn block(&mut self, start: usize, end: usize, prev: &[T], ds: &mut [T]) {
+    fn block(
+        &mut self,
+        start: usize,
+        end: usize,
+        prev: &[T],
+        ds: &mut [T],
+        gr: &mut KdaHeadGradsMut<T>,
+    ) {
         let x = self.tokens;
         let (kd, vd) = (x.k.ncols(), x.v.ncols());
         let kv = kd * vd;
@@ -593,7 +419,6 @@ impl<T: Scalar> Backward<'_, '_, T> {
             }
             self.sums.finish();
             let [s_dr, ds_s, s_do, ds_r] = &self.sums.done;
-            let gr = &mut self.gr;
             if let Some(b) = b {
                 b.grads(
                     s_dr,
@@ -609,7 +434,7 @@ impl<T: Scalar> Backward<'_, '_, T> {
                 a.grads(s_do, ds_r, dq, dk);
             }
             if let Some(a) = finish_back {
-                a.close(&mut self.du, &mut self.dr, &mut self.gr);
+                a.close(&mut self.du, &mut self.dr, gr);
             }
         }
     }

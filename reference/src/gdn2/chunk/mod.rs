@@ -29,9 +29,9 @@
 //! taken directly (never above 1 for a non-positive decay, so nothing
 //! overflows).
 //!
-//! A [`Policy`] rounds what FLA 0.6.0's gdn2 kernels store, stage by stage
-//! ([`Chunk::FEATURES`]; the default policy is exact, bit for bit the
-//! unrounded engine):
+//! A [`crate::precision::Policy`] rounds what FLA 0.6.0's gdn2 kernels
+//! store, stage by stage ([`Chunk::FEATURES`]; the default policy is exact,
+//! bit for bit the unrounded engine):
 //!
 //! | stage | FLA (`fla/ops/gdn2/`) | here |
 //! |---|---|---|
@@ -69,42 +69,15 @@ use chunk_intra::Intra;
 use super::{Gdn2, Gdn2Grads, Gdn2Head, Gdn2HeadGrads, Gdn2Inputs, Gdn2Options, Gdn2Outputs};
 use crate::error::Result;
 use crate::op::{self, Engine};
-use crate::precision::{Feature, Policy, Stage};
+use crate::precision::{Feature, Stage};
 use crate::scalar::Scalar;
 
-/// The chunked engine.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Chunk {
-    chunk_size: usize,
-    policy: Policy,
-}
+/// The chunked engine: the shell [`crate::chunked::Chunk`] over GDN-2's
+/// stages (FLA's `chunk_gdn2` takes chunks of 64 only; the results do not
+/// depend on the size).
+pub type Chunk = crate::chunked::Chunk<Gdn2>;
 
 impl Chunk {
-    /// Chunks of `chunk_size` tokens: 16, 32 or 64 (FLA's `chunk_gdn2`
-    /// takes 64 only; the results do not depend on it).
-    pub fn new(chunk_size: usize) -> Result<Self> {
-        Ok(Chunk::sized(crate::registry::ChunkSize::new(chunk_size)?))
-    }
-
-    /// The engine with chunks of `c` tokens.
-    pub fn sized(c: crate::registry::ChunkSize) -> Self {
-        Chunk {
-            chunk_size: c.get(),
-            policy: Policy::exact(),
-        }
-    }
-
-    /// The same engine with FLA's stored stages rounded per `policy` (only
-    /// [`Chunk::FEATURES`]; the caller refuses a policy asking for more).
-    pub fn with_policy(self, policy: Policy) -> Self {
-        Chunk { policy, ..self }
-    }
-
-    /// The precision policy (exact by default).
-    pub fn policy(&self) -> &Policy {
-        &self.policy
-    }
-
     /// What a policy may ask of this engine (the module's table), plus the
     /// inputs/outputs the caller rounds and CP's stages under CP.
     pub const FEATURES: &'static [Feature] = &[
@@ -126,20 +99,9 @@ impl Chunk {
         Feature::SafeGate,
     ];
 
-    /// `a` rounded to the backward's operand storage ([`Stage::BwdOperands`]).
-    fn operand<T: Scalar>(&self, mut a: Array2<T>) -> Array2<T> {
-        self.policy.round(Stage::BwdOperands, &mut a);
-        a
-    }
-
     /// `exp` of every element (base 2 under the policy).
     fn exps<T: Scalar>(&self, a: &Array2<T>) -> Array2<T> {
         a.mapv(|x| self.policy.exp(x))
-    }
-
-    /// `C`, tokens per chunk.
-    pub fn chunk_size(&self) -> usize {
-        self.chunk_size
     }
 }
 

@@ -22,7 +22,7 @@
 //! the chunk's middle row `m`, `exp(Γ_r − Γ_m)·exp(Γ_m − Γ_s)` (so the
 //! pairs are matrix products); a chunk whose decays span too wide a range
 //! for those factors splits into blocks ([`crate::fast::decay_blocks`]), so
-//! strong decays never overflow. A [`Policy`] rounds each stored stage for
+//! strong decays never overflow. A [`crate::precision::Policy`] rounds each stored stage for
 //! precision emulation; the default policy is exact.
 
 mod chunk_bwd;
@@ -36,56 +36,27 @@ mod wy_fast;
 pub use chunk_fwd::intermediates;
 pub use chunk_intra::Intra;
 
-use ndarray::{s, Array2, Array3, ArrayD, ArrayView2, CowArray, Ix2};
+use std::ops::Range;
 
-use super::{Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions, KdaOutputs, Prepared};
+use ndarray::{s, Array2, Array3, ArrayD, ArrayView2, ArrayViewMut2, CowArray, Ix2};
+
+use super::{
+    Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
+    Prepared,
+};
+use crate::chunked::Stages;
 use crate::error::Result;
 use crate::fast::gemm;
 use crate::fast::views;
-use crate::op::{self, Engine, HeadSink};
-use crate::precision::{Feature, Policy, Stage};
+use crate::op;
+use crate::precision::{Feature, Stage};
 use crate::scalar::Scalar;
 
-/// The chunked engine.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Chunk {
-    pub chunk_size: usize,
-    pub policy: Policy,
-    /// Tokens per span of a long pair's forward+backward
-    /// ([`crate::fast::spans::in_spans`]); a multiple of `chunk_size`.
-    span_len: usize,
-}
+/// The chunked engine: the shell [`crate::chunked::Chunk`] over KDA's
+/// stages.
+pub type Chunk = crate::chunked::Chunk<Kda>;
 
 impl Chunk {
-    /// Chunk sizes of FLA's kernels: 16, 32 or 64.
-    pub fn new(chunk_size: usize) -> Result<Self> {
-        Ok(Chunk::sized(crate::registry::ChunkSize::new(chunk_size)?))
-    }
-
-    /// The engine with chunks of `c` tokens.
-    pub fn sized(c: crate::registry::ChunkSize) -> Self {
-        Chunk {
-            chunk_size: c.get(),
-            policy: Policy::exact(),
-            span_len: crate::fast::spans::SPAN_LEN,
-        }
-    }
-
-    /// The same engine with stages rounded per `policy`.
-    pub fn with_policy(self, policy: Policy) -> Self {
-        Chunk { policy, ..self }
-    }
-
-    /// The same engine with spans of `tokens` (a positive multiple of the
-    /// chunk size) for long pairs. The results do not depend on it.
-    pub fn with_span_len(self, tokens: usize) -> Result<Self> {
-        crate::fast::spans::check_span_len(tokens, self.chunk_size)?;
-        Ok(Chunk {
-            span_len: tokens,
-            ..self
-        })
-    }
-
     /// What a policy may ask of this engine (plus the CP stages when CP runs
     /// over it, and the inputs/outputs the caller rounds).
     pub const FEATURES: &'static [Feature] = &[
@@ -109,12 +80,6 @@ impl Chunk {
         Feature::Exp2,
         Feature::SafeGate,
     ];
-
-    /// Rounds `a` to the storage of the backward's low-precision operands.
-    fn operand<T: Scalar>(&self, mut a: Array2<T>) -> Array2<T> {
-        self.policy.round(Stage::BwdOperands, &mut a);
-        a
-    }
 }
 
 /// `chunk::forward(x, opt, C)`: the chunked engine over a whole batch.
@@ -189,73 +154,94 @@ fn qk_rows<'a, T: Scalar>(
     ]
 }
 
-impl<T: Scalar> Engine<T> for Chunk {
-    type Op = Kda;
+impl crate::chunked::Spans for Kda {}
 
-    fn forward(&self, x: &KdaHead<T>, h0: ArrayView2<T>) -> (Array2<T>, Array2<T>) {
-        let f = self.forward_intermediates(x, h0);
+impl<T: Scalar> Stages<T> for Kda {
+    type Forward = ChunkForward<T>;
+
+    fn head_len(x: &KdaHead<T>) -> usize {
+        x.len()
+    }
+
+    /// The head as it is (its chunks' rows are copied where they are read,
+    /// [`qk_rows`]).
+    fn staged<'a>(x: &'a KdaHead<'_, T>) -> KdaHead<'a, T> {
+        KdaHead {
+            q: x.q.view().into(),
+            k: x.k.view().into(),
+            v: x.v.view().into(),
+            g: x.g.view().into(),
+            beta: x.beta.view().into(),
+            scale: x.scale,
+        }
+    }
+
+    fn span<'a>(x: &'a KdaHead<'_, T>, r: Range<usize>) -> KdaHead<'a, T> {
+        x.standard_rows(r)
+    }
+
+    fn forward_pass(
+        e: &Chunk,
+        x: &KdaHead<T>,
+        h0: ArrayView2<T>,
+        read_out: bool,
+    ) -> ChunkForward<T> {
+        e.forward_pass(x, h0, read_out)
+    }
+
+    fn output(f: ChunkForward<T>) -> (Array2<T>, Array2<T>) {
         (f.o, f.final_state)
     }
 
-    fn backward(
-        &self,
+    fn backward_from(
+        e: &Chunk,
         x: &KdaHead<T>,
-        h0: ArrayView2<T>,
+        fwd: &ChunkForward<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
     ) -> KdaHeadGrads<T> {
-        self.backward_from(x, &self.forward_pass(x, h0, false), d_o, dht, false)
-            .grads
+        e.backward_from(x, fwd, d_o, dht, false).grads
     }
 
-    /// One forward pass (with its readout) serves the backward too.
-    fn forward_backward(
-        &self,
+    fn backward_into(
+        e: &Chunk,
         x: &KdaHead<T>,
-        h0: ArrayView2<T>,
+        fwd: &ChunkForward<T>,
         d_o: ArrayView2<T>,
         dht: ArrayView2<T>,
-    ) -> ((Array2<T>, Array2<T>), KdaHeadGrads<T>) {
-        let fwd = self.forward_pass(x, h0, true);
-        let grads = self.backward_from(x, &fwd, d_o, dht, false).grads;
-        ((fwd.o, fwd.final_state), grads)
-    }
-
-    /// The gradients written into the run's tensors chunk by chunk; a pair
-    /// longer than a span in spans ([`crate::fast::spans::in_spans`]).
-    fn forward_backward_into(
-        &self,
-        x: &KdaHead<T>,
-        h0: ArrayView2<T>,
-        d_o: ArrayView2<T>,
-        dht: ArrayView2<T>,
-        out: HeadSink<'_, T, Kda>,
+        gr: KdaHeadGradsMut<T>,
     ) {
-        if x.len() > self.span_len {
-            return crate::fast::spans::chunked_in_spans!(self, x, h0, d_o, dht, out);
+        e.backward_into(x, fwd, d_o, dht, false, gr);
+    }
+
+    fn sink_rows<'a>(
+        gr: &'a mut KdaHeadGradsMut<'_, T>,
+        r: Range<usize>,
+        dh0: ArrayViewMut2<'a, T>,
+    ) -> KdaHeadGradsMut<'a, T> {
+        gr.rows_mut(r, dh0)
+    }
+
+    fn sink_dh0<'a>(gr: crate::chunked::Sink<'a, T, Self>) -> ArrayViewMut2<'a, T> {
+        gr.dh0
+    }
+
+    /// `M = Π M_chunk`, later chunks on the left.
+    fn transition(e: &Chunk, x: &KdaHead<T>) -> Array2<T> {
+        let mut m = Array2::eye(x.k_dim());
+        for ch in e.intras(x) {
+            m = gemm::dot(ch.transition().view(), m.view());
+            e.policy.round(Stage::MChain, &mut m);
         }
-        let fwd = self.forward_pass(x, h0, true);
-        views::copy_into(out.o, fwd.o.view());
-        views::copy_into(out.final_state, fwd.final_state.view());
-        self.backward_into(x, &fwd, d_o, dht, false, out.grads);
+        m
     }
 
     /// q/k after an in-kernel l2norm and β after an in-kernel sigmoid, in
     /// the policy's activation storage.
-    fn stored<'a>(&self, p: Prepared<'a, T>) -> Prepared<'a, T>
+    fn stored<'a>(e: &Chunk, p: Prepared<'a, T>) -> Prepared<'a, T>
     where
         T: 'a,
     {
-        p.with_stored_activations(&self.policy)
-    }
-
-    /// `M = Π M_chunk`, later chunks on the left.
-    fn transition(&self, x: &KdaHead<T>) -> Array2<T> {
-        let mut m = Array2::eye(x.k_dim());
-        for ch in self.intras(x) {
-            m = gemm::dot(ch.transition().view(), m.view());
-            self.policy.round(Stage::MChain, &mut m);
-        }
-        m
+        p.with_stored_activations(&e.policy)
     }
 }
