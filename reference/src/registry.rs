@@ -485,7 +485,7 @@ pub trait OpEntry: Sync {
 
 /// The typed side of an operator's registry entry, written once per
 /// operator in its `entry.rs`.
-pub trait Registered: Operator<f64> + Operator<f32> + Sync {
+pub(crate) trait Registered: Operator<f64> + Operator<f32> + Sync {
     type Naive: Engine<f64, Op = Self> + Engine<f32, Op = Self>;
     /// The chunked engine (an operator without one names its naive one).
     type Chunk: Engine<f64, Op = Self> + Engine<f32, Op = Self>;
@@ -625,10 +625,10 @@ impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
 }
 
 /// The [`OpEntry`] of a [`Registered`] operator.
-pub struct Entry<O>(PhantomData<fn() -> O>);
+pub(crate) struct Entry<O>(PhantomData<fn() -> O>);
 
 impl<O> Entry<O> {
-    pub const fn new() -> Self {
+    pub(crate) const fn new() -> Self {
         Entry(PhantomData)
     }
 }

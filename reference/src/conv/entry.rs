@@ -15,7 +15,7 @@ use crate::registry::{
     MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<CausalConv1d> = Entry::new();
+pub(crate) static ENTRY: Entry<CausalConv1d> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "causal_conv1d",
@@ -66,6 +66,15 @@ static INFO: OpInfo = OpInfo {
 #[serde(default, deny_unknown_fields)]
 struct CaseOptions {
     activation: Option<String>,
+}
+
+impl ConvOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <CausalConv1d as Registered>::options(o)
+    }
 }
 
 impl Registered for CausalConv1d {

@@ -16,7 +16,7 @@ use crate::registry::{
     Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Dplr> = Entry::new();
+pub(crate) static ENTRY: Entry<Dplr> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "dplr",
@@ -97,8 +97,17 @@ const FLA_BF16_STAGES: &[(Stage, Dtype)] = &[
     (Stage::BwdOperands, Dtype::Bf16),
 ];
 
+impl<'t> DplrRefs<'t, f64> {
+    /// DPLR's tensors borrowed from named tensors `t` (FLA's names, shapes
+    /// as in [`DplrInputs`](super::DplrInputs)) and `cu_seqlens` `[N + 1]`;
+    /// a required tensor missing is an error naming it.
+    pub fn from_tensors(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<Self> {
+        refs(t, cu)
+    }
+}
+
 /// DPLR's tensors, borrowed from named tensors.
-pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<DplrRefs<'t, f64>> {
+fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<DplrRefs<'t, f64>> {
     let op = INFO.name;
     Ok(DplrRefs {
         q: need(t, "q", op)?,
@@ -110,6 +119,15 @@ pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<DplrRefs<'t, f6
         initial_state: t.get("initial_state"),
         cu_seqlens: cu,
     })
+}
+
+impl DplrOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Dplr as Registered>::options(o)
+    }
 }
 
 impl Registered for Dplr {

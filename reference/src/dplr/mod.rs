@@ -7,7 +7,8 @@
 //! operator contract, [`crate::op`]); the engines (`naive`, `chunk`) see one head of one sequence.
 
 pub mod chunk;
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 pub mod naive;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2};

@@ -18,7 +18,7 @@ use crate::registry::{
     OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Gdn> = Entry::new();
+pub(crate) static ENTRY: Entry<Gdn> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "gdn",
@@ -111,6 +111,15 @@ impl CaseOptions {
             allow_neg_eigval: self.allow_neg_eigval,
             state_v_first: self.state_v_first,
         }
+    }
+}
+
+impl GdnOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Gdn as Registered>::options(o)
     }
 }
 

@@ -14,9 +14,8 @@
 //! (`dt_bias [HV]`, not KDA's `[HV·K]`) and the `state_v_first` state layout
 //! `[N, HV, V, K]`. The drivers, CP and intra-card come from [`crate::op`].
 
-// The registry entry (`registry::OPS`): machinery, public for `verify`.
-#[doc(hidden)]
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 
 use std::borrow::Cow;
 

@@ -19,7 +19,7 @@ use crate::registry::{
     Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Gdn2> = Entry::new();
+pub(crate) static ENTRY: Entry<Gdn2> = Entry::new();
 
 /// What FLA 0.6.0's `chunk_gdn2` stores in which dtype with bf16 inputs
 /// (the table in [`super::chunk`]'s docs; read from `fla/ops/gdn2/`
@@ -161,6 +161,15 @@ fn inputs_of(t: &mut Tensors, cu: Option<Vec<i64>>) -> Result<Gdn2Inputs<f64>> {
         initial_state: t.remove("initial_state"),
         cu_seqlens: cu,
     })
+}
+
+impl Gdn2Options {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Gdn2 as Registered>::options(o)
+    }
 }
 
 impl Registered for Gdn2 {

@@ -16,7 +16,7 @@ use crate::registry::{
     MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Kda> = Entry::new();
+pub(crate) static ENTRY: Entry<Kda> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "kda",
@@ -191,8 +191,21 @@ pub(crate) fn kda_draws(r: &DrawRequest<'_>, opts: KdaOptions, scalar_gate: bool
         .collect()
 }
 
+impl<'t> KdaRefs<'t, f64> {
+    /// KDA's (and GDN's) tensors borrowed from named tensors `t` (FLA's
+    /// names, shapes as in [`KdaInputs`]) and `cu_seqlens` `[N + 1]`; a
+    /// required tensor missing is an error naming it and operator `op`.
+    pub fn from_tensors(t: &'t Tensors, cu: Option<&'t [i64]>, op: &str) -> Result<Self> {
+        refs(t, cu, op)
+    }
+}
+
 /// KDA's (and GDN's) tensors, borrowed from named tensors.
-pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>, op: &str) -> Result<KdaRefs<'t, f64>> {
+pub(crate) fn refs<'t>(
+    t: &'t Tensors,
+    cu: Option<&'t [i64]>,
+    op: &str,
+) -> Result<KdaRefs<'t, f64>> {
     Ok(KdaRefs {
         q: need(t, "q", op)?,
         k: need(t, "k", op)?,
@@ -226,6 +239,15 @@ pub(crate) fn heads_of(t: &Tensors) -> (usize, usize) {
     let dim = |n: &str| t.get(n).and_then(|x| x.shape().get(2).copied());
     let h = dim("q").unwrap_or(1).max(1);
     (h, (dim("v").unwrap_or(h) / h).max(1))
+}
+
+impl KdaOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Kda as Registered>::options(o)
+    }
 }
 
 impl Registered for Kda {

@@ -8,9 +8,8 @@
 //! one head of one sequence.
 
 pub mod chunk;
-// The registry entry (`registry::OPS`): machinery, public for `verify`.
-#[doc(hidden)]
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 mod intermediates;
 pub mod naive;
 

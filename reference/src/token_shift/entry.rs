@@ -16,7 +16,7 @@ use crate::registry::{
     MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<TokenShift> = Entry::new();
+pub(crate) static ENTRY: Entry<TokenShift> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "token_shift",
@@ -65,8 +65,17 @@ static INFO: OpInfo = OpInfo {
 #[serde(default, deny_unknown_fields)]
 struct CaseOptions {}
 
+impl<'t> TokenShiftRefs<'t, f64> {
+    /// Token-shift's tensors borrowed from named tensors `t` (`x`
+    /// `[B, T, D]`, `cache` `[N, 1, D]`) and `cu_seqlens` `[N + 1]`; `x`
+    /// missing is an error naming it.
+    pub fn from_tensors(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<Self> {
+        refs(t, cu)
+    }
+}
+
 /// Token-shift's tensors, borrowed from named tensors.
-pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<TokenShiftRefs<'t, f64>> {
+fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<TokenShiftRefs<'t, f64>> {
     Ok(TokenShiftRefs {
         x: need(t, "x", INFO.name)?,
         cache: t.get("cache"),

@@ -17,7 +17,6 @@ use deltaref::gdn::{Gdn, GdnOptions, OnKda};
 use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::KdaInputs;
 use deltaref::kda::{self, Kda, KdaOptions};
-use deltaref::registry::Registered;
 use deltaref::token_shift::{Shift, TokenShift};
 use deltaref::Dtype;
 use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl};
@@ -430,21 +429,22 @@ fn cases_run_from_their_own_tensors() {
                 let options = &case.meta.options;
                 let want = match case.meta.op.name() {
                     "dplr" => {
-                        let opts = <Dplr as Registered>::options(options).unwrap();
-                        let x = dplr::entry::refs(tensors, cu).unwrap();
+                        let opts = dplr::DplrOptions::from_case(options).unwrap();
+                        let x = dplr::DplrRefs::from_tensors(tensors, cu).unwrap();
                         let r = deltaref_gpu::dplr::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
                         outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads))
                     }
                     "gdn" => {
-                        let opts = <Gdn as Registered>::options(options).unwrap();
-                        let x = kda::entry::refs(tensors, cu, "gdn").unwrap();
+                        let opts = deltaref::gdn::GdnOptions::from_case(options).unwrap();
+                        let x = kda::KdaRefs::from_tensors(tensors, cu, "gdn").unwrap();
                         let r = deltaref_gpu::gdn::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
                         outputs::map::<f64, Gdn>(&r.outputs, Some(&r.grads))
                     }
                     "token_shift" => {
-                        let x = deltaref::token_shift::entry::refs(tensors, cu).unwrap();
+                        let x = deltaref::token_shift::TokenShiftRefs::from_tensors(tensors, cu)
+                            .unwrap();
                         let r = deltaref_gpu::token_shift::run(dev, &x, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
                         outputs::map::<f64, TokenShift>(&r.outputs, Some(&r.grads))
