@@ -427,7 +427,7 @@ pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
 /// normalised `kk`: drawing `a` keeps it for the next draw of `b` (files
 /// store `a` just before `b`), which takes it; `b` drawn without it draws
 /// `kk` again. Either way the same bits.
-pub fn dplr_draws(s: &DplrSpec, regime: Regime) -> Vec<Draw> {
+pub(crate) fn dplr_draws(s: &DplrSpec, regime: Regime) -> Vec<Draw> {
     dplr_draws_bounded(s, regime, None)
 }
 
@@ -436,7 +436,11 @@ const RWKV7_GK: f64 = -0.606_530_659_712_633_4;
 
 /// [`dplr_draws`] with `gk = lower_bound·sigmoid(·)`, in `(lower_bound, 0)`,
 /// when a bound is given (FLA's `lower_bound`); without one, RWKV-7's.
-pub fn dplr_draws_bounded(s: &DplrSpec, regime: Regime, lower_bound: Option<f64>) -> Vec<Draw> {
+pub(crate) fn dplr_draws_bounded(
+    s: &DplrSpec,
+    regime: Regime,
+    lower_bound: Option<f64>,
+) -> Vec<Draw> {
     let gk_scale = lower_bound.unwrap_or(RWKV7_GK);
     let (b, t, n, seed, k) = (s.layout.b, s.layout.t, s.layout.n(), s.seed, s.k);
     let kshape = vec![b, t, s.h, k];

@@ -8,13 +8,14 @@
 //! its options as a case file stores them ([`Options`], a JSON object with
 //! FLA's keys), how `gen` draws a case of it, which engines compute it and
 //! what their precision policies can round, and FLA's bf16 storage of its
-//! kernels. The typed side ([`Registered`]) is written once per operator;
-//! [`Entry`] turns it into an [`OpEntry`], compiled here once, so no caller
-//! instantiates an engine of its own.
+//! kernels. The typed side (the crate-private trait `Registered`) is
+//! written once per operator; the crate-private `Entry` turns it into an
+//! [`OpEntry`], compiled here once, so no caller instantiates an engine of
+//! its own, and tools reach an operator only through [`OPS`] ([`find`]).
 //!
 //! # Adding an operator
 //! A folder `src/<op>/` implementing the operator contract ([`crate::op`])
-//! and [`Registered`] (in its `entry.rs`), and one line in [`OPS`].
+//! and `Registered` (in its `entry.rs`), and one line in [`OPS`].
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
@@ -420,7 +421,7 @@ pub struct ChunkPos {
 }
 
 /// A run's results and, under CP, the per-rank diagnostics (widened to f64).
-pub type Outcome = (Tensors, Vec<RankDiag<f64>>);
+pub(crate) type Outcome = (Tensors, Vec<RankDiag<f64>>);
 
 /// An operator as tools see it: named tensors in, named tensors out.
 pub trait OpEntry: Sync {

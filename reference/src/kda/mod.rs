@@ -321,12 +321,7 @@ impl<T: Scalar> KdaHeadGradsMut<'_, T> {
     }
 }
 
-/// Validates inputs and options; returns the problem sizes.
-pub fn validate<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaDims> {
-    validate_refs(&x.refs(), opt)
-}
-
-/// [`validate`] on borrowed inputs.
+/// Validates borrowed inputs and options; returns the problem sizes.
 pub fn validate_refs<T: Scalar>(x: &KdaRefs<'_, T>, opt: &KdaOptions) -> Result<KdaDims> {
     let qs = expect_rank("q", "B,T,H,K", x.q)?;
     let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);

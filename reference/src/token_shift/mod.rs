@@ -83,11 +83,14 @@ pub struct TokenShiftDims {
 }
 
 /// Validates shapes, `cu_seqlens` and finiteness; returns sizes and sequences.
-pub fn validate<T: Scalar>(x: &TokenShiftInputs<T>) -> Result<(TokenShiftDims, Vec<Segment>)> {
+pub(crate) fn validate<T: Scalar>(
+    x: &TokenShiftInputs<T>,
+) -> Result<(TokenShiftDims, Vec<Segment>)> {
     validate_refs(&x.refs())
 }
 
-/// [`validate`] on borrowed inputs.
+/// Validates borrowed inputs (shapes as in the owned inputs); returns the
+/// problem sizes and the sequences.
 pub fn validate_refs<T: Scalar>(
     x: &TokenShiftRefs<'_, T>,
 ) -> Result<(TokenShiftDims, Vec<Segment>)> {
