@@ -12,8 +12,8 @@ use crate::gates::Gate;
 use crate::inputs::{self, DplrSpec, Draw};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel, OpInfo,
-    Options, Registered, Showcase, Tensors,
+    self, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
+    OpInfo, Options, Registered, Showcase, Tensors,
 };
 
 pub(crate) static ENTRY: Entry<Dplr> = Entry::new();
@@ -68,7 +68,7 @@ static INFO: OpInfo = OpInfo {
 /// DPLR's options as a case file stores them.
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {
+pub(crate) struct CaseOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<f64>,
     /// FLA's `safe_gate` (absent: false).
@@ -130,29 +130,22 @@ impl DplrOptions {
     }
 }
 
-impl Registered for Dplr {
-    type Naive = Naive;
-    type Chunk = Chunk;
-    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
+/// DPLR's chunked engine for a job: its chunk size and precision policy.
+impl Build for Chunk {
+    const FEATURES: &'static [Feature] = Chunk::FEATURES;
 
-    fn info() -> &'static OpInfo {
-        &INFO
-    }
-
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
-
-    fn naive() -> Naive {
-        Naive
-    }
-
-    fn chunk(c: ChunkSize, policy: &Policy) -> Chunk {
+    fn build(c: ChunkSize, policy: &Policy) -> Chunk {
         Chunk::sized(c).with_policy(policy.clone())
     }
+}
 
-    fn options(o: &Options) -> std::result::Result<DplrOptions, String> {
-        let c = registry::parse_options::<CaseOptions>(INFO.name, o)?;
+impl Registered for Dplr {
+    const INFO: &'static OpInfo = &INFO;
+    type Naive = Naive;
+    type Chunk = Chunk;
+    type Case = CaseOptions;
+
+    fn typed(c: CaseOptions) -> std::result::Result<DplrOptions, String> {
         Ok(DplrOptions {
             scale: c.scale,
             output_final_state: true,
@@ -220,16 +213,6 @@ impl Registered for Dplr {
     ) -> Result<()> {
         let d = super::validate_refs(&refs(t, cu)?, opt)?;
         super::validate_upstream(&d, d_o, dht)
-    }
-
-    fn heads(t: &Tensors) -> (usize, usize) {
-        (
-            t.get("q")
-                .and_then(|x| x.shape().get(2).copied())
-                .unwrap_or(1)
-                .max(1),
-            1,
-        )
     }
 
     fn memory(_: &DplrOptions) -> MemoryModel {

@@ -12,8 +12,8 @@ use crate::gates::Gate;
 use crate::inputs::{self, Draw, KdaSpec};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Carry, ChunkPos, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, Job,
-    MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
+    self, need, take, Build, Carry, ChunkPos, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
+    Job, MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
 pub(crate) static ENTRY: Entry<Kda> = Entry::new();
@@ -91,7 +91,7 @@ static INFO: OpInfo = OpInfo {
 /// `lowerbound` (with `lower_bound`).
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {
+pub(crate) struct CaseOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<f64>,
     use_qk_l2norm_in_kernel: bool,
@@ -234,13 +234,6 @@ pub(crate) fn inputs_of(t: &mut Tensors, cu: Option<Vec<i64>>, op: &str) -> Resu
     })
 }
 
-/// `(H, HV / H)` of a KDA or GDN problem's tensors.
-pub(crate) fn heads_of(t: &Tensors) -> (usize, usize) {
-    let dim = |n: &str| t.get(n).and_then(|x| x.shape().get(2).copied());
-    let h = dim("q").unwrap_or(1).max(1);
-    (h, (dim("v").unwrap_or(h) / h).max(1))
-}
-
 impl KdaOptions {
     /// The options of a case file's `case` entry (FLA's keyword names, a
     /// [`registry::Options`] object): an unknown key or a bad value is an
@@ -250,29 +243,23 @@ impl KdaOptions {
     }
 }
 
-impl Registered for Kda {
-    type Naive = Naive;
-    type Chunk = Chunk;
-    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
+/// KDA's chunked engine for a job: its chunk size and precision policy.
+impl Build for Chunk {
+    const FEATURES: &'static [Feature] = Chunk::FEATURES;
 
-    fn info() -> &'static OpInfo {
-        &INFO
-    }
-
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
-
-    fn naive() -> Naive {
-        Naive
-    }
-
-    fn chunk(c: ChunkSize, policy: &Policy) -> Chunk {
+    fn build(c: ChunkSize, policy: &Policy) -> Chunk {
         Chunk::sized(c).with_policy(policy.clone())
     }
+}
 
-    fn options(o: &Options) -> std::result::Result<KdaOptions, String> {
-        registry::parse_options::<CaseOptions>(INFO.name, o)?.options()
+impl Registered for Kda {
+    const INFO: &'static OpInfo = &INFO;
+    type Naive = Naive;
+    type Chunk = Chunk;
+    type Case = CaseOptions;
+
+    fn typed(c: CaseOptions) -> std::result::Result<KdaOptions, String> {
+        c.options()
     }
 
     fn gen_options(f: &GenFlags) -> std::result::Result<Options, String> {
@@ -318,10 +305,6 @@ impl Registered for Kda {
     ) -> Result<()> {
         let d = super::validate_refs(&refs(t, cu, INFO.name)?, opt)?;
         super::validate_upstream(&d, d_o, dht)
-    }
-
-    fn heads(t: &Tensors) -> (usize, usize) {
-        heads_of(t)
     }
 
     fn memory(opt: &KdaOptions) -> MemoryModel {
