@@ -914,8 +914,11 @@ impl<T: Scalar, O: Registered + Operator<T>> EngineJob<T, O> for ForwardJob<'_, 
     }
 }
 
-/// Outputs and (when given) gradients under FLA's names, widened to f64.
-fn named<T: Scalar, O: Operator<T>>(out: &O::Outputs, gr: Option<&O::Grads>) -> Tensors {
+/// Outputs and (when given) gradients of operator `O` under FLA's names
+/// ([`OpSpec::OUTPUTS`], [`OpSpec::GRADS`]), absent ones left out, each
+/// widened to f64 with its shape: the one map every comparison reads
+/// (`o` `[B, T, HV, V]`, `final_state` `[N, HV, K, V]`, `dq` as `q`, …).
+pub fn named<T: Scalar, O: Operator<T>>(out: &O::Outputs, gr: Option<&O::Grads>) -> Tensors {
     op::named::<T, O>(out, gr)
         .into_iter()
         .map(|(name, t)| (name.to_string(), cast(t)))

@@ -17,6 +17,7 @@ use deltaref::gdn::{Gdn, GdnOptions, OnKda};
 use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::KdaInputs;
 use deltaref::kda::{self, Kda, KdaOptions};
+use deltaref::registry;
 use deltaref::token_shift::{Shift, TokenShift};
 use deltaref::Dtype;
 use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl};
@@ -139,7 +140,7 @@ fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
         truth,
-        outputs::map::<f64, Kda>(&run.outputs, Some(&run.grads)),
+        registry::named::<f64, Kda>(&run.outputs, Some(&run.grads)),
     )
 }
 
@@ -304,7 +305,7 @@ fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
         truth,
-        outputs::map::<f64, Gdn>(&run.outputs, Some(&run.grads)),
+        registry::named::<f64, Gdn>(&run.outputs, Some(&run.grads)),
     )
 }
 
@@ -433,21 +434,21 @@ fn cases_run_from_their_own_tensors() {
                         let x = dplr::DplrRefs::from_tensors(tensors, cu).unwrap();
                         let r = deltaref_gpu::dplr::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
-                        outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads))
+                        registry::named::<f64, Dplr>(&r.outputs, Some(&r.grads))
                     }
                     "gdn" => {
                         let opts = deltaref::gdn::GdnOptions::from_case(options).unwrap();
                         let x = kda::KdaRefs::from_tensors(tensors, cu, "gdn").unwrap();
                         let r = deltaref_gpu::gdn::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
-                        outputs::map::<f64, Gdn>(&r.outputs, Some(&r.grads))
+                        registry::named::<f64, Gdn>(&r.outputs, Some(&r.grads))
                     }
                     "token_shift" => {
                         let x = deltaref::token_shift::TokenShiftRefs::from_tensors(tensors, cu)
                             .unwrap();
                         let r = deltaref_gpu::token_shift::run(dev, &x, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
-                        outputs::map::<f64, TokenShift>(&r.outputs, Some(&r.grads))
+                        registry::named::<f64, TokenShift>(&r.outputs, Some(&r.grads))
                     }
                     _ => panic!("{what}: not a DPLR, GDN or token-shift case"),
                 };
@@ -501,7 +502,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
                 &imp(Engine::Naive, cp.clone(), storage),
             )
             .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
-            let got = outputs::map::<f64, Dplr>(&run.outputs, Some(&run.grads));
+            let got = registry::named::<f64, Dplr>(&run.outputs, Some(&run.grads));
             check(&format!("dplr {storage:?} cp={cp:?}"), &truth, &got, tol);
         }
     }
@@ -536,7 +537,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
             &imp(Engine::Naive, cp.clone(), Dtype::F32),
         )
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
-        let got = outputs::map::<f64, TokenShift>(&run.outputs, Some(&run.grads));
+        let got = registry::named::<f64, TokenShift>(&run.outputs, Some(&run.grads));
         // One f32 rounding of the inputs and one subtraction: ≤ 1e-7.
         check(&format!("token-shift f32 cp={cp:?}"), &truth, &got, 1e-7);
     }
