@@ -62,7 +62,7 @@ fn kda_naive_matches_chunk_with_short_replay_blocks() {
         output_final_state: true,
         ..Default::default()
     };
-    let g = inputs::kda(&KdaSpec {
+    let g = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::batch(1, L),
         h: 1,
         hv: 1,
@@ -83,7 +83,7 @@ fn dplr_naive_matches_chunk_with_short_replay_blocks() {
         output_final_state: true,
         ..Default::default()
     };
-    let g = inputs::dplr(&DplrSpec {
+    let g = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::batch(1, L),
         h: 1,
         k: D,
@@ -108,7 +108,7 @@ fn kda_naive_f32_replays_wide_chunks_and_their_leftovers() {
         ..Default::default()
     };
     for (k, v) in [(5, 13), (8, 16), (8, 13)] {
-        let g = inputs::kda(&KdaSpec {
+        let g = inputs::KdaSpec::generate(&KdaSpec {
             layout: Layout::varlen(&[23, 40]),
             h: 2,
             hv: 2,

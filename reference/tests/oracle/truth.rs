@@ -419,7 +419,7 @@ impl Subject for Kda {
             allow_neg_eigval: true,
             ..Default::default()
         };
-        let mut no_dt_bias = inputs::kda(&KdaSpec {
+        let mut no_dt_bias = inputs::KdaSpec::generate(&KdaSpec {
             initial_state: false,
             ..kda_spec(Layout::batch(2, 19), 1, 2, bounded, 21)
         });
@@ -428,7 +428,7 @@ impl Subject for Kda {
             gate: Gate::LowerBound { lower_bound: -3.0 },
             ..Default::default()
         };
-        let mut no_a_log = inputs::kda_in(
+        let mut no_a_log = inputs::KdaSpec::generate_in(
             &kda_spec(Layout::varlen(&LONG), 1, 3, unbounded_rate, 22),
             Regime::Mixed,
         );
@@ -440,7 +440,7 @@ impl Subject for Kda {
         vec![
             case(
                 "varlen, GVA, kda gate, l2norm, beta sigmoid, h0",
-                inputs::kda(&kda_spec(Layout::varlen(&LENGTHS), 2, 4, all, 20)),
+                inputs::KdaSpec::generate(&kda_spec(Layout::varlen(&LENGTHS), 2, 4, all, 20)),
                 all,
             ),
             case(
@@ -455,7 +455,7 @@ impl Subject for Kda {
             ),
             case(
                 "scalar gate, one row",
-                inputs::kda(&scalar),
+                inputs::KdaSpec::generate(&scalar),
                 KdaOptions::default(),
             ),
         ]
@@ -480,10 +480,14 @@ impl Subject for Kda {
             ..kda_spec(Layout::varlen(&[3, 0, 2]), 1, 2, opts, seed)
         };
         vec![
-            case("tiny, kda gate", inputs::kda(&tiny(all, 30)), all),
+            case(
+                "tiny, kda gate",
+                inputs::KdaSpec::generate(&tiny(all, 30)),
+                all,
+            ),
             case(
                 "tiny, lower-bound gate",
-                inputs::kda(&tiny(bounded, 31)),
+                inputs::KdaSpec::generate(&tiny(bounded, 31)),
                 bounded,
             ),
         ]
@@ -522,7 +526,7 @@ impl Subject for Gdn {
             use_gate_in_kernel: true,
             ..Default::default()
         };
-        let mut no_dt_bias = inputs::gdn_in(
+        let mut no_dt_bias = inputs::GdnSpec::generate_in(
             &gdn_spec(Layout::varlen(&LONG), gate, 42),
             Regime::LongMemory,
         );
@@ -530,12 +534,12 @@ impl Subject for Gdn {
         vec![
             case(
                 "varlen, GVA, in-kernel gate, l2norm, sigmoid, V-first",
-                inputs::gdn(&gdn_spec(Layout::varlen(&LENGTHS), all, 40)),
+                inputs::GdnSpec::generate(&gdn_spec(Layout::varlen(&LENGTHS), all, 40)),
                 all,
             ),
             case(
                 "batch, 2·sigmoid, scale",
-                inputs::gdn(&gdn_spec(Layout::batch(2, 18), plain, 41)),
+                inputs::GdnSpec::generate(&gdn_spec(Layout::batch(2, 18), plain, 41)),
                 plain,
             ),
             case(
@@ -561,7 +565,7 @@ impl Subject for Gdn {
         };
         vec![case(
             "tiny, in-kernel gate, V-first",
-            inputs::gdn(&spec),
+            inputs::GdnSpec::generate(&spec),
             all,
         )]
     }
@@ -587,22 +591,22 @@ impl Subject for Dplr {
         vec![
             case(
                 "varlen, h0",
-                inputs::dplr(&dplr_spec(Layout::varlen(&LENGTHS), 2, true, 50)),
+                inputs::DplrSpec::generate(&dplr_spec(Layout::varlen(&LENGTHS), 2, true, 50)),
                 DplrOptions::default(),
             ),
             case(
                 "one row of 21, no h0, scale",
-                inputs::dplr(&dplr_spec(Layout::batch(1, 21), 1, false, 51)),
+                inputs::DplrSpec::generate(&dplr_spec(Layout::batch(1, 21), 1, false, 51)),
                 scaled,
             ),
             case(
                 "batch of 2",
-                inputs::dplr(&dplr_spec(Layout::batch(2, 9), 2, true, 52)),
+                inputs::DplrSpec::generate(&dplr_spec(Layout::batch(2, 9), 2, true, 52)),
                 DplrOptions::default(),
             ),
             case(
                 "long varlen, mixed",
-                inputs::dplr_in(
+                inputs::DplrSpec::generate_in(
                     &dplr_spec(Layout::varlen(&LONG), 1, true, 53),
                     Regime::Mixed,
                 ),
@@ -617,7 +621,11 @@ impl Subject for Dplr {
             v: 2,
             ..dplr_spec(Layout::varlen(&[3, 0, 2]), 1, true, 54)
         };
-        vec![case("tiny", inputs::dplr(&spec), DplrOptions::default())]
+        vec![case(
+            "tiny",
+            inputs::DplrSpec::generate(&spec),
+            DplrOptions::default(),
+        )]
     }
 }
 
@@ -635,17 +643,21 @@ impl Subject for TokenShift {
         vec![
             case(
                 "varlen, cache",
-                inputs::token_shift(&shift_spec(Layout::varlen(&LENGTHS), true, 60)),
+                inputs::TokenShiftSpec::generate(&shift_spec(Layout::varlen(&LENGTHS), true, 60)),
                 (),
             ),
             case(
                 "batch, no cache",
-                inputs::token_shift(&shift_spec(Layout::batch(3, 5), false, 61)),
+                inputs::TokenShiftSpec::generate(&shift_spec(Layout::batch(3, 5), false, 61)),
                 (),
             ),
             case(
                 "empty sequences first, cache",
-                inputs::token_shift(&shift_spec(Layout::varlen(&[0, 0, 3, 1]), true, 62)),
+                inputs::TokenShiftSpec::generate(&shift_spec(
+                    Layout::varlen(&[0, 0, 3, 1]),
+                    true,
+                    62,
+                )),
                 (),
             ),
         ]
@@ -654,7 +666,7 @@ impl Subject for TokenShift {
     fn tiny() -> Vec<Case<TokenShift>> {
         vec![case(
             "tiny",
-            inputs::token_shift(&shift_spec(Layout::varlen(&[2, 0, 1]), true, 63)),
+            inputs::TokenShiftSpec::generate(&shift_spec(Layout::varlen(&[2, 0, 1]), true, 63)),
             (),
         )]
     }
@@ -680,17 +692,17 @@ impl Subject for CausalConv1d {
         vec![
             case(
                 "varlen, W = 4, bias, h0, silu",
-                inputs::conv(&conv_spec(Layout::varlen(&LENGTHS), 4, true, true, 70)),
+                inputs::ConvSpec::generate(&conv_spec(Layout::varlen(&LENGTHS), 4, true, true, 70)),
                 silu,
             ),
             case(
                 "batch, W = 3, plain",
-                inputs::conv(&conv_spec(Layout::batch(2, 7), 3, false, false, 71)),
+                inputs::ConvSpec::generate(&conv_spec(Layout::batch(2, 7), 3, false, false, 71)),
                 ConvOptions::default(),
             ),
             case(
                 "sequences shorter than W, h0, silu",
-                inputs::conv(&conv_spec(
+                inputs::ConvSpec::generate(&conv_spec(
                     Layout::varlen(&[2, 0, 1, 9]),
                     4,
                     false,
@@ -709,7 +721,7 @@ impl Subject for CausalConv1d {
         };
         vec![case(
             "tiny",
-            inputs::conv(&conv_spec(Layout::varlen(&[3, 0, 2]), 3, true, true, 73)),
+            inputs::ConvSpec::generate(&conv_spec(Layout::varlen(&[3, 0, 2]), 3, true, true, 73)),
             silu,
         )]
     }

@@ -130,7 +130,7 @@ fn lower_bound_opts() -> KdaOptions {
 
 /// The oracle (f64 naive) and the GPU on the same stored inputs.
 fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
-    let g = inputs::kda(spec);
+    let g = inputs::KdaSpec::generate(spec);
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
@@ -294,7 +294,7 @@ fn kda_cp_f32_matches_the_oracle_with_a_sequence_over_many_ranks() {
 /// The oracle (f64 naive, KDA's engine on GDN's pieces) and the GPU on the
 /// same stored inputs.
 fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
-    let g = inputs::gdn(spec);
+    let g = inputs::GdnSpec::generate(spec);
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
@@ -477,7 +477,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         initial_state: true,
         seed: 9,
     };
-    let g = inputs::dplr(&spec);
+    let g = inputs::DplrSpec::generate(&spec);
     let opts = DplrOptions {
         output_final_state: true,
         ..Default::default()
@@ -521,7 +521,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
         cache: true,
         seed: 10,
     };
-    let g = inputs::token_shift(&spec);
+    let g = inputs::TokenShiftSpec::generate(&spec);
     let truth =
         outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht)).expect("valid");
     for cp in [
@@ -551,7 +551,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
 fn gpu_rejects_bad_input_with_the_oracles_errors() {
     let gpu = gpu();
     let spec = kda_spec(&[10, 6], 1, 1, 16, lower_bound_opts());
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let mut x = g.inputs.clone();
     x.q[[0, 3, 0, 2]] = f64::NAN;
     let e = deltaref_gpu::kda::run(
@@ -572,7 +572,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
         v: 8,
         ..spec.clone()
     };
-    let g = inputs::kda(&big);
+    let g = inputs::KdaSpec::generate(&big);
     let e = deltaref_gpu::kda::run(
         &gpu,
         &g.inputs.refs(),
@@ -583,7 +583,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
     )
     .expect_err("K = 512");
     assert!(e.to_string().contains("K ≤ 256"), "{e}");
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let e = deltaref_gpu::kda::run(
         &gpu,
         &g.inputs.refs(),
@@ -604,7 +604,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
             ..Default::default()
         },
     );
-    let g = inputs::gdn(&spec);
+    let g = inputs::GdnSpec::generate(&spec);
     let flat_dht = g
         .dht
         .clone()
