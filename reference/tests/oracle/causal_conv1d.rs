@@ -7,7 +7,7 @@ use crate::common;
 
 use common::{assert_close, assert_close_opt, check_grad, dot};
 use deltaref::conv::{self, Activation, ConvGrads, ConvInputs, ConvOptions, Direct};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::error::Error;
 use deltaref::inputs::{self, ConvSpec, Layout};

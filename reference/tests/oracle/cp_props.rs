@@ -6,9 +6,9 @@
 
 use crate::common;
 
-use deltaref::cp::intra::{compute_subseq_len, split_points, IntraParams};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
+use deltaref::cp::{compute_subseq_len, split_points, IntraParams};
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
@@ -763,7 +763,7 @@ fn intra_card_split_follows_flas_rule_and_matches_non_cp() {
         seed: 3,
     };
     let x = inputs::KdaSpec::generate(&spec);
-    let plan = deltaref::cp::intra::plan_spec(&[0, 300, 310, 510], &q).unwrap();
+    let plan = deltaref::cp::plan_spec(&[0, 300, 310, 510], &q).unwrap();
     let (o, _) = cp::forward(
         &Chunk::new(64).unwrap(),
         &x.inputs,
@@ -830,7 +830,7 @@ proptest! {
         let opts = KdaOptions { output_final_state: true, ..Default::default() };
         let spec = KdaSpec { layout: Layout::varlen(&lengths), h: 1, hv: 1, k: 3, v: 2, opts, initial_state: true, scalar_gate: false, seed };
         let x = inputs::KdaSpec::generate(&spec);
-        let plan = deltaref::cp::intra::plan_spec(&cu, &p).unwrap();
+        let plan = deltaref::cp::plan_spec(&cu, &p).unwrap();
         let (o, _) = if chunk {
             cp::forward(&Chunk::new(cs).unwrap(), &x.inputs, &opts, &plan, &CpOptions::default())
         } else {

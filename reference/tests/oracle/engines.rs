@@ -9,7 +9,7 @@
 //! results bit-identical for 1 and 3 rayon threads (plain and CP).
 
 use deltaref::conv::{Activation, CausalConv1d, ConvOptions, Direct};
-use deltaref::cp::{self, plan::PlanSpec, CpOptions};
+use deltaref::cp::{self, CpOptions, PlanSpec};
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::gdn::{Gdn, GdnOptions, OnKda};

@@ -4,7 +4,7 @@
 //! recomputing them).
 
 use deltaref::conv::{Activation, ConvOptions, Direct};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;

@@ -5,9 +5,9 @@
 use crate::common;
 
 use common::{assert_close, assert_close_opt, check_grad, dot};
-use deltaref::cp::intra::{plan_spec, IntraParams};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
+use deltaref::cp::{plan_spec, IntraParams};
 use deltaref::error::Error;
 use deltaref::gdn::{self, GdnGrads, GdnInputs, GdnOptions, GdnOutputs, OnKda};
 use deltaref::inputs::{self, GdnSpec, Layout};

@@ -19,7 +19,7 @@
 use std::sync::OnceLock;
 
 use deltaref::conv::{Activation, CausalConv1d, ConvInputs, ConvOptions, Direct};
-use deltaref::cp::{self, intra, plan::PlanSpec, CpOptions};
+use deltaref::cp::{self, CpOptions, PlanSpec};
 use deltaref::dplr::{self, Dplr, DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
@@ -248,12 +248,12 @@ fn intra_card<O: Subject, E: Engine<f64, Op = O>>(engine: &E, chunk: usize, judg
         else {
             continue;
         };
-        let params = intra::IntraParams {
+        let params = cp::IntraParams {
             chunk_size: chunk,
             subseq_len: Some(12),
             ..Default::default()
         };
-        let spec = intra::plan_spec(&cu, &params).expect("valid");
+        let spec = cp::plan_spec(&cu, &params).expect("valid");
         cut += matches!(&spec, PlanSpec::Cuts(c) if !c.is_empty()) as usize;
         let opt = O::all_outputs(&j.case.opt);
         let (out, _) = cp::forward(engine, &j.case.x, &opt, &spec, &cp_options()).expect("valid");
@@ -952,7 +952,7 @@ fn kda_by_hand() {
         beta: t(&[1, 2, 1], &[0.5, 1.0]),
         ..kda_token(0.0, 0.0, 0.0, 0.0, 0.0, 4.0)
     };
-    let y = truth::kda::forward(&x, &opt);
+    let y = <Kda as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[3.0, 8.0]);
     assert_near(
         "final_state",
@@ -970,7 +970,7 @@ fn kda_by_hand() {
         initial_state: Some(t(&[1, 1, 2, 1], &[2.0, 4.0])),
         ..kda_token(0.0, 0.0, 4.0, 0.0, 0.5, 0.0)
     };
-    let y = truth::kda::forward(&x, &opt);
+    let y = <Kda as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[4.0 * 2f64.sqrt()]);
     assert_near(
         "final_state",
@@ -1000,7 +1000,7 @@ fn kda_gates_by_hand() {
     };
     let (kh, qh) = (2.0 / (4.0f64 + 1e-6).sqrt(), 3.0 / (9.0f64 + 1e-6).sqrt());
     let s = 2.0 + kh * (5.0 - 2.0 * kh);
-    let y = truth::kda::forward(&x, &opt);
+    let y = <Kda as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[qh * s]);
     assert_near("final_state", y.final_state.as_ref().expect("asked"), &[s]);
 
@@ -1021,7 +1021,7 @@ fn kda_gates_by_hand() {
     };
     let without = kda_token(1.0, 1.0, 7.0, 3f64.ln(), 0.0, 6.0);
     for x in [with_rate, without] {
-        let y = truth::kda::forward(&x, &opt);
+        let y = <Kda as Truth>::forward(&x, &opt);
         assert_near("o", &y.o, &[3.0]);
         assert_near(
             "final_state",
@@ -1055,7 +1055,7 @@ fn gdn_by_hand() {
         initial_state: Some(t(&[1, 1, 1, 2], &[4.0, 8.0])),
         cu_seqlens: None,
     };
-    let y = truth::gdn::forward(&x, &opt);
+    let y = <Gdn as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[2.5]);
     let fin = y.final_state.expect("asked");
     assert_eq!(fin.shape(), &[1, 1, 1, 2]);
@@ -1081,7 +1081,7 @@ fn dplr_by_hand() {
         initial_state: Some(t(&[1, 1, 1, 1], &[2.0])),
         cu_seqlens: None,
     };
-    let y = truth::dplr::forward(&x, &opt);
+    let y = <Dplr as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[5.0, 6.0]);
     assert_near(
         "final_state",
@@ -1102,7 +1102,7 @@ fn dplr_by_hand() {
         initial_state: Some(t(&[1, 1, 2, 1], &[2.0, 4.0])),
         cu_seqlens: None,
     };
-    let y = truth::dplr::forward(&x, &opt);
+    let y = <Dplr as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[9.0 / 2f64.sqrt()]);
     assert_near(
         "final_state",
@@ -1122,7 +1122,7 @@ fn token_shift_by_hand() {
         cache: Some(t(&[3, 2], &[10.0, 20.0, 30.0, 40.0, 50.0, 60.0])),
         cu_seqlens: Some(vec![0, 2, 2, 3]),
     };
-    let y = truth::token_shift::forward(&x);
+    let y = <TokenShift as Truth>::forward(&x, &());
     assert_near("y", &y.y, &[9.0, 18.0, -2.0, -3.0, 43.0, 49.0]);
     assert_near(
         "final_cache",
@@ -1130,7 +1130,7 @@ fn token_shift_by_hand() {
         &[3.0, 5.0, 30.0, 40.0, 7.0, 11.0],
     );
     // Without a cache the token before is 0: y₀ = −x₀, the empty sequence's final cache 0.
-    let y = truth::token_shift::forward(&TokenShiftInputs { cache: None, ..x });
+    let y = <TokenShift as Truth>::forward(&TokenShiftInputs { cache: None, ..x }, &());
     assert_near("y", &y.y, &[-1.0, -2.0, -2.0, -3.0, -7.0, -11.0]);
     assert_near(
         "final_cache",
@@ -1155,7 +1155,7 @@ fn conv_by_hand() {
         initial_state: Some(t(&[1, 1, 2], &[3.0, 4.0])),
         cu_seqlens: None,
     };
-    let y = truth::conv::forward(&x, &plain);
+    let y = <CausalConv1d as Truth>::forward(&x, &plain);
     assert_near("y", &y.y, &[14.5, 17.5]);
     assert_near(
         "final_state",
@@ -1172,7 +1172,7 @@ fn conv_by_hand() {
         initial_state: Some(t(&[1, 1, 3], &[1.0, 2.0, 3.0])),
         cu_seqlens: None,
     };
-    let y = truth::conv::forward(&x, &plain);
+    let y = <CausalConv1d as Truth>::forward(&x, &plain);
     assert_near("y", &y.y, &[10.0]);
     assert_near(
         "final_state",
@@ -1192,7 +1192,7 @@ fn conv_by_hand() {
         initial_state: None,
         cu_seqlens: None,
     };
-    let y = truth::conv::forward(&x, &silu);
+    let y = <CausalConv1d as Truth>::forward(&x, &silu);
     assert_near("y", &y.y, &[0.75 * 3f64.ln()]);
     assert!(y.final_state.is_none());
 }

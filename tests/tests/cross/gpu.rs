@@ -9,7 +9,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::dplr::DplrInputs;
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
