@@ -602,8 +602,8 @@ fn fla_debug_guide_example() {
             scalar_gate: false,
             seed: 7,
         });
-        let d_o = deltaref::tensor::to4(&g.d_o);
-        let dht = deltaref::tensor::to4(&g.dht);
+        let d_o = g.d_o.view().into_dimensionality::<ndarray::Ix4>().unwrap();
+        let dht = g.dht.view().into_dimensionality::<ndarray::Ix4>().unwrap();
         let (head, tail) = (
             Segment {
                 seq: 1,
@@ -628,7 +628,7 @@ fn fla_debug_guide_example() {
                 .backward(
                     &Kda::head(&p, &tail, h),
                     state.view(),
-                    deltaref::tensor::gather(&d_o, &tail, h).view(),
+                    d_o.slice(ndarray::s![tail.batch, tail.start..tail.end, h, ..]),
                     dht.slice(ndarray::s![1, h, .., ..]),
                 )
                 .dh0;
