@@ -5,7 +5,7 @@
 //! the oracle's [`Plan`] (FLA's `FLACPContext` rules).
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
-use deltaref::cp::plan::{Plan, PlanSpec, RankMeta};
+use deltaref::cp::{Plan, PlanSpec, RankMeta};
 use deltaref::varlen::{self, Segment};
 
 use crate::device::{arg_opt, grid, Gpu};

@@ -34,7 +34,7 @@ mod recurrent;
 pub mod runner;
 pub mod token_shift;
 
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::Dtype;
 
 pub use device::Gpu;

@@ -4,7 +4,7 @@
 //! shared-memory table of per-warp sums over the state columns.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
-use deltaref::memory::block_len;
+use deltaref::registry::MemoryModel;
 use deltaref::varlen::Segment;
 
 use crate::device::Gpu;
@@ -45,7 +45,7 @@ impl BackwardScratch {
             )));
         }
         let max_len = pieces.iter().map(Segment::len).max().unwrap_or(0);
-        let block = block_len(max_len);
+        let block = MemoryModel::block_len(max_len);
         let checkpoints = max_len.div_ceil(block).max(1);
         let pairs = pieces.len() * heads;
         Ok(BackwardScratch {

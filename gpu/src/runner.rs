@@ -3,9 +3,11 @@
 //! that runs a problem given as named tensors. An operator without kernels
 //! has no runner; the CPU oracle still computes it.
 
-use deltaref::kda::entry as kda_entry;
-use deltaref::registry::{Options, Registered, Tensors};
-use deltaref::{dplr, gdn, kda, token_shift};
+use deltaref::dplr::{DplrOptions, DplrRefs};
+use deltaref::gdn::GdnOptions;
+use deltaref::kda::{KdaOptions, KdaRefs};
+use deltaref::registry::{Options, Tensors};
+use deltaref::token_shift::TokenShiftRefs;
 use ndarray::ArrayD;
 
 use crate::error::{GpuError, Result};
@@ -65,8 +67,15 @@ pub fn run(
     let bad_options = |why: String| GpuError::Input(deltaref::Error::option("case", why));
     match op {
         "kda" => {
-            let opts = <kda::Kda as Registered>::options(options).map_err(bad_options)?;
-            let r = crate::kda::run(gpu, &kda_entry::refs(t, cu, op)?, &opts, d_o, dht, imp)?;
+            let opts = KdaOptions::from_case(options).map_err(bad_options)?;
+            let r = crate::kda::run(
+                gpu,
+                &KdaRefs::from_tensors(t, cu, op)?,
+                &opts,
+                d_o,
+                dht,
+                imp,
+            )?;
             let (o, g) = (r.outputs, r.grads);
             Ok((
                 gated(
@@ -79,8 +88,15 @@ pub fn run(
             ))
         }
         "gdn" => {
-            let opts = <gdn::Gdn as Registered>::options(options).map_err(bad_options)?;
-            let r = crate::gdn::run(gpu, &kda_entry::refs(t, cu, op)?, &opts, d_o, dht, imp)?;
+            let opts = GdnOptions::from_case(options).map_err(bad_options)?;
+            let r = crate::gdn::run(
+                gpu,
+                &KdaRefs::from_tensors(t, cu, op)?,
+                &opts,
+                d_o,
+                dht,
+                imp,
+            )?;
             let (o, g) = (r.outputs, r.grads);
             Ok((
                 gated(
@@ -93,8 +109,8 @@ pub fn run(
             ))
         }
         "dplr" => {
-            let opts = <dplr::Dplr as Registered>::options(options).map_err(bad_options)?;
-            let r = crate::dplr::run(gpu, &dplr::entry::refs(t, cu)?, &opts, d_o, dht, imp)?;
+            let opts = DplrOptions::from_case(options).map_err(bad_options)?;
+            let r = crate::dplr::run(gpu, &DplrRefs::from_tensors(t, cu)?, &opts, d_o, dht, imp)?;
             let (o, g) = (r.outputs, r.grads);
             let named = [
                 ("o", Some(o.o)),
@@ -110,7 +126,8 @@ pub fn run(
             Ok((tensors(named), r.timings))
         }
         "token_shift" => {
-            let r = crate::token_shift::run(gpu, &token_shift::entry::refs(t, cu)?, d_o, dht, imp)?;
+            let r =
+                crate::token_shift::run(gpu, &TokenShiftRefs::from_tensors(t, cu)?, d_o, dht, imp)?;
             let (o, g) = (r.outputs, r.grads);
             let named = [
                 ("y", Some(o.y)),

@@ -9,7 +9,7 @@ use crate::scalar::Scalar;
 /// FLA's l2norm epsilon: `x / sqrt(Σx² + 1e-6)`.
 pub const L2NORM_EPS: f64 = 1e-6;
 
-pub fn sigmoid<T: Scalar>(x: T) -> T {
+pub(crate) fn sigmoid<T: Scalar>(x: T) -> T {
     // Split by sign so neither branch overflows.
     if x >= T::zero() {
         T::one() / (T::one() + (-x).exp())
@@ -21,7 +21,7 @@ pub fn sigmoid<T: Scalar>(x: T) -> T {
 
 /// `log(1 + e^x)` without overflow (exact; FLA's thresholded softplus differs
 /// from it by < 2e-9 only for x > 20).
-pub fn softplus<T: Scalar>(x: T) -> T {
+pub(crate) fn softplus<T: Scalar>(x: T) -> T {
     if x > T::zero() {
         x + (-x).exp().ln_1p()
     } else {
@@ -203,7 +203,7 @@ pub(crate) fn gate_eval_run<T: Scalar>(
 }
 
 /// `β = scale · sigmoid(b)` with scale 2 under `allow_neg_eigval`; returns `(β, ∂β/∂b)`.
-pub fn beta_sigmoid<T: Scalar>(b: T, allow_neg_eigval: bool) -> (T, T) {
+pub(crate) fn beta_sigmoid<T: Scalar>(b: T, allow_neg_eigval: bool) -> (T, T) {
     let c = if allow_neg_eigval {
         T::c(2.0)
     } else {

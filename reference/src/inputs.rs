@@ -210,6 +210,24 @@ pub struct KdaSpec {
     pub seed: u64,
 }
 
+impl KdaSpec {
+    /// FLA's test draws ([`Regime::FlaTest`]): q, k, v normal; `g =
+    /// logsigmoid(N)` (raw normal with an in-kernel gate); `beta = sigmoid(N)`
+    /// (raw normal with `use_beta_sigmoid_in_kernel`); `A_log = N/2`, `dt_bias =
+    /// N/2`; `initial_state` normal.
+    pub fn generate(&self) -> Generated<KdaInputs<f64>> {
+        kda_in(self, Regime::FlaTest)
+    }
+
+    /// KDA inputs drawn in `regime` (see [`Regime`]); the same named streams as
+    /// [`KdaSpec::generate`], mapped differently. Under `sharp` without
+    /// `use_qk_l2norm_in_kernel` the keys are scaled by `K^-1/2` (unit norm on
+    /// average) so that β ≈ 1 keeps the recurrence stable.
+    pub fn generate_in(&self, regime: Regime) -> Generated<KdaInputs<f64>> {
+        kda_in(self, regime)
+    }
+}
+
 /// Generated inputs plus the upstream gradients `do` and `dht`.
 #[derive(Clone, Debug)]
 pub struct Generated<I> {
@@ -284,19 +302,8 @@ impl AllDrawn {
     }
 }
 
-/// FLA's test draws ([`Regime::FlaTest`]): q, k, v normal; `g =
-/// logsigmoid(N)` (raw normal with an in-kernel gate); `beta = sigmoid(N)`
-/// (raw normal with `use_beta_sigmoid_in_kernel`); `A_log = N/2`, `dt_bias =
-/// N/2`; `initial_state` normal.
-pub fn kda(s: &KdaSpec) -> Generated<KdaInputs<f64>> {
-    kda_in(s, Regime::FlaTest)
-}
-
-/// KDA inputs drawn in `regime` (see [`Regime`]); the same named streams as
-/// [`kda`], mapped differently. Under `sharp` without
-/// `use_qk_l2norm_in_kernel` the keys are scaled by `K^-1/2` (unit norm on
-/// average) so that β ≈ 1 keeps the recurrence stable.
-pub fn kda_in(s: &KdaSpec, regime: Regime) -> Generated<KdaInputs<f64>> {
+/// [`KdaSpec::generate_in`].
+pub(crate) fn kda_in(s: &KdaSpec, regime: Regime) -> Generated<KdaInputs<f64>> {
     let mut d = AllDrawn::all(kda_draws(s, regime));
     Generated {
         inputs: KdaInputs {
@@ -394,17 +401,24 @@ pub struct DplrSpec {
     pub seed: u64,
 }
 
-/// RWKV-7-like ([`Regime::FlaTest`]): q, k l2-normalised normals, `kk` an
-/// l2-normalised normal, `a = −kk`, `b = kk ⊙ sigmoid(N)`, `gk =
-/// −0.6065306597126334 · sigmoid(N)`.
-pub fn dplr(s: &DplrSpec) -> Generated<DplrInputs<f64>> {
-    dplr_in(s, Regime::FlaTest)
+impl DplrSpec {
+    /// RWKV-7-like ([`Regime::FlaTest`]): q, k l2-normalised normals, `kk` an
+    /// l2-normalised normal, `a = −kk`, `b = kk ⊙ sigmoid(N)`, `gk =
+    /// −0.6065306597126334 · sigmoid(N)`.
+    pub fn generate(&self) -> Generated<DplrInputs<f64>> {
+        dplr_in(self, Regime::FlaTest)
+    }
+
+    /// DPLR inputs drawn in `regime`: `gk = −0.6065·sigmoid(x)` with `x` ≈ −6.5
+    /// on slow channels (|gk| ~ 1e-3) and ≈ +4 under `sharp`; the scale of `b`
+    /// is `sigmoid(beta_logit)` as KDA's β; `kk` low-rank-ish where KDA's keys are.
+    pub fn generate_in(&self, regime: Regime) -> Generated<DplrInputs<f64>> {
+        dplr_in(self, regime)
+    }
 }
 
-/// DPLR inputs drawn in `regime`: `gk = −0.6065·sigmoid(x)` with `x` ≈ −6.5
-/// on slow channels (|gk| ~ 1e-3) and ≈ +4 under `sharp`; the scale of `b`
-/// is `sigmoid(beta_logit)` as KDA's β; `kk` low-rank-ish where KDA's keys are.
-pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
+/// [`DplrSpec::generate_in`].
+pub(crate) fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
     let mut d = AllDrawn::all(dplr_draws(s, regime));
     Generated {
         inputs: DplrInputs {
@@ -427,7 +441,7 @@ pub fn dplr_in(s: &DplrSpec, regime: Regime) -> Generated<DplrInputs<f64>> {
 /// normalised `kk`: drawing `a` keeps it for the next draw of `b` (files
 /// store `a` just before `b`), which takes it; `b` drawn without it draws
 /// `kk` again. Either way the same bits.
-pub fn dplr_draws(s: &DplrSpec, regime: Regime) -> Vec<Draw> {
+pub(crate) fn dplr_draws(s: &DplrSpec, regime: Regime) -> Vec<Draw> {
     dplr_draws_bounded(s, regime, None)
 }
 
@@ -436,7 +450,11 @@ const RWKV7_GK: f64 = -0.606_530_659_712_633_4;
 
 /// [`dplr_draws`] with `gk = lower_bound·sigmoid(·)`, in `(lower_bound, 0)`,
 /// when a bound is given (FLA's `lower_bound`); without one, RWKV-7's.
-pub fn dplr_draws_bounded(s: &DplrSpec, regime: Regime, lower_bound: Option<f64>) -> Vec<Draw> {
+pub(crate) fn dplr_draws_bounded(
+    s: &DplrSpec,
+    regime: Regime,
+    lower_bound: Option<f64>,
+) -> Vec<Draw> {
     let gk_scale = lower_bound.unwrap_or(RWKV7_GK);
     let (b, t, n, seed, k) = (s.layout.b, s.layout.t, s.layout.n(), s.seed, s.k);
     let kshape = vec![b, t, s.h, k];
@@ -500,17 +518,27 @@ pub struct TokenShiftSpec {
     pub seed: u64,
 }
 
-/// x, cache, dy, dfinal_cache normal ([`Regime::FlaTest`]).
-pub fn token_shift(s: &TokenShiftSpec) -> Generated<TokenShiftInputs<f64>> {
-    token_shift_in(s, Regime::FlaTest)
+impl TokenShiftSpec {
+    /// x, cache, dy, dfinal_cache normal ([`Regime::FlaTest`]).
+    pub fn generate(&self) -> Generated<TokenShiftInputs<f64>> {
+        token_shift_in(self, Regime::FlaTest)
+    }
+
+    /// Token-shift inputs drawn in `regime`, which changes `x` and `cache`:
+    /// `long-memory`: x slowly varying along T (AR(1), ρ = 0.999, unit
+    /// variance, per batch row and channel), so `y = x_{t−1} − x_t` is a small
+    /// difference of large numbers; `mixed`: channel magnitudes 1e-3 or 1e3
+    /// (half each); `sharp`: heavy tails, `N·exp(1.5·N')` (log-normal scale).
+    pub fn generate_in(&self, regime: Regime) -> Generated<TokenShiftInputs<f64>> {
+        token_shift_in(self, regime)
+    }
 }
 
-/// Token-shift inputs drawn in `regime`, which changes `x` and `cache`:
-/// `long-memory`: x slowly varying along T (AR(1), ρ = 0.999, unit
-/// variance, per batch row and channel), so `y = x_{t−1} − x_t` is a small
-/// difference of large numbers; `mixed`: channel magnitudes 1e-3 or 1e3
-/// (half each); `sharp`: heavy tails, `N·exp(1.5·N')` (log-normal scale).
-pub fn token_shift_in(s: &TokenShiftSpec, regime: Regime) -> Generated<TokenShiftInputs<f64>> {
+/// [`TokenShiftSpec::generate_in`].
+pub(crate) fn token_shift_in(
+    s: &TokenShiftSpec,
+    regime: Regime,
+) -> Generated<TokenShiftInputs<f64>> {
     let (b, t) = (s.layout.b, s.layout.t);
     let n = s.layout.n();
     let spread = Stream::new(s.seed, "x_scale");
@@ -565,15 +593,22 @@ pub struct GdnSpec {
     pub seed: u64,
 }
 
-/// GDN inputs in FLA's test draws ([`Regime::FlaTest`]).
-pub fn gdn(s: &GdnSpec) -> Generated<GdnInputs<f64>> {
-    gdn_in(s, Regime::FlaTest)
+impl GdnSpec {
+    /// GDN inputs in FLA's test draws ([`Regime::FlaTest`]).
+    pub fn generate(&self) -> Generated<GdnInputs<f64>> {
+        gdn_in(self, Regime::FlaTest)
+    }
+
+    /// GDN inputs drawn in `regime`: KDA's scalar-gate draws (the same named
+    /// streams, the in-kernel gate drawn as KDA's `kda` gate), with `dt_bias`
+    /// per head (`[HV]`) and the states in the `state_v_first` layout when asked.
+    pub fn generate_in(&self, regime: Regime) -> Generated<GdnInputs<f64>> {
+        gdn_in(self, regime)
+    }
 }
 
-/// GDN inputs drawn in `regime`: KDA's scalar-gate draws (the same named
-/// streams, the in-kernel gate drawn as KDA's `kda` gate), with `dt_bias`
-/// per head (`[HV]`) and the states in the `state_v_first` layout when asked.
-pub fn gdn_in(s: &GdnSpec, regime: Regime) -> Generated<GdnInputs<f64>> {
+/// [`GdnSpec::generate_in`].
+pub(crate) fn gdn_in(s: &GdnSpec, regime: Regime) -> Generated<GdnInputs<f64>> {
     let o = &s.opts;
     let gate = if o.use_gate_in_kernel {
         Gate::Kda
@@ -640,9 +675,16 @@ pub struct ConvSpec {
     pub seed: u64,
 }
 
-/// Causal conv1d inputs as FLA's tests draw them: x, weight, bias,
-/// initial_state, dy and dht normal.
-pub fn conv(s: &ConvSpec) -> Generated<ConvInputs<f64>> {
+impl ConvSpec {
+    /// Causal conv1d inputs as FLA's tests draw them: x, weight, bias,
+    /// initial_state, dy and dht normal.
+    pub fn generate(&self) -> Generated<ConvInputs<f64>> {
+        conv(self)
+    }
+}
+
+/// [`ConvSpec::generate`].
+pub(crate) fn conv(s: &ConvSpec) -> Generated<ConvInputs<f64>> {
     let (b, t, n) = (s.layout.b, s.layout.t, s.layout.n());
     Generated {
         inputs: ConvInputs {

@@ -9,9 +9,10 @@
 //! precision emulation ([`precision`], [`dtype`]); the case generators
 //! ([`inputs`], [`rng`]); the gates ([`gates`]); each operator's definition
 //! as a plain recurrence ([`truth`]); checks and sequences ([`tensor`],
-//! [`varlen`]); and what the engines hold ([`memory`]). The speed machinery
-//! (matrix products, vector dispatch, the naive sweeps, thread splits) is
-//! behind one wall, in the private module `fast`.
+//! [`varlen`]); what the engines hold ([`registry::MemoryModel`]) and the
+//! product kernel `deltaref bench` measures its peak with ([`throughput`]).
+//! The speed machinery (matrix products, vector dispatch, the naive sweeps,
+//! thread splits) is behind one wall, in the private module `fast`.
 
 mod chunked;
 pub mod conv;
@@ -25,10 +26,6 @@ pub mod gdn;
 pub mod gdn2;
 pub mod inputs;
 pub mod kda;
-// Machinery (what the engines hold, read by `verify`'s memory model): public for the workspace's crates, not the
-// oracle's API, so hidden from its documentation.
-#[doc(hidden)]
-pub mod memory;
 pub mod op;
 pub mod precision;
 pub mod registry;
@@ -41,9 +38,6 @@ pub mod scalar;
 // oracle's API, so hidden from its documentation.
 #[doc(hidden)]
 pub mod tensor;
-// Machinery (op counts for `verify`'s benches): public for the workspace's crates, not the
-// oracle's API, so hidden from its documentation.
-#[doc(hidden)]
 pub mod throughput;
 pub mod token_shift;
 pub mod truth;

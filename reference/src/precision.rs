@@ -264,7 +264,7 @@ impl Default for Policy {
 /// then (`cp`) the context-parallel quantities in fp32 (the `M` chain
 /// accumulates in fp32, `S_ext` and the merged state are fp32). The
 /// operator adds its own variants (exp2, the safe gate, the outputs).
-pub fn fla_bf16(stages: &[(Stage, Dtype)], cp: bool) -> Policy {
+pub(crate) fn fla_bf16(stages: &[(Stage, Dtype)], cp: bool) -> Policy {
     let mut p = Policy::exact().with(Stage::Inputs, Dtype::Bf16);
     for &(s, d) in stages {
         p = p.with(s, d);

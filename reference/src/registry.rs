@@ -8,13 +8,14 @@
 //! its options as a case file stores them ([`Options`], a JSON object with
 //! FLA's keys), how `gen` draws a case of it, which engines compute it and
 //! what their precision policies can round, and FLA's bf16 storage of its
-//! kernels. The typed side ([`Registered`]) is written once per operator;
-//! [`Entry`] turns it into an [`OpEntry`], compiled here once, so no caller
-//! instantiates an engine of its own.
+//! kernels. The typed side (the crate-private trait `Registered`) is
+//! written once per operator; the crate-private `Entry` turns it into an
+//! [`OpEntry`], compiled here once, so no caller instantiates an engine of
+//! its own, and tools reach an operator only through [`OPS`] ([`find`]).
 //!
 //! # Adding an operator
 //! A folder `src/<op>/` implementing the operator contract ([`crate::op`])
-//! and [`Registered`] (in its `entry.rs`), and one line in [`OPS`].
+//! and `Registered` (in its `entry.rs`), and one line in [`OPS`].
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
@@ -204,6 +205,38 @@ pub struct MemoryModel {
     /// The chunked engine's intermediates per token: `K`, `V` and `C`
     /// coefficients of its rows.
     pub chunk_rows: [u64; 3],
+}
+
+/// What the engines hold whatever the operator, for up-front memory
+/// estimates: the only facts about the machinery behind the crate's
+/// private `fast` wall that a caller needs (verify's memory estimate of a
+/// case; the GPU's naive engine, which checkpoints on the CPU's spacing).
+impl MemoryModel {
+    /// Working buffers each thread keeps for reuse between (sequence, head)
+    /// pairs: at most this many, of at most [`MemoryModel::MAX_KEPT`] bytes each.
+    pub const KEPT: usize = crate::fast::scratch::KEPT;
+
+    /// The largest working buffer a thread keeps for reuse, in bytes.
+    pub const MAX_KEPT: usize = crate::fast::scratch::MAX_KEPT;
+
+    /// Tokens per span of a chunked engine's long (sequence, head) pair: a
+    /// longer pair's forward+backward holds one span's intermediates at a time.
+    pub const SPAN_LEN: usize = crate::fast::spans::SPAN_LEN;
+
+    /// Tokens per block of a checkpointed naive backward of `l` tokens at
+    /// the `O(√L · K · V)` spacing: `⌈√l⌉`, at least 16. (The CPU engines
+    /// shorten it where a block of states would not fit the cache:
+    /// [`MemoryModel::held_states`].)
+    pub fn block_len(l: usize) -> usize {
+        crate::fast::sweep::block_len(l)
+    }
+
+    /// `[K, V]` states of `state_bytes` each that a naive engine's
+    /// checkpointed backward of `l` tokens holds at once: its checkpoints
+    /// and one block of replayed states.
+    pub fn held_states(l: usize, state_bytes: usize) -> usize {
+        crate::fast::sweep::held_states(l, state_bytes)
+    }
 }
 
 /// A `gen` flag: the words `gen` offers every operator, each taken by the
@@ -420,7 +453,7 @@ pub struct ChunkPos {
 }
 
 /// A run's results and, under CP, the per-rank diagnostics (widened to f64).
-pub type Outcome = (Tensors, Vec<RankDiag<f64>>);
+pub(crate) type Outcome = (Tensors, Vec<RankDiag<f64>>);
 
 /// An operator as tools see it: named tensors in, named tensors out.
 pub trait OpEntry: Sync {
@@ -484,22 +517,63 @@ pub trait OpEntry: Sync {
 }
 
 /// The typed side of an operator's registry entry, written once per
-/// operator in its `entry.rs`.
-pub trait Registered: Operator<f64> + Operator<f32> + Sync {
-    type Naive: Engine<f64, Op = Self> + Engine<f32, Op = Self>;
+/// operator in its `entry.rs`: its [`OpInfo`], its engines, its case
+/// options' serde type and what only it knows (its flags, draws, bf16
+/// storage, typed inputs, validation, memory). What every operator does
+/// the same way (option keys, case parsing, engine construction, head
+/// counts read from the axes) is written here once, as default methods.
+pub(crate) trait Registered: Operator<f64> + Operator<f32> + Sync {
+    /// FLA's names and the tensor axes ([`OpEntry::info`]).
+    const INFO: &'static OpInfo;
+    /// The naive engine, built as its `Default`.
+    type Naive: Engine<f64, Op = Self> + Engine<f32, Op = Self> + Default;
     /// The chunked engine (an operator without one names its naive one).
-    type Chunk: Engine<f64, Op = Self> + Engine<f32, Op = Self>;
+    type Chunk: Engine<f64, Op = Self> + Engine<f32, Op = Self> + Build;
+    /// The options as a case file stores them: a serde struct of FLA's
+    /// keys that refuses unknown ones.
+    type Case: DeserializeOwned;
 
-    fn info() -> &'static OpInfo;
-    /// The option keys ([`OpEntry::option_keys`]).
-    fn option_keys() -> &'static [&'static str];
-    fn naive() -> Self::Naive;
-    fn chunk(c: ChunkSize, policy: &Policy) -> Self::Chunk;
-    /// The chunked engine's stages ([`OpEntry::features`]).
-    const CHUNK_FEATURES: &'static [Feature];
+    /// The typed options of parsed case options (a bad combination
+    /// refused, the message naming the key).
+    fn typed(c: Self::Case) -> std::result::Result<<Self as OpSpec>::Options, String>;
+
+    /// The option keys ([`OpEntry::option_keys`]): the fields of [`Registered::Case`].
+    fn option_keys() -> &'static [&'static str] {
+        option_keys::<Self::Case>()
+    }
 
     /// The typed options of a case's options (unknown keys refused).
-    fn options(o: &Options) -> std::result::Result<<Self as OpSpec>::Options, String>;
+    fn options(o: &Options) -> std::result::Result<<Self as OpSpec>::Options, String> {
+        Self::typed(parse_options::<Self::Case>(Self::INFO.name, o)?)
+    }
+
+    fn naive() -> Self::Naive {
+        Self::Naive::default()
+    }
+
+    fn chunk(c: ChunkSize, policy: &Policy) -> Self::Chunk {
+        Self::Chunk::build(c, policy)
+    }
+
+    /// `(H, value heads per H)` of a problem's tensors, read along the axes
+    /// [`OpInfo::axes`] names `H` and `HV`: `H` from the first input (1
+    /// without one), `HV` from the first input laid out along it (KDA's
+    /// and GDN's `v`; `H` where no input is).
+    fn heads(t: &Tensors) -> (usize, usize) {
+        let info = Self::INFO;
+        let along = |name: &str, axis: &str| -> Option<usize> {
+            let i = info.axes_of(name)?.split(',').position(|a| a == axis)?;
+            t.get(name)?.shape().get(i).copied()
+        };
+        let h = along(info.first_input(), "H").unwrap_or(1).max(1);
+        let value_input = info.inputs.iter().find(|n| {
+            info.axes_of(n)
+                .is_some_and(|a| a.split(',').any(|x| x == "HV"))
+        });
+        let hv = value_input.and_then(|n| along(n, "HV")).unwrap_or(h);
+        (h, (hv / h).max(1))
+    }
+
     fn gen_options(f: &GenFlags) -> std::result::Result<Options, String>;
     fn draws(r: &DrawRequest<'_>, opt: &<Self as OpSpec>::Options) -> Vec<Draw>;
     fn fla_bf16(opt: &<Self as OpSpec>::Options, cp: bool) -> Policy;
@@ -515,8 +589,6 @@ pub trait Registered: Operator<f64> + Operator<f32> + Sync {
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
     ) -> Result<()>;
-    /// `(H, value heads per H)`.
-    fn heads(t: &Tensors) -> (usize, usize);
     fn memory(opt: &<Self as OpSpec>::Options) -> MemoryModel;
 
     /// [`OpEntry::intermediates`] on typed inputs; an operator whose
@@ -529,9 +601,19 @@ pub trait Registered: Operator<f64> + Operator<f32> + Sync {
     ) -> Result<(Tensors, Vec<ChunkPos>)> {
         Err(Error::option(
             "intermediates",
-            format!("op {} declares no stored intermediates", Self::info().name),
+            format!("op {} declares no stored intermediates", Self::INFO.name),
         ))
     }
+}
+
+/// A chunked engine as the registry builds it for a job, from its chunk
+/// size and precision policy (an operator without a chunked form builds
+/// its one engine and ignores both).
+pub(crate) trait Build {
+    /// The stages its precision policy can round ([`OpEntry::features`]).
+    const FEATURES: &'static [Feature] = &[];
+
+    fn build(c: ChunkSize, policy: &Policy) -> Self;
 }
 
 /// Draws of tensors already drawn (an operator whose generator draws
@@ -625,10 +707,10 @@ impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
 }
 
 /// The [`OpEntry`] of a [`Registered`] operator.
-pub struct Entry<O>(PhantomData<fn() -> O>);
+pub(crate) struct Entry<O>(PhantomData<fn() -> O>);
 
 impl<O> Entry<O> {
-    pub const fn new() -> Self {
+    pub(crate) const fn new() -> Self {
         Entry(PhantomData)
     }
 }
@@ -649,7 +731,7 @@ where
     <O as Operator<f32>>::Inputs: 'static,
 {
     fn info(&self) -> &'static OpInfo {
-        O::info()
+        O::INFO
     }
 
     fn option_keys(&self) -> &'static [&'static str] {
@@ -661,7 +743,7 @@ where
     }
 
     fn gen_options(&self, f: &GenFlags) -> std::result::Result<Options, String> {
-        f.check(O::info())?;
+        f.check(O::INFO)?;
         O::gen_options(f)
     }
 
@@ -709,7 +791,7 @@ where
     fn features(&self, engine: EngineKind) -> &'static [Feature] {
         match engine {
             EngineKind::Naive => &[],
-            EngineKind::Chunk(_) => O::CHUNK_FEATURES,
+            EngineKind::Chunk(_) => <O::Chunk as Build>::FEATURES,
         }
     }
 
@@ -832,8 +914,11 @@ impl<T: Scalar, O: Registered + Operator<T>> EngineJob<T, O> for ForwardJob<'_, 
     }
 }
 
-/// Outputs and (when given) gradients under FLA's names, widened to f64.
-fn named<T: Scalar, O: Operator<T>>(out: &O::Outputs, gr: Option<&O::Grads>) -> Tensors {
+/// Outputs and (when given) gradients of operator `O` under FLA's names
+/// ([`OpSpec::OUTPUTS`], [`OpSpec::GRADS`]), absent ones left out, each
+/// widened to f64 with its shape: the one map every comparison reads
+/// (`o` `[B, T, HV, V]`, `final_state` `[N, HV, K, V]`, `dq` as `q`, …).
+pub fn named<T: Scalar, O: Operator<T>>(out: &O::Outputs, gr: Option<&O::Grads>) -> Tensors {
     op::named::<T, O>(out, gr)
         .into_iter()
         .map(|(name, t)| (name.to_string(), cast(t)))
@@ -892,6 +977,38 @@ mod tests {
             }
         }
         assert!(find("nope").is_none());
+    }
+
+    #[test]
+    fn heads_are_read_along_the_axes_each_operator_declares() {
+        let named = |shapes: &[(&str, &[usize])]| -> Tensors {
+            shapes
+                .iter()
+                .map(|(n, s)| (n.to_string(), ArrayD::zeros(s.to_vec())))
+                .collect()
+        };
+        let heads = |op: &str, t: &Tensors| {
+            let options = Options::new();
+            let p = Problem {
+                tensors: t,
+                cu_seqlens: None,
+                options: &options,
+            };
+            find(op).unwrap().heads(p)
+        };
+        // KDA and GDN: H from q, HV from v (2 and 6: 3 value heads per H).
+        let gated = named(&[("q", &[1, 4, 2, 8]), ("v", &[1, 4, 6, 5])]);
+        assert_eq!(heads("kda", &gated), (2, 3));
+        assert_eq!(heads("gdn", &gated), (2, 3));
+        assert_eq!(heads("kda", &named(&[("v", &[1, 4, 6, 5])])), (1, 6));
+        // DPLR and GDN-2 have one head axis, H.
+        let plain = named(&[("q", &[1, 4, 3, 8]), ("v", &[1, 4, 3, 5])]);
+        assert_eq!(heads("dplr", &plain), (3, 1));
+        assert_eq!(heads("gdn2", &plain), (3, 1));
+        // Token-shift and the convolution have none.
+        let x = named(&[("x", &[1, 4, 7])]);
+        assert_eq!(heads("token_shift", &x), (1, 1));
+        assert_eq!(heads("causal_conv1d", &x), (1, 1));
     }
 
     #[test]

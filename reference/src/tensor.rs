@@ -97,7 +97,7 @@ pub(crate) fn check_finite_option(option: &str, x: f64) -> Result<()> {
 }
 
 /// A validated 4-D tensor as `Array4` (caller checked the rank).
-pub fn to4<T: Scalar>(x: &ArrayD<T>) -> Array4<T> {
+pub(crate) fn to4<T: Scalar>(x: &ArrayD<T>) -> Array4<T> {
     view4(x).to_owned()
 }
 
@@ -109,7 +109,7 @@ pub(crate) fn view4<T: Scalar>(x: &ArrayD<T>) -> ArrayView4<'_, T> {
 }
 
 /// Rows `seg.start..seg.end` of head `h` of batch row `seg.batch`: `[L, D]`.
-pub fn gather<T: Scalar, S: Data<Elem = T>>(
+pub(crate) fn gather<T: Scalar, S: Data<Elem = T>>(
     x: &ArrayBase<S, Ix4>,
     seg: &Segment,
     h: usize,

@@ -1,23 +1,9 @@
 //! What `deltaref bench` needs from the engines to turn its timings into
 //! GFLOP/s (its operation counts and the machine's peak live in the verify
-//! crate, `deltaref_verify::bench::op_count`): how much of a full product
-//! the chunked engines' blocked triangular products do, and the product
-//! kernel the peak is measured with.
+//! crate, `deltaref_verify::bench::op_count`): the product kernel the peak
+//! is measured with, and the vector width it runs at.
 
 use ndarray::{Array2, ArrayView2};
-
-/// Work of the chunked engines' blocked product with a lower triangular
-/// `[c, c]` factor (or of which only the lower triangle is used) relative
-/// to the full product: `(nb + 1) / (2 nb)` for `nb` blocks of 16 rows.
-pub fn triangular_fraction(c: usize) -> f64 {
-    crate::fast::tri::fraction(c)
-}
-
-/// [`triangular_fraction`] where both `[c, c]` factors are lower
-/// triangular: `(nb + 1)(2 nb + 1) / (6 nb²)`.
-pub fn triangular_fraction_both(c: usize) -> f64 {
-    crate::fast::tri::fraction_both(c)
-}
 
 /// `a b` for `a [M, P]` and `b [P, N]` by the engines' product kernel and
 /// blocking, at the vector width the engines run at, with a separate

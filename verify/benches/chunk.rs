@@ -188,7 +188,7 @@ fn bench(t: usize, h: usize, kd: usize, steep: Option<f64>) -> Vec<Row> {
         output_final_state: true,
         ..Default::default()
     };
-    let mut g = inputs::kda(&KdaSpec {
+    let mut g = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::batch(1, t),
         h,
         hv: h,
@@ -199,7 +199,7 @@ fn bench(t: usize, h: usize, kd: usize, steep: Option<f64>) -> Vec<Row> {
         scalar_gate: false,
         seed: 0,
     });
-    let mut d = inputs::dplr(&DplrSpec {
+    let mut d = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
         k: kd,

@@ -37,9 +37,9 @@ fn main() {
         scalar_gate: false,
         seed: 0,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let kda = jobs(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, &g.dht);
-    let d = inputs::dplr(&DplrSpec {
+    let d = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
         k: kd,

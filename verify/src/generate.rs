@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use deltaref::conv::Activation;
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::gates::Gate;
 use deltaref::inputs::{Draw, Layout, Regime};
 use deltaref::registry::{DrawRequest, GenFlags, Options};

@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use deltaref::cp::{plan::PlanSpec, CpOptions, Layout, RankDiag};
+use deltaref::cp::{CpOptions, Layout, PlanSpec, RankDiag};
 use deltaref::precision::{Feature, Policy, Stage};
 use deltaref::registry::Job;
 pub use deltaref::registry::{ChunkSize, EngineKind as Engine};

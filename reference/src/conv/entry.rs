@@ -9,13 +9,13 @@ use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
 use crate::inputs::{self, ConvSpec, Draw, Regime};
-use crate::precision::{self, Feature, Policy, Stage};
+use crate::precision::{self, Policy, Stage};
 use crate::registry::{
-    self, eager_draws, need, take, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
+    self, eager_draws, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
     MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<CausalConv1d> = Entry::new();
+pub(crate) static ENTRY: Entry<CausalConv1d> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "causal_conv1d",
@@ -64,33 +64,33 @@ static INFO: OpInfo = OpInfo {
 /// The activation as a case file stores it (`none`, `silu`).
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {
+pub(crate) struct CaseOptions {
     activation: Option<String>,
 }
 
+impl ConvOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <CausalConv1d as Registered>::options(o)
+    }
+}
+
+/// The convolution has one engine: the chunked one is it, with no stages to round.
+impl Build for Direct {
+    fn build(_: ChunkSize, _: &Policy) -> Direct {
+        Direct
+    }
+}
+
 impl Registered for CausalConv1d {
+    const INFO: &'static OpInfo = &INFO;
     type Naive = Direct;
     type Chunk = Direct;
-    const CHUNK_FEATURES: &'static [Feature] = &[];
+    type Case = CaseOptions;
 
-    fn info() -> &'static OpInfo {
-        &INFO
-    }
-
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
-
-    fn naive() -> Direct {
-        Direct
-    }
-
-    fn chunk(_: ChunkSize, _: &Policy) -> Direct {
-        Direct
-    }
-
-    fn options(o: &Options) -> std::result::Result<ConvOptions, String> {
-        let c = registry::parse_options::<CaseOptions>(INFO.name, o)?;
+    fn typed(c: CaseOptions) -> std::result::Result<ConvOptions, String> {
         let activation = match c.activation {
             None => Activation::None,
             Some(s) => Activation::parse(&s).map_err(|e| format!("key `activation`: {e}"))?,
@@ -159,10 +159,6 @@ impl Registered for CausalConv1d {
         };
         let (d, _) = super::validate_refs(&x)?;
         super::validate_upstream(&d, d_o, dht)
-    }
-
-    fn heads(_: &Tensors) -> (usize, usize) {
-        (1, 1)
     }
 
     fn memory(_: &ConvOptions) -> MemoryModel {

@@ -18,9 +18,8 @@
 //! needs at least that many tokens per rank), and in backward the window's
 //! gradient flows back to those tokens.
 
-// The registry entry (`registry::OPS`): machinery, public for `verify`.
-#[doc(hidden)]
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 
 use ndarray::{
     s, Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix1,

@@ -1,5 +1,5 @@
 //! Simulated context parallel (KCP, SPEC §6), rank by rank, in exact
-//! arithmetic. One packed batch is cut into rank slices ([`plan`]); each rank
+//! arithmetic. One packed batch is cut into rank slices ([`Plan`]); each rank
 //! pre-processes its last local sequence into `(S_ext, M)`, the ranks
 //! all-gather, each merges the chain of its first sequence's earlier ranks,
 //! and recomputes. Backward mirrors it with `(dS_ext, Mᵀ)`.
@@ -10,8 +10,9 @@
 //! `initial_state` and `final_state` are allowed: the first rank of a
 //! sequence starts from its initial state.
 
-pub mod intra;
-pub mod plan;
+// Intra-card CP's cut rule and the rank slices, re-exported below.
+pub(crate) mod intra;
+pub(crate) mod plan;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView2, ArrayView4};
 
@@ -24,8 +25,8 @@ use crate::registry::Carry;
 use crate::scalar::Scalar;
 use crate::tensor;
 use crate::varlen::Segment;
-use plan::PlanSpec;
-pub use plan::{Layout, Plan, RankMeta};
+pub use intra::{compute_subseq_len, plan_spec, split_points, IntraParams};
+pub use plan::{DeviceRank, Layout, Plan, PlanSpec, RankMeta};
 
 /// What a precision policy may ask of CP (over any engine) on top of the
 /// engine's own stages: the `M` chain (each product of transitions, in the

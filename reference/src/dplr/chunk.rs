@@ -135,7 +135,7 @@ impl<T: Scalar> Intra<T> {
     /// through the middle row, which is cheap and keeps a chunk's stored
     /// intermediates small, or the direct exponentials it keeps otherwise.
     /// The same bits as in its intra stage.
-    pub fn exps<const N: usize>(&self, which: [Exp; N]) -> [CowArray<'_, T, Ix2>; N] {
+    pub(crate) fn exps<const N: usize>(&self, which: [Exp; N]) -> [CowArray<'_, T, Ix2>; N] {
         match &self.decays {
             Decays::Mid { f, mid } => f.rebuild(mid, which).map(CowArray::from),
             Decays::Blocks { exps, .. } => which.map(|e| exps[e as usize].view().into()),
@@ -211,7 +211,7 @@ struct ChunkGrads<T> {
 /// An exponential of a chunk's decay that its stages read; as a number, its
 /// place among the exponentials a chunk keeps when it forms them directly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Exp {
+pub(crate) enum Exp {
     /// `exp(Γ)`
     G,
     /// `exp(Γx)`
@@ -418,7 +418,7 @@ fn split_a_blocks<T: Scalar>(
 
 impl Chunk {
     /// The intra-chunk stage for tokens `start..start + c`.
-    pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
+    pub(crate) fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
         let x = &x.standard();
         let q_read = self.q_read(rows(&x.q, start, c));
         let (q, k, a, b, v) = (
@@ -491,7 +491,7 @@ impl Chunk {
         }
     }
 
-    pub fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
+    pub(crate) fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {
         let x = &x.standard();
         // Independent per chunk: in parallel, collected in chunk order.
         par_chunks(x.len().div_ceil(self.chunk_size), |n| self.intra_of(x, n))

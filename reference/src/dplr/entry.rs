@@ -12,11 +12,11 @@ use crate::gates::Gate;
 use crate::inputs::{self, DplrSpec, Draw};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel, OpInfo,
-    Options, Registered, Showcase, Tensors,
+    self, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
+    OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Dplr> = Entry::new();
+pub(crate) static ENTRY: Entry<Dplr> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "dplr",
@@ -68,7 +68,7 @@ static INFO: OpInfo = OpInfo {
 /// DPLR's options as a case file stores them.
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {
+pub(crate) struct CaseOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<f64>,
     /// FLA's `safe_gate` (absent: false).
@@ -97,8 +97,17 @@ const FLA_BF16_STAGES: &[(Stage, Dtype)] = &[
     (Stage::BwdOperands, Dtype::Bf16),
 ];
 
+impl<'t> DplrRefs<'t, f64> {
+    /// DPLR's tensors borrowed from named tensors `t` (FLA's names, shapes
+    /// as in [`DplrInputs`](super::DplrInputs)) and `cu_seqlens` `[N + 1]`;
+    /// a required tensor missing is an error naming it.
+    pub fn from_tensors(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<Self> {
+        refs(t, cu)
+    }
+}
+
 /// DPLR's tensors, borrowed from named tensors.
-pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<DplrRefs<'t, f64>> {
+fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<DplrRefs<'t, f64>> {
     let op = INFO.name;
     Ok(DplrRefs {
         q: need(t, "q", op)?,
@@ -112,29 +121,31 @@ pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<DplrRefs<'t, f6
     })
 }
 
-impl Registered for Dplr {
-    type Naive = Naive;
-    type Chunk = Chunk;
-    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
-
-    fn info() -> &'static OpInfo {
-        &INFO
+impl DplrOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Dplr as Registered>::options(o)
     }
+}
 
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
+/// DPLR's chunked engine for a job: its chunk size and precision policy.
+impl Build for Chunk {
+    const FEATURES: &'static [Feature] = Chunk::FEATURES;
 
-    fn naive() -> Naive {
-        Naive
-    }
-
-    fn chunk(c: ChunkSize, policy: &Policy) -> Chunk {
+    fn build(c: ChunkSize, policy: &Policy) -> Chunk {
         Chunk::sized(c).with_policy(policy.clone())
     }
+}
 
-    fn options(o: &Options) -> std::result::Result<DplrOptions, String> {
-        let c = registry::parse_options::<CaseOptions>(INFO.name, o)?;
+impl Registered for Dplr {
+    const INFO: &'static OpInfo = &INFO;
+    type Naive = Naive;
+    type Chunk = Chunk;
+    type Case = CaseOptions;
+
+    fn typed(c: CaseOptions) -> std::result::Result<DplrOptions, String> {
         Ok(DplrOptions {
             scale: c.scale,
             output_final_state: true,
@@ -202,16 +213,6 @@ impl Registered for Dplr {
     ) -> Result<()> {
         let d = super::validate_refs(&refs(t, cu)?, opt)?;
         super::validate_upstream(&d, d_o, dht)
-    }
-
-    fn heads(t: &Tensors) -> (usize, usize) {
-        (
-            t.get("q")
-                .and_then(|x| x.shape().get(2).copied())
-                .unwrap_or(1)
-                .max(1),
-            1,
-        )
     }
 
     fn memory(_: &DplrOptions) -> MemoryModel {

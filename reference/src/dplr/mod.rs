@@ -7,7 +7,8 @@
 //! operator contract, [`crate::op`]); the engines (`naive`, `chunk`) see one head of one sequence.
 
 pub mod chunk;
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 pub mod naive;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2};
@@ -319,11 +320,12 @@ impl<T: Scalar> DplrHeadGradsMut<'_, T> {
     }
 }
 
-pub fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
+pub(crate) fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
     validate_refs(&x.refs(), opt)
 }
 
-/// [`validate`] on borrowed inputs.
+/// Validates borrowed inputs (shapes as in the owned inputs) and options;
+/// returns the problem sizes.
 pub fn validate_refs<T: Scalar>(x: &DplrRefs<'_, T>, opt: &DplrOptions) -> Result<DplrDims> {
     let qs = expect_rank("q", "B,T,H,K", x.q)?;
     let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);

@@ -22,7 +22,8 @@
 //! users see the operators, the operator contract and the registry, and
 //! the machinery can change under them without their noticing. The one
 //! thing outside needs to know about it, what the engines hold for an
-//! up-front memory estimate, is published in [`crate::memory`].
+//! up-front memory estimate, is published in [`crate::registry::MemoryModel`];
+//! `deltaref bench` measures its peak with [`crate::throughput`].
 
 pub(crate) mod columns;
 pub(crate) mod decay_blocks;

@@ -2,7 +2,8 @@
 //! lower triangular or only the lower triangle of the result is used,
 //! done in blocks of [`BLOCK`] rows so that the blocks of zeros (or of
 //! unwanted results) are never multiplied: about `(C + BLOCK) / (2C)` of
-//! the full product's work ([`fraction`]).
+//! the full product's work (`deltaref bench` counts it so:
+//! `deltaref_verify::bench::op_count`).
 //!
 //! Each element is the same sum, in the same order, as in the full
 //! product, less terms `0·y` on the zero side of the triangle (always at
@@ -17,20 +18,6 @@ use crate::scalar::Scalar;
 /// Rows per block. 16 is FLA's sub-chunk and keeps the blocks large enough
 /// for the matrix-product kernel (4 blocks at C = 64).
 pub(crate) const BLOCK: usize = 16;
-
-/// Work of a blocked triangular product relative to the full product, for
-/// `c` rows: `(nb + 1) / (2 nb)` with `nb = ⌈c / BLOCK⌉` blocks.
-pub(crate) fn fraction(c: usize) -> f64 {
-    let nb = c.div_ceil(BLOCK) as f64;
-    (nb + 1.0) / (2.0 * nb)
-}
-
-/// Work of [`dot_t_lower`] with `b_lower` relative to the full product:
-/// `Σ i² / nb³` over the blocks `i = 1..=nb`, `(nb+1)(2nb+1) / (6nb²)`.
-pub(crate) fn fraction_both(c: usize) -> f64 {
-    let nb = c.div_ceil(BLOCK) as f64;
-    (nb + 1.0) * (2.0 * nb + 1.0) / (6.0 * nb * nb)
-}
 
 /// Row blocks `(r0, r1)` of `c` rows.
 fn blocks(c: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -334,16 +321,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn the_fraction_counts_the_blocks() {
-        assert_eq!(fraction(16), 1.0);
-        assert_eq!(fraction(32), 0.75);
-        assert_eq!(fraction(64), 0.625);
-        assert_eq!(fraction_both(16), 1.0);
-        assert_eq!(fraction_both(32), 0.625);
-        assert_eq!(fraction_both(64), 0.46875);
     }
 
     #[test]

@@ -14,11 +14,11 @@ use crate::inputs::{self, Draw, GdnSpec};
 use crate::kda::{self, chunk::Chunk, naive::Naive};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, eager_draws, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
+    self, eager_draws, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
     OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Gdn> = Entry::new();
+pub(crate) static ENTRY: Entry<Gdn> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "gdn",
@@ -79,7 +79,7 @@ static INFO: OpInfo = OpInfo {
 /// GDN's options as a case file stores them (FLA's names).
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {
+pub(crate) struct CaseOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<f64>,
     use_qk_l2norm_in_kernel: bool,
@@ -114,29 +114,32 @@ impl CaseOptions {
     }
 }
 
+impl GdnOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Gdn as Registered>::options(o)
+    }
+}
+
+/// GDN's engines are KDA's, read through GDN's pre-processing.
+impl<E: Build> Build for OnKda<E> {
+    const FEATURES: &'static [Feature] = E::FEATURES;
+
+    fn build(c: ChunkSize, policy: &Policy) -> OnKda<E> {
+        OnKda(E::build(c, policy))
+    }
+}
+
 impl Registered for Gdn {
+    const INFO: &'static OpInfo = &INFO;
     type Naive = OnKda<Naive>;
     type Chunk = OnKda<Chunk>;
-    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
+    type Case = CaseOptions;
 
-    fn info() -> &'static OpInfo {
-        &INFO
-    }
-
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
-
-    fn naive() -> OnKda<Naive> {
-        OnKda(Naive)
-    }
-
-    fn chunk(c: ChunkSize, policy: &Policy) -> OnKda<Chunk> {
-        OnKda(Chunk::sized(c).with_policy(policy.clone()))
-    }
-
-    fn options(o: &Options) -> std::result::Result<GdnOptions, String> {
-        Ok(registry::parse_options::<CaseOptions>(INFO.name, o)?.options())
+    fn typed(c: CaseOptions) -> std::result::Result<GdnOptions, String> {
+        Ok(c.options())
     }
 
     fn gen_options(f: &GenFlags) -> std::result::Result<Options, String> {
@@ -213,10 +216,6 @@ impl Registered for Gdn {
     ) -> Result<()> {
         let d = super::validate_refs(&kda::entry::refs(t, cu, INFO.name)?, opt)?;
         super::validate_upstream(&d, opt.state_v_first, d_o, dht)
-    }
-
-    fn heads(t: &Tensors) -> (usize, usize) {
-        kda::entry::heads_of(t)
     }
 
     fn memory(opt: &GdnOptions) -> MemoryModel {

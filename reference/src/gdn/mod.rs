@@ -14,9 +14,8 @@
 //! (`dt_bias [HV]`, not KDA's `[HV·K]`) and the `state_v_first` state layout
 //! `[N, HV, V, K]`. The drivers, CP and intra-card come from [`crate::op`].
 
-// The registry entry (`registry::OPS`): machinery, public for `verify`.
-#[doc(hidden)]
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 
 use std::borrow::Cow;
 
@@ -125,15 +124,10 @@ pub fn kda_options(opt: &GdnOptions) -> KdaOptions {
     }
 }
 
-/// Validates inputs and options as [`Operator::prepare`] does: GDN's own
-/// checks, then KDA's on the decay; returns KDA's sizes.
-pub fn validate<T: Scalar>(x: &GdnInputs<T>, opt: &GdnOptions) -> Result<KdaDims> {
-    validate_refs(&x.refs(), opt)
-}
-
-/// [`validate`] on borrowed inputs. The copies it makes are `[B, T, HV]`
-/// (the in-kernel decay) and state-sized (a `state_v_first` swap), never
-/// a `[B, T, H, K]` tensor.
+/// Validates borrowed inputs and options as [`Operator::prepare`] does:
+/// GDN's own checks, then KDA's on the decay; returns KDA's sizes. The
+/// copies it makes are `[B, T, HV]` (the in-kernel decay) and state-sized
+/// (a `state_v_first` swap), never a `[B, T, H, K]` tensor.
 pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<KdaDims> {
     Ok(checked(x, opt)?.dims)
 }

@@ -15,11 +15,11 @@ use crate::inputs::{self, Draw, KdaSpec, Regime};
 use crate::kda::KdaOptions;
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel, OpInfo,
-    Options, Registered, Showcase, Tensors,
+    self, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
+    OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Gdn2> = Entry::new();
+pub(crate) static ENTRY: Entry<Gdn2> = Entry::new();
 
 /// What FLA 0.6.0's `chunk_gdn2` stores in which dtype with bf16 inputs
 /// (the table in [`super::chunk`]'s docs; read from `fla/ops/gdn2/`
@@ -101,7 +101,7 @@ static INFO: OpInfo = OpInfo {
 /// GDN-2's options as a case file stores them (FLA `chunk_gdn2`'s names).
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {
+pub(crate) struct CaseOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<f64>,
     use_qk_l2norm_in_kernel: bool,
@@ -163,29 +163,32 @@ fn inputs_of(t: &mut Tensors, cu: Option<Vec<i64>>) -> Result<Gdn2Inputs<f64>> {
     })
 }
 
-impl Registered for Gdn2 {
-    type Naive = Naive;
-    type Chunk = Chunk;
-    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
-
-    fn info() -> &'static OpInfo {
-        &INFO
+impl Gdn2Options {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Gdn2 as Registered>::options(o)
     }
+}
 
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
+/// GDN-2's chunked engine for a job: its chunk size and precision policy.
+impl Build for Chunk {
+    const FEATURES: &'static [Feature] = Chunk::FEATURES;
 
-    fn naive() -> Naive {
-        Naive
-    }
-
-    fn chunk(c: ChunkSize, policy: &Policy) -> Chunk {
+    fn build(c: ChunkSize, policy: &Policy) -> Chunk {
         Chunk::sized(c).with_policy(policy.clone())
     }
+}
 
-    fn options(o: &Options) -> std::result::Result<Gdn2Options, String> {
-        Ok(registry::parse_options::<CaseOptions>(INFO.name, o)?.options())
+impl Registered for Gdn2 {
+    const INFO: &'static OpInfo = &INFO;
+    type Naive = Naive;
+    type Chunk = Chunk;
+    type Case = CaseOptions;
+
+    fn typed(c: CaseOptions) -> std::result::Result<Gdn2Options, String> {
+        Ok(c.options())
     }
 
     fn gen_options(f: &GenFlags) -> std::result::Result<Options, String> {
@@ -285,16 +288,6 @@ impl Registered for Gdn2 {
         let x = inputs_of(&mut copy, cu.map(<[i64]>::to_vec))?;
         let d = super::validate(&x, opt)?;
         super::validate_upstream(&d, opt.state_v_first, d_o, dht)
-    }
-
-    fn heads(t: &Tensors) -> (usize, usize) {
-        (
-            t.get("q")
-                .and_then(|x| x.shape().get(2).copied())
-                .unwrap_or(1)
-                .max(1),
-            1,
-        )
     }
 
     fn memory(opt: &Gdn2Options) -> MemoryModel {

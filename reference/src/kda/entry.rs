@@ -12,11 +12,11 @@ use crate::gates::Gate;
 use crate::inputs::{self, Draw, KdaSpec};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Carry, ChunkPos, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, Job,
-    MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
+    self, need, take, Build, Carry, ChunkPos, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
+    Job, MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<Kda> = Entry::new();
+pub(crate) static ENTRY: Entry<Kda> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "kda",
@@ -91,7 +91,7 @@ static INFO: OpInfo = OpInfo {
 /// `lowerbound` (with `lower_bound`).
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {
+pub(crate) struct CaseOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     scale: Option<f64>,
     use_qk_l2norm_in_kernel: bool,
@@ -191,8 +191,21 @@ pub(crate) fn kda_draws(r: &DrawRequest<'_>, opts: KdaOptions, scalar_gate: bool
         .collect()
 }
 
+impl<'t> KdaRefs<'t, f64> {
+    /// KDA's (and GDN's) tensors borrowed from named tensors `t` (FLA's
+    /// names, shapes as in [`KdaInputs`]) and `cu_seqlens` `[N + 1]`; a
+    /// required tensor missing is an error naming it and operator `op`.
+    pub fn from_tensors(t: &'t Tensors, cu: Option<&'t [i64]>, op: &str) -> Result<Self> {
+        refs(t, cu, op)
+    }
+}
+
 /// KDA's (and GDN's) tensors, borrowed from named tensors.
-pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>, op: &str) -> Result<KdaRefs<'t, f64>> {
+pub(crate) fn refs<'t>(
+    t: &'t Tensors,
+    cu: Option<&'t [i64]>,
+    op: &str,
+) -> Result<KdaRefs<'t, f64>> {
     Ok(KdaRefs {
         q: need(t, "q", op)?,
         k: need(t, "k", op)?,
@@ -221,36 +234,32 @@ pub(crate) fn inputs_of(t: &mut Tensors, cu: Option<Vec<i64>>, op: &str) -> Resu
     })
 }
 
-/// `(H, HV / H)` of a KDA or GDN problem's tensors.
-pub(crate) fn heads_of(t: &Tensors) -> (usize, usize) {
-    let dim = |n: &str| t.get(n).and_then(|x| x.shape().get(2).copied());
-    let h = dim("q").unwrap_or(1).max(1);
-    (h, (dim("v").unwrap_or(h) / h).max(1))
+impl KdaOptions {
+    /// The options of a case file's `case` entry (FLA's keyword names, a
+    /// [`registry::Options`] object): an unknown key or a bad value is an
+    /// error naming the key.
+    pub fn from_case(o: &Options) -> std::result::Result<Self, String> {
+        <Kda as Registered>::options(o)
+    }
+}
+
+/// KDA's chunked engine for a job: its chunk size and precision policy.
+impl Build for Chunk {
+    const FEATURES: &'static [Feature] = Chunk::FEATURES;
+
+    fn build(c: ChunkSize, policy: &Policy) -> Chunk {
+        Chunk::sized(c).with_policy(policy.clone())
+    }
 }
 
 impl Registered for Kda {
+    const INFO: &'static OpInfo = &INFO;
     type Naive = Naive;
     type Chunk = Chunk;
-    const CHUNK_FEATURES: &'static [Feature] = Chunk::FEATURES;
+    type Case = CaseOptions;
 
-    fn info() -> &'static OpInfo {
-        &INFO
-    }
-
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
-
-    fn naive() -> Naive {
-        Naive
-    }
-
-    fn chunk(c: ChunkSize, policy: &Policy) -> Chunk {
-        Chunk::sized(c).with_policy(policy.clone())
-    }
-
-    fn options(o: &Options) -> std::result::Result<KdaOptions, String> {
-        registry::parse_options::<CaseOptions>(INFO.name, o)?.options()
+    fn typed(c: CaseOptions) -> std::result::Result<KdaOptions, String> {
+        c.options()
     }
 
     fn gen_options(f: &GenFlags) -> std::result::Result<Options, String> {
@@ -296,10 +305,6 @@ impl Registered for Kda {
     ) -> Result<()> {
         let d = super::validate_refs(&refs(t, cu, INFO.name)?, opt)?;
         super::validate_upstream(&d, d_o, dht)
-    }
-
-    fn heads(t: &Tensors) -> (usize, usize) {
-        heads_of(t)
     }
 
     fn memory(opt: &KdaOptions) -> MemoryModel {

@@ -8,9 +8,8 @@
 //! one head of one sequence.
 
 pub mod chunk;
-// The registry entry (`registry::OPS`): machinery, public for `verify`.
-#[doc(hidden)]
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 mod intermediates;
 pub mod naive;
 
@@ -322,12 +321,7 @@ impl<T: Scalar> KdaHeadGradsMut<'_, T> {
     }
 }
 
-/// Validates inputs and options; returns the problem sizes.
-pub fn validate<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaDims> {
-    validate_refs(&x.refs(), opt)
-}
-
-/// [`validate`] on borrowed inputs.
+/// Validates borrowed inputs and options; returns the problem sizes.
 pub fn validate_refs<T: Scalar>(x: &KdaRefs<'_, T>, opt: &KdaOptions) -> Result<KdaDims> {
     let qs = expect_rank("q", "B,T,H,K", x.q)?;
     let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);

@@ -10,13 +10,13 @@ use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
 use crate::inputs::{self, Draw, TokenShiftSpec};
-use crate::precision::{self, Feature, Policy, Stage};
+use crate::precision::{self, Policy, Stage};
 use crate::registry::{
-    self, eager_draws, need, take, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
+    eager_draws, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
     MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
-pub static ENTRY: Entry<TokenShift> = Entry::new();
+pub(crate) static ENTRY: Entry<TokenShift> = Entry::new();
 
 static INFO: OpInfo = OpInfo {
     name: "token_shift",
@@ -63,10 +63,19 @@ static INFO: OpInfo = OpInfo {
 /// Token-shift takes no options.
 #[derive(Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-struct CaseOptions {}
+pub(crate) struct CaseOptions {}
+
+impl<'t> TokenShiftRefs<'t, f64> {
+    /// Token-shift's tensors borrowed from named tensors `t` (`x`
+    /// `[B, T, D]`, `cache` `[N, 1, D]`) and `cu_seqlens` `[N + 1]`; `x`
+    /// missing is an error naming it.
+    pub fn from_tensors(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<Self> {
+        refs(t, cu)
+    }
+}
 
 /// Token-shift's tensors, borrowed from named tensors.
-pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<TokenShiftRefs<'t, f64>> {
+fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<TokenShiftRefs<'t, f64>> {
     Ok(TokenShiftRefs {
         x: need(t, "x", INFO.name)?,
         cache: t.get("cache"),
@@ -74,29 +83,21 @@ pub fn refs<'t>(t: &'t Tensors, cu: Option<&'t [i64]>) -> Result<TokenShiftRefs<
     })
 }
 
+/// Token-shift has one engine: the chunked one is it, with no stages to round.
+impl Build for Shift {
+    fn build(_: ChunkSize, _: &Policy) -> Shift {
+        Shift
+    }
+}
+
 impl Registered for TokenShift {
+    const INFO: &'static OpInfo = &INFO;
     type Naive = Shift;
     type Chunk = Shift;
-    const CHUNK_FEATURES: &'static [Feature] = &[];
+    type Case = CaseOptions;
 
-    fn info() -> &'static OpInfo {
-        &INFO
-    }
-
-    fn option_keys() -> &'static [&'static str] {
-        registry::option_keys::<CaseOptions>()
-    }
-
-    fn naive() -> Shift {
-        Shift
-    }
-
-    fn chunk(_: ChunkSize, _: &Policy) -> Shift {
-        Shift
-    }
-
-    fn options(o: &Options) -> std::result::Result<(), String> {
-        registry::parse_options::<CaseOptions>(INFO.name, o).map(drop)
+    fn typed(_: CaseOptions) -> std::result::Result<(), String> {
+        Ok(())
     }
 
     fn gen_options(_: &GenFlags) -> std::result::Result<Options, String> {
@@ -140,10 +141,6 @@ impl Registered for TokenShift {
     ) -> Result<()> {
         let (d, _) = super::validate_refs(&refs(t, cu)?)?;
         super::validate_upstream(&d, d_o, dht)
-    }
-
-    fn heads(_: &Tensors) -> (usize, usize) {
-        (1, 1)
     }
 
     fn memory(_: &()) -> MemoryModel {

@@ -5,9 +5,8 @@
 //! the state (`[1, D]` per sequence, one head), so CP hands the previous
 //! rank's last token over like any other state.
 
-// The registry entry (`registry::OPS`): machinery, public for `verify`.
-#[doc(hidden)]
-pub mod entry;
+// The registry entry, listed in `registry::OPS`: tools reach it only there.
+pub(crate) mod entry;
 
 use ndarray::{
     Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix2, Ix3,
@@ -84,11 +83,14 @@ pub struct TokenShiftDims {
 }
 
 /// Validates shapes, `cu_seqlens` and finiteness; returns sizes and sequences.
-pub fn validate<T: Scalar>(x: &TokenShiftInputs<T>) -> Result<(TokenShiftDims, Vec<Segment>)> {
+pub(crate) fn validate<T: Scalar>(
+    x: &TokenShiftInputs<T>,
+) -> Result<(TokenShiftDims, Vec<Segment>)> {
     validate_refs(&x.refs())
 }
 
-/// [`validate`] on borrowed inputs.
+/// Validates borrowed inputs (shapes as in the owned inputs); returns the
+/// problem sizes and the sequences.
 pub fn validate_refs<T: Scalar>(
     x: &TokenShiftRefs<'_, T>,
 ) -> Result<(TokenShiftDims, Vec<Segment>)> {

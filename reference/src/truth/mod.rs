@@ -10,7 +10,9 @@
 //! cannot hide in both.
 //!
 //! Each operator's truth is one `forward` function, generic over a [`Real`]
-//! scalar and taking the operator's public inputs and options. Gradients are
+//! scalar and taking the operator's public inputs and options: its
+//! [`Truth::forward`] (`<Kda as Truth>::forward(&x, &opt)`), written in this
+//! module's file of the operator's name (`truth/kda.rs`). Gradients are
 //! not derived by hand: running the same `forward` on [`Dual`] numbers gives
 //! [`LANES`] directional derivatives of FLA's loss
 //! `L = Σ out₀·do + Σ out₁·dht` per pass ([`jvp`]), and passes over basis
@@ -19,12 +21,14 @@
 //! The forwards assume valid inputs (the shapes and options each operator's
 //! `validate` accepts); they panic on shapes that do not fit.
 
-pub mod conv;
-pub mod dplr;
+// One file per operator, each its `forward`, reached as the operator's
+// [`Truth::forward`] (`<Kda as Truth>::forward`).
+mod conv;
+mod dplr;
 mod dual;
-pub mod gdn;
-pub mod kda;
-pub mod token_shift;
+mod gdn;
+mod kda;
+mod token_shift;
 
 use std::fmt::Debug;
 use std::ops::{Add, Div, Mul, Neg, Range, Sub};

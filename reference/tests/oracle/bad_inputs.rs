@@ -50,7 +50,7 @@ fn zeros(shape: &[usize]) -> ArrayD<f64> {
 #[test]
 fn kda_wrong_shapes_name_the_tensor() {
     let opts = KdaOptions::default();
-    let x = inputs::kda(&kda_spec(opts)).inputs;
+    let x = inputs::KdaSpec::generate(&kda_spec(opts)).inputs;
     shape_err_names(
         &kda_err(
             &KdaInputs {
@@ -126,7 +126,7 @@ fn kda_wrong_shapes_name_the_tensor() {
 #[test]
 fn kda_upstream_gradient_shapes_are_checked() {
     let opts = KdaOptions::default();
-    let g = inputs::kda(&kda_spec(opts));
+    let g = inputs::KdaSpec::generate(&kda_spec(opts));
     let e =
         kda::naive::backward(&g.inputs, &opts, &zeros(&[1, 5, 4, 3]), None).expect_err("bad do");
     shape_err_names(&e, "do");
@@ -138,7 +138,7 @@ fn kda_upstream_gradient_shapes_are_checked() {
 #[test]
 fn cu_seqlens_errors() {
     let opts = KdaOptions::default();
-    let x = inputs::kda(&kda_spec(opts)).inputs;
+    let x = inputs::KdaSpec::generate(&kda_spec(opts)).inputs;
     for (cu, needle) in [
         (vec![1, 3, 5], "start at 0"),
         (vec![0, 4, 3, 5], "non-decreasing"),
@@ -156,7 +156,7 @@ fn cu_seqlens_errors() {
         assert!(e.to_string().contains(needle), "{cu:?}: {e}");
     }
     // Varlen with B = 2.
-    let b2 = inputs::kda(&KdaSpec {
+    let b2 = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::batch(2, 5),
         initial_state: false,
         ..kda_spec(opts)
@@ -175,7 +175,7 @@ fn cu_seqlens_errors() {
 #[test]
 fn non_finite_values_are_rejected_with_their_index() {
     let opts = KdaOptions::default();
-    let x = inputs::kda(&kda_spec(opts)).inputs;
+    let x = inputs::KdaSpec::generate(&kda_spec(opts)).inputs;
     let poison = |mut a: ArrayD<f64>, v: f64| {
         a[[0, 2, 1, 0]] = v;
         a
@@ -230,7 +230,7 @@ fn non_finite_values_are_rejected_with_their_index() {
     assert!(
         matches!(kda_err(&KdaInputs { beta, ..x.clone() }, &opts), Error::NonFinite { ref tensor, .. } if tensor == "beta")
     );
-    let g = inputs::kda(&kda_spec(opts));
+    let g = inputs::KdaSpec::generate(&kda_spec(opts));
     let mut d_o = g.d_o.clone();
     d_o[[0, 0, 0, 0]] = f64::NAN;
     let e = kda::naive::backward(&g.inputs, &opts, &d_o, None).expect_err("NaN in do");
@@ -246,7 +246,7 @@ fn gate_options_need_their_tensors() {
         gate: Gate::Kda,
         ..Default::default()
     };
-    let x = inputs::kda(&kda_spec(kda_gate)).inputs;
+    let x = inputs::KdaSpec::generate(&kda_spec(kda_gate)).inputs;
     let e = kda_err(
         &KdaInputs {
             a_log: None,
@@ -297,7 +297,7 @@ fn gate_options_need_their_tensors() {
         allow_neg_eigval: true,
         ..Default::default()
     };
-    let plain = inputs::kda(&kda_spec(KdaOptions::default())).inputs;
+    let plain = inputs::KdaSpec::generate(&kda_spec(KdaOptions::default())).inputs;
     let e = kda_err(&plain, &neg);
     assert!(
         matches!(e, Error::Option { ref option, .. } if option == "allow_neg_eigval"),
@@ -318,7 +318,7 @@ fn gate_options_need_their_tensors() {
 
 #[test]
 fn dplr_and_token_shift_errors() {
-    let g = inputs::dplr(&DplrSpec {
+    let g = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::varlen(&[3, 2]),
         h: 2,
         k: 3,
@@ -343,7 +343,7 @@ fn dplr_and_token_shift_errors() {
         matches!(dplr::naive::forward(&x, &opts), Err(Error::NonFinite { ref tensor, .. }) if tensor == "gk")
     );
 
-    let t = inputs::token_shift(&TokenShiftSpec {
+    let t = inputs::TokenShiftSpec::generate(&TokenShiftSpec {
         layout: Layout::varlen(&[3, 2]),
         d: 4,
         cache: true,

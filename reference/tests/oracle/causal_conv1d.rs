@@ -7,7 +7,7 @@ use crate::common;
 
 use common::{assert_close, assert_close_opt, check_grad, dot};
 use deltaref::conv::{self, Activation, ConvGrads, ConvInputs, ConvOptions, Direct};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::error::Error;
 use deltaref::inputs::{self, ConvSpec, Layout};
@@ -55,7 +55,7 @@ fn cp_equals_non_cp_for_any_cut() {
         (1, true, false, Activation::Silu),
         (4, false, false, Activation::None),
     ] {
-        let g = inputs::conv(&spec(layout.clone(), w, bias, h0, w as u64));
+        let g = inputs::ConvSpec::generate(&spec(layout.clone(), w, bias, h0, w as u64));
         let (x, opt) = (&g.inputs, options(act));
         let f = conv::forward(x, &opt).unwrap();
         let b = conv::backward(x, &opt, &g.d_o, Some(&g.dht)).unwrap();
@@ -104,7 +104,7 @@ fn cp_equals_non_cp_for_any_cut() {
 #[test]
 fn one_call_equals_two_calls_chained_through_the_state() {
     let (w, t, cut) = (4, 11, 2);
-    let g = inputs::conv(&spec(Layout::batch(2, t), w, true, true, 5));
+    let g = inputs::ConvSpec::generate(&spec(Layout::batch(2, t), w, true, true, 5));
     let opt = options(Activation::Silu);
     let whole = conv::forward(&g.inputs, &opt).unwrap();
     let part =
@@ -133,7 +133,7 @@ fn one_call_equals_two_calls_chained_through_the_state() {
 #[test]
 fn varlen_equals_batch_and_a_direct_convolution() {
     let (w, t, d) = (3, 8, 6);
-    let g = inputs::conv(&spec(Layout::batch(3, t), w, true, true, 9));
+    let g = inputs::ConvSpec::generate(&spec(Layout::batch(3, t), w, true, true, 9));
     let opt = options(Activation::None);
     let batch = conv::forward(&g.inputs, &opt).unwrap();
     let packed = ConvInputs {
@@ -192,7 +192,7 @@ fn finite_differences_every_gradient() {
         (3, Activation::None),
         (1, Activation::Silu),
     ] {
-        let g = inputs::conv(&spec(
+        let g = inputs::ConvSpec::generate(&spec(
             Layout::varlen(&[5, 0, 1, 7]),
             w,
             true,
@@ -245,7 +245,7 @@ fn finite_differences_every_gradient() {
 
 #[test]
 fn f32_close_to_f64() {
-    let g = inputs::conv(&spec(Layout::varlen(&[40, 3, 21]), 4, true, true, 2));
+    let g = inputs::ConvSpec::generate(&spec(Layout::varlen(&[40, 3, 21]), 4, true, true, 2));
     let opt = options(Activation::Silu);
     let x32 = g.inputs.cast::<f32>();
     let up = |a: &ArrayD<f32>| a.mapv(f64::from);
@@ -275,7 +275,7 @@ fn expect_err(x: &ConvInputs<f64>, tensor: &str) -> Error {
 
 #[test]
 fn bad_inputs_are_refused_with_the_tensor_named() {
-    let g = inputs::conv(&spec(Layout::varlen(&[3, 4]), 3, true, true, 1)).inputs;
+    let g = inputs::ConvSpec::generate(&spec(Layout::varlen(&[3, 4]), 3, true, true, 1)).inputs;
     for (weight, what) in [
         (vec![6, 0], "W = 0"),
         (vec![5, 3], "D mismatch"),
@@ -348,7 +348,7 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
 
 #[test]
 fn bit_identical_for_any_thread_count() {
-    let g = inputs::conv(&spec(Layout::varlen(&[30, 1, 29]), 4, true, true, 12));
+    let g = inputs::ConvSpec::generate(&spec(Layout::varlen(&[30, 1, 29]), 4, true, true, 12));
     let opt = options(Activation::Silu);
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()

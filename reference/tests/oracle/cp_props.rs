@@ -6,9 +6,9 @@
 
 use crate::common;
 
-use deltaref::cp::intra::{compute_subseq_len, split_points, IntraParams};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
+use deltaref::cp::{compute_subseq_len, split_points, IntraParams};
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
@@ -260,7 +260,7 @@ proptest! {
             ..Default::default()
         };
         let spec = KdaSpec { layout: layout.clone(), h, hv: h * g, k, v, opts, initial_state: h0, scalar_gate, seed };
-        let x = inputs::kda_in(&spec, regime);
+        let x = inputs::KdaSpec::generate_in(&spec, regime);
         let cpo = CpOptions::default();
         let p = kda::Prepared::new(&x.inputs, &opts).unwrap();
         let run = |e: &dyn KdaEngineDyn| -> Result<(), TestCaseError> {
@@ -297,7 +297,7 @@ proptest! {
         regime in regimes(),
     ) {
         let spec = DplrSpec { layout: layout.clone(), h, k, v, initial_state: h0, seed };
-        let x = inputs::dplr_in(&spec, regime);
+        let x = inputs::DplrSpec::generate_in(&spec, regime);
         let opts = DplrOptions { output_final_state: true, ..Default::default() };
         let cpo = CpOptions::default();
         let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::chunk::Chunk::new(cs).unwrap()) } else { Box::new(dplr::naive::Naive) };
@@ -322,7 +322,7 @@ proptest! {
 
     #[test]
     fn token_shift_cp_equals_non_cp((layout, plan) in layout_and_plan(), dim in 1usize..5, cache in any::<bool>(), seed in 0u64..1000, regime in regimes()) {
-        let x = inputs::token_shift_in(&TokenShiftSpec { layout, d: dim, cache, seed }, regime);
+        let x = inputs::TokenShiftSpec::generate_in(&TokenShiftSpec { layout, d: dim, cache, seed }, regime);
         let full = token_shift::forward(&x.inputs).unwrap();
         let got = cp::forward(&Shift, &x.inputs, &(), &plan, &CpOptions::default())
             .unwrap()
@@ -552,7 +552,7 @@ fn debug_guide_run(
         scalar_gate: false,
         seed: 7,
     };
-    let x = inputs::kda(&spec);
+    let x = inputs::KdaSpec::generate(&spec);
     let plan = PlanSpec::World(world);
     let cpo = CpOptions::default();
     let (o, _) = e.cp_fwd(&x.inputs, &opts, &plan, &cpo);
@@ -591,7 +591,7 @@ fn fla_debug_guide_example() {
         assert_eq!((r0.post_num_ranks, r1.pre_num_ranks), (1, 1));
         // Independent references: naive prefix and suffix runs of sequence 1.
         let p = kda::Prepared::new(&x, &opts).unwrap();
-        let g = inputs::kda(&KdaSpec {
+        let g = inputs::KdaSpec::generate(&KdaSpec {
             layout: Layout::varlen(&[400, 624]),
             h: 2,
             hv: 2,
@@ -602,8 +602,8 @@ fn fla_debug_guide_example() {
             scalar_gate: false,
             seed: 7,
         });
-        let d_o = deltaref::tensor::to4(&g.d_o);
-        let dht = deltaref::tensor::to4(&g.dht);
+        let d_o = g.d_o.view().into_dimensionality::<ndarray::Ix4>().unwrap();
+        let dht = g.dht.view().into_dimensionality::<ndarray::Ix4>().unwrap();
         let (head, tail) = (
             Segment {
                 seq: 1,
@@ -628,7 +628,7 @@ fn fla_debug_guide_example() {
                 .backward(
                     &Kda::head(&p, &tail, h),
                     state.view(),
-                    deltaref::tensor::gather(&d_o, &tail, h).view(),
+                    d_o.slice(ndarray::s![tail.batch, tail.start..tail.end, h, ..]),
                     dht.slice(ndarray::s![1, h, .., ..]),
                 )
                 .dh0;
@@ -664,7 +664,7 @@ fn debug_guide_rank_with_a_tail_and_a_head() {
 
 #[test]
 fn bad_cp_plans_are_rejected() {
-    let x = inputs::kda(&KdaSpec {
+    let x = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::batch(2, 8),
         h: 1,
         hv: 1,
@@ -684,7 +684,7 @@ fn bad_cp_plans_are_rejected() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("B must be 1"), "{e}");
-    let y = inputs::kda(&KdaSpec {
+    let y = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::varlen(&[5, 4]),
         ..KdaSpec {
             layout: Layout::batch(1, 1),
@@ -762,8 +762,8 @@ fn intra_card_split_follows_flas_rule_and_matches_non_cp() {
         scalar_gate: false,
         seed: 3,
     };
-    let x = inputs::kda(&spec);
-    let plan = deltaref::cp::intra::plan_spec(&[0, 300, 310, 510], &q).unwrap();
+    let x = inputs::KdaSpec::generate(&spec);
+    let plan = deltaref::cp::plan_spec(&[0, 300, 310, 510], &q).unwrap();
     let (o, _) = cp::forward(
         &Chunk::new(64).unwrap(),
         &x.inputs,
@@ -829,8 +829,8 @@ proptest! {
         prop_assert_eq!(&cuts, &want);
         let opts = KdaOptions { output_final_state: true, ..Default::default() };
         let spec = KdaSpec { layout: Layout::varlen(&lengths), h: 1, hv: 1, k: 3, v: 2, opts, initial_state: true, scalar_gate: false, seed };
-        let x = inputs::kda(&spec);
-        let plan = deltaref::cp::intra::plan_spec(&cu, &p).unwrap();
+        let x = inputs::KdaSpec::generate(&spec);
+        let plan = deltaref::cp::plan_spec(&cu, &p).unwrap();
         let (o, _) = if chunk {
             cp::forward(&Chunk::new(cs).unwrap(), &x.inputs, &opts, &plan, &CpOptions::default())
         } else {

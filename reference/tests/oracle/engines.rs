@@ -9,7 +9,7 @@
 //! results bit-identical for 1 and 3 rayon threads (plain and CP).
 
 use deltaref::conv::{Activation, CausalConv1d, ConvOptions, Direct};
-use deltaref::cp::{self, plan::PlanSpec, CpOptions};
+use deltaref::cp::{self, CpOptions, PlanSpec};
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::gdn::{Gdn, GdnOptions, OnKda};
@@ -59,7 +59,7 @@ impl Registered for Kda {
             use_beta_sigmoid_in_kernel: true,
             ..Default::default()
         };
-        let g = inputs::kda(&KdaSpec {
+        let g = inputs::KdaSpec::generate(&KdaSpec {
             layout: Layout::varlen(&LENGTHS),
             h: 2,
             hv: 4,
@@ -97,7 +97,7 @@ impl Registered for Dplr {
     type Naive = dplr::naive::Naive;
 
     fn problem() -> Problem<Dplr> {
-        let g = inputs::dplr(&DplrSpec {
+        let g = inputs::DplrSpec::generate(&DplrSpec {
             layout: Layout::varlen(&LENGTHS),
             h: 3,
             k: 8,
@@ -134,7 +134,7 @@ impl Registered for TokenShift {
     type Naive = Shift;
 
     fn problem() -> Problem<TokenShift> {
-        let g = inputs::token_shift(&TokenShiftSpec {
+        let g = inputs::TokenShiftSpec::generate(&TokenShiftSpec {
             layout: Layout::varlen(&LENGTHS),
             d: 5,
             cache: true,
@@ -169,7 +169,7 @@ impl Registered for Gdn {
             state_v_first: true,
             ..Default::default()
         };
-        let g = inputs::gdn(&GdnSpec {
+        let g = inputs::GdnSpec::generate(&GdnSpec {
             layout: Layout::varlen(&LENGTHS),
             h: 2,
             hv: 4,
@@ -206,7 +206,7 @@ impl Registered for CausalConv1d {
     type Naive = Direct;
 
     fn problem() -> Problem<CausalConv1d> {
-        let g = inputs::conv(&ConvSpec {
+        let g = inputs::ConvSpec::generate(&ConvSpec {
             layout: Layout::varlen(&LENGTHS),
             d: 5,
             w: 4,

@@ -4,7 +4,7 @@
 //! recomputing them).
 
 use deltaref::conv::{Activation, ConvOptions, Direct};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;
@@ -68,7 +68,7 @@ fn kda_forward_backward_has_the_separate_runs_bits() {
         gate: Gate::LowerBound { lower_bound: -5.0 },
         ..Default::default()
     };
-    let g = inputs::kda(&KdaSpec {
+    let g = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::varlen(&[150, 106]),
         h: 2,
         hv: 2,
@@ -143,7 +143,7 @@ fn dplr_forward_backward_has_the_separate_runs_bits() {
         output_final_state: true,
         ..Default::default()
     };
-    let g = inputs::dplr(&DplrSpec {
+    let g = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::varlen(&[150, 106]),
         h: 2,
         k: 32,
@@ -190,7 +190,7 @@ fn naive_engines_write_every_layout_in_place() {
             output_final_state: true,
             ..Default::default()
         };
-        let g = inputs::kda(&KdaSpec {
+        let g = inputs::KdaSpec::generate(&KdaSpec {
             layout: layout.clone(),
             h: 3,
             hv: 3,
@@ -213,7 +213,7 @@ fn naive_engines_write_every_layout_in_place() {
             output_final_state: true,
             ..Default::default()
         };
-        let d = inputs::dplr(&DplrSpec {
+        let d = inputs::DplrSpec::generate(&DplrSpec {
             layout,
             h: 3,
             k: 7,
@@ -242,7 +242,7 @@ fn other_operators_forward_backward_has_the_separate_runs_bits() {
         use_gate_in_kernel: true,
         ..Default::default()
     };
-    let g = inputs::gdn(&GdnSpec {
+    let g = inputs::GdnSpec::generate(&GdnSpec {
         layout: layout.clone(),
         h: 2,
         hv: 4,
@@ -256,14 +256,14 @@ fn other_operators_forward_backward_has_the_separate_runs_bits() {
     check("gdn naive", &OnKda(kda::naive::Naive), x, &opts, d_o, dht);
     let chunk = OnKda(kda::chunk::Chunk::new(32).expect("valid"));
     check("gdn chunk", &chunk, x, &opts, d_o, dht);
-    let t = inputs::token_shift(&TokenShiftSpec {
+    let t = inputs::TokenShiftSpec::generate(&TokenShiftSpec {
         layout: layout.clone(),
         d: 5,
         cache: true,
         seed: 11,
     });
     check("token shift", &Shift, &t.inputs, &(), &t.d_o, &t.dht);
-    let c = inputs::conv(&ConvSpec {
+    let c = inputs::ConvSpec::generate(&ConvSpec {
         layout,
         d: 6,
         w: 4,
@@ -295,7 +295,7 @@ fn reused_buffers_leave_no_trace() {
         seed,
     };
     let run = |s: &KdaSpec| {
-        let g = inputs::kda(s);
+        let g = inputs::KdaSpec::generate(s);
         let (out, gr) =
             op::forward_backward(&kda::naive::Naive, &g.inputs, &s.opts, &g.d_o, Some(&g.dht))
                 .expect("valid");

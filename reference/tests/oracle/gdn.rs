@@ -5,9 +5,9 @@
 use crate::common;
 
 use common::{assert_close, assert_close_opt, check_grad, dot};
-use deltaref::cp::intra::{plan_spec, IntraParams};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
+use deltaref::cp::{plan_spec, IntraParams};
 use deltaref::error::Error;
 use deltaref::gdn::{self, GdnGrads, GdnInputs, GdnOptions, GdnOutputs, OnKda};
 use deltaref::inputs::{self, GdnSpec, Layout};
@@ -91,7 +91,7 @@ fn naive_chunk_cp_and_intra_agree_in_f64() {
     let chunk = OnKda(Chunk::new(16).unwrap());
     let cp = CpOptions::default();
     for (i, opt) in option_sets().into_iter().enumerate() {
-        let g = inputs::gdn(&spec(layout.clone(), opt, 10 + i as u64));
+        let g = inputs::GdnSpec::generate(&spec(layout.clone(), opt, 10 + i as u64));
         let x = &g.inputs;
         let tag = format!("{opt:?}");
         let f_naive = op::forward(&NAIVE, x, &opt).unwrap();
@@ -170,7 +170,7 @@ fn matches_the_scalar_gate_recurrence() {
         output_final_state: true,
         ..GdnOptions::default()
     };
-    let g = inputs::gdn(&spec(Layout::batch(2, 23), opt, 3));
+    let g = inputs::GdnSpec::generate(&spec(Layout::batch(2, 23), opt, 3));
     let (o, ht) = direct_gdn(&g.inputs, 5f64.powf(-0.5));
     let f = op::forward(&OnKda(Chunk::new(16).unwrap()), &g.inputs, &opt).unwrap();
     assert_close("o", &o.into_dyn(), &f.o, 1e-12);
@@ -192,7 +192,7 @@ fn state_v_first_is_the_transposed_layout() {
         state_v_first: true,
         ..kv
     };
-    let g = inputs::gdn(&spec(Layout::varlen(&[9, 14]), kv, 4));
+    let g = inputs::GdnSpec::generate(&spec(Layout::varlen(&[9, 14]), kv, 4));
     let mut x = g.inputs.clone();
     x.initial_state = x.initial_state.map(|s| gdn::swap_state(&s));
     let a = op::forward(&NAIVE, &g.inputs, &kv).unwrap();
@@ -231,7 +231,7 @@ fn finite_differences_every_gradient() {
             v: 2,
             ..spec(Layout::varlen(&[4, 0, 1, 6]), opt, 20 + i as u64)
         };
-        let g = inputs::gdn(&s);
+        let g = inputs::GdnSpec::generate(&s);
         let x = &g.inputs;
         let gr = op::backward(&NAIVE, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
         let l = |x: GdnInputs<f64>| loss(&x, &opt, &g.d_o, &g.dht);
@@ -305,7 +305,7 @@ fn finite_differences_every_gradient() {
 #[test]
 fn f32_close_to_f64() {
     for opt in option_sets() {
-        let g = inputs::gdn(&spec(Layout::varlen(&[30, 41]), opt, 7));
+        let g = inputs::GdnSpec::generate(&spec(Layout::varlen(&[30, 41]), opt, 7));
         let chunk = OnKda(Chunk::new(16).unwrap());
         let f64_ = op::forward(&chunk, &g.inputs, &opt).unwrap();
         let x32 = g.inputs.cast::<f32>();
@@ -342,7 +342,7 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
         use_gate_in_kernel: true,
         ..opt
     };
-    let g = inputs::gdn(&spec(Layout::varlen(&[3, 4]), gate, 1)).inputs;
+    let g = inputs::GdnSpec::generate(&spec(Layout::varlen(&[3, 4]), gate, 1)).inputs;
     // A per-key gate is KDA, not GDN.
     let mut x = g.clone();
     x.g = ArrayD::zeros(vec![1, 7, 4, 5]);
@@ -440,7 +440,7 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
 #[test]
 fn bit_identical_for_any_thread_count() {
     let opt = option_sets()[1];
-    let g = inputs::gdn(&spec(Layout::varlen(&[33, 2, 40]), opt, 8));
+    let g = inputs::GdnSpec::generate(&spec(Layout::varlen(&[33, 2, 40]), opt, 8));
     let chunk = OnKda(Chunk::new(16).unwrap());
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()

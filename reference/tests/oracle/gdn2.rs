@@ -7,7 +7,7 @@
 use crate::common;
 
 use common::{assert_close, check_grad, dot, norm_ratio};
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::dplr::{self, DplrInputs, DplrOptions};
 use deltaref::error::Error;

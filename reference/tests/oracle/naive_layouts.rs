@@ -62,7 +62,7 @@ fn same_bits<E: Engine<f64>>(
 #[test]
 fn kda_engines_do_not_depend_on_memory_layout() {
     let opts = KdaOptions::default();
-    let g = inputs::kda(&KdaSpec {
+    let g = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::batch(1, 37),
         h: 3,
         hv: 3,
@@ -101,7 +101,7 @@ fn kda_engines_do_not_depend_on_memory_layout() {
 
 #[test]
 fn dplr_engines_do_not_depend_on_memory_layout() {
-    let g = inputs::dplr(&DplrSpec {
+    let g = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::batch(1, 37),
         h: 3,
         k: 6,

@@ -77,7 +77,7 @@ fn hdh_sum_moves_only_the_decay_gradients() {
         scalar_gate: false,
         seed: 11,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let run = |p: Policy| -> KdaGrads<f64> {
         let e = Chunk::new(64).unwrap().with_policy(p);
         op::backward(&e, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap()
@@ -122,7 +122,7 @@ fn forward_case() -> (inputs::Generated<deltaref::kda::KdaInputs<f64>>, KdaOptio
         scalar_gate: false,
         seed: 5,
     };
-    (inputs::kda(&spec), opts)
+    (inputs::KdaSpec::generate(&spec), opts)
 }
 
 #[test]
@@ -143,7 +143,7 @@ fn k_beta_and_fwd_dots_each_move_the_forward_alone() {
 fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
     use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
     let case = |k| {
-        inputs::dplr(&inputs::DplrSpec {
+        inputs::DplrSpec::generate(&inputs::DplrSpec {
             layout: Layout::varlen(&[40, 24]),
             h: 1,
             k,
@@ -189,7 +189,7 @@ fn dplr_aqk_stage_rounds_all_four_blocks() {
         initial_state: true,
         seed: 3,
     };
-    let g = inputs::dplr(&spec);
+    let g = inputs::DplrSpec::generate(&spec);
     let opt = DplrOptions {
         output_final_state: true,
         ..Default::default()
@@ -225,7 +225,7 @@ fn dplr_stored_kg_reaches_dgk_only_through_the_chunk_end_term() {
         initial_state: false,
         seed: 9,
     };
-    let g = inputs::dplr(&spec);
+    let g = inputs::DplrSpec::generate(&spec);
     let opt = DplrOptions::default();
     let run = |p: Policy| {
         let e = DplrChunk::new(16).unwrap().with_policy(p);
@@ -274,7 +274,7 @@ fn k_beta_bwd_moves_only_dk_and_the_decay_gradients() {
         scalar_gate: false,
         seed: 4,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let run = |p: Policy| {
         let e = Chunk::new(64).unwrap().with_policy(p);
         op::backward(&e, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap()

@@ -1,6 +1,6 @@
 //! Where a block of replayed `[K, V]` states would not fit the cache, the
 //! naive engines checkpoint more often (and hold more states than at the
-//! `√L` spacing: `deltaref::memory::held_states`). At
+//! `√L` spacing: `deltaref::registry::MemoryModel::held_states`). At
 //! K = V = 256 their results must still be the chunked engines' (an
 //! independent form) in f64. In f32 KDA's replay takes two chunks of
 //! columns an iteration, and its leftovers, where f64 takes one.
@@ -11,8 +11,8 @@ use common::assert_close;
 use deltaref::dplr::{self, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
 use deltaref::kda::{self, Kda, KdaOptions};
-use deltaref::memory::{block_len, held_states};
 use deltaref::op;
+use deltaref::registry::MemoryModel;
 use deltaref::tensor::cast;
 
 const L: usize = 400;
@@ -22,8 +22,8 @@ const D: usize = 256;
 /// states than the `√L` spacing's checkpoints and block.
 #[test]
 fn the_shape_checkpoints_more_often_than_sqrt_l() {
-    let sqrt = block_len(L);
-    assert!(held_states(L, D * D * 8) > L.div_ceil(sqrt) + sqrt);
+    let sqrt = MemoryModel::block_len(L);
+    assert!(MemoryModel::held_states(L, D * D * 8) > L.div_ceil(sqrt) + sqrt);
 }
 
 /// The naive and chunked engines' outputs and gradients on `g` within
@@ -62,7 +62,7 @@ fn kda_naive_matches_chunk_with_short_replay_blocks() {
         output_final_state: true,
         ..Default::default()
     };
-    let g = inputs::kda(&KdaSpec {
+    let g = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::batch(1, L),
         h: 1,
         hv: 1,
@@ -83,7 +83,7 @@ fn dplr_naive_matches_chunk_with_short_replay_blocks() {
         output_final_state: true,
         ..Default::default()
     };
-    let g = inputs::dplr(&DplrSpec {
+    let g = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::batch(1, L),
         h: 1,
         k: D,
@@ -108,7 +108,7 @@ fn kda_naive_f32_replays_wide_chunks_and_their_leftovers() {
         ..Default::default()
     };
     for (k, v) in [(5, 13), (8, 16), (8, 13)] {
-        let g = inputs::kda(&KdaSpec {
+        let g = inputs::KdaSpec::generate(&KdaSpec {
             layout: Layout::varlen(&[23, 40]),
             h: 2,
             hv: 2,

@@ -40,7 +40,7 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
         scalar_gate: false,
         seed: 3,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let run_kda = || {
         let o = kda::naive::forward(&g.inputs, &opts).expect("valid");
         let gr = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
@@ -60,7 +60,7 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
     };
     assert_eq!(in_pool(1, run_kda), in_pool(4, run_kda));
 
-    let d = inputs::dplr(&DplrSpec {
+    let d = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::varlen(&[50, 3, 77]),
         h: 3,
         k: 8,
@@ -105,7 +105,7 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
         gate: Gate::LowerBound { lower_bound: -5.0 },
         ..Default::default()
     };
-    let g = inputs::kda(&KdaSpec {
+    let g = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::varlen(&[150, 7]),
         h: 1,
         hv: 1,
@@ -144,7 +144,7 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
     assert_eq!(one, in_pool(3, run_kda));
     assert_eq!(one, in_pool(4, run_kda));
 
-    let d = inputs::dplr(&DplrSpec {
+    let d = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::varlen(&[130, 5]),
         h: 1,
         k: 8,

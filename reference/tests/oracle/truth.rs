@@ -19,7 +19,7 @@
 use std::sync::OnceLock;
 
 use deltaref::conv::{Activation, CausalConv1d, ConvInputs, ConvOptions, Direct};
-use deltaref::cp::{self, intra, plan::PlanSpec, CpOptions};
+use deltaref::cp::{self, CpOptions, PlanSpec};
 use deltaref::dplr::{self, Dplr, DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
@@ -248,12 +248,12 @@ fn intra_card<O: Subject, E: Engine<f64, Op = O>>(engine: &E, chunk: usize, judg
         else {
             continue;
         };
-        let params = intra::IntraParams {
+        let params = cp::IntraParams {
             chunk_size: chunk,
             subseq_len: Some(12),
             ..Default::default()
         };
-        let spec = intra::plan_spec(&cu, &params).expect("valid");
+        let spec = cp::plan_spec(&cu, &params).expect("valid");
         cut += matches!(&spec, PlanSpec::Cuts(c) if !c.is_empty()) as usize;
         let opt = O::all_outputs(&j.case.opt);
         let (out, _) = cp::forward(engine, &j.case.x, &opt, &spec, &cp_options()).expect("valid");
@@ -419,7 +419,7 @@ impl Subject for Kda {
             allow_neg_eigval: true,
             ..Default::default()
         };
-        let mut no_dt_bias = inputs::kda(&KdaSpec {
+        let mut no_dt_bias = inputs::KdaSpec::generate(&KdaSpec {
             initial_state: false,
             ..kda_spec(Layout::batch(2, 19), 1, 2, bounded, 21)
         });
@@ -428,7 +428,7 @@ impl Subject for Kda {
             gate: Gate::LowerBound { lower_bound: -3.0 },
             ..Default::default()
         };
-        let mut no_a_log = inputs::kda_in(
+        let mut no_a_log = inputs::KdaSpec::generate_in(
             &kda_spec(Layout::varlen(&LONG), 1, 3, unbounded_rate, 22),
             Regime::Mixed,
         );
@@ -440,7 +440,7 @@ impl Subject for Kda {
         vec![
             case(
                 "varlen, GVA, kda gate, l2norm, beta sigmoid, h0",
-                inputs::kda(&kda_spec(Layout::varlen(&LENGTHS), 2, 4, all, 20)),
+                inputs::KdaSpec::generate(&kda_spec(Layout::varlen(&LENGTHS), 2, 4, all, 20)),
                 all,
             ),
             case(
@@ -455,7 +455,7 @@ impl Subject for Kda {
             ),
             case(
                 "scalar gate, one row",
-                inputs::kda(&scalar),
+                inputs::KdaSpec::generate(&scalar),
                 KdaOptions::default(),
             ),
         ]
@@ -480,10 +480,14 @@ impl Subject for Kda {
             ..kda_spec(Layout::varlen(&[3, 0, 2]), 1, 2, opts, seed)
         };
         vec![
-            case("tiny, kda gate", inputs::kda(&tiny(all, 30)), all),
+            case(
+                "tiny, kda gate",
+                inputs::KdaSpec::generate(&tiny(all, 30)),
+                all,
+            ),
             case(
                 "tiny, lower-bound gate",
-                inputs::kda(&tiny(bounded, 31)),
+                inputs::KdaSpec::generate(&tiny(bounded, 31)),
                 bounded,
             ),
         ]
@@ -522,7 +526,7 @@ impl Subject for Gdn {
             use_gate_in_kernel: true,
             ..Default::default()
         };
-        let mut no_dt_bias = inputs::gdn_in(
+        let mut no_dt_bias = inputs::GdnSpec::generate_in(
             &gdn_spec(Layout::varlen(&LONG), gate, 42),
             Regime::LongMemory,
         );
@@ -530,12 +534,12 @@ impl Subject for Gdn {
         vec![
             case(
                 "varlen, GVA, in-kernel gate, l2norm, sigmoid, V-first",
-                inputs::gdn(&gdn_spec(Layout::varlen(&LENGTHS), all, 40)),
+                inputs::GdnSpec::generate(&gdn_spec(Layout::varlen(&LENGTHS), all, 40)),
                 all,
             ),
             case(
                 "batch, 2·sigmoid, scale",
-                inputs::gdn(&gdn_spec(Layout::batch(2, 18), plain, 41)),
+                inputs::GdnSpec::generate(&gdn_spec(Layout::batch(2, 18), plain, 41)),
                 plain,
             ),
             case(
@@ -561,7 +565,7 @@ impl Subject for Gdn {
         };
         vec![case(
             "tiny, in-kernel gate, V-first",
-            inputs::gdn(&spec),
+            inputs::GdnSpec::generate(&spec),
             all,
         )]
     }
@@ -587,22 +591,22 @@ impl Subject for Dplr {
         vec![
             case(
                 "varlen, h0",
-                inputs::dplr(&dplr_spec(Layout::varlen(&LENGTHS), 2, true, 50)),
+                inputs::DplrSpec::generate(&dplr_spec(Layout::varlen(&LENGTHS), 2, true, 50)),
                 DplrOptions::default(),
             ),
             case(
                 "one row of 21, no h0, scale",
-                inputs::dplr(&dplr_spec(Layout::batch(1, 21), 1, false, 51)),
+                inputs::DplrSpec::generate(&dplr_spec(Layout::batch(1, 21), 1, false, 51)),
                 scaled,
             ),
             case(
                 "batch of 2",
-                inputs::dplr(&dplr_spec(Layout::batch(2, 9), 2, true, 52)),
+                inputs::DplrSpec::generate(&dplr_spec(Layout::batch(2, 9), 2, true, 52)),
                 DplrOptions::default(),
             ),
             case(
                 "long varlen, mixed",
-                inputs::dplr_in(
+                inputs::DplrSpec::generate_in(
                     &dplr_spec(Layout::varlen(&LONG), 1, true, 53),
                     Regime::Mixed,
                 ),
@@ -617,7 +621,11 @@ impl Subject for Dplr {
             v: 2,
             ..dplr_spec(Layout::varlen(&[3, 0, 2]), 1, true, 54)
         };
-        vec![case("tiny", inputs::dplr(&spec), DplrOptions::default())]
+        vec![case(
+            "tiny",
+            inputs::DplrSpec::generate(&spec),
+            DplrOptions::default(),
+        )]
     }
 }
 
@@ -635,17 +643,21 @@ impl Subject for TokenShift {
         vec![
             case(
                 "varlen, cache",
-                inputs::token_shift(&shift_spec(Layout::varlen(&LENGTHS), true, 60)),
+                inputs::TokenShiftSpec::generate(&shift_spec(Layout::varlen(&LENGTHS), true, 60)),
                 (),
             ),
             case(
                 "batch, no cache",
-                inputs::token_shift(&shift_spec(Layout::batch(3, 5), false, 61)),
+                inputs::TokenShiftSpec::generate(&shift_spec(Layout::batch(3, 5), false, 61)),
                 (),
             ),
             case(
                 "empty sequences first, cache",
-                inputs::token_shift(&shift_spec(Layout::varlen(&[0, 0, 3, 1]), true, 62)),
+                inputs::TokenShiftSpec::generate(&shift_spec(
+                    Layout::varlen(&[0, 0, 3, 1]),
+                    true,
+                    62,
+                )),
                 (),
             ),
         ]
@@ -654,7 +666,7 @@ impl Subject for TokenShift {
     fn tiny() -> Vec<Case<TokenShift>> {
         vec![case(
             "tiny",
-            inputs::token_shift(&shift_spec(Layout::varlen(&[2, 0, 1]), true, 63)),
+            inputs::TokenShiftSpec::generate(&shift_spec(Layout::varlen(&[2, 0, 1]), true, 63)),
             (),
         )]
     }
@@ -680,17 +692,17 @@ impl Subject for CausalConv1d {
         vec![
             case(
                 "varlen, W = 4, bias, h0, silu",
-                inputs::conv(&conv_spec(Layout::varlen(&LENGTHS), 4, true, true, 70)),
+                inputs::ConvSpec::generate(&conv_spec(Layout::varlen(&LENGTHS), 4, true, true, 70)),
                 silu,
             ),
             case(
                 "batch, W = 3, plain",
-                inputs::conv(&conv_spec(Layout::batch(2, 7), 3, false, false, 71)),
+                inputs::ConvSpec::generate(&conv_spec(Layout::batch(2, 7), 3, false, false, 71)),
                 ConvOptions::default(),
             ),
             case(
                 "sequences shorter than W, h0, silu",
-                inputs::conv(&conv_spec(
+                inputs::ConvSpec::generate(&conv_spec(
                     Layout::varlen(&[2, 0, 1, 9]),
                     4,
                     false,
@@ -709,7 +721,7 @@ impl Subject for CausalConv1d {
         };
         vec![case(
             "tiny",
-            inputs::conv(&conv_spec(Layout::varlen(&[3, 0, 2]), 3, true, true, 73)),
+            inputs::ConvSpec::generate(&conv_spec(Layout::varlen(&[3, 0, 2]), 3, true, true, 73)),
             silu,
         )]
     }
@@ -940,7 +952,7 @@ fn kda_by_hand() {
         beta: t(&[1, 2, 1], &[0.5, 1.0]),
         ..kda_token(0.0, 0.0, 0.0, 0.0, 0.0, 4.0)
     };
-    let y = truth::kda::forward(&x, &opt);
+    let y = <Kda as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[3.0, 8.0]);
     assert_near(
         "final_state",
@@ -958,7 +970,7 @@ fn kda_by_hand() {
         initial_state: Some(t(&[1, 1, 2, 1], &[2.0, 4.0])),
         ..kda_token(0.0, 0.0, 4.0, 0.0, 0.5, 0.0)
     };
-    let y = truth::kda::forward(&x, &opt);
+    let y = <Kda as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[4.0 * 2f64.sqrt()]);
     assert_near(
         "final_state",
@@ -988,7 +1000,7 @@ fn kda_gates_by_hand() {
     };
     let (kh, qh) = (2.0 / (4.0f64 + 1e-6).sqrt(), 3.0 / (9.0f64 + 1e-6).sqrt());
     let s = 2.0 + kh * (5.0 - 2.0 * kh);
-    let y = truth::kda::forward(&x, &opt);
+    let y = <Kda as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[qh * s]);
     assert_near("final_state", y.final_state.as_ref().expect("asked"), &[s]);
 
@@ -1009,7 +1021,7 @@ fn kda_gates_by_hand() {
     };
     let without = kda_token(1.0, 1.0, 7.0, 3f64.ln(), 0.0, 6.0);
     for x in [with_rate, without] {
-        let y = truth::kda::forward(&x, &opt);
+        let y = <Kda as Truth>::forward(&x, &opt);
         assert_near("o", &y.o, &[3.0]);
         assert_near(
             "final_state",
@@ -1043,7 +1055,7 @@ fn gdn_by_hand() {
         initial_state: Some(t(&[1, 1, 1, 2], &[4.0, 8.0])),
         cu_seqlens: None,
     };
-    let y = truth::gdn::forward(&x, &opt);
+    let y = <Gdn as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[2.5]);
     let fin = y.final_state.expect("asked");
     assert_eq!(fin.shape(), &[1, 1, 1, 2]);
@@ -1069,7 +1081,7 @@ fn dplr_by_hand() {
         initial_state: Some(t(&[1, 1, 1, 1], &[2.0])),
         cu_seqlens: None,
     };
-    let y = truth::dplr::forward(&x, &opt);
+    let y = <Dplr as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[5.0, 6.0]);
     assert_near(
         "final_state",
@@ -1090,7 +1102,7 @@ fn dplr_by_hand() {
         initial_state: Some(t(&[1, 1, 2, 1], &[2.0, 4.0])),
         cu_seqlens: None,
     };
-    let y = truth::dplr::forward(&x, &opt);
+    let y = <Dplr as Truth>::forward(&x, &opt);
     assert_near("o", &y.o, &[9.0 / 2f64.sqrt()]);
     assert_near(
         "final_state",
@@ -1110,7 +1122,7 @@ fn token_shift_by_hand() {
         cache: Some(t(&[3, 2], &[10.0, 20.0, 30.0, 40.0, 50.0, 60.0])),
         cu_seqlens: Some(vec![0, 2, 2, 3]),
     };
-    let y = truth::token_shift::forward(&x);
+    let y = <TokenShift as Truth>::forward(&x, &());
     assert_near("y", &y.y, &[9.0, 18.0, -2.0, -3.0, 43.0, 49.0]);
     assert_near(
         "final_cache",
@@ -1118,7 +1130,7 @@ fn token_shift_by_hand() {
         &[3.0, 5.0, 30.0, 40.0, 7.0, 11.0],
     );
     // Without a cache the token before is 0: y₀ = −x₀, the empty sequence's final cache 0.
-    let y = truth::token_shift::forward(&TokenShiftInputs { cache: None, ..x });
+    let y = <TokenShift as Truth>::forward(&TokenShiftInputs { cache: None, ..x }, &());
     assert_near("y", &y.y, &[-1.0, -2.0, -2.0, -3.0, -7.0, -11.0]);
     assert_near(
         "final_cache",
@@ -1143,7 +1155,7 @@ fn conv_by_hand() {
         initial_state: Some(t(&[1, 1, 2], &[3.0, 4.0])),
         cu_seqlens: None,
     };
-    let y = truth::conv::forward(&x, &plain);
+    let y = <CausalConv1d as Truth>::forward(&x, &plain);
     assert_near("y", &y.y, &[14.5, 17.5]);
     assert_near(
         "final_state",
@@ -1160,7 +1172,7 @@ fn conv_by_hand() {
         initial_state: Some(t(&[1, 1, 3], &[1.0, 2.0, 3.0])),
         cu_seqlens: None,
     };
-    let y = truth::conv::forward(&x, &plain);
+    let y = <CausalConv1d as Truth>::forward(&x, &plain);
     assert_near("y", &y.y, &[10.0]);
     assert_near(
         "final_state",
@@ -1180,7 +1192,7 @@ fn conv_by_hand() {
         initial_state: None,
         cu_seqlens: None,
     };
-    let y = truth::conv::forward(&x, &silu);
+    let y = <CausalConv1d as Truth>::forward(&x, &silu);
     assert_near("y", &y.y, &[0.75 * 3f64.ln()]);
     assert!(y.final_state.is_none());
 }

@@ -24,7 +24,7 @@ fn spec(layout: Layout, seed: u64) -> DplrSpec {
 }
 
 fn all(engine: &impl Engine<f64, Op = Dplr>, s: &DplrSpec) -> Tensors {
-    let g = inputs::dplr(s);
+    let g = inputs::DplrSpec::generate(s);
     outputs::all::<f64, _>(
         engine,
         &g.inputs,
@@ -55,7 +55,7 @@ fn chunk_matches_naive_for_every_chunk_size_and_layout() {
 }
 
 fn head(s: &DplrSpec) -> (DplrHead<'static, f64>, Array2<f64>) {
-    let g = inputs::dplr(s);
+    let g = inputs::DplrSpec::generate(s);
     let p = Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
     (
         Dplr::head(&p, &p.segments[0], 1).into_owned(),
@@ -107,7 +107,7 @@ fn chunks_too_wide_for_one_pair_of_factors_split_into_blocks() {
     // times the naive form's f32 error, the same as when these chunks
     // formed each pair's decay from its difference).
     let s = spec(Layout::varlen(&[150, 70]), 12);
-    let mut g = inputs::dplr(&s);
+    let mut g = inputs::DplrSpec::generate(&s);
     steep_decays(&mut g.inputs.gk, 100);
     let run = Run {
         x: &g.inputs,
@@ -121,7 +121,7 @@ fn chunks_too_wide_for_one_pair_of_factors_split_into_blocks() {
 #[test]
 fn strong_decay_does_not_overflow() {
     let s = spec(Layout::varlen(&[130, 64]), 5);
-    let mut g = inputs::dplr(&s);
+    let mut g = inputs::DplrSpec::generate(&s);
     g.inputs.gk = ArrayD::from_elem(IxDyn(g.inputs.gk.shape()), -5.0);
     // −20 per token puts Γ's range past what a product of two exponentials
     // survives in f64: the chunks split into blocks must agree too.
@@ -157,7 +157,7 @@ fn f32_chunk_is_within_flas_band_of_f64_naive() {
         v: 32,
         ..spec(Layout::varlen(&[200, 56]), 6)
     };
-    let g = inputs::dplr(&s);
+    let g = inputs::DplrSpec::generate(&s);
     let opts = DplrOptions::default();
     let reference = outputs::all::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     let single = outputs::all::<f32, _>(

@@ -37,7 +37,7 @@ fn kda_f32_tracks_f64() {
         scalar_gate: false,
         seed: 11,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let x32 = g.inputs.cast::<f32>();
     let (do32, dht32) = (cast::<f64, f32>(&g.d_o), cast::<f64, f32>(&g.dht));
     let o64 = kda::naive::forward(&g.inputs, &opts).expect("valid");
@@ -78,7 +78,7 @@ fn dplr_f32_tracks_f64() {
         initial_state: true,
         seed: 12,
     };
-    let g = inputs::dplr(&spec);
+    let g = inputs::DplrSpec::generate(&spec);
     let opts = DplrOptions {
         output_final_state: true,
         ..Default::default()
@@ -110,7 +110,7 @@ fn dplr_f32_tracks_f64() {
 
 #[test]
 fn token_shift_f32_tracks_f64() {
-    let g = inputs::token_shift(&TokenShiftSpec {
+    let g = inputs::TokenShiftSpec::generate(&TokenShiftSpec {
         layout: Layout::varlen(&[200, 56]),
         d: 8,
         cache: true,

@@ -24,7 +24,7 @@ fn kda_case(layout: Layout, opts: KdaOptions, scalar_gate: bool, seed: u64) {
         scalar_gate,
         seed,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let x = &g.inputs;
     let gr = kda::naive::backward(x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
     let loss = |x: KdaInputs<f64>| kda_loss(&x, &opts, &g.d_o, &g.dht);
@@ -129,7 +129,7 @@ fn kda_lower_bound_gate_without_a_log_or_dt_bias() {
         scalar_gate: false,
         seed: 4,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let x = KdaInputs {
         a_log: None,
         dt_bias: None,
@@ -184,7 +184,7 @@ fn dplr_case(layout: Layout, seed: u64) {
         initial_state: true,
         seed,
     };
-    let g = inputs::dplr(&spec);
+    let g = inputs::DplrSpec::generate(&spec);
     let x = &g.inputs;
     let opts = DplrOptions::default();
     let gr = dplr::naive::backward(x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
@@ -258,7 +258,7 @@ fn token_shift_varlen_and_batch_with_cache() {
             cache,
             seed: 9,
         };
-        let g = inputs::token_shift(&spec);
+        let g = inputs::TokenShiftSpec::generate(&spec);
         let x = &g.inputs;
         let gr = token_shift::backward(x, &g.d_o, Some(&g.dht)).expect("valid");
         let loss = |x: TokenShiftInputs<f64>| token_shift_loss(&x, &g.d_o, &g.dht);

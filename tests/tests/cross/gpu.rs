@@ -9,7 +9,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use deltaref::cp::plan::PlanSpec;
+use deltaref::cp::PlanSpec;
 use deltaref::dplr::DplrInputs;
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
@@ -17,7 +17,7 @@ use deltaref::gdn::{Gdn, GdnOptions, OnKda};
 use deltaref::inputs::{self, DplrSpec, GdnSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::KdaInputs;
 use deltaref::kda::{self, Kda, KdaOptions};
-use deltaref::registry::Registered;
+use deltaref::registry;
 use deltaref::token_shift::{Shift, TokenShift};
 use deltaref::Dtype;
 use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl};
@@ -130,7 +130,7 @@ fn lower_bound_opts() -> KdaOptions {
 
 /// The oracle (f64 naive) and the GPU on the same stored inputs.
 fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
-    let g = inputs::kda(spec);
+    let g = inputs::KdaSpec::generate(spec);
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
@@ -140,7 +140,7 @@ fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
         truth,
-        outputs::map::<f64, Kda>(&run.outputs, Some(&run.grads)),
+        registry::named::<f64, Kda>(&run.outputs, Some(&run.grads)),
     )
 }
 
@@ -294,7 +294,7 @@ fn kda_cp_f32_matches_the_oracle_with_a_sequence_over_many_ranks() {
 /// The oracle (f64 naive, KDA's engine on GDN's pieces) and the GPU on the
 /// same stored inputs.
 fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
-    let g = inputs::gdn(spec);
+    let g = inputs::GdnSpec::generate(spec);
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
@@ -305,7 +305,7 @@ fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
         truth,
-        outputs::map::<f64, Gdn>(&run.outputs, Some(&run.grads)),
+        registry::named::<f64, Gdn>(&run.outputs, Some(&run.grads)),
     )
 }
 
@@ -430,24 +430,25 @@ fn cases_run_from_their_own_tensors() {
                 let options = &case.meta.options;
                 let want = match case.meta.op.name() {
                     "dplr" => {
-                        let opts = <Dplr as Registered>::options(options).unwrap();
-                        let x = dplr::entry::refs(tensors, cu).unwrap();
+                        let opts = dplr::DplrOptions::from_case(options).unwrap();
+                        let x = dplr::DplrRefs::from_tensors(tensors, cu).unwrap();
                         let r = deltaref_gpu::dplr::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
-                        outputs::map::<f64, Dplr>(&r.outputs, Some(&r.grads))
+                        registry::named::<f64, Dplr>(&r.outputs, Some(&r.grads))
                     }
                     "gdn" => {
-                        let opts = <Gdn as Registered>::options(options).unwrap();
-                        let x = kda::entry::refs(tensors, cu, "gdn").unwrap();
+                        let opts = deltaref::gdn::GdnOptions::from_case(options).unwrap();
+                        let x = kda::KdaRefs::from_tensors(tensors, cu, "gdn").unwrap();
                         let r = deltaref_gpu::gdn::run(dev, &x, &opts, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
-                        outputs::map::<f64, Gdn>(&r.outputs, Some(&r.grads))
+                        registry::named::<f64, Gdn>(&r.outputs, Some(&r.grads))
                     }
                     "token_shift" => {
-                        let x = deltaref::token_shift::entry::refs(tensors, cu).unwrap();
+                        let x = deltaref::token_shift::TokenShiftRefs::from_tensors(tensors, cu)
+                            .unwrap();
                         let r = deltaref_gpu::token_shift::run(dev, &x, &d_o, dht.as_ref(), &imp);
                         let r = r.expect("GPU run");
-                        outputs::map::<f64, TokenShift>(&r.outputs, Some(&r.grads))
+                        registry::named::<f64, TokenShift>(&r.outputs, Some(&r.grads))
                     }
                     _ => panic!("{what}: not a DPLR, GDN or token-shift case"),
                 };
@@ -476,7 +477,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         initial_state: true,
         seed: 9,
     };
-    let g = inputs::dplr(&spec);
+    let g = inputs::DplrSpec::generate(&spec);
     let opts = DplrOptions {
         output_final_state: true,
         ..Default::default()
@@ -501,7 +502,7 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
                 &imp(Engine::Naive, cp.clone(), storage),
             )
             .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
-            let got = outputs::map::<f64, Dplr>(&run.outputs, Some(&run.grads));
+            let got = registry::named::<f64, Dplr>(&run.outputs, Some(&run.grads));
             check(&format!("dplr {storage:?} cp={cp:?}"), &truth, &got, tol);
         }
     }
@@ -520,7 +521,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
         cache: true,
         seed: 10,
     };
-    let g = inputs::token_shift(&spec);
+    let g = inputs::TokenShiftSpec::generate(&spec);
     let truth =
         outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht)).expect("valid");
     for cp in [
@@ -536,7 +537,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
             &imp(Engine::Naive, cp.clone(), Dtype::F32),
         )
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
-        let got = outputs::map::<f64, TokenShift>(&run.outputs, Some(&run.grads));
+        let got = registry::named::<f64, TokenShift>(&run.outputs, Some(&run.grads));
         // One f32 rounding of the inputs and one subtraction: ≤ 1e-7.
         check(&format!("token-shift f32 cp={cp:?}"), &truth, &got, 1e-7);
     }
@@ -550,7 +551,7 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
 fn gpu_rejects_bad_input_with_the_oracles_errors() {
     let gpu = gpu();
     let spec = kda_spec(&[10, 6], 1, 1, 16, lower_bound_opts());
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let mut x = g.inputs.clone();
     x.q[[0, 3, 0, 2]] = f64::NAN;
     let e = deltaref_gpu::kda::run(
@@ -571,7 +572,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
         v: 8,
         ..spec.clone()
     };
-    let g = inputs::kda(&big);
+    let g = inputs::KdaSpec::generate(&big);
     let e = deltaref_gpu::kda::run(
         &gpu,
         &g.inputs.refs(),
@@ -582,7 +583,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
     )
     .expect_err("K = 512");
     assert!(e.to_string().contains("K ≤ 256"), "{e}");
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let e = deltaref_gpu::kda::run(
         &gpu,
         &g.inputs.refs(),
@@ -603,7 +604,7 @@ fn gpu_rejects_bad_input_with_the_oracles_errors() {
             ..Default::default()
         },
     );
-    let g = inputs::gdn(&spec);
+    let g = inputs::GdnSpec::generate(&spec);
     let flat_dht = g
         .dht
         .clone()

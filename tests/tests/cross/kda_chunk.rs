@@ -28,7 +28,7 @@ fn spec(layout: Layout, opts: KdaOptions, seed: u64) -> KdaSpec {
 }
 
 fn all(engine: &impl Engine<f64, Op = Kda>, s: &KdaSpec) -> Tensors {
-    let g = inputs::kda(s);
+    let g = inputs::KdaSpec::generate(s);
     outputs::all::<f64, _>(engine, &g.inputs, &s.opts, &g.d_o, Some(&g.dht)).expect("valid")
 }
 
@@ -60,7 +60,7 @@ fn chunk_matches_naive_for_every_chunk_size_gate_and_layout() {
 }
 
 fn head(s: &KdaSpec, seq: usize, hv: usize) -> (KdaHead<'static, f64>, Array2<f64>) {
-    let g = inputs::kda(s);
+    let g = inputs::KdaSpec::generate(s);
     let p = Prepared::new(&g.inputs, &s.opts).unwrap();
     let seg = p.segments[seq];
     (
@@ -132,7 +132,7 @@ fn gates_at_the_lower_bound_do_not_overflow() {
         ..Default::default()
     };
     let s = spec(Layout::varlen(&[130, 64]), opts, 5);
-    let mut g = inputs::kda(&s);
+    let mut g = inputs::KdaSpec::generate(&s);
     g.inputs.g = ArrayD::from_elem(IxDyn(g.inputs.g.shape()), -5.0);
     // −20 per token puts Γ's range past what a product of two exponentials
     // survives in f64: the chunks split into blocks must agree too.
@@ -192,7 +192,7 @@ fn chunks_too_wide_for_one_pair_of_factors_split_into_blocks() {
         v: 8,
         ..spec(Layout::varlen(&[150, 70]), opts, 11)
     };
-    let mut g = inputs::kda(&s);
+    let mut g = inputs::KdaSpec::generate(&s);
     steep_decays(&mut g.inputs.g, 100);
     let run = Run {
         x: &g.inputs,
@@ -215,7 +215,7 @@ fn f32_chunk_is_within_flas_band_of_f64_naive() {
         v: 32,
         ..spec(Layout::varlen(&[200, 56]), opts, 6)
     };
-    let g = inputs::kda(&s);
+    let g = inputs::KdaSpec::generate(&s);
     let reference = outputs::all::<f64, _>(&Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
     let single = outputs::all::<f32, _>(
         &Chunk::new(64).unwrap(),

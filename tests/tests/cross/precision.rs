@@ -44,7 +44,7 @@ fn long_memory_case(
         scalar_gate: false,
         seed: 21,
     };
-    let g = inputs::kda(&spec);
+    let g = inputs::KdaSpec::generate(&spec);
     let flags = deltaref::registry::GenFlags {
         gate,
         l2norm: true,

@@ -86,7 +86,7 @@ fn fla_test_is_the_default_and_unrecorded() {
 #[test]
 fn token_shift_regimes_change_x() {
     let x = |regime| {
-        inputs::token_shift_in(
+        inputs::TokenShiftSpec::generate_in(
             &TokenShiftSpec {
                 layout: Layout::batch(1, 400),
                 d: 16,

@@ -13,7 +13,29 @@
 //! `verify/tests/op_count.rs` checks these against engines run on a scalar
 //! that counts its own operations.
 
-use deltaref::throughput::{triangular_fraction, triangular_fraction_both, unfused_dot};
+use deltaref::throughput::unfused_dot;
+
+/// Rows per block of the chunked engines' triangular products: the blocks
+/// wholly above the diagonal are skipped (`verify/tests/op_count.rs` holds
+/// the counts built on it against the engines' own operation counts).
+const TRI_BLOCK: usize = 16;
+
+/// Work of the chunked engines' blocked product with a lower triangular
+/// `[c, c]` factor (or of which only the lower triangle is used) relative
+/// to the full product: `(nb + 1) / (2 nb)` for `nb` blocks of
+/// [`TRI_BLOCK`] rows.
+fn triangular_fraction(c: usize) -> f64 {
+    let nb = c.div_ceil(TRI_BLOCK) as f64;
+    (nb + 1.0) / (2.0 * nb)
+}
+
+/// [`triangular_fraction`] where both `[c, c]` factors are lower
+/// triangular: `Σ i² / nb³` over the blocks `i = 1..=nb`,
+/// `(nb + 1)(2 nb + 1) / (6 nb²)`.
+fn triangular_fraction_both(c: usize) -> f64 {
+    let nb = c.div_ceil(TRI_BLOCK) as f64;
+    (nb + 1.0) * (2.0 * nb + 1.0) / (6.0 * nb * nb)
+}
 
 /// Operations of forward and backward.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -184,4 +206,21 @@ pub fn peak_gflops(seconds: f64) -> f64 {
     (0..PEAK_RUNS)
         .map(|_| ops / timed_products(iters) / 1e9)
         .fold(0.0, f64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_triangular_fractions_count_the_blocks() {
+        // nb = 1, 2, 4 blocks: (nb+1)/(2nb) = 1, 3/4, 5/8;
+        // (nb+1)(2nb+1)/(6nb²) = 1, 15/24, 45/96.
+        assert_eq!(triangular_fraction(16), 1.0);
+        assert_eq!(triangular_fraction(32), 0.75);
+        assert_eq!(triangular_fraction(64), 0.625);
+        assert_eq!(triangular_fraction_both(16), 1.0);
+        assert_eq!(triangular_fraction_both(32), 0.625);
+        assert_eq!(triangular_fraction_both(64), 0.46875);
+    }
 }

@@ -78,10 +78,10 @@ pub fn human(bytes: u64) -> String {
 
 /// Bytes every run holds whatever its size: [`PROCESS_BYTES`] and the
 /// naive engines' buffers kept per thread for reuse
-/// ([`deltaref::memory::KEPT`] of [`deltaref::memory::MAX_KEPT`] bytes at
+/// ([`MemoryModel::KEPT`] of [`MemoryModel::MAX_KEPT`] bytes at
 /// most).
 pub fn fixed_bytes() -> u64 {
-    let kept = (deltaref::memory::KEPT * deltaref::memory::MAX_KEPT) as u64;
+    let kept = (MemoryModel::KEPT * MemoryModel::MAX_KEPT) as u64;
     PROCESS_BYTES.saturating_add(kept.saturating_mul(rayon::current_num_threads() as u64))
 }
 
@@ -270,9 +270,9 @@ impl Problem {
     /// included (an owned case moves in as that copy): the inputs, the
     /// outputs and gradients, the prepared inputs (`copy_elements`)
     /// and the engine's own: the naive engine's checkpoints and block of
-    /// replayed states per pair in flight ([`deltaref::memory::held_states`]),
+    /// replayed states per pair in flight ([`MemoryModel::held_states`]),
     /// the chunked engine's intermediates of one span
-    /// ([`deltaref::memory::SPAN_LEN`] tokens at most) per piece in flight,
+    /// ([`MemoryModel::SPAN_LEN`] tokens at most) per piece in flight,
     /// [`Problem::chunk_elements`] per token. `verify/tests/memory_estimate.rs`
     /// checks it against the peak heap of the runs, measured by a counting
     /// allocator: never below, at most twice above.
@@ -305,7 +305,7 @@ impl Problem {
         match (self.op.is_delta_rule(), run) {
             (false, _) => 0,
             (true, Run::Naive) => {
-                let per_task = deltaref::memory::held_states(
+                let per_task = MemoryModel::held_states(
                     self.t,
                     usize::try_from(state.saturating_mul(8)).unwrap_or(usize::MAX),
                 ) as u64;
@@ -327,7 +327,7 @@ impl Problem {
                 // threads split their chunks over the threads (measured:
                 // 1.3 to 1.5 times, the chunks' pieces collected before
                 // they are assembled).
-                let span = piece.min(self.t).min(deltaref::memory::SPAN_LEN) as u64;
+                let span = piece.min(self.t).min(MemoryModel::SPAN_LEN) as u64;
                 let pairs = sum_of_products(&[&[self.n, heads, pieces]]);
                 let tokens = span
                     .saturating_mul(tasks.min(pairs))

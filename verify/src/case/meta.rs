@@ -17,13 +17,14 @@ pub struct Op(&'static dyn OpEntry);
 
 #[allow(non_upper_case_globals)]
 impl Op {
-    /// The operators by name, for built-in cases and tests.
-    pub const Kda: Op = Op(&deltaref::kda::entry::ENTRY);
-    pub const Dplr: Op = Op(&deltaref::dplr::entry::ENTRY);
-    pub const TokenShift: Op = Op(&deltaref::token_shift::entry::ENTRY);
-    pub const Gdn: Op = Op(&deltaref::gdn::entry::ENTRY);
-    pub const Gdn2: Op = Op(&deltaref::gdn2::entry::ENTRY);
-    pub const CausalConv1d: Op = Op(&deltaref::conv::entry::ENTRY);
+    /// The operators by name, for built-in cases and tests: their places
+    /// in [`registry::OPS`] (checked against their names by a test).
+    pub const Kda: Op = Op(registry::OPS[0]);
+    pub const Dplr: Op = Op(registry::OPS[1]);
+    pub const TokenShift: Op = Op(registry::OPS[2]);
+    pub const Gdn: Op = Op(registry::OPS[3]);
+    pub const CausalConv1d: Op = Op(registry::OPS[4]);
+    pub const Gdn2: Op = Op(registry::OPS[5]);
 }
 
 impl PartialEq for Op {
@@ -348,4 +349,26 @@ fn keys<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
 /// Whether `name` is an intermediate `op`'s entry declares.
 pub fn is_intermediate(op: Op, name: &str) -> bool {
     op.info().intermediates.contains(&name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Op;
+
+    #[test]
+    fn the_named_operators_are_the_registry_entries_of_their_names() {
+        let named = [
+            (Op::Kda, "kda"),
+            (Op::Dplr, "dplr"),
+            (Op::TokenShift, "token_shift"),
+            (Op::Gdn, "gdn"),
+            (Op::CausalConv1d, "causal_conv1d"),
+            (Op::Gdn2, "gdn2"),
+        ];
+        for (op, name) in named {
+            assert_eq!(op.name(), name);
+            assert_eq!(Op::parse(name), Some(op));
+        }
+        assert_eq!(Op::all().count(), named.len());
+    }
 }

@@ -208,7 +208,7 @@ fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
         output_final_state: true,
         ..Default::default()
     };
-    let g = inputs::kda(&KdaSpec {
+    let g = inputs::KdaSpec::generate(&KdaSpec {
         layout: Layout::batch(1, t),
         h: 1,
         hv: 1,
@@ -231,7 +231,7 @@ fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
     let kc = count(|| {
         op::forward_backward(&chunk, &x, &opts, &d_o, Some(&dht)).unwrap();
     });
-    let d = inputs::dplr(&DplrSpec {
+    let d = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::batch(1, t),
         h: 1,
         k: kd,

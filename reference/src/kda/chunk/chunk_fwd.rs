@@ -5,13 +5,9 @@
 use ndarray::ArrayView2;
 
 use super::{Chunk, ChunkForward};
-use crate::error::Result;
 use crate::fast::columns::{forward_chunks, StateColumns};
-use crate::fast::par::par_pairs;
-use crate::kda::{Kda, KdaHead, KdaInputs, KdaOptions, Prepared};
-use crate::op::{self, Operator};
+use crate::kda::KdaHead;
 use crate::scalar::Scalar;
-use crate::varlen::Segment;
 
 impl Chunk {
     /// The forward pass with every intermediate.
@@ -47,26 +43,4 @@ impl Chunk {
             final_state: state,
         }
     }
-}
-
-/// Forward intermediates of every (sequence, value head) pair of a batch, in
-/// pair order (sequence-major), for dumping and comparing with a kernel.
-pub fn intermediates<T: Scalar>(
-    engine: &Chunk,
-    x: &KdaInputs<T>,
-    opt: &KdaOptions,
-) -> Result<Vec<(Segment, usize, ChunkForward<T>)>> {
-    let p = Prepared::new(x, opt)?.with_stored_activations(&engine.policy);
-    let hv = p.dims.hv;
-    Ok(par_pairs(p.segments.len(), hv, |si, h| {
-        let seg = p.segments[si];
-        (
-            seg,
-            h,
-            engine.forward_intermediates(
-                &Kda::head(&p, &seg, h),
-                op::initial_state(&p, seg.seq, h).view(),
-            ),
-        )
-    }))
 }

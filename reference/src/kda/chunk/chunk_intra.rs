@@ -168,7 +168,7 @@ impl Chunk {
     }
 
     /// The intra-chunk stage for tokens `start..start + c` of `x`.
-    pub fn intra<T: Scalar>(&self, x: &KdaHead<T>, start: usize, c: usize) -> Intra<T> {
+    pub(crate) fn intra<T: Scalar>(&self, x: &KdaHead<T>, start: usize, c: usize) -> Intra<T> {
         let rows = s![start..start + c, ..];
         let [q, k] = qk_rows(x, start..start + c);
         let (q, k, v) = (q.view(), k.view(), x.v.slice(rows));

@@ -33,7 +33,6 @@ mod chunk_o;
 mod decays;
 mod wy_fast;
 
-pub use chunk_fwd::intermediates;
 pub use chunk_intra::Intra;
 
 use std::ops::Range;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use deltaref::cp::intra::{self, IntraParams};
+use deltaref::cp::{self, IntraParams};
 use deltaref::cp::{table, RankDiag};
 use deltaref::registry::Carry;
 use deltaref_verify::case::{Case, CaseError};
@@ -138,8 +138,7 @@ fn run_block(
             max_splits: a.max_splits,
             subseq_len: a.subseq_len,
         };
-        let cuts =
-            intra::split_points(&cu, &params).map_err(|e| CaseError::Usage(e.to_string()))?;
+        let cuts = cp::split_points(&cu, &params).map_err(|e| CaseError::Usage(e.to_string()))?;
         req.cuts = Some(cuts);
     }
     let (imp, preset_compute) = req.resolve_with_compute(&case)?;
