@@ -360,7 +360,10 @@ impl Policy {
         f.extend(self.exp2.then_some(Feature::Exp2));
         let safe = self.safe_gate_midpoint || self.safe_gate_bound.is_some();
         f.extend(safe.then_some(Feature::SafeGate));
-        f.extend(self.midpoint_stride_fault.then_some(Feature::MidpointStride));
+        f.extend(
+            self.midpoint_stride_fault
+                .then_some(Feature::MidpointStride),
+        );
         f
     }
 

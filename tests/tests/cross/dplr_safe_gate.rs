@@ -76,7 +76,9 @@ fn aak(engine: &Chunk, x: &DplrInputs<f64>, h: usize) -> (Array2<f64>, Array2<f6
     let opt = DplrOptions::default();
     let xf = x.cast::<f32>();
     let pf = Prepared::new(&xf, &opt).unwrap();
-    let got = engine.intra(&Dplr::head(&pf, &pf.segments[0], h), 16, 16).aak;
+    let got = engine
+        .intra(&Dplr::head(&pf, &pf.segments[0], h), 16, 16)
+        .aak;
     let p = Prepared::new(x, &opt).unwrap();
     let want = Chunk::new(16)
         .unwrap()
@@ -115,11 +117,22 @@ fn the_bf16_emulation_keeps_aak_in_fp32_under_the_safe_gate() {
     let _ = entry::ENTRY;
     let g = inputs::dplr(&spec(7));
     for h in 0..2 {
-        let (safe_aak, want) = aak(&Chunk::new(16).unwrap().with_policy(with_safe.clone()), &g.inputs, h);
-        let (plain_aak, _) = aak(&Chunk::new(16).unwrap().with_policy(plain.clone()), &g.inputs, h);
+        let (safe_aak, want) = aak(
+            &Chunk::new(16).unwrap().with_policy(with_safe.clone()),
+            &g.inputs,
+            h,
+        );
+        let (plain_aak, _) = aak(
+            &Chunk::new(16).unwrap().with_policy(plain.clone()),
+            &g.inputs,
+            h,
+        );
         let (e_safe, e_plain) = (max_rel(&safe_aak, &want), max_rel(&plain_aak, &want));
         println!("head {h}: Aak max error / max |Aak|: safe {e_safe:.2e}, non-safe {e_plain:.2e}");
-        assert!(e_safe > 0.0 && e_safe < e_plain / 10.0, "{e_safe:e} vs {e_plain:e}");
+        assert!(
+            e_safe > 0.0 && e_safe < e_plain / 10.0,
+            "{e_safe:e} vs {e_plain:e}"
+        );
         assert!(e_plain > 2f64.powi(-12), "bf16 store: {e_plain:e}");
     }
     // midpoint=off: the non-safe A stage again, bit for bit.

@@ -107,17 +107,18 @@ impl Chunk {
     fn midpoint_offset<T: Scalar>(&self, x: &DplrHead<T>, start: usize, g: &Array2<T>) -> Vec<T> {
         let mid = g.nrows() / 2;
         let own = || g.row(mid).to_vec();
-        let Some(heads) = x.heads_gk.as_ref().filter(|_| self.policy.midpoint_stride_fault) else {
+        let Some(heads) = x
+            .heads_gk
+            .as_ref()
+            .filter(|_| self.policy.midpoint_stride_fault)
+        else {
             return own();
         };
         let h = heads.gk.shape()[1];
         let row = heads.head + start + mid;
         let (token, head) = (row / h, row % h);
         let chunk_start = token - token % self.chunk_size;
-        let mut cum = heads
-            .gk
-            .slice(s![chunk_start..=token, head, ..])
-            .to_owned();
+        let mut cum = heads.gk.slice(s![chunk_start..=token, head, ..]).to_owned();
         self.policy.cumsum_rows(&mut cum);
         cum.row(cum.nrows() - 1).to_vec()
     }
