@@ -199,10 +199,12 @@ impl VerifyReport {
 
     /// Fills each row's per-head errors: tensors of `op` with a head axis
     /// (`H`, `HV`; [`deltaref::registry::OpInfo::head_axis`]) compared head
-    /// by head, `expected` against `got`. Rows with a problem stay without.
+    /// by head, `expected` against `got`, where both are there with one
+    /// shape. A non-finite candidate is compared too: its NaN heads say
+    /// where it overflowed (a head-stride bug breaks some heads only).
     pub fn with_heads(mut self, op: crate::case::Op, expected: &Tensors, got: &Tensors) -> Self {
         let info = op.info();
-        for r in self.rows.iter_mut().filter(|r| r.problem.is_none()) {
+        for r in self.rows.iter_mut() {
             let (Some(t), Some(g)) = (expected.get(&r.tensor), got.get(&r.tensor)) else {
                 continue;
             };
