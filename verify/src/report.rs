@@ -123,12 +123,12 @@ impl VerifyRow {
     /// `worst head 3 (norm_ratio 1.9e0), 2 of 4 heads fail: [3.0e-8, …]`:
     /// the row's heads at `max_ratio`; `None` without per-head errors.
     pub fn heads_line(&self, max_ratio: f64) -> Option<String> {
-        let (worst, w) = self
-            .per_head
-            .iter()
-            .copied()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(&b.1))?;
+        // A NaN head (a non-finite candidate) is the worst, whatever its sign bit.
+        let (worst, w) = self.per_head.iter().copied().enumerate().max_by(|a, b| {
+            (a.1.is_nan(), a.1)
+                .partial_cmp(&(b.1.is_nan(), b.1))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })?;
         let failing = self
             .per_head
             .iter()

@@ -94,7 +94,8 @@ fn max_rel(got: &Array2<f64>, want: &Array2<f64>) -> f64 {
 
 /// FLA's bf16 policy for DPLR: with `safe_gate` the emulation asks for the
 /// midpoint scheme and tf32 operands; `Aak` then carries tf32's error (about
-/// 2^-11), under a tenth of the non-safe kernel's bf16 store (2^-9).
+/// 2^-11; measured 4.6e-4 of max |Aak|), under half the non-safe kernel's
+/// bf16 store (2^-9; measured 1.8e-3).
 #[test]
 fn the_bf16_emulation_keeps_aak_in_fp32_under_the_safe_gate() {
     let plain = <Dplr as Registered>::fla_bf16(&DplrOptions::default(), false);
@@ -130,7 +131,7 @@ fn the_bf16_emulation_keeps_aak_in_fp32_under_the_safe_gate() {
         let (e_safe, e_plain) = (max_rel(&safe_aak, &want), max_rel(&plain_aak, &want));
         println!("head {h}: Aak max error / max |Aak|: safe {e_safe:.2e}, non-safe {e_plain:.2e}");
         assert!(
-            e_safe > 0.0 && e_safe < e_plain / 10.0,
+            e_safe > 0.0 && e_safe < e_plain / 2.0,
             "{e_safe:e} vs {e_plain:e}"
         );
         assert!(e_plain > 2f64.powi(-12), "bf16 store: {e_plain:e}");
