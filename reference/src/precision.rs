@@ -154,6 +154,9 @@ pub enum Feature {
     Exp2,
     /// The safe-gate sub-chunk factorisation of `exp(Γ_r − Γ_c)`.
     SafeGate,
+    /// FLA #1085 as a fault: the safe-gate midpoint offset read with a token
+    /// stride of `K` instead of `H·K` ([`Policy::midpoint_stride_fault`]).
+    MidpointStride,
 }
 
 impl Feature {
@@ -162,6 +165,7 @@ impl Feature {
             Feature::Round(s) => s.name(),
             Feature::Exp2 => "exp2",
             Feature::SafeGate => "safe-gate",
+            Feature::MidpointStride => "midpoint-stride",
         }
     }
 }
@@ -176,6 +180,16 @@ pub struct Policy {
     /// `exp(Γ_r − Γ_c)` factored through the midpoint of each 16-token
     /// sub-chunk (FLA `safe_gate`).
     pub safe_gate_midpoint: bool,
+    /// DPLR's `lower_bound` without `safe_gate`: FLA turns its safe-gate
+    /// scheme on by itself at the chunk sizes where
+    /// `gate_bound_is_safe(bound, chunk_size)` holds, so the engine (which
+    /// knows its chunk size) resolves it ([`Policy::safe_gate_at`]).
+    pub safe_gate_bound: Option<f64>,
+    /// FLA #1085 (a fault, DPLR): under the safe gate, each chunk's midpoint
+    /// offset read with a token stride of `K` instead of `H·K`, i.e. from the
+    /// row `i_h + i_t·BT + mid` of the flattened `[T·H, K]` gate cumsum (another
+    /// token's, another head's, when H > 1).
+    pub midpoint_stride_fault: bool,
     /// One member of the ensemble of equally correct kernels (`None`: the
     /// emulation's own fp32 values are stored): see [`Jitter`].
     pub jitter: Option<Jitter>,
@@ -284,8 +298,30 @@ impl Policy {
             stages: vec![],
             exp2: false,
             safe_gate_midpoint: false,
+            safe_gate_bound: None,
+            midpoint_stride_fault: false,
             jitter: None,
         }
+    }
+
+    /// Whether the safe-gate midpoint scheme applies at `chunk_size`: asked
+    /// for outright, or licensed by a [`Policy::safe_gate_bound`] that FLA's
+    /// `gate_bound_is_safe` accepts at this chunk size.
+    pub fn safe_gate_at(&self, chunk_size: usize) -> bool {
+        self.safe_gate_midpoint
+            || self
+                .safe_gate_bound
+                .is_some_and(|lb| crate::dplr::gate_bound_is_safe(lb, chunk_size))
+    }
+
+    /// The same policy with the safe-gate midpoint scheme on or off
+    /// (`--precision …,midpoint=on|off`): off also drops a bound's license.
+    pub fn with_midpoint(mut self, on: bool) -> Self {
+        self.safe_gate_midpoint = on;
+        if !on {
+            self.safe_gate_bound = None;
+        }
+        self
     }
 
     /// The same policy as one member of the ensemble of correct kernels.
@@ -306,7 +342,11 @@ impl Policy {
     }
 
     pub fn is_exact(&self) -> bool {
-        self.stages.iter().all(|(_, s)| *s == Dtype::F64) && !self.exp2 && !self.safe_gate_midpoint
+        self.stages.iter().all(|(_, s)| *s == Dtype::F64)
+            && !self.exp2
+            && !self.safe_gate_midpoint
+            && self.safe_gate_bound.is_none()
+            && !self.midpoint_stride_fault
     }
 
     /// What this policy asks of an engine: every stage with a storage other
@@ -318,7 +358,12 @@ impl Policy {
             .map(Feature::Round)
             .collect();
         f.extend(self.exp2.then_some(Feature::Exp2));
-        f.extend(self.safe_gate_midpoint.then_some(Feature::SafeGate));
+        let safe = self.safe_gate_midpoint || self.safe_gate_bound.is_some();
+        f.extend(safe.then_some(Feature::SafeGate));
+        f.extend(
+            self.midpoint_stride_fault
+                .then_some(Feature::MidpointStride),
+        );
         f
     }
 
@@ -329,7 +374,8 @@ impl Policy {
         match feature {
             Feature::Round(s) => p.stages.retain(|(st, _)| *st != s),
             Feature::Exp2 => p.exp2 = false,
-            Feature::SafeGate => p.safe_gate_midpoint = false,
+            Feature::SafeGate => p = p.with_midpoint(false),
+            Feature::MidpointStride => p.midpoint_stride_fault = false,
         }
         p
     }
@@ -347,7 +393,11 @@ impl Policy {
                     .collect()
             }
             Feature::Exp2 => p.exp2 = self.exp2,
-            Feature::SafeGate => p.safe_gate_midpoint = self.safe_gate_midpoint,
+            Feature::SafeGate => {
+                p.safe_gate_midpoint = self.safe_gate_midpoint;
+                p.safe_gate_bound = self.safe_gate_bound;
+            }
+            Feature::MidpointStride => p.midpoint_stride_fault = self.midpoint_stride_fault,
         }
         p
     }

@@ -67,10 +67,10 @@ fn gdn2(lengths: &[usize], seed: u64) -> GenSpec {
     }
 }
 
-/// The committed set: what ports break on, small enough to commit.
-pub fn presets() -> Vec<Preset> {
-    let lb = Gate::LowerBound { lower_bound: -5.0 };
-    let p = |name, spec| Preset {
+/// A fixture `name` generated from `spec` as drawn: no CP, the default
+/// chunk size, no intermediates, nothing left out or edited, no bug.
+fn plain(name: &'static str, spec: GenSpec) -> Preset {
+    Preset {
         name,
         spec,
         cp: None,
@@ -79,7 +79,13 @@ pub fn presets() -> Vec<Preset> {
         without: &[],
         bug: None,
         edit: None,
-    };
+    }
+}
+
+/// The committed set: what ports break on, small enough to commit.
+pub fn presets() -> Vec<Preset> {
+    let lb = Gate::LowerBound { lower_bound: -5.0 };
+    let p = plain;
     let cp = |name, spec, layout| Preset {
         name,
         spec,
@@ -394,14 +400,8 @@ pub fn presets() -> Vec<Preset> {
 /// (`bug` in the manifest) and the truth a correct kernel gives.
 fn regressions() -> Vec<Preset> {
     let named = |name, bug, spec| Preset {
-        name,
-        spec,
-        cp: None,
-        chunk_size: None,
-        intermediates: false,
-        without: &[],
         bug: Some(bug),
-        edit: None,
+        ..plain(name, spec)
     };
     let lb = Gate::LowerBound { lower_bound: -5.0 };
     vec![
@@ -483,7 +483,34 @@ fn regressions() -> Vec<Preset> {
                 },
             )
         },
+        Preset {
+            chunk_size: Some(16),
+            edit: Some(fla1085_gates),
+            ..named(
+                "fla1085_dplr_safe_gate_heads",
+                "fla#1085: DPLR safe_gate with H > 1 read each chunk's midpoint offset with a token stride of K \
+                 instead of H*K (H = 2, chunk 16; head 0's gk = -9, inside the bound: the wrong anchor overflows fp32)",
+                GenSpec {
+                    shape: Some(vec![1, 64, 2, 16, 16]),
+                    gate: Gate::LowerBound { lower_bound: -9.5 },
+                    dtype: Dtype::Bf16,
+                    ..varlen(Op::Dplr, &[40, 24], 67)
+                },
+            )
+        },
     ]
+}
+
+/// FLA #1085's case: `safe_gate` on, and head 0's `gk` at −9 on every token
+/// (as FLA's regression test sets one head's gate far from the others'): the
+/// right anchor keeps each exponent of a 16-token chunk within 8·9 = 72
+/// (e^72 fits fp32), the anchor #1085 read (token `(i_h + i_t·BT + mid)/H`)
+/// puts up to 99 between it and a row.
+fn fla1085_gates(case: &mut Case) {
+    case.meta.options.insert("safe_gate".into(), true.into());
+    if let Some(gk) = case.tensors.get_mut("gk") {
+        gk.slice_mut(ndarray::s![.., .., 0, ..]).fill(-9.0);
+    }
 }
 
 /// Sets every value of `case`'s tensor `name` to 0.
@@ -507,14 +534,9 @@ fn long_memory(op: Op, shape: Vec<usize>, lengths: &[usize], seed: u64) -> GenSp
 
 fn long_cp(name: &'static str, spec: GenSpec, world: usize) -> Preset {
     Preset {
-        name,
-        spec,
         cp: Some(CpLayout::World(world, Layout::Contiguous)),
         chunk_size: Some(16),
-        intermediates: false,
-        without: &[],
-        bug: None,
-        edit: None,
+        ..plain(name, spec)
     }
 }
 

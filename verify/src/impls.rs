@@ -159,6 +159,8 @@ impl Impl {
             stages: vec![],
             exp2: false,
             safe_gate_midpoint: false,
+            safe_gate_bound: None,
+            midpoint_stride_fault: false,
             jitter: None,
         },
         device: Device::Cpu,

@@ -38,6 +38,9 @@ pub struct Preset {
     pub ops: &'static [Op],
     /// Per-stage changes on top of the preset, in the order given.
     overrides: Vec<Override>,
+    /// A fault in a kernel's own arithmetic (not CP's), applied to the
+    /// policy after the overrides: FLA #1085's midpoint stride.
+    kernel_fault: Option<fn(Policy) -> Policy>,
 }
 
 /// One `,STAGE=DTYPE` or `,midpoint=on|off` of a composed `--precision`.
@@ -60,10 +63,28 @@ impl Preset {
             match *o {
                 Override::Store(s, _) if CP_STAGES.contains(&s) && !target.cp => {}
                 Override::Store(s, d) => p = p.with(s, d),
-                Override::Midpoint(on) => p.safe_gate_midpoint = on,
+                Override::Midpoint(on) => p = p.with_midpoint(on),
             }
         }
-        p
+        match self.kernel_fault {
+            Some(fault) => fault(p),
+            None => p,
+        }
+    }
+
+    /// Whether this preset injects a fault (CP's or a kernel's).
+    pub fn is_fault(&self) -> bool {
+        self.faults != Faults::default() || self.kernel_fault.is_some()
+    }
+}
+
+/// FLA #1085: the safe-gate midpoint offset read with a token stride of
+/// `K` instead of `H·K` (DPLR's `chunk_dplr_fwd_A_kernel_intra_tensorcore`
+/// and its backward).
+fn midpoint_stride(p: Policy) -> Policy {
+    Policy {
+        midpoint_stride_fault: true,
+        ..p
     }
 }
 
@@ -121,6 +142,7 @@ pub fn presets() -> Vec<Preset> {
         compute,
         ops: &[],
         overrides: vec![],
+        kernel_fault: None,
     };
     let none = Faults::default;
     let fault_on = |ops, name, about, f: Faults| Preset {
@@ -170,6 +192,11 @@ pub fn presets() -> Vec<Preset> {
             "failure mode 6: the pre-process runs on the rank's first local sequence instead of its last",
             Faults { preprocess_first_piece: true, ..Faults::default() },
         ),
+        fault(
+            "h0-expand-late",
+            "#822 pitfall 2: expand_h0 runs after the backward's recompute, so each later local sequence of a continuing rank recomputes from a stale state (here: the rank's merged state) instead of zeros; the forward is right",
+            Faults { h0_expanded_late: true, ..Faults::default() },
+        ),
         fault_on(
             &[Op::TokenShift],
             "shift-cache-drop",
@@ -200,6 +227,18 @@ pub fn presets() -> Vec<Preset> {
             "a stale cu_seqlens_cpu: each rank's chunk indices come from the global cu_seqlens, so the chunks they miss are never computed",
             Faults { stale_chunk_indices: Some(FLA_CP_CHUNK), ..Faults::default() },
         ),
+        Preset {
+            ops: &[Op::Dplr],
+            kernel_fault: Some(midpoint_stride),
+            ..mk(
+                "dplr-midpoint-stride",
+                "FLA #1085: DPLR's safe-gate midpoint offset read with a token stride of K instead of H*K \
+                 (another token's and head's gate cumsum when H > 1), under fla-bf16 (a case with safe_gate or a safe lower_bound)",
+                fla_bf16,
+                none(),
+                Compute::F32,
+            )
+        },
         fault_on(
             &[Op::Dplr],
             "dplr-bg-sign",
@@ -241,7 +280,7 @@ pub fn parse(name: &str, v: usize) -> Result<Preset, String> {
         return Ok(p);
     };
     let f = named(fault, v)?;
-    if p.faults != Faults::default() || f.faults == Faults::default() {
+    if p.is_fault() || !f.is_fault() {
         return Err(format!(
             "`{base}+{fault}`: PRECISION+FAULT puts one fault preset ({}) on a precision preset",
             fault_names()
@@ -251,6 +290,7 @@ pub fn parse(name: &str, v: usize) -> Result<Preset, String> {
         about: f.about,
         faults: f.faults,
         ops: f.ops,
+        kernel_fault: f.kernel_fault,
         ..p
     })
 }
@@ -306,7 +346,7 @@ fn parse_override(o: &str) -> Result<Override, String> {
 fn fault_names() -> String {
     presets()
         .iter()
-        .filter(|p| p.faults != Faults::default())
+        .filter(|p| p.is_fault())
         .map(|p| p.name)
         .collect::<Vec<_>>()
         .join(", ")
@@ -326,13 +366,18 @@ pub fn names() -> String {
 }
 
 /// The preset with its fault switched off: the rounding-noise-only run a
-/// fault is judged against (`exact` for a bare fault preset).
+/// fault is judged against (`exact` for a bare CP fault preset, `fla-bf16`
+/// for a bare kernel fault, which runs on FLA's bf16 kernels).
 pub fn without_fault(name: &str) -> &str {
     // The base keeps its overrides: `fla-bf16,S_ext=bf16+gk-offset` → `fla-bf16,S_ext=bf16`.
     match name.split_once('+') {
         Some((base, _)) => base,
-        None if find(name, 2).is_some_and(|p| p.faults != Faults::default()) => "exact",
-        None => name,
+        // A kernel fault runs on FLA's bf16 kernels: judged against them.
+        None => match find(name, 2) {
+            Some(p) if p.kernel_fault.is_some() => "fla-bf16",
+            Some(p) if p.is_fault() => "exact",
+            _ => name,
+        },
     }
 }
 
@@ -465,6 +510,35 @@ mod tests {
             without_fault("fla-bf16,S_ext=bf16+gk-offset"),
             "fla-bf16,S_ext=bf16"
         );
+    }
+
+    /// FLA #1085 as a preset: `fla-bf16` on the case's safe gate, with the
+    /// midpoint read at the wrong stride; judged against `fla-bf16`; it
+    /// composes with overrides; `midpoint=off` drops a bound's license.
+    #[test]
+    fn the_midpoint_stride_fault_is_fla_bf16_with_the_wrong_anchor() {
+        let mut dplr = CaseMeta::new(Op::Dplr);
+        dplr.options.insert("safe_gate".into(), true.into());
+        let base = find("fla-bf16", 8).unwrap().policy(target(&dplr, false));
+        assert!(base.safe_gate_at(64) && !base.midpoint_stride_fault);
+        let f = find("dplr-midpoint-stride", 8).unwrap();
+        assert!(f.is_fault() && f.ops == [Op::Dplr]);
+        let p = f.policy(target(&dplr, false));
+        assert_eq!(p.clone().without(Feature::MidpointStride), base);
+        assert!(p.features().contains(&Feature::MidpointStride));
+        assert_eq!(without_fault("dplr-midpoint-stride"), "fla-bf16");
+        let composed = find("fla-bf16,Aqk=f32+dplr-midpoint-stride", 8).unwrap();
+        let c = composed.policy(target(&dplr, false));
+        assert!(c.midpoint_stride_fault && c.storage(Stage::Aqk) == Some(Dtype::F32));
+        assert!(fault_names().contains("dplr-midpoint-stride"));
+        // `midpoint=off` drops the safe gate itself, a bound's license too.
+        let mut bounded = CaseMeta::new(Op::Dplr);
+        bounded.options.insert("lower_bound".into(), (-5.0).into());
+        let b = find("fla-bf16", 8).unwrap().policy(target(&bounded, false));
+        assert!(b.safe_gate_at(16) && !b.safe_gate_at(64));
+        let off = find("fla-bf16,midpoint=off", 8).unwrap();
+        assert!(!off.policy(target(&bounded, false)).safe_gate_at(16));
+        assert!(!off.policy(target(&dplr, false)).safe_gate_at(16));
     }
 
     #[test]

@@ -123,12 +123,12 @@ impl VerifyRow {
     /// `worst head 3 (norm_ratio 1.9e0), 2 of 4 heads fail: [3.0e-8, …]`:
     /// the row's heads at `max_ratio`; `None` without per-head errors.
     pub fn heads_line(&self, max_ratio: f64) -> Option<String> {
-        let (worst, w) = self
-            .per_head
-            .iter()
-            .copied()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(&b.1))?;
+        // A NaN head (a non-finite candidate) is the worst, whatever its sign bit.
+        let (worst, w) = self.per_head.iter().copied().enumerate().max_by(|a, b| {
+            (a.1.is_nan(), a.1)
+                .partial_cmp(&(b.1.is_nan(), b.1))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })?;
         let failing = self
             .per_head
             .iter()
@@ -199,10 +199,12 @@ impl VerifyReport {
 
     /// Fills each row's per-head errors: tensors of `op` with a head axis
     /// (`H`, `HV`; [`deltaref::registry::OpInfo::head_axis`]) compared head
-    /// by head, `expected` against `got`. Rows with a problem stay without.
+    /// by head, `expected` against `got`, where both are there with one
+    /// shape. A non-finite candidate is compared too: its NaN heads say
+    /// where it overflowed (a head-stride bug breaks some heads only).
     pub fn with_heads(mut self, op: crate::case::Op, expected: &Tensors, got: &Tensors) -> Self {
         let info = op.info();
-        for r in self.rows.iter_mut().filter(|r| r.problem.is_none()) {
+        for r in self.rows.iter_mut() {
             let (Some(t), Some(g)) = (expected.get(&r.tensor), got.get(&r.tensor)) else {
                 continue;
             };

@@ -289,6 +289,14 @@ pub struct Faults {
     /// `Diag(γ) − bgᵀw` (the KDA/GDN rule `Diag − kᵀw` applied to `bg`), in
     /// the `M` of the merge and of the backward's `Mᵀ` chain.
     pub transition_low_rank_negated: Option<usize>,
+    /// FLA #822 pitfall 2, `expand_h0` run after the backward's forward
+    /// recompute: the merged initial state is still the `[1, H, K, V]`
+    /// buffer of the rank's first local sequence, so the recompute of every
+    /// later local sequence of a continuing rank indexes past it and starts
+    /// from stale memory instead of zeros. Modelled as the stale rows being
+    /// the first sequence's merged state (the allocator's leftovers are
+    /// undefined; zeros would hide the bug). The forward is untouched.
+    pub h0_expanded_late: bool,
 }
 
 impl Faults {
@@ -626,6 +634,20 @@ fn piece_h0<T: Scalar, E: Engine<T>>(
     Array2::zeros((kd, vd))
 }
 
+/// The stale initial state the backward recompute of piece `p` (head `h`)
+/// reads under [`Faults::h0_expanded_late`]: a later local sequence of a
+/// continuing rank gets the rank's merged state; `None` otherwise.
+fn stale_h0<T: Scalar>(
+    opt: &CpOptions,
+    p: &PieceRef,
+    h: usize,
+    merged: &[Option<Vec<Array2<T>>>],
+) -> Option<Array2<T>> {
+    (opt.faults.h0_expanded_late && !p.first)
+        .then(|| merged[p.rank].as_ref().map(|m| m[h].clone()))
+        .flatten()
+}
+
 /// Result of a CP forward: per (piece, head) outputs in plan order, and the
 /// final state of every sequence that has tokens.
 struct CpForward<T> {
@@ -886,6 +908,8 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         let (p, seg) = (&ps[i], &segs[i]);
         let rm = &plan.ranks[p.rank];
         let h0 = piece_h0(local, plan, p, h, &merged_fwd);
+        // The backward's recompute reads a stale state under the late expand.
+        let stale = stale_h0(opt, p, h, &merged_fwd);
         let dht = if p.last && rm.continued() {
             merged_dht[p.rank].as_ref().expect("merged")[h].clone()
         } else if p.seg.end == seq_bounds(plan, p.seg.seq).1 {
@@ -897,6 +921,10 @@ fn run_backward<T: Scalar, E: Engine<T>>(
         if opt.faults.drop_merged_state_in_backward && p.first && rm.continues() {
             let f = with_outputs.then(|| local.forward(seg, h, h0.view()));
             let (g, d) = local.backward(seg, h, zero.view(), dht.view());
+            (f, g, d)
+        } else if let Some(stale) = stale {
+            let f = with_outputs.then(|| local.forward(seg, h, h0.view()));
+            let (g, d) = local.backward(seg, h, stale.view(), dht.view());
             (f, g, d)
         } else if with_outputs {
             let (f, g, d) = local.forward_backward(seg, h, h0.view(), dht.view());

@@ -33,6 +33,8 @@ use crate::precision::{Feature, Stage};
 use crate::scalar::{exp_bound, Scalar};
 use crate::varlen::Segment;
 
+mod safe_gate;
+
 /// The chunked engine: the shell [`crate::chunked::Chunk`] over DPLR's
 /// stages.
 pub type Chunk = crate::chunked::Chunk<Dplr>;
@@ -55,6 +57,11 @@ impl Chunk {
         Feature::Round(Stage::Dh),
         Feature::Round(Stage::Dv),
         Feature::Round(Stage::BwdOperands),
+        // The safe-gate A stage's tensor-core operands (`safe_gate.rs`);
+        // the non-safe kernel has no products there.
+        Feature::Round(Stage::FwdDots),
+        Feature::SafeGate,
+        Feature::MidpointStride,
     ];
 
     fn as_stored<T: Scalar>(&self, stage: Stage, mut a: Array2<T>) -> Array2<T> {
@@ -432,38 +439,14 @@ impl Chunk {
         self.policy.cumsum_rows(&mut g);
         let gx = fused::zip_map(g.view(), rows(&x.gk, start, c), |g, gk| g - gk);
         let decay_last = fused::exps_of_last_row(&g);
-        // The factors bound every row's distance to Γ_m, Γx_0 = 0 included,
-        // so the middle-row exponentials are normal wherever they exist.
-        let decays = match factors(&g, &gx).and_then(|f| Some((f, fused::mid_row_exps(&g)?))) {
-            Some((f, mid)) => Decays::Mid { f, mid },
-            None => Decays::Blocks {
-                blocks: decay_blocks(&g, &gx),
-                exps: direct_exps(&g, &gx),
-            },
+        // FLA's safe gate switches the A stage to its midpoint-anchored
+        // tensor-core kernel (`safe_gate.rs`); otherwise the oracle's own
+        // factorisation, whose values are those of FLA's per-pair exps.
+        let (decays, [aqk, aqb, aab, aak]) = if self.policy.safe_gate_at(self.chunk_size) {
+            self.safe_gate_a_stage(x, start, &g, &gx, [q, k, a, b])
+        } else {
+            self.a_stage(&g, &gx, [q, k, a, b])
         };
-        let mut a_blocks = match &decays {
-            Decays::Mid { f, .. } => {
-                // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
-                let [qa, ax, kb, bb] = fused::products([
-                    (q, f.ep.view()),
-                    (a, f.exp_.view()),
-                    (k, f.em.view()),
-                    (b, f.em.view()),
-                ]);
-                let [aqk, aak] = tri::dot_t_lower_each([qa.view(), ax.view()], kb.view(), false);
-                let [aqb, aab] = tri::dot_t_lower_each([qa.view(), ax.view()], bb.view(), false);
-                [aqk, aqb, aab, aak]
-            }
-            Decays::Blocks { blocks, .. } => split_a_blocks(blocks, [&q, &k, &a, &b]),
-        };
-        // Only the lower triangles are used (Aab, Aak strictly lower).
-        for (i, blk) in a_blocks.iter_mut().enumerate() {
-            tri::mask_lower(blk, i < 2);
-        }
-        let [aqk, aqb, aab, aak] = a_blocks;
-        // FLA's `chunk_dplr_fwd_intra` rounds all four blocks to the token
-        // dtype (`Aab`, `Aak` through `.to(Aqb.dtype)` into fp32 tensors).
-        let [aqk, aqb, aab, aak] = [aqk, aqb, aab, aak].map(|a| self.as_stored(Stage::Aqk, a));
         // (I − Aab)^{-1} (Aab strictly lower).
         let p = self.as_stored(
             Stage::Akk,
@@ -489,6 +472,51 @@ impl Chunk {
             decays,
             decay_last,
         }
+    }
+
+    /// The A blocks `(Aqk, Aqb, Aab, Aak)`, `[c, c]` each, masked and stored
+    /// as FLA's non-safe `chunk_dplr_fwd_intra` stores them (all four
+    /// rounded to the token dtype), and how the chunk forms its decays, from
+    /// Γ, Γx `[c, K]` and the chunk's `q` (as read), `k`, `a`, `b` `[c, K]`.
+    fn a_stage<T: Scalar>(
+        &self,
+        g: &Array2<T>,
+        gx: &Array2<T>,
+        [q, k, a, b]: [ArrayView2<T>; 4],
+    ) -> (Decays<T>, [Array2<T>; 4]) {
+        // The factors bound every row's distance to Γ_m, Γx_0 = 0 included,
+        // so the middle-row exponentials are normal wherever they exist.
+        let decays = match factors(g, gx).and_then(|f| Some((f, fused::mid_row_exps(g)?))) {
+            Some((f, mid)) => Decays::Mid { f, mid },
+            None => Decays::Blocks {
+                blocks: decay_blocks(g, gx),
+                exps: direct_exps(g, gx),
+            },
+        };
+        let mut a_blocks = match &decays {
+            Decays::Mid { f, .. } => {
+                // exp(Γ_i − Γ_j) = exp(Γ_i − Γ_m)·exp(Γ_m − Γ_j): matrix products.
+                let [qa, ax, kb, bb] = fused::products([
+                    (q, f.ep.view()),
+                    (a, f.exp_.view()),
+                    (k, f.em.view()),
+                    (b, f.em.view()),
+                ]);
+                let [aqk, aak] = tri::dot_t_lower_each([qa.view(), ax.view()], kb.view(), false);
+                let [aqb, aab] = tri::dot_t_lower_each([qa.view(), ax.view()], bb.view(), false);
+                [aqk, aqb, aab, aak]
+            }
+            Decays::Blocks { blocks, .. } => split_a_blocks(blocks, [&q, &k, &a, &b]),
+        };
+        // Only the lower triangles are used (Aab, Aak strictly lower).
+        for (i, blk) in a_blocks.iter_mut().enumerate() {
+            tri::mask_lower(blk, i < 2);
+        }
+        let [aqk, aqb, aab, aak] = a_blocks;
+        // FLA's `chunk_dplr_fwd_intra` rounds all four blocks to the token
+        // dtype (`Aab`, `Aak` through `.to(Aqb.dtype)` into fp32 tensors).
+        let [aqk, aqb, aab, aak] = [aqk, aqb, aab, aak].map(|a| self.as_stored(Stage::Aqk, a));
+        (decays, [aqk, aqb, aab, aak])
     }
 
     pub(crate) fn intras<T: Scalar>(&self, x: &DplrHead<T>) -> Vec<Intra<T>> {

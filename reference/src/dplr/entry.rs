@@ -186,8 +186,18 @@ impl Registered for Dplr {
         inputs::dplr_draws_bounded(&s, r.regime, opt.lower_bound)
     }
 
-    fn fla_bf16(_: &DplrOptions, cp: bool) -> Policy {
-        precision::fla_bf16(FLA_BF16_STAGES, cp).with(Stage::Outputs, Dtype::Bf16)
+    fn fla_bf16(opt: &DplrOptions, cp: bool) -> Policy {
+        let mut p = precision::fla_bf16(FLA_BF16_STAGES, cp);
+        // FLA's scheme for these options: `safe_gate` itself, or a
+        // `lower_bound` that licenses it at the engine's chunk size.
+        p.safe_gate_midpoint = opt.safe_gate;
+        p.safe_gate_bound = opt.lower_bound.filter(|_| !opt.safe_gate);
+        if opt.safe_gate || opt.lower_bound.is_some() {
+            // The safe-gate A stage multiplies fp32 operands on tensor
+            // cores: tf32 under Triton's default input precision.
+            p = p.with(Stage::FwdDots, Dtype::Tf32);
+        }
+        p.with(Stage::Outputs, Dtype::Bf16)
     }
 
     fn inputs(t: &mut Tensors, cu: Option<Vec<i64>>) -> Result<DplrInputs<f64>> {

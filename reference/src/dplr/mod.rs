@@ -11,7 +11,7 @@ pub mod chunk;
 pub(crate) mod entry;
 pub mod naive;
 
-use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2};
+use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2, Ix3};
 
 use rayon::prelude::*;
 
@@ -178,6 +178,36 @@ pub struct DplrHead<'h, T> {
     /// The query's factor, applied as `q` is read: each query element is
     /// the product `q · scale`.
     pub scale: T,
+    /// The gates of every head of the same rows, where the head was taken
+    /// from a batch ([`Dplr::head`]): only FLA #1085's faulty midpoint read
+    /// ([`crate::precision::Policy::midpoint_stride_fault`]) looks at them.
+    pub heads_gk: Option<HeadsGk<'h, T>>,
+}
+
+/// `gk` of every head over a head's rows, `[L, H, K]`, and which head the
+/// head is: what a read with the wrong head stride reaches.
+#[derive(Clone, Debug)]
+pub struct HeadsGk<'h, T> {
+    pub gk: CowArray<'h, T, Ix3>,
+    pub head: usize,
+}
+
+impl<T: Scalar> HeadsGk<'_, T> {
+    /// The same gates with their own storage.
+    pub fn into_owned(self) -> HeadsGk<'static, T> {
+        HeadsGk {
+            gk: self.gk.into_owned().into(),
+            head: self.head,
+        }
+    }
+
+    /// Rows `r` of the gates, borrowed.
+    pub fn rows(&self, r: std::ops::Range<usize>) -> HeadsGk<'_, T> {
+        HeadsGk {
+            gk: self.gk.slice(s![r, .., ..]).into(),
+            head: self.head,
+        }
+    }
 }
 
 impl<T: Scalar> DplrHead<'_, T> {
@@ -191,6 +221,7 @@ impl<T: Scalar> DplrHead<'_, T> {
             gk: self.gk.into_owned().into(),
             v: self.v.into_owned().into(),
             scale: self.scale,
+            heads_gk: self.heads_gk.map(HeadsGk::into_owned),
         }
     }
 
@@ -212,6 +243,7 @@ impl<T: Scalar> DplrHead<'_, T> {
             gk: rows(&self.gk),
             v: rows(&self.v),
             scale: T::one(),
+            heads_gk: self.heads_gk.as_ref().map(|g| g.rows(r.clone())),
         }
     }
 
@@ -472,6 +504,13 @@ impl<T: Scalar> Operator<T> for Dplr {
             gk: rows(p.gk.view()),
             v: rows(p.v.view()),
             scale: T::c(p.scale),
+            heads_gk: Some(HeadsGk {
+                gk: p
+                    .gk
+                    .slice_move(s![seg.batch, seg.start..seg.end, .., ..])
+                    .into(),
+                head: h,
+            }),
         }
     }
 

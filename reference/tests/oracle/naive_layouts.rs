@@ -121,6 +121,7 @@ fn dplr_engines_do_not_depend_on_memory_layout() {
         gk: column_major(&x.gk).into(),
         v: column_major(&x.v).into(),
         scale: x.scale,
+        heads_gk: None,
     };
     let heads = [x.clone(), xs, xf];
     let h0 = op::initial_state(&p, 0, 2);

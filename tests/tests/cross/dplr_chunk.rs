@@ -73,6 +73,7 @@ fn prefix(x: &DplrHead<f64>, n: usize) -> DplrHead<'static, f64> {
         gk: cut(&x.gk),
         v: cut(&x.v),
         scale: x.scale,
+        heads_gk: None,
     }
 }
 

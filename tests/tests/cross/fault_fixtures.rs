@@ -211,6 +211,14 @@ fn seed_bug_faults_fail_their_fixture_where_the_bug_is() {
             tokens: 137..256,
         },
         Seed {
+            fault: "h0-expand-late",
+            fixture: "cp_kda_4seqs_world4",
+            fails: &["dg"],
+            passes: &["o", "final_state", "dv"],
+            rank: 1,
+            tokens: 137..256,
+        },
+        Seed {
             fault: "dplr-bg-sign",
             fixture: "cp_dplr_long_memory_world4",
             fails: &["o", "final_state"],
@@ -244,6 +252,44 @@ fn seed_bug_faults_fail_their_fixture_where_the_bug_is() {
             s.fault
         );
     }
+}
+
+/// FLA #1085 (`dplr-midpoint-stride`, a fault of the chunk kernel, no CP)
+/// on its named fixture: `fla-bf16` keeps `o` within 5e-3, the wrong
+/// anchor overflows head 0 (gk = −9) to NaN while head 1 stays finite,
+/// and the per-head line names head 0.
+#[test]
+fn the_midpoint_stride_fault_breaks_head_0_of_its_fixture() {
+    let case = fixture("fla1085_dplr_safe_gate_heads");
+    let run = |preset: &str| {
+        let req = ImplRequest {
+            name: ImplName::Chunk,
+            precision: Some(preset.into()),
+            ..ImplRequest::default()
+        };
+        let (imp, compute) = req.resolve_with_compute(&case).expect("resolves");
+        let got = imp
+            .compute(&case, compute.unwrap_or(Compute::F64))
+            .expect("computes");
+        VerifyReport::new("", "", "", &case.results(), &got, BAR).with_heads(
+            case.meta.op,
+            &case.results(),
+            &got,
+        )
+    };
+    let row = |r: &VerifyReport, t: &str| r.rows.iter().find(|x| x.tensor == t).cloned().unwrap();
+    let honest = run("fla-bf16");
+    assert!(row(&honest, "o").pass, "{honest}");
+    let bad = run("dplr-midpoint-stride");
+    let o = row(&bad, "o");
+    assert!(
+        !o.pass && o.per_head[0].is_nan() && o.per_head[1].is_finite(),
+        "{bad}"
+    );
+    assert!(
+        bad.to_string().contains("o per head: worst head 0"),
+        "{bad}"
+    );
 }
 
 /// A fault preset on an operator whose code it does not model is refused,

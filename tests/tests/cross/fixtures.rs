@@ -116,6 +116,7 @@ fn named_regressions_say_which_bug_they_are_for() {
         "cudnn-frontend#1051",
         "vmlx-swift#433",
         "transformers#48455",
+        "fla#1085",
     ] {
         assert!(
             bugs.iter().any(|b| b.starts_with(&format!("{bug}:"))),

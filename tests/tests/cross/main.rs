@@ -3,6 +3,7 @@
 
 mod case_files;
 mod dplr_chunk;
+mod dplr_safe_gate;
 mod f32_vs_f64;
 mod fault_fixtures;
 mod fd_gradients;

@@ -147,6 +147,10 @@ pub struct CaseMeta {
     pub dtype: Option<Dtype>,
     /// The input regime `gen` drew from (absent: FLA's test draws).
     pub regime: Option<deltaref::inputs::Regime>,
+    /// The `--precision` preset whose run produced a candidate's results
+    /// (`run --out`; absent: not said): `diagnose --noise auto` takes its
+    /// noise from it.
+    pub precision: Option<String>,
 }
 
 impl CaseMeta {
@@ -163,6 +167,7 @@ impl CaseMeta {
             seed: None,
             dtype: None,
             regime: None,
+            precision: None,
         }
     }
 
@@ -227,6 +232,8 @@ struct Common {
     dtype: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     regime: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    precision: Option<String>,
 }
 
 impl Common {
@@ -237,6 +244,7 @@ impl Common {
             seed: m.seed,
             dtype: m.dtype.map(|d| d.name().into()),
             regime: m.regime.map(|r| r.name().into()),
+            precision: m.precision.clone(),
         }
     }
 
@@ -256,6 +264,7 @@ impl Common {
                 ))
             })
             .transpose()?;
+        m.precision = self.precision;
         Ok(())
     }
 }

@@ -178,12 +178,18 @@ struct Found {
 
 /// The report's first line: the case, what ran (preset and compute dtype)
 /// or the candidate (its declared dtype), and the reference.
-fn header(a: &Args, imp: &Impl, compute: Compute, declared: Option<Dtype>, stored: bool) -> String {
+fn header(a: &Args, imp: &Impl, compute: Compute, declared: &Declared, stored: bool) -> String {
     let got = match &a.candidate {
         Some(p) => format!(
-            "{} (declared dtype {})",
+            "{} (declared dtype {}{})",
             p.display(),
-            declared.map_or("none".to_string(), |d| d.name().to_string())
+            declared
+                .dtype
+                .map_or("none".to_string(), |d| d.name().to_string()),
+            declared
+                .precision
+                .as_ref()
+                .map_or(String::new(), |p| format!(", precision {p}"))
         ),
         None => super::impl_label(&imp.name(), a.imp.precision.as_deref(), compute),
     };
@@ -215,11 +221,11 @@ fn go(a: &Args) -> Result<Found, CaseError> {
                 super::non_cp_reference(&imp, &case, precision, compute, a.forward_only)?.0
             }
         };
-    let mut declared = None;
+    let mut declared = Declared::default();
     let candidate = match &a.candidate {
         Some(p) => {
-            let (dtype, results) = candidate_results(a, &case, p)?;
-            declared = dtype;
+            let (said, results) = candidate_results(a, &case, p)?;
+            declared = said;
             forward_part(a, &case, results)
         }
         None => {
@@ -275,7 +281,7 @@ fn go(a: &Args) -> Result<Found, CaseError> {
         Engine::Naive => case.meta.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE),
     };
     let map = TokenMap::new(b, t, case.cu_seqlens.as_deref(), &cuts, chunk);
-    let noise = noise_run(a, &case, declared)?;
+    let noise = noise_run(a, &case, &declared)?;
     let v_dim = case.meta.op.is_delta_rule().then(|| case.value_dim());
     let d = diagnose_with_noise(
         &reference,
@@ -307,7 +313,7 @@ fn go(a: &Args) -> Result<Found, CaseError> {
         heads,
         failing,
         verify_pass: verdict.pass,
-        header: header(a, &imp, compute, declared, !case.results().is_empty()),
+        header: header(a, &imp, compute, &declared, !case.results().is_empty()),
     })
 }
 
@@ -332,49 +338,67 @@ fn head_lines(op: Op, reference: &Tensors, candidate: &Tensors, band: f64) -> Ve
         .collect()
 }
 
-/// The candidate file's declared dtype, and its results mapped from
+/// What a candidate file says produced it (its `case` metadata's `dtype`
+/// and `precision`).
+#[derive(Clone, Debug, Default)]
+struct Declared {
+    dtype: Option<Dtype>,
+    precision: Option<String>,
+}
+
+/// What the candidate file declares, and its results mapped from
 /// `--convention` to FLA's layout.
 fn candidate_results(
     a: &Args,
     case: &Case,
     path: &std::path::Path,
-) -> Result<(Option<Dtype>, Tensors), CaseError> {
+) -> Result<(Declared, Tensors), CaseError> {
     let cand = Case::read_candidate_for(path, case)?;
     let conv = super::convention(&a.convention, case)?;
     let dims = deltaref_verify::convention::Dims::of(case).map_err(CaseError::Usage)?;
     let results = conv
         .to_fla(case.meta.op, &dims, cand.results())
         .map_err(|e| CaseError::Usage(format!("--candidate in convention {}: {e}", conv.name)))?;
-    Ok((cand.meta.dtype, results))
+    let declared = Declared {
+        dtype: cand.meta.dtype,
+        precision: cand.meta.precision.clone(),
+    };
+    Ok((declared, results))
 }
 
 /// The preset `--noise auto` takes for a candidate file: what the
-/// candidate declares (its `dtype` metadata: a bf16 kernel is judged
-/// against fla-bf16's noise, an fp32 one against f32's, an f64 one against
-/// none), else, undeclared, fla-bf16 when the case's inputs are bf16.
-/// Returns the preset and why, for the report.
-fn auto_for_candidate(case: &Case, declared: Option<Dtype>) -> Option<(&'static str, String)> {
+/// candidate declares (the `precision` preset that produced it, its fault
+/// off; else its `dtype`: a bf16 kernel is judged against fla-bf16's noise,
+/// an fp32 one against f32's, an f64 one against none), else, undeclared,
+/// fla-bf16 when the case's inputs are bf16. Returns the preset and why,
+/// for the report.
+fn auto_for_candidate(case: &Case, declared: &Declared) -> Option<(String, String)> {
+    if let Some(p) = &declared.precision {
+        let base = presets::without_fault(p);
+        let why = format!("the candidate declares precision {p}");
+        return (base != "exact").then(|| (base.to_string(), why));
+    }
     let bf16_inputs = case.dtypes.get(case.meta.op.first_input()) == Some(&Dtype::Bf16);
-    match declared {
-        Some(Dtype::Bf16) => Some(("fla-bf16", "the candidate declares dtype bf16".into())),
-        Some(Dtype::F32) => Some(("f32", "the candidate declares dtype f32".into())),
+    let named = |p: &str, why: &str| Some((p.to_string(), why.to_string()));
+    match declared.dtype {
+        Some(Dtype::Bf16) => named("fla-bf16", "the candidate declares dtype bf16"),
+        Some(Dtype::F32) => named("f32", "the candidate declares dtype f32"),
         Some(_) => None,
-        None if bf16_inputs => Some((
+        None if bf16_inputs => named(
             "fla-bf16",
             "the candidate declares no dtype and the case's inputs are bf16: assumed a bf16 \
-             kernel (state the candidate's `dtype` in its metadata to change this)"
-                .into(),
-        )),
+             kernel (state the candidate's `dtype` in its metadata to change this)",
+        ),
         None => None,
     }
 }
 
 /// The noise reference's name (with why it was chosen) and results, if
-/// any (see `--noise`); `declared`: the candidate's stated dtype.
+/// any (see `--noise`); `declared`: what the candidate says produced it.
 fn noise_run(
     a: &Args,
     case: &Case,
-    declared: Option<Dtype>,
+    declared: &Declared,
 ) -> Result<Option<(String, Tensors)>, CaseError> {
     let (name, why) = match (a.noise.as_str(), &a.imp.precision, &a.candidate) {
         ("none", _, _) => return Ok(None),
@@ -383,7 +407,7 @@ fn noise_run(
             "--precision with its fault off".to_string(),
         ),
         ("auto", _, Some(_)) => match auto_for_candidate(case, declared) {
-            Some((p, why)) => (p.to_string(), why),
+            Some((p, why)) => (p, why),
             None => return Ok(None),
         },
         ("auto", _, _) => return Ok(None),

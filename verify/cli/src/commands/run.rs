@@ -4,8 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
-use deltaref_verify::case::{Case, CaseError, Dtype};
-use deltaref_verify::impls::{first_non_finite, Compute, Device};
+use deltaref::precision::Stage;
+use deltaref_verify::case::{Case, CaseError, CaseMeta, Dtype};
+use deltaref_verify::impls::{first_non_finite, Compute, Device, Impl};
 use deltaref_verify::progress::Progress;
 
 use super::{fail, ImplArgs};
@@ -65,7 +66,14 @@ fn go(a: &Args) -> Result<String, CaseError> {
         ));
     }
     if let Some(out) = &a.out {
-        let mut cand = Case::new(case.meta.clone());
+        // The candidate says what produced it: the dtype it computed in and
+        // the preset, not the case's input dtype (`diagnose --noise auto`
+        // takes its noise reference from them).
+        let mut cand = Case::new(CaseMeta {
+            dtype: Some(computed_dtype(&imp, compute)),
+            precision: a.imp.precision.clone(),
+            ..case.meta.clone()
+        });
         cand.cu_seqlens = case.cu_seqlens.clone();
         for (n, t) in case
             .tensors
@@ -100,6 +108,24 @@ fn go(a: &Args) -> Result<String, CaseError> {
         ));
     }
     Ok(lines.join("\n"))
+}
+
+/// The dtype `imp` computed its results in: the dtype its policy hands
+/// results back in (`fla-bf16`: bf16), else the compute scalar's; a GPU run
+/// computes in f32.
+fn computed_dtype(imp: &Impl, compute: Compute) -> Dtype {
+    // A stage dtype a case file cannot state (tf32, e5m2) says nothing here.
+    if let Some(d) = imp
+        .policy
+        .storage(Stage::Outputs)
+        .filter(|d| Dtype::CASE_FILE.contains(d))
+    {
+        return d;
+    }
+    match (imp.device, compute) {
+        (Device::Gpu(_), _) | (Device::Cpu, Compute::F32) => Dtype::F32,
+        (Device::Cpu, Compute::F64) => Dtype::F64,
+    }
 }
 
 pub fn run(a: Args) -> ExitCode {

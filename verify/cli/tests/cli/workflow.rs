@@ -464,6 +464,60 @@ fn diagnose_noise_follows_the_declared_dtype() {
     }
 }
 
+/// `run --out` writes a candidate that declares what computed it: the
+/// dtype (f32 for `--compute f32` or `--precision f32`, bf16 for
+/// `fla-bf16`, f64 for the oracle) and the preset, not the case's bf16
+/// input dtype; `--noise auto` then takes the noise of the run that made it.
+#[test]
+fn run_candidates_declare_their_compute_dtype_and_preset() {
+    let dir = tempfile::tempdir().unwrap();
+    let case = gen_kda(
+        dir.path(),
+        "c.safetensors",
+        &["--expected", "--dtype", "bf16"],
+    );
+    let cand = dir.path().join("cand.safetensors");
+    for (how, dtype, precision, noise) in [
+        (
+            &["--compute", "f32"][..],
+            "f32",
+            None,
+            "`f32` (chosen by the candidate declares dtype f32)",
+        ),
+        (
+            &["--precision", "f32"],
+            "f32",
+            Some("f32"),
+            "`f32` (chosen by the candidate declares precision f32)",
+        ),
+        (
+            &["--precision", "fla-bf16"],
+            "bf16",
+            Some("fla-bf16"),
+            "`fla-bf16` (chosen by the candidate declares precision fla-bf16)",
+        ),
+    ] {
+        let mut args = vec![
+            "run",
+            "--case",
+            s(&case),
+            "--impl",
+            "chunk",
+            "--out",
+            s(&cand),
+        ];
+        args.extend_from_slice(how);
+        run_ok(&args);
+        let meta = Case::read(&cand).unwrap().meta;
+        assert_eq!(meta.dtype.map(|d| d.name()), Some(dtype), "{how:?}");
+        assert_eq!(meta.precision.as_deref(), precision, "{how:?}");
+        let out = run_ok(&["diagnose", "--case", s(&case), "--candidate", s(&cand)]);
+        assert!(out.contains(noise), "{how:?}: {out}");
+    }
+    run_ok(&["run", "--case", s(&case), "--out", s(&cand)]);
+    assert_eq!(Case::read(&cand).unwrap().meta.dtype, Some(Dtype::F64));
+}
+
 /// A candidate is broken down over the ranks of the case's own `cp`
 /// metadata.
 #[test]
