@@ -1,8 +1,9 @@
 """Property tests of your own kernel with Hypothesis (issue 49).
 
 ``cases(op="kda", convention="fla", max_tokens=64)`` is a Hypothesis
-strategy of valid fuzz cases for the op in the kernel's convention (the
-same draws as ``deltaref fuzz``, shrunk by Hypothesis); ``check(fn, case)``
+strategy of valid fuzz cases for the op in the kernel's convention (any op
+of ``ops()``: kda, dplr, gdn, gdn2, token_shift, causal_conv1d; the same
+draws as ``deltaref fuzz``, shrunk by Hypothesis); ``check(fn, case)``
 runs a callable on it and raises ``AssertionError`` with the verdict
 (per-tensor and per-head errors, the likely cause) when a result fails::
 
@@ -54,6 +55,19 @@ def convention(name: str) -> dict:
     return json.loads(_core.convention_json(name))
 
 
+def ops() -> list[str]:
+    """Every operator of the registry (``deltaref gen --op``)."""
+    return list(_core.op_names())
+
+
+def switches(op: str) -> dict:
+    """What ``deltaref fuzz`` draws for ``op``: its sizes (``heads``,
+    ``value_heads``, ``v``, ``width``), switches (``gate``, ``l2norm``,
+    ``beta_sigmoid``, ``initial_state``, ``activation``, ``bias``), whether
+    the extra gate/key shapes apply (``extras``) and its ``regimes``."""
+    return json.loads(_core.fuzz_switches(op))
+
+
 def _case(op: str, conv: str, params: dict, dtype: str) -> FuzzCase:
     meta, tensors, cu = _core.fuzz_case(op, conv, json.dumps(params), dtype)
     t = dict(tensors)
@@ -64,17 +78,40 @@ def _case(op: str, conv: str, params: dict, dtype: str) -> FuzzCase:
 
 def cases(op: str = "kda", convention: str = "fla", max_tokens: int = 64, max_dim: int = 8,
           dtype: str = "f32", fix: tuple[int, int, int] | None = None):
-    """A Hypothesis strategy of valid cases (``FuzzCase``) for ``op`` in ``convention``."""
+    """A Hypothesis strategy of valid cases (``FuzzCase``) for ``op`` in
+    ``convention``: any operator of the registry (``ops()``), with the
+    sizes and switches it has (``switches(op)``), as ``deltaref fuzz``
+    draws them."""
     from hypothesis import strategies as st
 
+    if op not in ops():
+        raise ValueError(f"op: unknown op `{op}` (available: {', '.join(ops())})")
     c = globals()["convention"](convention)
     if op not in c["ops"]:
         raise ValueError(f"convention {convention} applies to op {', '.join(c['ops'])}, not {op}")
     if max_tokens < 1 or max_dim < 1:
         raise ValueError(f"max_tokens and max_dim must be >= 1, got {max_tokens}, {max_dim}")
+    has = switches(op)
+    if fix is not None and not has["heads"]:
+        raise ValueError(f"fix=(H, K, V) pins the heads and head sizes of a delta rule; {op} has no heads")
 
     def switch(rule_either: bool, forced: bool):
         return st.booleans() if rule_either else st.just(forced)
+
+    def sizes(d):
+        if fix is not None:
+            return fix
+        h = d(st.integers(1, 3)) if has["heads"] else 1
+        k = d(st.integers(1, max_dim))
+        if not has["v"]:
+            v = 1
+        elif has["width"]:
+            v = d(st.integers(1, 4))  # FLA's causal_conv1d takes widths up to 4
+        elif c["k_equals_v"]:
+            v = k
+        else:
+            v = d(st.integers(1, max_dim))
+        return h, k, v
 
     @st.composite
     def draw(d):
@@ -85,23 +122,22 @@ def cases(op: str = "kda", convention: str = "fla", max_tokens: int = 64, max_di
         else:
             n = d(st.integers(1, 3))
             lengths = [d(st.integers(1, max(1, max_tokens // n)))] * n
-        if fix is not None:
-            h, k, v = fix
-        else:
-            h = d(st.integers(1, 3))
-            k = d(st.integers(1, max_dim))
-            v = k if c["k_equals_v"] else d(st.integers(1, max_dim))
-        ratio = 1 if c["heads"] == "equal" else d(st.integers(1, 3))
+        h, k, v = sizes(d)
+        grouped = c["heads"] != "equal" and has["value_heads"]
+        ratio = d(st.integers(1, 3)) if grouped else 1
         act = c["activation"]
-        gate = d(switch(act == "either", act == "raw"))
-        beta_sigmoid = True if act == "raw" else d(switch(act == "either", False))
-        l2norm = d(switch(c["l2norm"] == "either", c["l2norm"] == "inside"))
+        gate = has["gate"] and d(switch(act == "either", act == "raw"))
+        beta_sigmoid = has["beta_sigmoid"] and (act == "raw" or d(switch(act == "either", False)))
+        l2norm = has["l2norm"] and d(switch(c["l2norm"] == "either", c["l2norm"] == "inside"))
+        extras = has["extras"] and not gate
         return {
             "lengths": lengths, "varlen": varlen, "h": h, "hv": h * ratio, "k": k, "v": v,
-            "regime": d(st.sampled_from(REGIMES)),
-            "extra": "none" if gate else d(st.sampled_from(EXTRAS)),
+            "regime": d(st.sampled_from(has["regimes"])),
+            "extra": d(st.sampled_from(EXTRAS)) if extras else "none",
             "gate": gate, "l2norm": l2norm, "beta_sigmoid": beta_sigmoid,
-            "initial_state": d(st.booleans()),
+            "initial_state": has["initial_state"] and d(st.booleans()),
+            "activation": has["activation"] and d(st.booleans()),
+            "bias": has["bias"] and d(st.booleans()),
             "seed": d(st.integers(0, 2**63 - 1)),
         }
 

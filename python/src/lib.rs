@@ -473,6 +473,40 @@ fn fuzz_setup(
     Ok((cfg, p))
 }
 
+/// The operators of the registry, by name (`deltaref gen --op`).
+#[pyfunction]
+fn op_names() -> Vec<&'static str> {
+    Op::all().map(|o| o.name()).collect()
+}
+
+/// What `deltaref fuzz` draws for `op`, as JSON: which sizes it has (`heads`,
+/// `value_heads`, `v`, and `width` when its `V` is the convolution's width
+/// `W`, 1 to 4), which switches (`gate`, `l2norm`, `beta_sigmoid`,
+/// `initial_state`, `activation`, `bias`), whether the extra gate/key
+/// shapes apply (`extras`), and its input `regimes`.
+#[pyfunction]
+fn fuzz_switches(op: &str) -> PyResult<String> {
+    let op = Op::parse(op)
+        .ok_or_else(|| value_error(format!("op: unknown op `{op}` ({})", Op::names_list())))?;
+    let has = deltaref_verify::fuzz::draw::Has::of(op);
+    let regimes: Vec<&str> = op.info().regimes.iter().map(|r| r.name()).collect();
+    Ok(serde_json::json!({
+        "heads": has.heads,
+        "value_heads": has.value_heads,
+        "v": has.v,
+        "width": op.info().shape.ends_with(",W"),
+        "gate": has.gate,
+        "l2norm": has.l2norm,
+        "beta_sigmoid": has.beta_sigmoid,
+        "initial_state": has.initial_state,
+        "activation": has.activation,
+        "bias": has.bias,
+        "extras": has.extras,
+        "regimes": regimes,
+    })
+    .to_string())
+}
+
 /// A built-in convention's declaration as JSON (`Convention::to_json`).
 #[pyfunction]
 fn convention_json(name: &str) -> PyResult<String> {
@@ -548,5 +582,7 @@ fn _deltaref(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(convention_json, m)?)?;
     m.add_function(wrap_pyfunction!(fuzz_case, m)?)?;
     m.add_function(wrap_pyfunction!(fuzz_judge, m)?)?;
+    m.add_function(wrap_pyfunction!(op_names, m)?)?;
+    m.add_function(wrap_pyfunction!(fuzz_switches, m)?)?;
     Ok(())
 }

@@ -12,7 +12,7 @@ from hypothesis import given, settings  # noqa: E402
 from deltaref import testing  # noqa: E402
 
 PAIRS = [(c, op) for c in ("fla", "flashkda", "flashinfer-gdn", "flashqla", "opengdn", "ggml")
-         for op in testing.convention(c)["ops"] if op in ("kda", "gdn")]
+         for op in testing.convention(c)["ops"]]
 
 
 def gdn_ggml_numpy(t: dict, tiled: bool = True) -> dict:
@@ -44,9 +44,41 @@ def test_strategies_draw_only_valid_cases(conv, op):
     @settings(max_examples=40, deadline=None)
     @given(testing.cases(op=op, convention=conv, max_tokens=24))
     def draws(case):
-        assert "q" in case.tensors and case.meta["op"] == op
+        first = "x" if op in ("token_shift", "causal_conv1d") else "q"
+        assert first in case.tensors and case.meta["op"] == op
 
     draws()
+
+
+def test_cases_draw_every_op_of_the_registry_with_its_own_switches():
+    """Every registry op, not only the KDA/GDN-shaped ones: each drawn case
+    has only the sizes and switches its op has (no heads for token-shift or
+    conv, no gate for DPLR's `lower_bound`-free draws unless the op has one,
+    a conv width of 1 to 4), and together the draws reach the op's own
+    switches (conv's SiLU and bias)."""
+    names = testing.ops()
+    assert {"kda", "dplr", "gdn", "gdn2", "token_shift", "causal_conv1d"} <= set(names)
+    for op in names:
+        has = testing.switches(op)
+        seen = []
+
+        @settings(max_examples=30, deadline=None)
+        @given(testing.cases(op=op, convention="fla", max_tokens=24))
+        def draws(case):
+            p = case.params
+            assert case.meta["op"] == op
+            assert has["heads"] or p["h"] == p["hv"] == 1, p
+            assert has["v"] or p["v"] == 1, p
+            assert not has["width"] or 1 <= p["v"] <= 4, p
+            for s in ("gate", "l2norm", "beta_sigmoid", "initial_state", "activation", "bias"):
+                assert has[s] or not p[s], (s, p)
+            assert p["regime"] in has["regimes"], p
+            seen.append(p)
+
+        draws()
+        assert seen, op
+        if op == "causal_conv1d":
+            assert any(p["activation"] for p in seen) and any(p["bias"] for p in seen)
 
 
 @settings(max_examples=60, deadline=None)
@@ -73,6 +105,10 @@ def test_bad_arguments_are_value_errors():
         testing.convention("nope")
     with pytest.raises(ValueError, match="applies to op kda"):
         testing.cases(op="gdn", convention="flashkda")
+    with pytest.raises(ValueError, match="unknown op `nope`"):
+        testing.cases(op="nope")
+    with pytest.raises(ValueError, match="has no heads"):
+        testing.cases(op="token_shift", fix=(2, 8, 8))
 
 
 def test_verify_forward_only_and_allow_partial():

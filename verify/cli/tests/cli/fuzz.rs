@@ -276,7 +276,10 @@ fn ggml_passes_in_its_convention_and_its_head_mapping_is_named_under_fla() {
             "{op}: {out}"
         );
     }
-    for (op, extra) in [("dplr", ["--fix", "2,64,64"]), ("causal_conv1d", ["--seed", "1"])] {
+    for (op, extra) in [
+        ("dplr", ["--fix", "2,64,64"]),
+        ("causal_conv1d", ["--seed", "1"]),
+    ] {
         let mut args = vec!["fuzz", "-q", "--op", op, "--worker", &runner];
         args.extend(extra);
         args.extend(["--cases", "60", "--max-tokens", "64"]);
