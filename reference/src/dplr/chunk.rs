@@ -424,8 +424,10 @@ fn split_a_blocks<T: Scalar>(
 }
 
 impl Chunk {
-    /// The intra-chunk stage for tokens `start..start + c`.
-    pub(crate) fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
+    /// The intra-chunk stage for tokens `start..start + c` of one head: its
+    /// A blocks (`Aqk`, `Aqb`, `Aab`, `Aak`, `[c, c]`), WY factors and
+    /// decays, as this engine's policy stores them.
+    pub fn intra<T: Scalar>(&self, x: &DplrHead<T>, start: usize, c: usize) -> Intra<T> {
         let x = &x.standard();
         let q_read = self.q_read(rows(&x.q, start, c));
         let (q, k, a, b, v) = (

@@ -5,11 +5,11 @@
 //! anchor overflows fp32 on a head with strong gates.
 
 use deltaref::dplr::chunk::Chunk;
-use deltaref::dplr::{entry, Dplr, DplrInputs, DplrOptions, Prepared};
-use deltaref::inputs::{self, DplrSpec, Layout};
+use deltaref::dplr::{Dplr, DplrInputs, DplrOptions, Prepared};
+use deltaref::inputs::{DplrSpec, Layout};
 use deltaref::op::Operator;
 use deltaref::precision::{Policy, Stage};
-use deltaref::registry::Registered;
+use deltaref::registry;
 use deltaref::Dtype;
 use deltaref_tests::assert_maps_close;
 use deltaref_verify::outputs::{self, Tensors};
@@ -27,7 +27,7 @@ fn spec(seed: u64) -> DplrSpec {
 }
 
 fn run<T: deltaref::scalar::Scalar>(policy: Policy, s: &DplrSpec) -> Tensors {
-    let g = inputs::dplr(s);
+    let g = s.generate();
     let engine = Chunk::new(16).unwrap().with_policy(policy);
     outputs::all::<T, _>(
         &engine,
@@ -87,6 +87,16 @@ fn aak(engine: &Chunk, x: &DplrInputs<f64>, h: usize) -> (Array2<f64>, Array2<f6
     (got.mapv(f64::from), want)
 }
 
+/// FLA's bf16 storage plan for a DPLR case with these case options.
+fn bf16_policy(options: serde_json::Value) -> Policy {
+    let serde_json::Value::Object(o) = options else {
+        panic!("case options are a JSON object")
+    };
+    registry::find("dplr")
+        .expect("dplr is registered")
+        .fla_bf16(&o, false)
+}
+
 fn max_rel(got: &Array2<f64>, want: &Array2<f64>) -> f64 {
     let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
     (got - want).iter().fold(0.0f64, |m, v| m.max(v.abs())) / scale
@@ -98,25 +108,14 @@ fn max_rel(got: &Array2<f64>, want: &Array2<f64>) -> f64 {
 /// bf16 store (2^-9; measured 1.8e-3).
 #[test]
 fn the_bf16_emulation_keeps_aak_in_fp32_under_the_safe_gate() {
-    let plain = <Dplr as Registered>::fla_bf16(&DplrOptions::default(), false);
-    let opts = DplrOptions {
-        safe_gate: true,
-        ..Default::default()
-    };
-    let with_safe = <Dplr as Registered>::fla_bf16(&opts, false);
+    let plain = bf16_policy(serde_json::json!({}));
+    let with_safe = bf16_policy(serde_json::json!({"safe_gate": true}));
     assert!(!plain.safe_gate_at(16) && with_safe.safe_gate_at(64));
     assert_eq!(with_safe.storage(Stage::FwdDots), Some(Dtype::Tf32));
     assert_eq!(plain.storage(Stage::FwdDots), None);
-    let bounded = <Dplr as Registered>::fla_bf16(
-        &DplrOptions {
-            lower_bound: Some(-5.0),
-            ..Default::default()
-        },
-        false,
-    );
+    let bounded = bf16_policy(serde_json::json!({"lower_bound": -5.0}));
     assert!(bounded.safe_gate_at(32) && !bounded.safe_gate_at(64));
-    let _ = entry::ENTRY;
-    let g = inputs::dplr(&spec(7));
+    let g = spec(7).generate();
     for h in 0..2 {
         let (safe_aak, want) = aak(
             &Chunk::new(16).unwrap().with_policy(with_safe.clone()),
@@ -154,13 +153,13 @@ fn the_1085_anchor_overflows_fp32_on_the_strongly_gated_head() {
         layout: Layout::batch(1, 64),
         ..spec(9)
     };
-    let mut g = inputs::dplr(&s);
+    let mut g = s.generate();
     g.inputs.gk.slice_mut(s![.., .., 0, ..]).fill(-9.0);
     let opts = DplrOptions {
         safe_gate: true,
         ..Default::default()
     };
-    let policy = <Dplr as Registered>::fla_bf16(&opts, false);
+    let policy = bf16_policy(serde_json::json!({"safe_gate": true}));
     let o_of = |policy: Policy| {
         let engine = Chunk::new(16).unwrap().with_policy(policy);
         outputs::all::<f32, _>(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap()["o"]
