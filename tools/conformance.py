@@ -26,7 +26,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tools.conformance_judge import BARS, gen, judge, ratios_of, sh  # noqa: E402
+from tools.conformance_judge import BARS, gen, judge, ratios_of, sh, worst_of  # noqa: E402
 from tools.runners.common import load, save  # noqa: E402
 from tools.runners.registry import IMPLS  # noqa: E402
 
@@ -104,8 +104,7 @@ def main():
                 if verr:
                     row |= dict(status="verify-error", error=verr)
                 else:
-                    key = lambda n: float("inf") if ratios[n] is None else ratios[n]  # noqa: E731
-                    worst = max(ratios, key=key) if ratios else None
+                    worst = worst_of(ratios)
                     row |= dict(status="fail" if failing else "pass", failing=failing, ratios=ratios,
                                 worst=worst)
                     if "ratios" not in emulation:

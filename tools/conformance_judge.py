@@ -34,6 +34,11 @@ def ratios_of(report):
     return {r["tensor"]: r.get("norm_ratio") for r in rows}, sorted(r["tensor"] for r in rows if not r["pass"])
 
 
+def worst_of(ratios):
+    """The tensor with the largest norm_ratio (a non-finite one, None, first)."""
+    return max(ratios, key=lambda n: float("inf") if ratios[n] is None else ratios[n]) if ratios else None
+
+
 def judge(deltaref, case_path, cand, forward_only, bar, extra=()):
     args = ["verify", "--case", case_path, "--candidate", cand, "--json", "--max-ratio", bar, "--allow-partial", *extra]
     if forward_only:

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tools import ggml_runner  # noqa: E402
-from tools.conformance_judge import BARS, gen, judge  # noqa: E402
+from tools.conformance_judge import BARS, gen, judge, worst_of  # noqa: E402
 
 CASES = [
     ("ggml_gdn_k64", "ggml", None,
@@ -39,7 +39,8 @@ KERNEL = {"gdn": "GATED_DELTA_NET", "kda": "GATED_DELTA_NET", "dplr": "RWKV_WKV7
 
 
 def row(deltaref, work, name, convention, bug, args):
-    argv = args.split() + (["--convention", convention] if convention != "fla" else [])
+    in_convention = ["--convention", convention] if convention != "fla" else []
+    argv = args.split() + in_convention
     op = argv[argv.index("--op") + 1]
     r = dict(case=name, family=f"ggml-{op}", bug=bug, impl="ggml", convention=convention,
              device=f"CPU ({platform.machine()}), ggml-python 0.0.45", date=time.strftime("%Y-%m-%d"),
@@ -56,13 +57,11 @@ def row(deltaref, work, name, convention, bug, args):
         return r | dict(status="run-error", error=f"{type(e).__name__}: {e}")
     cand_path = os.path.join(work, name + ".ggml.safetensors")
     ggml_runner.write_safetensors(cand_path, cand)
-    extra = ["--convention", convention] if convention != "fla" else []
-    ratios, failing, verr = judge(deltaref, path, cand_path, True, BARS[op], extra)
+    ratios, failing, verr = judge(deltaref, path, cand_path, True, BARS[op], in_convention)
     r |= dict(served=f"ggml {KERNEL[op]} (CPU)", seconds=round(time.time() - t0, 1), bar=BARS[op])
     if verr:
         return r | dict(status="verify-error", error=verr)
-    worst = max(ratios, key=lambda n: float("inf") if ratios[n] is None else ratios[n])
-    return r | dict(status="fail" if failing else "pass", failing=failing, ratios=ratios, worst=worst)
+    return r | dict(status="fail" if failing else "pass", failing=failing, ratios=ratios, worst=worst_of(ratios))
 
 
 def main():

@@ -94,8 +94,7 @@ def conv(meta, t, channel_last_grad):
         final = torch.cat([oldest, last], dim=2)
         served = "causal_conv1d_fn (dense, states" + (", dfinal_states channel-last)" if channel_last_grad else ")")
     else:
-        cu = [a for a, _ in spans] + [spans[-1][1]]
-        idx = seq_idx_of(cu, x_bdt.shape[2], x_bdt.device)
+        idx = seq_idx_of(t["cu_seqlens"].tolist(), x_bdt.shape[2], x_bdt.device)
         y = causal_conv1d_fn(x_bdt, leaves["weight"], leaves.get("bias"), seq_idx=idx, activation=act)
         D = x_bdt.shape[1]
         zeros = torch.zeros(1, D, width, dtype=dt, device=x_bdt.device)
