@@ -100,16 +100,6 @@ def expand_use(tree):
     return out
 
 
-def paths_in(code):
-    """Every absolute or relative module path a file's code names."""
-    paths = []
-    for m in re.finditer(r"\buse\s+([^;]+);", code):
-        paths += expand_use(m.group(1).replace(" as ", "as"))
-    body = re.sub(r"\buse\s+[^;]+;", "", code)
-    paths += re.findall(r"\b((?:crate|super|self)(?:::" + IDENT + r")+)", body)
-    return paths
-
-
 def resolve(path, here, modules):
     segs = path.split("::")
     if segs[0] == "crate":
@@ -134,27 +124,54 @@ def resolve(path, here, modules):
     return mod, None
 
 
+def defines(code, name):
+    kinds = r"(?:fn|struct|enum|trait|type|static|const|mod|macro_rules!)"
+    return re.search(kinds + r"\s+" + re.escape(name) + r"\b", code) is not None
+
+
 def graph(src):
     files = sorted(src.rglob("*.rs"))
     modules = {module_of(src, f): f for f in files}
     codes = {m: "\n".join(drop_test_modules(strip_comments_and_strings(f.read_text()))) for m, f in modules.items()}
     # name -> defining module, for each module's `pub use` re-exports.
-    reexports = {}
+    reexports, globs = {}, {}
     for m, code in codes.items():
         for u in re.finditer(r"\bpub(?:\([^)]*\))?\s+use\s+([^;]+);", code):
             for p in expand_use(u.group(1)):
                 name = p.split("::")[-1]
+                if name == "*":
+                    target, _ = resolve(p[:-3], m, modules)
+                    globs.setdefault(m, []).append(target)
+                    continue
                 target, _ = resolve(p, m, modules)
                 if target is not None and target != m:
                     reexports[(m, name)] = target
     edges = {m: set() for m in modules}
     for m, code in codes.items():
-        for p in paths_in(code):
+        uses = [p for u in re.finditer(r"\buse\s+([^;]+);", code) for p in expand_use(u.group(1).replace(" as ", "as"))]
+        body = re.sub(r"\buse\s+[^;]+;", "", code)
+        # A module brought into scope by name (`use crate::registry::{self, …}`)
+        # is not a dependency by itself; the paths through its name are.
+        aliases = {}
+        for p in uses:
+            target, item = resolve(p, m, modules)
+            if target is not None and item is None and target != m:
+                aliases[target[-1]] = target
+        paths = [p for p in uses if p.split("::")[-1] not in aliases or resolve(p, m, modules)[1]]
+        paths += re.findall(r"\b((?:crate|super|self)(?:::" + IDENT + r")+)", body)
+        for name, target in aliases.items():
+            paths += ["crate::" + "::".join(target) + rest for rest in re.findall(r"(?<![:\w])" + name + r"((?:::" + IDENT + r")+)", body)]
+        for p in paths:
             target, item = resolve(p, m, modules)
             seen = set()
-            while target is not None and (target, item) in reexports and (target, item) not in seen:
+            while target is not None and (target, item) not in seen:
                 seen.add((target, item))
-                target = reexports[(target, item)]
+                if (target, item) in reexports:
+                    target = reexports[(target, item)]
+                elif item and target in globs and not defines(codes[target], item):
+                    target = globs[target][0]
+                else:
+                    break
             if target is None or target == m or target[: len(m)] == m:
                 continue
             edges[m].add(target)

@@ -213,6 +213,17 @@ pub(crate) fn beta_sigmoid<T: Scalar>(b: T, allow_neg_eigval: bool) -> (T, T) {
     (c * s, c * s * (T::one() - s))
 }
 
+/// FLA's `gate_bound_is_safe(lower_bound, chunk_size)`: whether gates
+/// `≥ lower_bound` keep the midpoint-centered exponents of a chunk,
+/// `(chunk_size/2 + 1)·|lower_bound|·log2(e)`, within 124 (fp32's exponent
+/// range less 4 bits of headroom): when DPLR takes the safe-gate scheme
+/// ([`crate::dplr::DplrOptions::uses_safe_gate`]). A non-negative bound
+/// licenses nothing.
+pub fn gate_bound_is_safe(lower_bound: f64, chunk_size: usize) -> bool {
+    lower_bound < 0.0
+        && lower_bound.abs() * (chunk_size / 2 + 1) as f64 * std::f64::consts::LOG2_E <= 124.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -311,7 +311,7 @@ impl Policy {
         self.safe_gate_midpoint
             || self
                 .safe_gate_bound
-                .is_some_and(|lb| crate::dplr::gate_bound_is_safe(lb, chunk_size))
+                .is_some_and(|lb| crate::gates::gate_bound_is_safe(lb, chunk_size))
     }
 
     /// The same policy with the safe-gate midpoint scheme on or off

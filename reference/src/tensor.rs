@@ -190,14 +190,6 @@ pub(crate) fn cast_opt<T: Scalar, U: Scalar>(x: &Option<ArrayD<T>>) -> Option<Ar
     x.as_ref().map(cast)
 }
 
-/// FLA's kernels use chunks of 16, 32 or 64 tokens. (What gdn2's chunked
-/// engine still calls at this commit; [`crate::registry::ChunkSize`] checks
-/// it everywhere else. Goes once gdn2 makes its engine from a `ChunkSize`.)
-#[allow(dead_code)]
-pub(crate) fn check_chunk_size(chunk_size: usize) -> Result<()> {
-    crate::registry::ChunkSize::new(chunk_size).map(drop)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

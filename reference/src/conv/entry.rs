@@ -5,13 +5,14 @@ use ndarray::ArrayD;
 use serde::{Deserialize, Serialize};
 
 use super::{Activation, CausalConv1d, ConvInputs, ConvOptions, ConvRefs, Direct};
+use crate::cp::Carry;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
 use crate::inputs::{self, ConvSpec, Draw, Regime};
 use crate::precision::{self, Policy, Stage};
 use crate::registry::{
-    self, eager_draws, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
+    self, eager_draws, need, take, Build, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
     MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 

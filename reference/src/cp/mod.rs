@@ -21,12 +21,20 @@ use crate::fast::gemm;
 use crate::fast::par::par_pairs;
 use crate::op::{Engine, OpSpec, Operator, Prepared as _};
 use crate::precision::{Feature, Policy, Stage};
-use crate::registry::Carry;
 use crate::scalar::Scalar;
 use crate::tensor;
 use crate::varlen::Segment;
 pub use intra::{compute_subseq_len, plan_spec, split_points, IntraParams};
 pub use plan::{DeviceRank, Layout, Plan, PlanSpec, RankMeta};
+
+/// What an operator hands from rank to rank under context parallel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Carry {
+    /// A delta-rule state `[K, V]` per head: pre-process `(S_ext, M)`, merge.
+    State,
+    /// The last tokens of the previous rank (token-shift, convolution).
+    Tokens,
+}
 
 /// What a precision policy may ask of CP (over any engine) on top of the
 /// engine's own stages: the `M` chain (each product of transitions, in the

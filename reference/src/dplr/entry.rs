@@ -6,14 +6,15 @@ use serde::{Deserialize, Serialize};
 
 use super::{chunk::Chunk, naive::Naive, Dplr, DplrInputs, DplrOptions, DplrRefs};
 use crate::conv::Activation;
+use crate::cp::Carry;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
 use crate::inputs::{self, DplrSpec, Draw};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
-    OpInfo, Options, Registered, Showcase, Tensors,
+    self, need, take, Build, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel, OpInfo,
+    Options, Registered, Showcase, Tensors,
 };
 
 pub(crate) static ENTRY: Entry<Dplr> = Entry::new();

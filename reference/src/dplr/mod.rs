@@ -101,29 +101,20 @@ pub struct DplrOptions {
     /// only how a kernel forms them ([`DplrOptions::uses_safe_gate`]).
     pub safe_gate: bool,
     /// FLA's `lower_bound`: every `gk ≥ lower_bound` (< 0), which the
-    /// oracle checks; with [`gate_bound_is_safe`] it licenses the safe-gate
+    /// oracle checks; with [`gate_bound_is_safe`](crate::gates::gate_bound_is_safe) it licenses the safe-gate
     /// scheme without `safe_gate`.
     pub lower_bound: Option<f64>,
-}
-
-/// FLA's `gate_bound_is_safe(lower_bound, chunk_size)`: whether gates
-/// `≥ lower_bound` keep the midpoint-centered exponents of a chunk,
-/// `(chunk_size/2 + 1)·|lower_bound|·log2(e)`, within 124 (fp32's exponent
-/// range less 4 bits of headroom). A non-negative bound licenses nothing.
-pub fn gate_bound_is_safe(lower_bound: f64, chunk_size: usize) -> bool {
-    lower_bound < 0.0
-        && lower_bound.abs() * (chunk_size / 2 + 1) as f64 * std::f64::consts::LOG2_E <= 124.0
 }
 
 impl DplrOptions {
     /// Whether FLA's `chunk_dplr_delta_rule` takes the safe-gate scheme at
     /// `chunk_size`: `safe_gate`, or a `lower_bound` that
-    /// [`gate_bound_is_safe`] accepts.
+    /// [`gate_bound_is_safe`](crate::gates::gate_bound_is_safe) accepts.
     pub fn uses_safe_gate(&self, chunk_size: usize) -> bool {
         self.safe_gate
             || self
                 .lower_bound
-                .is_some_and(|lb| gate_bound_is_safe(lb, chunk_size))
+                .is_some_and(|lb| crate::gates::gate_bound_is_safe(lb, chunk_size))
     }
 }
 

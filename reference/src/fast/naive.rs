@@ -31,7 +31,8 @@ use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
 use super::scratch::{self, Rows};
 use super::simd;
-use super::sweep::{contiguous_rows, reverse_blocks, row_mut, run_tokens, state, Pairs, TILE};
+use super::sweep::{reverse_blocks, run_tokens, state, Pairs, TILE};
+use super::views::{contiguous_rows, row_mut};
 use crate::op::{HeadSink, Operator};
 use crate::scalar::Scalar;
 

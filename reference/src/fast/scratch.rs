@@ -134,13 +134,13 @@ impl<T: Scalar> Rows<T> {
     }
 
     /// `e^a` of each element of `a [rows, cols]` (rows contiguous, see
-    /// [`crate::fast::sweep::row`]), with libm's bits ([`Scalar::exp_into`]).
+    /// [`crate::fast::views::row`]), with libm's bits ([`Scalar::exp_into`]).
     #[inline(always)]
     pub(crate) fn exp(a: ArrayView2<'_, T>) -> Self {
         let (rows, cols) = a.dim();
         let mut out = Self::overwritten(rows, cols);
         for t in 0..rows {
-            T::exp_into(crate::fast::sweep::row(&a, t), out.row_mut(t));
+            T::exp_into(crate::fast::views::row(&a, t), out.row_mut(t));
         }
         out
     }

@@ -1,7 +1,7 @@
 //! Pieces shared by the naive engines, which sweep a `[K, V]` state held as
 //! a row-major slice once or twice per token.
 
-use ndarray::{ArrayBase, ArrayView2, CowArray, Data, DataMut, Ix2};
+use ndarray::ArrayView2;
 
 use crate::scalar::Scalar;
 
@@ -255,30 +255,6 @@ pub(crate) fn prefetch<T>(a: &[T]) {
     let _ = a;
 }
 
-/// `a` where its rows are contiguous (a head's rows of a `[B, T, heads, D]`
-/// tensor, strided by the other heads), else a row-major copy: what
-/// [`row`] reads.
-pub(crate) fn contiguous_rows<T: Clone>(a: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
-    if a.ncols() <= 1 || a.strides()[1] == 1 {
-        CowArray::from(a)
-    } else {
-        CowArray::from(a.as_standard_layout().into_owned())
-    }
-}
-
-/// Row `t` of a `[rows, cols]` array whose rows are contiguous (row-major,
-/// or rows of a larger row-major tensor).
-#[inline(always)]
-pub(crate) fn row<T, S: Data<Elem = T>>(a: &ArrayBase<S, Ix2>, t: usize) -> &[T] {
-    a.row(t).to_slice().expect("contiguous rows")
-}
-
-/// Row `t` of an array with contiguous rows, mutable.
-#[inline(always)]
-pub(crate) fn row_mut<T, S: DataMut<Elem = T>>(a: &mut ArrayBase<S, Ix2>, t: usize) -> &mut [T] {
-    a.row_mut(t).into_slice().expect("contiguous rows")
-}
-
 /// `x`'s whole chunks of four, each written twice in a row (`out[8c + 4h +
 /// l] = x[4c + l]`): a `[V]` vector as it meets a [`Pairs`] row pair, so that
 /// a pair's chunk and the vector's chunk load alike.
@@ -353,22 +329,6 @@ mod tests {
             out,
             [0., 1., 2., 3., 0., 1., 2., 3., 4., 5., 6., 7., 4., 5., 6., 7.]
         );
-    }
-
-    /// Rows of a head strided by the other heads are read in place; rows
-    /// that are not contiguous are copied to row-major.
-    #[test]
-    fn contiguous_rows_borrow_only_contiguous_rows() {
-        let a = ndarray::Array2::from_shape_fn((4, 6), |(i, j)| (10 * i + j) as f64);
-        let strided = a.slice(ndarray::s![.., ..3]);
-        let kept = contiguous_rows(strided);
-        assert!(kept.is_view());
-        assert_eq!(row(&kept, 2), &[20.0, 21.0, 22.0]);
-        let columns = a.t();
-        let copied = contiguous_rows(columns);
-        assert!(!copied.is_view());
-        assert_eq!(row(&copied, 1), &[1.0, 11.0, 21.0, 31.0]);
-        prefetch(row(&copied, 1));
     }
 
     /// The toy recurrence `S_t = S_{t−1}·c_t + d_t` run through the

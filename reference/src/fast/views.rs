@@ -5,8 +5,8 @@
 //! by every thread.
 
 use ndarray::{
-    Array, ArrayView, ArrayView2, ArrayViewMut, ArrayViewMut2, ArrayViewMut4, Axis, CowArray,
-    Dimension, Ix2, RemoveAxis,
+    Array, ArrayBase, ArrayView, ArrayView2, ArrayViewMut, ArrayViewMut2, ArrayViewMut4, Axis,
+    CowArray, Data, DataMut, Dimension, Ix2, RemoveAxis,
 };
 use rayon::prelude::*;
 
@@ -169,6 +169,30 @@ pub(crate) fn pair_states_mut<'a, T>(
         .collect()
 }
 
+/// `a` where its rows are contiguous (a head's rows of a `[B, T, heads, D]`
+/// tensor, strided by the other heads), else a row-major copy: what
+/// [`row`] reads.
+pub(crate) fn contiguous_rows<T: Clone>(a: ArrayView2<'_, T>) -> CowArray<'_, T, Ix2> {
+    if a.ncols() <= 1 || a.strides()[1] == 1 {
+        CowArray::from(a)
+    } else {
+        CowArray::from(a.as_standard_layout().into_owned())
+    }
+}
+
+/// Row `t` of a `[rows, cols]` array whose rows are contiguous (row-major,
+/// or rows of a larger row-major tensor).
+#[inline(always)]
+pub(crate) fn row<T, S: Data<Elem = T>>(a: &ArrayBase<S, Ix2>, t: usize) -> &[T] {
+    a.row(t).to_slice().expect("contiguous rows")
+}
+
+/// Row `t` of an array with contiguous rows, mutable.
+#[inline(always)]
+pub(crate) fn row_mut<T, S: DataMut<Elem = T>>(a: &mut ArrayBase<S, Ix2>, t: usize) -> &mut [T] {
+    a.row_mut(t).into_slice().expect("contiguous rows")
+}
+
 #[cfg(test)]
 mod tests {
     use ndarray::{s, Array4};
@@ -262,5 +286,21 @@ mod tests {
             start,
             end,
         }
+    }
+
+    /// Rows of a head strided by the other heads are read in place; rows
+    /// that are not contiguous are copied to row-major.
+    #[test]
+    fn contiguous_rows_borrow_only_contiguous_rows() {
+        let a = ndarray::Array2::from_shape_fn((4, 6), |(i, j)| (10 * i + j) as f64);
+        let strided = a.slice(ndarray::s![.., ..3]);
+        let kept = contiguous_rows(strided);
+        assert!(kept.is_view());
+        assert_eq!(row(&kept, 2), &[20.0, 21.0, 22.0]);
+        let columns = a.t();
+        let copied = contiguous_rows(columns);
+        assert!(!copied.is_view());
+        assert_eq!(row(&copied, 1), &[1.0, 11.0, 21.0, 31.0]);
+        crate::fast::sweep::prefetch(row(&copied, 1));
     }
 }

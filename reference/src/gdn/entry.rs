@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Gdn, GdnInputs, GdnOptions, OnKda};
 use crate::conv::Activation;
+use crate::cp::Carry;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
@@ -14,7 +15,7 @@ use crate::inputs::{self, Draw, GdnSpec};
 use crate::kda::{self, chunk::Chunk, naive::Naive};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, eager_draws, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
+    self, eager_draws, Build, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
     OpInfo, Options, Registered, Showcase, Tensors,
 };
 

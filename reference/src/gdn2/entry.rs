@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{chunk::Chunk, naive::Naive, Gdn2, Gdn2Inputs, Gdn2Options};
 use crate::conv::Activation;
+use crate::cp::Carry;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
@@ -15,8 +16,8 @@ use crate::inputs::{self, Draw, KdaSpec, Regime};
 use crate::kda::KdaOptions;
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
-    OpInfo, Options, Registered, Showcase, Tensors,
+    self, need, take, Build, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel, OpInfo,
+    Options, Registered, Showcase, Tensors,
 };
 
 pub(crate) static ENTRY: Entry<Gdn2> = Entry::new();

@@ -6,14 +6,15 @@ use serde::{Deserialize, Serialize};
 
 use super::{chunk::Chunk, naive::Naive, Kda, KdaInputs, KdaOptions, KdaRefs};
 use crate::conv::Activation;
+use crate::cp::Carry;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
 use crate::inputs::{self, Draw, KdaSpec};
 use crate::precision::{self, Feature, Policy, Stage};
 use crate::registry::{
-    self, need, take, Build, Carry, ChunkPos, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
-    Job, MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
+    self, need, take, Build, ChunkPos, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, Job,
+    MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
 };
 
 pub(crate) static ENTRY: Entry<Kda> = Entry::new();

@@ -19,9 +19,8 @@ use crate::error::Result;
 use crate::fast::naive::{Back, Recurrence, SweepRows};
 use crate::fast::scratch::Rows;
 use crate::fast::sums::{dot, RowSums, SweepSums};
-use crate::fast::sweep::{
-    chunks, chunks_mut, contiguous_rows, prefetch, row, row_mut, spread, Group, Pairs,
-};
+use crate::fast::sweep::{chunks, chunks_mut, prefetch, spread, Group, Pairs};
+use crate::fast::views::{contiguous_rows, row, row_mut};
 use crate::op::{self, Engine};
 use crate::scalar::Scalar;
 

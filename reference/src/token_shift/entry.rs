@@ -6,14 +6,15 @@ use serde::{Deserialize, Serialize};
 
 use super::{Shift, TokenShift, TokenShiftInputs, TokenShiftRefs};
 use crate::conv::Activation;
+use crate::cp::Carry;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
 use crate::inputs::{self, Draw, TokenShiftSpec};
 use crate::precision::{self, Policy, Stage};
 use crate::registry::{
-    eager_draws, need, take, Build, Carry, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
-    MemoryModel, OpInfo, Options, Registered, Showcase, Tensors,
+    eager_draws, need, take, Build, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags, MemoryModel,
+    OpInfo, Options, Registered, Showcase, Tensors,
 };
 
 pub(crate) static ENTRY: Entry<TokenShift> = Entry::new();

@@ -92,7 +92,7 @@ fn cp_equals_non_cp_for_any_cut() {
                     );
                 }
             }
-            let table = cp::table(&diags, deltaref::registry::Carry::Tokens);
+            let table = cp::table(&diags, deltaref::cp::Carry::Tokens);
             assert!(
                 table.contains("|cache in|") && !table.contains("|M|") && !table.contains("S_ext"),
                 "{table}"

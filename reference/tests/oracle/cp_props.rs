@@ -635,7 +635,7 @@ fn fla_debug_guide_example() {
             let d = max_diff(&diags[0].merged_dht.as_ref().unwrap()[h], &dh);
             assert!(d <= 1e-12, "{name} head {h}: merged dht off by {d:e}");
         }
-        let table = cp::table(&diags, deltaref::registry::Carry::State);
+        let table = cp::table(&diags, deltaref::cp::Carry::State);
         assert!(
             table.contains("0..512") && table.contains("512..1024"),
             "{table}"

@@ -181,7 +181,7 @@ fn f32_chunk_is_within_flas_band_of_f64_naive() {
 /// (33 rows) ≈ 2.60; a non-negative bound is never safe.
 #[test]
 fn fla_picks_the_safe_gate_scheme_from_the_bound() {
-    use deltaref::dplr::gate_bound_is_safe;
+    use deltaref::gates::gate_bound_is_safe;
     assert!(gate_bound_is_safe(-9.5, 16) && !gate_bound_is_safe(-9.6, 16));
     assert!(gate_bound_is_safe(-2.6, 64) && !gate_bound_is_safe(-2.7, 64));
     assert!(!gate_bound_is_safe(0.0, 16) && !gate_bound_is_safe(1.0, 16));

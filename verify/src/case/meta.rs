@@ -59,7 +59,7 @@ impl Op {
     /// A delta rule (KDA, DPLR, GDN): its CP carries `(S_ext, M)` and
     /// merges; token-shift and the conv pass their last tokens instead.
     pub fn is_delta_rule(self) -> bool {
-        self.info().carry == registry::Carry::State
+        self.info().carry == deltaref::cp::Carry::State
     }
 
     /// `kda, dplr, …` for error messages.

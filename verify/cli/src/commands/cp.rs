@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args as ClapArgs;
+use deltaref::cp::Carry;
 use deltaref::cp::{self, IntraParams};
 use deltaref::cp::{table, RankDiag};
-use deltaref::registry::Carry;
 use deltaref_verify::case::{Case, CaseError};
 use deltaref_verify::heads::{BlockRows, HeadFile, STREAM_MIN_BYTES};
 use deltaref_verify::impls::{oracle_truth_owned, Compute, Impl, ImplName, DEFAULT_CHUNK_SIZE};
