@@ -50,7 +50,9 @@ pub struct Args {
     pub against: Against,
 }
 
-fn go(a: &Args) -> Result<(String, bool), CaseError> {
+/// `deltaref cp` on the whole case: the per-rank table and the report as
+/// printed, and whether every tensor passes.
+pub fn go(a: &Args) -> Result<(String, bool), CaseError> {
     super::check_ratio("--max-ratio", a.max_ratio)?;
     if !matches!(a.imp.imp, ImplName::Naive | ImplName::Cp) {
         return Err(CaseError::Usage(format!(
@@ -187,7 +189,7 @@ fn run_block(
 /// and CP runs compared tensor by tensor ([`BlockRows`]) and its per-head
 /// states appended to the ranks' diagnostics, in head order: the table is
 /// the whole case's, the report's rows too (`norm_ratio` to rounding).
-fn streamed(a: &Args, file: &HeadFile) -> Result<(String, bool), CaseError> {
+pub fn streamed(a: &Args, file: &HeadFile) -> Result<(String, bool), CaseError> {
     let blocks = file.blocks();
     let bar = Progress::bar(blocks.len() as u64, "head blocks");
     let mut rows = BlockRows::default();
@@ -326,99 +328,5 @@ pub fn run(a: Args) -> ExitCode {
             }
         }
         Err(e) => fail(&e),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use deltaref::gates::Gate;
-    use deltaref::inputs::Regime;
-    use deltaref_verify::case::{Dtype, Op};
-    use deltaref_verify::generate::{generate, GenSpec};
-    use std::path::Path;
-
-    fn args(case: &Path, rest: &[&str]) -> Args {
-        super::super::parse_case_args("cp", case, rest)
-    }
-
-    /// KDA with GVA (H = 3, HV = 6), a gate, initial states and three
-    /// sequences, long-memory draws (the merges carry a state); the same
-    /// with a single query/key head (H = 1, HV = 2); DPLR.
-    fn files(dir: &Path) -> Vec<PathBuf> {
-        let mut kda = GenSpec::new(Op::Kda);
-        kda.lengths = Some(vec![5, 40, 19]);
-        kda.shape = Some(vec![1, 64, 3, 6, 8, 4]);
-        kda.gate = Gate::Kda;
-        kda.initial_state = true;
-        kda.regime = Regime::LongMemory;
-        kda.dtype = Dtype::Bf16;
-        let mut dplr = GenSpec::new(Op::Dplr);
-        dplr.lengths = Some(vec![30, 34]);
-        dplr.shape = Some(vec![1, 64, 2, 8, 4]);
-        dplr.initial_state = true;
-        let mut single = kda.clone();
-        single.shape = Some(vec![1, 64, 1, 2, 8, 4]);
-        [("kda", kda), ("single", single), ("dplr", dplr)]
-            .into_iter()
-            .map(|(name, spec)| {
-                let path = dir.join(format!("{name}.safetensors"));
-                generate(&spec).unwrap().write(&path).unwrap();
-                path
-            })
-            .collect()
-    }
-
-    /// Head block by head block, the per-rank table and the report are the
-    /// whole case's, character for character.
-    #[test]
-    fn head_blocks_print_the_whole_cases_table_and_report() {
-        let dir = tempfile::tempdir().unwrap();
-        let runs: [&[&str]; 6] = [
-            &["--world", "4"],
-            &["--world", "2", "--layout", "zigzag", "--cp-engine", "naive"],
-            &["--cuts", "3,20,50"],
-            &["--intra", "--num-sms", "2"],
-            &["--world", "2", "--compute", "f32"],
-            &["--world", "2", "--precision", "drop-merged-state"],
-        ];
-        for path in files(dir.path()) {
-            for flags in runs {
-                let a = args(&path, flags);
-                let whole = go(&a).unwrap();
-                assert!(whole.0.contains("impl:cp"), "{}", whole.0);
-                for n in [1, 2] {
-                    let file = HeadFile::open(&path, 0)
-                        .unwrap()
-                        .unwrap()
-                        .with_heads_per_block(n);
-                    let got = streamed(&a, &file).unwrap();
-                    assert_eq!(
-                        got,
-                        whole,
-                        "{} {flags:?}, {n} heads per block",
-                        path.display()
-                    );
-                }
-            }
-        }
-    }
-
-    /// The streamed path refuses what the whole one does, in its words.
-    #[test]
-    fn head_blocks_refuse_what_the_whole_case_refuses() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = &files(dir.path())[0];
-        for flags in [
-            &["--intra", "--world", "2"][..],
-            &["--world", "5"],
-            &["--world", "2", "--precision", "no-such-preset"],
-        ] {
-            let a = args(path, flags);
-            let whole = go(&a).unwrap_err().to_string();
-            let file = HeadFile::open(path, 0).unwrap().unwrap();
-            let e = streamed(&a, &file).unwrap_err().to_string();
-            assert_eq!(e, whole, "{flags:?}");
-        }
     }
 }

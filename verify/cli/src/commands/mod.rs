@@ -22,9 +22,9 @@ use deltaref_verify::case::Case;
 use deltaref_verify::case::CaseError;
 use deltaref_verify::impls::{Compute, EngineName, Impl, ImplName, ImplRequest};
 
-/// For tests: subcommand `name`'s arguments for `--case case` and `rest`,
-/// parsed as the command line would be.
-#[cfg(test)]
+/// Subcommand `name`'s arguments for `--case case` and `rest`, parsed as
+/// the command line would be (the CLI tests call the commands' `go` with
+/// them). Panics on arguments clap refuses: a test's own mistake.
 pub fn parse_case_args<A: ClapArgs>(name: &str, case: &std::path::Path, rest: &[&str]) -> A {
     #[derive(clap::Parser)]
     struct Cli<A: ClapArgs> {

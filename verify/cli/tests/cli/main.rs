@@ -9,6 +9,7 @@ mod common;
 mod compose;
 mod fuzz;
 mod gpu;
+mod head_blocks;
 mod hostile;
 mod intermediates;
 mod mutation;

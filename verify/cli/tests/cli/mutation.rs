@@ -7,7 +7,7 @@
 //! aborts on an input running past `--hang-s` (a hang), and the commands
 //! run under `--max-memory`.
 //!
-//! `cargo run --release -p deltaref-cli --example mutation_fuzz -- --inputs 1000000 --seed 1`
+//! `cargo run --release -p deltaref-cli --features mutation-fuzz --example mutation_fuzz -- --inputs 1000000 --seed 1`
 //! (`--cli-every N`: one command line per N inputs, default 20; `--save DIR`:
 //! where panicking inputs go). Summary on stderr; exit 1 on a panic.
 
