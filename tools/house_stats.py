@@ -31,8 +31,9 @@ CRATES = {
 }
 OPS = ["kda", "dplr", "gdn2", "gdn", "token_shift", "conv"]
 OP_WORD = re.compile(
-    r"(?<![A-Za-z0-9])(kda|dplr|gdn2?|token_shift|tokenshift|causal_conv1d|conv|"
-    r"Kda|Dplr|Gdn2?|TokenShift|CausalConv1d|Conv)(?=[A-Z_:\"'(\s.,;>)\]}-]|$)"
+    r"(?<![A-Za-z0-9])(kda|dplr|gdn2?|token_shift|causal_conv1d|"
+    r"Kda|Dplr|Gdn2?|TokenShift|CausalConv1d)(?=[A-Z_:\"'(\s.,;>)\]}-]|$)"
+    r"|\bconv::"
 )
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 
