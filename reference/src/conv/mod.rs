@@ -585,18 +585,3 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
         x.cast()
     }
 }
-
-/// Forward over every sequence.
-pub fn forward<T: Scalar>(x: &ConvInputs<T>, opt: &ConvOptions) -> Result<ConvOutputs<T>> {
-    op::forward(&Direct, x, opt)
-}
-
-/// Backward of `Σ y·dy + Σ final_state·dht` (`dht` zero when `None`).
-pub fn backward<T: Scalar>(
-    x: &ConvInputs<T>,
-    opt: &ConvOptions,
-    dy: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<ConvGrads<T>> {
-    op::backward(&Direct, x, opt, dy, dht)
-}

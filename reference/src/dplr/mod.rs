@@ -6,10 +6,14 @@
 //! Shared pieces as for KDA: tensors, validation, [`Dplr`] (its side of the
 //! operator contract, [`crate::op`]); the engines (`naive`, `chunk`) see one head of one sequence.
 
-pub mod chunk;
+pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
-pub mod naive;
+pub(crate) mod naive;
+
+// The engines, named from here: the forms' modules hold their pieces.
+pub use chunk::Chunk;
+pub use naive::Naive;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2, Ix3};
 
@@ -353,49 +357,52 @@ impl<T: Scalar> DplrHeadGradsMut<'_, T> {
 }
 
 pub(crate) fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
-    validate_refs(&x.refs(), opt)
+    x.refs().validate(opt)
 }
 
-/// Validates borrowed inputs (shapes as in the owned inputs) and options;
-/// returns the problem sizes.
-pub fn validate_refs<T: Scalar>(x: &DplrRefs<'_, T>, opt: &DplrOptions) -> Result<DplrDims> {
-    let qs = expect_rank("q", "B,T,H,K", x.q)?;
-    let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
-    if h == 0 || k == 0 {
-        return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
+impl<T: Scalar> DplrRefs<'_, T> {
+    /// Validates borrowed inputs (shapes as in the owned inputs) and options;
+    /// returns the problem sizes.
+    pub fn validate(&self, opt: &DplrOptions) -> Result<DplrDims> {
+        let x = self;
+        let qs = expect_rank("q", "B,T,H,K", x.q)?;
+        let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
+        if h == 0 || k == 0 {
+            return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
+        }
+        for (name, a) in [("k", x.k), ("a", x.a), ("b", x.b), ("gk", x.gk)] {
+            expect_shape(name, "[B,T,H,K]", qs, a.shape())?;
+        }
+        let vs = expect_rank("v", "B,T,H,V", x.v)?;
+        if vs[3] == 0 {
+            return Err(Error::shape("v", "[B,T,H,V] with V ≥ 1", vs));
+        }
+        expect_shape("v", "[B,T,H,V]", &[b, t, h, vs[3]], vs)?;
+        let v = vs[3];
+        let segments = varlen::sequences(b, t, x.cu_seqlens)?;
+        let n = segments.len();
+        if let Some(h0) = x.initial_state {
+            expect_shape("initial_state", "[N,H,K,V]", &[n, h, k, v], h0.shape())?;
+            check_finite("initial_state", h0)?;
+        }
+        if let Some(sc) = opt.scale {
+            check_finite_option("scale", sc)?;
+        }
+        if let Some(lb) = opt.lower_bound {
+            check_lower_bound(lb, x.gk)?;
+        }
+        for (name, a) in [
+            ("q", x.q),
+            ("k", x.k),
+            ("v", x.v),
+            ("a", x.a),
+            ("b", x.b),
+            ("gk", x.gk),
+        ] {
+            check_finite(name, a)?;
+        }
+        Ok(DplrDims { b, t, h, k, v, n })
     }
-    for (name, a) in [("k", x.k), ("a", x.a), ("b", x.b), ("gk", x.gk)] {
-        expect_shape(name, "[B,T,H,K]", qs, a.shape())?;
-    }
-    let vs = expect_rank("v", "B,T,H,V", x.v)?;
-    if vs[3] == 0 {
-        return Err(Error::shape("v", "[B,T,H,V] with V ≥ 1", vs));
-    }
-    expect_shape("v", "[B,T,H,V]", &[b, t, h, vs[3]], vs)?;
-    let v = vs[3];
-    let segments = varlen::sequences(b, t, x.cu_seqlens)?;
-    let n = segments.len();
-    if let Some(h0) = x.initial_state {
-        expect_shape("initial_state", "[N,H,K,V]", &[n, h, k, v], h0.shape())?;
-        check_finite("initial_state", h0)?;
-    }
-    if let Some(sc) = opt.scale {
-        check_finite_option("scale", sc)?;
-    }
-    if let Some(lb) = opt.lower_bound {
-        check_lower_bound(lb, x.gk)?;
-    }
-    for (name, a) in [
-        ("q", x.q),
-        ("k", x.k),
-        ("v", x.v),
-        ("a", x.a),
-        ("b", x.b),
-        ("gk", x.gk),
-    ] {
-        check_finite(name, a)?;
-    }
-    Ok(DplrDims { b, t, h, k, v, n })
 }
 
 /// Validated inputs, ready to cut into heads: views of the input tensors
@@ -528,7 +535,7 @@ impl<T: Scalar> Operator<T> for Dplr {
         d_o: &ArrayD<T>,
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
-        validate_upstream(&p.dims, d_o, dht)
+        p.dims.validate_upstream(d_o, dht)
     }
 
     fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
@@ -593,19 +600,22 @@ impl<T: Scalar> Operator<T> for Dplr {
     }
 }
 
-/// Validates the upstream gradients `do [B,T,H,V]` and `dht [N,H,K,V]`.
-pub fn validate_upstream<T: Scalar>(
-    d: &DplrDims,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<()> {
-    expect_shape("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o.shape())?;
-    check_finite("do", d_o)?;
-    if let Some(dht) = dht {
-        expect_shape("dht", "[N,H,K,V]", &[d.n, d.h, d.k, d.v], dht.shape())?;
-        check_finite("dht", dht)?;
+impl DplrDims {
+    /// Validates the upstream gradients `do [B,T,H,V]` and `dht [N,H,K,V]`.
+    pub fn validate_upstream<T: Scalar>(
+        &self,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        let d = self;
+        expect_shape("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o.shape())?;
+        check_finite("do", d_o)?;
+        if let Some(dht) = dht {
+            expect_shape("dht", "[N,H,K,V]", &[d.n, d.h, d.k, d.v], dht.shape())?;
+            check_finite("dht", dht)?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// Gradients gathered per head before the `scale` chain on `dq`.

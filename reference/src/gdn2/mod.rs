@@ -13,8 +13,8 @@
 //! This module owns what the engines share: the public tensors and options
 //! (FLA's names), validation, the pre-processing FLA fuses into its kernels
 //! (l2norm of q/k, the in-kernel gate) and its backward, and [`Gdn2`], its
-//! side of the operator contract ([`crate::op`]). The engines ([`naive`],
-//! [`chunk`]) see one head of one sequence (or CP piece); CP and the
+//! side of the operator contract ([`crate::op`]). The engines ([`Naive`],
+//! [`Chunk`]) see one head of one sequence (or CP piece); CP and the
 //! drivers come from [`crate::op`] and [`crate::cp`].
 //!
 //! Where FLA 0.6.0 fixes a detail the recurrence leaves open, this follows
@@ -45,10 +45,14 @@
 //! be finite. Looser than FLA: any chunk size the engines take (FLA's
 //! kernels take 64 only), an `initial_state` under CP.
 
-pub mod chunk;
+pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
-pub mod naive;
+pub(crate) mod naive;
+
+// The engines, named from here: the forms' modules hold their pieces.
+pub use chunk::Chunk;
+pub use naive::Naive;
 
 use ndarray::{
     s, Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView4, Axis, CowArray, Ix2, Ix4, IxDyn, Zip,
@@ -303,13 +307,15 @@ fn map_gate<T: Scalar, U>(
     })
 }
 
-/// Validates inputs and options; returns the problem sizes. Every refusal
-/// names the tensor (or option), the expected shape and what it got.
-pub fn validate<T: Scalar>(x: &Gdn2Inputs<T>, opt: &Gdn2Options) -> Result<Gdn2Dims> {
-    Ok(checked(x, opt)?.0)
+impl<T: Scalar> Gdn2Inputs<T> {
+    /// Validates inputs and options; returns the problem sizes. Every refusal
+    /// names the tensor (or option), the expected shape and what it got.
+    pub fn validate(&self, opt: &Gdn2Options) -> Result<Gdn2Dims> {
+        Ok(checked(self, opt)?.0)
+    }
 }
 
-/// [`validate`], also returning the in-kernel gate's decay `[B, T, H, K]`
+/// [`Gdn2Inputs::validate`], also returning the in-kernel gate's decay `[B, T, H, K]`
 /// (checked finite) when `use_gate_in_kernel` is on.
 fn checked<T: Scalar>(
     x: &Gdn2Inputs<T>,
@@ -439,7 +445,7 @@ fn validate_gate<T: Scalar>(
 
 /// Validates the upstream gradients `do [B, T, H, V]` and `dht` (`[N, H, K,
 /// V]`, or `[N, H, V, K]` with `state_v_first`) against validated sizes `d`.
-pub fn validate_upstream<T: Scalar>(
+pub(crate) fn validate_upstream<T: Scalar>(
     d: &Gdn2Dims,
     state_v_first: bool,
     d_o: &ArrayD<T>,
@@ -461,7 +467,7 @@ pub fn validate_upstream<T: Scalar>(
 
 /// `[N, H, a, b]` → `[N, H, b, a]`: the `state_v_first` layout swap (its own
 /// inverse).
-pub fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
+pub(crate) fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
     let mut t = s.view();
     t.swap_axes(2, 3);
     t.as_standard_layout().into_owned()

@@ -94,8 +94,8 @@ fn kda_engines_do_not_depend_on_memory_layout() {
         b.extend(g.dbeta.iter().map(|v| v.to_bits()));
         b
     };
-    same_bits(&kda::naive::Naive, &heads, &h0, &d_o, &dht, grads);
-    let chunk = kda::chunk::Chunk::new(16).unwrap();
+    same_bits(&kda::Naive, &heads, &h0, &d_o, &dht, grads);
+    let chunk = kda::Chunk::new(16).unwrap();
     same_bits(&chunk, &heads, &h0, &d_o, &dht, grads);
 }
 
@@ -128,7 +128,7 @@ fn dplr_engines_do_not_depend_on_memory_layout() {
     let (d_o, dht) = upstream(37, 6, 5);
     let grads =
         |g: &dplr::DplrHeadGrads<f64>| bits([&g.dq, &g.dk, &g.dv, &g.da, &g.db, &g.dgk, &g.dh0]);
-    same_bits(&dplr::naive::Naive, &heads, &h0, &d_o, &dht, grads);
-    let chunk = dplr::chunk::Chunk::new(16).unwrap();
+    same_bits(&dplr::Naive, &heads, &h0, &d_o, &dht, grads);
+    let chunk = dplr::Chunk::new(16).unwrap();
     same_bits(&chunk, &heads, &h0, &d_o, &dht, grads);
 }

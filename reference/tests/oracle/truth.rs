@@ -780,30 +780,30 @@ macro_rules! against_truth {
     )+};
 }
 
-fn kda_chunk(c: usize) -> kda::chunk::Chunk {
-    kda::chunk::Chunk::new(c).expect("valid")
+fn kda_chunk(c: usize) -> kda::Chunk {
+    kda::Chunk::new(c).expect("valid")
 }
 
-fn dplr_chunk(c: usize) -> dplr::chunk::Chunk {
-    dplr::chunk::Chunk::new(c).expect("valid")
+fn dplr_chunk(c: usize) -> dplr::Chunk {
+    dplr::Chunk::new(c).expect("valid")
 }
 
 against_truth! {
     kda_vs_truth: Kda => {
-        naive: kda::naive::Naive, 16;
+        naive: kda::Naive, 16;
         chunk16: kda_chunk(16), 16;
         chunk32: kda_chunk(32), 32;
         chunk64: kda_chunk(64), 64;
         chunk16_spans32: kda_chunk(16).with_span_len(32).expect("valid"), 16;
     }
     gdn_vs_truth: Gdn => {
-        naive: OnKda(kda::naive::Naive), 16;
+        naive: OnKda(kda::Naive), 16;
         chunk16: OnKda(kda_chunk(16)), 16;
         chunk32: OnKda(kda_chunk(32)), 32;
         chunk64: OnKda(kda_chunk(64)), 64;
     }
     dplr_vs_truth: Dplr => {
-        naive: dplr::naive::Naive, 16;
+        naive: dplr::Naive, 16;
         chunk16: dplr_chunk(16), 16;
         chunk32: dplr_chunk(32), 32;
         chunk64: dplr_chunk(64), 64;
@@ -828,7 +828,7 @@ impl Engine<f64> for Skewed {
     type Op = Kda;
 
     fn forward(&self, x: &KdaHead<f64>, h0: ArrayView2<f64>) -> (Array2<f64>, Array2<f64>) {
-        let (mut o, s) = kda::naive::Naive.forward(x, h0);
+        let (mut o, s) = kda::Naive.forward(x, h0);
         o.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.o);
         (o, s)
     }
@@ -840,7 +840,7 @@ impl Engine<f64> for Skewed {
         d_o: ArrayView2<f64>,
         dht: ArrayView2<f64>,
     ) -> KdaHeadGrads<f64> {
-        let mut g = kda::naive::Naive.backward(x, h0, d_o, dht);
+        let mut g = kda::Naive.backward(x, h0, d_o, dht);
         g.dk.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.dk);
         g
     }
@@ -895,7 +895,7 @@ fn cp_faults_fail() {
             faults,
             ..cp_options()
         };
-        let engine = kda::naive::Naive;
+        let engine = kda::Naive;
         let (d_o, dht) = (&j.case.d_o, Some(&j.case.dht));
         let (out, gr, _) =
             cp::forward_backward(&engine, x, opt, d_o, dht, &plan, &cpo).expect("valid");

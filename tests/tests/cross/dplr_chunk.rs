@@ -3,8 +3,8 @@
 //! at every chunk start; the chunk transition equal to the per-token
 //! product; no overflow under strong decay; f32 within FLA's band.
 
-use deltaref::dplr::chunk::Chunk;
-use deltaref::dplr::naive::Naive;
+use deltaref::dplr::Chunk;
+use deltaref::dplr::Naive;
 use deltaref::dplr::{Dplr, DplrHead, DplrOptions, Prepared};
 use deltaref::inputs::{self, DplrSpec, Layout};
 use deltaref::op::{self, Engine, Operator};

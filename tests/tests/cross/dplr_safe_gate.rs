@@ -4,7 +4,7 @@
 //! them to bf16; `midpoint=off` switches it off; FLA #1085's wrong-stride
 //! anchor overflows fp32 on a head with strong gates.
 
-use deltaref::dplr::chunk::Chunk;
+use deltaref::dplr::Chunk;
 use deltaref::dplr::{Dplr, DplrInputs, DplrOptions, Prepared};
 use deltaref::inputs::{DplrSpec, Layout};
 use deltaref::op::Operator;

@@ -5,8 +5,8 @@
 
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, KdaSpec, Layout};
-use deltaref::kda::chunk::Chunk;
-use deltaref::kda::naive::Naive;
+use deltaref::kda::Chunk;
+use deltaref::kda::Naive;
 use deltaref::kda::{Kda, KdaHead, KdaOptions, Prepared};
 use deltaref::op::{self, Engine, Operator};
 use deltaref_tests::{assert_maps_close, assert_split_chunks_agree, ratio, steep_decays, Run};
