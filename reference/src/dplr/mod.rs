@@ -9,7 +9,9 @@
 pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
 pub(crate) mod naive;
+mod pieces;
 
 // The engines, named from here: the forms' modules hold their pieces.
 pub use chunk::Chunk;
@@ -25,6 +27,10 @@ use crate::op::{self, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{
+    DplrHead, DplrHeadGrads, DplrHeadGradsMut, HeadsGk, Prepared, PreparedGrads,
+};
 
 /// DPLR inputs in FLA's layout (`chunk_dplr_delta_rule`).
 #[derive(Clone, Debug)]
@@ -166,36 +172,6 @@ pub struct DplrDims {
     pub n: usize,
 }
 
-/// One head of one sequence (or CP piece). [`Dplr::head`] borrows each
-/// tensor: the head's rows of a `[B, T, H, D]` tensor, strided by the other
-/// heads (rows contiguous).
-#[derive(Clone, Debug)]
-pub struct DplrHead<'h, T> {
-    /// `[L, K]`; the query is `q · scale`.
-    pub q: CowArray<'h, T, Ix2>,
-    pub k: CowArray<'h, T, Ix2>,
-    pub a: CowArray<'h, T, Ix2>,
-    pub b: CowArray<'h, T, Ix2>,
-    pub gk: CowArray<'h, T, Ix2>,
-    /// `[L, V]`
-    pub v: CowArray<'h, T, Ix2>,
-    /// The query's factor, applied as `q` is read: each query element is
-    /// the product `q · scale`.
-    pub scale: T,
-    /// The gates of every head of the same rows, where the head was taken
-    /// from a batch ([`Dplr::head`]): only FLA #1085's faulty midpoint read
-    /// ([`crate::precision::Policy::midpoint_stride_fault`]) looks at them.
-    pub heads_gk: Option<HeadsGk<'h, T>>,
-}
-
-/// `gk` of every head over a head's rows, `[L, H, K]`, and which head the
-/// head is: what a read with the wrong head stride reaches.
-#[derive(Clone, Debug)]
-pub struct HeadsGk<'h, T> {
-    pub gk: CowArray<'h, T, Ix3>,
-    pub head: usize,
-}
-
 impl<T: Scalar> HeadsGk<'_, T> {
     /// The same gates with their own storage.
     pub fn into_owned(self) -> HeadsGk<'static, T> {
@@ -265,18 +241,6 @@ impl<T: Scalar> DplrHead<'_, T> {
     }
 }
 
-#[derive(Clone, Debug)]
-pub struct DplrHeadGrads<T> {
-    pub dq: Array2<T>,
-    pub dk: Array2<T>,
-    pub dv: Array2<T>,
-    pub da: Array2<T>,
-    pub db: Array2<T>,
-    pub dgk: Array2<T>,
-    /// `[K, V]`
-    pub dh0: Array2<T>,
-}
-
 impl<T: Scalar> DplrHeadGrads<T> {
     /// Zero gradients of an `L`-token piece with a `[K, V]` state.
     pub fn zeros(l: usize, k: usize, v: usize) -> Self {
@@ -303,25 +267,6 @@ impl<T: Scalar> DplrHeadGrads<T> {
             dh0: self.dh0.view_mut(),
         }
     }
-}
-
-/// [`DplrHeadGrads`] as views where an engine writes them: a piece's own
-/// arrays, or its rows of a run's full tensors ([`PreparedGrads`]).
-pub struct DplrHeadGradsMut<'s, T> {
-    /// `[L, K]`
-    pub dq: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dk: ArrayViewMut2<'s, T>,
-    /// `[L, V]`
-    pub dv: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub da: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub db: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dgk: ArrayViewMut2<'s, T>,
-    /// `[K, V]`
-    pub dh0: ArrayViewMut2<'s, T>,
 }
 
 impl<T: Scalar> DplrHeadGradsMut<'_, T> {
@@ -403,24 +348,6 @@ impl<T: Scalar> DplrRefs<'_, T> {
         }
         Ok(DplrDims { b, t, h, k, v, n })
     }
-}
-
-/// Validated inputs, ready to cut into heads: views of the input tensors
-/// (`scale` is applied to `q` head by head).
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: DplrDims,
-    pub scale: f64,
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, not yet scaled: `Dplr::head` applies `scale`,
-    /// head by head, in parallel.
-    pub q: ArrayView4<'a, T>,
-    pub k: ArrayView4<'a, T>,
-    pub v: ArrayView4<'a, T>,
-    pub a: ArrayView4<'a, T>,
-    pub b: ArrayView4<'a, T>,
-    pub gk: ArrayView4<'a, T>,
-    pub h0: Option<ArrayView4<'a, T>>,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
@@ -616,18 +543,6 @@ impl DplrDims {
         }
         Ok(())
     }
-}
-
-/// Gradients gathered per head before the `scale` chain on `dq`.
-#[derive(Clone, Debug)]
-pub struct PreparedGrads<T> {
-    pub dq: Array4<T>,
-    pub dk: Array4<T>,
-    pub dv: Array4<T>,
-    pub da: Array4<T>,
-    pub db: Array4<T>,
-    pub dgk: Array4<T>,
-    pub dh0: Array4<T>,
 }
 
 impl<T: Scalar> PreparedGrads<T> {

@@ -16,6 +16,8 @@
 
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
 
 use std::borrow::Cow;
 
@@ -34,6 +36,8 @@ use crate::op::{self, Engine, HeadSink, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::Prepared;
 
 /// GDN inputs in FLA's layout: KDA's fields (so the same `refs` and
 /// `cast`), with GDN's shapes: `q`, `k [B, T, H, K]`, `v [B, T, HV, V]`
@@ -331,30 +335,6 @@ fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions)
         ddt_bias,
         dh0: g.dh0.map(|s| opt.kv_layout_owned(s)),
     }
-}
-
-/// Validated GDN inputs after FLA's fused pre-processing (l2norm, gate,
-/// beta sigmoid), states in `[N, HV, K, V]`.
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: KdaDims,
-    pub scale: f64,
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub q: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: CowArray<'a, T, Ix4>,
-    /// `[B, T, HV, V]`
-    pub v: ArrayView4<'a, T>,
-    /// `[B, T, HV]` log-space decay (a view of `g` unless the in-kernel gate
-    /// evaluated it).
-    pub g: CowArray<'a, T, Ix3>,
-    /// `[B, T, HV]`
-    pub beta: Array3<T>,
-    /// `[N, HV, K, V]` (a view of the input unless `state_v_first` swapped it)
-    pub h0: Option<CowArray<'a, T, Ix4>>,
-    /// States are `[N, HV, V, K]` in the public tensors.
-    pub state_v_first: bool,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {

@@ -48,7 +48,9 @@
 pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
 pub(crate) mod naive;
+mod pieces;
 
 // The engines, named from here: the forms' modules hold their pieces.
 pub use chunk::Chunk;
@@ -65,6 +67,8 @@ use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{Gdn2Dims, Gdn2Head, Gdn2HeadGrads, Prepared};
 
 /// GDN-2 inputs in FLA's layout (`chunk_gdn2`'s argument names).
 #[derive(Clone, Debug)]
@@ -160,37 +164,6 @@ pub struct Gdn2Grads<T> {
     pub dh0: Option<ArrayD<T>>,
 }
 
-/// Sizes of a validated GDN-2 problem.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Gdn2Dims {
-    pub b: usize,
-    pub t: usize,
-    pub h: usize,
-    pub k: usize,
-    pub v: usize,
-    /// Number of sequences.
-    pub n: usize,
-}
-
-/// One head of one sequence (or CP piece) after pre-processing: all an
-/// engine sees. Token-major rows `[L, ·]`, borrowed from the prepared
-/// tensors except the scaled query.
-#[derive(Clone, Debug)]
-pub struct Gdn2Head<'h, T> {
-    /// `[L, K]`, `scale · q` (l2-normalised first if asked).
-    pub q: CowArray<'h, T, Ix2>,
-    /// `[L, K]`, l2-normalised if asked.
-    pub k: CowArray<'h, T, Ix2>,
-    /// `[L, V]`
-    pub v: CowArray<'h, T, Ix2>,
-    /// `[L, K]` log-space decay (after the in-kernel gate).
-    pub g: CowArray<'h, T, Ix2>,
-    /// `[L, K]` erase gate.
-    pub b: CowArray<'h, T, Ix2>,
-    /// `[L, V]` write gate.
-    pub w: CowArray<'h, T, Ix2>,
-}
-
 impl<T: Scalar> Gdn2Head<'_, T> {
     /// Tokens `L`.
     pub fn len(&self) -> usize {
@@ -208,26 +181,6 @@ impl<T: Scalar> Gdn2Head<'_, T> {
     pub fn v_dim(&self) -> usize {
         self.v.ncols()
     }
-}
-
-/// Gradients of one piece with respect to [`Gdn2Head`]'s tensors (`dq` is
-/// with respect to the scaled query) and its initial state.
-#[derive(Clone, Debug)]
-pub struct Gdn2HeadGrads<T> {
-    /// `[L, K]`
-    pub dq: Array2<T>,
-    /// `[L, K]`
-    pub dk: Array2<T>,
-    /// `[L, V]`
-    pub dv: Array2<T>,
-    /// `[L, K]`, with respect to the decay.
-    pub dg: Array2<T>,
-    /// `[L, K]`
-    pub db: Array2<T>,
-    /// `[L, V]`
-    pub dw: Array2<T>,
-    /// `[K, V]`
-    pub dh0: Array2<T>,
 }
 
 impl<T: Scalar> Gdn2HeadGrads<T> {
@@ -471,33 +424,6 @@ pub(crate) fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
     let mut t = s.view();
     t.swap_axes(2, 3);
     t.as_standard_layout().into_owned()
-}
-
-/// Validated inputs after FLA's fused pre-processing (l2norm, gate), states
-/// in `[N, H, K, V]`; what the pre-processing leaves alone is borrowed.
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: Gdn2Dims,
-    pub scale: f64,
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked (not yet scaled).
-    pub q: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, V]`
-    pub v: ArrayView4<'a, T>,
-    /// `[B, T, H, K]` log-space decay.
-    pub g: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`
-    pub b: ArrayView4<'a, T>,
-    /// `[B, T, H, V]`
-    pub w: ArrayView4<'a, T>,
-    /// `[N, H, K, V]`
-    pub h0: Option<CowArray<'a, T, Ix4>>,
-    /// The public state tensors are `[N, H, V, K]`.
-    pub state_v_first: bool,
-    /// q and k went through the in-kernel l2norm.
-    pub l2norm: bool,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {

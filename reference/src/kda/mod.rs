@@ -10,8 +10,10 @@
 pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
 mod intermediates;
 pub(crate) mod naive;
+mod pieces;
 
 // The engines, named from here: the forms' modules hold their pieces.
 pub use chunk::Chunk;
@@ -30,6 +32,8 @@ use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{KdaHead, KdaHeadGrads, KdaHeadGradsMut, Prepared, PreparedGrads};
 
 /// KDA inputs in FLA's layout (see SPEC §2).
 #[derive(Clone, Debug)]
@@ -172,28 +176,6 @@ impl KdaDims {
     }
 }
 
-/// One head of one sequence (or CP piece), after pre-processing: the only
-/// thing an engine sees. [`Kda::head`] borrows each tensor from the
-/// [`Prepared`] ones: the head's rows of a `[B, T, H, D]` tensor, strided
-/// by the other heads (rows contiguous). Engines read rows as they are
-/// or make the copies they need.
-#[derive(Clone, Debug)]
-pub struct KdaHead<'h, T> {
-    /// `[L, K]`, l2-normalised if asked; the query is `q · scale`.
-    pub q: CowArray<'h, T, Ix2>,
-    /// `[L, K]`, l2-normalised if asked.
-    pub k: CowArray<'h, T, Ix2>,
-    /// `[L, V]`
-    pub v: CowArray<'h, T, Ix2>,
-    /// `[L, K]` log-space decay per token.
-    pub g: CowArray<'h, T, Ix2>,
-    /// `[L]`
-    pub beta: CowArray<'h, T, Ix1>,
-    /// The query's factor (FLA's `scale`), applied as `q` is read: each
-    /// query element is the product `q · scale`.
-    pub scale: T,
-}
-
 impl<T: Scalar> KdaHead<'_, T> {
     /// The head with its own copy of any borrowed tensor.
     pub fn into_owned(self) -> KdaHead<'static, T> {
@@ -241,18 +223,6 @@ impl<T: Scalar> KdaHead<'_, T> {
     }
 }
 
-/// Gradients of one head with respect to [`KdaHead`]'s tensors and `h0`.
-#[derive(Clone, Debug)]
-pub struct KdaHeadGrads<T> {
-    pub dq: Array2<T>,
-    pub dk: Array2<T>,
-    pub dv: Array2<T>,
-    pub dg: Array2<T>,
-    pub dbeta: Array1<T>,
-    /// `[K, V]`
-    pub dh0: Array2<T>,
-}
-
 impl<T: Scalar> KdaHeadGrads<T> {
     /// Zero gradients of an `L`-token piece with a `[K, V]` state.
     pub fn zeros(l: usize, k: usize, v: usize) -> Self {
@@ -276,23 +246,6 @@ impl<T: Scalar> KdaHeadGrads<T> {
             dh0: self.dh0.view_mut(),
         }
     }
-}
-
-/// [`KdaHeadGrads`] as views where an engine writes them: a piece's own
-/// arrays, or its rows of a run's full tensors ([`PreparedGrads`]).
-pub struct KdaHeadGradsMut<'s, T> {
-    /// `[L, K]`
-    pub dq: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dk: ArrayViewMut2<'s, T>,
-    /// `[L, V]`
-    pub dv: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dg: ArrayViewMut2<'s, T>,
-    /// `[L]`
-    pub dbeta: ArrayViewMut1<'s, T>,
-    /// `[K, V]`
-    pub dh0: ArrayViewMut2<'s, T>,
 }
 
 impl<T: Scalar> KdaHeadGradsMut<'_, T> {
@@ -461,31 +414,6 @@ fn validate_gate<T: Scalar>(
         expect_shape("dt_bias", "[HV*K]", &[hv * k], d.shape())?;
     }
     Ok(())
-}
-
-/// Validated inputs after FLA's fused pre-processing, ready to cut into heads.
-/// Tensors the pre-processing leaves alone are views of the inputs.
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: KdaDims,
-    pub scale: f64,
-    /// Sequences of the batch (whole sequences; CP cuts them further).
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked (`Kda::head` applies
-    /// `scale`, head by head, in parallel).
-    pub q: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: CowArray<'a, T, Ix4>,
-    /// `[B, T, HV, V]`
-    pub v: ArrayView4<'a, T>,
-    /// `[B, T, HV, K]` log-space decay.
-    pub g: CowArray<'a, T, Ix4>,
-    /// `[B, T, HV]`
-    pub beta: Array3<T>,
-    /// `[N, HV, K, V]`
-    pub h0: Option<ArrayView4<'a, T>>,
-    /// The options it was prepared with (which in-kernel activations ran).
-    pub opt: KdaOptions,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
@@ -818,23 +746,6 @@ impl KdaDims {
         }
         Ok(())
     }
-}
-
-/// Gradients with respect to [`Prepared`]'s tensors, per value head.
-#[derive(Clone, Debug)]
-pub struct PreparedGrads<T> {
-    /// `[B, T, HV, K]` (summed over each GVA group by `chain`)
-    pub dq: Array4<T>,
-    /// `[B, T, HV, K]`
-    pub dk: Array4<T>,
-    /// `[B, T, HV, V]`
-    pub dv: Array4<T>,
-    /// `[B, T, HV, K]`
-    pub dg: Array4<T>,
-    /// `[B, T, HV]`
-    pub dbeta: Array3<T>,
-    /// `[N, HV, K, V]`
-    pub dh0: Array4<T>,
 }
 
 impl<T: Scalar> PreparedGrads<T> {

@@ -7,6 +7,8 @@
 
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
 
 use ndarray::{
     Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix2, Ix3,
@@ -17,6 +19,8 @@ use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{Prepared, TokenShiftDims, TokenShiftHead, TokenShiftHeadGrads};
 
 #[derive(Clone, Debug)]
 pub struct TokenShiftInputs<T> {
@@ -74,14 +78,6 @@ pub struct TokenShiftGrads<T> {
     pub dcache: Option<ArrayD<T>>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TokenShiftDims {
-    pub b: usize,
-    pub t: usize,
-    pub d: usize,
-    pub n: usize,
-}
-
 /// Validates shapes, `cu_seqlens` and finiteness; returns sizes and sequences.
 pub(crate) fn validate<T: Scalar>(
     x: &TokenShiftInputs<T>,
@@ -108,16 +104,6 @@ impl<T: Scalar> TokenShiftRefs<'_, T> {
         }
         Ok((TokenShiftDims { b, t, d, n }, segs))
     }
-}
-
-/// Validated inputs as one-head tensors: `x [B, T, 1, D]`, `cache [N, 1, 1, D]`
-/// (the cache is the state, `K = 1`, `V = D`).
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: TokenShiftDims,
-    pub segments: Vec<Segment>,
-    pub x: ArrayView4<'a, T>,
-    pub cache: Option<ArrayView4<'a, T>>,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
@@ -166,19 +152,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
     fn h0(&self) -> Option<ArrayView4<'_, T>> {
         self.cache.as_ref().map(|c| c.view())
     }
-}
-
-/// The tokens of one sequence (or CP piece): `x [L, D]`.
-#[derive(Clone, Debug)]
-pub struct TokenShiftHead<T> {
-    pub x: Array2<T>,
-}
-
-/// `dx [L, D]` and the gradient of the token before the piece, `dcache [1, D]`.
-#[derive(Clone, Debug)]
-pub struct TokenShiftHeadGrads<T> {
-    pub dx: Array2<T>,
-    pub dcache: Array2<T>,
 }
 
 /// The one engine: `y_t = x_{t−1} − x_t`, the state being the last token.

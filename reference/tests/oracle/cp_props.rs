@@ -262,7 +262,7 @@ proptest! {
         let spec = KdaSpec { layout: layout.clone(), h, hv: h * g, k, v, opts, initial_state: h0, scalar_gate, seed };
         let x = inputs::KdaSpec::generate_in(&spec, regime);
         let cpo = CpOptions::default();
-        let p = kda::Prepared::new(&x.inputs, &opts).unwrap();
+        let p = Kda::prepare(&x.inputs, &opts).unwrap();
         let run = |e: &dyn KdaEngineDyn| -> Result<(), TestCaseError> {
             let (o, fwd_diags) = e.cp_fwd(&x.inputs, &opts, &plan, &cpo);
             let full = op::forward(&kda::Naive, &x.inputs, &opts).unwrap();
@@ -305,7 +305,7 @@ proptest! {
         let full = op::forward(&dplr::Naive, &x.inputs, &opts).unwrap();
         close("o", &full.o, &o.o)?;
         close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
-        let p = dplr::Prepared::new(&x.inputs, &opts).unwrap();
+        let p = Dplr::prepare(&x.inputs, &opts).unwrap();
         merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
             let seg = Segment { seq, batch: 0, start: a, end: at };
             dplr::Naive.forward(&Dplr::head(&p, &seg, h), op::initial_state(&p, seq, h).view()).1
@@ -590,7 +590,7 @@ fn fla_debug_guide_example() {
         assert_eq!(r1.cu_seqlens, vec![0, 512]);
         assert_eq!((r0.post_num_ranks, r1.pre_num_ranks), (1, 1));
         // Independent references: naive prefix and suffix runs of sequence 1.
-        let p = kda::Prepared::new(&x, &opts).unwrap();
+        let p = Kda::prepare(&x, &opts).unwrap();
         let g = inputs::KdaSpec::generate(&KdaSpec {
             layout: Layout::varlen(&[400, 624]),
             h: 2,

@@ -26,7 +26,7 @@ use deltaref::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
 use deltaref::inputs::{
     self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec,
 };
-use deltaref::kda::{self, Kda, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions};
+use deltaref::kda::{self, Kda, KdaInputs, KdaOptions};
 use deltaref::op::{self, Engine, OpSpec, Operator};
 use deltaref::rng::Stream;
 use deltaref::tensor::cast;
@@ -817,6 +817,11 @@ against_truth! {
     }
 }
 
+/// A KDA piece and its gradients, named through the operator contract (the
+/// oracle keeps the types themselves private).
+type KdaHead<'h> = <Kda as Operator<f64>>::Head<'h>;
+type KdaHeadGrads = <Kda as Operator<f64>>::HeadGrads;
+
 /// KDA's naive engine with its first element of `o` scaled by `1 + o` and
 /// its first element of `dk` by `1 + dk`, in every piece.
 struct Skewed {
@@ -827,7 +832,7 @@ struct Skewed {
 impl Engine<f64> for Skewed {
     type Op = Kda;
 
-    fn forward(&self, x: &KdaHead<f64>, h0: ArrayView2<f64>) -> (Array2<f64>, Array2<f64>) {
+    fn forward(&self, x: &KdaHead<'_>, h0: ArrayView2<f64>) -> (Array2<f64>, Array2<f64>) {
         let (mut o, s) = kda::Naive.forward(x, h0);
         o.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.o);
         (o, s)
@@ -835,11 +840,11 @@ impl Engine<f64> for Skewed {
 
     fn backward(
         &self,
-        x: &KdaHead<f64>,
+        x: &KdaHead<'_>,
         h0: ArrayView2<f64>,
         d_o: ArrayView2<f64>,
         dht: ArrayView2<f64>,
-    ) -> KdaHeadGrads<f64> {
+    ) -> KdaHeadGrads {
         let mut g = kda::Naive.backward(x, h0, d_o, dht);
         g.dk.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.dk);
         g
