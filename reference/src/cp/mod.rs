@@ -26,7 +26,7 @@ use crate::scalar::Scalar;
 use crate::tensor;
 use crate::varlen::Segment;
 pub use intra::{compute_subseq_len, plan_spec, split_points, IntraParams};
-pub use plan::{DeviceRank, Layout, Plan, PlanSpec, RankMeta};
+pub use plan::{Layout, Plan, PlanSpec, RankMeta};
 
 /// What a precision policy may ask of CP (over any engine) on top of the
 /// engine's own stages: the `M` chain (each product of transitions, in the

@@ -28,7 +28,7 @@ use ndarray::{
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::gates::{self, Gate};
+use crate::gates::Gate;
 use crate::kda::{
     self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaOptions, PreparedGrads,
 };
@@ -296,9 +296,7 @@ fn per_gate_element<T: Scalar, U: Send>(
 
 /// The per-head decay `−exp(A_log[h])·softplus(g + dt_bias[h])` `[B, T, HV]`.
 fn in_kernel_decay<T: Scalar>(x: &GdnRefs<'_, T>) -> Array3<T> {
-    per_gate_element(x, |shifted, a| {
-        gates::gate_eval(Gate::Kda, shifted, Some(a)).0
-    })
+    per_gate_element(x, |shifted, a| Gate::Kda.eval(shifted, Some(a)).0)
 }
 
 /// Chains KDA's gradients (decay `dg [B, T, HV]`, states in `[K, V]`) back to
@@ -308,7 +306,7 @@ fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions)
         let ddecay = g.dg.into_dimensionality::<Ix3>().expect("[B,T,HV]");
         // The decay's partial derivatives ∂/∂g and ∂/∂A_log.
         let partials = per_gate_element(&x.refs(), |s, a| {
-            let (_, dx, da) = gates::gate_eval(Gate::Kda, s, Some(a));
+            let (_, dx, da) = Gate::Kda.eval(s, Some(a));
             (dx, da)
         });
         let chain = |part: fn(&(T, T)) -> T| {

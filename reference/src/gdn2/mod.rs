@@ -222,14 +222,14 @@ pub(crate) const SOFTPLUS_THRESHOLD: f64 = 20.0;
 /// Validation guarantees `A_log` for the softplus form.
 fn gate_element<T: Scalar>(lower_bound: Option<f64>, x: T, a_log: Option<T>) -> (T, T, T) {
     match lower_bound {
-        Some(lower_bound) => gates::gate_eval(Gate::LowerBound { lower_bound }, x, a_log),
+        Some(lower_bound) => Gate::LowerBound { lower_bound }.eval(x, a_log),
         None if x > T::c(SOFTPLUS_THRESHOLD) => {
             let a = a_log
                 .expect("validated: the softplus gate needs A_log")
                 .exp();
             (-a * x, -a, -a * x)
         }
-        None => gates::gate_eval(Gate::Kda, x, a_log),
+        None => Gate::Kda.eval(x, a_log),
     }
 }
 

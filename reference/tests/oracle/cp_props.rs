@@ -94,7 +94,7 @@ fn gate_sum_scales(x: &kda::KdaInputs<f64>, gate: Gate, dg: &ArrayD<f64>) -> [Ve
     for ((idx, &d), &raw) in dg.indexed_iter().zip(x.g.iter()) {
         let (h, k) = (idx[2], idx[3]);
         let xv = raw + dt_bias.as_ref().map_or(0.0, |b| b[h * kd + k]);
-        let (_, dg_dx, dg_da) = deltaref::gates::gate_eval(gate, xv, a_log.as_ref().map(|a| a[h]));
+        let (_, dg_dx, dg_da) = gate.eval(xv, a_log.as_ref().map(|a| a[h]));
         if dg_dx != 0.0 {
             da[h] += (d * dg_da / dg_dx).abs();
         }

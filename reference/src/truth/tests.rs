@@ -1,4 +1,4 @@
-//! Every engine against the truth ([`deltaref::truth`], the definition),
+//! Every engine against the truth ([`crate::truth`], the definition),
 //! and the truth against itself: its dual-number gradients against central
 //! finite differences of its own forward, and its forward against tiny cases
 //! computed by hand.
@@ -18,21 +18,19 @@
 
 use std::sync::OnceLock;
 
-use deltaref::conv::{Activation, CausalConv1d, ConvInputs, ConvOptions, Direct};
-use deltaref::cp::{self, CpOptions, PlanSpec};
-use deltaref::dplr::{self, Dplr, DplrInputs, DplrOptions};
-use deltaref::gates::Gate;
-use deltaref::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
-use deltaref::inputs::{
-    self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec,
-};
-use deltaref::kda::{self, Kda, KdaInputs, KdaOptions};
-use deltaref::op::{self, Engine, OpSpec, Operator};
-use deltaref::rng::Stream;
-use deltaref::tensor::cast;
-use deltaref::token_shift::{Shift, TokenShift, TokenShiftInputs};
-use deltaref::truth::{self, Truth, LANES};
-use deltaref::Scalar;
+use crate::conv::{Activation, CausalConv1d, ConvInputs, ConvOptions, Direct};
+use crate::cp::{self, CpOptions, PlanSpec};
+use crate::dplr::{self, Dplr, DplrInputs, DplrOptions};
+use crate::gates::Gate;
+use crate::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
+use crate::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
+use crate::kda::{self, Kda, KdaInputs, KdaOptions};
+use crate::op::{self, Engine, OpSpec, Operator};
+use crate::rng::Stream;
+use crate::tensor::cast;
+use crate::token_shift::{Shift, TokenShift, TokenShiftInputs};
+use crate::truth::{self, Truth, LANES};
+use crate::Scalar;
 use ndarray::{Array2, ArrayD, ArrayView2, IxDyn};
 
 const OUT_BAR: f64 = 1e-12;
