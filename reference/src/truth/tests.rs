@@ -1,4 +1,4 @@
-//! Every engine against the truth ([`crate::truth`], the definition),
+//! Every engine against the truth ([`super`], the definition),
 //! and the truth against itself: its dual-number gradients against central
 //! finite differences of its own forward, and its forward against tiny cases
 //! computed by hand.
@@ -24,7 +24,7 @@ use crate::dplr::{self, Dplr, DplrInputs, DplrOptions};
 use crate::gates::Gate;
 use crate::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
 use crate::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
-use crate::kda::{self, Kda, KdaInputs, KdaOptions};
+use crate::kda::{self, Kda, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions};
 use crate::op::{self, Engine, OpSpec, Operator};
 use crate::rng::Stream;
 use crate::tensor::cast;
@@ -815,11 +815,6 @@ against_truth! {
     }
 }
 
-/// A KDA piece and its gradients, named through the operator contract (the
-/// oracle keeps the types themselves private).
-type KdaHead<'h> = <Kda as Operator<f64>>::Head<'h>;
-type KdaHeadGrads = <Kda as Operator<f64>>::HeadGrads;
-
 /// KDA's naive engine with its first element of `o` scaled by `1 + o` and
 /// its first element of `dk` by `1 + dk`, in every piece.
 struct Skewed {
@@ -830,7 +825,7 @@ struct Skewed {
 impl Engine<f64> for Skewed {
     type Op = Kda;
 
-    fn forward(&self, x: &KdaHead<'_>, h0: ArrayView2<f64>) -> (Array2<f64>, Array2<f64>) {
+    fn forward(&self, x: &KdaHead<f64>, h0: ArrayView2<f64>) -> (Array2<f64>, Array2<f64>) {
         let (mut o, s) = kda::Naive.forward(x, h0);
         o.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.o);
         (o, s)
@@ -838,11 +833,11 @@ impl Engine<f64> for Skewed {
 
     fn backward(
         &self,
-        x: &KdaHead<'_>,
+        x: &KdaHead<f64>,
         h0: ArrayView2<f64>,
         d_o: ArrayView2<f64>,
         dht: ArrayView2<f64>,
-    ) -> KdaHeadGrads {
+    ) -> KdaHeadGrads<f64> {
         let mut g = kda::Naive.backward(x, h0, d_o, dht);
         g.dk.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.dk);
         g
