@@ -10,9 +10,10 @@
 pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
-// The engine pieces: public types without a public path (see the module).
 mod intermediates;
 pub(crate) mod naive;
+
+// The engine pieces: public types without a public path (see the module).
 mod pieces;
 
 // The engines, named from here: the forms' modules hold their pieces.
