@@ -15,7 +15,7 @@
 //! count; [`crate::cp::forward`], [`crate::cp::backward`] and
 //! [`crate::cp::forward_backward`] run the same engine rank by rank.
 //! [`forward_backward`] allocates the run's result tensors once and hands
-//! each pair views of its rows ([`HeadSink`]), which an engine writes as it
+//! each pair views of its rows (`HeadSink`), which an engine writes as it
 //! goes ([`Engine::forward_backward_into`]): no pair keeps results of its
 //! own and nothing is assembled afterwards.
 //!
@@ -23,12 +23,14 @@
 //! 1. A folder `src/<op>/` with `mod.rs` holding the public tensors
 //!    (`Inputs`, `Options`, `Outputs`, `Grads` in FLA's layout), validation,
 //!    a `Prepared` (validated inputs after FLA's fused pre-processing) that
-//!    implements [`Prepared`], a per-piece `Head` (which may borrow the
-//!    `Prepared` tensors: [`Operator::head`]) and `HeadGrads`, and a marker
+//!    implements `op::Prepared`, a per-piece `Head` (which may borrow the
+//!    `Prepared` tensors: [`Operator::head`]) and `HeadGrads` (these three
+//!    declared `pub` in the operator's private `pieces.rs`: the contract
+//!    names them, the crate's API does not), and a marker
 //!    type implementing [`OpSpec`] and [`Operator`]. Its `GradsBuf` is the
 //!    gradients' full tensors before the chain rule, split per pair into
 //!    `GradsSink`s; an operator whose gradients are not all per-token
-//!    tensors keeps each pair's as computed ([`Collected`]).
+//!    tensors keeps each pair's as computed (`Collected`).
 //! 2. One file per engine (`naive.rs`, `chunk.rs`), each a type implementing
 //!    [`Engine`] with `type Op = <marker>`. Override [`Engine::transition`]
 //!    only when the engine has a cheaper way than the default probe run. A

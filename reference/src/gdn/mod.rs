@@ -6,7 +6,7 @@
 //! GDN is KDA with the gate broadcast over K (SPEC §3): `Diag(exp g_t 1_K) =
 //! exp(g_t) I`, so every KDA engine (naive, chunked, with its precision
 //! policy) computes a GDN piece exactly: [`Gdn`]'s per-piece tensors are
-//! KDA's ([`KdaHead`], the gate repeated over K) and [`OnKda`] runs a KDA
+//! KDA's (`KdaHead`, the gate repeated over K) and [`OnKda`] runs a KDA
 //! engine as a GDN engine. Since `g_t[d] = g_t` for every `d`,
 //! `∂L/∂g_t = Σ_d ∂L/∂g_t[d]`: KDA's chain rule with a scalar gate sums its
 //! per-key gate gradient over K. This module adds what GDN has of its own:
