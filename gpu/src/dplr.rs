@@ -3,7 +3,7 @@
 //! way out; everything else is read as stored.
 
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
-use deltaref::dplr::{self as oracle, DplrDims, DplrGrads, DplrOptions, DplrOutputs, DplrRefs};
+use deltaref::dplr::{DplrDims, DplrGrads, DplrOptions, DplrOutputs, DplrRefs};
 use deltaref::varlen::Segment;
 use ndarray::ArrayD;
 
@@ -246,8 +246,8 @@ pub fn run(
     }
     let compiled = gpu.compile_seconds();
     let t = std::time::Instant::now();
-    let d = oracle::validate_refs(x, opts)?;
-    oracle::validate_upstream(&d, d_o, dht)?;
+    let d = x.validate(opts)?;
+    d.validate_upstream(d_o, dht)?;
     let check_s = t.elapsed().as_secs_f64();
     let p = Problem::new(gpu, d, x, opts, d_o, dht, imp.storage)?;
     gpu.sync("DPLR inputs")?;

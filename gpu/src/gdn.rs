@@ -6,7 +6,7 @@
 //! (they are `[N, HV, K, V]`-sized, not token-sized).
 
 use deltaref::gates::Gate;
-use deltaref::gdn::{self as oracle, GdnGrads, GdnOptions, GdnOutputs, GdnRefs};
+use deltaref::gdn::{GdnGrads, GdnOptions, GdnOutputs, GdnRefs};
 use deltaref::kda::{KdaOptions, KdaRefs};
 use ndarray::ArrayD;
 
@@ -27,9 +27,9 @@ pub fn run(
     imp: &GpuImpl,
 ) -> Result<Run<GdnOutputs<f64>, GdnGrads<f64>>> {
     let t = std::time::Instant::now();
-    let (d, h0) = oracle::validate_refs_kv(x, opts)?;
-    oracle::validate_upstream(&d, opts.state_v_first, d_o, dht)?;
-    let dht = dht.map(|s| oracle::kv_layout(opts, s));
+    let (d, h0) = opts.validate_refs_kv(x)?;
+    opts.validate_upstream(&d, d_o, dht)?;
+    let dht = dht.map(|s| opts.kv_layout(s));
     let kopts = KdaOptions {
         output_final_state: true,
         // The in-kernel gate runs on the device, per head, from the raw `g`.
@@ -38,7 +38,7 @@ pub fn run(
         } else {
             Gate::None
         },
-        ..oracle::kda_options(opts)
+        ..opts.kda()
     };
     let refs = KdaRefs {
         initial_state: h0.as_deref(),
@@ -49,7 +49,7 @@ pub fn run(
     let mut timings = r.timings;
     timings.upload_s += checked_s;
     timings.check_s = checked_s;
-    let back = |s: ArrayD<f64>| oracle::kv_layout_owned(opts, s);
+    let back = |s: ArrayD<f64>| opts.kv_layout_owned(s);
     Ok(Run {
         outputs: GdnOutputs {
             o: r.outputs.o,

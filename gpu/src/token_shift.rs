@@ -3,7 +3,7 @@
 //! and in backward hands that token its gradient.
 
 use cudarc::driver::PushKernelArg;
-use deltaref::token_shift::{self as oracle, TokenShiftGrads, TokenShiftOutputs, TokenShiftRefs};
+use deltaref::token_shift::{TokenShiftGrads, TokenShiftOutputs, TokenShiftRefs};
 use deltaref::varlen::Segment;
 use ndarray::{s, ArrayD, Axis};
 
@@ -70,8 +70,8 @@ pub fn run(
     imp: &GpuImpl,
 ) -> Result<Run<TokenShiftOutputs<f64>, TokenShiftGrads<f64>>> {
     let t = std::time::Instant::now();
-    let (d, segs) = oracle::validate_refs(x)?;
-    oracle::validate_upstream(&d, dy, dfinal_cache)?;
+    let (d, segs) = x.validate()?;
+    d.validate_upstream(dy, dfinal_cache)?;
     let check_s = t.elapsed().as_secs_f64();
     check_sizes(1, 1, d.b * d.t)?;
     let table = piece_table(&segs, x.cu_seqlens, imp, d.b, d.t)?;

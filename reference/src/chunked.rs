@@ -25,7 +25,7 @@ use crate::precision::{Policy, Stage};
 use crate::registry::ChunkSize;
 use crate::scalar::Scalar;
 
-/// The chunked engine of operator `O` (`kda::chunk::Chunk` is
+/// The chunked engine of operator `O` (`kda::Chunk` is
 /// `Chunk<Kda>`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Chunk<O> {

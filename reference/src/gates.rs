@@ -90,40 +90,40 @@ impl Gate {
             Gate::LowerBound { .. } => "lowerbound",
         }
     }
-}
 
-/// One element of the gate: `x = g_raw + dt_bias`, `a_log` the head's `A_log`.
-/// Returns the decay and the partial derivatives `(∂g/∂x, ∂g/∂A_log)`.
-pub fn gate_eval<T: Scalar>(gate: Gate, x: T, a_log: Option<T>) -> (T, T, T) {
-    match gate {
-        Gate::None => (x, T::one(), T::zero()),
-        Gate::Kda => {
-            let a = a_log.expect("validated: kda gate needs A_log").exp();
-            let g = -a * softplus(x);
-            (g, -a * sigmoid(x), g)
-        }
-        Gate::LowerBound { lower_bound } => {
-            let lb = T::c(lower_bound);
-            let (z, dz_dx) = match a_log {
-                Some(al) => (al.exp() * x, al.exp()),
-                None => (x, T::one()),
-            };
-            let s = sigmoid(z);
-            let dg_dz = lb * s * (T::one() - s);
-            let dg_da = if a_log.is_some() {
-                dg_dz * z
-            } else {
-                T::zero()
-            };
-            (lb * s, dg_dz * dz_dx, dg_da)
+    /// One element of the gate: `x = g_raw + dt_bias`, `a_log` the head's `A_log`.
+    /// Returns the decay and the partial derivatives `(∂g/∂x, ∂g/∂A_log)`.
+    pub fn eval<T: Scalar>(self, x: T, a_log: Option<T>) -> (T, T, T) {
+        match self {
+            Gate::None => (x, T::one(), T::zero()),
+            Gate::Kda => {
+                let a = a_log.expect("validated: kda gate needs A_log").exp();
+                let g = -a * softplus(x);
+                (g, -a * sigmoid(x), g)
+            }
+            Gate::LowerBound { lower_bound } => {
+                let lb = T::c(lower_bound);
+                let (z, dz_dx) = match a_log {
+                    Some(al) => (al.exp() * x, al.exp()),
+                    None => (x, T::one()),
+                };
+                let s = sigmoid(z);
+                let dg_dz = lb * s * (T::one() - s);
+                let dg_da = if a_log.is_some() {
+                    dg_dz * z
+                } else {
+                    T::zero()
+                };
+                (lb * s, dg_dz * dz_dx, dg_da)
+            }
         }
     }
 }
 
-/// [`gate_eval`] over a run of elements of one head, `x[i] = g_raw + dt_bias`
+/// [`Gate::eval`] over a run of elements of one head, `x[i] = g_raw + dt_bias`
 /// and `a_log` the head's `A_log`: writes the decay into `g` and, with
 /// `derivatives`, `(∂g/∂x, ∂g/∂A_log)` into them. The same bits as
-/// `gate_eval` element by element: `exp(A_log)` is taken once, and the
+/// `Gate::eval` element by element: `exp(A_log)` is taken once, and the
 /// run's other exponentials together ([`Scalar::exp_into`], glibc's bits on
 /// vectors in `f64`; call it under [`crate::fast::simd::dispatch`]).
 #[inline(always)]
@@ -237,7 +237,7 @@ mod tests {
         assert!((softplus(0.0f64) - 2f64.ln()).abs() < 1e-15);
     }
 
-    /// A run of elements gives each element's [`gate_eval`] bits, for every
+    /// A run of elements gives each element's [`Gate::eval`] bits, for every
     /// gate, with and without `A_log`, in f64 and f32, over signs and
     /// magnitudes that reach both branches and the sigmoid's saturation.
     #[test]
@@ -273,7 +273,7 @@ mod tests {
                     let mut only = vec![T::nan(); n];
                     gate_eval_run(gate, &x, a, &mut only, None);
                     for i in 0..n {
-                        let want = gate_eval(gate, x[i], a);
+                        let want = gate.eval(x[i], a);
                         let got = (g[i], dx[i], da[i]);
                         let same = |p: T, q: T| p.f64().to_bits() == q.f64().to_bits();
                         assert!(
@@ -299,13 +299,12 @@ mod tests {
                     continue;
                 }
                 let x = 0.7;
-                let (_, dx, da) = gate_eval(gate, x, a);
-                let fd_x = (gate_eval(gate, x + h, a).0 - gate_eval(gate, x - h, a).0) / (2.0 * h);
+                let (_, dx, da) = gate.eval(x, a);
+                let fd_x = (gate.eval(x + h, a).0 - gate.eval(x - h, a).0) / (2.0 * h);
                 assert!((dx - fd_x).abs() < 1e-8, "{gate:?} {a:?}: {dx} vs {fd_x}");
                 if let Some(al) = a {
-                    let fd_a = (gate_eval(gate, x, Some(al + h)).0
-                        - gate_eval(gate, x, Some(al - h)).0)
-                        / (2.0 * h);
+                    let fd_a =
+                        (gate.eval(x, Some(al + h)).0 - gate.eval(x, Some(al - h)).0) / (2.0 * h);
                     assert!((da - fd_a).abs() < 1e-8, "{gate:?}: {da} vs {fd_a}");
                 }
             }

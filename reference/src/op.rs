@@ -15,7 +15,7 @@
 //! count; [`crate::cp::forward`], [`crate::cp::backward`] and
 //! [`crate::cp::forward_backward`] run the same engine rank by rank.
 //! [`forward_backward`] allocates the run's result tensors once and hands
-//! each pair views of its rows ([`HeadSink`]), which an engine writes as it
+//! each pair views of its rows (`HeadSink`), which an engine writes as it
 //! goes ([`Engine::forward_backward_into`]): no pair keeps results of its
 //! own and nothing is assembled afterwards.
 //!
@@ -23,12 +23,14 @@
 //! 1. A folder `src/<op>/` with `mod.rs` holding the public tensors
 //!    (`Inputs`, `Options`, `Outputs`, `Grads` in FLA's layout), validation,
 //!    a `Prepared` (validated inputs after FLA's fused pre-processing) that
-//!    implements [`Prepared`], a per-piece `Head` (which may borrow the
-//!    `Prepared` tensors: [`Operator::head`]) and `HeadGrads`, and a marker
+//!    implements `op::Prepared`, a per-piece `Head` (which may borrow the
+//!    `Prepared` tensors: [`Operator::head`]) and `HeadGrads` (these three
+//!    declared `pub` in the operator's private `pieces.rs`: the contract
+//!    names them, the crate's API does not), and a marker
 //!    type implementing [`OpSpec`] and [`Operator`]. Its `GradsBuf` is the
 //!    gradients' full tensors before the chain rule, split per pair into
 //!    `GradsSink`s; an operator whose gradients are not all per-token
-//!    tensors keeps each pair's as computed ([`Collected`]).
+//!    tensors keeps each pair's as computed (`Collected`).
 //! 2. One file per engine (`naive.rs`, `chunk.rs`), each a type implementing
 //!    [`Engine`] with `type Op = <marker>`. Override [`Engine::transition`]
 //!    only when the engine has a cheaper way than the default probe run. A
@@ -46,6 +48,10 @@ use crate::fast::views;
 use crate::scalar::Scalar;
 use crate::tensor;
 use crate::varlen::Segment;
+
+// The contract's pieces: public types without a public path (see the module).
+mod pieces;
+pub(crate) use pieces::{Collected, HeadSink, Prepared, Shape};
 
 /// What an operator is called, FLA's way; the single source of its names.
 pub trait OpSpec {
@@ -65,27 +71,6 @@ pub trait OpSpec {
 
     /// `opt` asking for every output (the final state too), for comparisons.
     fn all_outputs(opt: &Self::Options) -> Self::Options;
-}
-
-/// Sizes the drivers need: `B`, `T`, `N` sequences, state-carrying heads,
-/// state `[K, V]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shape {
-    pub b: usize,
-    pub t: usize,
-    pub n: usize,
-    pub heads: usize,
-    pub k: usize,
-    pub v: usize,
-}
-
-/// Validated inputs, ready to cut into pieces ([`Operator::head`]).
-pub trait Prepared<T: Scalar>: Sync {
-    fn shape(&self) -> Shape;
-    /// Whole sequences of the batch (CP cuts them further).
-    fn segments(&self) -> &[Segment];
-    /// `[N, heads, K, V]`, when an initial state was given.
-    fn h0(&self) -> Option<ArrayView4<'_, T>>;
 }
 
 /// An operator in scalar `T`: its public tensors and how they map to and
@@ -269,17 +254,6 @@ pub trait Engine<T: Scalar>: Sync {
     }
 }
 
-/// One (sequence, head) pair's share of a forward+backward run's results,
-/// written in place ([`Engine::forward_backward_into`]): views of the full
-/// tensors.
-pub struct HeadSink<'s, T: Scalar, O: Operator<T>> {
-    /// `o [L, V]`
-    pub o: ArrayViewMut2<'s, T>,
-    /// `S_L [K, V]`
-    pub final_state: ArrayViewMut2<'s, T>,
-    pub grads: O::GradsSink<'s>,
-}
-
 /// The [`Operator`] items of an operator whose pairs write their gradients
 /// into `$buf` (the prepared tensors' gradients, with `zeros(&p.dims)` and
 /// `sinks(&p.segments)`) through `$sink<'s, T>` views (with `assign`):
@@ -347,11 +321,6 @@ macro_rules! grads_collected {
     };
 }
 pub(crate) use grads_collected;
-
-/// A [`Operator::GradsBuf`] that keeps each pair's gradients as its engine
-/// returns them, for operators whose gradients are not only per-token
-/// tensors (a convolution's weight gradient sums over the pairs).
-pub struct Collected<G>(Vec<Option<G>>);
 
 impl<G> Collected<G> {
     pub fn new(pairs: usize) -> Self {

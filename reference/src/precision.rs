@@ -8,6 +8,10 @@ use ndarray::{ArrayBase, DataMut, Dimension};
 use crate::dtype::Dtype;
 use crate::scalar::Scalar;
 
+// How a stage stores a value: a public type without a public path (see the module).
+mod store;
+pub(crate) use store::Store;
+
 /// The stages a chunked/CP kernel stores (FLA's names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Stage {
@@ -232,15 +236,6 @@ impl Jitter {
         let u = (h >> 11) as f64 * (1.0 / (1u64 << 53) as f64) * 2.0 - 1.0;
         x * (1.0 + self.rel * u)
     }
-}
-
-/// How one stage stores a value: its dtype and, in an ensemble member, the
-/// jitter applied before rounding ([`Policy::store`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Store {
-    pub dtype: Dtype,
-    stage: Stage,
-    jitter: Option<Jitter>,
 }
 
 impl Store {

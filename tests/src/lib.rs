@@ -2,7 +2,7 @@
 
 use deltaref::dplr::{self, DplrInputs, DplrOptions};
 use deltaref::kda::{self, KdaInputs, KdaOptions};
-use deltaref::op::{Engine, Operator};
+use deltaref::op::{self, Engine, Operator};
 use deltaref::token_shift::{self, TokenShiftInputs};
 use deltaref_verify::fd::dot;
 use deltaref_verify::metrics::norm_ratio;
@@ -29,7 +29,7 @@ pub fn kda_loss(x: &KdaInputs<f64>, opt: &KdaOptions, d_o: &ArrayD<f64>, dht: &A
         output_final_state: true,
         ..*opt
     };
-    let out = kda::naive::forward(x, &opt).expect("valid inputs");
+    let out = op::forward(&kda::Naive, x, &opt).expect("valid inputs");
     dot(&out.o, d_o) + dot(out.final_state.as_ref().expect("asked for"), dht)
 }
 
@@ -44,13 +44,13 @@ pub fn dplr_loss(
         output_final_state: true,
         ..*opt
     };
-    let out = dplr::naive::forward(x, &opt).expect("valid inputs");
+    let out = op::forward(&dplr::Naive, x, &opt).expect("valid inputs");
     dot(&out.o, d_o) + dot(out.final_state.as_ref().expect("asked for"), dht)
 }
 
 /// `Σ y·dy + Σ final_cache·dfinal_cache` for token-shift.
 pub fn token_shift_loss(x: &TokenShiftInputs<f64>, dy: &ArrayD<f64>, dfc: &ArrayD<f64>) -> f64 {
-    let out = token_shift::forward(x).expect("valid inputs");
+    let out = op::forward(&token_shift::Shift, x, &()).expect("valid inputs");
     dot(&out.y, dy) + dot(&out.final_cache, dfc)
 }
 

@@ -226,10 +226,10 @@ fn bench(t: usize, h: usize, kd: usize, steep: Option<f64>) -> Vec<Row> {
             d_o: &g.d_o,
             dht: &g.dht,
         },
-        (kda::naive::Naive, naive_ops(t, h, ops::kda_naive(kd, kd))),
+        (kda::Naive, naive_ops(t, h, ops::kda_naive(kd, kd))),
         |c| {
             let n = chunk_ops(t, h, c, ops::kda_chunk(c, kd, kd));
-            (kda::chunk::Chunk::new(c).expect("valid"), n)
+            (kda::Chunk::new(c).expect("valid"), n)
         },
     );
     push_op(
@@ -241,10 +241,10 @@ fn bench(t: usize, h: usize, kd: usize, steep: Option<f64>) -> Vec<Row> {
             d_o: &d.d_o,
             dht: &d.dht,
         },
-        (dplr::naive::Naive, naive_ops(t, h, ops::dplr_naive(kd, kd))),
+        (dplr::Naive, naive_ops(t, h, ops::dplr_naive(kd, kd))),
         |c| {
             let n = chunk_ops(t, h, c, ops::dplr_chunk(c, kd, kd));
-            (dplr::chunk::Chunk::new(c).expect("valid"), n)
+            (dplr::Chunk::new(c).expect("valid"), n)
         },
     );
     let runs: Vec<&dyn Fn()> = jobs.iter().map(|j| &*j.run).collect();

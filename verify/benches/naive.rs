@@ -38,7 +38,7 @@ fn main() {
         seed: 0,
     };
     let g = inputs::KdaSpec::generate(&spec);
-    let kda = jobs(&kda::naive::Naive, &g.inputs, &opts, &g.d_o, &g.dht);
+    let kda = jobs(&kda::Naive, &g.inputs, &opts, &g.d_o, &g.dht);
     let d = inputs::DplrSpec::generate(&DplrSpec {
         layout: Layout::batch(1, t),
         h,
@@ -51,7 +51,7 @@ fn main() {
         output_final_state: true,
         ..Default::default()
     };
-    let dplr = jobs(&dplr::naive::Naive, &d.inputs, &dopts, &d.d_o, &d.dht);
+    let dplr = jobs(&dplr::Naive, &d.inputs, &dopts, &d.d_o, &d.dht);
     let jobs: Vec<&dyn Fn()> = kda.iter().chain(&dplr).map(|j| &**j).collect();
     let rounds = common::rounds(&jobs);
     let best = |i| rounds.best(i).expect("rounds ran");

@@ -9,7 +9,7 @@ pub mod naive;
 
 use cudarc::driver::{CudaSlice, PushKernelArg};
 use deltaref::gates::{Gate, L2NORM_EPS};
-use deltaref::kda::{self as oracle, KdaDims, KdaGrads, KdaOptions, KdaOutputs, KdaRefs};
+use deltaref::kda::{KdaDims, KdaGrads, KdaOptions, KdaOutputs, KdaRefs};
 use ndarray::ArrayD;
 
 use crate::cp::{self, Recurrence};
@@ -387,8 +387,8 @@ pub fn run(
     imp: &GpuImpl,
 ) -> Result<Run<KdaOutputs<f64>, KdaGrads<f64>>> {
     let t = std::time::Instant::now();
-    let d = oracle::validate_refs(x, opts)?;
-    oracle::validate_upstream(&d, d_o, dht)?;
+    let d = x.validate(opts)?;
+    d.validate_upstream(d_o, dht)?;
     let checked_s = t.elapsed().as_secs_f64();
     let mut run = run_validated(gpu, d, x, opts, d_o, dht, imp)?;
     // Checking the inputs is part of getting them onto the device.

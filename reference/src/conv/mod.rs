@@ -20,6 +20,8 @@
 
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
 
 use ndarray::{
     s, Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix1,
@@ -32,6 +34,8 @@ use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{ConvHead, PieceGrads, Prepared};
 
 /// The activation applied to the convolution (FLA `activation`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -216,21 +220,6 @@ pub(crate) fn validate_upstream<T: Scalar>(
     Ok(())
 }
 
-/// Validated inputs as the contract's one-head tensors: `x [B, T, 1, D]`,
-/// the initial state as windows `[N, 1, W, D]`.
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub(crate) dims: ConvDims,
-    pub segments: Vec<Segment>,
-    pub x: ArrayView4<'a, T>,
-    /// `[D, W]`
-    pub weight: ArrayView2<'a, T>,
-    /// `[D]`
-    pub bias: Option<ArrayView1<'a, T>>,
-    pub h0: Option<ArrayView4<'a, T>>,
-    pub act: Activation,
-}
-
 fn view3<T: Scalar>(a: &ArrayD<T>) -> ArrayView3<'_, T> {
     a.view().into_dimensionality::<Ix3>().expect("validated")
 }
@@ -293,17 +282,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
     }
 }
 
-/// One sequence (or CP piece): tokens `x [L, D]` and the parameters.
-#[derive(Clone, Debug)]
-pub struct ConvHead<T> {
-    pub x: Array2<T>,
-    /// `[D, W]`
-    pub weight: Array2<T>,
-    /// `[D]`
-    pub bias: Option<Array1<T>>,
-    pub act: Activation,
-}
-
 /// Row `m` of the extended sequence `X = [window; x]`.
 fn ext<'b, T: Scalar>(
     x: &'b ArrayView2<T>,
@@ -363,19 +341,6 @@ pub(crate) fn piece_forward<T: Scalar>(
 ) -> (Array2<T>, Array2<T>) {
     let y = pre_activation(x, window, weight, bias).mapv_into(|z| act.eval(z).0);
     (y, last_window(x, window))
-}
-
-/// Gradients of one piece.
-#[derive(Clone, Debug)]
-pub struct PieceGrads<T> {
-    /// `[L, D]`
-    pub dx: Array2<T>,
-    /// `[W, D]`, of the window the piece started from.
-    pub dwindow: Array2<T>,
-    /// `[D, W]`
-    pub dweight: Array2<T>,
-    /// `[D]`
-    pub dbias: Array1<T>,
 }
 
 /// Backward of [`piece_forward`] for `Σ y·dy + Σ last·dlast` (`dy [L, D]`,
@@ -584,19 +549,4 @@ impl<T: Scalar> Operator<T> for CausalConv1d {
     fn narrow(x: &ConvInputs<f64>) -> ConvInputs<T> {
         x.cast()
     }
-}
-
-/// Forward over every sequence.
-pub fn forward<T: Scalar>(x: &ConvInputs<T>, opt: &ConvOptions) -> Result<ConvOutputs<T>> {
-    op::forward(&Direct, x, opt)
-}
-
-/// Backward of `Σ y·dy + Σ final_state·dht` (`dht` zero when `None`).
-pub fn backward<T: Scalar>(
-    x: &ConvInputs<T>,
-    opt: &ConvOptions,
-    dy: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<ConvGrads<T>> {
-    op::backward(&Direct, x, opt, dy, dht)
 }

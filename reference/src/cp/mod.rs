@@ -25,7 +25,7 @@ use crate::scalar::Scalar;
 use crate::tensor;
 use crate::varlen::Segment;
 pub use intra::{compute_subseq_len, plan_spec, split_points, IntraParams};
-pub use plan::{DeviceRank, Layout, Plan, PlanSpec, RankMeta};
+pub use plan::{Layout, Plan, PlanSpec, RankMeta};
 
 /// What an operator hands from rank to rank under context parallel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

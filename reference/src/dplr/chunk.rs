@@ -9,29 +9,21 @@
 //! factors splits into blocks ([`crate::fast::decay_blocks`]), so nothing
 //! overflows.
 
-use ndarray::{
-    s, Array1, Array2, Array3, ArrayBase, ArrayD, ArrayView2, Axis, CowArray, Data, Ix2,
-};
+use ndarray::{s, Array1, Array2, Array3, ArrayBase, ArrayView2, Axis, CowArray, Data, Ix2};
 
-use super::{
-    Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
-    DplrOutputs, Prepared,
-};
+use super::{Dplr, DplrHead, DplrHeadGrads, DplrHeadGradsMut};
 use crate::chunked::Stages;
-use crate::error::Result;
 use crate::fast::columns::{
     backward_chunks, forward_chunks, StateColumns, StateGradColumns, StateRows,
 };
 use crate::fast::decay_blocks::Block;
 use crate::fast::fused::{self, gate_grads, GateGrads, GateOperands};
 use crate::fast::gemm;
-use crate::fast::par::{par_chunks, par_pairs};
+use crate::fast::par::par_chunks;
 use crate::fast::tri;
 use crate::fast::views;
-use crate::op::{self, Operator};
 use crate::precision::{Feature, Stage};
 use crate::scalar::{exp_bound, Scalar};
-use crate::varlen::Segment;
 
 mod safe_gate;
 
@@ -87,26 +79,6 @@ impl Chunk {
     fn gated_by<T: Scalar>(&self, ch: &Intra<T>, x: ArrayView2<T>, which: Exp) -> Array2<T> {
         self.as_stored(Stage::Gated, ch.times_exp(x, which))
     }
-}
-
-/// `chunk::forward(x, opt, C)`.
-pub fn forward<T: Scalar>(
-    x: &DplrInputs<T>,
-    opt: &DplrOptions,
-    chunk_size: usize,
-) -> Result<DplrOutputs<T>> {
-    op::forward(&Chunk::new(chunk_size)?, x, opt)
-}
-
-/// `chunk::backward(x, opt, do, dht, C)`.
-pub fn backward<T: Scalar>(
-    x: &DplrInputs<T>,
-    opt: &DplrOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-    chunk_size: usize,
-) -> Result<DplrGrads<T>> {
-    op::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
 }
 
 /// One chunk's state-independent quantities (rows = the chunk's tokens).
@@ -1048,24 +1020,4 @@ impl<T: Scalar> Stages<T> for Dplr {
         }
         m
     }
-}
-
-/// Forward intermediates of every (sequence, head) pair of a batch.
-pub fn intermediates<T: Scalar>(
-    engine: &Chunk,
-    x: &DplrInputs<T>,
-    opt: &DplrOptions,
-) -> Result<Vec<(Segment, usize, ChunkForward<T>)>> {
-    let p = Prepared::new(x, opt)?;
-    Ok(par_pairs(p.segments.len(), p.dims.h, |si, h| {
-        let seg = p.segments[si];
-        (
-            seg,
-            h,
-            engine.forward_intermediates(
-                &Dplr::head(&p, &seg, h),
-                op::initial_state(&p, seg.seq, h).view(),
-            ),
-        )
-    }))
 }

@@ -222,8 +222,8 @@ impl Registered for Dplr {
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
     ) -> Result<()> {
-        let d = super::validate_refs(&refs(t, cu)?, opt)?;
-        super::validate_upstream(&d, d_o, dht)
+        let d = refs(t, cu)?.validate(opt)?;
+        d.validate_upstream(d_o, dht)
     }
 
     fn memory(_: &DplrOptions) -> MemoryModel {

@@ -6,10 +6,17 @@
 //! Shared pieces as for KDA: tensors, validation, [`Dplr`] (its side of the
 //! operator contract, [`crate::op`]); the engines (`naive`, `chunk`) see one head of one sequence.
 
-pub mod chunk;
+pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
-pub mod naive;
+pub(crate) mod naive;
+
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
+
+// The engines, named from here: the forms' modules hold their pieces.
+pub use chunk::Chunk;
+pub use naive::Naive;
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView4, ArrayViewMut2, CowArray, Ix2, Ix3};
 
@@ -21,6 +28,10 @@ use crate::op::{self, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{
+    DplrHead, DplrHeadGrads, DplrHeadGradsMut, HeadsGk, Prepared, PreparedGrads,
+};
 
 /// DPLR inputs in FLA's layout (`chunk_dplr_delta_rule`).
 #[derive(Clone, Debug)]
@@ -153,36 +164,6 @@ pub struct DplrDims {
     pub n: usize,
 }
 
-/// One head of one sequence (or CP piece). [`Dplr::head`] borrows each
-/// tensor: the head's rows of a `[B, T, H, D]` tensor, strided by the other
-/// heads (rows contiguous).
-#[derive(Clone, Debug)]
-pub struct DplrHead<'h, T> {
-    /// `[L, K]`; the query is `q · scale`.
-    pub q: CowArray<'h, T, Ix2>,
-    pub k: CowArray<'h, T, Ix2>,
-    pub a: CowArray<'h, T, Ix2>,
-    pub b: CowArray<'h, T, Ix2>,
-    pub gk: CowArray<'h, T, Ix2>,
-    /// `[L, V]`
-    pub v: CowArray<'h, T, Ix2>,
-    /// The query's factor, applied as `q` is read: each query element is
-    /// the product `q · scale`.
-    pub scale: T,
-    /// The gates of every head of the same rows, where the head was taken
-    /// from a batch ([`Dplr::head`]): only FLA #1085's faulty midpoint read
-    /// ([`crate::precision::Policy::midpoint_stride_fault`]) looks at them.
-    pub heads_gk: Option<HeadsGk<'h, T>>,
-}
-
-/// `gk` of every head over a head's rows, `[L, H, K]`, and which head the
-/// head is: what a read with the wrong head stride reaches.
-#[derive(Clone, Debug)]
-pub struct HeadsGk<'h, T> {
-    pub gk: CowArray<'h, T, Ix3>,
-    pub head: usize,
-}
-
 impl<T: Scalar> HeadsGk<'_, T> {
     /// The same gates with their own storage.
     pub fn into_owned(self) -> HeadsGk<'static, T> {
@@ -252,18 +233,6 @@ impl<T: Scalar> DplrHead<'_, T> {
     }
 }
 
-#[derive(Clone, Debug)]
-pub struct DplrHeadGrads<T> {
-    pub dq: Array2<T>,
-    pub dk: Array2<T>,
-    pub dv: Array2<T>,
-    pub da: Array2<T>,
-    pub db: Array2<T>,
-    pub dgk: Array2<T>,
-    /// `[K, V]`
-    pub dh0: Array2<T>,
-}
-
 impl<T: Scalar> DplrHeadGrads<T> {
     /// Zero gradients of an `L`-token piece with a `[K, V]` state.
     pub fn zeros(l: usize, k: usize, v: usize) -> Self {
@@ -290,25 +259,6 @@ impl<T: Scalar> DplrHeadGrads<T> {
             dh0: self.dh0.view_mut(),
         }
     }
-}
-
-/// [`DplrHeadGrads`] as views where an engine writes them: a piece's own
-/// arrays, or its rows of a run's full tensors ([`PreparedGrads`]).
-pub struct DplrHeadGradsMut<'s, T> {
-    /// `[L, K]`
-    pub dq: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dk: ArrayViewMut2<'s, T>,
-    /// `[L, V]`
-    pub dv: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub da: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub db: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dgk: ArrayViewMut2<'s, T>,
-    /// `[K, V]`
-    pub dh0: ArrayViewMut2<'s, T>,
 }
 
 impl<T: Scalar> DplrHeadGradsMut<'_, T> {
@@ -344,67 +294,52 @@ impl<T: Scalar> DplrHeadGradsMut<'_, T> {
 }
 
 pub(crate) fn validate<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrDims> {
-    validate_refs(&x.refs(), opt)
+    x.refs().validate(opt)
 }
 
-/// Validates borrowed inputs (shapes as in the owned inputs) and options;
-/// returns the problem sizes.
-pub fn validate_refs<T: Scalar>(x: &DplrRefs<'_, T>, opt: &DplrOptions) -> Result<DplrDims> {
-    let qs = expect_rank("q", "B,T,H,K", x.q)?;
-    let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
-    if h == 0 || k == 0 {
-        return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
+impl<T: Scalar> DplrRefs<'_, T> {
+    /// Validates borrowed inputs (shapes as in the owned inputs) and options;
+    /// returns the problem sizes.
+    pub fn validate(&self, opt: &DplrOptions) -> Result<DplrDims> {
+        let x = self;
+        let qs = expect_rank("q", "B,T,H,K", x.q)?;
+        let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
+        if h == 0 || k == 0 {
+            return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
+        }
+        for (name, a) in [("k", x.k), ("a", x.a), ("b", x.b), ("gk", x.gk)] {
+            expect_shape(name, "[B,T,H,K]", qs, a.shape())?;
+        }
+        let vs = expect_rank("v", "B,T,H,V", x.v)?;
+        if vs[3] == 0 {
+            return Err(Error::shape("v", "[B,T,H,V] with V ≥ 1", vs));
+        }
+        expect_shape("v", "[B,T,H,V]", &[b, t, h, vs[3]], vs)?;
+        let v = vs[3];
+        let segments = varlen::sequences(b, t, x.cu_seqlens)?;
+        let n = segments.len();
+        if let Some(h0) = x.initial_state {
+            expect_shape("initial_state", "[N,H,K,V]", &[n, h, k, v], h0.shape())?;
+            check_finite("initial_state", h0)?;
+        }
+        if let Some(sc) = opt.scale {
+            check_finite_option("scale", sc)?;
+        }
+        if let Some(lb) = opt.lower_bound {
+            check_lower_bound(lb, x.gk)?;
+        }
+        for (name, a) in [
+            ("q", x.q),
+            ("k", x.k),
+            ("v", x.v),
+            ("a", x.a),
+            ("b", x.b),
+            ("gk", x.gk),
+        ] {
+            check_finite(name, a)?;
+        }
+        Ok(DplrDims { b, t, h, k, v, n })
     }
-    for (name, a) in [("k", x.k), ("a", x.a), ("b", x.b), ("gk", x.gk)] {
-        expect_shape(name, "[B,T,H,K]", qs, a.shape())?;
-    }
-    let vs = expect_rank("v", "B,T,H,V", x.v)?;
-    if vs[3] == 0 {
-        return Err(Error::shape("v", "[B,T,H,V] with V ≥ 1", vs));
-    }
-    expect_shape("v", "[B,T,H,V]", &[b, t, h, vs[3]], vs)?;
-    let v = vs[3];
-    let segments = varlen::sequences(b, t, x.cu_seqlens)?;
-    let n = segments.len();
-    if let Some(h0) = x.initial_state {
-        expect_shape("initial_state", "[N,H,K,V]", &[n, h, k, v], h0.shape())?;
-        check_finite("initial_state", h0)?;
-    }
-    if let Some(sc) = opt.scale {
-        check_finite_option("scale", sc)?;
-    }
-    if let Some(lb) = opt.lower_bound {
-        check_lower_bound(lb, x.gk)?;
-    }
-    for (name, a) in [
-        ("q", x.q),
-        ("k", x.k),
-        ("v", x.v),
-        ("a", x.a),
-        ("b", x.b),
-        ("gk", x.gk),
-    ] {
-        check_finite(name, a)?;
-    }
-    Ok(DplrDims { b, t, h, k, v, n })
-}
-
-/// Validated inputs, ready to cut into heads: views of the input tensors
-/// (`scale` is applied to `q` head by head).
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: DplrDims,
-    pub scale: f64,
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, not yet scaled: `Dplr::head` applies `scale`,
-    /// head by head, in parallel.
-    pub q: ArrayView4<'a, T>,
-    pub k: ArrayView4<'a, T>,
-    pub v: ArrayView4<'a, T>,
-    pub a: ArrayView4<'a, T>,
-    pub b: ArrayView4<'a, T>,
-    pub gk: ArrayView4<'a, T>,
-    pub h0: Option<ArrayView4<'a, T>>,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
@@ -519,7 +454,7 @@ impl<T: Scalar> Operator<T> for Dplr {
         d_o: &ArrayD<T>,
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
-        validate_upstream(&p.dims, d_o, dht)
+        p.dims.validate_upstream(d_o, dht)
     }
 
     fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
@@ -584,31 +519,22 @@ impl<T: Scalar> Operator<T> for Dplr {
     }
 }
 
-/// Validates the upstream gradients `do [B,T,H,V]` and `dht [N,H,K,V]`.
-pub fn validate_upstream<T: Scalar>(
-    d: &DplrDims,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<()> {
-    expect_shape("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o.shape())?;
-    check_finite("do", d_o)?;
-    if let Some(dht) = dht {
-        expect_shape("dht", "[N,H,K,V]", &[d.n, d.h, d.k, d.v], dht.shape())?;
-        check_finite("dht", dht)?;
+impl DplrDims {
+    /// Validates the upstream gradients `do [B,T,H,V]` and `dht [N,H,K,V]`.
+    pub fn validate_upstream<T: Scalar>(
+        &self,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        let d = self;
+        expect_shape("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o.shape())?;
+        check_finite("do", d_o)?;
+        if let Some(dht) = dht {
+            expect_shape("dht", "[N,H,K,V]", &[d.n, d.h, d.k, d.v], dht.shape())?;
+            check_finite("dht", dht)?;
+        }
+        Ok(())
     }
-    Ok(())
-}
-
-/// Gradients gathered per head before the `scale` chain on `dq`.
-#[derive(Clone, Debug)]
-pub struct PreparedGrads<T> {
-    pub dq: Array4<T>,
-    pub dk: Array4<T>,
-    pub dv: Array4<T>,
-    pub da: Array4<T>,
-    pub db: Array4<T>,
-    pub dgk: Array4<T>,
-    pub dh0: Array4<T>,
 }
 
 impl<T: Scalar> PreparedGrads<T> {

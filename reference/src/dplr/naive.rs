@@ -10,39 +10,20 @@
 //! token `t`'s start (and decay) with the backward of token `t − 1`'s
 //! finish.
 
-use ndarray::{ArrayD, ArrayView2, ArrayViewMut2, CowArray, Ix2};
+use ndarray::{ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
-use super::{
-    Dplr, DplrGrads, DplrHead, DplrHeadGrads, DplrHeadGradsMut, DplrInputs, DplrOptions,
-    DplrOutputs,
-};
-use crate::error::Result;
+use super::{Dplr, DplrHead, DplrHeadGrads, DplrHeadGradsMut};
 use crate::fast::naive::{Back, Recurrence, SweepRows};
 use crate::fast::scratch::Rows;
 use crate::fast::sums::{dot, RowSums, SweepSums};
 use crate::fast::sweep::{chunks, chunks_mut, prefetch, spread, Group, Pairs};
 use crate::fast::views::{contiguous_rows, row, row_mut};
-use crate::op::{self, Engine};
+use crate::op::Engine;
 use crate::scalar::Scalar;
 
 /// The naive recurrent engine.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;
-
-/// `forward(&Naive, …)`: outputs `o [B,T,H,V]` and optionally `final_state`.
-pub fn forward<T: Scalar>(x: &DplrInputs<T>, opt: &DplrOptions) -> Result<DplrOutputs<T>> {
-    op::forward(&Naive, x, opt)
-}
-
-/// `backward(&Naive, …)`: all gradients from `do` and optional `dht`.
-pub fn backward<T: Scalar>(
-    x: &DplrInputs<T>,
-    opt: &DplrOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<DplrGrads<T>> {
-    op::backward(&Naive, x, opt, d_o, dht)
-}
 
 impl<T: Scalar> Engine<T> for Naive {
     crate::fast::naive::engine!(Dplr);

@@ -215,8 +215,8 @@ impl Registered for Gdn {
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
     ) -> Result<()> {
-        let d = super::validate_refs(&kda::entry::refs(t, cu, INFO.name)?, opt)?;
-        super::validate_upstream(&d, opt.state_v_first, d_o, dht)
+        let d = opt.validate_refs(&kda::entry::refs(t, cu, INFO.name)?)?;
+        opt.validate_upstream(&d, d_o, dht)
     }
 
     fn memory(opt: &GdnOptions) -> MemoryModel {

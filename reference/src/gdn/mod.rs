@@ -6,7 +6,7 @@
 //! GDN is KDA with the gate broadcast over K (SPEC §3): `Diag(exp g_t 1_K) =
 //! exp(g_t) I`, so every KDA engine (naive, chunked, with its precision
 //! policy) computes a GDN piece exactly: [`Gdn`]'s per-piece tensors are
-//! KDA's ([`KdaHead`], the gate repeated over K) and [`OnKda`] runs a KDA
+//! KDA's (`KdaHead`, the gate repeated over K) and [`OnKda`] runs a KDA
 //! engine as a GDN engine. Since `g_t[d] = g_t` for every `d`,
 //! `∂L/∂g_t = Σ_d ∂L/∂g_t[d]`: KDA's chain rule with a scalar gate sums its
 //! per-key gate gradient over K. This module adds what GDN has of its own:
@@ -16,6 +16,8 @@
 
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
 
 use std::borrow::Cow;
 
@@ -26,7 +28,7 @@ use ndarray::{
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::gates::{self, Gate};
+use crate::gates::Gate;
 use crate::kda::{
     self, Kda, KdaDims, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaOptions, PreparedGrads,
 };
@@ -34,6 +36,8 @@ use crate::op::{self, Engine, HeadSink, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::Prepared;
 
 /// GDN inputs in FLA's layout: KDA's fields (so the same `refs` and
 /// `cast`), with GDN's shapes: `q`, `k [B, T, H, K]`, `v [B, T, HV, V]`
@@ -87,65 +91,80 @@ pub struct GdnGrads<T> {
 }
 
 /// `[N, HV, a, b]` → `[N, HV, b, a]` (the `state_v_first` layout swap).
-pub fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
+pub(crate) fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
     let mut t = s.view();
     t.swap_axes(2, 3);
     t.as_standard_layout().into_owned()
 }
 
-/// A state-shaped tensor in KDA's `[N, HV, K, V]` from the options' layout,
-/// or back (the swap is its own inverse); borrowed when there is no swap.
-pub fn kv_layout<'a, T: Scalar>(opt: &GdnOptions, s: &'a ArrayD<T>) -> Cow<'a, ArrayD<T>> {
-    if opt.state_v_first {
-        Cow::Owned(swap_state(s))
-    } else {
-        Cow::Borrowed(s)
+impl GdnOptions {
+    /// A state-shaped tensor `s` in KDA's `[N, HV, K, V]` from these
+    /// options' layout, or back (the swap is its own inverse); borrowed when
+    /// there is no swap.
+    pub fn kv_layout<'a, T: Scalar>(&self, s: &'a ArrayD<T>) -> Cow<'a, ArrayD<T>> {
+        if self.state_v_first {
+            Cow::Owned(swap_state(s))
+        } else {
+            Cow::Borrowed(s)
+        }
+    }
+
+    /// [`GdnOptions::kv_layout`] of an owned state (moved when there is no swap).
+    pub fn kv_layout_owned<T: Scalar>(&self, s: ArrayD<T>) -> ArrayD<T> {
+        if self.state_v_first {
+            swap_state(&s)
+        } else {
+            s
+        }
+    }
+
+    /// The KDA options that compute a GDN problem once its decay is evaluated.
+    pub fn kda(&self) -> KdaOptions {
+        KdaOptions {
+            scale: self.scale,
+            output_final_state: self.output_final_state,
+            use_qk_l2norm_in_kernel: self.use_qk_l2norm_in_kernel,
+            gate: Gate::None,
+            use_beta_sigmoid_in_kernel: self.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval: self.allow_neg_eigval,
+        }
+    }
+
+    /// Validates borrowed inputs `x` against these options as
+    /// [`Operator::prepare`] does: GDN's own checks, then KDA's on the
+    /// decay; returns KDA's sizes. The copies it makes are `[B, T, HV]` (the
+    /// in-kernel decay) and state-sized (a `state_v_first` swap), never a
+    /// `[B, T, H, K]` tensor.
+    pub fn validate_refs<T: Scalar>(&self, x: &GdnRefs<'_, T>) -> Result<KdaDims> {
+        Ok(checked(x, self)?.dims)
+    }
+
+    /// [`GdnOptions::validate_refs`], also returning the initial state in
+    /// KDA's `[N, HV, K, V]` layout (borrowed unless `state_v_first` swapped
+    /// it), for callers that run GDN as KDA: the swap made to validate it is
+    /// the one they use.
+    #[allow(clippy::type_complexity)]
+    pub fn validate_refs_kv<'a, T: Scalar>(
+        &self,
+        x: &GdnRefs<'a, T>,
+    ) -> Result<(KdaDims, Option<Cow<'a, ArrayD<T>>>)> {
+        let c = checked(x, self)?;
+        Ok((c.dims, c.h0))
+    }
+
+    /// Validates `do [B, T, HV, V]` and `dht` (`[N, HV, V, K]` with
+    /// `state_v_first`, else `[N, HV, K, V]`) against validated sizes `d`.
+    pub fn validate_upstream<T: Scalar>(
+        &self,
+        d: &KdaDims,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        validate_upstream(d, self.state_v_first, d_o, dht)
     }
 }
 
-/// [`kv_layout`] of an owned state (moved when there is no swap).
-pub fn kv_layout_owned<T: Scalar>(opt: &GdnOptions, s: ArrayD<T>) -> ArrayD<T> {
-    if opt.state_v_first {
-        swap_state(&s)
-    } else {
-        s
-    }
-}
-
-/// The KDA options that compute a GDN problem once its decay is evaluated.
-pub fn kda_options(opt: &GdnOptions) -> KdaOptions {
-    KdaOptions {
-        scale: opt.scale,
-        output_final_state: opt.output_final_state,
-        use_qk_l2norm_in_kernel: opt.use_qk_l2norm_in_kernel,
-        gate: Gate::None,
-        use_beta_sigmoid_in_kernel: opt.use_beta_sigmoid_in_kernel,
-        allow_neg_eigval: opt.allow_neg_eigval,
-    }
-}
-
-/// Validates borrowed inputs and options as [`Operator::prepare`] does:
-/// GDN's own checks, then KDA's on the decay; returns KDA's sizes. The
-/// copies it makes are `[B, T, HV]` (the in-kernel decay) and state-sized
-/// (a `state_v_first` swap), never a `[B, T, H, K]` tensor.
-pub fn validate_refs<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<KdaDims> {
-    Ok(checked(x, opt)?.dims)
-}
-
-/// [`validate_refs`], also returning the initial state in KDA's
-/// `[N, HV, K, V]` layout (borrowed unless `state_v_first` swapped it), for
-/// callers that run GDN as KDA: the swap made to validate it is the one
-/// they use.
-#[allow(clippy::type_complexity)]
-pub fn validate_refs_kv<'a, T: Scalar>(
-    x: &GdnRefs<'a, T>,
-    opt: &GdnOptions,
-) -> Result<(KdaDims, Option<Cow<'a, ArrayD<T>>>)> {
-    let c = checked(x, opt)?;
-    Ok((c.dims, c.h0))
-}
-
-/// What [`validate_refs`] checks and derives on the way.
+/// What [`GdnOptions::validate_refs`] checks and derives on the way.
 struct Checked<'a, T: Clone> {
     dims: KdaDims,
     /// The log-space decay `[B, T, HV]` (evaluated with the in-kernel gate,
@@ -155,7 +174,7 @@ struct Checked<'a, T: Clone> {
     h0: Option<Cow<'a, ArrayD<T>>>,
 }
 
-/// [`validate_refs`], keeping the decay and the initial state in KDA's layout.
+/// [`GdnOptions::validate_refs`], keeping the decay and the initial state in KDA's layout.
 fn checked<'a, T: Scalar>(x: &GdnRefs<'a, T>, opt: &GdnOptions) -> Result<Checked<'a, T>> {
     validate_own(x, opt)?;
     let decay = if opt.use_gate_in_kernel {
@@ -164,7 +183,7 @@ fn checked<'a, T: Scalar>(x: &GdnRefs<'a, T>, opt: &GdnOptions) -> Result<Checke
     } else {
         None
     };
-    let h0 = x.initial_state.map(|s| kv_layout(opt, s));
+    let h0 = x.initial_state.map(|s| opt.kv_layout(s));
     let kx = GdnRefs {
         g: decay.as_ref().unwrap_or(x.g),
         a_log: None,
@@ -172,7 +191,7 @@ fn checked<'a, T: Scalar>(x: &GdnRefs<'a, T>, opt: &GdnOptions) -> Result<Checke
         initial_state: h0.as_deref(),
         ..*x
     };
-    let dims = kda::validate_refs(&kx, &kda_options(opt))?;
+    let dims = kx.validate(&opt.kda())?;
     let decay = match decay {
         Some(g) => CowArray::from(g),
         None => CowArray::from(x.g.view()),
@@ -184,15 +203,15 @@ fn checked<'a, T: Scalar>(x: &GdnRefs<'a, T>, opt: &GdnOptions) -> Result<Checke
     })
 }
 
-/// Validates `do [B, T, HV, V]` and `dht` (`[N, HV, V, K]` with
-/// `state_v_first`, else `[N, HV, K, V]`) against validated sizes `d`.
-pub fn validate_upstream<T: Scalar>(
+/// [`GdnOptions::validate_upstream`] with the layout flag alone (what a
+/// [`Prepared`] keeps of the options).
+fn validate_upstream<T: Scalar>(
     d: &KdaDims,
     state_v_first: bool,
     d_o: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<()> {
-    kda::validate_upstream(d, d_o, None)?;
+    d.validate_upstream(d_o, None)?;
     if let Some(dht) = dht {
         let (dims, want) = if state_v_first {
             ("[N,HV,V,K] (state_v_first)", [d.n, d.hv, d.v, d.k])
@@ -277,9 +296,7 @@ fn per_gate_element<T: Scalar, U: Send>(
 
 /// The per-head decay `−exp(A_log[h])·softplus(g + dt_bias[h])` `[B, T, HV]`.
 fn in_kernel_decay<T: Scalar>(x: &GdnRefs<'_, T>) -> Array3<T> {
-    per_gate_element(x, |shifted, a| {
-        gates::gate_eval(Gate::Kda, shifted, Some(a)).0
-    })
+    per_gate_element(x, |shifted, a| Gate::Kda.eval(shifted, Some(a)).0)
 }
 
 /// Chains KDA's gradients (decay `dg [B, T, HV]`, states in `[K, V]`) back to
@@ -289,7 +306,7 @@ fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions)
         let ddecay = g.dg.into_dimensionality::<Ix3>().expect("[B,T,HV]");
         // The decay's partial derivatives ∂/∂g and ∂/∂A_log.
         let partials = per_gate_element(&x.refs(), |s, a| {
-            let (_, dx, da) = gates::gate_eval(Gate::Kda, s, Some(a));
+            let (_, dx, da) = Gate::Kda.eval(s, Some(a));
             (dx, da)
         });
         let chain = |part: fn(&(T, T)) -> T| {
@@ -314,32 +331,8 @@ fn grads_from_kda<T: Scalar>(g: KdaGrads<T>, x: &GdnInputs<T>, opt: &GdnOptions)
         dbeta: g.dbeta,
         da_log,
         ddt_bias,
-        dh0: g.dh0.map(|s| kv_layout_owned(opt, s)),
+        dh0: g.dh0.map(|s| opt.kv_layout_owned(s)),
     }
-}
-
-/// Validated GDN inputs after FLA's fused pre-processing (l2norm, gate,
-/// beta sigmoid), states in `[N, HV, K, V]`.
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: KdaDims,
-    pub scale: f64,
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub q: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: CowArray<'a, T, Ix4>,
-    /// `[B, T, HV, V]`
-    pub v: ArrayView4<'a, T>,
-    /// `[B, T, HV]` log-space decay (a view of `g` unless the in-kernel gate
-    /// evaluated it).
-    pub g: CowArray<'a, T, Ix3>,
-    /// `[B, T, HV]`
-    pub beta: Array3<T>,
-    /// `[N, HV, K, V]` (a view of the input unless `state_v_first` swapped it)
-    pub h0: Option<CowArray<'a, T, Ix4>>,
-    /// States are `[N, HV, V, K]` in the public tensors.
-    pub state_v_first: bool,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
@@ -348,7 +341,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
     /// changes them.
     pub fn new(x: &'a GdnInputs<T>, opt: &GdnOptions) -> Result<Self> {
         let Checked { dims, decay, h0 } = checked(&x.refs(), opt)?;
-        let kopt = kda_options(opt);
+        let kopt = opt.kda();
         let kda::Activations { q, k, beta } = kda::Activations::new(&x.refs(), &kopt);
         Ok(Prepared {
             dims,
@@ -483,7 +476,7 @@ fn chain<T: Scalar>(
         dt_bias: None,
         ..x.refs()
     };
-    let g = g.chain(&kx, &kda_options(opt), p.dims, p.scale);
+    let g = g.chain(&kx, &opt.kda(), p.dims, p.scale);
     grads_from_kda(g, x, opt)
 }
 
@@ -546,7 +539,7 @@ impl<T: Scalar> Operator<T> for Gdn {
             o: o.into_dyn(),
             final_state: opt
                 .output_final_state
-                .then(|| kv_layout_owned(opt, final_state.into_dyn())),
+                .then(|| opt.kv_layout_owned(final_state.into_dyn())),
         }
     }
 

@@ -287,7 +287,7 @@ impl Registered for Gdn2 {
             .collect();
         need(t, "q", INFO.name)?;
         let x = inputs_of(&mut copy, cu.map(<[i64]>::to_vec))?;
-        let d = super::validate(&x, opt)?;
+        let d = x.validate(opt)?;
         super::validate_upstream(&d, opt.state_v_first, d_o, dht)
     }
 

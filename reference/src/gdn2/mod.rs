@@ -13,8 +13,8 @@
 //! This module owns what the engines share: the public tensors and options
 //! (FLA's names), validation, the pre-processing FLA fuses into its kernels
 //! (l2norm of q/k, the in-kernel gate) and its backward, and [`Gdn2`], its
-//! side of the operator contract ([`crate::op`]). The engines ([`naive`],
-//! [`chunk`]) see one head of one sequence (or CP piece); CP and the
+//! side of the operator contract ([`crate::op`]). The engines ([`Naive`],
+//! [`Chunk`]) see one head of one sequence (or CP piece); CP and the
 //! drivers come from [`crate::op`] and [`crate::cp`].
 //!
 //! Where FLA 0.6.0 fixes a detail the recurrence leaves open, this follows
@@ -45,10 +45,17 @@
 //! be finite. Looser than FLA: any chunk size the engines take (FLA's
 //! kernels take 64 only), an `initial_state` under CP.
 
-pub mod chunk;
+pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
-pub mod naive;
+pub(crate) mod naive;
+
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
+
+// The engines, named from here: the forms' modules hold their pieces.
+pub use chunk::Chunk;
+pub use naive::Naive;
 
 use ndarray::{
     s, Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView4, Axis, CowArray, Ix2, Ix4, IxDyn, Zip,
@@ -61,6 +68,8 @@ use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{Gdn2Dims, Gdn2Head, Gdn2HeadGrads, Prepared};
 
 /// GDN-2 inputs in FLA's layout (`chunk_gdn2`'s argument names).
 #[derive(Clone, Debug)]
@@ -156,37 +165,6 @@ pub struct Gdn2Grads<T> {
     pub dh0: Option<ArrayD<T>>,
 }
 
-/// Sizes of a validated GDN-2 problem.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Gdn2Dims {
-    pub b: usize,
-    pub t: usize,
-    pub h: usize,
-    pub k: usize,
-    pub v: usize,
-    /// Number of sequences.
-    pub n: usize,
-}
-
-/// One head of one sequence (or CP piece) after pre-processing: all an
-/// engine sees. Token-major rows `[L, ·]`, borrowed from the prepared
-/// tensors except the scaled query.
-#[derive(Clone, Debug)]
-pub struct Gdn2Head<'h, T> {
-    /// `[L, K]`, `scale · q` (l2-normalised first if asked).
-    pub q: CowArray<'h, T, Ix2>,
-    /// `[L, K]`, l2-normalised if asked.
-    pub k: CowArray<'h, T, Ix2>,
-    /// `[L, V]`
-    pub v: CowArray<'h, T, Ix2>,
-    /// `[L, K]` log-space decay (after the in-kernel gate).
-    pub g: CowArray<'h, T, Ix2>,
-    /// `[L, K]` erase gate.
-    pub b: CowArray<'h, T, Ix2>,
-    /// `[L, V]` write gate.
-    pub w: CowArray<'h, T, Ix2>,
-}
-
 impl<T: Scalar> Gdn2Head<'_, T> {
     /// Tokens `L`.
     pub fn len(&self) -> usize {
@@ -204,26 +182,6 @@ impl<T: Scalar> Gdn2Head<'_, T> {
     pub fn v_dim(&self) -> usize {
         self.v.ncols()
     }
-}
-
-/// Gradients of one piece with respect to [`Gdn2Head`]'s tensors (`dq` is
-/// with respect to the scaled query) and its initial state.
-#[derive(Clone, Debug)]
-pub struct Gdn2HeadGrads<T> {
-    /// `[L, K]`
-    pub dq: Array2<T>,
-    /// `[L, K]`
-    pub dk: Array2<T>,
-    /// `[L, V]`
-    pub dv: Array2<T>,
-    /// `[L, K]`, with respect to the decay.
-    pub dg: Array2<T>,
-    /// `[L, K]`
-    pub db: Array2<T>,
-    /// `[L, V]`
-    pub dw: Array2<T>,
-    /// `[K, V]`
-    pub dh0: Array2<T>,
 }
 
 impl<T: Scalar> Gdn2HeadGrads<T> {
@@ -265,14 +223,14 @@ pub(crate) const SOFTPLUS_THRESHOLD: f64 = 20.0;
 /// Validation guarantees `A_log` for the softplus form.
 fn gate_element<T: Scalar>(lower_bound: Option<f64>, x: T, a_log: Option<T>) -> (T, T, T) {
     match lower_bound {
-        Some(lower_bound) => gates::gate_eval(Gate::LowerBound { lower_bound }, x, a_log),
+        Some(lower_bound) => Gate::LowerBound { lower_bound }.eval(x, a_log),
         None if x > T::c(SOFTPLUS_THRESHOLD) => {
             let a = a_log
                 .expect("validated: the softplus gate needs A_log")
                 .exp();
             (-a * x, -a, -a * x)
         }
-        None => gates::gate_eval(Gate::Kda, x, a_log),
+        None => Gate::Kda.eval(x, a_log),
     }
 }
 
@@ -303,13 +261,15 @@ fn map_gate<T: Scalar, U>(
     })
 }
 
-/// Validates inputs and options; returns the problem sizes. Every refusal
-/// names the tensor (or option), the expected shape and what it got.
-pub fn validate<T: Scalar>(x: &Gdn2Inputs<T>, opt: &Gdn2Options) -> Result<Gdn2Dims> {
-    Ok(checked(x, opt)?.0)
+impl<T: Scalar> Gdn2Inputs<T> {
+    /// Validates inputs and options; returns the problem sizes. Every refusal
+    /// names the tensor (or option), the expected shape and what it got.
+    pub fn validate(&self, opt: &Gdn2Options) -> Result<Gdn2Dims> {
+        Ok(checked(self, opt)?.0)
+    }
 }
 
-/// [`validate`], also returning the in-kernel gate's decay `[B, T, H, K]`
+/// [`Gdn2Inputs::validate`], also returning the in-kernel gate's decay `[B, T, H, K]`
 /// (checked finite) when `use_gate_in_kernel` is on.
 fn checked<T: Scalar>(
     x: &Gdn2Inputs<T>,
@@ -439,7 +399,7 @@ fn validate_gate<T: Scalar>(
 
 /// Validates the upstream gradients `do [B, T, H, V]` and `dht` (`[N, H, K,
 /// V]`, or `[N, H, V, K]` with `state_v_first`) against validated sizes `d`.
-pub fn validate_upstream<T: Scalar>(
+pub(crate) fn validate_upstream<T: Scalar>(
     d: &Gdn2Dims,
     state_v_first: bool,
     d_o: &ArrayD<T>,
@@ -461,37 +421,10 @@ pub fn validate_upstream<T: Scalar>(
 
 /// `[N, H, a, b]` → `[N, H, b, a]`: the `state_v_first` layout swap (its own
 /// inverse).
-pub fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
+pub(crate) fn swap_state<T: Scalar>(s: &ArrayD<T>) -> ArrayD<T> {
     let mut t = s.view();
     t.swap_axes(2, 3);
     t.as_standard_layout().into_owned()
-}
-
-/// Validated inputs after FLA's fused pre-processing (l2norm, gate), states
-/// in `[N, H, K, V]`; what the pre-processing leaves alone is borrowed.
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: Gdn2Dims,
-    pub scale: f64,
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked (not yet scaled).
-    pub q: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, V]`
-    pub v: ArrayView4<'a, T>,
-    /// `[B, T, H, K]` log-space decay.
-    pub g: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`
-    pub b: ArrayView4<'a, T>,
-    /// `[B, T, H, V]`
-    pub w: ArrayView4<'a, T>,
-    /// `[N, H, K, V]`
-    pub h0: Option<CowArray<'a, T, Ix4>>,
-    /// The public state tensors are `[N, H, V, K]`.
-    pub state_v_first: bool,
-    /// q and k went through the in-kernel l2norm.
-    pub l2norm: bool,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {

@@ -7,34 +7,15 @@
 //! its checkpoint, so a long piece costs `O(√L · K · V)` memory rather than
 //! `O(L · K · V)`.
 
-use ndarray::{Array1, Array2, ArrayD, ArrayView2, Axis};
+use ndarray::{Array1, Array2, ArrayView2, Axis};
 
-use super::{
-    outer, scale_rows, Gdn2, Gdn2Grads, Gdn2Head, Gdn2HeadGrads, Gdn2Inputs, Gdn2Options,
-    Gdn2Outputs,
-};
-use crate::error::Result;
-use crate::op::{self, Engine};
+use super::{outer, scale_rows, Gdn2, Gdn2Head, Gdn2HeadGrads};
+use crate::op::Engine;
 use crate::scalar::Scalar;
 
 /// The naive recurrent engine.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;
-
-/// `op::forward(&Naive, …)`: `o [B, T, H, V]` and, if asked, `final_state`.
-pub fn forward<T: Scalar>(x: &Gdn2Inputs<T>, opt: &Gdn2Options) -> Result<Gdn2Outputs<T>> {
-    op::forward(&Naive, x, opt)
-}
-
-/// `op::backward(&Naive, …)`: every gradient of `Σ o·do + Σ final_state·dht`.
-pub fn backward<T: Scalar>(
-    x: &Gdn2Inputs<T>,
-    opt: &Gdn2Options,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<Gdn2Grads<T>> {
-    op::backward(&Naive, x, opt, d_o, dht)
-}
 
 /// What token `t` computes from `S_{t−1}` before writing: the decay `e^g
 /// [K]`, the decayed state `S̃ [K, V]`, the gated key `b ⊙ k [K]` and

@@ -304,8 +304,8 @@ impl Registered for Kda {
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
     ) -> Result<()> {
-        let d = super::validate_refs(&refs(t, cu, INFO.name)?, opt)?;
-        super::validate_upstream(&d, d_o, dht)
+        let d = refs(t, cu, INFO.name)?.validate(opt)?;
+        d.validate_upstream(d_o, dht)
     }
 
     fn memory(opt: &KdaOptions) -> MemoryModel {

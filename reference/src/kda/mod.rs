@@ -7,11 +7,18 @@
 //! operator contract ([`crate::op`]). The engines (`naive`, `chunk`) only see
 //! one head of one sequence.
 
-pub mod chunk;
+pub(crate) mod chunk;
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
 mod intermediates;
-pub mod naive;
+pub(crate) mod naive;
+
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
+
+// The engines, named from here: the forms' modules hold their pieces.
+pub use chunk::Chunk;
+pub use naive::Naive;
 
 use ndarray::{
     s, Array1, Array2, Array3, Array4, ArrayD, ArrayView4, ArrayViewMut1, ArrayViewMut2, Axis,
@@ -26,6 +33,8 @@ use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{KdaHead, KdaHeadGrads, KdaHeadGradsMut, Prepared, PreparedGrads};
 
 /// KDA inputs in FLA's layout (see SPEC §2).
 #[derive(Clone, Debug)]
@@ -168,28 +177,6 @@ impl KdaDims {
     }
 }
 
-/// One head of one sequence (or CP piece), after pre-processing: the only
-/// thing an engine sees. [`Kda::head`] borrows each tensor from the
-/// [`Prepared`] ones: the head's rows of a `[B, T, H, D]` tensor, strided
-/// by the other heads (rows contiguous). Engines read rows as they are
-/// or make the copies they need.
-#[derive(Clone, Debug)]
-pub struct KdaHead<'h, T> {
-    /// `[L, K]`, l2-normalised if asked; the query is `q · scale`.
-    pub q: CowArray<'h, T, Ix2>,
-    /// `[L, K]`, l2-normalised if asked.
-    pub k: CowArray<'h, T, Ix2>,
-    /// `[L, V]`
-    pub v: CowArray<'h, T, Ix2>,
-    /// `[L, K]` log-space decay per token.
-    pub g: CowArray<'h, T, Ix2>,
-    /// `[L]`
-    pub beta: CowArray<'h, T, Ix1>,
-    /// The query's factor (FLA's `scale`), applied as `q` is read: each
-    /// query element is the product `q · scale`.
-    pub scale: T,
-}
-
 impl<T: Scalar> KdaHead<'_, T> {
     /// The head with its own copy of any borrowed tensor.
     pub fn into_owned(self) -> KdaHead<'static, T> {
@@ -237,18 +224,6 @@ impl<T: Scalar> KdaHead<'_, T> {
     }
 }
 
-/// Gradients of one head with respect to [`KdaHead`]'s tensors and `h0`.
-#[derive(Clone, Debug)]
-pub struct KdaHeadGrads<T> {
-    pub dq: Array2<T>,
-    pub dk: Array2<T>,
-    pub dv: Array2<T>,
-    pub dg: Array2<T>,
-    pub dbeta: Array1<T>,
-    /// `[K, V]`
-    pub dh0: Array2<T>,
-}
-
 impl<T: Scalar> KdaHeadGrads<T> {
     /// Zero gradients of an `L`-token piece with a `[K, V]` state.
     pub fn zeros(l: usize, k: usize, v: usize) -> Self {
@@ -272,23 +247,6 @@ impl<T: Scalar> KdaHeadGrads<T> {
             dh0: self.dh0.view_mut(),
         }
     }
-}
-
-/// [`KdaHeadGrads`] as views where an engine writes them: a piece's own
-/// arrays, or its rows of a run's full tensors ([`PreparedGrads`]).
-pub struct KdaHeadGradsMut<'s, T> {
-    /// `[L, K]`
-    pub dq: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dk: ArrayViewMut2<'s, T>,
-    /// `[L, V]`
-    pub dv: ArrayViewMut2<'s, T>,
-    /// `[L, K]`
-    pub dg: ArrayViewMut2<'s, T>,
-    /// `[L]`
-    pub dbeta: ArrayViewMut1<'s, T>,
-    /// `[K, V]`
-    pub dh0: ArrayViewMut2<'s, T>,
 }
 
 impl<T: Scalar> KdaHeadGradsMut<'_, T> {
@@ -321,90 +279,93 @@ impl<T: Scalar> KdaHeadGradsMut<'_, T> {
     }
 }
 
-/// Validates borrowed inputs and options; returns the problem sizes.
-pub fn validate_refs<T: Scalar>(x: &KdaRefs<'_, T>, opt: &KdaOptions) -> Result<KdaDims> {
-    let qs = expect_rank("q", "B,T,H,K", x.q)?;
-    let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
-    if h == 0 || k == 0 {
-        return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
-    }
-    expect_shape("k", "[B,T,H,K]", qs, x.k.shape())?;
-    let vs = expect_rank("v", "B,T,HV,V", x.v)?;
-    let (hv, v) = (vs[2], vs[3]);
-    expect_shape(
-        "v",
-        "[B,T,HV,V] (B, T as q)",
-        &[b, t, hv, v],
-        &[vs[0], vs[1], hv, v],
-    )?;
-    if hv == 0 || hv % h != 0 || v == 0 {
-        return Err(Error::shape(
+impl<T: Scalar> KdaRefs<'_, T> {
+    /// Validates borrowed inputs and options; returns the problem sizes.
+    pub fn validate(&self, opt: &KdaOptions) -> Result<KdaDims> {
+        let x = self;
+        let qs = expect_rank("q", "B,T,H,K", x.q)?;
+        let (b, t, h, k) = (qs[0], qs[1], qs[2], qs[3]);
+        if h == 0 || k == 0 {
+            return Err(Error::shape("q", "[B,T,H,K] with H ≥ 1 and K ≥ 1", qs));
+        }
+        expect_shape("k", "[B,T,H,K]", qs, x.k.shape())?;
+        let vs = expect_rank("v", "B,T,HV,V", x.v)?;
+        let (hv, v) = (vs[2], vs[3]);
+        expect_shape(
             "v",
-            format!("[B,T,HV,V] with HV a positive multiple of H = {h} (GVA) and V ≥ 1"),
-            vs,
-        ));
-    }
-    let scalar_gate = x.g.ndim() == 3;
-    if scalar_gate {
-        expect_shape(
-            "g",
-            "[B,T,HV] (scalar gate per head)",
-            &[b, t, hv],
-            x.g.shape(),
+            "[B,T,HV,V] (B, T as q)",
+            &[b, t, hv, v],
+            &[vs[0], vs[1], hv, v],
         )?;
-    } else {
-        expect_shape(
-            "g",
-            "[B,T,HV,K] (or [B,T,HV] for a scalar gate)",
-            &[b, t, hv, k],
-            x.g.shape(),
-        )?;
-    }
-    expect_shape("beta", "[B,T,HV]", &[b, t, hv], x.beta.shape())?;
+        if hv == 0 || hv % h != 0 || v == 0 {
+            return Err(Error::shape(
+                "v",
+                format!("[B,T,HV,V] with HV a positive multiple of H = {h} (GVA) and V ≥ 1"),
+                vs,
+            ));
+        }
+        let scalar_gate = x.g.ndim() == 3;
+        if scalar_gate {
+            expect_shape(
+                "g",
+                "[B,T,HV] (scalar gate per head)",
+                &[b, t, hv],
+                x.g.shape(),
+            )?;
+        } else {
+            expect_shape(
+                "g",
+                "[B,T,HV,K] (or [B,T,HV] for a scalar gate)",
+                &[b, t, hv, k],
+                x.g.shape(),
+            )?;
+        }
+        expect_shape("beta", "[B,T,HV]", &[b, t, hv], x.beta.shape())?;
 
-    let segments = varlen::sequences(b, t, x.cu_seqlens)?;
-    let n = segments.len();
-    if let Some(h0) = &x.initial_state {
-        expect_shape("initial_state", "[N,HV,K,V]", &[n, hv, k, v], h0.shape())?;
-    }
-    validate_gate(x, opt, hv, k, scalar_gate)?;
-    if let Some(sc) = opt.scale {
-        check_finite_option("scale", sc)?;
-    }
-    if opt.allow_neg_eigval && !opt.use_beta_sigmoid_in_kernel {
-        return Err(Error::option(
-            "allow_neg_eigval",
-            "only takes effect with use_beta_sigmoid_in_kernel (β = 2·sigmoid(beta))",
-        ));
-    }
-    for (name, t) in [
-        ("q", &x.q),
-        ("k", &x.k),
-        ("v", &x.v),
-        ("g", &x.g),
-        ("beta", &x.beta),
-    ] {
-        check_finite(name, t)?;
-    }
-    for (name, t) in [
-        ("A_log", &x.a_log),
-        ("dt_bias", &x.dt_bias),
-        ("initial_state", &x.initial_state),
-    ] {
-        if let Some(t) = t {
+        let segments = varlen::sequences(b, t, x.cu_seqlens)?;
+        let n = segments.len();
+        if let Some(h0) = &x.initial_state {
+            expect_shape("initial_state", "[N,HV,K,V]", &[n, hv, k, v], h0.shape())?;
+        }
+        validate_gate(x, opt, hv, k, scalar_gate)?;
+        if let Some(sc) = opt.scale {
+            check_finite_option("scale", sc)?;
+        }
+        if opt.allow_neg_eigval && !opt.use_beta_sigmoid_in_kernel {
+            return Err(Error::option(
+                "allow_neg_eigval",
+                "only takes effect with use_beta_sigmoid_in_kernel (β = 2·sigmoid(beta))",
+            ));
+        }
+        for (name, t) in [
+            ("q", &x.q),
+            ("k", &x.k),
+            ("v", &x.v),
+            ("g", &x.g),
+            ("beta", &x.beta),
+        ] {
             check_finite(name, t)?;
         }
+        for (name, t) in [
+            ("A_log", &x.a_log),
+            ("dt_bias", &x.dt_bias),
+            ("initial_state", &x.initial_state),
+        ] {
+            if let Some(t) = t {
+                check_finite(name, t)?;
+            }
+        }
+        Ok(KdaDims {
+            b,
+            t,
+            h,
+            hv,
+            k,
+            v,
+            n,
+            scalar_gate,
+        })
     }
-    Ok(KdaDims {
-        b,
-        t,
-        h,
-        hv,
-        k,
-        v,
-        n,
-        scalar_gate,
-    })
 }
 
 fn validate_gate<T: Scalar>(
@@ -456,31 +417,6 @@ fn validate_gate<T: Scalar>(
     Ok(())
 }
 
-/// Validated inputs after FLA's fused pre-processing, ready to cut into heads.
-/// Tensors the pre-processing leaves alone are views of the inputs.
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: KdaDims,
-    pub scale: f64,
-    /// Sequences of the batch (whole sequences; CP cuts them further).
-    pub segments: Vec<Segment>,
-    /// `[B, T, H, K]`, l2-normalised if asked (`Kda::head` applies
-    /// `scale`, head by head, in parallel).
-    pub q: CowArray<'a, T, Ix4>,
-    /// `[B, T, H, K]`, l2-normalised if asked.
-    pub k: CowArray<'a, T, Ix4>,
-    /// `[B, T, HV, V]`
-    pub v: ArrayView4<'a, T>,
-    /// `[B, T, HV, K]` log-space decay.
-    pub g: CowArray<'a, T, Ix4>,
-    /// `[B, T, HV]`
-    pub beta: Array3<T>,
-    /// `[N, HV, K, V]`
-    pub h0: Option<ArrayView4<'a, T>>,
-    /// The options it was prepared with (which in-kernel activations ran).
-    pub opt: KdaOptions,
-}
-
 impl<'a, T: Scalar> Prepared<'a, T> {
     /// The activations' outputs (q/k after an in-kernel l2norm) rounded per
     /// `policy`'s [`Stage::Activations`] storage, as a kernel that writes them
@@ -500,7 +436,7 @@ impl<'a, T: Scalar> Prepared<'a, T> {
     /// Validates `x` and applies l2norm, scale, gate and beta sigmoid.
     pub fn new(x: &'a KdaInputs<T>, opt: &KdaOptions) -> Result<Self> {
         let x = &x.refs();
-        let dims = validate_refs(x, opt)?;
+        let dims = x.validate(opt)?;
         let segments = varlen::sequences(dims.b, dims.t, x.cu_seqlens)?;
         let Activations { q, k, beta } = Activations::new(x, opt);
         Ok(Prepared {
@@ -647,7 +583,7 @@ impl<T: Scalar> Operator<T> for Kda {
         d_o: &ArrayD<T>,
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
-        validate_upstream(&p.dims, d_o, dht)
+        p.dims.validate_upstream(d_o, dht)
     }
 
     fn probe<'h>(x: &Self::Head<'h>) -> (Self::Head<'h>, usize) {
@@ -795,36 +731,22 @@ fn gate_terms<'a, T: Scalar>(
     (CowArray::from(g), derivatives.then_some((dx, da)))
 }
 
-/// Validates the upstream gradients `do [B,T,HV,V]` and `dht [N,HV,K,V]`.
-pub fn validate_upstream<T: Scalar>(
-    d: &KdaDims,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<()> {
-    expect_shape("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o.shape())?;
-    check_finite("do", d_o)?;
-    if let Some(dht) = dht {
-        expect_shape("dht", "[N,HV,K,V]", &[d.n, d.hv, d.k, d.v], dht.shape())?;
-        check_finite("dht", dht)?;
+impl KdaDims {
+    /// Validates the upstream gradients `do [B,T,HV,V]` and `dht [N,HV,K,V]`.
+    pub fn validate_upstream<T: Scalar>(
+        &self,
+        d_o: &ArrayD<T>,
+        dht: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        let d = self;
+        expect_shape("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o.shape())?;
+        check_finite("do", d_o)?;
+        if let Some(dht) = dht {
+            expect_shape("dht", "[N,HV,K,V]", &[d.n, d.hv, d.k, d.v], dht.shape())?;
+            check_finite("dht", dht)?;
+        }
+        Ok(())
     }
-    Ok(())
-}
-
-/// Gradients with respect to [`Prepared`]'s tensors, per value head.
-#[derive(Clone, Debug)]
-pub struct PreparedGrads<T> {
-    /// `[B, T, HV, K]` (summed over each GVA group by `chain`)
-    pub dq: Array4<T>,
-    /// `[B, T, HV, K]`
-    pub dk: Array4<T>,
-    /// `[B, T, HV, V]`
-    pub dv: Array4<T>,
-    /// `[B, T, HV, K]`
-    pub dg: Array4<T>,
-    /// `[B, T, HV]`
-    pub dbeta: Array3<T>,
-    /// `[N, HV, K, V]`
-    pub dh0: Array4<T>,
 }
 
 impl<T: Scalar> PreparedGrads<T> {

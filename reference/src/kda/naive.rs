@@ -10,38 +10,20 @@
 //! fuses, row by row, the backward of the start of token `t` with the
 //! backward of the finish of token `t − 1`.
 
-use ndarray::{ArrayD, ArrayView1, ArrayView2, ArrayViewMut2, CowArray, Ix2};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
-use super::{
-    Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
-};
-use crate::error::Result;
+use super::{Kda, KdaHead, KdaHeadGrads, KdaHeadGradsMut};
 use crate::fast::naive::{Back, Recurrence, SweepRows};
 use crate::fast::scratch::Rows;
 use crate::fast::sums::{dot, RowSums, SweepSums};
 use crate::fast::sweep::{chunks, chunks_mut, prefetch, spread, Group, Pairs};
 use crate::fast::views::{contiguous_rows, row, row_mut};
-use crate::op::{self, Engine};
+use crate::op::Engine;
 use crate::scalar::Scalar;
 
 /// The naive recurrent engine.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Naive;
-
-/// `forward(&Naive, …)`: outputs `o [B,T,HV,V]` and optionally `final_state`.
-pub fn forward<T: Scalar>(x: &KdaInputs<T>, opt: &KdaOptions) -> Result<KdaOutputs<T>> {
-    op::forward(&Naive, x, opt)
-}
-
-/// `backward(&Naive, …)`: all gradients from `do` and optional `dht`.
-pub fn backward<T: Scalar>(
-    x: &KdaInputs<T>,
-    opt: &KdaOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-) -> Result<KdaGrads<T>> {
-    op::backward(&Naive, x, opt, d_o, dht)
-}
 
 impl<T: Scalar> Engine<T> for Naive {
     crate::fast::naive::engine!(Kda);

@@ -140,8 +140,8 @@ impl Registered for TokenShift {
         d_o: &ArrayD<f64>,
         dht: Option<&ArrayD<f64>>,
     ) -> Result<()> {
-        let (d, _) = super::validate_refs(&refs(t, cu)?)?;
-        super::validate_upstream(&d, d_o, dht)
+        let (d, _) = refs(t, cu)?.validate()?;
+        d.validate_upstream(d_o, dht)
     }
 
     fn memory(_: &()) -> MemoryModel {

@@ -7,6 +7,8 @@
 
 // The registry entry, listed in `registry::OPS`: tools reach it only there.
 pub(crate) mod entry;
+// The engine pieces: public types without a public path (see the module).
+mod pieces;
 
 use ndarray::{
     Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix2, Ix3,
@@ -17,6 +19,8 @@ use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
 use crate::tensor::{self, check_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
+
+pub(crate) use pieces::{Prepared, TokenShiftDims, TokenShiftHead, TokenShiftHeadGrads};
 
 #[derive(Clone, Debug)]
 pub struct TokenShiftInputs<T> {
@@ -74,49 +78,32 @@ pub struct TokenShiftGrads<T> {
     pub dcache: Option<ArrayD<T>>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TokenShiftDims {
-    pub b: usize,
-    pub t: usize,
-    pub d: usize,
-    pub n: usize,
-}
-
 /// Validates shapes, `cu_seqlens` and finiteness; returns sizes and sequences.
 pub(crate) fn validate<T: Scalar>(
     x: &TokenShiftInputs<T>,
 ) -> Result<(TokenShiftDims, Vec<Segment>)> {
-    validate_refs(&x.refs())
+    x.refs().validate()
 }
 
-/// Validates borrowed inputs (shapes as in the owned inputs); returns the
-/// problem sizes and the sequences.
-pub fn validate_refs<T: Scalar>(
-    x: &TokenShiftRefs<'_, T>,
-) -> Result<(TokenShiftDims, Vec<Segment>)> {
-    let xs = expect_rank("x", "B,T,D", x.x)?;
-    let (b, t, d) = (xs[0], xs[1], xs[2]);
-    if d == 0 {
-        return Err(Error::shape("x", "[B,T,D] with D ≥ 1", xs));
+impl<T: Scalar> TokenShiftRefs<'_, T> {
+    /// Validates borrowed inputs (shapes as in the owned inputs); returns the
+    /// problem sizes and the sequences.
+    pub fn validate(&self) -> Result<(TokenShiftDims, Vec<Segment>)> {
+        let x = self;
+        let xs = expect_rank("x", "B,T,D", x.x)?;
+        let (b, t, d) = (xs[0], xs[1], xs[2]);
+        if d == 0 {
+            return Err(Error::shape("x", "[B,T,D] with D ≥ 1", xs));
+        }
+        let segs = varlen::sequences(b, t, x.cu_seqlens)?;
+        let n = segs.len();
+        check_finite("x", x.x)?;
+        if let Some(c) = x.cache {
+            expect_shape("cache", "[N,D]", &[n, d], c.shape())?;
+            check_finite("cache", c)?;
+        }
+        Ok((TokenShiftDims { b, t, d, n }, segs))
     }
-    let segs = varlen::sequences(b, t, x.cu_seqlens)?;
-    let n = segs.len();
-    check_finite("x", x.x)?;
-    if let Some(c) = x.cache {
-        expect_shape("cache", "[N,D]", &[n, d], c.shape())?;
-        check_finite("cache", c)?;
-    }
-    Ok((TokenShiftDims { b, t, d, n }, segs))
-}
-
-/// Validated inputs as one-head tensors: `x [B, T, 1, D]`, `cache [N, 1, 1, D]`
-/// (the cache is the state, `K = 1`, `V = D`).
-#[derive(Clone, Debug)]
-pub struct Prepared<'a, T> {
-    pub dims: TokenShiftDims,
-    pub segments: Vec<Segment>,
-    pub x: ArrayView4<'a, T>,
-    pub cache: Option<ArrayView4<'a, T>>,
 }
 
 impl<'a, T: Scalar> Prepared<'a, T> {
@@ -165,19 +152,6 @@ impl<T: Scalar> op::Prepared<T> for Prepared<'_, T> {
     fn h0(&self) -> Option<ArrayView4<'_, T>> {
         self.cache.as_ref().map(|c| c.view())
     }
-}
-
-/// The tokens of one sequence (or CP piece): `x [L, D]`.
-#[derive(Clone, Debug)]
-pub struct TokenShiftHead<T> {
-    pub x: Array2<T>,
-}
-
-/// `dx [L, D]` and the gradient of the token before the piece, `dcache [1, D]`.
-#[derive(Clone, Debug)]
-pub struct TokenShiftHeadGrads<T> {
-    pub dx: Array2<T>,
-    pub dcache: Array2<T>,
 }
 
 /// The one engine: `y_t = x_{t−1} − x_t`, the state being the last token.
@@ -266,7 +240,7 @@ impl<T: Scalar> Operator<T> for TokenShift {
         dy: &ArrayD<T>,
         dfinal_cache: Option<&ArrayD<T>>,
     ) -> Result<()> {
-        validate_upstream(&p.dims, dy, dfinal_cache)
+        p.dims.validate_upstream(dy, dfinal_cache)
     }
 
     fn upstream_view(dy: &ArrayD<T>) -> ArrayView4<'_, T> {
@@ -336,31 +310,20 @@ impl<T: Scalar> Operator<T> for TokenShift {
     }
 }
 
-/// Forward over every sequence.
-pub fn forward<T: Scalar>(x: &TokenShiftInputs<T>) -> Result<TokenShiftOutputs<T>> {
-    op::forward(&Shift, x, &())
-}
-
-/// Validates `dy [B,T,D]` and `dfinal_cache [N,D]`.
-pub fn validate_upstream<T: Scalar>(
-    d: &TokenShiftDims,
-    dy: &ArrayD<T>,
-    dfinal_cache: Option<&ArrayD<T>>,
-) -> Result<()> {
-    expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], dy.shape())?;
-    check_finite("dy", dy)?;
-    if let Some(df) = dfinal_cache {
-        expect_shape("dfinal_cache", "[N,D]", &[d.n, d.d], df.shape())?;
-        check_finite("dfinal_cache", df)?;
+impl TokenShiftDims {
+    /// Validates `dy [B,T,D]` and `dfinal_cache [N,D]`.
+    pub fn validate_upstream<T: Scalar>(
+        &self,
+        dy: &ArrayD<T>,
+        dfinal_cache: Option<&ArrayD<T>>,
+    ) -> Result<()> {
+        let d = self;
+        expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], dy.shape())?;
+        check_finite("dy", dy)?;
+        if let Some(df) = dfinal_cache {
+            expect_shape("dfinal_cache", "[N,D]", &[d.n, d.d], df.shape())?;
+            check_finite("dfinal_cache", df)?;
+        }
+        Ok(())
     }
-    Ok(())
-}
-
-/// Backward from `dy [B,T,D]` and optional `dfinal_cache [N,D]`.
-pub fn backward<T: Scalar>(
-    x: &TokenShiftInputs<T>,
-    dy: &ArrayD<T>,
-    dfinal_cache: Option<&ArrayD<T>>,
-) -> Result<TokenShiftGrads<T>> {
-    op::backward(&Shift, x, &(), dy, dfinal_cache)
 }

@@ -3,20 +3,21 @@
 //!
 //! **This is the definition.** The engines (`naive`, `chunk`, CP, intra-card
 //! CP, the f32 runs, the precision emulation) are the fast machinery, and
-//! they are tested against it (`tests/truth.rs`), never the other way round.
+//! they are tested against it (`truth/tests.rs`), never the other way round.
 //! Nothing here calls an engine or the engines' pre-processing
 //! ([`crate::gates`]): the l2norm, the in-kernel gates and the beta sigmoid
 //! are written out again as formulas, so that a slip in the shared code
 //! cannot hide in both.
 //!
-//! Each operator's truth is one `forward` function, generic over a [`Real`]
-//! scalar and taking the operator's public inputs and options: its
-//! [`Truth::forward`] (`<Kda as Truth>::forward(&x, &opt)`), written in this
-//! module's file of the operator's name (`truth/kda.rs`). Gradients are
-//! not derived by hand: running the same `forward` on [`Dual`] numbers gives
-//! [`LANES`] directional derivatives of FLA's loss
-//! `L = Σ out₀·do + Σ out₁·dht` per pass ([`jvp`]), and passes over basis
-//! tangents give every input element's `∂L/∂x` ([`grads`]).
+//! Each operator's truth is one `forward` function, generic over a real
+//! scalar (`f64` outside the crate) and taking the operator's public inputs
+//! and options: its [`Truth::forward`] (`<Kda as Truth>::forward(&x,
+//! &opt)`), written in this module's file of the operator's name
+//! (`truth/kda.rs`). Gradients are not derived by hand: the crate's tests
+//! run the same `forward` on dual numbers (`truth/dual.rs`), which gives
+//! `LANES` directional derivatives of FLA's loss `L = Σ out₀·do + Σ
+//! out₁·dht` per pass (`jvp`), and passes over basis tangents give every
+//! input element's `∂L/∂x` (`grads`).
 //!
 //! The forwards assume valid inputs (the shapes and options each operator's
 //! `validate` accepts); they panic on shapes that do not fit.
@@ -25,57 +26,26 @@
 // [`Truth::forward`] (`<Kda as Truth>::forward`).
 mod conv;
 mod dplr;
+// Dual numbers: the gradients of the truth, for the crate's tests.
+#[cfg(test)]
 mod dual;
 mod gdn;
 mod kda;
+mod real;
 mod token_shift;
+// Every engine against the truth, and the truth's gradients against finite
+// differences.
+#[cfg(test)]
+mod tests;
 
-use std::fmt::Debug;
-use std::ops::{Add, Div, Mul, Neg, Range, Sub};
+use std::ops::Range;
 
 use ndarray::{Array, ArrayD, ArrayView2, ArrayView3, ArrayView4, Ix4};
-use num_traits::{One, Zero};
 
 use crate::op::OpSpec;
-pub use dual::{Dual, LANES};
-
-/// The real numbers the truth is written over: `f64`, or a [`Dual`] number
-/// carrying derivatives along with the value.
-pub trait Real:
-    Copy
-    + Debug
-    + Zero
-    + One
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + Neg<Output = Self>
-{
-    /// A constant (no derivative).
-    fn cst(x: f64) -> Self;
-    /// `e^self`.
-    fn exp(self) -> Self;
-    /// `ln(1 + self)`.
-    fn ln_1p(self) -> Self;
-    /// `√self`.
-    fn sqrt(self) -> Self;
-}
-
-impl Real for f64 {
-    fn cst(x: f64) -> f64 {
-        x
-    }
-    fn exp(self) -> f64 {
-        f64::exp(self)
-    }
-    fn ln_1p(self) -> f64 {
-        f64::ln_1p(self)
-    }
-    fn sqrt(self) -> f64 {
-        f64::sqrt(self)
-    }
-}
+#[cfg(test)]
+use dual::{Dual, LANES};
+use real::Real;
 
 /// `1 / (1 + e^−x)`.
 fn sigmoid<R: Real>(x: R) -> R {
@@ -177,7 +147,8 @@ pub trait Truth: OpSpec {
 /// FLA's loss `Σ out₀·do + Σ out₁·dht` of the truth at `x` (every output
 /// asked for; `dht` zero when `None`). `do` is shaped like the first output
 /// (`o`, `y`), `dht` like the second (the final state or cache).
-pub fn loss<O: Truth, R: Real>(
+#[cfg(test)]
+pub(crate) fn loss<O: Truth, R: Real>(
     x: &O::Inputs<R>,
     opt: &O::Options,
     d_o: &ArrayD<f64>,
@@ -200,6 +171,7 @@ pub fn loss<O: Truth, R: Real>(
 
 /// The loss at `x` on dual numbers whose lane `l` moves input `i`'s element
 /// `j` (flat, standard order) by `seed(i, j)[l]`: `[∂L/∂x · seed_l]`.
+#[cfg(test)]
 fn loss_lanes<O: Truth>(
     x: &O::Inputs<f64>,
     opt: &O::Options,
@@ -218,7 +190,8 @@ fn loss_lanes<O: Truth>(
 /// tangent `t` of `tangents` (inputs shaped like `x`: a tangent for every
 /// floating-point input `x` has; `cu_seqlens` is ignored). One forward pass
 /// on [`Dual`] numbers per [`LANES`] tangents. Returns one number per tangent.
-pub fn jvp<O: Truth>(
+#[cfg(test)]
+pub(crate) fn jvp<O: Truth>(
     x: &O::Inputs<f64>,
     opt: &O::Options,
     d_o: &ArrayD<f64>,
@@ -253,7 +226,8 @@ pub fn jvp<O: Truth>(
 /// inputs have no gradient. Forward-mode: one pass on [`Dual`] numbers per
 /// [`LANES`] input elements, so `⌈(elements of all inputs) / LANES⌉` passes,
 /// each about `LANES + 1` times an f64 forward: for small cases only.
-pub fn grads<O: Truth>(
+#[cfg(test)]
+pub(crate) fn grads<O: Truth>(
     x: &O::Inputs<f64>,
     opt: &O::Options,
     d_o: &ArrayD<f64>,
@@ -302,7 +276,8 @@ pub fn grads<O: Truth>(
 
 /// The outputs of the truth in f64 under FLA's names ([`OpSpec::OUTPUTS`]),
 /// those `opt` asks for, in that order.
-pub fn named_outputs<O: Truth>(
+#[cfg(test)]
+pub(crate) fn named_outputs<O: Truth>(
     x: &O::Inputs<f64>,
     opt: &O::Options,
 ) -> Vec<(&'static str, ArrayD<f64>)> {

@@ -5,6 +5,7 @@ use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{self, KdaInputs, KdaOptions};
+use deltaref::op;
 use deltaref::token_shift;
 use deltaref::Error;
 use ndarray::{ArrayD, IxDyn};
@@ -24,7 +25,7 @@ fn kda_spec(opts: KdaOptions) -> KdaSpec {
 }
 
 fn kda_err(x: &KdaInputs<f64>, opts: &KdaOptions) -> Error {
-    kda::naive::forward(x, opts).expect_err("must be rejected")
+    op::forward(&kda::Naive, x, opts).expect_err("must be rejected")
 }
 
 fn shape_err_names(e: &Error, tensor: &str) {
@@ -127,11 +128,17 @@ fn kda_wrong_shapes_name_the_tensor() {
 fn kda_upstream_gradient_shapes_are_checked() {
     let opts = KdaOptions::default();
     let g = inputs::KdaSpec::generate(&kda_spec(opts));
-    let e =
-        kda::naive::backward(&g.inputs, &opts, &zeros(&[1, 5, 4, 3]), None).expect_err("bad do");
+    let e = op::backward(&kda::Naive, &g.inputs, &opts, &zeros(&[1, 5, 4, 3]), None)
+        .expect_err("bad do");
     shape_err_names(&e, "do");
-    let e = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&zeros(&[1, 4, 3, 2])))
-        .expect_err("bad dht");
+    let e = op::backward(
+        &kda::Naive,
+        &g.inputs,
+        &opts,
+        &g.d_o,
+        Some(&zeros(&[1, 4, 3, 2])),
+    )
+    .expect_err("bad dht");
     shape_err_names(&e, "dht");
 }
 
@@ -233,7 +240,7 @@ fn non_finite_values_are_rejected_with_their_index() {
     let g = inputs::KdaSpec::generate(&kda_spec(opts));
     let mut d_o = g.d_o.clone();
     d_o[[0, 0, 0, 0]] = f64::NAN;
-    let e = kda::naive::backward(&g.inputs, &opts, &d_o, None).expect_err("NaN in do");
+    let e = op::backward(&kda::Naive, &g.inputs, &opts, &d_o, None).expect_err("NaN in do");
     assert!(
         matches!(e, Error::NonFinite { ref tensor, .. } if tensor == "do"),
         "{e}"
@@ -335,12 +342,15 @@ fn dplr_and_token_shift_errors() {
             "b" => x.b = bad,
             _ => x.gk = bad,
         }
-        shape_err_names(&dplr::naive::forward(&x, &opts).expect_err("bad"), name);
+        shape_err_names(
+            &op::forward(&dplr::Naive, &x, &opts).expect_err("bad"),
+            name,
+        );
     }
     let mut x = g.inputs.clone();
     x.gk[[0, 1, 1, 1]] = f64::INFINITY;
     assert!(
-        matches!(dplr::naive::forward(&x, &opts), Err(Error::NonFinite { ref tensor, .. }) if tensor == "gk")
+        matches!(op::forward(&dplr::Naive, &x, &opts), Err(Error::NonFinite { ref tensor, .. }) if tensor == "gk")
     );
 
     let t = inputs::TokenShiftSpec::generate(&TokenShiftSpec {
@@ -351,10 +361,23 @@ fn dplr_and_token_shift_errors() {
     });
     let mut x = t.inputs.clone();
     x.cache = Some(zeros(&[3, 4]));
-    shape_err_names(&token_shift::forward(&x).expect_err("bad cache"), "cache");
-    let e = token_shift::backward(&t.inputs, &zeros(&[1, 5, 3]), None).expect_err("bad dy");
+    shape_err_names(
+        &op::forward(&token_shift::Shift, &x, &()).expect_err("bad cache"),
+        "cache",
+    );
+    let e = op::backward(
+        &token_shift::Shift,
+        &t.inputs,
+        &(),
+        &zeros(&[1, 5, 3]),
+        None,
+    )
+    .expect_err("bad dy");
     shape_err_names(&e, "dy");
     let mut x = t.inputs.clone();
     x.cu_seqlens = Some(vec![0, 6]);
-    assert!(matches!(token_shift::forward(&x), Err(Error::CuSeqlens(_))));
+    assert!(matches!(
+        op::forward(&token_shift::Shift, &x, &()),
+        Err(Error::CuSeqlens(_))
+    ));
 }

@@ -11,6 +11,7 @@ use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::error::Error;
 use deltaref::inputs::{self, ConvSpec, Layout};
+use deltaref::op;
 use ndarray::{s, Array3, ArrayD, Axis, Ix2, Ix3};
 
 fn spec(layout: Layout, w: usize, bias: bool, initial_state: bool, seed: u64) -> ConvSpec {
@@ -57,8 +58,8 @@ fn cp_equals_non_cp_for_any_cut() {
     ] {
         let g = inputs::ConvSpec::generate(&spec(layout.clone(), w, bias, h0, w as u64));
         let (x, opt) = (&g.inputs, options(act));
-        let f = conv::forward(x, &opt).unwrap();
-        let b = conv::backward(x, &opt, &g.d_o, Some(&g.dht)).unwrap();
+        let f = op::forward(&conv::Direct, x, &opt).unwrap();
+        let b = op::backward(&conv::Direct, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
         for plan in &plans {
             let tag = format!("{plan} W={w} bias={bias} h0={h0} {act:?}");
             let (fc, _) = cp::forward(&Direct, x, &opt, plan, &CpOptions::default()).unwrap();
@@ -106,20 +107,20 @@ fn one_call_equals_two_calls_chained_through_the_state() {
     let (w, t, cut) = (4, 11, 2);
     let g = inputs::ConvSpec::generate(&spec(Layout::batch(2, t), w, true, true, 5));
     let opt = options(Activation::Silu);
-    let whole = conv::forward(&g.inputs, &opt).unwrap();
+    let whole = op::forward(&conv::Direct, &g.inputs, &opt).unwrap();
     let part =
         |a: &ArrayD<f64>, r: std::ops::Range<usize>| a.slice(s![.., r, ..]).to_owned().into_dyn();
     let first = ConvInputs {
         x: part(&g.inputs.x, 0..cut),
         ..g.inputs.clone()
     };
-    let f1 = conv::forward(&first, &opt).unwrap();
+    let f1 = op::forward(&conv::Direct, &first, &opt).unwrap();
     let second = ConvInputs {
         x: part(&g.inputs.x, cut..t),
         initial_state: f1.final_state.clone(),
         ..g.inputs.clone()
     };
-    let f2 = conv::forward(&second, &opt).unwrap();
+    let f2 = op::forward(&conv::Direct, &second, &opt).unwrap();
     let y = ndarray::concatenate(Axis(1), &[f1.y.view(), f2.y.view()]).unwrap();
     assert_close("y", &whole.y, &y, 1e-15);
     assert_close(
@@ -135,7 +136,7 @@ fn varlen_equals_batch_and_a_direct_convolution() {
     let (w, t, d) = (3, 8, 6);
     let g = inputs::ConvSpec::generate(&spec(Layout::batch(3, t), w, true, true, 9));
     let opt = options(Activation::None);
-    let batch = conv::forward(&g.inputs, &opt).unwrap();
+    let batch = op::forward(&conv::Direct, &g.inputs, &opt).unwrap();
     let packed = ConvInputs {
         x: g.inputs
             .x
@@ -145,7 +146,7 @@ fn varlen_equals_batch_and_a_direct_convolution() {
         cu_seqlens: Some(vec![0, 8, 16, 24]),
         ..g.inputs.clone()
     };
-    let var = conv::forward(&packed, &opt).unwrap();
+    let var = op::forward(&conv::Direct, &packed, &opt).unwrap();
     assert_eq!(
         var.y.clone().into_shape_with_order(vec![3, t, d]).unwrap(),
         batch.y
@@ -200,9 +201,9 @@ fn finite_differences_every_gradient() {
             30 + w as u64,
         ));
         let (x, opt) = (&g.inputs, options(act));
-        let gr = conv::backward(x, &opt, &g.d_o, Some(&g.dht)).unwrap();
+        let gr = op::backward(&conv::Direct, x, &opt, &g.d_o, Some(&g.dht)).unwrap();
         let l = |x: ConvInputs<f64>| {
-            let f = conv::forward(&x, &opt).unwrap();
+            let f = op::forward(&conv::Direct, &x, &opt).unwrap();
             dot(&f.y, &g.d_o) + dot(f.final_state.as_ref().unwrap(), &g.dht)
         };
         let tag = |n: &str| format!("{n} (W={w}, {act:?})");
@@ -249,11 +250,12 @@ fn f32_close_to_f64() {
     let opt = options(Activation::Silu);
     let x32 = g.inputs.cast::<f32>();
     let up = |a: &ArrayD<f32>| a.mapv(f64::from);
-    let f64_ = conv::forward(&g.inputs, &opt).unwrap();
-    let f32_ = conv::forward(&x32, &opt).unwrap();
+    let f64_ = op::forward(&conv::Direct, &g.inputs, &opt).unwrap();
+    let f32_ = op::forward(&conv::Direct, &x32, &opt).unwrap();
     assert_close("f32 y", &f64_.y, &up(&f32_.y), 1e-6);
-    let b64 = conv::backward(&g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
-    let b32 = conv::backward(
+    let b64 = op::backward(&conv::Direct, &g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
+    let b32 = op::backward(
+        &conv::Direct,
         &x32,
         &opt,
         &g.d_o.mapv(|v| v as f32),
@@ -265,7 +267,7 @@ fn f32_close_to_f64() {
 }
 
 fn expect_err(x: &ConvInputs<f64>, tensor: &str) -> Error {
-    let e = conv::forward(x, &ConvOptions::default()).expect_err("must be refused");
+    let e = op::forward(&conv::Direct, x, &ConvOptions::default()).expect_err("must be refused");
     assert!(
         e.to_string().contains(tensor),
         "error for `{tensor}` does not name it: {e}"
@@ -322,7 +324,8 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
     );
     assert_eq!(Activation::parse("swish").unwrap(), Activation::Silu);
     let opt = ConvOptions::default();
-    let e = conv::backward(
+    let e = op::backward(
+        &conv::Direct,
         &g,
         &opt,
         &ArrayD::zeros(vec![1, 7, 6]),
@@ -356,7 +359,7 @@ fn bit_identical_for_any_thread_count() {
             .build()
             .unwrap();
         pool.install(|| {
-            let b = conv::backward(&g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
+            let b = op::backward(&conv::Direct, &g.inputs, &opt, &g.d_o, Some(&g.dht)).unwrap();
             let (c, _) = cp::backward(
                 &Direct,
                 &g.inputs,

@@ -66,3 +66,13 @@ pub fn check_grad(
 pub fn dot(a: &ArrayD<f64>, b: &ArrayD<f64>) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
+
+/// `[N, H, a, b]` → `[N, H, b, a]`: the `state_v_first` layout swap (its own
+/// inverse), written here from its definition rather than borrowed from the
+/// oracle it checks.
+pub fn swap_state(s: &ArrayD<f64>) -> ArrayD<f64> {
+    s.view()
+        .permuted_axes(vec![0, 1, 3, 2])
+        .as_standard_layout()
+        .into_owned()
+}

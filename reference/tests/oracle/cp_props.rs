@@ -12,7 +12,7 @@ use deltaref::cp::{compute_subseq_len, split_points, IntraParams};
 use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
-use deltaref::kda::{self, chunk::Chunk, naive::Naive, Kda, KdaOptions};
+use deltaref::kda::{self, Chunk, Kda, KdaOptions, Naive};
 use deltaref::op::{self, Engine, Operator};
 use deltaref::token_shift::{self, Shift};
 use deltaref::varlen::Segment;
@@ -94,7 +94,7 @@ fn gate_sum_scales(x: &kda::KdaInputs<f64>, gate: Gate, dg: &ArrayD<f64>) -> [Ve
     for ((idx, &d), &raw) in dg.indexed_iter().zip(x.g.iter()) {
         let (h, k) = (idx[2], idx[3]);
         let xv = raw + dt_bias.as_ref().map_or(0.0, |b| b[h * kd + k]);
-        let (_, dg_dx, dg_da) = deltaref::gates::gate_eval(gate, xv, a_log.as_ref().map(|a| a[h]));
+        let (_, dg_dx, dg_da) = gate.eval(xv, a_log.as_ref().map(|a| a[h]));
         if dg_dx != 0.0 {
             da[h] += (d * dg_da / dg_dx).abs();
         }
@@ -262,10 +262,10 @@ proptest! {
         let spec = KdaSpec { layout: layout.clone(), h, hv: h * g, k, v, opts, initial_state: h0, scalar_gate, seed };
         let x = inputs::KdaSpec::generate_in(&spec, regime);
         let cpo = CpOptions::default();
-        let p = kda::Prepared::new(&x.inputs, &opts).unwrap();
+        let p = Kda::prepare(&x.inputs, &opts).unwrap();
         let run = |e: &dyn KdaEngineDyn| -> Result<(), TestCaseError> {
             let (o, fwd_diags) = e.cp_fwd(&x.inputs, &opts, &plan, &cpo);
-            let full = kda::naive::forward(&x.inputs, &opts).unwrap();
+            let full = op::forward(&kda::Naive, &x.inputs, &opts).unwrap();
             close("o", &full.o, &o.o)?;
             close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
             merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
@@ -273,7 +273,7 @@ proptest! {
                 Naive.forward(&Kda::head(&p, &seg, h), op::initial_state(&p, seq, h).view()).1
             })?;
             let (gr, diags) = e.cp_bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
-            let want = kda::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
+            let want = op::backward(&kda::Naive, &x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
             close("dq", &want.dq, &gr.dq)?;
             close("dk", &want.dk, &gr.dk)?;
             close("dv", &want.dv, &gr.dv)?;
@@ -300,18 +300,18 @@ proptest! {
         let x = inputs::DplrSpec::generate_in(&spec, regime);
         let opts = DplrOptions { output_final_state: true, ..Default::default() };
         let cpo = CpOptions::default();
-        let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::chunk::Chunk::new(cs).unwrap()) } else { Box::new(dplr::naive::Naive) };
+        let engine: Box<dyn DplrCp> = if chunk { Box::new(dplr::Chunk::new(cs).unwrap()) } else { Box::new(dplr::Naive) };
         let (o, fwd_diags) = engine.fwd(&x.inputs, &opts, &plan, &cpo);
-        let full = dplr::naive::forward(&x.inputs, &opts).unwrap();
+        let full = op::forward(&dplr::Naive, &x.inputs, &opts).unwrap();
         close("o", &full.o, &o.o)?;
         close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
-        let p = dplr::Prepared::new(&x.inputs, &opts).unwrap();
+        let p = Dplr::prepare(&x.inputs, &opts).unwrap();
         merged_states_are_naive_prefix_states(&layout, &fwd_diags, |seq, a, at, h| {
             let seg = Segment { seq, batch: 0, start: a, end: at };
-            dplr::naive::Naive.forward(&Dplr::head(&p, &seg, h), op::initial_state(&p, seq, h).view()).1
+            dplr::Naive.forward(&Dplr::head(&p, &seg, h), op::initial_state(&p, seq, h).view()).1
         })?;
         let (gr, diags) = engine.bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
-        let want = dplr::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
+        let want = op::backward(&dplr::Naive, &x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
         for (n, a, b) in [("dq", &want.dq, &gr.dq), ("dk", &want.dk, &gr.dk), ("dv", &want.dv, &gr.dv), ("da", &want.da, &gr.da), ("db", &want.db, &gr.db), ("dgk", &want.dgk, &gr.dgk)] {
             close(n, a, b)?;
         }
@@ -323,13 +323,13 @@ proptest! {
     #[test]
     fn token_shift_cp_equals_non_cp((layout, plan) in layout_and_plan(), dim in 1usize..5, cache in any::<bool>(), seed in 0u64..1000, regime in regimes()) {
         let x = inputs::TokenShiftSpec::generate_in(&TokenShiftSpec { layout, d: dim, cache, seed }, regime);
-        let full = token_shift::forward(&x.inputs).unwrap();
+        let full = op::forward(&token_shift::Shift, &x.inputs, &()).unwrap();
         let got = cp::forward(&Shift, &x.inputs, &(), &plan, &CpOptions::default())
             .unwrap()
             .0;
         prop_assert_eq!(&full.y, &got.y);
         prop_assert_eq!(&full.final_cache, &got.final_cache);
-        let want = token_shift::backward(&x.inputs, &x.d_o, Some(&x.dht)).unwrap();
+        let want = op::backward(&token_shift::Shift, &x.inputs, &(), &x.d_o, Some(&x.dht)).unwrap();
         let got = cp::backward(
             &Shift,
             &x.inputs,
@@ -556,10 +556,10 @@ fn debug_guide_run(
     let plan = PlanSpec::World(world);
     let cpo = CpOptions::default();
     let (o, _) = e.cp_fwd(&x.inputs, &opts, &plan, &cpo);
-    let full = kda::naive::forward(&x.inputs, &opts).unwrap();
+    let full = op::forward(&kda::Naive, &x.inputs, &opts).unwrap();
     assert!(ratio(&full.o, &o.o) <= TOL);
     let (gr, diags) = e.cp_bwd(&x.inputs, &opts, &x.d_o, &x.dht, &plan, &cpo);
-    let want = kda::naive::backward(&x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
+    let want = op::backward(&kda::Naive, &x.inputs, &opts, &x.d_o, Some(&x.dht)).unwrap();
     for (n, a, b) in [
         ("dq", &want.dq, &gr.dq),
         ("dk", &want.dk, &gr.dk),
@@ -590,7 +590,7 @@ fn fla_debug_guide_example() {
         assert_eq!(r1.cu_seqlens, vec![0, 512]);
         assert_eq!((r0.post_num_ranks, r1.pre_num_ranks), (1, 1));
         // Independent references: naive prefix and suffix runs of sequence 1.
-        let p = kda::Prepared::new(&x, &opts).unwrap();
+        let p = Kda::prepare(&x, &opts).unwrap();
         let g = inputs::KdaSpec::generate(&KdaSpec {
             layout: Layout::varlen(&[400, 624]),
             h: 2,
@@ -772,7 +772,7 @@ fn intra_card_split_follows_flas_rule_and_matches_non_cp() {
         &CpOptions::default(),
     )
     .unwrap();
-    let full = kda::naive::forward(&x.inputs, &opts).unwrap();
+    let full = op::forward(&kda::Naive, &x.inputs, &opts).unwrap();
     assert!(ratio(&full.o, &o.o) <= TOL);
     assert!(
         ratio(
@@ -837,7 +837,7 @@ proptest! {
             cp::forward(&Naive, &x.inputs, &opts, &plan, &CpOptions::default())
         }
         .unwrap();
-        let full = kda::naive::forward(&x.inputs, &opts).unwrap();
+        let full = op::forward(&kda::Naive, &x.inputs, &opts).unwrap();
         close("o", &full.o, &o.o)?;
         close("final_state", full.final_state.as_ref().unwrap(), o.final_state.as_ref().unwrap())?;
     }

@@ -49,7 +49,7 @@ trait Registered: Operator<f64> + Operator<f32> {
 }
 
 impl Registered for Kda {
-    type Naive = kda::naive::Naive;
+    type Naive = kda::Naive;
 
     fn problem() -> Problem<Kda> {
         let opt = KdaOptions {
@@ -94,7 +94,7 @@ impl Registered for Kda {
 }
 
 impl Registered for Dplr {
-    type Naive = dplr::naive::Naive;
+    type Naive = dplr::Naive;
 
     fn problem() -> Problem<Dplr> {
         let g = inputs::DplrSpec::generate(&DplrSpec {
@@ -158,7 +158,7 @@ impl Registered for TokenShift {
 }
 
 impl Registered for Gdn {
-    type Naive = OnKda<kda::naive::Naive>;
+    type Naive = OnKda<kda::Naive>;
 
     fn problem() -> Problem<Gdn> {
         let opt = GdnOptions {
@@ -434,13 +434,13 @@ macro_rules! testgen {
 }
 
 testgen! {
-    kda_naive: Kda, kda::naive::Naive;
-    kda_chunk16: Kda, kda::chunk::Chunk::new(16).expect("valid");
-    kda_chunk64: Kda, kda::chunk::Chunk::new(64).expect("valid");
-    dplr_naive: Dplr, dplr::naive::Naive;
-    dplr_chunk16: Dplr, dplr::chunk::Chunk::new(16).expect("valid");
+    kda_naive: Kda, kda::Naive;
+    kda_chunk16: Kda, kda::Chunk::new(16).expect("valid");
+    kda_chunk64: Kda, kda::Chunk::new(64).expect("valid");
+    dplr_naive: Dplr, dplr::Naive;
+    dplr_chunk16: Dplr, dplr::Chunk::new(16).expect("valid");
     token_shift: TokenShift, Shift;
-    gdn_naive: Gdn, OnKda(kda::naive::Naive);
-    gdn_chunk16: Gdn, OnKda(kda::chunk::Chunk::new(16).expect("valid"));
+    gdn_naive: Gdn, OnKda(kda::Naive);
+    gdn_chunk16: Gdn, OnKda(kda::Chunk::new(16).expect("valid"));
     causal_conv1d: CausalConv1d, Direct;
 }

@@ -80,9 +80,9 @@ fn kda_forward_backward_has_the_separate_runs_bits() {
         seed: 5,
     });
     let (x, d_o, dht) = (&g.inputs, &g.d_o, &g.dht);
-    check("kda naive", &kda::naive::Naive, x, &opts, d_o, dht);
+    check("kda naive", &kda::Naive, x, &opts, d_o, dht);
     for c in [16, 32, 64] {
-        let chunk = kda::chunk::Chunk::new(c).expect("valid");
+        let chunk = kda::Chunk::new(c).expect("valid");
         check(&format!("kda chunk C={c}"), &chunk, x, &opts, d_o, dht);
         check_spans("kda", c, x, &opts, d_o, dht, |span, policy| {
             chunk.clone().with_policy(policy).with_span_len(span)
@@ -127,8 +127,8 @@ fn assert_span_refused(span: deltaref::Result<impl std::fmt::Debug>, bad: usize)
 
 #[test]
 fn spans_are_positive_multiples_of_the_chunk_size() {
-    let kda_chunk = kda::chunk::Chunk::new(32).expect("valid");
-    let dplr_chunk = dplr::chunk::Chunk::new(32).expect("valid");
+    let kda_chunk = kda::Chunk::new(32).expect("valid");
+    let dplr_chunk = dplr::Chunk::new(32).expect("valid");
     for bad in [0, 48, 16] {
         assert_span_refused(kda_chunk.clone().with_span_len(bad), bad);
         assert_span_refused(dplr_chunk.clone().with_span_len(bad), bad);
@@ -152,9 +152,9 @@ fn dplr_forward_backward_has_the_separate_runs_bits() {
         seed: 6,
     });
     let (x, d_o, dht) = (&g.inputs, &g.d_o, &g.dht);
-    check("dplr naive", &dplr::naive::Naive, x, &opts, d_o, dht);
+    check("dplr naive", &dplr::Naive, x, &opts, d_o, dht);
     for c in [16, 32, 64] {
-        let chunk = dplr::chunk::Chunk::new(c).expect("valid");
+        let chunk = dplr::Chunk::new(c).expect("valid");
         check(&format!("dplr chunk C={c}"), &chunk, x, &opts, d_o, dht);
         check_spans("dplr", c, x, &opts, d_o, dht, |span, policy| {
             chunk.clone().with_policy(policy).with_span_len(span)
@@ -203,7 +203,7 @@ fn naive_engines_write_every_layout_in_place() {
         });
         check_op(
             "kda naive K=7 V=9",
-            &kda::naive::Naive,
+            &kda::Naive,
             &g.inputs,
             &opts,
             &g.d_o,
@@ -223,7 +223,7 @@ fn naive_engines_write_every_layout_in_place() {
         });
         check_op(
             "dplr naive K=7 V=9",
-            &dplr::naive::Naive,
+            &dplr::Naive,
             &d.inputs,
             &dopts,
             &d.d_o,
@@ -253,8 +253,8 @@ fn other_operators_forward_backward_has_the_separate_runs_bits() {
         seed: 10,
     });
     let (x, d_o, dht) = (&g.inputs, &g.d_o, &g.dht);
-    check("gdn naive", &OnKda(kda::naive::Naive), x, &opts, d_o, dht);
-    let chunk = OnKda(kda::chunk::Chunk::new(32).expect("valid"));
+    check("gdn naive", &OnKda(kda::Naive), x, &opts, d_o, dht);
+    let chunk = OnKda(kda::Chunk::new(32).expect("valid"));
     check("gdn chunk", &chunk, x, &opts, d_o, dht);
     let t = inputs::TokenShiftSpec::generate(&TokenShiftSpec {
         layout: layout.clone(),
@@ -296,9 +296,8 @@ fn reused_buffers_leave_no_trace() {
     };
     let run = |s: &KdaSpec| {
         let g = inputs::KdaSpec::generate(s);
-        let (out, gr) =
-            op::forward_backward(&kda::naive::Naive, &g.inputs, &s.opts, &g.d_o, Some(&g.dht))
-                .expect("valid");
+        let (out, gr) = op::forward_backward(&kda::Naive, &g.inputs, &s.opts, &g.d_o, Some(&g.dht))
+            .expect("valid");
         op::named::<f64, kda::Kda>(&out, Some(&gr))
             .into_iter()
             .map(|(n, t)| (n, t.clone()))

@@ -9,9 +9,9 @@ use deltaref::cp::PlanSpec;
 use deltaref::cp::{self, CpOptions};
 use deltaref::cp::{plan_spec, IntraParams};
 use deltaref::error::Error;
-use deltaref::gdn::{self, GdnGrads, GdnInputs, GdnOptions, GdnOutputs, OnKda};
+use deltaref::gdn::{GdnGrads, GdnInputs, GdnOptions, GdnOutputs, OnKda};
 use deltaref::inputs::{self, GdnSpec, Layout};
-use deltaref::kda::{chunk::Chunk, naive::Naive};
+use deltaref::kda::{Chunk, Naive};
 use deltaref::op;
 
 const NAIVE: OnKda<Naive> = OnKda(Naive);
@@ -194,12 +194,12 @@ fn state_v_first_is_the_transposed_layout() {
     };
     let g = inputs::GdnSpec::generate(&spec(Layout::varlen(&[9, 14]), kv, 4));
     let mut x = g.inputs.clone();
-    x.initial_state = x.initial_state.map(|s| gdn::swap_state(&s));
+    x.initial_state = x.initial_state.map(|s| common::swap_state(&s));
     let a = op::forward(&NAIVE, &g.inputs, &kv).unwrap();
     let b = op::forward(&NAIVE, &x, &vk).unwrap();
     assert_eq!(a.o, b.o);
     assert_eq!(
-        gdn::swap_state(a.final_state.as_ref().unwrap()),
+        common::swap_state(a.final_state.as_ref().unwrap()),
         b.final_state.unwrap()
     );
     assert_ne!(
@@ -209,11 +209,11 @@ fn state_v_first_is_the_transposed_layout() {
     // What validation hands a caller running GDN as KDA: the initial state
     // in [N,HV,K,V], swapped once from state_v_first, borrowed otherwise.
     let kv_h0 = g.inputs.initial_state.as_ref().unwrap();
-    let (_, swapped) = gdn::validate_refs_kv(&x.refs(), &vk).unwrap();
+    let (_, swapped) = vk.validate_refs_kv(&x.refs()).unwrap();
     let swapped = swapped.unwrap();
     assert!(matches!(swapped, std::borrow::Cow::Owned(_)));
     assert_eq!(&*swapped, kv_h0);
-    let (_, borrowed) = gdn::validate_refs_kv(&g.inputs.refs(), &kv).unwrap();
+    let (_, borrowed) = kv.validate_refs_kv(&g.inputs.refs()).unwrap();
     let borrowed = borrowed.unwrap();
     assert!(matches!(borrowed, std::borrow::Cow::Borrowed(h) if std::ptr::eq(h, kv_h0)));
 }
@@ -321,12 +321,14 @@ fn f32_close_to_f64() {
 }
 
 /// The forward's error for `x`, which must name `tensor`; the in-place
-/// check a case file and the GPU go through (`gdn::validate_refs`) must
+/// check a case file and the GPU go through (`GdnOptions::validate_refs`) must
 /// give the same.
 fn expect_err(x: &GdnInputs<f64>, opt: &GdnOptions, tensor: &str) -> Error {
     let e = op::forward(&NAIVE, x, opt).expect_err("must be refused");
     let msg = e.to_string();
-    let in_place = gdn::validate_refs(&x.refs(), opt).expect_err("validate_refs must refuse it");
+    let in_place = opt
+        .validate_refs(&x.refs())
+        .expect_err("validate_refs must refuse it");
     assert_eq!(in_place.to_string(), msg, "`{tensor}`: in place vs prepare");
     assert!(
         msg.contains(tensor),
@@ -425,14 +427,17 @@ fn bad_inputs_are_refused_with_the_tensor_named() {
     .expect_err("dht of the wrong rank");
     assert!(e.to_string().contains("dht"), "{e}");
     // The in-place upstream check refuses it the same way, and a NaN in `do`.
-    let d = gdn::validate_refs(&x.refs(), &vfirst).expect("valid inputs");
+    let d = vfirst.validate_refs(&x.refs()).expect("valid inputs");
     let d_o = ArrayD::zeros(vec![1, 7, 4, 3]);
-    let in_place = gdn::validate_upstream(&d, true, &d_o, Some(&ArrayD::zeros(vec![2, 4])))
+    let in_place = vfirst
+        .validate_upstream(&d, &d_o, Some(&ArrayD::zeros(vec![2, 4])))
         .expect_err("dht of the wrong rank");
     assert_eq!(in_place.to_string(), e.to_string());
     let mut bad = d_o.clone();
     bad[[0, 6, 3, 2]] = f64::NAN;
-    let e = gdn::validate_upstream(&d, true, &bad, None).expect_err("NaN in do");
+    let e = vfirst
+        .validate_upstream(&d, &bad, None)
+        .expect_err("NaN in do");
     assert!(matches!(e, Error::NonFinite { .. }), "{e}");
     assert!(e.to_string().contains("`do`"), "{e}");
 }

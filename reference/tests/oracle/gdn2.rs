@@ -12,9 +12,7 @@ use deltaref::cp::{self, CpOptions};
 use deltaref::dplr::{self, DplrInputs, DplrOptions};
 use deltaref::error::Error;
 use deltaref::gates::Gate;
-use deltaref::gdn2::{
-    self, chunk::Chunk, naive::Naive, Gdn2, Gdn2Grads, Gdn2Inputs, Gdn2Options, Gdn2Outputs,
-};
+use deltaref::gdn2::{Chunk, Gdn2, Gdn2Grads, Gdn2Inputs, Gdn2Options, Gdn2Outputs, Naive};
 use deltaref::inputs::Layout;
 use deltaref::kda::{self, KdaInputs, KdaOptions};
 use deltaref::op::{self, Engine, Operator};
@@ -385,7 +383,7 @@ proptest! {
         let tol = 1e-12;
         let chunk = Chunk::new(16).unwrap();
         let ours = [(fwd(&Naive, &c), bwd(&Naive, &c)), (fwd(&chunk, &c), bwd(&chunk, &c))];
-        let (kn, kc) = (kda::naive::Naive, kda::chunk::Chunk::new(16).unwrap());
+        let (kn, kc) = (kda::Naive, kda::Chunk::new(16).unwrap());
         let theirs = [
             (op::forward(&kn, &kx, &kopt).unwrap(), op::backward(&kn, &kx, &kopt, &c.d_o, Some(&c.dht)).unwrap()),
             (op::forward(&kc, &kx, &kopt).unwrap(), op::backward(&kc, &kx, &kopt, &c.d_o, Some(&c.dht)).unwrap()),
@@ -428,8 +426,8 @@ proptest! {
         let dopt = DplrOptions { scale: c.opt.scale, output_final_state: true, ..Default::default() };
         let tol = 1e-12;
         let (f, g) = (fwd(&Naive, &c), bwd(&Naive, &c));
-        let chunk = dplr::chunk::Chunk::new(32).unwrap();
-        let engines: [&dyn DplrRun; 2] = [&dplr::naive::Naive, &chunk];
+        let chunk = dplr::Chunk::new(32).unwrap();
+        let engines: [&dyn DplrRun; 2] = [&dplr::Naive, &chunk];
         for e in engines {
             let (df, dg) = e.run(&dx, &dopt, &c);
             within("o", &df.o, &f.o, tol)?;
@@ -624,17 +622,20 @@ fn state_v_first_is_the_transposed_layout() {
     let c = case(&s);
     let mut t = c.clone();
     t.opt.state_v_first = true;
-    t.x.initial_state = c.x.initial_state.as_ref().map(gdn2::swap_state);
-    t.dht = gdn2::swap_state(&c.dht);
+    t.x.initial_state = c.x.initial_state.as_ref().map(common::swap_state);
+    t.dht = common::swap_state(&c.dht);
     let (a, b) = (fwd(&Naive, &c), fwd(&Naive, &t));
     assert_eq!(a.o, b.o);
     assert_eq!(
-        gdn2::swap_state(a.final_state.as_ref().unwrap()),
+        common::swap_state(a.final_state.as_ref().unwrap()),
         b.final_state.unwrap()
     );
     let (ga, gb) = (bwd(&Naive, &c), bwd(&Naive, &t));
     assert_eq!(ga.dq, gb.dq);
-    assert_eq!(gdn2::swap_state(ga.dh0.as_ref().unwrap()), gb.dh0.unwrap());
+    assert_eq!(
+        common::swap_state(ga.dh0.as_ref().unwrap()),
+        gb.dh0.unwrap()
+    );
 }
 
 /// The chunked engine's CP transition (FLA's product of chunk transitions
@@ -795,7 +796,7 @@ fn bit_identical_for_any_thread_count() {
 /// `x`'s forward error must name `what`; the forward must not panic.
 fn refused(x: &Gdn2Inputs<f64>, opt: &Gdn2Options, what: &str) -> Error {
     let e = op::forward(&Naive, x, opt).expect_err("must be refused");
-    let same = gdn2::validate(x, opt).expect_err("validate must refuse it too");
+    let same = x.validate(opt).expect_err("validate must refuse it too");
     assert_eq!(
         e.to_string(),
         same.to_string(),

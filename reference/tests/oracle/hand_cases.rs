@@ -4,6 +4,7 @@
 use approx::assert_relative_eq;
 use deltaref::dplr::{self, DplrInputs, DplrOptions};
 use deltaref::kda::{self, KdaInputs, KdaOptions};
+use deltaref::op;
 use deltaref::token_shift::{self, TokenShiftInputs};
 use ndarray::{ArrayD, IxDyn};
 
@@ -73,7 +74,7 @@ fn kda_one_and_two_tokens() {
     let (s1, o1) = c.step(0, c.s0);
     let (s2, o2) = c.step(1, s1);
     for (steps, os, fin) in [(1, vec![o1], s1), (2, vec![o1, o2], s2)] {
-        let out = kda::naive::forward(&c.inputs(steps), &opt).expect("valid");
+        let out = op::forward(&kda::Naive, &c.inputs(steps), &opt).expect("valid");
         for (got, want) in out.o.iter().zip(&os) {
             assert_relative_eq!(*got, *want, epsilon = 1e-14);
         }
@@ -102,8 +103,14 @@ fn kda_one_token_gradients_by_hand() {
         scale: Some(c.scale),
         ..Default::default()
     };
-    let gr =
-        kda::naive::backward(&c.inputs(1), &opt, &t(&[1, 1, 1, 1], &[d_o]), None).expect("valid");
+    let gr = op::backward(
+        &kda::Naive,
+        &c.inputs(1),
+        &opt,
+        &t(&[1, 1, 1, 1], &[d_o]),
+        None,
+    )
+    .expect("valid");
     assert_relative_eq!(gr.dq[[0, 0, 0, 0]], want_dq[0], epsilon = 1e-14);
     assert_relative_eq!(gr.dq[[0, 0, 0, 1]], want_dq[1], epsilon = 1e-14);
     assert_relative_eq!(gr.dv[[0, 0, 0, 0]], want_dv, epsilon = 1e-14);
@@ -147,7 +154,7 @@ fn dplr_one_and_two_tokens() {
             initial_state: Some(t(&[1, 1, 2, 1], &s0)),
             cu_seqlens: None,
         };
-        let out = dplr::naive::forward(&x, &opt).expect("valid");
+        let out = op::forward(&dplr::Naive, &x, &opt).expect("valid");
         for (got, want) in out.o.iter().zip(&os) {
             assert_relative_eq!(*got, *want, epsilon = 1e-14);
         }
@@ -165,7 +172,7 @@ fn token_shift_by_hand() {
         cache: Some(t(&[2, 1], &[0.5, 3.0])),
         cu_seqlens: Some(vec![0, 2, 3]),
     };
-    let out = token_shift::forward(&x).expect("valid");
+    let out = op::forward(&token_shift::Shift, &x, &()).expect("valid");
     assert_eq!(
         out.y.iter().copied().collect::<Vec<_>>(),
         vec![0.5 - 1.0, 1.0 - 4.0, 3.0 + 2.0]
@@ -177,7 +184,7 @@ fn token_shift_by_hand() {
     // dx_t = dy_{t+1} − dy_t (+ dfinal_cache at the last token), dcache = dy_0.
     let dy = t(&[1, 3, 1], &[0.1, 0.2, 0.4]);
     let dfc = t(&[2, 1], &[1.0, 2.0]);
-    let gr = token_shift::backward(&x, &dy, Some(&dfc)).expect("valid");
+    let gr = op::backward(&token_shift::Shift, &x, &(), &dy, Some(&dfc)).expect("valid");
     let want_dx = [0.2 - 0.1, 1.0 - 0.2, 2.0 - 0.4];
     for (got, want) in gr.dx.iter().zip(want_dx) {
         assert_relative_eq!(*got, want, epsilon = 1e-15);
@@ -191,6 +198,11 @@ fn token_shift_by_hand() {
         vec![0.1, 0.4]
     );
     // No cache: a length-1 sequence gives y = −x.
-    let out = token_shift::forward(&TokenShiftInputs { cache: None, ..x }).expect("valid");
+    let out = op::forward(
+        &token_shift::Shift,
+        &TokenShiftInputs { cache: None, ..x },
+        &(),
+    )
+    .expect("valid");
     assert_eq!(out.y[[0, 2, 0]], 2.0);
 }

@@ -14,4 +14,3 @@ mod naive_layouts;
 mod precision_stages;
 mod replay_blocks;
 mod threads;
-mod truth;

@@ -1,11 +1,11 @@
 //! Heads reach the engines in several layouts: a head's rows of the
 //! `[B, T, H, D]` tensors (strided by the other heads, `q` still to be
-//! scaled), a row-major copy with `q` scaled ([`KdaHead::standard`]), and
+//! scaled), a row-major copy with `q` scaled (the head's `standard()`), and
 //! column-major arrays. Every engine gives the same bits for each.
 
-use deltaref::dplr::{self, Dplr, DplrHead, DplrOptions};
+use deltaref::dplr::{self, Dplr, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout};
-use deltaref::kda::{self, Kda, KdaHead, KdaOptions};
+use deltaref::kda::{self, Kda, KdaOptions};
 use deltaref::op::{self, Engine, Operator};
 use ndarray::{Array2, ArrayBase, Data, Ix2, ShapeBuilder};
 
@@ -73,29 +73,26 @@ fn kda_engines_do_not_depend_on_memory_layout() {
         scalar_gate: false,
         seed: 4,
     });
-    let p = kda::Prepared::new(&g.inputs, &opts).unwrap();
+    let p = Kda::prepare(&g.inputs, &opts).unwrap();
     let x = Kda::head(&p, &p.segments[0], 1);
     assert!(x.q.is_view() && !x.q.is_standard_layout(), "a strided view");
     let xs = x.standard();
     assert_eq!(xs.scale, 1.0);
-    let xf = KdaHead {
-        q: column_major(&x.q).into(),
-        k: column_major(&x.k).into(),
-        v: column_major(&x.v).into(),
-        g: column_major(&x.g).into(),
-        beta: x.beta.clone(),
-        scale: x.scale,
-    };
+    let mut xf = x.clone();
+    xf.q = column_major(&x.q).into();
+    xf.k = column_major(&x.k).into();
+    xf.v = column_major(&x.v).into();
+    xf.g = column_major(&x.g).into();
     let heads = [x.clone(), xs, xf];
     let h0 = op::initial_state(&p, 0, 1);
     let (d_o, dht) = upstream(37, 6, 5);
-    let grads = |g: &kda::KdaHeadGrads<f64>| {
+    let grads = |g: &<Kda as Operator<f64>>::HeadGrads| {
         let mut b = bits([&g.dq, &g.dk, &g.dv, &g.dg, &g.dh0]);
         b.extend(g.dbeta.iter().map(|v| v.to_bits()));
         b
     };
-    same_bits(&kda::naive::Naive, &heads, &h0, &d_o, &dht, grads);
-    let chunk = kda::chunk::Chunk::new(16).unwrap();
+    same_bits(&kda::Naive, &heads, &h0, &d_o, &dht, grads);
+    let chunk = kda::Chunk::new(16).unwrap();
     same_bits(&chunk, &heads, &h0, &d_o, &dht, grads);
 }
 
@@ -109,26 +106,25 @@ fn dplr_engines_do_not_depend_on_memory_layout() {
         initial_state: true,
         seed: 4,
     });
-    let p = dplr::Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
+    let p = Dplr::prepare(&g.inputs, &DplrOptions::default()).unwrap();
     let x = Dplr::head(&p, &p.segments[0], 2);
     assert!(x.q.is_view() && !x.q.is_standard_layout(), "a strided view");
     let xs = x.standard();
-    let xf = DplrHead {
-        q: column_major(&x.q).into(),
-        k: column_major(&x.k).into(),
-        a: column_major(&x.a).into(),
-        b: column_major(&x.b).into(),
-        gk: column_major(&x.gk).into(),
-        v: column_major(&x.v).into(),
-        scale: x.scale,
-        heads_gk: None,
-    };
+    let mut xf = x.clone();
+    xf.q = column_major(&x.q).into();
+    xf.k = column_major(&x.k).into();
+    xf.a = column_major(&x.a).into();
+    xf.b = column_major(&x.b).into();
+    xf.gk = column_major(&x.gk).into();
+    xf.v = column_major(&x.v).into();
+    xf.heads_gk = None;
     let heads = [x.clone(), xs, xf];
     let h0 = op::initial_state(&p, 0, 2);
     let (d_o, dht) = upstream(37, 6, 5);
-    let grads =
-        |g: &dplr::DplrHeadGrads<f64>| bits([&g.dq, &g.dk, &g.dv, &g.da, &g.db, &g.dgk, &g.dh0]);
-    same_bits(&dplr::naive::Naive, &heads, &h0, &d_o, &dht, grads);
-    let chunk = dplr::chunk::Chunk::new(16).unwrap();
+    let grads = |g: &<Dplr as Operator<f64>>::HeadGrads| {
+        bits([&g.dq, &g.dk, &g.dv, &g.da, &g.db, &g.dgk, &g.dh0])
+    };
+    same_bits(&dplr::Naive, &heads, &h0, &d_o, &dht, grads);
+    let chunk = dplr::Chunk::new(16).unwrap();
     same_bits(&chunk, &heads, &h0, &d_o, &dht, grads);
 }

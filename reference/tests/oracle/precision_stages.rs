@@ -5,7 +5,7 @@
 use deltaref::dtype::Dtype;
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, KdaSpec, Layout};
-use deltaref::kda::{chunk::Chunk, KdaGrads, KdaOptions};
+use deltaref::kda::{Chunk, KdaGrads, KdaOptions};
 use deltaref::op;
 use deltaref::precision::{Feature, Policy, Stage};
 use ndarray::ArrayD;
@@ -100,7 +100,7 @@ fn hdh_sum_is_declared_by_the_kda_chunk_engine_only() {
     let stage = Feature::Round(Stage::HdhSum);
     assert!(Chunk::FEATURES.contains(&stage));
     // DPLR's `chunk_dplr_bwd_o` casts the products to fp32 before `tl.sum`.
-    assert!(!deltaref::dplr::chunk::Chunk::FEATURES.contains(&stage));
+    assert!(!deltaref::dplr::Chunk::FEATURES.contains(&stage));
 }
 
 /// A small KDA problem (raw keys, `kda` gate, an initial state: `w` reaches
@@ -141,7 +141,7 @@ fn k_beta_and_fwd_dots_each_move_the_forward_alone() {
 
 #[test]
 fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
-    use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
+    use deltaref::dplr::{Chunk as DplrChunk, DplrOptions};
     let case = |k| {
         inputs::DplrSpec::generate(&inputs::DplrSpec {
             layout: Layout::varlen(&[40, 24]),
@@ -177,7 +177,7 @@ fn dplr_q_scale_is_read_in_bf16_only_when_scale_is_not_a_power_of_two() {
 
 #[test]
 fn dplr_aqk_stage_rounds_all_four_blocks() {
-    use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
+    use deltaref::dplr::{Chunk as DplrChunk, DplrOptions};
     // `chunk_dplr_fwd_intra` stores `Aab`, `Aak` through `.to(Aqb.dtype)`:
     // they reach the state through `w`, `u`, where `Aqk`, `Aqb` (only `o`)
     // do not.
@@ -210,7 +210,7 @@ fn dplr_aqk_stage_rounds_all_four_blocks() {
 
 #[test]
 fn dplr_stored_kg_reaches_dgk_only_through_the_chunk_end_term() {
-    use deltaref::dplr::{chunk::Chunk as DplrChunk, DplrOptions};
+    use deltaref::dplr::{Chunk as DplrChunk, DplrOptions};
     // FLA's `dgk_last` multiplies `dkg`, `dbg` by the stored bf16 `kg`, `bg`
     // (`chunk_dplr_bwd_o`), while the per-token `−dk·k`, `−db·b` read the
     // raw keys (`chunk_dplr_bwd_kernel_intra`): the rounding of `kg`, `bg`

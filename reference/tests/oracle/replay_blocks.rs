@@ -73,8 +73,8 @@ fn kda_naive_matches_chunk_with_short_replay_blocks() {
         scalar_gate: false,
         seed: 3,
     });
-    let chunk = kda::chunk::Chunk::new(64).unwrap();
-    naive_matches_chunk(&kda::naive::Naive, &chunk, &g, &opts);
+    let chunk = kda::Chunk::new(64).unwrap();
+    naive_matches_chunk(&kda::Naive, &chunk, &g, &opts);
 }
 
 #[test]
@@ -91,8 +91,8 @@ fn dplr_naive_matches_chunk_with_short_replay_blocks() {
         initial_state: true,
         seed: 3,
     });
-    let chunk = dplr::chunk::Chunk::new(64).unwrap();
-    naive_matches_chunk(&dplr::naive::Naive, &chunk, &g, &opts);
+    let chunk = dplr::Chunk::new(64).unwrap();
+    naive_matches_chunk(&dplr::Naive, &chunk, &g, &opts);
 }
 
 /// In f32 the KDA backward replays two chunks of four columns an iteration
@@ -119,7 +119,7 @@ fn kda_naive_f32_replays_wide_chunks_and_their_leftovers() {
             scalar_gate: false,
             seed: 5,
         });
-        let naive = &kda::naive::Naive;
+        let naive = &kda::Naive;
         let (o, gr) = op::forward_backward(naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).unwrap();
         let x = <Kda as op::Operator<f32>>::narrow(&g.inputs);
         let (d_o, dht) = (cast::<f64, f32>(&g.d_o), cast::<f64, f32>(&g.dht));

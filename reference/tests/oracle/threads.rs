@@ -42,8 +42,8 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
     };
     let g = inputs::KdaSpec::generate(&spec);
     let run_kda = || {
-        let o = kda::naive::forward(&g.inputs, &opts).expect("valid");
-        let gr = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+        let o = op::forward(&kda::Naive, &g.inputs, &opts).expect("valid");
+        let gr = op::backward(&kda::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
         let fs = o.final_state.expect("asked");
         bits(&[
             &o.o,
@@ -73,8 +73,9 @@ fn kda_and_dplr_are_bit_identical_for_1_and_4_threads() {
         ..Default::default()
     };
     let run_dplr = || {
-        let o = dplr::naive::forward(&d.inputs, &dopts).expect("valid");
-        let gr = dplr::naive::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
+        let o = op::forward(&dplr::Naive, &d.inputs, &dopts).expect("valid");
+        let gr =
+            op::backward(&dplr::Naive, &d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
         bits(&[
             &o.o,
             o.final_state.as_ref().unwrap(),
@@ -117,9 +118,9 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
         seed: 5,
     });
     let run_kda = || {
-        let o = kda::chunk::forward(&g.inputs, &opts, 16).expect("valid");
-        let gr = kda::chunk::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht), 16).expect("valid");
-        let engine = kda::chunk::Chunk::new(16).expect("a chunk size");
+        let engine = kda::Chunk::new(16).expect("a chunk size");
+        let o = op::forward(&engine, &g.inputs, &opts).expect("valid");
+        let gr = op::backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
         let (o1, gr1) =
             op::forward_backward(&engine, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
         assert_eq!(o1.o, o.o);
@@ -157,9 +158,9 @@ fn chunk_engines_are_bit_identical_for_1_3_and_4_threads() {
         ..Default::default()
     };
     let run_dplr = || {
-        let o = dplr::chunk::forward(&d.inputs, &dopts, 16).expect("valid");
-        let gr = dplr::chunk::backward(&d.inputs, &dopts, &d.d_o, Some(&d.dht), 16).expect("valid");
-        let engine = dplr::chunk::Chunk::new(16).expect("a chunk size");
+        let engine = dplr::Chunk::new(16).expect("a chunk size");
+        let o = op::forward(&engine, &d.inputs, &dopts).expect("valid");
+        let gr = op::backward(&engine, &d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
         let (o1, gr1) =
             op::forward_backward(&engine, &d.inputs, &dopts, &d.d_o, Some(&d.dht)).expect("valid");
         assert_eq!(o1.o, o.o);

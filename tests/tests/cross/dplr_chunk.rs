@@ -3,9 +3,9 @@
 //! at every chunk start; the chunk transition equal to the per-token
 //! product; no overflow under strong decay; f32 within FLA's band.
 
-use deltaref::dplr::chunk::Chunk;
-use deltaref::dplr::naive::Naive;
-use deltaref::dplr::{Dplr, DplrHead, DplrOptions, Prepared};
+use deltaref::dplr::Chunk;
+use deltaref::dplr::Naive;
+use deltaref::dplr::{Dplr, DplrOptions};
 use deltaref::inputs::{self, DplrSpec, Layout};
 use deltaref::op::{self, Engine, Operator};
 use deltaref_tests::{assert_maps_close, assert_split_chunks_agree, ratio, steep_decays, Run};
@@ -54,27 +54,32 @@ fn chunk_matches_naive_for_every_chunk_size_and_layout() {
     }
 }
 
-fn head(s: &DplrSpec) -> (DplrHead<'static, f64>, Array2<f64>) {
+/// One piece of one head, as the engines see it (the operator contract's
+/// associated type: the oracle does not name it).
+type Head = <Dplr as Operator<f64>>::Head<'static>;
+
+fn head(s: &DplrSpec) -> (Head, Array2<f64>) {
     let g = inputs::DplrSpec::generate(s);
-    let p = Prepared::new(&g.inputs, &DplrOptions::default()).unwrap();
+    let p = Dplr::prepare(&g.inputs, &DplrOptions::default()).unwrap();
     (
         Dplr::head(&p, &p.segments[0], 1).into_owned(),
         op::initial_state(&p, 0, 1),
     )
 }
 
-fn prefix(x: &DplrHead<f64>, n: usize) -> DplrHead<'static, f64> {
+/// The first `n` tokens of `x` (every per-token field cut, `scale` kept,
+/// no cached per-head gates).
+fn prefix(x: &Head, n: usize) -> Head {
     let cut = |a: &CowArray<f64, Ix2>| CowArray::from(a.slice(s![..n, ..]).to_owned());
-    DplrHead {
-        q: cut(&x.q),
-        k: cut(&x.k),
-        a: cut(&x.a),
-        b: cut(&x.b),
-        gk: cut(&x.gk),
-        v: cut(&x.v),
-        scale: x.scale,
-        heads_gk: None,
-    }
+    let mut y = x.clone();
+    y.q = cut(&x.q);
+    y.k = cut(&x.k);
+    y.a = cut(&x.a);
+    y.b = cut(&x.b);
+    y.gk = cut(&x.gk);
+    y.v = cut(&x.v);
+    y.heads_gk = None;
+    y
 }
 
 fn max_diff(a: &Array2<f64>, b: &Array2<f64>) -> f64 {

@@ -4,8 +4,8 @@
 //! them to bf16; `midpoint=off` switches it off; FLA #1085's wrong-stride
 //! anchor overflows fp32 on a head with strong gates.
 
-use deltaref::dplr::chunk::Chunk;
-use deltaref::dplr::{Dplr, DplrInputs, DplrOptions, Prepared};
+use deltaref::dplr::Chunk;
+use deltaref::dplr::{Dplr, DplrInputs, DplrOptions};
 use deltaref::inputs::{DplrSpec, Layout};
 use deltaref::op::Operator;
 use deltaref::precision::{Policy, Stage};
@@ -75,11 +75,11 @@ fn the_safe_gate_path_changes_nothing_in_f64() {
 fn aak(engine: &Chunk, x: &DplrInputs<f64>, h: usize) -> (Array2<f64>, Array2<f64>) {
     let opt = DplrOptions::default();
     let xf = x.cast::<f32>();
-    let pf = Prepared::new(&xf, &opt).unwrap();
+    let pf = Dplr::prepare(&xf, &opt).unwrap();
     let got = engine
         .intra(&Dplr::head(&pf, &pf.segments[0], h), 16, 16)
         .aak;
-    let p = Prepared::new(x, &opt).unwrap();
+    let p = Dplr::prepare(x, &opt).unwrap();
     let want = Chunk::new(16)
         .unwrap()
         .intra(&Dplr::head(&p, &p.segments[0], h), 16, 16)

@@ -5,6 +5,7 @@ use deltaref::dplr::{self, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{self, KdaOptions};
+use deltaref::op;
 use deltaref::tensor::cast;
 use deltaref::token_shift;
 use deltaref_tests::ratio;
@@ -40,16 +41,16 @@ fn kda_f32_tracks_f64() {
     let g = inputs::KdaSpec::generate(&spec);
     let x32 = g.inputs.cast::<f32>();
     let (do32, dht32) = (cast::<f64, f32>(&g.d_o), cast::<f64, f32>(&g.dht));
-    let o64 = kda::naive::forward(&g.inputs, &opts).expect("valid");
-    let o32 = kda::naive::forward(&x32, &opts).expect("valid");
+    let o64 = op::forward(&kda::Naive, &g.inputs, &opts).expect("valid");
+    let o32 = op::forward(&kda::Naive, &x32, &opts).expect("valid");
     close("o", &o64.o, &o32.o);
     close(
         "final_state",
         o64.final_state.as_ref().unwrap(),
         o32.final_state.as_ref().unwrap(),
     );
-    let g64 = kda::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
-    let g32 = kda::naive::backward(&x32, &opts, &do32, Some(&dht32)).expect("valid");
+    let g64 = op::backward(&kda::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+    let g32 = op::backward(&kda::Naive, &x32, &opts, &do32, Some(&dht32)).expect("valid");
     close("dq", &g64.dq, &g32.dq);
     close("dk", &g64.dk, &g32.dk);
     close("dv", &g64.dv, &g32.dv);
@@ -85,16 +86,16 @@ fn dplr_f32_tracks_f64() {
     };
     let x32 = g.inputs.cast::<f32>();
     let (do32, dht32) = (cast::<f64, f32>(&g.d_o), cast::<f64, f32>(&g.dht));
-    let o64 = dplr::naive::forward(&g.inputs, &opts).expect("valid");
-    let o32 = dplr::naive::forward(&x32, &opts).expect("valid");
+    let o64 = op::forward(&dplr::Naive, &g.inputs, &opts).expect("valid");
+    let o32 = op::forward(&dplr::Naive, &x32, &opts).expect("valid");
     close("o", &o64.o, &o32.o);
     close(
         "final_state",
         o64.final_state.as_ref().unwrap(),
         o32.final_state.as_ref().unwrap(),
     );
-    let g64 = dplr::naive::backward(&g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
-    let g32 = dplr::naive::backward(&x32, &opts, &do32, Some(&dht32)).expect("valid");
+    let g64 = op::backward(&dplr::Naive, &g.inputs, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+    let g32 = op::backward(&dplr::Naive, &x32, &opts, &do32, Some(&dht32)).expect("valid");
     for (n, a, b) in [
         ("dq", &g64.dq, &g32.dq),
         ("dk", &g64.dk, &g32.dk),
@@ -117,11 +118,19 @@ fn token_shift_f32_tracks_f64() {
         seed: 13,
     });
     let x32 = g.inputs.cast::<f32>();
-    let y64 = token_shift::forward(&g.inputs).expect("valid");
-    let y32 = token_shift::forward(&x32).expect("valid");
+    let y64 = op::forward(&token_shift::Shift, &g.inputs, &()).expect("valid");
+    let y32 = op::forward(&token_shift::Shift, &x32, &()).expect("valid");
     close("y", &y64.y, &y32.y);
-    let d64 = token_shift::backward(&g.inputs, &g.d_o, Some(&g.dht)).expect("valid");
-    let d32 = token_shift::backward(&x32, &cast(&g.d_o), Some(&cast(&g.dht))).expect("valid");
+    let d64 =
+        op::backward(&token_shift::Shift, &g.inputs, &(), &g.d_o, Some(&g.dht)).expect("valid");
+    let d32 = op::backward(
+        &token_shift::Shift,
+        &x32,
+        &(),
+        &cast(&g.d_o),
+        Some(&cast(&g.dht)),
+    )
+    .expect("valid");
     close("dx", &d64.dx, &d32.dx);
     close(
         "dcache",

@@ -7,6 +7,7 @@ use deltaref::dplr::{self, DplrInputs, DplrOptions};
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, DplrSpec, KdaSpec, Layout, TokenShiftSpec};
 use deltaref::kda::{self, KdaInputs, KdaOptions};
+use deltaref::op;
 use deltaref::token_shift::{self, TokenShiftInputs};
 use deltaref_tests::{check_grad, dplr_loss, kda_loss, token_shift_loss};
 
@@ -26,7 +27,7 @@ fn kda_case(layout: Layout, opts: KdaOptions, scalar_gate: bool, seed: u64) {
     };
     let g = inputs::KdaSpec::generate(&spec);
     let x = &g.inputs;
-    let gr = kda::naive::backward(x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+    let gr = op::backward(&kda::Naive, x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
     let loss = |x: KdaInputs<f64>| kda_loss(&x, &opts, &g.d_o, &g.dht);
     let tag = |n: &str| format!("{n} ({opts:?}, scalar_gate={scalar_gate})");
     check_grad(&tag("dq"), Some(&gr.dq), &x.q, TOL, |t| {
@@ -135,7 +136,7 @@ fn kda_lower_bound_gate_without_a_log_or_dt_bias() {
         dt_bias: None,
         ..g.inputs.clone()
     };
-    let gr = kda::naive::backward(&x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+    let gr = op::backward(&kda::Naive, &x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
     assert!(gr.da_log.is_none() && gr.ddt_bias.is_none() && gr.dh0.is_none());
     check_grad("dg (lower bound, no A_log)", Some(&gr.dg), &x.g, TOL, |t| {
         kda_loss(
@@ -187,7 +188,7 @@ fn dplr_case(layout: Layout, seed: u64) {
     let g = inputs::DplrSpec::generate(&spec);
     let x = &g.inputs;
     let opts = DplrOptions::default();
-    let gr = dplr::naive::backward(x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
+    let gr = op::backward(&dplr::Naive, x, &opts, &g.d_o, Some(&g.dht)).expect("valid");
     let loss = |x: DplrInputs<f64>| dplr_loss(&x, &opts, &g.d_o, &g.dht);
     check_grad("dq", Some(&gr.dq), &x.q, TOL, |t| {
         loss(DplrInputs {
@@ -260,7 +261,7 @@ fn token_shift_varlen_and_batch_with_cache() {
         };
         let g = inputs::TokenShiftSpec::generate(&spec);
         let x = &g.inputs;
-        let gr = token_shift::backward(x, &g.d_o, Some(&g.dht)).expect("valid");
+        let gr = op::backward(&token_shift::Shift, x, &(), &g.d_o, Some(&g.dht)).expect("valid");
         let loss = |x: TokenShiftInputs<f64>| token_shift_loss(&x, &g.d_o, &g.dht);
         check_grad("dx", Some(&gr.dx), &x.x, TOL, |t| {
             loss(TokenShiftInputs {

@@ -134,7 +134,7 @@ fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
-    let truth = outputs::all::<f64, _>(&kda::naive::Naive, &x, &spec.opts, &d_o, Some(&dht))
+    let truth = outputs::all::<f64, _>(&kda::Naive, &x, &spec.opts, &d_o, Some(&dht))
         .expect("valid inputs");
     let run = deltaref_gpu::kda::run(gpu, &x.refs(), &spec.opts, &d_o, Some(&dht), imp)
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
@@ -298,7 +298,7 @@ fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
-    let naive = OnKda(kda::naive::Naive);
+    let naive = OnKda(kda::Naive);
     let truth =
         outputs::all::<f64, _>(&naive, &x, &spec.opts, &d_o, Some(&dht)).expect("valid inputs");
     let run = deltaref_gpu::gdn::run(gpu, &x.refs(), &spec.opts, &d_o, Some(&dht), imp)
@@ -486,8 +486,8 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         let x = stored_dplr(&g.inputs, storage);
         let d_o = stored(&g.d_o, storage);
         let dht = round_f32(&g.dht);
-        let truth = outputs::all::<f64, _>(&dplr::naive::Naive, &x, &opts, &d_o, Some(&dht))
-            .expect("valid");
+        let truth =
+            outputs::all::<f64, _>(&dplr::Naive, &x, &opts, &d_o, Some(&dht)).expect("valid");
         for cp in [
             None,
             Some(PlanSpec::World(3)),

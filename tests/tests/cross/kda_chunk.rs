@@ -5,9 +5,9 @@
 
 use deltaref::gates::Gate;
 use deltaref::inputs::{self, KdaSpec, Layout};
-use deltaref::kda::chunk::Chunk;
-use deltaref::kda::naive::Naive;
-use deltaref::kda::{Kda, KdaHead, KdaOptions, Prepared};
+use deltaref::kda::Chunk;
+use deltaref::kda::Naive;
+use deltaref::kda::{Kda, KdaOptions};
 use deltaref::op::{self, Engine, Operator};
 use deltaref_tests::{assert_maps_close, assert_split_chunks_agree, ratio, steep_decays, Run};
 use deltaref_verify::outputs::{self, Tensors};
@@ -59,9 +59,13 @@ fn chunk_matches_naive_for_every_chunk_size_gate_and_layout() {
     }
 }
 
-fn head(s: &KdaSpec, seq: usize, hv: usize) -> (KdaHead<'static, f64>, Array2<f64>) {
+/// One piece of one head, as the engines see it (the operator contract's
+/// associated type: the oracle does not name it).
+type Head = <Kda as Operator<f64>>::Head<'static>;
+
+fn head(s: &KdaSpec, seq: usize, hv: usize) -> (Head, Array2<f64>) {
     let g = inputs::KdaSpec::generate(s);
-    let p = Prepared::new(&g.inputs, &s.opts).unwrap();
+    let p = Kda::prepare(&g.inputs, &s.opts).unwrap();
     let seg = p.segments[seq];
     (
         Kda::head(&p, &seg, hv).into_owned(),
@@ -69,15 +73,15 @@ fn head(s: &KdaSpec, seq: usize, hv: usize) -> (KdaHead<'static, f64>, Array2<f6
     )
 }
 
-fn prefix(x: &KdaHead<f64>, n: usize) -> KdaHead<'static, f64> {
-    KdaHead {
-        q: x.q.slice(s![..n, ..]).to_owned().into(),
-        k: x.k.slice(s![..n, ..]).to_owned().into(),
-        v: x.v.slice(s![..n, ..]).to_owned().into(),
-        g: x.g.slice(s![..n, ..]).to_owned().into(),
-        beta: x.beta.slice(s![..n]).to_owned().into(),
-        scale: x.scale,
-    }
+/// The first `n` tokens of `x` (every per-token field cut, `scale` kept).
+fn prefix(x: &Head, n: usize) -> Head {
+    let mut y = x.clone();
+    y.q = x.q.slice(s![..n, ..]).to_owned().into();
+    y.k = x.k.slice(s![..n, ..]).to_owned().into();
+    y.v = x.v.slice(s![..n, ..]).to_owned().into();
+    y.g = x.g.slice(s![..n, ..]).to_owned().into();
+    y.beta = x.beta.slice(s![..n]).to_owned().into();
+    y
 }
 
 fn max_diff(a: &Array2<f64>, b: &Array2<f64>) -> f64 {
@@ -159,7 +163,7 @@ fn gates_at_the_lower_bound_do_not_overflow() {
         assert!(t.iter().all(|v| v.is_finite()), "f32 {name} has Inf/NaN");
     }
     let x32 = g.inputs.cast::<f32>();
-    let p = Prepared::new(&x32, &opts).unwrap();
+    let p = Kda::prepare(&x32, &opts).unwrap();
     let f = chunk.forward_intermediates(
         &Kda::head(&p, &p.segments[0], 0),
         op::initial_state(&p, 0, 0).view(),

@@ -225,9 +225,9 @@ fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
         deltaref::tensor::cast(&g.dht),
     );
     let kn = count(|| {
-        op::forward_backward(&kda::naive::Naive, &x, &opts, &d_o, Some(&dht)).unwrap();
+        op::forward_backward(&kda::Naive, &x, &opts, &d_o, Some(&dht)).unwrap();
     });
-    let chunk = kda::chunk::Chunk::new(c).unwrap();
+    let chunk = kda::Chunk::new(c).unwrap();
     let kc = count(|| {
         op::forward_backward(&chunk, &x, &opts, &d_o, Some(&dht)).unwrap();
     });
@@ -249,9 +249,9 @@ fn measured(t: usize, kd: usize, vd: usize, c: usize) -> [u64; 4] {
         deltaref::tensor::cast(&d.dht),
     );
     let dn = count(|| {
-        op::forward_backward(&dplr::naive::Naive, &x, &dopts, &d_o, Some(&dht)).unwrap();
+        op::forward_backward(&dplr::Naive, &x, &dopts, &d_o, Some(&dht)).unwrap();
     });
-    let chunk = dplr::chunk::Chunk::new(c).unwrap();
+    let chunk = dplr::Chunk::new(c).unwrap();
     let dc = count(|| {
         op::forward_backward(&chunk, &x, &dopts, &d_o, Some(&dht)).unwrap();
     });

@@ -62,13 +62,12 @@ mod chunk_intra;
 mod chunk_o;
 mod wy_fast;
 
-use ndarray::{Array2, ArrayD, ArrayView2};
+use ndarray::{Array2, ArrayView2};
 
 use chunk_intra::Intra;
 
-use super::{Gdn2, Gdn2Grads, Gdn2Head, Gdn2HeadGrads, Gdn2Inputs, Gdn2Options, Gdn2Outputs};
-use crate::error::Result;
-use crate::op::{self, Engine};
+use super::{Gdn2, Gdn2Head, Gdn2HeadGrads};
+use crate::op::Engine;
 use crate::precision::{Feature, Stage};
 use crate::scalar::Scalar;
 
@@ -103,28 +102,6 @@ impl Chunk {
     fn exps<T: Scalar>(&self, a: &Array2<T>) -> Array2<T> {
         a.mapv(|x| self.policy.exp(x))
     }
-}
-
-/// `op::forward(&Chunk::new(chunk_size)?, …)`: `o [B, T, H, V]` and, if
-/// asked, `final_state`.
-pub fn forward<T: Scalar>(
-    x: &Gdn2Inputs<T>,
-    opt: &Gdn2Options,
-    chunk_size: usize,
-) -> Result<Gdn2Outputs<T>> {
-    op::forward(&Chunk::new(chunk_size)?, x, opt)
-}
-
-/// `op::backward(&Chunk::new(chunk_size)?, …)`: every gradient of
-/// `Σ o·do + Σ final_state·dht`.
-pub fn backward<T: Scalar>(
-    x: &Gdn2Inputs<T>,
-    opt: &Gdn2Options,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-    chunk_size: usize,
-) -> Result<Gdn2Grads<T>> {
-    op::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
 }
 
 /// A piece's chunked forward, FLA's stored and recomputed tensors.

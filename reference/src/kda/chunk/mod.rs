@@ -37,17 +37,12 @@ pub use chunk_intra::Intra;
 
 use std::ops::Range;
 
-use ndarray::{s, Array2, Array3, ArrayD, ArrayView2, ArrayViewMut2, CowArray, Ix2};
+use ndarray::{s, Array2, Array3, ArrayView2, ArrayViewMut2, CowArray, Ix2};
 
-use super::{
-    Kda, KdaGrads, KdaHead, KdaHeadGrads, KdaHeadGradsMut, KdaInputs, KdaOptions, KdaOutputs,
-    Prepared,
-};
+use super::{Kda, KdaHead, KdaHeadGrads, KdaHeadGradsMut, Prepared};
 use crate::chunked::Stages;
-use crate::error::Result;
 use crate::fast::gemm;
 use crate::fast::views;
-use crate::op;
 use crate::precision::{Feature, Stage};
 use crate::scalar::Scalar;
 
@@ -79,26 +74,6 @@ impl Chunk {
         Feature::Exp2,
         Feature::SafeGate,
     ];
-}
-
-/// `chunk::forward(x, opt, C)`: the chunked engine over a whole batch.
-pub fn forward<T: Scalar>(
-    x: &KdaInputs<T>,
-    opt: &KdaOptions,
-    chunk_size: usize,
-) -> Result<KdaOutputs<T>> {
-    op::forward(&Chunk::new(chunk_size)?, x, opt)
-}
-
-/// `chunk::backward(x, opt, do, dht, C)`.
-pub fn backward<T: Scalar>(
-    x: &KdaInputs<T>,
-    opt: &KdaOptions,
-    d_o: &ArrayD<T>,
-    dht: Option<&ArrayD<T>>,
-    chunk_size: usize,
-) -> Result<KdaGrads<T>> {
-    op::backward(&Chunk::new(chunk_size)?, x, opt, d_o, dht)
 }
 
 /// Forward intermediates of one head.

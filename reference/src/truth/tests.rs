@@ -1,4 +1,4 @@
-//! Every engine against the truth ([`deltaref::truth`], the definition),
+//! Every engine against the truth ([`super`], the definition),
 //! and the truth against itself: its dual-number gradients against central
 //! finite differences of its own forward, and its forward against tiny cases
 //! computed by hand.
@@ -18,21 +18,19 @@
 
 use std::sync::OnceLock;
 
-use deltaref::conv::{Activation, CausalConv1d, ConvInputs, ConvOptions, Direct};
-use deltaref::cp::{self, CpOptions, PlanSpec};
-use deltaref::dplr::{self, Dplr, DplrInputs, DplrOptions};
-use deltaref::gates::Gate;
-use deltaref::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
-use deltaref::inputs::{
-    self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec,
-};
-use deltaref::kda::{self, Kda, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions};
-use deltaref::op::{self, Engine, OpSpec, Operator};
-use deltaref::rng::Stream;
-use deltaref::tensor::cast;
-use deltaref::token_shift::{Shift, TokenShift, TokenShiftInputs};
-use deltaref::truth::{self, Truth, LANES};
-use deltaref::Scalar;
+use crate::conv::{Activation, CausalConv1d, ConvInputs, ConvOptions, Direct};
+use crate::cp::{self, CpOptions, PlanSpec};
+use crate::dplr::{self, Dplr, DplrInputs, DplrOptions};
+use crate::gates::Gate;
+use crate::gdn::{Gdn, GdnInputs, GdnOptions, OnKda};
+use crate::inputs::{self, ConvSpec, DplrSpec, GdnSpec, KdaSpec, Layout, Regime, TokenShiftSpec};
+use crate::kda::{self, Kda, KdaHead, KdaHeadGrads, KdaInputs, KdaOptions};
+use crate::op::{self, Engine, OpSpec, Operator};
+use crate::rng::Stream;
+use crate::tensor::cast;
+use crate::token_shift::{Shift, TokenShift, TokenShiftInputs};
+use crate::truth::{self, Truth, LANES};
+use crate::Scalar;
 use ndarray::{Array2, ArrayD, ArrayView2, IxDyn};
 
 const OUT_BAR: f64 = 1e-12;
@@ -780,30 +778,30 @@ macro_rules! against_truth {
     )+};
 }
 
-fn kda_chunk(c: usize) -> kda::chunk::Chunk {
-    kda::chunk::Chunk::new(c).expect("valid")
+fn kda_chunk(c: usize) -> kda::Chunk {
+    kda::Chunk::new(c).expect("valid")
 }
 
-fn dplr_chunk(c: usize) -> dplr::chunk::Chunk {
-    dplr::chunk::Chunk::new(c).expect("valid")
+fn dplr_chunk(c: usize) -> dplr::Chunk {
+    dplr::Chunk::new(c).expect("valid")
 }
 
 against_truth! {
     kda_vs_truth: Kda => {
-        naive: kda::naive::Naive, 16;
+        naive: kda::Naive, 16;
         chunk16: kda_chunk(16), 16;
         chunk32: kda_chunk(32), 32;
         chunk64: kda_chunk(64), 64;
         chunk16_spans32: kda_chunk(16).with_span_len(32).expect("valid"), 16;
     }
     gdn_vs_truth: Gdn => {
-        naive: OnKda(kda::naive::Naive), 16;
+        naive: OnKda(kda::Naive), 16;
         chunk16: OnKda(kda_chunk(16)), 16;
         chunk32: OnKda(kda_chunk(32)), 32;
         chunk64: OnKda(kda_chunk(64)), 64;
     }
     dplr_vs_truth: Dplr => {
-        naive: dplr::naive::Naive, 16;
+        naive: dplr::Naive, 16;
         chunk16: dplr_chunk(16), 16;
         chunk32: dplr_chunk(32), 32;
         chunk64: dplr_chunk(64), 64;
@@ -828,7 +826,7 @@ impl Engine<f64> for Skewed {
     type Op = Kda;
 
     fn forward(&self, x: &KdaHead<f64>, h0: ArrayView2<f64>) -> (Array2<f64>, Array2<f64>) {
-        let (mut o, s) = kda::naive::Naive.forward(x, h0);
+        let (mut o, s) = kda::Naive.forward(x, h0);
         o.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.o);
         (o, s)
     }
@@ -840,7 +838,7 @@ impl Engine<f64> for Skewed {
         d_o: ArrayView2<f64>,
         dht: ArrayView2<f64>,
     ) -> KdaHeadGrads<f64> {
-        let mut g = kda::naive::Naive.backward(x, h0, d_o, dht);
+        let mut g = kda::Naive.backward(x, h0, d_o, dht);
         g.dk.iter_mut().take(1).for_each(|v| *v *= 1.0 + self.dk);
         g
     }
@@ -895,7 +893,7 @@ fn cp_faults_fail() {
             faults,
             ..cp_options()
         };
-        let engine = kda::naive::Naive;
+        let engine = kda::Naive;
         let (d_o, dht) = (&j.case.d_o, Some(&j.case.dht));
         let (out, gr, _) =
             cp::forward_backward(&engine, x, opt, d_o, dht, &plan, &cpo).expect("valid");
