@@ -11,7 +11,8 @@ that defines the item). A module naming its own descendants is its facade, not
 a dependency, and is not an edge. Unit-test modules (`#[cfg(test)] mod …`) are
 left out: they are not part of what the crate's code depends on. Levels: the
 number of modules on the longest import chain, cycles counted once each as a
-strongly connected component of two or more modules.
+strongly connected component of two or more modules. Lines: every line of
+the crate's `.rs` files, and those outside unit tests ("no tests").
 
 Places that name an op: non-comment lines outside the operator's own folder
 and the unit tests
@@ -242,12 +243,17 @@ def op_places(root, src, crate):
 
 def main():
     root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent)
-    print(f"{'crate':<10} {'lines':>7} {'unsafe':>7} {'modules':>8} {'levels':>7} {'cycles':>7} {'op places':>10}")
+    print(f"{'crate':<10} {'lines':>7} {'no tests':>9} {'unsafe':>7} {'modules':>8} {'levels':>7} {'cycles':>7} {'op places':>10}")
     for crate, rel in CRATES.items():
         src = root / rel
         if not src.exists():
             continue
         lines = sum(len(f.read_text().splitlines()) for f in src.rglob("*.rs"))
+        code = sum(
+            len(drop_test_modules(f.read_text().splitlines()))
+            for f in src.rglob("*.rs")
+            if not (f.name == "tests.rs" or "tests" in f.relative_to(src).parts[:-1])
+        )
         unsafe = sum(
             len(re.findall(r"\bunsafe\b", "\n".join(strip_comments_and_strings(f.read_text()))))
             for f in src.rglob("*.rs")
@@ -257,7 +263,7 @@ def main():
         cycles = [sorted("::".join(m) or "lib" for m in c) for c in comps if len(c) > 1]
         places, nfiles = op_places(root, src, crate)
         print(
-            f"{crate:<10} {lines:>7} {unsafe:>7} {len(modules):>8} {levels(edges, comps):>7} "
+            f"{crate:<10} {lines:>7} {code:>9} {unsafe:>7} {len(modules):>8} {levels(edges, comps):>7} "
             f"{len(cycles):>7} {places:>5} in {nfiles}"
         )
         for c in cycles:
