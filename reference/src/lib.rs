@@ -14,12 +14,16 @@
 //! The speed machinery (matrix products, vector dispatch, the naive sweeps,
 //! thread splits) is behind one wall, in the private module `fast`.
 
+// `unsafe` lives behind that wall only, and each block there says why it holds.
+#![deny(unsafe_code)]
+
 mod chunked;
 pub mod conv;
 pub mod cp;
 pub mod dplr;
 pub mod dtype;
 pub mod error;
+#[allow(unsafe_code)]
 pub(crate) mod fast;
 pub mod gates;
 pub mod gdn;

@@ -9,7 +9,7 @@ use crate::cp::Carry;
 use crate::dtype::Dtype;
 use crate::error::Result;
 use crate::gates::Gate;
-use crate::inputs::{self, ConvSpec, Draw, Regime};
+use crate::inputs::{ConvSpec, Draw, Regime};
 use crate::precision::{self, Policy, Stage};
 use crate::registry::{
     self, eager_draws, need, take, Build, ChunkSize, DrawRequest, Entry, GenFlag, GenFlags,
@@ -109,7 +109,7 @@ impl Registered for CausalConv1d {
     }
 
     fn draws(r: &DrawRequest<'_>, _: &ConvOptions) -> Vec<Draw> {
-        let g = inputs::conv(&ConvSpec {
+        let g = super::spec::conv(&ConvSpec {
             layout: r.layout.clone(),
             d: r.dims[0],
             w: r.dims[1],

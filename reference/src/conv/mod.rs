@@ -22,6 +22,7 @@
 pub(crate) mod entry;
 // The engine pieces: public types without a public path (see the module).
 mod pieces;
+pub(crate) mod spec;
 
 use ndarray::{
     s, Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayView3, ArrayView4, Axis, Ix1,

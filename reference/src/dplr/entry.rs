@@ -184,7 +184,7 @@ impl Registered for Dplr {
             initial_state: r.flags.initial_state,
             seed: r.seed,
         };
-        inputs::dplr_draws_bounded(&s, r.regime, opt.lower_bound)
+        super::spec::dplr_draws_bounded(&s, r.regime, opt.lower_bound)
     }
 
     fn fla_bf16(opt: &DplrOptions, cp: bool) -> Policy {

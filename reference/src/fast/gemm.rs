@@ -722,6 +722,8 @@ mod tests {
         let b = rows_contiguous(b);
         let mut out = Array2::from_elem((m, n), T::nan());
         let mats = Mats::new(a, b.view(), out.as_mut_ptr(), [n as isize, 1], Start::Zero);
+        // SAFETY: `out` is the `[m, n]` row-major array just made; the
+        // tests pass only widths this CPU runs (`widths`).
         unsafe { mats.run_fused_at(width, m, n) };
         out
     }
@@ -835,9 +837,12 @@ mod tests {
         b: ArrayView2<T>,
         mut out: ArrayViewMut2<T>,
     ) {
+        assert_eq!(out.dim(), (a.nrows(), b.ncols()));
         let b = rows_contiguous(b);
         let so = [out.strides()[0], out.strides()[1]];
         let mats = Mats::new(a, b.view(), out.as_mut_ptr(), so, Start::Out);
+        // SAFETY: `out` is an initialised `[M, N]` view with strides `so`;
+        // the tests pass only widths this CPU runs (`widths`).
         unsafe { mats.run_fused_at(width, a.nrows(), b.ncols()) };
     }
 

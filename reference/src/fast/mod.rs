@@ -25,6 +25,10 @@
 //! up-front memory estimate, is published in [`crate::registry::MemoryModel`];
 //! `deltaref bench` measures its peak with [`crate::throughput`].
 
+// Every `unsafe` block says, in a `// SAFETY:` comment, why it holds; every
+// `unsafe fn`, in a `# Safety` section, what its caller must hold.
+#![deny(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+
 pub(crate) mod columns;
 pub(crate) mod decay_blocks;
 pub(crate) mod exp;

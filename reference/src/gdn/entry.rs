@@ -177,7 +177,7 @@ impl Registered for Gdn {
             initial_state: r.flags.initial_state,
             seed: r.seed,
         };
-        let mut g = inputs::gdn_in(&s, r.regime);
+        let mut g = super::spec::gdn_in(&s, r.regime);
         if r.unit_norm_keys && !opt.use_qk_l2norm_in_kernel {
             inputs::unit_norm(&mut g.inputs.k);
         }

@@ -18,6 +18,7 @@
 pub(crate) mod entry;
 // The engine pieces: public types without a public path (see the module).
 mod pieces;
+pub(crate) mod spec;
 
 use std::borrow::Cow;
 

@@ -243,7 +243,7 @@ impl Registered for Gdn2 {
                 d
             }
         };
-        inputs::kda_draws(&s, r.regime)
+        crate::kda::spec::kda_draws(&s, r.regime)
             .into_iter()
             .filter(|d| d.name != "beta")
             .map(|d| match d.name {

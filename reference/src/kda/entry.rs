@@ -183,7 +183,7 @@ pub(crate) fn kda_draws(r: &DrawRequest<'_>, opts: KdaOptions, scalar_gate: bool
         seed: r.seed,
     };
     let unit = r.unit_norm_keys && !opts.use_qk_l2norm_in_kernel;
-    inputs::kda_draws(&s, r.regime)
+    super::spec::kda_draws(&s, r.regime)
         .into_iter()
         .map(|d| match d.name {
             "k" if unit => d.map(inputs::unit_norm),

@@ -15,6 +15,7 @@ pub(crate) mod naive;
 
 // The engine pieces: public types without a public path (see the module).
 mod pieces;
+pub(crate) mod spec;
 
 // The engines, named from here: the forms' modules hold their pieces.
 pub use chunk::Chunk;

@@ -112,7 +112,7 @@ impl Registered for TokenShift {
             cache: r.flags.initial_state,
             seed: r.seed,
         };
-        let g = inputs::token_shift_in(&s, r.regime);
+        let g = super::spec::token_shift_in(&s, r.regime);
         eager_draws(vec![
             ("x", Some(g.inputs.x)),
             ("cache", g.inputs.cache),

@@ -241,7 +241,7 @@ impl Problem {
     /// Bytes of a KDA or DPLR case's inputs drawn and written one at a
     /// time, stored in `width` bytes per element: the largest input in f64
     /// and its stored bytes (DPLR's `a` with the `kk` it keeps for `b`
-    /// beside it, [`deltaref::inputs::dplr_draws`]), and 64 KiB for the
+    /// beside it: see `DplrSpec`'s draws), and 64 KiB for the
     /// file's header and the plan of its tensors.
     pub fn streamed_draw_bytes(&self, width: usize) -> u64 {
         let per_element = self.model.streamed_draw_bytes + width as u64;
