@@ -15,7 +15,9 @@
 //!
 //! # Adding an operator
 //! A folder `src/<op>/` implementing the operator contract ([`crate::op`])
-//! and `Registered` (in its `entry.rs`), and one line in [`OPS`].
+//! and `Registered` (in its `entry.rs`, with the draws of its generated
+//! cases: in a `spec.rs` beside it where the spec is public, as
+//! [`crate::inputs::KdaSpec`] is), and one line in [`OPS`].
 
 mod entry;
 
