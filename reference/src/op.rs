@@ -37,7 +37,11 @@
 //!    naive engine in the style of KDA's and DPLR's gives its per-row
 //!    arithmetic to the shared driver (`fast/naive.rs`); a chunked engine is
 //!    the shell `Chunk<marker>` (`chunked.rs`) over the operator's stages.
-//! 3. Register the module in `lib.rs`. The drivers, CP, thread determinism
+//! 3. Its definition, the plain recurrence in float64, in `truth/<op>.rs`
+//!    (`impl Truth`), and its engines in `truth/tests.rs`'s
+//!    `against_truth!`, which holds them to it plain, under CP, intra-card
+//!    and in f32.
+//! 4. Register the module in `lib.rs`. The drivers, CP, thread determinism
 //!    and the result maps come for free.
 
 use ndarray::{s, Array1, Array2, Array4, ArrayD, ArrayView2, ArrayView4, ArrayViewMut2};

@@ -30,6 +30,7 @@ mod dplr;
 #[cfg(test)]
 mod dual;
 mod gdn;
+mod gdn2;
 mod kda;
 mod real;
 mod token_shift;
