@@ -3,6 +3,12 @@
 //! unless `DELTAREF_GPU_TESTS=1` is set at build time, and then a missing
 //! device is a failure, never a silent pass (see `build.rs`).
 //!
+//! The oracle here is the truth (`deltaref::truth`, the definition) for the
+//! outputs and the f64 naive engine for the gradients; on every case the
+//! naive engine's outputs must first equal the truth's (≤ 1e-12 relative),
+//! so its gradients, held to the truth's in the crate's own tests, stand in
+//! for them.
+//!
 //! Bands: f32 inputs ≤ 1e-5 norm_ratio against the oracle; bf16 inputs ≤ 5e-3
 //! per tensor (FLA's "rounding noise" bar) against the oracle run on the same
 //! bf16-rounded inputs; CP equal to the non-CP GPU run within the same band.
@@ -19,6 +25,7 @@ use deltaref::kda::KdaInputs;
 use deltaref::kda::{self, Kda, KdaOptions};
 use deltaref::registry;
 use deltaref::token_shift::{Shift, TokenShift};
+use deltaref::truth::Truth;
 use deltaref::Dtype;
 use deltaref_gpu::{Engine, Gpu, GpuError, GpuImpl};
 use deltaref_tests::ratio;
@@ -128,14 +135,53 @@ fn lower_bound_opts() -> KdaOptions {
     }
 }
 
-/// The oracle (f64 naive) and the GPU on the same stored inputs.
+/// The reference a GPU run is judged against: `naive` (the f64 naive
+/// engine's outputs and gradients on `x`) with its outputs replaced by the
+/// truth's, after checking that they agree within 1e-12 relative.
+fn with_truth<O: Truth>(
+    naive: Tensors,
+    x: &<O as Truth>::Inputs<f64>,
+    opt: &O::Options,
+) -> Tensors {
+    let y = O::forward(x, &O::all_outputs(opt));
+    let mut reference = naive;
+    let mut replaced = 0;
+    for (name, t) in O::OUTPUTS.iter().zip(O::outputs(&y)) {
+        let (Some(t), Some(n)) = (t, reference.get_mut(*name)) else {
+            continue;
+        };
+        let scale = t.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-300);
+        let err = n
+            .iter()
+            .zip(t)
+            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        assert!(
+            err <= 1e-12,
+            "{}: the f64 naive engine's {name} is {err:.1e} off the truth",
+            O::NAME
+        );
+        *n = t.clone();
+        replaced += 1;
+    }
+    assert!(
+        replaced > 0,
+        "{}: no output of the truth to judge by",
+        O::NAME
+    );
+    reference
+}
+
+/// The oracle (the truth's outputs, the f64 naive engine's gradients) and
+/// the GPU on the same stored inputs.
 fn kda_pair(gpu: &Gpu, spec: &KdaSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let g = inputs::KdaSpec::generate(spec);
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
-    let truth = outputs::all::<f64, _>(&kda::Naive, &x, &spec.opts, &d_o, Some(&dht))
+    let naive = outputs::all::<f64, _>(&kda::Naive, &x, &spec.opts, &d_o, Some(&dht))
         .expect("valid inputs");
+    let truth = with_truth::<Kda>(naive, &x, &spec.opts);
     let run = deltaref_gpu::kda::run(gpu, &x.refs(), &spec.opts, &d_o, Some(&dht), imp)
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
@@ -291,16 +337,17 @@ fn kda_cp_f32_matches_the_oracle_with_a_sequence_over_many_ranks() {
     }
 }
 
-/// The oracle (f64 naive, KDA's engine on GDN's pieces) and the GPU on the
-/// same stored inputs.
+/// The oracle (the truth's outputs, the gradients of KDA's f64 naive engine
+/// on GDN's pieces) and the GPU on the same stored inputs.
 fn gdn_pair(gpu: &Gpu, spec: &GdnSpec, imp: &GpuImpl) -> (Tensors, Tensors) {
     let g = inputs::GdnSpec::generate(spec);
     let x = stored_kda(&g.inputs, imp.storage);
     let d_o = stored(&g.d_o, imp.storage);
     let dht = round_f32(&g.dht);
     let naive = OnKda(kda::Naive);
-    let truth =
+    let naive =
         outputs::all::<f64, _>(&naive, &x, &spec.opts, &d_o, Some(&dht)).expect("valid inputs");
+    let truth = with_truth::<Gdn>(naive, &x, &spec.opts);
     let run = deltaref_gpu::gdn::run(gpu, &x.refs(), &spec.opts, &d_o, Some(&dht), imp)
         .unwrap_or_else(|e| panic!("GPU run failed: {e}"));
     (
@@ -486,8 +533,9 @@ fn dplr_kernels_match_the_oracle_plain_and_cp() {
         let x = stored_dplr(&g.inputs, storage);
         let d_o = stored(&g.d_o, storage);
         let dht = round_f32(&g.dht);
-        let truth =
+        let naive =
             outputs::all::<f64, _>(&dplr::Naive, &x, &opts, &d_o, Some(&dht)).expect("valid");
+        let truth = with_truth::<Dplr>(naive, &x, &opts);
         for cp in [
             None,
             Some(PlanSpec::World(3)),
@@ -522,8 +570,9 @@ fn token_shift_kernels_match_the_oracle_plain_and_cp() {
         seed: 10,
     };
     let g = inputs::TokenShiftSpec::generate(&spec);
-    let truth =
+    let naive =
         outputs::all::<f64, _>(&Shift, &g.inputs, &(), &g.d_o, Some(&g.dht)).expect("valid");
+    let truth = with_truth::<TokenShift>(naive, &g.inputs, &());
     for cp in [
         None,
         Some(PlanSpec::World(4)),
