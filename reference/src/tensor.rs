@@ -20,6 +20,18 @@ pub fn expect_shape(tensor: &str, dims: &str, expected: &[usize], got: &[usize])
     }
 }
 
+/// [`expect_shape`], then [`check_finite`]: `x` is `expected` (axes named by
+/// `dims`) and holds no NaN or ±Inf.
+pub(crate) fn expect_finite<T: Scalar>(
+    tensor: &str,
+    dims: &str,
+    expected: &[usize],
+    x: &ArrayD<T>,
+) -> Result<()> {
+    expect_shape(tensor, dims, expected, x.shape())?;
+    check_finite(tensor, x)
+}
+
 /// Checks the rank only, returning the shape.
 pub(crate) fn expect_rank<'a, T>(
     tensor: &str,

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::gates::sigmoid;
 use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
-use crate::tensor::{self, check_finite, expect_rank, expect_shape};
+use crate::tensor::{self, check_finite, expect_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
 
 pub(crate) use pieces::{ConvHead, PieceGrads, Prepared};
@@ -212,11 +212,9 @@ pub(crate) fn validate_upstream<T: Scalar>(
     dy: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<()> {
-    expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], dy.shape())?;
-    check_finite("dy", dy)?;
+    expect_finite("dy", "[B,T,D]", &[d.b, d.t, d.d], dy)?;
     if let Some(dht) = dht {
-        expect_shape("dht", "[N,D,W]", &[d.n, d.d, d.w], dht.shape())?;
-        check_finite("dht", dht)?;
+        expect_finite("dht", "[N,D,W]", &[d.n, d.d, d.w], dht)?;
     }
     Ok(())
 }

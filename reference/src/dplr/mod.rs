@@ -27,7 +27,9 @@ use crate::error::{Error, Result};
 use crate::fast::views;
 use crate::op::{self, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
-use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
+use crate::tensor::{
+    self, check_finite, check_finite_option, expect_finite, expect_rank, expect_shape,
+};
 use crate::varlen::{self, Segment};
 
 pub(crate) use pieces::{
@@ -320,8 +322,7 @@ impl<T: Scalar> DplrRefs<'_, T> {
         let segments = varlen::sequences(b, t, x.cu_seqlens)?;
         let n = segments.len();
         if let Some(h0) = x.initial_state {
-            expect_shape("initial_state", "[N,H,K,V]", &[n, h, k, v], h0.shape())?;
-            check_finite("initial_state", h0)?;
+            expect_finite("initial_state", "[N,H,K,V]", &[n, h, k, v], h0)?;
         }
         if let Some(sc) = opt.scale {
             check_finite_option("scale", sc)?;
@@ -528,11 +529,9 @@ impl DplrDims {
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
         let d = self;
-        expect_shape("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o.shape())?;
-        check_finite("do", d_o)?;
+        expect_finite("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o)?;
         if let Some(dht) = dht {
-            expect_shape("dht", "[N,H,K,V]", &[d.n, d.h, d.k, d.v], dht.shape())?;
-            check_finite("dht", dht)?;
+            expect_finite("dht", "[N,H,K,V]", &[d.n, d.h, d.k, d.v], dht)?;
         }
         Ok(())
     }

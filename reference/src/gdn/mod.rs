@@ -35,7 +35,7 @@ use crate::kda::{
 };
 use crate::op::{self, Engine, HeadSink, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
-use crate::tensor::{self, check_finite, expect_rank, expect_shape};
+use crate::tensor::{self, check_finite, expect_finite, expect_rank, expect_shape};
 use crate::varlen::{self, Segment};
 
 pub(crate) use pieces::Prepared;
@@ -219,8 +219,7 @@ fn validate_upstream<T: Scalar>(
         } else {
             ("[N,HV,K,V]", [d.n, d.hv, d.k, d.v])
         };
-        expect_shape("dht", dims, &want, dht.shape())?;
-        check_finite("dht", dht)?;
+        expect_finite("dht", dims, &want, dht)?;
     }
     Ok(())
 }
@@ -245,11 +244,9 @@ fn validate_own<T: Scalar>(x: &GdnRefs<'_, T>, opt: &GdnOptions) -> Result<()> {
                 "use_gate_in_kernel computes −exp(A_log)·softplus(g + dt_bias): A_log [HV] is required",
             )
         })?;
-        expect_shape("A_log", "[HV]", &[hv], a.shape())?;
-        check_finite("A_log", a)?;
+        expect_finite("A_log", "[HV]", &[hv], a)?;
         if let Some(d) = x.dt_bias {
-            expect_shape("dt_bias", "[HV]", &[hv], d.shape())?;
-            check_finite("dt_bias", d)?;
+            expect_finite("dt_bias", "[HV]", &[hv], d)?;
         }
     } else if x.a_log.is_some() || x.dt_bias.is_some() {
         return Err(Error::option(

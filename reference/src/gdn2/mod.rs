@@ -66,7 +66,9 @@ use crate::gates::{self, Gate};
 use crate::op::{self, OpSpec, Operator, Shape};
 use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
-use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
+use crate::tensor::{
+    self, check_finite, check_finite_option, expect_finite, expect_rank, expect_shape,
+};
 use crate::varlen::{self, Segment};
 
 pub(crate) use pieces::{Gdn2Dims, Gdn2Head, Gdn2HeadGrads, Prepared};
@@ -405,16 +407,14 @@ pub(crate) fn validate_upstream<T: Scalar>(
     d_o: &ArrayD<T>,
     dht: Option<&ArrayD<T>>,
 ) -> Result<()> {
-    expect_shape("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o.shape())?;
-    check_finite("do", d_o)?;
+    expect_finite("do", "[B,T,H,V]", &[d.b, d.t, d.h, d.v], d_o)?;
     if let Some(dht) = dht {
         let (dims, want) = if state_v_first {
             ("[N,H,V,K] (state_v_first)", [d.n, d.h, d.v, d.k])
         } else {
             ("[N,H,K,V]", [d.n, d.h, d.k, d.v])
         };
-        expect_shape("dht", dims, &want, dht.shape())?;
-        check_finite("dht", dht)?;
+        expect_finite("dht", dims, &want, dht)?;
     }
     Ok(())
 }

@@ -32,7 +32,9 @@ use crate::gates::{self, Gate};
 use crate::op::{self, OpSpec, Operator, Shape};
 use crate::precision::{Policy, Stage};
 use crate::scalar::Scalar;
-use crate::tensor::{self, check_finite, check_finite_option, expect_rank, expect_shape};
+use crate::tensor::{
+    self, check_finite, check_finite_option, expect_finite, expect_rank, expect_shape,
+};
 use crate::varlen::{self, Segment};
 
 pub(crate) use pieces::{KdaHead, KdaHeadGrads, KdaHeadGradsMut, Prepared, PreparedGrads};
@@ -740,11 +742,9 @@ impl KdaDims {
         dht: Option<&ArrayD<T>>,
     ) -> Result<()> {
         let d = self;
-        expect_shape("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o.shape())?;
-        check_finite("do", d_o)?;
+        expect_finite("do", "[B,T,HV,V]", &[d.b, d.t, d.hv, d.v], d_o)?;
         if let Some(dht) = dht {
-            expect_shape("dht", "[N,HV,K,V]", &[d.n, d.hv, d.k, d.v], dht.shape())?;
-            check_finite("dht", dht)?;
+            expect_finite("dht", "[N,HV,K,V]", &[d.n, d.hv, d.k, d.v], dht)?;
         }
         Ok(())
     }

@@ -18,7 +18,7 @@ use ndarray::{
 use crate::error::{Error, Result};
 use crate::op::{self, Engine, OpSpec, Operator, Shape};
 use crate::scalar::Scalar;
-use crate::tensor::{self, check_finite, expect_rank, expect_shape};
+use crate::tensor::{self, check_finite, expect_finite, expect_rank};
 use crate::varlen::{self, Segment};
 
 pub(crate) use pieces::{Prepared, TokenShiftDims, TokenShiftHead, TokenShiftHeadGrads};
@@ -100,8 +100,7 @@ impl<T: Scalar> TokenShiftRefs<'_, T> {
         let n = segs.len();
         check_finite("x", x.x)?;
         if let Some(c) = x.cache {
-            expect_shape("cache", "[N,D]", &[n, d], c.shape())?;
-            check_finite("cache", c)?;
+            expect_finite("cache", "[N,D]", &[n, d], c)?;
         }
         Ok((TokenShiftDims { b, t, d, n }, segs))
     }
@@ -319,11 +318,9 @@ impl TokenShiftDims {
         dfinal_cache: Option<&ArrayD<T>>,
     ) -> Result<()> {
         let d = self;
-        expect_shape("dy", "[B,T,D]", &[d.b, d.t, d.d], dy.shape())?;
-        check_finite("dy", dy)?;
+        expect_finite("dy", "[B,T,D]", &[d.b, d.t, d.d], dy)?;
         if let Some(df) = dfinal_cache {
-            expect_shape("dfinal_cache", "[N,D]", &[d.n, d.d], df.shape())?;
-            check_finite("dfinal_cache", df)?;
+            expect_finite("dfinal_cache", "[N,D]", &[d.n, d.d], df)?;
         }
         Ok(())
     }

@@ -7,7 +7,7 @@
 use ndarray::{Array3, Array4, ArrayD, ArrayView4, Axis};
 
 use super::kda::{inputs_of, map_inputs, DeltaRule};
-use super::{softplus, view3, view4, Real, Truth};
+use super::{softplus, state_layout, view3, view4, Real, Truth};
 use crate::gates::Gate;
 use crate::gdn::{Gdn, GdnInputs, GdnOptions, GdnOutputs};
 use crate::kda::KdaOptions;
@@ -27,13 +27,7 @@ pub fn forward<R: Real>(x: &GdnInputs<R>, opt: &GdnOptions) -> GdnOutputs<R> {
         allow_neg_eigval: opt.allow_neg_eigval,
     };
     let rule = DeltaRule::new(x, decay(x, opt.use_gate_in_kernel), &as_kda);
-    // `state_v_first` swaps the last two axes, on the way in and out.
-    let layout = |mut s: ArrayView4<'_, R>| {
-        if opt.state_v_first {
-            s.swap_axes(2, 3);
-        }
-        s.to_owned()
-    };
+    let layout = |s: ArrayView4<'_, R>| state_layout(s, opt.state_v_first);
     let h0 = x.initial_state.as_ref().map(|s| layout(view4(s)));
     let (o, final_state) = rule.run(h0.as_ref().map(|s| s.view()), x.cu_seqlens.as_deref());
     GdnOutputs {

@@ -18,7 +18,9 @@
 
 use ndarray::{s, Array2, Array4, ArrayD, ArrayView4};
 
-use super::{l2norm, sequences, sigmoid, softplus, sum, view4, Real, Sequence, Truth};
+use super::{
+    l2norm, sequences, sigmoid, softplus, state_layout, sum, view4, Real, Sequence, Truth,
+};
 use crate::gdn2::{Gdn2, Gdn2Inputs, Gdn2Options, Gdn2Outputs};
 
 /// GDN-2 forward. `x`: `q, k, g, b [B, T, H, K]`, `v, w [B, T, H, V]`,
@@ -44,13 +46,7 @@ pub fn forward<R: Real>(x: &Gdn2Inputs<R>, opt: &Gdn2Options) -> Gdn2Outputs<R> 
         b: view4(&x.b),
         w: view4(&x.w),
     };
-    // `state_v_first` swaps the last two axes, on the way in and out.
-    let layout = |mut s: ArrayView4<'_, R>| {
-        if opt.state_v_first {
-            s.swap_axes(2, 3);
-        }
-        s.to_owned()
-    };
+    let layout = |s: ArrayView4<'_, R>| state_layout(s, opt.state_v_first);
     let h0 = x.initial_state.as_ref().map(|s| layout(view4(s)));
     let seqs = sequences(b, t, x.cu_seqlens.as_deref());
     let mut o = Array4::zeros((b, t, h, vd));

@@ -69,6 +69,16 @@ fn l2norm<R: Real>(x: ArrayView4<'_, R>) -> Array<R, Ix4> {
     y
 }
 
+/// A state tensor `[N, H, ·, ·]` to or from the `state_v_first` layout:
+/// with `v_first` its last two axes swapped (an involution, so the same
+/// call reads `[N, H, V, K]` in and writes it back out), else a copy.
+fn state_layout<R: Clone>(mut s: ArrayView4<'_, R>, v_first: bool) -> Array<R, Ix4> {
+    if v_first {
+        s.swap_axes(2, 3);
+    }
+    s.to_owned()
+}
+
 /// A rank-2 tensor as such (panics otherwise).
 fn view2<R>(a: &ArrayD<R>) -> ArrayView2<'_, R> {
     a.view().into_dimensionality().expect("a rank-2 tensor")
