@@ -76,3 +76,18 @@ pub fn swap_state(s: &ArrayD<f64>) -> ArrayD<f64> {
         .as_standard_layout()
         .into_owned()
 }
+
+/// A proptest config of `cases` cases whose saved failures are read from,
+/// and written to, `<test file>.proptest-regressions` beside the test file.
+/// proptest's default looks for the crate root above the file and, in this
+/// binary (`oracle/main.rs`), would use `tests/proptest-regressions/`
+/// instead, leaving the committed regression cases unread.
+pub fn proptest_config(cases: u32) -> proptest::prelude::ProptestConfig {
+    proptest::prelude::ProptestConfig {
+        cases,
+        failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),
+        )),
+        ..Default::default()
+    }
+}

@@ -243,7 +243,7 @@ fn diag_errors_are_small(diags: &[cp::RankDiag<f64>]) -> Result<(), TestCaseErro
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(96))]
 
     #[test]
     fn kda_cp_equals_non_cp(
@@ -371,7 +371,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(96))]
+    #![proptest_config(common::proptest_config(96))]
 
     /// Zigzag: every part's metadata and each rank's concatenated local
     /// `cu_seqlens` against an independent transcription of FLA's
@@ -808,7 +808,7 @@ fn fla_subseq_boundaries(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(32))]
 
     /// Intra-card splitting: the cuts are FLA's sub-sequence boundaries that
     /// are not sequence ends, and the split forward equals the non-CP one.

@@ -322,7 +322,7 @@ fn bwd<E: Engine<f64, Op = Gdn2>>(e: &E, c: &Case) -> Gdn2Grads<f64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    #![proptest_config(common::proptest_config(128))]
 
     /// Naive = chunk (16, 32, 64) = CP (naive and chunked) in f64.
     #[test]
